@@ -1,0 +1,367 @@
+"""The decoder architecture and its exact accounting (SPEC section 2).
+
+:class:`ArchSpec` is a small frozen dataclass; everything derived from it (parameter counts,
+ratios, KV-cache bytes, FLOPs) is a pure function of it, so the same numbers are used by the
+laws, the benchmarks, the trainers and the search.
+
+Conventions (stated once, used everywhere):
+
+* ``n_params_non_embedding`` is SPEC's N: the attention and MLP weight matrices only,
+  ``n_layers * (2*d*dq + 2*d*dkv + 3*d*ffn)``. Norm weights and biases are counted separately
+  (``norm_params``, ``bias_params``) and only the total mixes them in.
+* ``n_params_embedding`` is the input embedding plus the output head when it is not tied.
+* FLOPs follow Kaplan et al. (2020): a multiply-add is 2 FLOPs and the attention term per
+  token is ``2 * n_layers * T * dq`` for T attended keys. Embedding lookups cost nothing; the
+  output head (``2 * d * vocab`` per token) is added only when asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archsearch.errors import ArchsearchError
+
+# Head sizes that the fused attention kernels of vLLM (FlashAttention / FlashInfer / the CPU
+# backend) and SGLang accept. A candidate outside this set would build in transformers but
+# could not be served, so it is rejected up front.
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+
+# Model families we can export. The family only changes which small extra tensors exist
+# (biases, QK-norms) and the HF architecture name; the matrix accounting is shared.
+FAMILIES = {
+    # family: (HF architecture, model_type, qkv bias, qk-norm width: None | "head" | "full")
+    "llama": ("LlamaForCausalLM", "llama", False, None),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", True, None),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False, "head"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False, "full"),
+}
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+               "fp8": 1, "float8": 1, "int8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (``bfloat16``, ``fp16``, ``float32``, ``fp8``...)."""
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise ArchsearchError("dtype", f"unknown dtype {dtype!r}",
+                              f"use one of {sorted(set(DTYPE_BYTES))}") from None
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """A LLaMA-style dense decoder. Defaults are LLaMA's (RMSNorm 1e-5, RoPE theta 1e4)."""
+
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab_size: int = 32000
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    family: str = "llama"
+    name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for f in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn",
+                  "vocab_size", "max_position_embeddings"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ArchsearchError(f, f"must be an integer, got {v!r}")
+            if v <= 0:
+                raise ArchsearchError(f, f"must be positive, got {v}")
+        if self.n_heads % self.n_kv_heads:
+            divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
+            raise ArchsearchError(
+                "n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}",
+                f"valid KV head counts: {divisors}")
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ArchsearchError(
+                "head_dim", f"{self.head_dim} is not supported by the attention kernels",
+                f"use one of {list(SUPPORTED_HEAD_DIMS)}")
+        if self.family not in FAMILIES:
+            raise ArchsearchError("family", f"unknown family {self.family!r}",
+                                  f"use one of {sorted(FAMILIES)}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ArchsearchError("rms_norm_eps/rope_theta", "must be positive")
+
+    # -- derived sizes -------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def gqa(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def replace(self, **changes: Any) -> "ArchSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if d["name"] is None:
+            del d["name"]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ArchSpec":
+        from archsearch.configio import from_dict
+
+        return from_dict(cls, data, where="architecture")
+
+
+# -- parameter accounting (pure functions) ---------------------------------------------------
+
+def attention_params_per_layer(spec: ArchSpec) -> int:
+    """Q and O are d x dq, K and V are d x dkv (SPEC 2)."""
+    return 2 * spec.hidden_size * spec.q_dim + 2 * spec.hidden_size * spec.kv_dim
+
+
+def mlp_params_per_layer(spec: ArchSpec) -> int:
+    """SwiGLU gate, up and down projections."""
+    return 3 * spec.hidden_size * spec.ffn
+
+
+def non_embedding_params(spec: ArchSpec) -> int:
+    """SPEC's N: weight matrices of attention and MLP, no norms, no biases."""
+    return spec.n_layers * (attention_params_per_layer(spec) + mlp_params_per_layer(spec))
+
+
+def embedding_params(spec: ArchSpec) -> int:
+    """Input embedding, plus the output head when it is not tied to it."""
+    one = spec.vocab_size * spec.hidden_size
+    return one if spec.tie_embeddings else 2 * one
+
+
+def norm_params(spec: ArchSpec) -> int:
+    """RMSNorm weights: two per layer plus the final norm, plus QK-norms where the family has them."""
+    _, _, _, qk_norm = FAMILIES[spec.family]
+    per_layer = 2 * spec.hidden_size
+    if qk_norm == "head":
+        per_layer += 2 * spec.head_dim
+    elif qk_norm == "full":
+        per_layer += spec.q_dim + spec.kv_dim
+    return spec.n_layers * per_layer + spec.hidden_size
+
+
+def bias_params(spec: ArchSpec) -> int:
+    """Q/K/V projection biases (Qwen2 family); zero for LLaMA."""
+    _, _, qkv_bias, _ = FAMILIES[spec.family]
+    return spec.n_layers * (spec.q_dim + 2 * spec.kv_dim) if qkv_bias else 0
+
+
+def total_params(spec: ArchSpec) -> int:
+    """Every parameter of the instantiated model; equals ``sum(p.numel())`` in transformers."""
+    return (non_embedding_params(spec) + embedding_params(spec) + norm_params(spec)
+            + bias_params(spec))
+
+
+def mlp_to_attn_ratio(spec: ArchSpec) -> float:
+    """r = MLP params / attention params."""
+    return mlp_params_per_layer(spec) / attention_params_per_layer(spec)
+
+
+def hidden_over_sqrt_n(spec: ArchSpec) -> float:
+    """d / sqrt(N_non_embedding)."""
+    return spec.hidden_size / math.sqrt(non_embedding_params(spec))
+
+
+# -- memory and compute ---------------------------------------------------------------------
+
+def kv_cache_bytes_per_token(spec: ArchSpec, dtype: str = "bfloat16") -> int:
+    """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim * bytes."""
+    return 2 * spec.n_layers * spec.kv_dim * dtype_bytes(dtype)
+
+
+def weight_bytes(spec: ArchSpec, dtype: str = "bfloat16") -> int:
+    """Bytes of all weights at ``dtype``."""
+    return total_params(spec) * dtype_bytes(dtype)
+
+
+def inference_flops_per_token(spec: ArchSpec, kv_len: int, include_head: bool = False) -> int:
+    """Forward FLOPs for one token attending ``kv_len`` keys: 2N + 2*L*T*dq (+ 2*d*V head)."""
+    if kv_len < 0:
+        raise ArchsearchError("kv_len", f"must be >= 0, got {kv_len}")
+    flops = 2 * non_embedding_params(spec) + 2 * spec.n_layers * kv_len * spec.q_dim
+    if include_head:
+        flops += 2 * spec.hidden_size * spec.vocab_size
+    return flops
+
+
+def prefill_flops(spec: ArchSpec, seq_len: int, include_head: bool = False) -> int:
+    """Forward FLOPs of a causal prefill of ``seq_len`` tokens (token t attends t keys, t=1..S).
+
+    Sum over t of (2N + 2*L*t*dq) = 2*N*S + L*dq*S*(S+1). The head is counted for every
+    position when ``include_head`` (a prefill that returns all logits).
+    """
+    if seq_len <= 0:
+        raise ArchsearchError("seq_len", f"must be positive, got {seq_len}")
+    flops = 2 * non_embedding_params(spec) * seq_len + spec.n_layers * spec.q_dim * seq_len * (seq_len + 1)
+    if include_head:
+        flops += 2 * spec.hidden_size * spec.vocab_size * seq_len
+    return flops
+
+
+def training_flops(spec: ArchSpec, tokens: float, include_embedding: bool = False) -> float:
+    """6 * N * D. With ``include_embedding``, N also counts the output head (the matmul that
+    costs compute); the input lookup is free either way."""
+    n = non_embedding_params(spec)
+    if include_embedding:
+        n += spec.vocab_size * spec.hidden_size
+    return 6.0 * n * float(tokens)
+
+
+def max_batch_by_kv(spec: ArchSpec, device_memory_bytes: float, seq_len: int,
+                    dtype: str = "bfloat16", memory_fraction: float = 0.9,
+                    kv_dtype: str | None = None) -> int:
+    """Sequences of ``seq_len`` tokens whose KV cache fits beside the weights.
+
+    ``memory_fraction`` is the share of device memory the engine may use (vLLM's
+    ``gpu_memory_utilization``). Activations are ignored here: see the planning module for
+    a fuller prediction. Returns 0 when even the weights do not fit.
+    """
+    free = device_memory_bytes * memory_fraction - weight_bytes(spec, dtype)
+    if free <= 0:
+        return 0
+    per_seq = kv_cache_bytes_per_token(spec, kv_dtype or dtype) * seq_len
+    return int(free // per_seq)
+
+
+def describe(spec: ArchSpec, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The describe keys: the spec plus every derived number, as one flat JSON-able dict."""
+    out: dict[str, Any] = {"name": spec.name} if spec.name else {}
+    out.update({k: v for k, v in spec.to_dict().items() if k != "name"})
+    out.update({
+        "n_params_non_embedding": non_embedding_params(spec),
+        "n_params_embedding": embedding_params(spec),
+        "n_params_norm": norm_params(spec),
+        "n_params_bias": bias_params(spec),
+        "n_params_total": total_params(spec),
+        "attn_params_per_layer": attention_params_per_layer(spec),
+        "mlp_params_per_layer": mlp_params_per_layer(spec),
+        "mlp_to_attn_ratio": mlp_to_attn_ratio(spec),
+        "hidden_over_sqrt_n": hidden_over_sqrt_n(spec),
+        "gqa": spec.gqa,
+        "kv_cache_dtype": dtype,
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(spec, dtype),
+        "inference_flops_per_token_at_0": inference_flops_per_token(spec, 0),
+    })
+    return out
+
+
+# -- Hugging Face export / import -----------------------------------------------------------
+
+def to_hf_config(spec: ArchSpec, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A ``config.json`` dict that transformers and vLLM load as is."""
+    arch, model_type, qkv_bias, _ = FAMILIES[spec.family]
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn,
+        "num_hidden_layers": spec.n_layers,
+        "num_attention_heads": spec.n_heads,
+        "num_key_value_heads": spec.n_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "torch_dtype": dtype,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        cfg.update({"attention_bias": False, "mlp_bias": False})
+    elif model_type == "qwen3":
+        cfg.update({"attention_bias": False, "use_sliding_window": False,
+                    "max_window_layers": spec.n_layers})
+    elif model_type == "qwen2":
+        cfg.update({"use_sliding_window": False, "max_window_layers": spec.n_layers})
+    elif model_type == "olmo2":
+        cfg.update({"attention_bias": False})
+    if qkv_bias and model_type != "qwen2":  # qwen2 always has the biases
+        cfg["attention_bias"] = True
+    return cfg
+
+
+_MODEL_TYPE_TO_FAMILY = {v[1]: k for k, v in FAMILIES.items()}
+
+
+def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ArchSpec:
+    """Read an HF ``config.json`` dict of a supported family back into a spec."""
+    mt = cfg.get("model_type")
+    if mt not in _MODEL_TYPE_TO_FAMILY:
+        raise ArchsearchError("model_type", f"{mt!r} is not a supported decoder family",
+                              f"supported: {sorted(_MODEL_TYPE_TO_FAMILY)}")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ArchSpec(
+            n_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, n_heads=heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            ffn=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            family=_MODEL_TYPE_TO_FAMILY[mt], name=name)
+    except KeyError as e:
+        raise ArchsearchError(f"config.json:{e.args[0]}", "missing key",
+                              "a decoder config needs the standard transformers keys") from None
+
+
+def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
+    """Write ``out_dir/config.json``; returns its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.json"
+    path.write_text(json.dumps(to_hf_config(spec, dtype), indent=2) + "\n")
+    return path
+
+
+def load_arch(source: str | Path) -> ArchSpec:
+    """An architecture from a preset name, a folder with ``config.json``, an HF
+    ``config.json`` file, or an archsearch architecture JSON (``describe`` output or spec)."""
+    from archsearch.presets import PRESETS, get_preset
+
+    src = str(source)
+    if src in PRESETS or src.lower() in {k.lower() for k in PRESETS}:
+        return get_preset(src)
+    p = Path(src)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ArchsearchError("architecture", f"{src!r} is neither a preset nor a file",
+                              "give a preset name (archsearch arch list), a folder with "
+                              "config.json, or an architecture JSON")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ArchsearchError(str(p), f"not valid JSON: {e}") from None
+    if "architecture" in data and isinstance(data["architecture"], dict):
+        data = data["architecture"]
+    if "model_type" in data:
+        return from_hf_config(data, name=data.get("_name_or_path") or None)
+    fields = {f.name for f in dataclasses.fields(ArchSpec)}
+    return ArchSpec.from_dict({k: v for k, v in data.items() if k in fields})

@@ -1,0 +1,128 @@
+"""Candidate construction: a few primary knobs -> one concrete, buildable :class:`ArchSpec`.
+
+The search samples (N, n_layers, d/sqrt(N), r, GQA, head_dim); :func:`build_candidate` is the
+one deterministic function that expands them (SPEC section 2):
+
+1. ``hidden_size = snap(x1 * sqrt(N), hidden_multiple)``.
+2. Per layer the budget is ``N / n_layers``; attention gets the share ``1 / (1 + r)``.
+   Attention params per layer are ``2 * d * head_dim * n_kv * (gqa + 1)``, which fixes the
+   number of KV heads (rounded, at least one); ``n_heads = n_kv * gqa``.
+3. The MLP takes what is left of the per-layer budget: ``ffn = snap(rest / (3 d), ffn_multiple)``.
+   Filling the budget this way keeps the realised N closest to the target; the realised r
+   (which moves with head-count rounding) is reported next to the requested one.
+4. The realised N must be within ``tolerance`` of the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from archsearch.arch import (ArchSpec, SUPPORTED_HEAD_DIMS, describe, hidden_over_sqrt_n,
+                             mlp_to_attn_ratio, non_embedding_params)
+from archsearch.errors import ArchsearchError
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    """How sizes are snapped and how close to the budget a candidate must land."""
+
+    hidden_multiple: int = 64
+    ffn_multiple: int = 64
+    tolerance: float = 0.02
+    vocab_size: int = 32000
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    family: str = "llama"
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_multiple", "ffn_multiple", "vocab_size", "max_position_embeddings"):
+            if getattr(self, f) <= 0:
+                raise ArchsearchError(f, f"must be positive, got {getattr(self, f)}")
+        if not 0 < self.tolerance < 1:
+            raise ArchsearchError("tolerance", f"must be in (0, 1), got {self.tolerance}",
+                                  "0.02 means the realised N is within 2% of the budget")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A built spec with what was asked for and what was realised."""
+
+    spec: ArchSpec
+    requested: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def realised(self) -> dict[str, float]:
+        return {
+            "params": non_embedding_params(self.spec),
+            "hidden_over_sqrt_n": hidden_over_sqrt_n(self.spec),
+            "mlp_to_attn_ratio": mlp_to_attn_ratio(self.spec),
+            "gqa": self.spec.gqa,
+        }
+
+    @property
+    def param_error(self) -> float:
+        return non_embedding_params(self.spec) / self.requested["params"] - 1.0
+
+    def to_dict(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        d = describe(self.spec, dtype)
+        d["requested"] = dict(self.requested)
+        d["realised"] = self.realised
+        d["param_error"] = self.param_error
+        return d
+
+
+def _snap(x: float, multiple: int) -> int:
+    return max(multiple, int(round(x / multiple)) * multiple)
+
+
+def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
+                    mlp_to_attn: float, gqa: int = 4, head_dim: int = 64,
+                    settings: BuildSettings | None = None, name: str | None = None) -> Candidate:
+    """Expand the primary knobs into a buildable spec (see the module docstring)."""
+    s = settings or BuildSettings()
+    if not params > 0:
+        raise ArchsearchError("params", f"must be positive, got {params}")
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
+        raise ArchsearchError("layers", f"must be a positive integer, got {n_layers!r}")
+    if not hidden_over_sqrt_n > 0:
+        raise ArchsearchError("hidden_over_sqrt_n", f"must be positive, got {hidden_over_sqrt_n}")
+    if not mlp_to_attn > 0:
+        raise ArchsearchError("mlp_to_attn", f"must be positive, got {mlp_to_attn}")
+    if isinstance(gqa, bool) or not isinstance(gqa, int) or gqa <= 0:
+        raise ArchsearchError("gqa", f"must be a positive integer, got {gqa!r}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ArchsearchError("head_dim", f"{head_dim} is not supported by the attention kernels",
+                              f"use one of {list(SUPPORTED_HEAD_DIMS)}")
+
+    d = _snap(hidden_over_sqrt_n * math.sqrt(params), s.hidden_multiple)
+    per_layer = params / n_layers
+    attn_target = per_layer / (1.0 + mlp_to_attn)
+    n_kv = max(1, int(round(attn_target / (2 * d * head_dim * (gqa + 1)))))
+    n_heads = n_kv * gqa
+    attn = 2 * d * head_dim * (n_heads + n_kv)
+    rest = per_layer - attn
+    if rest <= 0:
+        raise ArchsearchError(
+            "params", f"budget {params:.4g} leaves no room for an MLP with {n_layers} layers, "
+            f"hidden size {d} and {n_heads} heads of {head_dim}",
+            "raise the budget, or lower layers / hidden_over_sqrt_n / head_dim")
+    ffn = _snap(rest / (3 * d), s.ffn_multiple)
+    spec = ArchSpec(n_layers=n_layers, hidden_size=d, n_heads=n_heads, n_kv_heads=n_kv,
+                    head_dim=head_dim, ffn=ffn, vocab_size=s.vocab_size,
+                    tie_embeddings=s.tie_embeddings,
+                    max_position_embeddings=s.max_position_embeddings,
+                    rope_theta=s.rope_theta, family=s.family, name=name)
+    cand = Candidate(spec=spec, requested={
+        "params": float(params), "hidden_over_sqrt_n": float(hidden_over_sqrt_n),
+        "mlp_to_attn_ratio": float(mlp_to_attn), "gqa": gqa, "head_dim": head_dim,
+        "n_layers": n_layers})
+    if abs(cand.param_error) > s.tolerance:
+        raise ArchsearchError(
+            "params", f"no shape meets the budget {params:.4g} within {s.tolerance:.1%}: the "
+            f"closest is {non_embedding_params(spec):.4g} ({cand.param_error:+.1%}) with "
+            f"hidden {d}, {n_heads}x{head_dim} heads, ffn {ffn}",
+            "raise the tolerance, use smaller snapping multiples, or change layers/head_dim")
+    return cand

@@ -1,0 +1,55 @@
+"""The ``archsearch`` command.
+
+Subcommands live one module per area in this package (``arch.py``, ``laws.py``, ...). Each
+module defines ``register(subparsers)``, which adds its subcommands with
+``set_defaults(func=handler)``; a handler takes the parsed args and returns an exit code.
+Modules are discovered here, so adding a command touches only its own file. Registration must
+stay cheap: heavy imports (torch, engines) belong inside the handlers.
+
+User errors (:class:`ArchsearchError`) print one line and exit 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from archsearch import __version__
+from archsearch.errors import ArchsearchError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other user error
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="archsearch",
+                     description="Search for inference-efficient LLM decoder shapes.")
+    parser.add_argument("--version", action="version", version=f"archsearch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for mod in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if mod.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{mod.name}")
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        # a group without its subcommand (e.g. "archsearch arch"): show that group's help
+        (getattr(args, "_group_parser", None) or parser).print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ArchsearchError as e:
+        print(f"archsearch: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130

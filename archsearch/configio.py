@@ -1,0 +1,171 @@
+"""Plain-data configs: dict/YAML <-> typed dataclasses, with errors that name the field.
+
+Every config of the project (architecture, training run, benchmark run, study) is a
+dataclass. :func:`from_dict` builds one from parsed YAML/JSON, checking unknown keys, types
+and nested dataclasses, and raises :class:`ArchsearchError` naming the dotted path of the bad
+field (``study.search.gqa_choices[2]``). The dataclass's own ``__post_init__`` then checks
+values. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+from archsearch.errors import ArchsearchError
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, where)
+            except ArchsearchError as e:
+                errors.append(e.problem)
+        raise ArchsearchError(where, f"{value!r} does not fit {_type_name(tp)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ArchsearchError(where, f"{value!r} is not allowed", f"use one of {list(allowed)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ArchsearchError(where, f"expected a mapping, got {type(value).__name__}")
+        return from_dict(tp, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ArchsearchError(where, f"expected a list, got {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ArchsearchError(where, f"expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ArchsearchError(where, f"expected a mapping, got {value!r}")
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_convert(k, kt, where): _convert(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ArchsearchError(where, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ArchsearchError(where, f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value)  # allow "1e9" in YAML, which PyYAML reads as a string
+            except ValueError:
+                pass
+            else:
+                if f.is_integer():
+                    return int(f)
+        raise ArchsearchError(where, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ArchsearchError(where, f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ArchsearchError(where, f"expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ArchsearchError(where, f"expected a string, got {value!r}")
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise ArchsearchError(where, f"expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping, validating keys and types by their hints."""
+    if not isinstance(data, dict):
+        raise ArchsearchError(where or cls.__name__, f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(fields)}"
+            raise ArchsearchError(f"{where}.{key}" if where else str(key), "unknown key", hint)
+    kwargs = {}
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ArchsearchError(path, "is required")
+    try:
+        return cls(**kwargs)
+    except ArchsearchError as e:
+        if where and not e.field.startswith(where):
+            raise ArchsearchError(f"{where}.{e.field}", e.problem, e.fix) from None
+        raise
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass (possibly nested) as plain JSON/YAML-able data."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML file into a mapping, with a clear error for a missing or broken file."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ArchsearchError("--config", f"no such file {str(p)!r}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ArchsearchError(str(p), f"invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ArchsearchError(str(p), "the top level must be a mapping of keys to values")
+    return data
+
+
+def load_config(cls: type[T], path: str | Path) -> T:
+    """YAML file -> validated dataclass."""
+    return from_dict(cls, load_yaml(path), where="")

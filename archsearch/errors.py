@@ -1,0 +1,28 @@
+"""User-facing errors.
+
+Every error a user can cause (bad flag, bad config, bad data) is an :class:`ArchsearchError`.
+The CLI turns it into one line on stderr and exit status 2, with no traceback. The message
+names the field and says what would be valid, so the user can fix it without reading code.
+"""
+
+from __future__ import annotations
+
+
+class ArchsearchError(ValueError):
+    """A problem with the user's input; ``field`` names what to fix."""
+
+    def __init__(self, field: str, problem: str, fix: str | None = None):
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        msg = f"{field}: {problem}"
+        if fix:
+            msg += f" ({fix})"
+        super().__init__(msg)
+
+
+class MissingDependencyError(ArchsearchError):
+    """An optional engine (vLLM, SGLang, lm-eval, ...) is not installed or cannot run here."""
+
+    def __init__(self, what: str, problem: str, fix: str):
+        super().__init__(what, problem, fix)

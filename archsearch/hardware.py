@@ -1,0 +1,123 @@
+"""Devices: a table of GPUs (peak compute, memory, bandwidth, price) and a measured CPU entry.
+
+One place for hardware numbers: the analytic roofline (benchmarks), MFU (trainers) and the
+cost planner all read them from here. Peaks are dense (no 2:4 sparsity) tensor-core figures
+from the vendor datasheets named in ``source``; ``memory_gib`` is what the device reports
+(``nvidia-smi``). Prices are assumed on-demand list prices in USD per GPU-hour, late 2026:
+they vary by provider, so every cost printed names the price used and the user can override
+it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+from archsearch.errors import ArchsearchError
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops_bf16: float  # FLOP/s, dense
+    peak_flops_fp32: float  # FLOP/s, non-tensor-core (or measured matmul on CPU)
+    memory_bandwidth: float  # bytes/s
+    memory_gib: float
+    price_per_hour: float | None  # USD per device-hour, assumed
+    source: str
+    measured: bool = False
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * 2**30
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for a compute dtype."""
+        return self.peak_flops_fp32 if dtype.lower() in ("float32", "fp32") else self.peak_flops_bf16
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (SXM)"
+_H100 = "NVIDIA H100 Tensor Core GPU datasheet"
+_H200 = "NVIDIA H200 Tensor Core GPU datasheet (SXM)"
+
+GPUS: dict[str, Device] = {d.name: d for d in [
+    Device("A100-40GB", 312e12, 19.5e12, 1.555e12, 40.0, 1.40, _A100),
+    Device("A100-80GB", 312e12, 19.5e12, 2.039e12, 80.0, 1.80, _A100),
+    Device("H100-SXM", 989e12, 67e12, 3.35e12, 79.6, 2.50, _H100 + " (SXM)"),
+    Device("H100-PCIe", 756e12, 51e12, 2.0e12, 79.6, 2.20, _H100 + " (PCIe)"),
+    Device("H200", 989e12, 67e12, 4.8e12, 140.4, 3.50, _H200),
+    Device("L40S", 362e12, 91.6e12, 0.864e12, 45.0, 1.00, "NVIDIA L40S datasheet"),
+    Device("B200", 2250e12, 75e12, 8.0e12, 179.0, 5.00, "NVIDIA DGX B200 datasheet (per GPU)"),
+]}
+_ALIASES = {"A100": "A100-80GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB",
+            "H100": "H100-SXM", "H100-80GB": "H100-SXM", "H200-141GB": "H200"}
+
+
+def get_device(name: str) -> Device:
+    """A GPU from the table by name or alias (case-insensitive), or ``cpu`` (measured here)."""
+    if name.lower() == "cpu":
+        return measure_cpu()
+    key = {k.lower(): k for k in GPUS}.get(name.lower()) or {
+        k.lower(): v for k, v in _ALIASES.items()}.get(name.lower())
+    if key is None:
+        raise ArchsearchError("device", f"unknown device {name!r}",
+                              f"known: {', '.join(list(GPUS) + ['cpu'])}")
+    return GPUS[key]
+
+
+def detect_gpu_name(cuda_name: str) -> str | None:
+    """Map ``torch.cuda.get_device_name()`` (e.g. 'NVIDIA H100 80GB HBM3') to a table entry."""
+    n = cuda_name.upper()
+    if "H200" in n:
+        return "H200"
+    if "H100" in n:
+        return "H100-PCIe" if "PCIE" in n else "H100-SXM"
+    if "A100" in n:
+        return "A100-40GB" if "40G" in n else "A100-80GB"
+    if "L40S" in n:
+        return "L40S"
+    if "B200" in n:
+        return "B200"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def measure_cpu(n: int = 1024, repeats: int = 5) -> Device:
+    """This CPU's fp32 matmul FLOP/s and copy bandwidth, measured with torch (best of runs).
+
+    The matmul peak is what a model can reach here, so MFU on CPU is measured against it.
+    """
+    import torch
+
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    flops = 2 * n**3 / best
+    x = torch.empty(32 * 2**20)  # 128 MiB of fp32, well beyond the caches
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best_bw = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        y.copy_(x)
+        best_bw = min(best_bw, time.perf_counter() - t)
+    bandwidth = 2 * x.numel() * 4 / best_bw  # read + write
+    try:
+        import os
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        mem_gib = 0.0
+    return Device(name="cpu", peak_flops_bf16=flops, peak_flops_fp32=flops,
+                  memory_bandwidth=bandwidth, memory_gib=mem_gib, price_per_hour=None,
+                  source=f"measured here: torch fp32 {n}x{n} matmul and a 128 MiB copy, "
+                         f"best of {repeats}, {torch.get_num_threads()} threads",
+                  measured=True)

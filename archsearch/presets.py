@@ -1,0 +1,104 @@
+"""Named reference architectures, each with its source (litgpt-style table).
+
+``published_params`` is the total parameter count as published: exact where the source gives
+an exact count (the safetensors metadata of the Hugging Face repository, or the model card),
+otherwise the model card's rounded figure with ``published_precision`` giving the rounding.
+Qwen3 cards also give a rounded non-embedding count. Tests check every entry against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from archsearch.arch import ArchSpec
+from archsearch.errors import ArchsearchError
+
+
+@dataclass(frozen=True)
+class Preset:
+    spec: ArchSpec
+    source: str
+    published_params: int
+    published_precision: int = 1  # the published total is exact to this many parameters
+    published_non_embedding: int | None = None
+
+
+def _p(name, source, published, precision=1, non_embed=None, **fields) -> Preset:
+    return Preset(ArchSpec(name=name, **fields), source, published, precision, non_embed)
+
+
+_LLAMA3 = dict(family="llama", rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
+               max_position_embeddings=131072)
+_QWEN25 = dict(family="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=151936,
+               max_position_embeddings=32768)
+_QWEN3 = dict(family="qwen3", rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=151936,
+              max_position_embeddings=40960, head_dim=128)
+_SMOL = dict(family="llama", rms_norm_eps=1e-5, vocab_size=49152, tie_embeddings=True,
+             head_dim=64, max_position_embeddings=8192)
+_HF = "https://huggingface.co/{}/blob/main/config.json (params: the repository's safetensors metadata)"
+
+PRESETS: dict[str, Preset] = {p.spec.name: p for p in [
+    _p("llama-3.2-1b", _HF.format("meta-llama/Llama-3.2-1B"), 1_235_814_400,
+       n_layers=16, hidden_size=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192,
+       tie_embeddings=True, **_LLAMA3),
+    _p("llama-3.2-3b", _HF.format("meta-llama/Llama-3.2-3B"), 3_212_749_824,
+       n_layers=28, hidden_size=3072, n_heads=24, n_kv_heads=8, head_dim=128, ffn=8192,
+       tie_embeddings=True, **_LLAMA3),
+    _p("llama-3.1-8b", _HF.format("meta-llama/Llama-3.1-8B"), 8_030_261_248,
+       n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=14336,
+       tie_embeddings=False, **_LLAMA3),
+    _p("qwen2.5-0.5b", _HF.format("Qwen/Qwen2.5-0.5B"), 494_032_768,
+       n_layers=24, hidden_size=896, n_heads=14, n_kv_heads=2, head_dim=64, ffn=4864,
+       tie_embeddings=True, **_QWEN25),
+    _p("qwen2.5-1.5b", _HF.format("Qwen/Qwen2.5-1.5B"), 1_543_714_304,
+       n_layers=28, hidden_size=1536, n_heads=12, n_kv_heads=2, head_dim=128, ffn=8960,
+       tie_embeddings=True, **_QWEN25),
+    _p("qwen2.5-3b", _HF.format("Qwen/Qwen2.5-3B"), 3_085_938_688,
+       n_layers=36, hidden_size=2048, n_heads=16, n_kv_heads=2, head_dim=128, ffn=11008,
+       tie_embeddings=True, **_QWEN25),
+    _p("qwen2.5-7b", _HF.format("Qwen/Qwen2.5-7B"), 7_615_616_512,
+       n_layers=28, hidden_size=3584, n_heads=28, n_kv_heads=4, head_dim=128, ffn=18944,
+       tie_embeddings=False, **{**_QWEN25, "vocab_size": 152064, "max_position_embeddings": 131072}),
+    # Qwen3 model cards give rounded totals and non-embedding counts ("0.6B", "0.44B").
+    _p("qwen3-0.6b", "https://huggingface.co/Qwen/Qwen3-0.6B (model card: 0.6B, non-embedding 0.44B)",
+       600_000_000, 100_000_000, 440_000_000,
+       n_layers=28, hidden_size=1024, n_heads=16, n_kv_heads=8, ffn=3072,
+       tie_embeddings=True, **_QWEN3),
+    _p("qwen3-1.7b", "https://huggingface.co/Qwen/Qwen3-1.7B (model card: 1.7B, non-embedding 1.4B)",
+       1_700_000_000, 100_000_000, 1_400_000_000,
+       n_layers=28, hidden_size=2048, n_heads=16, n_kv_heads=8, ffn=6144,
+       tie_embeddings=True, **_QWEN3),
+    _p("qwen3-4b", "https://huggingface.co/Qwen/Qwen3-4B (model card: 4.0B, non-embedding 3.6B)",
+       4_000_000_000, 100_000_000, 3_600_000_000,
+       n_layers=36, hidden_size=2560, n_heads=32, n_kv_heads=8, ffn=9728,
+       tie_embeddings=True, **_QWEN3),
+    _p("qwen3-8b", "https://huggingface.co/Qwen/Qwen3-8B (model card: 8.2B, non-embedding 6.95B)",
+       8_200_000_000, 100_000_000, 6_950_000_000,
+       n_layers=36, hidden_size=4096, n_heads=32, n_kv_heads=8, ffn=12288,
+       tie_embeddings=False, **_QWEN3),
+    _p("smollm2-135m", _HF.format("HuggingFaceTB/SmolLM2-135M"), 134_515_008,
+       n_layers=30, hidden_size=576, n_heads=9, n_kv_heads=3, ffn=1536, rope_theta=100000.0,
+       **_SMOL),
+    _p("smollm2-360m", _HF.format("HuggingFaceTB/SmolLM2-360M"), 361_821_120,
+       n_layers=32, hidden_size=960, n_heads=15, n_kv_heads=5, ffn=2560, rope_theta=100000.0,
+       **_SMOL),
+    _p("smollm2-1.7b", _HF.format("HuggingFaceTB/SmolLM2-1.7B"), 1_711_376_384,
+       n_layers=24, hidden_size=2048, n_heads=32, n_kv_heads=32, ffn=8192, rope_theta=130000.0,
+       **_SMOL),
+    _p("olmo-2-1b", _HF.format("allenai/OLMo-2-0425-1B"), 1_484_916_736,
+       n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=128, ffn=8192,
+       vocab_size=100352, tie_embeddings=False, family="olmo2", rms_norm_eps=1e-6,
+       rope_theta=500000.0, max_position_embeddings=4096),
+    # Tiny shapes for tests and CPU demos (not published models: count is our own).
+    _p("tiny", "archsearch debug shape", 0, n_layers=2, hidden_size=64, n_heads=2,
+       n_kv_heads=1, head_dim=32, ffn=128, vocab_size=256, max_position_embeddings=512),
+]}
+
+
+def get_preset(name: str) -> ArchSpec:
+    """The spec of a named preset (case-insensitive)."""
+    key = name.lower()
+    if key not in PRESETS:
+        raise ArchsearchError("preset", f"unknown preset {name!r}",
+                              f"known presets: {', '.join(PRESETS)}")
+    return PRESETS[key].spec

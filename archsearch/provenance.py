@@ -1,0 +1,88 @@
+"""What produced a number: versions, device, host, time, code revision.
+
+Every record written under ``results/`` embeds :func:`provenance` so that a number can be
+traced to the code, the engine versions and the hardware that produced it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterable
+
+CORE_PACKAGES = ("archsearch", "torch", "transformers", "numpy", "scipy", "optuna",
+                 "accelerate", "datasets")
+
+
+def package_versions(names: Iterable[str]) -> dict[str, str | None]:
+    """Installed versions (None when a package is absent), without importing the packages."""
+    out: dict[str, str | None] = {}
+    for n in names:
+        try:
+            out[n] = metadata.version(n)
+        except metadata.PackageNotFoundError:
+            out[n] = None
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_info() -> dict[str, Any]:
+    """The accelerator in use (CUDA name, count, memory) or the CPU, with thread count."""
+    info: dict[str, Any] = {"cpu": cpu_name()}
+    try:
+        import torch
+    except ImportError:
+        return {**info, "type": "cpu"}
+    info["threads"] = torch.get_num_threads()
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        from archsearch.hardware import detect_gpu_name
+
+        info.update({"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
+                     "memory_gib": round(props.total_memory / 2**30, 2),
+                     "table_entry": detect_gpu_name(props.name),
+                     "cuda": torch.version.cuda})
+    else:
+        info.update({"type": "cpu", "name": info["cpu"]})
+    return info
+
+
+def git_revision() -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
+                               capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if rev.returncode != 0:
+        return None
+    return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def provenance(extra_packages: Iterable[str] = (), device: bool = True) -> dict[str, Any]:
+    """Versions of the core and the named extra packages, device, host, UTC time, git rev."""
+    return {
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "git": git_revision(),
+        "versions": package_versions([*CORE_PACKAGES, *extra_packages]),
+        "device": device_info() if device else None,
+        "command": " ".join(sys.argv),
+    }

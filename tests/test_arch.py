@@ -1,0 +1,126 @@
+"""Architecture accounting: exact counts vs transformers and published models, FLOPs, KV bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from archsearch.arch import (ArchSpec, describe, embedding_params, from_hf_config,
+                             inference_flops_per_token, kv_cache_bytes_per_token,
+                             max_batch_by_kv, mlp_to_attn_ratio, non_embedding_params,
+                             norm_params, prefill_flops, to_hf_config, total_params,
+                             training_flops, weight_bytes)
+from archsearch.errors import ArchsearchError
+from archsearch.presets import PRESETS, get_preset
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.published_params])
+def test_preset_matches_published_count(name):
+    p = PRESETS[name]
+    total = total_params(p.spec)
+    assert abs(total - p.published_params) <= p.published_precision / 2, (total, p.published_params)
+    if p.published_non_embedding:
+        assert abs(non_embedding_params(p.spec) - p.published_non_embedding) <= p.published_precision / 2
+    assert p.source
+
+
+def test_llama_3_2_1b_by_hand():
+    s = get_preset("llama-3.2-1b")
+    # SPEC 2: attention 2*d*dq + 2*d*dkv, MLP 3*d*ffn, per layer, 16 layers
+    attn = 2 * 2048 * 2048 + 2 * 2048 * 512
+    mlp = 3 * 2048 * 8192
+    assert non_embedding_params(s) == 16 * (attn + mlp) == 973_078_528
+    assert embedding_params(s) == 128256 * 2048
+    assert norm_params(s) == 16 * 2 * 2048 + 2048
+    assert mlp_to_attn_ratio(s) == pytest.approx(mlp / attn)
+    assert kv_cache_bytes_per_token(s, "bfloat16") == 2 * 16 * 8 * 64 * 2 == 32768
+    assert kv_cache_bytes_per_token(s, "float32") == 65536
+    assert s.gqa == 4
+
+
+def test_flops_formulas():
+    s = get_preset("llama-3.2-1b")
+    n = non_embedding_params(s)
+    assert inference_flops_per_token(s, 0) == 2 * n
+    # SPEC: n_layers*(2d dq + 2d dkv + 2d dkv + 2d dq + 2 T dq + 6 d ffn)
+    T = 100
+    d, dq, dkv = 2048, 2048, 512
+    per_layer = 2*d*dq + 2*d*dkv + 2*d*dkv + 2*d*dq + 2*T*dq + 6*d*8192
+    assert inference_flops_per_token(s, T) == 16 * per_layer
+    assert prefill_flops(s, 3) == sum(inference_flops_per_token(s, t) for t in (1, 2, 3))
+    assert inference_flops_per_token(s, 0, include_head=True) == 2 * n + 2 * d * 128256
+    assert training_flops(s, 1e9) == 6 * n * 1e9
+    with pytest.raises(ArchsearchError):
+        prefill_flops(s, 0)
+
+
+def test_chinchilla_rule_of_thumb():
+    # Chinchilla 70B at 1.4T tokens is about 5.8e23 FLOPs (Hoffmann et al. 2022, Table 3 rounding:
+    # 6*N*D with N=70e9 -> 5.88e23). Our 6ND with a 70B-ish non-embedding N must agree.
+    s = ArchSpec(n_layers=80, hidden_size=8192, n_heads=64, n_kv_heads=64, head_dim=128, ffn=28672 * 2 // 3 * 0 + 22016)
+    assert training_flops(s, 1.4e12) == pytest.approx(6 * non_embedding_params(s) * 1.4e12)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_count_equals_transformers_numel(family, tie):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = ArchSpec(n_layers=2, hidden_size=96, n_heads=4, n_kv_heads=2, head_dim=32, ffn=160,
+                    vocab_size=211, tie_embeddings=tie, family=family)
+    cfg = AutoConfig.for_model(**to_hf_config(spec, "float32"))
+    model = AutoModelForCausalLM.from_config(cfg)
+    numel = sum(p.numel() for p in model.parameters())
+    assert numel == total_params(spec)
+    assert type(model).__name__ == to_hf_config(spec)["architectures"][0]
+    # round trip through config.json
+    assert from_hf_config(to_hf_config(spec)) == spec
+    assert weight_bytes(spec, "float32") == 4 * numel
+    assert torch.is_tensor(next(model.parameters()))
+
+
+def test_hf_export_loads_with_autoconfig(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archsearch.arch import write_hf_config
+
+    spec = get_preset("tiny")
+    write_hf_config(spec, tmp_path)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert cfg.model_type == "llama" and cfg.num_key_value_heads == 1 and cfg.head_dim == 32
+    m = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in m.parameters()) == total_params(spec)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(n_kv_heads=3), "n_kv_heads"),
+    (dict(head_dim=48), "head_dim"),
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(ffn=-5), "ffn"),
+    (dict(n_layers=2.5), "n_layers"),
+    (dict(family="gpt2"), "family"),
+])
+def test_bad_spec_names_field(bad, field):
+    base = dict(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128)
+    with pytest.raises(ArchsearchError) as e:
+        ArchSpec(**{**base, **bad})
+    assert e.value.field == field
+
+
+def test_describe_keys_and_max_batch():
+    s = get_preset("llama-3.2-1b")
+    d = describe(s)
+    for k in ("n_params_non_embedding", "n_params_embedding", "n_params_total", "mlp_to_attn_ratio",
+              "hidden_over_sqrt_n", "gqa", "kv_cache_bytes_per_token"):
+        assert k in d
+    assert d["hidden_over_sqrt_n"] == pytest.approx(2048 / math.sqrt(973_078_528))
+    json.dumps(d)
+    # 80 GiB, 90%: (0.9*80GiB - weights) / (32 KiB * 5120 tokens)
+    mem = 80 * 2**30
+    expected = int((0.9 * mem - total_params(s) * 2) // (32768 * 5120))
+    assert max_batch_by_kv(s, mem, 5120) == expected
+    assert max_batch_by_kv(s, 1e9, 5120) == 0
