@@ -17,7 +17,8 @@ def test_editions_paired():
     for modern in FOLIO_TO_MODERN.values():
         assert modern in two
     assert "metadata" not in works
-    assert len(two) == 36  # the 36 plays of the First Folio
+    # the First Folio has 36 plays; this package lacks the Folio text of Troilus and Cressida
+    assert len(two) == 35
     for w, fs in works.items():
         assert len(fs) in (1, 2)
 
