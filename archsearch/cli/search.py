@@ -1,0 +1,72 @@
+"""``archsearch search``: run (or resume, or plan) a study from a YAML config."""
+
+from __future__ import annotations
+
+import argparse
+
+from archsearch.cli._common import print_json
+
+STAGES = ("proxy", "fit", "search", "gqa", "train", "eval", "report")
+
+
+def _stages(text: str) -> set[str]:
+    vals = {s.strip() for s in text.split(",") if s.strip()}
+    bad = vals - set(STAGES)
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown stage(s) {sorted(bad)}; stages: {','.join(STAGES)}")
+    return vals
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "search", help="run an architecture search study (proxies, law, Optuna, GQA, report)",
+        description="Run, resume or plan a study: proxy sweep -> law fit -> Optuna search -> local GQA "
+                    "search -> chosen architecture -> optional training and lm-eval -> report. "
+                    "Rerunning the same command resumes; several workers may run it at once.")
+    p.add_argument("--config", required=True, help="study YAML (see configs/)")
+    p.add_argument("--out", help="study folder (default: results/<name>)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and its compute; run nothing")
+    p.add_argument("--gpus", help="price the plan on these GPUs, e.g. 8xH100 (with --dry-run)")
+    p.add_argument("--only", type=_stages, help=f"run only these stages ({','.join(STAGES)})")
+    p.add_argument("--skip", type=_stages, default=set(), help="skip these stages")
+    p.add_argument("--json", action="store_true", help="print the plan / summary as JSON")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from archsearch.search import pipeline
+    from archsearch.search.config import load_study_config
+
+    cfg = load_study_config(args.config)
+    out = cfg.out_dir(args.out)
+    if args.dry_run:
+        pipeline.validate(cfg)
+        plan = pipeline.plan(cfg, out, gpus=args.gpus)
+        if args.json:
+            print_json(plan)
+        else:
+            _print_plan(plan)
+        return 0
+    summary = pipeline.run(cfg, out, only=args.only, skip=args.skip)
+    if args.json:
+        print_json(summary)
+    else:
+        print((out / "report.md").read_text())
+        print(f"study folder: {out}")
+    return 0
+
+
+def _print_plan(plan: dict) -> None:
+    print(f"plan for study {plan['study']} -> {plan['out']}")
+    for i, st in enumerate(plan["stages"], 1):
+        extra = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in st.items() if k not in ("stage", "action"))
+        print(f"  {i}. {st['stage']:<7} {st['action']}" + (f"  [{extra}]" if extra else ""))
+    c = plan["compute"]
+    print(f"  compute: proxies {c['proxy_train_flops']:.3g} FLOPs; final training "
+          f"{c['final_train_flops_per_model']:.3g} FLOPs per model")
+    if "final_train" in c:
+        ft = c["final_train"]
+        print(f"  on {c['gpus']}: proxies {c['proxy_hours']:.2f} h (${c['proxy_cost_usd']:,.0f}); final training "
+              f"{ft.get('hours', float('nan')):.1f} h, {ft.get('gpu_hours', float('nan')):.0f} GPU-h, "
+              f"${ft.get('cost_usd') or 0:,.0f}")

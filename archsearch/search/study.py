@@ -1,0 +1,304 @@
+"""The Optuna study: trials sample the primary knobs, the law predicts, the engine measures.
+
+Each trial samples (d/sqrt(N), r, GQA); :func:`archsearch.candidates.build_candidate` expands
+them into a buildable shape at the study's budget; the fitted law predicts its loss (with a
+bootstrap interval); the constraint ``predicted_loss - L_t <= 0`` goes to the sampler through
+Optuna's ``constraints_func``; the objective is the measured output throughput at the
+reference batch size (or, with ``objective: pareto``, throughput and predicted loss).
+
+Durability: the study lives in an Optuna storage (SQLite in the study folder by default, any
+SQLAlchemy URL, or a journal file ``*.log`` for several workers on a shared disk). A trial
+that was running when its process died is failed on the next start and its parameters are
+enqueued again; its measurement, if it had finished, is read back from the measurement
+store, so nothing is lost or measured twice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archsearch.arch import ArchSpec, describe
+from archsearch.candidates import BuildSettings, build_candidate
+from archsearch.errors import ArchsearchError
+from archsearch.search.config import StudyConfig
+from archsearch.search.measure import Measurer, check_result_limits, spec_key, throughput_at
+
+# Constraint value of a trial whose shape could not be built (never feasible).
+UNBUILDABLE = 1e6
+
+
+class MeasurementFailed(Exception):
+    """A candidate's measurement failed: its trial fails, the study goes on."""
+
+
+@dataclass
+class SearchContext:
+    cfg: StudyConfig
+    law: Any  # archsearch.laws.FitResult
+    target_loss: float
+    measurer: Measurer
+    out: Path
+    build: BuildSettings = field(default_factory=BuildSettings)
+
+    @property
+    def ref_batch(self) -> int:
+        return self.cfg.measure.ref_batch
+
+
+def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
+    s = cfg.search_space
+    return BuildSettings(hidden_multiple=s.hidden_multiple, ffn_multiple=s.ffn_multiple,
+                         tolerance=s.tolerance, vocab_size=vocab_size,
+                         tie_embeddings=cfg.tie_embeddings)
+
+
+def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int) -> ArchSpec:
+    """The one function from knobs to a shape, used by every trial."""
+    return build_candidate(cfg.params, cfg.n_layers, x1, r, gqa=gqa,
+                           head_dim=cfg.search_space.head_dim, settings=build).spec
+
+
+def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
+    loss = float(ctx.law.predict(spec, ctx.cfg.tokens))
+    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens)
+    return loss, (tuple(float(v) for v in interval) if interval is not None else None)
+
+
+# -- storage and sampler ---------------------------------------------------------------------
+
+def storage_url(cfg: StudyConfig, out: Path) -> str:
+    return cfg.optuna.storage or f"sqlite:///{(out / 'optuna.db').resolve()}"
+
+
+def make_storage(url: str):
+    """An Optuna storage from a URL: ``*.log`` / ``journal:PATH`` -> journal file, else RDB."""
+    import optuna
+
+    if url.startswith("journal:") or url.endswith(".log"):
+        from optuna.storages.journal import JournalFileBackend
+
+        path = url[len("journal:"):] if url.startswith("journal:") else url
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(path))
+    if url.startswith("sqlite:"):
+        # one host: stale trials are recovered by process id (see recover_stale_trials)
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+    # a cluster database: workers on other hosts are watched by Optuna's heartbeat
+    return optuna.storages.RDBStorage(
+        url, heartbeat_interval=30, grace_period=120,
+        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
+
+
+def _constraints(trial) -> list[float]:
+    return list(trial.user_attrs.get("constraints", [UNBUILDABLE]))
+
+
+def make_sampler(cfg: StudyConfig):
+    import optuna
+
+    o = cfg.optuna
+    if o.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=o.seed, constraints_func=_constraints,
+                                          n_startup_trials=min(5, o.n_trials), multivariate=True)
+    if o.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=o.seed, constraints_func=_constraints)
+    if o.sampler == "gp":
+        return optuna.samplers.GPSampler(seed=o.seed, constraints_func=_constraints)
+    return optuna.samplers.RandomSampler(seed=o.seed)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_stale_trials(study, storage) -> list[int]:
+    """Fail trials left RUNNING by a dead process on this host and enqueue their parameters."""
+    from optuna.trial import TrialState
+
+    recovered = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        w = t.user_attrs.get("worker") or {}
+        if w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"])):
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            storage.set_trial_user_attr(t._trial_id, "failure_reason",
+                                        "its worker process died; parameters enqueued again")
+            if t.params:
+                study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+            recovered.append(t.number)
+    return recovered
+
+
+# -- the objective -----------------------------------------------------------------------------
+
+def _distribution_ranges(cfg: StudyConfig) -> dict[str, Any]:
+    s = cfg.search_space
+    return {"hidden_over_sqrt_n": (s.hidden_over_sqrt_n, s.hidden_over_sqrt_n_step or None),
+            "mlp_to_attn": (s.mlp_to_attn, s.mlp_to_attn_step or None)}
+
+
+def _suggest(trial, cfg: StudyConfig) -> tuple[float, float, int]:
+    rng = _distribution_ranges(cfg)
+    (lo1, hi1), step1 = rng["hidden_over_sqrt_n"]
+    (lo2, hi2), step2 = rng["mlp_to_attn"]
+    x1 = trial.suggest_float("hidden_over_sqrt_n", lo1, hi1, step=step1)
+    r = trial.suggest_float("mlp_to_attn", lo2, hi2, step=step2, log=step2 is None)
+    g = trial.suggest_categorical("gqa", list(cfg.search_space.gqa))
+    return x1, r, int(g)
+
+
+def objective(trial, ctx: SearchContext):
+    import optuna
+
+    cfg = ctx.cfg
+    trial.set_user_attr("worker", {"host": platform.node(), "pid": os.getpid()})
+    x1, r, g = _suggest(trial, cfg)
+    try:
+        spec = expand(cfg, ctx.build, x1, r, g)
+    except ArchsearchError as e:
+        trial.set_user_attr("constraints", [UNBUILDABLE])
+        trial.set_user_attr("pruned_reason", f"unbuildable: {e}")
+        raise optuna.TrialPruned(f"unbuildable: {e}") from None
+    d = describe(spec)
+    trial.set_user_attr("spec", spec.to_dict())
+    trial.set_user_attr("spec_key", spec_key(spec))
+    trial.set_user_attr("realised", {k: d[k] for k in ("n_params_non_embedding", "hidden_over_sqrt_n",
+                                                       "mlp_to_attn_ratio", "gqa")})
+    loss, interval = predict(ctx, spec)
+    trial.set_user_attr("predicted_loss", loss)
+    trial.set_user_attr("predicted_loss_interval", interval)
+    violation = loss - ctx.target_loss
+    trial.set_user_attr("constraints", [violation])
+    feasible = violation <= 0
+    trial.set_user_attr("feasible_loss", feasible)
+    if not feasible and not cfg.optuna.measure_infeasible and cfg.optuna.objective == "throughput":
+        reason = f"predicted loss {loss:.4f} > target {ctx.target_loss:.4f}; not measured"
+        trial.set_user_attr("pruned_reason", reason)
+        raise optuna.TrialPruned(reason)
+
+    result, cached = ctx.measurer.measure(spec)
+    trial.set_user_attr("measurement_key", result.get("measurement_key"))
+    trial.set_user_attr("measurement_cached", cached)
+    trial.set_user_attr("backend", result.get("backend"))
+    trial.set_user_attr("throughput", {str(b["batch_size"]): b.get("output_throughput")
+                                       for b in result.get("per_batch", [])})
+    trial.set_user_attr("ttft", {str(b["batch_size"]): b.get("ttft_mean")
+                                 for b in result.get("per_batch", [])})
+    tput = throughput_at(result, ctx.ref_batch)
+    if not result.get("ok", False) or tput is None:
+        reason = result.get("error") or f"no throughput at batch size {ctx.ref_batch}"
+        trial.set_user_attr("failure_reason", reason)
+        raise MeasurementFailed(reason)
+    ok, why = check_result_limits(cfg.limits, result, ctx.ref_batch)
+    if not ok:
+        trial.set_user_attr("limits_reason", why)
+        trial.set_user_attr("constraints", [violation, 1.0])
+    elif cfg.limits and any(v is not None for v in vars(cfg.limits).values()):
+        trial.set_user_attr("constraints", [violation, 0.0])
+    if cfg.optuna.objective == "pareto":
+        return tput, loss
+    return tput
+
+
+def trial_is_feasible(t) -> bool:
+    cons = t.user_attrs.get("constraints")
+    return bool(cons) and all(c <= 0 for c in cons)
+
+
+def create_study(ctx: SearchContext, load_only: bool = False):
+    import optuna
+
+    cfg = ctx.cfg
+    url = storage_url(cfg, ctx.out)
+    storage = make_storage(url)
+    directions = ["maximize", "minimize"] if cfg.optuna.objective == "pareto" else ["maximize"]
+    if load_only:
+        return optuna.load_study(study_name=cfg.name, storage=storage), storage
+    study = optuna.create_study(study_name=cfg.name, storage=storage, sampler=make_sampler(cfg),
+                                directions=directions, load_if_exists=True)
+    return study, storage
+
+
+def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
+    """The law's solution as starting points: the loss-optimal knobs, then the feasible shapes
+    the law and an analytic throughput predictor rank highest (Algorithm 5, step 2)."""
+    from archsearch.laws import optimum, solve
+
+    cfg = ctx.cfg
+    s = cfg.search_space
+    clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
+    g0 = cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in s.gqa else s.gqa[0]
+    points = []
+    opt = optimum(ctx.law, cfg.params, cfg.tokens)
+    points.append({"hidden_over_sqrt_n": clip(opt.hidden_over_sqrt_n, s.hidden_over_sqrt_n),
+                   "mlp_to_attn": clip(opt.mlp_to_attn_ratio, s.mlp_to_attn), "gqa": g0})
+    if cfg.optuna.enqueue_solution > 1:
+        tf = analytic_throughput_fn(ctx)
+        res = solve(ctx.law, cfg.params, cfg.tokens, cfg.n_layers, ctx.target_loss, tf,
+                    gqa=g0, head_dim=s.head_dim, build=ctx.build)
+        ranked = sorted((p for p in res.feasible if p.throughput is not None),
+                        key=lambda p: -p.throughput)
+        for p in ranked[: cfg.optuna.enqueue_solution - 1]:
+            points.append({"hidden_over_sqrt_n": clip(p.hidden_over_sqrt_n, s.hidden_over_sqrt_n),
+                           "mlp_to_attn": clip(p.mlp_to_attn_ratio, s.mlp_to_attn), "gqa": g0})
+    for pt in points:  # onto the sampling grid, so enqueued values are valid choices
+        for name, ((lo, _), step) in _distribution_ranges(cfg).items():
+            if step:
+                pt[name] = lo + round((pt[name] - lo) / step) * step
+    return points
+
+
+def analytic_throughput_fn(ctx: SearchContext):
+    """Predicted throughput at the reference batch size from the roofline (ranking only)."""
+    from benchmarks import BenchSettings, measure
+
+    m = ctx.cfg.measure
+    settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
+                             output_len=m.output_len, warmup=0, repeats=1,
+                             device_spec=m.device_spec or "cpu")
+
+    def fn(spec: ArchSpec) -> float | None:
+        return measure(spec, settings).throughput(ctx.ref_batch)
+    return fn
+
+
+def run_study(ctx: SearchContext, progress: bool = True):
+    """Create or resume the study and run it until ``n_trials`` trials have completed."""
+    import optuna
+    from optuna.study import MaxTrialsCallback
+    from optuna.trial import TrialState
+
+    cfg = ctx.cfg
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study, storage = create_study(ctx)
+    recovered = recover_stale_trials(study, storage)
+    if "target_loss" not in study.user_attrs:
+        study.set_user_attr("target_loss", ctx.target_loss)
+        study.set_user_attr("params", cfg.params)
+        study.set_user_attr("tokens", cfg.tokens)
+        study.set_user_attr("n_layers", cfg.n_layers)
+        for pt in seed_points(ctx):
+            study.enqueue_trial(pt, user_attrs={"seeded_by": "law solution"}, skip_if_exists=True)
+    elif not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
+        raise ArchsearchError("target", f"the stored study was run with target loss "
+                              f"{study.user_attrs['target_loss']:.6g}, this config gives "
+                              f"{ctx.target_loss:.6g}", "use a new study name or folder")
+    max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
+    done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+    left = max_trials - len(study.get_trials(deepcopy=False))
+    if done < cfg.optuna.n_trials and left > 0:
+        study.optimize(lambda t: objective(t, ctx), n_trials=left,
+                       callbacks=[MaxTrialsCallback(cfg.optuna.n_trials, states=(TrialState.COMPLETE,))],
+                       catch=(MeasurementFailed,), gc_after_trial=False,
+                       show_progress_bar=False)
+    return study, recovered
