@@ -1,0 +1,14 @@
+"""Scaling laws (SPEC section 3): fit, diagnose, and solve for the loss-optimal and the
+throughput-optimal architecture. See ``docs/laws.md`` for the law-file and run-data formats.
+
+Importing this package imports numpy only; scipy and matplotlib load when used.
+"""
+
+from archsearch.laws.diagnostics import leave_one_size_out, metrics, progressive_validation
+from archsearch.laws.fit import FitOptions, FitResult, fit_law, load_law, run_arrays
+from archsearch.laws.forms import LAWS
+from archsearch.laws.solve import Optimum, SolvePoint, SolveResult, optimum, pareto_front, solve
+
+__all__ = ["LAWS", "FitOptions", "FitResult", "Optimum", "SolvePoint", "SolveResult", "fit_law",
+           "leave_one_size_out", "load_law", "metrics", "optimum", "pareto_front",
+           "progressive_validation", "run_arrays", "solve"]

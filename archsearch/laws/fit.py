@@ -1,0 +1,849 @@
+"""Fitting the laws to proxy runs: robust multi-start fits, LM, bootstrap, law files.
+
+:func:`fit_law` is the entry point; it returns a :class:`FitResult`, plain data that saves to
+and loads from JSON (:func:`load_law` also reads a law written by hand). See ``docs/laws.md``.
+
+Fitting practice (SPEC 3d):
+
+* ``huber-lbfgsb`` (default): minimise the mean Huber loss (small delta) of
+  ``log L_pred - log L`` with L-BFGS-B within bounds, from ``n_starts`` seeded starts, on
+  inputs normalised by their geometric means (see :mod:`archsearch.laws.forms`). Logs make
+  every run count by its relative error; Huber keeps a few bad runs from steering the fit.
+* ``lm``: Levenberg-Marquardt (``scipy.optimize.curve_fit``) on the loss itself, the
+  paper-parity option: no bounds, no robust loss, conditional factors free to be non-U-shaped.
+
+Conditional laws are fitted in two steps: first the reference ``L_opt(N, D)``, then the
+architecture factors against it. ``reference="chinchilla"`` fits a Chinchilla law to the best
+observed loss of every (N, D) group (or takes ``reference_law`` as given);
+``reference="best-observed"`` uses those best losses as they are, and so can only predict at
+an (N, D) that was observed: elsewhere it raises an error naming ``reference`` (give the law a
+Chinchilla reference with :meth:`FitResult.with_reference`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings as _warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from archsearch.errors import ArchsearchError
+from archsearch.laws import forms
+from archsearch.laws.diagnostics import cluster, metrics, residual_trends
+from archsearch.laws.forms import CONDITIONAL, LAWS
+
+if TYPE_CHECKING:
+    from archsearch.arch import ArchSpec
+    from archsearch.rundata import RunRecord
+
+FORMAT = "archsearch-law/1"
+METHODS = ("huber-lbfgsb", "lm")
+REFERENCES = ("chinchilla", "best-observed")
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How a law is fitted. Every field is validated; errors name the field."""
+
+    method: str = "huber-lbfgsb"
+    huber_delta: float = 1e-3
+    n_starts: int = 10
+    seed: int = 0
+    bootstrap: int = 0                    # resamples over runs; 0 = no intervals
+    r_range: tuple[float, float] | None = (0.5, 5.0)   # keep runs with r in range; None = keep all
+    reference: str = "chinchilla"         # conditional laws: "chinchilla" | "best-observed"
+    reference_law: Any = None             # a Chinchilla FitResult / coefficient dict used as L_opt
+    tie_exponents: bool = True            # aspect-ratio: alpha = beta = gamma
+    holdout_size: float | None = None     # hold out the size nearest this N; metrics on it
+    size_tolerance: float = 0.05          # runs within 5% of N (or D) are one size (one budget)
+    max_iter: int = 2000
+    n_jobs: int = 1                       # processes for the bootstrap (same numbers for any n_jobs)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ArchsearchError("method", f"unknown method {self.method!r}", f"use one of {list(METHODS)}")
+        if not (self.huber_delta > 0 and math.isfinite(self.huber_delta)):
+            raise ArchsearchError("huber_delta", f"must be positive, got {self.huber_delta}")
+        for f in ("n_starts", "max_iter", "n_jobs"):
+            if getattr(self, f) < 1:
+                raise ArchsearchError(f, f"must be >= 1, got {getattr(self, f)}")
+        if self.bootstrap < 0:
+            raise ArchsearchError("bootstrap", f"must be >= 0, got {self.bootstrap}", "0 means no intervals")
+        if self.r_range is not None:
+            lo, hi = self.r_range
+            if not (0 < lo < hi):
+                raise ArchsearchError("r_range", f"needs 0 < low < high, got {self.r_range}",
+                                      "e.g. (0.5, 5.0), or None to keep every run")
+        if self.reference not in REFERENCES:
+            raise ArchsearchError("reference", f"unknown reference {self.reference!r}",
+                                  f"use one of {list(REFERENCES)}")
+        if not 0 < self.size_tolerance < 1:
+            raise ArchsearchError("size_tolerance", f"must be in (0, 1), got {self.size_tolerance}")
+        if self.holdout_size is not None and not self.holdout_size > 0:
+            raise ArchsearchError("holdout_size", f"must be positive, got {self.holdout_size}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["r_range"] = list(self.r_range) if self.r_range else None
+        d["reference_law"] = _reference_coefficients(self.reference_law)
+        return d
+
+
+# -- the fit result ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FitResult:
+    """A fitted (or hand-written) law: plain data, JSON round-trip with :meth:`save` / :func:`load_law`.
+
+    ``reference`` (conditional laws) is ``{"law": "chinchilla", "coefficients": {...}}``,
+    ``{"law": "best-observed", "groups": [{"params", "tokens", "loss"}...], "tolerance": t}``,
+    ``{"law": "constant", "loss": x}`` or None (the optimum is defined, losses are not).
+    ``status`` is ``ok``, ``warnings`` (converged, but read the warnings) or ``not_converged``.
+    """
+
+    law: str
+    coefficients: dict[str, float]
+    reference: dict[str, Any] | None = None
+    status: str = "ok"
+    warnings: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    n_runs: int = 0
+    data_ranges: dict[str, list[float]] = field(default_factory=dict)
+    bootstrap: dict[str, Any] | None = None
+    provenance: dict[str, Any] | None = None
+
+    # -- prediction --
+    def predict(self, spec: "ArchSpec", tokens: float) -> float:
+        """Predicted loss of ``spec`` trained on ``tokens`` tokens."""
+        return float(self.predict_arrays(_spec_arrays([spec], [tokens]))[0])
+
+    def predict_arrays(self, X: forms.Data, coefficients: dict[str, float] | None = None,
+                       reference: dict[str, Any] | None = None) -> np.ndarray:
+        """Vectorised prediction on arrays N, D, x1, x2, R (see :mod:`archsearch.laws.forms`)."""
+        X = dict(X)
+        if self.law in CONDITIONAL and "Lref" not in X:
+            X["Lref"] = reference_loss(reference or self.reference, X["N"], X["D"])
+        return forms.predict(self.law, coefficients or self.coefficients, X)
+
+    def reference_loss(self, params: float, tokens: float) -> float:
+        """L_opt(N, D) of a conditional law (raises ArchsearchError when it has none there)."""
+        return float(reference_loss(self.reference, np.array([float(params)]), np.array([float(tokens)]))[0])
+
+    def predict_interval(self, spec: "ArchSpec", tokens: float,
+                         level: float = 0.9) -> tuple[float, float] | None:
+        """Bootstrap interval of the predicted (mean) loss; None when fitted without bootstrap."""
+        samples = self.bootstrap_predictions(_spec_arrays([spec], [tokens]))
+        if samples is None:
+            return None
+        lo, hi = _quantiles(samples[:, 0], level)
+        return float(lo), float(hi)
+
+    def bootstrap_predictions(self, X: forms.Data) -> np.ndarray | None:
+        """Predictions of every bootstrap resample (resamples x points), or None."""
+        bs = self.bootstrap
+        if not bs or not bs.get("coefficients"):
+            return None
+        names = bs["names"]
+        refs = bs.get("reference")
+        out = []
+        for i, row in enumerate(bs["coefficients"]):
+            ref = self.reference
+            if refs:
+                ref = {"law": "chinchilla", "coefficients": dict(zip(bs["reference_names"], refs[i]))}
+            out.append(self.predict_arrays(X, dict(zip(names, row)), ref))
+        return np.asarray(out)
+
+    def with_reference(self, reference: Any) -> "FitResult":
+        """The same law on another L_opt: a Chinchilla FitResult, its coefficient dict, or a
+        reference dict as in the law file. The bootstrap keeps its calibration samples; its
+        per-resample references belonged to the old L_opt and are dropped."""
+        ref = _parse_reference(reference, "reference")
+        return dataclasses.replace(self, reference=ref, bootstrap=_drop_reference_samples(self.bootstrap))
+
+    # -- serialisation --
+    def to_dict(self) -> dict[str, Any]:
+        d = {"format": FORMAT}
+        d.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return _jsonable(d)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the law as JSON (atomically)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
+        tmp.replace(p)
+        return p
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "law file") -> "FitResult":
+        """Validate and load a law dict: a saved fit, or hand-written ``{"law", "coefficients"}``."""
+        return _from_dict(data, where)
+
+
+def load_law(path: str | Path) -> FitResult:
+    """Load a law file (saved by :meth:`FitResult.save`, or written by hand; see docs/laws.md)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ArchsearchError("--law", f"no such file {str(p)!r}", "fit one with `archsearch fit` or write one by hand")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ArchsearchError(str(p), f"invalid JSON: {e}") from None
+    return _from_dict(data, str(p))
+
+
+_KNOWN_KEYS = {f.name for f in dataclasses.fields(FitResult)} | {"format", "L_opt", "comment"}
+
+
+def _from_dict(data: Any, where: str) -> FitResult:
+    import difflib
+
+    if not isinstance(data, dict):
+        raise ArchsearchError(where, "a law must be a JSON object", 'e.g. {"law": ..., "coefficients": {...}}')
+    for k in data:
+        if k not in _KNOWN_KEYS:
+            close = difflib.get_close_matches(k, sorted(_KNOWN_KEYS), n=1)
+            raise ArchsearchError(f"{where}: {k}", "unknown key",
+                                  f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(_KNOWN_KEYS)}")
+    law = data.get("law")
+    if law not in LAWS:
+        raise ArchsearchError(f"{where}: law", f"unknown law {law!r}", f"use one of {list(LAWS)}")
+    coefs = data.get("coefficients")
+    if not isinstance(coefs, dict):
+        raise ArchsearchError(f"{where}: coefficients", "missing or not an object",
+                              f"{law} needs {list(forms.coefficient_names(law))}")
+    names = forms.coefficient_names(law)
+    for k in coefs:
+        if k not in names:
+            raise ArchsearchError(f"{where}: coefficients.{k}", f"not a coefficient of {law}",
+                                  f"{law} has {list(names)}")
+    clean = {}
+    for k in names:
+        v = coefs.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ArchsearchError(f"{where}: coefficients.{k}", f"must be a finite number, got {v!r}",
+                                  f"{law} needs {list(names)}")
+        clean[k] = float(v)
+    if law in ("chinchilla", "aspect-ratio"):
+        for k in ("E", "A", "B") + (("eps",) if law == "aspect-ratio" else ()):
+            if clean[k] < 0:
+                raise ArchsearchError(f"{where}: coefficients.{k}", f"must be >= 0, got {clean[k]}")
+    ref = None
+    if "reference" in data and "L_opt" in data:
+        raise ArchsearchError(f"{where}: L_opt", "give either reference or L_opt, not both")
+    if law in CONDITIONAL:
+        if data.get("reference") is not None:
+            ref = _parse_reference(data["reference"], f"{where}: reference")
+        elif data.get("L_opt") is not None:
+            ref = _parse_lopt(data["L_opt"], f"{where}: L_opt")
+    elif data.get("reference") is not None or data.get("L_opt") is not None:
+        raise ArchsearchError(f"{where}: reference", f"{law} is not a conditional law and takes no reference")
+    warns = list(data.get("warnings") or [])
+    if ref and ref["law"] == "constant" and not any("constant L_opt" in w for w in warns):
+        warns.append("constant L_opt: predicted losses ignore N and D (valid only at the (N, D) "
+                     "where that L_opt holds)")
+    status = data.get("status", "ok")
+    if status not in ("ok", "warnings", "not_converged"):
+        raise ArchsearchError(f"{where}: status", f"unknown status {status!r}")
+    try:
+        return FitResult(law=law, coefficients=clean, reference=ref, status=status, warnings=warns,
+                         metrics=dict(data.get("metrics") or {}), options=dict(data.get("options") or {}),
+                         dropped=list(data.get("dropped") or []), n_runs=int(data.get("n_runs") or 0),
+                         data_ranges=dict(data.get("data_ranges") or {}),
+                         bootstrap=data.get("bootstrap"), provenance=data.get("provenance"))
+    except (TypeError, ValueError) as e:
+        raise ArchsearchError(where, f"malformed law file: {e}") from None
+
+
+def _parse_reference(ref: Any, where: str) -> dict[str, Any] | None:
+    if ref is None:
+        return None
+    if isinstance(ref, FitResult):
+        if ref.law != "chinchilla":
+            raise ArchsearchError(where, f"a reference law must be chinchilla, got {ref.law!r}")
+        return {"law": "chinchilla", "coefficients": dict(ref.coefficients)}
+    if not isinstance(ref, dict):
+        raise ArchsearchError(where, f"expected an object, got {ref!r}")
+    kind = ref.get("law")
+    if kind is None and set(ref) == set(forms.coefficient_names("chinchilla")):
+        ref, kind = {"law": "chinchilla", "coefficients": ref}, "chinchilla"
+    if kind == "chinchilla":
+        inner = _from_dict({"law": "chinchilla", "coefficients": ref.get("coefficients")}, where)
+        return {"law": "chinchilla", "coefficients": inner.coefficients}
+    if kind == "best-observed":
+        groups = ref.get("groups")
+        out = _parse_lopt(groups, f"{where}.groups")
+        out["tolerance"] = float(ref.get("tolerance", 0.05))
+        return out
+    if kind == "constant":
+        return _parse_lopt(ref.get("loss"), f"{where}.loss")
+    raise ArchsearchError(f"{where}.law", f"unknown reference {kind!r}",
+                          'use {"law": "chinchilla", "coefficients": {...}}, best-observed or constant')
+
+
+def _parse_lopt(v: Any, where: str) -> dict[str, Any]:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if not (math.isfinite(v) and v > 0):
+            raise ArchsearchError(where, f"must be a positive loss, got {v!r}")
+        return {"law": "constant", "loss": float(v)}
+    if isinstance(v, list) and v:
+        groups = []
+        for i, g in enumerate(v):
+            try:
+                row = {k: float(g[k]) for k in ("params", "tokens", "loss")}
+            except (KeyError, TypeError, ValueError):
+                raise ArchsearchError(f"{where}[{i}]", "needs numbers params, tokens and loss") from None
+            if not all(math.isfinite(x) and x > 0 for x in row.values()):
+                raise ArchsearchError(f"{where}[{i}]", "params, tokens and loss must be positive")
+            groups.append(row)
+        return {"law": "best-observed", "groups": groups, "tolerance": 0.05}
+    raise ArchsearchError(where, f"expected a loss or a list of {{params, tokens, loss}}, got {v!r}")
+
+
+def _reference_coefficients(ref: Any) -> dict[str, float] | None:
+    if ref is None:
+        return None
+    return _parse_reference(ref, "reference_law")["coefficients"]
+
+
+def reference_loss(ref: dict[str, Any] | None, N: np.ndarray, D: np.ndarray) -> np.ndarray:
+    """L_opt at arrays (N, D) from a reference dict; a clear error where it is not defined."""
+    if ref is None:
+        raise ArchsearchError("reference", "this conditional law has no reference L_opt: it gives the "
+                              "optimal shape but no loss", "add a chinchilla reference to the law "
+                              "(fit with reference=chinchilla, --reference-law, or \"L_opt\" in the file)")
+    if ref["law"] == "chinchilla":
+        return forms.predict("chinchilla", ref["coefficients"], {"N": N, "D": D})
+    if ref["law"] == "constant":
+        return np.full(np.shape(N), ref["loss"], dtype=float)
+    tol = ref.get("tolerance", 0.05)
+    gN = np.array([g["params"] for g in ref["groups"]])
+    gD = np.array([g["tokens"] for g in ref["groups"]])
+    gL = np.array([g["loss"] for g in ref["groups"]])
+    out = np.empty(np.shape(N), dtype=float)
+    for i, (n, d) in enumerate(zip(np.ravel(N), np.ravel(D))):
+        ok = (np.abs(np.log(gN / n)) <= math.log1p(tol)) & (np.abs(np.log(gD / d)) <= math.log1p(tol))
+        if not ok.any():
+            raise ArchsearchError(
+                "reference", f"best-observed L_opt has no run near N={n:.4g}, D={d:.4g} (observed: "
+                + ", ".join(f"N={a:.3g}/D={b:.3g}" for a, b in zip(gN, gD)) + ")",
+                "fit with reference=chinchilla or give the law a Chinchilla reference "
+                "(--reference-law / FitResult.with_reference)")
+        j = np.flatnonzero(ok)
+        out.flat[i] = gL[j[np.argmin(np.abs(np.log(gN[j] / n)) + np.abs(np.log(gD[j] / d)))]]
+    return out
+
+
+# -- arrays from runs -------------------------------------------------------------------------
+
+def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float]) -> forms.Data:
+    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
+
+    return {"N": np.array([non_embedding_params(s) for s in specs], dtype=float),
+            "D": np.array(tokens, dtype=float),
+            "x1": np.array([hidden_over_sqrt_n(s) for s in specs]),
+            "x2": np.array([mlp_to_attn_ratio(s) for s in specs]),
+            "R": np.array([s.hidden_size / s.n_layers for s in specs], dtype=float)}
+
+
+def run_arrays(runs: Sequence["RunRecord"]) -> tuple[forms.Data, np.ndarray]:
+    """(inputs, losses) of runs; N, r and hidden/sqrt(N) are derived from the architecture."""
+    X = _spec_arrays([r.spec for r in runs], [r.tokens for r in runs])
+    return X, np.array([r.loss for r in runs], dtype=float)
+
+
+def _take(X: forms.Data, idx: np.ndarray) -> forms.Data:
+    return {k: v[idx] for k, v in X.items()}
+
+
+def _group_best(X: forms.Data, L: np.ndarray, tol: float) -> list[dict[str, float]]:
+    """Best loss per (N, D) group, at that best run's own N and D."""
+    key = cluster(X["N"], tol) * (10 ** 6) + cluster(X["D"], tol)
+    out = []
+    for k in np.unique(key):
+        idx = np.flatnonzero(key == k)
+        j = idx[np.argmin(L[idx])]
+        out.append({"params": float(X["N"][j]), "tokens": float(X["D"][j]), "loss": float(L[j])})
+    return out
+
+
+# -- core optimisation ------------------------------------------------------------------------
+
+@dataclass
+class _Core:
+    vector: np.ndarray          # theta (robust) or the LM vector
+    coefficients: dict[str, float]
+    objective: float
+    converged: bool
+    warnings: list[str]
+
+
+def _huber_objective(form, X, logL, nm, delta):
+    n = logL.size
+
+    def fun(th):
+        y, J = form.logpred(th, X, nm)
+        r = y - logL
+        a = np.abs(r)
+        quad = a <= delta
+        # scaled by 1/delta so that values and gradients are O(residual), not O(delta * residual)
+        val = np.where(quad, 0.5 * r * r / delta, a - 0.5 * delta)
+        psi = np.where(quad, r / delta, np.sign(r))
+        return float(val.sum() / n), J.T @ psi / n
+
+    return fun
+
+
+def _starts(form, X, L, n_starts, rng) -> list[np.ndarray]:
+    box = np.array(form.start_box(X, L))
+    lo, hi = np.array(form.bounds(X, L)).T
+    mid = box.mean(axis=1)
+    rand = rng.uniform(box[:, 0], box[:, 1], size=(n_starts - 1, box.shape[0]))
+    return [np.clip(s, lo, hi) for s in (mid, *rand)]
+
+
+def _fit_robust(form, X, L, opts: FitOptions, starts, check: bool) -> _Core:
+    from scipy.optimize import minimize
+
+    nm = forms.Norm.of(X)
+    logL = np.log(L)
+    bounds = form.bounds(X, L)
+    fun = _huber_objective(form, X, logL, nm, opts.huber_delta)
+    lo, hi = np.array(bounds).T
+    results = []
+    for s in starts:
+        s = np.clip(s, lo, hi)  # a warm start from another data set may sit just outside
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            r = minimize(fun, s, jac=True, method="L-BFGS-B", bounds=bounds,
+                         options={"maxiter": opts.max_iter, "ftol": 1e-13, "gtol": 1e-10})
+        if np.isfinite(r.fun):
+            results.append(r)
+    if not results:
+        raise ArchsearchError("data", f"the {form.law} fit failed from every start (non-finite loss)",
+                              "check the runs for extreme values, or try method=lm")
+    best = min(results, key=lambda r: r.fun)
+    warns: list[str] = []
+    if check:
+        warns += _disagreement(form, X, nm, results, best, lambda th: form.logpred(th, X, nm)[0])
+        for name, v, (lo, hi) in zip(form.names, best.x, bounds):
+            span = hi - lo
+            if v - lo <= 1e-6 * span or hi - v <= 1e-6 * span:
+                side = "lower" if v - lo <= 1e-6 * span else "upper"
+                warns.append(f"parameter at a bound: {name} = {v:.4g} sits at its {side} bound"
+                             + _bound_hint(form.law, name, side))
+    # A stop on the iteration limit is a real failure; L-BFGS-B's "abnormal line search" at a
+    # flat optimum is not (the gradient there is as small as the data allow).
+    converged = bool(best.success) or best.nit < opts.max_iter
+    return _Core(best.x, form.to_coefficients(best.x, nm), float(best.fun), converged, warns)
+
+
+def _bound_hint(law: str, name: str, side: str) -> str:
+    if name in ("a1", "b1", "b1 (min g = 1)") and side == "lower":
+        var = "hidden/sqrt(N)" if name == "a1" else "r"
+        return f" (no curvature in {var}: the data show no interior optimum there)"
+    if name.startswith("log x1*") or name.startswith("log r*"):
+        return " (the optimum lies outside the observed range)"
+    if name == "log E" and side == "lower":
+        return " (E -> 0: the irreducible loss is not determined by these runs)"
+    return ""
+
+
+def _disagreement(form, X, nm, results, best, logpred) -> list[str]:
+    """Starts whose objective ties the best's but whose predictions differ (non-identifiable)."""
+    near = [r for r in results if r.fun <= best.fun * 1.01 + 1e-12]
+    if len(near) < 2:
+        return []
+    # probe at the data and beyond it (4x N and D), where non-identifiable fits part ways
+    Xp = {k: np.concatenate([v, v * 4.0]) if k in ("N", "D") else np.concatenate([v, v])
+          for k, v in X.items()}
+    preds = np.array([np.exp(form.logpred(r.x, Xp, nm)[0]) for r in near])
+    spread = float(np.max((preds.max(axis=0) - preds.min(axis=0)) / preds.min(axis=0)))
+    if spread > 0.01:
+        return [f"starts disagree: {len(near)} starts reach the same objective but their predictions "
+                f"differ by up to {spread:.1%} (at the data or at 4x N and D); the law is not "
+                "identified by these runs"]
+    return []
+
+
+def _fit_lm(law, form, X, L, opts: FitOptions, starts, check: bool) -> _Core:
+    from scipy.optimize import OptimizeWarning, curve_fit
+
+    nm = forms.Norm.of(X)
+    idx = np.arange(L.size)
+    if law in CONDITIONAL:
+        def model(_, *p):
+            return forms.lm_model(law, np.array(p), X)[0]
+
+        def jac(_, *p):
+            return forms.lm_model(law, np.array(p), X)[1]
+
+        to_c = lambda p: forms.lm_to_coefficients(law, p)  # noqa: E731
+    else:
+        def model(_, *p):
+            return np.exp(form.logpred(np.array(p), X, nm)[0])
+
+        def jac(_, *p):
+            y, J = form.logpred(np.array(p), X, nm)
+            return np.exp(y)[:, None] * J
+
+        to_c = lambda p: form.to_coefficients(p, nm)  # noqa: E731
+    results = []
+    for s in starts:
+        try:
+            with _warnings.catch_warnings(), np.errstate(all="ignore"):
+                _warnings.simplefilter("ignore", OptimizeWarning)
+                p, _ = curve_fit(model, idx, L, p0=s, jac=jac, method="lm", maxfev=opts.max_iter * 10)
+        except (RuntimeError, ValueError):
+            continue
+        sse = float(np.mean((model(idx, *p) - L) ** 2))
+        if np.isfinite(sse):
+            results.append((sse, p))
+    if not results:
+        raise ArchsearchError("method", f"Levenberg-Marquardt did not converge from any start for {law}",
+                              "use method huber-lbfgsb (bounded, robust)")
+    sse, p = min(results, key=lambda t: t[0])
+    warns: list[str] = []
+    if check and len(results) > 1:
+        near = [q for s2, q in results if s2 <= sse * 1.01 + 1e-15]
+        if len(near) > 1:
+            preds = np.array([model(idx, *q) for q in near])
+            spread = float(np.max((preds.max(axis=0) - preds.min(axis=0)) / np.abs(preds).min(axis=0)))
+            if spread > 0.01:
+                warns.append(f"starts disagree: {len(near)} starts reach the same error but predictions "
+                             f"differ by up to {spread:.1%}")
+    return _Core(np.asarray(p), to_c(np.asarray(p)), sse, True, warns)
+
+
+def _lm_starts(law, form, X, L, theta_starts):
+    if law not in CONDITIONAL:
+        return theta_starts
+    nm = forms.Norm.of(X)
+    # the flat law (f = 1, g = 1: L = L_opt) first, then the robust parametrisation's starts
+    flat = np.array([1.0, 0, 0, 0, 0]) if law == "conditional-multiplicative" else np.zeros(5)
+    out = [flat]
+    for th in theta_starts:
+        try:
+            out.append(forms.lm_from_coefficients(law, form.to_coefficients(th, nm)))
+        except ValueError:
+            continue
+    return out
+
+
+def _fit_core(law, form, X, L, opts, starts=None, rng=None, check=True) -> _Core:
+    if opts.method == "lm":
+        if starts is None:
+            starts = _lm_starts(law, form, X, L, _starts(form, X, L, opts.n_starts, rng))
+        return _fit_lm(law, form, X, L, opts, starts, check)
+    if starts is None:
+        starts = _starts(form, X, L, opts.n_starts, rng)
+    return _fit_robust(form, X, L, opts, starts, check)
+
+
+def _vector_from_coefficients(law, form, X, L, opts, coefs) -> np.ndarray:
+    """A warm start (for the bootstrap) from fitted coefficients, in the method's parametrisation."""
+    if opts.method == "lm" and law in CONDITIONAL:
+        return forms.lm_from_coefficients(law, coefs)
+    return form.from_coefficients(coefs, forms.Norm.of(X))
+
+
+# -- the two-step fit -------------------------------------------------------------------------
+
+@dataclass
+class _Prepared:
+    X: forms.Data
+    L: np.ndarray
+    ref: dict[str, Any] | None
+    ref_warnings: list[str]
+
+
+def _reference_for(law, X, L, opts: FitOptions, ref_fixed, extra_groups=(), warm=None, check=True):
+    """(reference dict, Lref array, warnings) for a conditional fit on runs X, L."""
+    if law not in CONDITIONAL:
+        return None, None, []
+    if ref_fixed is not None:
+        return ref_fixed, reference_loss(ref_fixed, X["N"], X["D"]), []
+    groups = _group_best(X, L, opts.size_tolerance)
+    if opts.reference == "best-observed":
+        ref = {"law": "best-observed", "groups": groups + list(extra_groups), "tolerance": opts.size_tolerance}
+        return ref, reference_loss(ref, X["N"], X["D"]), []
+    if len(groups) < 5:
+        raise ArchsearchError("reference", f"a Chinchilla L_opt needs at least 5 (N, D) groups, the data "
+                              f"have {len(groups)}", "use reference=best-observed (--reference "
+                              "best-observed) or give a fitted Chinchilla law (--reference-law)")
+    gX = {"N": np.array([g["params"] for g in groups]), "D": np.array([g["tokens"] for g in groups])}
+    gX["R"] = np.ones_like(gX["N"])
+    gL = np.array([g["loss"] for g in groups])
+    ropts = dataclasses.replace(opts, method="huber-lbfgsb")
+    starts = None if warm is None else [forms.CHINCHILLA.from_coefficients(warm, forms.Norm.of(gX))]
+    core = _fit_core("chinchilla", forms.CHINCHILLA, gX, gL, ropts, starts,
+                     np.random.default_rng([opts.seed, 2]), check)
+    ref = {"law": "chinchilla", "coefficients": core.coefficients}
+    warns = [f"reference: {w}" for w in core.warnings]
+    if check:
+        warns += [f"reference: {w}" for w in _data_warnings("chinchilla", gX, 5, opts)]
+    return ref, reference_loss(ref, X["N"], X["D"]), warns
+
+
+def _data_warnings(law: str, X: forms.Data, n_params: int, opts: FitOptions) -> list[str]:
+    n = X["N"].size
+    out = []
+    if n < 3 * n_params:
+        out.append(f"too few points: {n} runs for {n_params} parameters (fewer than 3 per "
+                   "parameter); expect wide intervals")
+
+    def distinct(v):
+        return int(cluster(v, 0.01).max() + 1)
+
+    if law in ("chinchilla", "aspect-ratio"):
+        for var, name in (("N", "sizes (N)"), ("D", "token budgets (D)")):
+            k = int(cluster(X[var], opts.size_tolerance).max() + 1)
+            if k < 3:
+                out.append(f"too few points per variable: {k} distinct {name}; its exponent is barely determined")
+        ratio = np.log(X["D"] / X["N"])
+        if n > 1 and np.ptp(ratio) < math.log1p(opts.size_tolerance) * 2:
+            out.append("too few points per variable: tokens are a fixed multiple of params (D/N constant), so "
+                       "the N and D terms cannot be told apart; predictions at another D/N are unreliable")
+        if law == "aspect-ratio" and distinct(X["R"]) < 3:
+            out.append(f"too few points per variable: {distinct(X['R'])} distinct aspect ratios R")
+    else:
+        for var, name in (("x1", "hidden/sqrt(N)"), ("x2", "r")):
+            k = distinct(X[var])
+            if k < 4:
+                out.append(f"too few points per variable: {k} distinct {name} values for a 3-coefficient "
+                           "U-shaped factor")
+    return out
+
+
+def _summary_ranges(X: forms.Data) -> dict[str, list[float]]:
+    keys = {"N": "params", "D": "tokens", "x1": "hidden_over_sqrt_n", "x2": "mlp_to_attn_ratio",
+            "R": "hidden_over_layers"}
+    return {keys[k]: [float(v.min()), float(v.max())] for k, v in X.items() if k in keys and v.size}
+
+
+def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = None) -> FitResult:
+    """Fit ``law`` to proxy runs (see the module docstring). Errors name the field to fix."""
+    opts = options or FitOptions()
+    if law not in LAWS:
+        raise ArchsearchError("law", f"unknown law {law!r}", f"use one of {list(LAWS)}")
+    ok = [r for r in runs if r.status == "ok"]
+    if not ok:
+        raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
+    fit_runs, test = split_holdout(ok, opts.holdout_size, opts.size_tolerance)
+    return _fit_split(fit_runs, test, law, opts, n_failed=len(runs) - len(ok))
+
+
+def split_holdout(runs: Sequence["RunRecord"], holdout_size: float | None,
+                  tolerance: float = 0.05) -> tuple[list, list]:
+    """(runs to fit, runs of the held-out size): the size whose N is nearest ``holdout_size``."""
+    if holdout_size is None:
+        return list(runs), []
+    from archsearch.laws.diagnostics import size_groups
+
+    groups = size_groups(runs, tolerance)
+    sizes = [float(np.exp(np.mean(np.log([runs[i].n_params for i in g])))) for g in groups]
+    k = int(np.argmin([abs(math.log(s / holdout_size)) for s in sizes]))
+    if abs(math.log(sizes[k] / holdout_size)) > math.log1p(0.25):
+        raise ArchsearchError("holdout_size", f"no size within 25% of {holdout_size:.4g}",
+                              "sizes in the data: " + ", ".join(f"{s:.4g}" for s in sizes))
+    held = set(groups[k])
+    fit_runs = [r for i, r in enumerate(runs) if i not in held]
+    if not fit_runs:
+        raise ArchsearchError("holdout_size", "holding out that size leaves no runs to fit",
+                              "hold out a size only when the data have several")
+    return fit_runs, [runs[i] for i in sorted(held)]
+
+
+def _one_blas_thread():
+    """L-BFGS-B calls BLAS on tiny matrices: threads only add overhead (10x on a loaded machine)."""
+    import scipy.optimize  # noqa: F401  (load its BLAS first: limits apply to loaded libraries only)
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def _r_filter(runs, opts, role):
+    if opts.r_range is None:
+        return list(runs), []
+    lo, hi = opts.r_range
+    keep, dropped = [], []
+    for i, r in enumerate(runs):
+        ratio = r.mlp_to_attn_ratio
+        if lo <= ratio <= hi:
+            keep.append(r)
+        else:
+            dropped.append({"run_id": r.run_id, "index": i, "set": role,
+                            "mlp_to_attn_ratio": round(ratio, 4), "reason": f"r outside [{lo}, {hi}]"})
+    return keep, dropped
+
+
+def _fit_split(fit_runs, test_runs, law: str, opts: FitOptions, n_failed: int = 0) -> FitResult:
+    """Fit on ``fit_runs``; metrics on ``fit_runs`` and (if any) the held-out ``test_runs``."""
+    with _one_blas_thread():
+        return _fit_split_inner(fit_runs, test_runs, law, opts, n_failed)
+
+
+def _fit_split_inner(fit_runs, test_runs, law, opts, n_failed):
+    from archsearch.provenance import provenance
+
+    fit_runs, dropped = _r_filter(fit_runs, opts, "fit")
+    test_runs, dropped_t = _r_filter(test_runs, opts, "holdout")
+    dropped += dropped_t
+    if not fit_runs:
+        lo, hi = opts.r_range
+        raise ArchsearchError("r_range", f"every run has r = mlp/attn outside [{lo}, {hi}]",
+                              "widen --r-range, or pass --no-r-filter to keep all runs")
+    form = forms.get_form(law, opts.tie_exponents)
+    X, L = run_arrays(fit_runs)
+    p = len(form.names)
+    if L.size < p:
+        raise ArchsearchError("data", f"{L.size} runs to fit but {law} has {p} parameters",
+                              f"add runs (at least {p}, ideally {3 * p}+)" +
+                              (f"; {len(dropped)} were dropped by the r filter" if dropped else ""))
+    Xt, Lt = run_arrays(test_runs) if test_runs else (None, None)
+    ref_fixed = _parse_reference(opts.reference_law, "reference_law") if opts.reference_law is not None else None
+    extra = _group_best(Xt, Lt, opts.size_tolerance) if (Xt is not None and law in CONDITIONAL) else []
+    ref, Lref, warns = _reference_for(law, X, L, opts, ref_fixed, extra)
+    if Lref is not None:
+        X["Lref"] = Lref
+    rng = np.random.default_rng([opts.seed, 1])
+    core = _fit_core(law, form, X, L, opts, rng=rng)
+    warns += core.warnings + _data_warnings(law, X, p, opts)
+    coefs = core.coefficients
+    if law in CONDITIONAL:
+        for a, b, var in (("a1", "a2", "hidden/sqrt(N)"), ("b1", "b2", "r")):
+            if forms.factor_optimum(coefs[a], coefs[b]) is None:
+                warns.append(f"the {var} factor is not U-shaped ({a}={coefs[a]:.3g}, {b}={coefs[b]:.3g}): "
+                             "no interior optimum in " + var)
+    result = FitResult(law=law, coefficients=coefs, reference=ref, options=opts.to_dict(),
+                       dropped=dropped, n_runs=int(L.size), data_ranges=_summary_ranges(X))
+    pred = result.predict_arrays(X)
+    logres = np.log(pred) - np.log(L)
+    trend_vars = {"log N": np.log(X["N"]), "log D": np.log(X["D"])}
+    if law == "aspect-ratio":
+        trend_vars["log R"] = np.log(X["R"])
+    if law in CONDITIONAL:
+        trend_vars.update({"log hidden/sqrt(N)": np.log(X["x1"]), "log r": np.log(X["x2"])})
+    warns += residual_trends(logres, trend_vars)
+    m: dict[str, Any] = {"fit": metrics(L, pred)}
+    if Xt is not None and Lt.size:
+        m["holdout"] = metrics(Lt, result.predict_arrays(Xt))
+        if law in CONDITIONAL:
+            m["reference_at_test"] = "observed" if ref["law"] == "best-observed" else ref["law"]
+    if n_failed:
+        warns.append(f"{n_failed} runs with status failed were not fitted")
+    boot = None
+    if opts.bootstrap:
+        boot, bwarn = _bootstrap(law, form, X, L, opts, core, ref_fixed, ref, extra)
+        warns += bwarn
+    status = "not_converged" if not core.converged else ("warnings" if warns else "ok")
+    return dataclasses.replace(result, status=status, warnings=warns, metrics=m, bootstrap=boot,
+                               provenance=provenance(device=False))
+
+
+# -- bootstrap --------------------------------------------------------------------------------
+
+def _bootstrap_chunk(args) -> list[tuple[list[float] | None, list[float] | None]]:
+    law, X, L, opts, warm_coefs, warm_vector, warm_ref, ref_fixed, extra, index_sets = args
+    with _one_blas_thread():
+        return _bootstrap_fits(law, X, L, opts, warm_coefs, warm_vector, warm_ref, ref_fixed, extra,
+                               index_sets)
+
+
+def _bootstrap_fits(law, X, L, opts, warm_coefs, warm_vector, warm_ref, ref_fixed, extra, index_sets):
+    form = forms.get_form(law, opts.tie_exponents)
+    names = forms.coefficient_names(law)
+    out = []
+    for idx in index_sets:
+        Xb = {k: v[idx] for k, v in X.items() if k != "Lref"}
+        Lb = L[idx]
+        try:
+            if np.unique(idx).size < len(form.names):
+                raise ArchsearchError("bootstrap", "too few distinct runs in the resample")
+            ref, Lref, _ = _reference_for(law, Xb, Lb, opts, ref_fixed, extra, warm=warm_ref, check=False)
+            if Lref is not None:
+                Xb["Lref"] = Lref
+            if opts.method != "lm" and law in CONDITIONAL:
+                start = warm_vector  # conditional theta does not depend on the normalisation
+            else:
+                start = _vector_from_coefficients(law, form, Xb, Lb, opts, warm_coefs)
+            core = _fit_core(law, form, Xb, Lb, opts, starts=[start], check=False)
+        except (ArchsearchError, ValueError, FloatingPointError):
+            out.append((None, None))
+            continue
+        refc = None
+        if ref is not None and ref["law"] == "chinchilla" and ref_fixed is None:
+            refc = [ref["coefficients"][k] for k in forms.coefficient_names("chinchilla")]
+        out.append(([core.coefficients[k] for k in names], refc))
+    return out
+
+
+def _bootstrap(law, form, X, L, opts: FitOptions, core: _Core, ref_fixed, ref, extra):
+    """Refit on ``opts.bootstrap`` resamples of the runs (with replacement), each warm-started at
+    the full fit; a fitted Chinchilla reference is refitted on every resample too."""
+    rng = np.random.default_rng([opts.seed, 3])
+    n = L.size
+    index_sets = [rng.integers(0, n, n) for _ in range(opts.bootstrap)]
+    warm_ref = ref["coefficients"] if (ref and ref["law"] == "chinchilla" and ref_fixed is None) else None
+    Xc = {k: v for k, v in X.items() if k != "Lref"}
+    chunks = [index_sets[i::opts.n_jobs] for i in range(opts.n_jobs)]
+    args = [(law, Xc, L, opts, core.coefficients, core.vector, warm_ref, ref_fixed, extra, c)
+            for c in chunks]
+    if opts.n_jobs == 1:
+        parts = [_bootstrap_chunk(args[0])]
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(opts.n_jobs) as ex:
+            parts = list(ex.map(_bootstrap_chunk, args))
+    # undo the round-robin split so resample i is row i whatever n_jobs is
+    results = [parts[i % opts.n_jobs][i // opts.n_jobs] for i in range(opts.bootstrap)]
+    good = [r for r in results if r[0] is not None]
+    failed = len(results) - len(good)
+    warns = []
+    if failed > 0.05 * len(results):
+        warns.append(f"bootstrap: {failed} of {len(results)} resamples could not be fitted; intervals "
+                     "rest on the others")
+    boot = {"n": len(results), "n_failed": failed, "seed": opts.seed,
+            "names": list(forms.coefficient_names(law)),
+            "coefficients": [c for c, _ in good]}
+    if warm_ref is not None:
+        boot["reference_names"] = list(forms.coefficient_names("chinchilla"))
+        boot["reference"] = [r for _, r in good]
+    return boot, warns
+
+
+def _drop_reference_samples(boot):
+    if not boot or "reference" not in boot:
+        return boot
+    return {k: v for k, v in boot.items() if k not in ("reference", "reference_names")}
+
+
+def _quantiles(samples: np.ndarray, level: float) -> tuple[float, float]:
+    if not 0 < level < 1:
+        raise ArchsearchError("level", f"must be in (0, 1), got {level}")
+    a = (1.0 - level) / 2.0
+    lo, hi = np.quantile(samples, [a, 1.0 - a])
+    return float(lo), float(hi)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        v = float(obj)
+        return v if math.isfinite(v) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    return obj

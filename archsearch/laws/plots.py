@@ -1,0 +1,116 @@
+"""Diagnostic PNGs of a fit (matplotlib, Agg backend, imported only here).
+
+* ``predicted_vs_actual.png``: fitted and held-out runs marked apart, with the y = x line.
+* ``loss_vs_hidden_over_sqrt_n.png`` / ``loss_vs_r.png``: for a conditional law, the partial
+  loss (the run's loss with the other factor and L_opt divided out, or subtracted for the
+  additive form) against each variable, with the fitted U-curve; for the other laws, the
+  loss against the variable.
+* ``residuals.png``: log residuals against N, hidden/sqrt(N) and r.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from archsearch.laws import forms
+from archsearch.laws.fit import run_arrays
+
+if TYPE_CHECKING:
+    from archsearch.laws.fit import FitResult
+    from archsearch.rundata import RunRecord
+
+
+def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs: Sequence["RunRecord"],
+                out_dir: str | Path) -> list[Path]:
+    """Write the diagnostic PNGs into ``out_dir``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rr = fit.options.get("r_range")
+
+    def arrays(runs):
+        if rr:
+            runs = [r for r in runs if rr[0] <= r.mlp_to_attn_ratio <= rr[1]]
+        if not runs:
+            return None
+        X, L = run_arrays(runs)
+        if fit.law in forms.CONDITIONAL:
+            from archsearch.laws.fit import reference_loss
+
+            X["Lref"] = reference_loss(fit.reference, X["N"], X["D"])
+        return X, L, fit.predict_arrays(X)
+
+    sets = [(name, arrays(r), c) for name, r, c in (("fit", fit_runs, "C0"), ("held out", holdout_runs, "C3"))]
+    sets = [(n, a, c) for n, a, c in sets if a is not None]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    for name, (X, L, P), color in sets:
+        ax.scatter(L, P, s=14, color=color, label=f"{name} ({L.size})", alpha=0.8)
+    allv = np.concatenate([np.concatenate([a[1], a[2]]) for _, a, _ in sets])
+    lim = [allv.min() * 0.98, allv.max() * 1.02]
+    ax.plot(lim, lim, color="k", lw=0.8)
+    ax.set(xlabel="actual loss", ylabel="predicted loss", title=f"{fit.law}: predicted vs actual",
+           xlim=lim, ylim=lim)
+    ax.legend()
+    paths.append(_save(fig, out / "predicted_vs_actual.png", plt))
+
+    c = fit.coefficients
+    for var, key, fname in (("hidden/sqrt(N)", "x1", "loss_vs_hidden_over_sqrt_n.png"),
+                            ("r = mlp/attn", "x2", "loss_vs_r.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, (X, L, P), color in sets:
+            ax.scatter(X[key], _partial(fit.law, c, X, L, key), s=14, color=color, label=name, alpha=0.8)
+        if fit.law in forms.CONDITIONAL:
+            xs = np.geomspace(min(a[0][key].min() for _, a, _ in sets) / 1.3,
+                              max(a[0][key].max() for _, a, _ in sets) * 1.3, 200)
+            ax.plot(xs, _curve(fit.law, c, key, xs), color="k", lw=1.2, label="fitted factor")
+            ylabel = "loss / (L_opt x other factor)" if fit.law.endswith("multiplicative") \
+                else "loss - L_opt - other factor"
+        else:
+            ylabel = "loss"
+        ax.set(xscale="log", xlabel=var, ylabel=ylabel, title=f"{fit.law}: loss vs {var}")
+        ax.legend()
+        paths.append(_save(fig, out / fname, plt))
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
+    for ax, (key, label) in zip(axes, (("N", "N (non-embedding)"), ("x1", "hidden/sqrt(N)"), ("x2", "r"))):
+        for name, (X, L, P), color in sets:
+            ax.scatter(X[key], np.log(P) - np.log(L), s=10, color=color, label=name, alpha=0.8)
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set(xscale="log", xlabel=label)
+    axes[0].set_ylabel("log predicted - log actual")
+    axes[0].legend()
+    fig.suptitle(f"{fit.law}: residuals")
+    paths.append(_save(fig, out / "residuals.png", plt))
+    return paths
+
+
+def _partial(law, c, X, L, key):
+    """The run's loss with everything but the factor in ``key`` taken out (conditional laws)."""
+    if law not in forms.CONDITIONAL:
+        return L
+    other = "x2" if key == "x1" else "x1"
+    if law == "conditional-multiplicative":
+        return L / (X["Lref"] * _curve(law, c, other, X[other]))
+    return L - X["Lref"] - _curve(law, c, other, X[other])
+
+
+def _curve(law, c, key, x):
+    if key == "x1":
+        return forms.u_factor(c["a0"], c["a1"], c["a2"], x)
+    return forms.u_factor(c.get("b0", 0.0), c["b1"], c["b2"], x)
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,288 @@
+"""The loss-optimal shape and the constrained search "max efficiency s.t. loss <= L_t" (SPEC 3c, 4).
+
+The conditional law is separable, each factor ``c0 + c1 log x + c2 / x`` has its minimum at
+``x* = c2 / c1`` (c1, c2 > 0), and its coefficients are shared across N and D: so the
+loss-optimal (hidden/sqrt(N), r) is the same closed form at every budget, and only its loss
+needs the reference L_opt(N, D).
+
+:func:`solve` scans a grid of (hidden/sqrt(N), r) at fixed N and n_layers, builds each point
+with :func:`archsearch.candidates.build_candidate` (so every result is a buildable spec),
+predicts its loss, keeps those within the target, and, given a throughput function, returns
+the Pareto set of throughput against predicted loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from archsearch.errors import ArchsearchError
+from archsearch.laws import forms
+from archsearch.laws.forms import CONDITIONAL
+
+if TYPE_CHECKING:
+    from archsearch.arch import ArchSpec
+    from archsearch.candidates import BuildSettings
+    from archsearch.laws.fit import FitResult
+
+
+@dataclass(frozen=True)
+class Optimum:
+    """The continuous loss-optimal shape at (N, D), before snapping to buildable sizes."""
+
+    hidden_over_sqrt_n: float
+    mlp_to_attn_ratio: float
+    params: float
+    tokens: float
+    loss: float | None                     # None when the law has no reference L_opt
+    interval: dict[str, list[float]] | None = None   # bootstrap intervals of the above
+    note: str | None = None                # why loss is None, when it is
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hidden_over_sqrt_n": self.hidden_over_sqrt_n, "mlp_to_attn_ratio": self.mlp_to_attn_ratio,
+                "params": self.params, "tokens": self.tokens, "loss": self.loss, "interval": self.interval,
+                "note": self.note}
+
+
+def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) -> Optimum:
+    """Closed-form optimum (x1* = a2/a1, r* = b2/b1) of a conditional law, with bootstrap intervals."""
+    from archsearch.laws.fit import _quantiles
+
+    if fit.law not in CONDITIONAL:
+        raise ArchsearchError("law", f"{fit.law} has no closed-form optimum in (hidden/sqrt(N), r)",
+                              "fit a conditional law (conditional-multiplicative / conditional-additive)")
+    _check_budget(params, tokens)
+    c = fit.coefficients
+    x1 = forms.factor_optimum(c["a1"], c["a2"])
+    x2 = forms.factor_optimum(c["b1"], c["b2"])
+    if x1 is None or x2 is None:
+        which = "a1, a2" if x1 is None else "b1, b2"
+        var = "hidden/sqrt(N)" if x1 is None else "r"
+        raise ArchsearchError(f"coefficients.{which}", f"the {var} factor has no interior minimum "
+                              f"(it needs both coefficients > 0)", "refit with the robust method, or "
+                              "widen the range of shapes in the runs")
+    loss, note = None, None
+    if fit.reference is None:
+        note = "no reference L_opt: the optimal shape is defined, its loss is not"
+    else:
+        try:
+            loss = _optimum_loss(fit.law, c, x1, x2, fit.reference, params, tokens)
+        except ArchsearchError as e:  # best-observed L_opt away from the observed (N, D)
+            note = f"loss not predicted: {e}"
+    interval = None
+    bs = fit.bootstrap
+    if bs and bs.get("coefficients"):
+        names = bs["names"]
+        s1, s2, sl = [], [], []
+        for i, row in enumerate(bs["coefficients"]):
+            cb = dict(zip(names, row))
+            o1, o2 = forms.factor_optimum(cb["a1"], cb["a2"]), forms.factor_optimum(cb["b1"], cb["b2"])
+            if o1 is None or o2 is None:
+                continue
+            s1.append(o1)
+            s2.append(o2)
+            if loss is not None:
+                ref = fit.reference
+                if bs.get("reference"):
+                    ref = {"law": "chinchilla", "coefficients": dict(zip(bs["reference_names"], bs["reference"][i]))}
+                sl.append(_optimum_loss(fit.law, cb, o1, o2, ref, params, tokens))
+        if s1:
+            interval = {"level": level, "n": len(s1),
+                        "hidden_over_sqrt_n": list(_quantiles(np.array(s1), level)),
+                        "mlp_to_attn_ratio": list(_quantiles(np.array(s2), level))}
+            if sl:
+                interval["loss"] = list(_quantiles(np.array(sl), level))
+    return Optimum(x1, x2, float(params), float(tokens), loss, interval, note)
+
+
+def _optimum_loss(law, c, x1, x2, ref, params, tokens) -> float:
+    from archsearch.laws.fit import reference_loss
+
+    X = {"x1": np.array([x1]), "x2": np.array([x2]),
+         "Lref": reference_loss(ref, np.array([float(params)]), np.array([float(tokens)]))}
+    return float(forms.predict(law, c, X)[0])
+
+
+def _check_budget(params: float, tokens: float) -> None:
+    if not (params > 0 and math.isfinite(params)):
+        raise ArchsearchError("params", f"must be a positive number, got {params}")
+    if not (tokens > 0 and math.isfinite(tokens)):
+        raise ArchsearchError("tokens", f"must be a positive number, got {tokens}")
+
+
+@dataclass(frozen=True)
+class SolvePoint:
+    """One buildable candidate of the scan."""
+
+    hidden_over_sqrt_n: float             # requested (the grid value)
+    mlp_to_attn_ratio: float              # requested
+    spec: "ArchSpec"
+    predicted_loss: float | None          # None when the law has no reference L_opt
+    throughput: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        from archsearch.arch import describe
+
+        return {"requested": {"hidden_over_sqrt_n": self.hidden_over_sqrt_n,
+                              "mlp_to_attn_ratio": self.mlp_to_attn_ratio},
+                "architecture": describe(self.spec), "predicted_loss": self.predicted_loss,
+                "throughput": self.throughput}
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """Candidates of the scan: ``points`` (all buildable, unique), ``feasible`` (predicted loss <=
+    target; all points when no target), ``pareto`` (feasible, not beaten on both throughput and
+    loss), ``best`` (highest throughput among feasible; without throughputs, the lowest loss)."""
+
+    params: float
+    tokens: float
+    n_layers: int
+    target_loss: float | None
+    optimum: Optimum | None
+    architecture: SolvePoint | None       # the spec built at the continuous optimum
+    points: list[SolvePoint] = field(default_factory=list)
+    feasible: list[SolvePoint] = field(default_factory=list)
+    pareto: list[SolvePoint] = field(default_factory=list)
+    best: SolvePoint | None = None
+    n_unbuildable: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self, all_points: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "params": self.params, "tokens": self.tokens, "n_layers": self.n_layers,
+            "target_loss": self.target_loss,
+            "optimum": self.optimum.to_dict() if self.optimum else None,
+            "architecture": self.architecture.to_dict() if self.architecture else None,
+            "n_points": len(self.points), "n_feasible": len(self.feasible),
+            "n_unbuildable": self.n_unbuildable,
+            "pareto": [p.to_dict() for p in self.pareto],
+            "best": self.best.to_dict() if self.best else None, "notes": list(self.notes)}
+        if all_points:
+            d["points"] = [p.to_dict() for p in self.points]
+        return d
+
+
+def default_grid(fit: "FitResult", opt: Optimum | None, n: int = 21) -> tuple[np.ndarray, np.ndarray]:
+    """x1 from x1*/3 to 3 x1* (or the fitted range, or 0.02..0.2); r over the fit's r range."""
+    if opt is not None:
+        x1 = np.geomspace(opt.hidden_over_sqrt_n / 3.0, opt.hidden_over_sqrt_n * 3.0, n)
+    elif "hidden_over_sqrt_n" in fit.data_ranges:
+        lo, hi = fit.data_ranges["hidden_over_sqrt_n"]
+        x1 = np.geomspace(lo / 1.5, hi * 1.5, n)
+    else:
+        x1 = np.geomspace(0.02, 0.2, n)
+    rr = fit.options.get("r_range") or [0.5, 5.0]
+    x2 = np.geomspace(rr[0], rr[1], n)
+    if opt is not None:
+        x1 = np.sort(np.append(x1, opt.hidden_over_sqrt_n))
+        x2 = np.sort(np.append(x2, opt.mlp_to_attn_ratio))
+    return x1, x2
+
+
+def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_loss: float | None,
+          throughput_fn: Callable[["ArchSpec"], float | None] | None = None, *, gqa: int = 4,
+          head_dim: int = 64, build: "BuildSettings | None" = None,
+          grid: tuple[Sequence[float], Sequence[float]] | None = None) -> SolveResult:
+    """Scan (hidden/sqrt(N), r) at fixed N, D, n_layers; see :class:`SolveResult`.
+
+    ``throughput_fn(spec)`` gives a measured or predicted throughput (None = unknown: the point
+    stays feasible but is left out of the Pareto set). Needs a law that predicts losses (a
+    conditional law with a reference, or the aspect-ratio law).
+    """
+    from archsearch.candidates import BuildSettings, build_candidate
+
+    _check_budget(params, tokens)
+    if fit.law == "chinchilla":
+        raise ArchsearchError("law", "the chinchilla law does not depend on the architecture",
+                              "fit the aspect-ratio or a conditional law")
+    if target_loss is not None and not (target_loss > 0 and math.isfinite(target_loss)):
+        raise ArchsearchError("target_loss", f"must be a positive loss, got {target_loss}")
+    build = build or BuildSettings()
+    opt = optimum(fit, params, tokens) if fit.law in CONDITIONAL else None
+    can_predict = fit.law not in CONDITIONAL or fit.reference is not None
+    if target_loss is not None and not can_predict:
+        raise ArchsearchError("reference", "a target loss needs predicted losses, and this law has no "
+                              "reference L_opt", "add a reference (--reference-law) or drop --target-loss")
+    x1s, x2s = grid if grid is not None else default_grid(fit, opt)
+    notes: list[str] = []
+    seen: dict[Any, tuple[float, float, Any]] = {}  # spec -> first grid point that built it
+    unbuildable = 0
+    for x1 in x1s:
+        for x2 in x2s:
+            try:
+                cand = build_candidate(params, n_layers, float(x1), float(x2), gqa=gqa,
+                                       head_dim=head_dim, settings=build)
+            except ArchsearchError:
+                unbuildable += 1
+                continue
+            if cand.spec not in seen:
+                seen[cand.spec] = (float(x1), float(x2), cand.spec)
+    specs = list(seen.values())
+    losses = _predict_specs(fit, [s for _, _, s in specs], tokens, can_predict)
+    points = []
+    for (x1, x2, spec), loss in zip(specs, losses):
+        tp = throughput_fn(spec) if throughput_fn else None
+        points.append(SolvePoint(x1, x2, spec, loss, None if tp is None else float(tp)))
+
+    arch = None
+    if opt is not None:
+        try:
+            cand = build_candidate(params, n_layers, opt.hidden_over_sqrt_n, opt.mlp_to_attn_ratio,
+                                   gqa=gqa, head_dim=head_dim, settings=build)
+            loss = _predict_specs(fit, [cand.spec], tokens, can_predict)[0]
+            tp = throughput_fn(cand.spec) if throughput_fn else None
+            arch = SolvePoint(opt.hidden_over_sqrt_n, opt.mlp_to_attn_ratio, cand.spec, loss,
+                              None if tp is None else float(tp))
+        except ArchsearchError as e:
+            notes.append(f"the optimum itself does not build ({e}); architecture is the lowest-loss "
+                         "buildable grid point")
+    if arch is None and points and can_predict:
+        arch = min(points, key=lambda p: p.predicted_loss)
+        if opt is None:
+            notes.append("architecture is the lowest-loss buildable grid point (no closed-form optimum)")
+
+    if target_loss is None:
+        feasible = list(points)
+    else:
+        feasible = [p for p in points if p.predicted_loss <= target_loss]
+        if not feasible:
+            best_loss = min((p.predicted_loss for p in points), default=float("nan"))
+            notes.append(f"no candidate meets the target loss {target_loss:.4g} (lowest predicted "
+                         f"{best_loss:.4g})")
+    pareto = pareto_front(feasible)
+    with_tp = [p for p in feasible if p.throughput is not None]
+    if with_tp:
+        best = max(with_tp, key=lambda p: (p.throughput, -p.predicted_loss))
+    elif feasible and can_predict:
+        best = min(feasible, key=lambda p: p.predicted_loss)
+    else:
+        best = None
+    return SolveResult(float(params), float(tokens), n_layers, target_loss, opt, arch, points,
+                       feasible, pareto, best, unbuildable, notes)
+
+
+def _predict_specs(fit, specs, tokens, can_predict) -> list[float]:
+    from archsearch.laws.fit import _spec_arrays
+
+    if not specs:
+        return []
+    if not can_predict:
+        return [None] * len(specs)
+    return [float(v) for v in fit.predict_arrays(_spec_arrays(specs, [tokens] * len(specs)))]
+
+
+def pareto_front(points: Sequence[SolvePoint]) -> list[SolvePoint]:
+    """Points with a throughput that no other point beats on both throughput (higher) and loss
+    (lower), sorted by loss."""
+    pts = sorted((p for p in points if p.throughput is not None and p.predicted_loss is not None),
+                 key=lambda p: (p.predicted_loss, -p.throughput))
+    out, top = [], -math.inf
+    for p in pts:
+        if p.throughput > top:
+            out.append(p)
+            top = p.throughput
+    return out
