@@ -13,8 +13,9 @@ Three lm-eval tasks, written as JSONL under ``archsearch/evaltasks/data/`` next 
 
 Only the validation side of :func:`trainers.corpus.shakespeare_split` is read, and of each
 held-out work only the modern edition (the Folio edition is the same play in older spelling;
-using both would give near-duplicate items). Everything is derived from the texts and a fixed
-seed, so a rebuild reproduces the committed files byte for byte (``--check`` verifies that).
+using both would give near-duplicate items). Items are interleaved across the plays, so
+lm-eval's ``--limit N`` (the first N) takes from each. Everything is derived from the texts
+and a fixed seed: a rebuild reproduces the committed files byte for byte (``--check``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import random
 import re
 import sys
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 from archsearch.errors import ArchsearchError
@@ -150,10 +152,10 @@ def build(out_dir: Path = TASKS_DIR) -> dict[str, bytes]:
                                   for w, p in sources],
                       "tasks": {}}
     for task, (fn, n) in BUILDERS.items():
-        rows = []
-        for work, _ in sources:
-            rng = random.Random(f"{SEED}:{task}:{work}")
-            rows += fn(work, plays[work], rng, n)
+        per_work = [fn(work, plays[work], random.Random(f"{SEED}:{task}:{work}"), n)
+                    for work, _ in sources]
+        # round-robin over the works, so that lm-eval's --limit N (the first N) mixes the plays
+        rows = [r for group in zip_longest(*per_work) for r in group if r is not None]
         data = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows)
         rel = f"data/{task}.jsonl"
         files[rel] = data.encode("utf-8")
