@@ -244,6 +244,9 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
         arch = min(points, key=lambda p: p.predicted_loss)
         if opt is None:
             notes.append("architecture is the lowest-loss buildable grid point (no closed-form optimum)")
+            if arch.hidden_over_sqrt_n in (min(x1s), max(x1s)) or arch.mlp_to_attn_ratio in (min(x2s), max(x2s)):
+                notes.append("that point is on the edge of the scanned grid: the law's loss keeps "
+                             "falling beyond it, so widen the grid or read it as a bound")
 
     if target_loss is None:
         feasible = list(points)
