@@ -25,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from archsearch.laws import FitOptions, fit_law, optimum
-    from archsearch.laws.synthetic import TRUE_CHINCHILLA, synthetic_runs
+    from archsearch.laws.synthetic import synthetic_runs
 
     x1s, rs = 0.08, 2.0
     if args.law == "conditional-additive":

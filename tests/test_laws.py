@@ -12,7 +12,7 @@ import pytest
 
 from archsearch.cli import main
 from archsearch.errors import ArchsearchError
-from archsearch.laws import FitOptions, FitResult, fit_law, load_law, optimum, progressive_validation, solve
+from archsearch.laws import FitOptions, fit_law, load_law, optimum, progressive_validation, solve
 from archsearch.laws import forms
 from archsearch.laws.fit import run_arrays
 from archsearch.laws.synthetic import TRUE_CHINCHILLA, synthetic_runs
