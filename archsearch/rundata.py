@@ -146,7 +146,12 @@ def _parse(row: dict[str, Any], where: str) -> RunRecord:
         except (TypeError, ValueError):
             raise ArchsearchError(f"{where}.{k}", f"{v!r} is not a valid "
                                   f"{'integer' if k in _INT else 'number'}") from None
-    return RunRecord(**kw, extra=extra)
+    try:
+        return RunRecord(**kw, extra=extra)
+    except ArchsearchError as e:
+        if e.field.startswith(where):
+            raise
+        raise ArchsearchError(f"{where}: {e.field}", e.problem, e.fix) from None
 
 
 def read_runs(path: str | Path) -> list[RunRecord]:
