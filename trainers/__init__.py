@@ -1,0 +1,36 @@
+"""Training: data and tokenizers, the accelerate loop, proxy sweeps, multi-GPU launch.
+
+Importing this package imports no torch; the names below load their module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "DataConfig": "trainers.config",
+    "TrainConfig": "trainers.config",
+    "SweepConfig": "trainers.config",
+    "SweepBuild": "trainers.config",
+    "RunConfig": "trainers.config",
+    "HPARAMS": "trainers.config",
+    "prepare_data": "trainers.data",
+    "PreparedData": "trainers.data",
+    "load_tokenizer": "trainers.tokenizer",
+    "train": "trainers.loop",
+    "build_model": "trainers.loop",
+    "match_vocab": "trainers.loop",
+    "token_budget": "trainers.loop",
+    "run_sweep": "trainers.sweep",
+    "sweep_specs": "trainers.sweep",
+    "to_run_record": "trainers.sweep",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trainers' has no attribute {name!r}")

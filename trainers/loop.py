@@ -1,0 +1,506 @@
+"""The training loop: an HF causal LM built from an ArchSpec, driven by accelerate.
+
+One flat loop (nanoGPT style). What is worth knowing:
+
+* Precision: float32 on CPU (no native bf16 there, ~100x slower); on GPU bfloat16 autocast
+  through accelerate with fp32 master weights and optimizer state.
+* The learning rate is a pure function of the step (linear warm-up, cosine to
+  ``min_lr_ratio x lr``), and the data position is a pure function of the step
+  (trainers.data), so a checkpoint holds only model, optimizer, RNG and a few counters.
+* Gradient accumulation is done by hand: ``no_sync`` on all but the last micro-batch (no DDP
+  all-reduce until the gradient is complete), each micro-loss scaled by 1/accum.
+* Weight decay applies to matrices and embeddings, not to norm weights (the usual GPT rule).
+* The loss is read back (``.item()``, a device sync) once per step: it is needed to stop on
+  NaN/divergence at the step it happens, and it is all-reduced first so every process takes
+  the same decision (a process that stopped alone would hang the others).
+* Checkpoints are written to a temporary folder and renamed, so a kill during a save leaves
+  the previous checkpoint usable. Tensors are loaded with ``torch.load(weights_only=True)``.
+* Throughput counts optimizer steps only (not evaluation or checkpoint time); MFU uses
+  6 x (N + head) + 6 x L x S x dq FLOPs per token (Kaplan et al. 2020: forward 2N +
+  2 L n_ctx d_attn, backward twice the forward) against the device's peak: the GPU table in
+  archsearch.hardware (bf16 or fp32 by the compute dtype) times the process count, or on CPU
+  the fp32 matmul peak measured on this machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params
+from archsearch.configio import to_dict
+from archsearch.errors import ArchsearchError
+from trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig
+
+RUN_FILE = "run.json"
+CKPT_DIR = "checkpoints"
+MODEL_DIR = "model"
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+def lr_at(step: int, steps: int, warmup: int, lr: float, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine from ``lr`` down to ``min_ratio x lr``
+    at the last step."""
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, steps - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_flops_per_token(spec: ArchSpec, seq_len: int) -> float:
+    """6 (N + d V) + 6 L S dq: matmul FLOPs of forward + backward for one token (Kaplan)."""
+    return (6.0 * (non_embedding_params(spec) + spec.hidden_size * spec.vocab_size)
+            + 6.0 * spec.n_layers * seq_len * spec.q_dim)
+
+
+def token_budget(spec: ArchSpec, tc: TrainConfig) -> float:
+    """D: explicit tokens, or tokens_per_param x N (non-embedding N)."""
+    if tc.tokens is not None:
+        return float(tc.tokens)
+    if tc.tokens_per_param is not None:
+        return float(tc.tokens_per_param) * non_embedding_params(spec)
+    raise ArchsearchError("train.tokens", "no token budget",
+                          "give tokens (D) or tokens_per_param (D = it x N)")
+
+
+def match_vocab(spec: ArchSpec, tokenizer_or_size: Any) -> ArchSpec:
+    """The spec with its vocab_size set to the tokenizer's (``len(tokenizer)``) or to a number."""
+    size = tokenizer_or_size if isinstance(tokenizer_or_size, int) else len(tokenizer_or_size)
+    return spec.replace(vocab_size=size)
+
+
+def run_id_for(spec: ArchSpec, tokens: float, seed: int) -> str:
+    """A stable, readable run name: the shape, D and the seed, plus a hash of the full spec."""
+    h = hashlib.sha256(json.dumps([{k: v for k, v in spec.to_dict().items() if k != "name"}, float(tokens), seed],
+                                  sort_keys=True).encode()).hexdigest()[:8]
+    return (f"L{spec.n_layers}-d{spec.hidden_size}-h{spec.n_heads}kv{spec.n_kv_heads}x{spec.head_dim}"
+            f"-f{spec.ffn}-D{tokens:.3g}-s{seed}-{h}").replace("+", "")
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def read_record(out_dir: Path) -> dict | None:
+    p = Path(out_dir) / RUN_FILE
+    if not p.is_file():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+# -- the plan: everything checked before anything is written --------------------------------
+
+def _plan(spec: ArchSpec, tc: TrainConfig, dc: DataConfig, data, n_proc: int) -> dict[str, Any]:
+    if spec.vocab_size != data.vocab_size:
+        raise ArchsearchError("vocab_size", f"the architecture has vocab_size={spec.vocab_size} but "
+                              f"the tokenizer {dc.tokenizer!r} has {data.vocab_size} tokens",
+                              f"set vocab_size={data.vocab_size} (trainers.match_vocab, or "
+                              "--match-vocab on the command line) or use a matching tokenizer")
+    if dc.seq_len > spec.max_position_embeddings:
+        raise ArchsearchError("data.seq_len", f"{dc.seq_len} exceeds max_position_embeddings="
+                              f"{spec.max_position_embeddings}", "shorten seq_len or raise the limit")
+    target = token_budget(spec, tc)
+    gbs = tc.global_batch_size
+    per_step = gbs * dc.seq_len
+    steps = int(target // per_step)
+    if steps < 1:
+        raise ArchsearchError("train.tokens", f"the budget D={target:,.0f} tokens is smaller than one "
+                              f"batch ({gbs} sequences x {dc.seq_len} = {per_step:,} tokens)",
+                              "raise the budget or lower global_batch_size / seq_len")
+    mbs = tc.micro_batch_size or max(1, gbs // n_proc)
+    if gbs % (mbs * n_proc):
+        raise ArchsearchError("train.micro_batch_size", f"global_batch_size={gbs} is not a multiple of "
+                              f"micro_batch_size={mbs} x {n_proc} processes",
+                              "pick sizes so that global = micro x processes x accumulation")
+    warmup = tc.warmup_steps if tc.warmup_steps is not None else min(MAX_WARMUP_STEPS, max(1, steps // 10))
+    if warmup >= steps:
+        raise ArchsearchError("train.warmup_steps", f"{warmup} warm-up steps leave nothing of the "
+                              f"{steps} steps", "lower warmup_steps or raise the budget")
+    eval_seqs = min(data.n_val_seqs, tc.eval_batches * mbs * n_proc)
+    if eval_seqs < n_proc:
+        raise ArchsearchError("data", f"{data.n_val_seqs} validation sequences for {n_proc} processes",
+                              "hold out more text or use a shorter seq_len")
+    return {"tokens_target": target, "steps": steps, "tokens": steps * per_step,
+            "micro_batch_size": mbs, "grad_accum": gbs // (mbs * n_proc), "warmup_steps": warmup,
+            "eval_seqs": eval_seqs - eval_seqs % n_proc,
+            "epochs": steps * gbs / data.n_train_seqs}
+
+
+# -- device, model ----------------------------------------------------------------------------
+
+def _resolve_precision(tc: TrainConfig, cuda: bool) -> str:
+    if tc.dtype == "auto":
+        return "bfloat16" if cuda else "float32"
+    return tc.dtype
+
+
+def _resolve_attn(tc: TrainConfig, cuda: bool) -> str:
+    import importlib.util
+
+    if tc.attn_implementation == "auto":
+        return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+    if tc.attn_implementation == "flash_attention_2" and not (cuda and importlib.util.find_spec("flash_attn")):
+        raise ArchsearchError("train.attn_implementation", "flash_attention_2 needs a CUDA GPU and "
+                              "the flash-attn package", "pip install archsearch[flash-attn], or use sdpa")
+    return tc.attn_implementation
+
+
+def build_model(spec: ArchSpec, attn_implementation: str = "sdpa"):
+    """A randomly initialised HF causal LM (fp32 weights) from the spec's exported config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(to_hf_config(spec, dtype="float32"))
+    cfg.pop("architectures")
+    model_type = cfg.pop("model_type")
+    cfg.pop("torch_dtype", None)
+    hf_cfg = AutoConfig.for_model(model_type, **cfg)
+    hf_cfg.architectures = [to_hf_config(spec)["architectures"][0]]
+    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn_implementation,
+                                             dtype=torch.float32)
+    n = sum(p.numel() for p in model.parameters())
+    if n != total_params(spec):  # the accounting the laws use must be the model we train
+        raise RuntimeError(f"model has {n} parameters, the spec accounts {total_params(spec)}")
+    return model
+
+
+def cpu_threads_for(spec: ArchSpec, tc: TrainConfig) -> int:
+    """Intra-op threads on CPU (see TrainConfig.cpu_threads)."""
+    import torch
+
+    if tc.cpu_threads:
+        return tc.cpu_threads
+    return 1 if spec.hidden_size <= 256 else torch.get_num_threads()
+
+
+def _device_peak(accelerator, precision: str) -> tuple[float, str, str]:
+    """(peak FLOP/s of one device, its name, where the number comes from)."""
+    import torch
+
+    from archsearch.hardware import detect_gpu_name, get_device, measure_cpu
+
+    if accelerator.device.type == "cuda":
+        name = torch.cuda.get_device_name(accelerator.device)
+        entry = detect_gpu_name(name)
+        if entry is None:
+            return float("nan"), name, "not in archsearch.hardware's GPU table: MFU not computed"
+        dev = get_device(entry)
+        return dev.peak_flops(precision), entry, dev.source
+    dev = measure_cpu()
+    return dev.peak_flops_fp32, "cpu", dev.source
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+def _checkpoints(out_dir: Path) -> list[Path]:
+    d = out_dir / CKPT_DIR
+    if not d.is_dir():
+        return []
+    done = [p for p in d.iterdir() if p.is_dir() and p.name.startswith("step_")
+            and (p / "state.json").is_file()]
+    return sorted(done, key=lambda p: int(p.name[5:]))
+
+
+def _save_checkpoint(accelerator, model, optimizer, out_dir: Path, step: int, state: dict,
+                     keep: int) -> None:
+    import torch
+    from accelerate.utils import DistributedType
+
+    final = out_dir / CKPT_DIR / f"step_{step:08d}"
+    tmp = out_dir / CKPT_DIR / f".tmp_step_{step:08d}"
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    model_state = accelerator.get_state_dict(model)  # collective under FSDP: all ranks call it
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(model_state, tmp / "model.pt")
+        if not fsdp:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
+    accelerator.wait_for_everyone()
+    if fsdp:  # sharded optimizer state: every rank writes its part
+        from accelerate.utils import save_fsdp_optimizer
+
+        save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(tmp))
+        accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _write_json(tmp / "state.json", {"step": step, **state})  # written last: marks complete
+        tmp.rename(final)
+        for old in _checkpoints(out_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _load_model_weights(model, ckpt: Path) -> None:
+    import torch
+
+    state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+
+
+def _load_rest(accelerator, model, optimizer, ckpt: Path) -> dict:
+    import torch
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from accelerate.utils import load_fsdp_optimizer
+
+        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(ckpt))
+    else:
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
+    rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((ckpt / "state.json").read_text())
+
+
+# -- evaluation -------------------------------------------------------------------------------
+
+def evaluate(accelerator, model, data, n_seqs: int, mbs: int) -> float:
+    """Mean next-token loss over the first ``n_seqs`` validation sequences (split over processes)."""
+    import torch
+
+    rank, world = accelerator.process_index, accelerator.num_processes
+    per = n_seqs // world  # n_seqs is a multiple of world (see _plan)
+    total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for i in range(rank * per, (rank + 1) * per, mbs):
+            n = min(mbs, (rank + 1) * per - i)
+            x = torch.from_numpy(data.val_batch(i, n)).to(accelerator.device)
+            loss = model(input_ids=x, labels=x).loss
+            total[0] += loss.double() * n
+            total[1] += n
+    model.train()
+    total = accelerator.reduce(total, reduction="sum")
+    return float(total[0] / total[1])
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir: str | Path, *,
+          progress: bool = True, data=None) -> dict:
+    """Train ``spec`` on ``data_cfg`` for the token budget; returns the run record (also in
+    ``out_dir/run.json``).
+
+    A finished run (run.json status ok) is returned as is; a run with a checkpoint resumes from
+    it. Bad input raises :class:`ArchsearchError` before anything is written. NaN or divergence
+    ends the run with status ``failed`` and the reason. ``data`` takes an already prepared
+    :class:`trainers.data.PreparedData` for ``data_cfg`` (sweeps prepare it once).
+    """
+    out_dir = Path(out_dir)
+    done = read_record(out_dir)
+    if done and done.get("status") == "ok":
+        return done
+
+    import torch
+    # imported before the clock starts, so the wall time is the run's, not the import's
+    from transformers import AutoModelForCausalLM  # noqa: F401
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from archsearch.provenance import provenance
+    from trainers.data import describe_data, prepare_data
+
+    wall0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    precision = _resolve_precision(train_cfg, cuda)
+    accelerator = Accelerator(mixed_precision="bf16" if precision == "bfloat16" else "no",
+                              cpu=not cuda)
+    n_proc = accelerator.num_processes
+    threads = None
+    if not cuda:
+        threads = cpu_threads_for(spec, train_cfg)
+        torch.set_num_threads(threads)
+    if data is None:
+        with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read
+            data = prepare_data(data_cfg, min_train_tokens=int(token_budget(spec, train_cfg)) + 1)
+    elif data.seq_len != data_cfg.seq_len:
+        raise ArchsearchError("data.seq_len", "the prepared data was packed for another seq_len")
+    plan = _plan(spec, train_cfg, data_cfg, data, n_proc)
+    attn = _resolve_attn(train_cfg, cuda)
+    steps, mbs, accum = plan["steps"], plan["micro_batch_size"], plan["grad_accum"]
+    gbs, seq_len = train_cfg.global_batch_size, data_cfg.seq_len
+
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    ckpts = _checkpoints(out_dir)
+    set_seed(train_cfg.seed)
+    model = build_model(spec, attn)
+    if ckpts:  # full weights go in before wrapping, which works for DDP and FSDP alike
+        _load_model_weights(model, ckpts[-1])
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": train_cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=train_cfg.lr, betas=train_cfg.betas, fused=cuda or None)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "ema": None,
+                             "ema_weight": 0.0, "best_ema": None, "evals": [], "sessions": 0}
+    resumed_from = None
+    if ckpts:
+        state.update(_load_rest(accelerator, model, optimizer, ckpts[-1]))
+        resumed_from = state["step"]
+    state["sessions"] += 1
+    base_wall = state["wall_time_s"]
+
+    flops_tok = train_flops_per_token(spec, seq_len)
+    peak, device_name, peak_source = _device_peak(accelerator, precision)
+    record: dict[str, Any] = {
+        "run_id": out_dir.name, "status": "running", "reason": None,
+        "spec": spec.to_dict(), "n_params_non_embedding": non_embedding_params(spec),
+        "n_params_total": total_params(spec), "tokens": plan["tokens"],
+        "tokens_target": plan["tokens_target"],
+        "tokens_per_param": plan["tokens"] / non_embedding_params(spec),
+        "steps": steps, "global_batch_size": gbs, "micro_batch_size": mbs,
+        "grad_accum": accum, "seq_len": seq_len, "warmup_steps": plan["warmup_steps"],
+        "epochs": plan["epochs"], "seed": train_cfg.seed, "dtype": precision,
+        "attn_implementation": attn, "cpu_threads": threads, "device": device_name, "n_devices": n_proc,
+        "distributed": str(accelerator.distributed_type), "flops_per_token": flops_tok,
+        "peak_flops_per_device": peak, "peak_source": peak_source,
+        "train_config": to_dict(train_cfg), "data_config": to_dict(data_cfg),
+        "data": describe_data(data), "resumed_from_step": resumed_from,
+        "provenance": provenance(extra_packages=("tokenizers", "safetensors")),
+    }
+    if accelerator.is_main_process:
+        _write_json(out_dir / RUN_FILE, record)
+    metrics = (out_dir / "metrics.jsonl").open("a") if accelerator.is_main_process else None
+
+    def log(obj: dict) -> None:
+        if metrics:
+            metrics.write(json.dumps(obj) + "\n")
+            metrics.flush()
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=steps, initial=state["step"], unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=not (progress and accelerator.is_main_process), desc=out_dir.name[:40])
+    rank = accelerator.process_index
+    failure = None
+    window_t, window_tok = time.perf_counter(), 0
+    model.train()
+    try:
+        for step in range(state["step"], steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, steps, plan["warmup_steps"], train_cfg.lr, train_cfg.min_lr_ratio)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            loss_sum = torch.zeros((), device=accelerator.device)
+            for micro in range(accum):
+                # this process's micro-batch of the global batch at this step
+                start = step * gbs + (micro * n_proc + rank) * mbs
+                x = torch.from_numpy(data.train_batch(start, mbs, train_cfg.seed)).to(accelerator.device)
+                sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
+                with sync:
+                    loss = model(input_ids=x, labels=x).loss / accum
+                    accelerator.backward(loss)
+                loss_sum += loss.detach()
+            accelerator.clip_grad_norm_(model.parameters(), train_cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_v = float(accelerator.reduce(loss_sum, reduction="mean"))
+            dt = time.perf_counter() - t0
+            state["train_time_s"] += dt
+            state["step"] = step + 1
+            if not math.isfinite(loss_v):
+                failure = f"non-finite training loss ({loss_v}) at step {step + 1}"
+                break
+            b = train_cfg.smoothing
+            state["ema"] = b * (state["ema"] or 0.0) + (1 - b) * loss_v
+            state["ema_weight"] = b * state["ema_weight"] + (1 - b)
+            smooth = state["ema"] / state["ema_weight"]
+            if step >= plan["warmup_steps"]:
+                best = state["best_ema"]
+                state["best_ema"] = smooth if best is None else min(best, smooth)
+                if smooth > train_cfg.divergence_factor * state["best_ema"]:
+                    failure = (f"diverged: smoothed loss {smooth:.3f} > {train_cfg.divergence_factor}"
+                               f" x best {state['best_ema']:.3f} at step {step + 1}")
+                    break
+            window_tok += gbs * seq_len
+            bar.update(1)
+            last = step + 1 == steps
+            if (step + 1) % train_cfg.log_interval == 0 or last:
+                now = time.perf_counter()
+                tps = window_tok / (now - window_t)
+                bar.set_postfix(loss=f"{smooth:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+                log({"step": step + 1, "loss": loss_v, "smoothed_loss": smooth, "lr": lr,
+                     "tokens_per_s": tps})
+                window_t, window_tok = now, 0
+            if train_cfg.eval_interval and (step + 1) % train_cfg.eval_interval == 0 and not last:
+                ev = evaluate(accelerator, model, data, plan["eval_seqs"], mbs)
+                state["evals"].append({"step": step + 1, "eval_loss": ev})
+                log({"step": step + 1, "eval_loss": ev})
+                window_t = time.perf_counter()
+            if train_cfg.checkpoint_interval and (step + 1) % train_cfg.checkpoint_interval == 0 and not last:
+                state["wall_time_s"] = base_wall + time.perf_counter() - wall0
+                _save_checkpoint(accelerator, model, optimizer, out_dir, step + 1,
+                                 {k: v for k, v in state.items() if k != "step"},
+                                 train_cfg.keep_checkpoints)
+                window_t = time.perf_counter()
+    finally:
+        bar.close()
+
+    tokens_done = state["step"] * gbs * seq_len
+    tps = tokens_done / state["train_time_s"] if state["train_time_s"] else None
+    record.update({
+        "tokens_trained": tokens_done,
+        "smoothed_train_loss": (state["ema"] / state["ema_weight"]) if state["ema"] is not None else None,
+        "train_time_s": state["train_time_s"],
+        "tokens_per_s": tps,
+        "mfu": (tps * flops_tok / (peak * n_proc)) if tps and math.isfinite(peak) else None,
+        "eval_history": state["evals"],
+    })
+    if failure is None:
+        ev = evaluate(accelerator, model, data, plan["eval_seqs"], mbs)
+        state["evals"].append({"step": steps, "eval_loss": ev})
+        log({"step": steps, "eval_loss": ev})
+        record["final_eval_loss"] = ev
+        record["eval_tokens"] = plan["eval_seqs"] * seq_len
+        _save_final_model(accelerator, model, data.tokenizer, out_dir / MODEL_DIR, progress)
+        record["model_dir"] = str(out_dir / MODEL_DIR)
+        record["status"] = "ok"
+    else:
+        record.update({"status": "failed", "reason": failure, "final_eval_loss": None})
+    record["wall_time_s"] = base_wall + time.perf_counter() - wall0
+    if metrics:
+        metrics.close()
+    if accelerator.is_main_process:
+        _write_json(out_dir / RUN_FILE, record)
+    accelerator.wait_for_everyone()
+    return record
+
+
+def _save_final_model(accelerator, model, tokenizer, folder: Path, progress: bool) -> None:
+    """save_pretrained (safetensors) + tokenizer: loads with from_pretrained, evaluable by lm-eval."""
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        if not progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.config.use_cache = True
+        unwrapped.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
+    accelerator.wait_for_everyone()
