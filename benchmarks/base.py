@@ -1,0 +1,298 @@
+"""Settings, results and the backend interface of inference measurement (SPEC section 5).
+
+Backends are registered lazily as ``"module:Class"`` strings (as lm-evaluation-harness does), so
+importing :mod:`benchmarks` imports no engine. A backend's lifecycle:
+
+1. :meth:`Backend.check_available` runs in the caller's process and raises
+   :class:`~archsearch.errors.MissingDependencyError` when the engine cannot run here.
+2. :meth:`Backend.run` does the measurement. For engines (``isolated = True``) it runs in a
+   child process started by :mod:`benchmarks.isolate`, one per candidate, so a crash, an
+   out-of-memory or a hang ends that process only; it calls ``report(partial)`` after each
+   batch size so that work done before a timeout is kept. Predictions (``analytic``) run
+   in-process.
+3. :func:`benchmarks.measure.measure` turns what ``run`` returned (or how the child failed)
+   into a :class:`BenchResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+import statistics
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from archsearch.errors import ArchsearchError, MissingDependencyError
+
+BACKENDS: dict[str, str] = {
+    "vllm": "benchmarks.vllm_backend:VLLMBackend",
+    "sglang": "benchmarks.sglang_backend:SGLangBackend",
+    "hf": "benchmarks.hf_backend:HFBackend",
+    "analytic": "benchmarks.analytic:AnalyticBackend",
+}
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+Report = Callable[[dict], None]
+
+
+@dataclass
+class BenchSettings:
+    """What to measure. ``dtype="auto"`` is float32 on CPU (no native bf16 here) and bfloat16
+    on a GPU. ``timeout_s`` bounds one engine process (start plus every batch size it runs).
+    ``device_spec`` names the device table entry the analytic backend predicts for (default:
+    the local device); measured backends measure the device they run on and only record it.
+    ``engine_args`` are passed to the engine last and override our defaults (recorded).
+    ``engine_per_batch`` starts one engine process per batch size (``max_num_seqs`` equal to
+    it) instead of one per candidate."""
+
+    backend: str
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    input_len: int = 128
+    output_len: int = 64
+    warmup: int = 1
+    repeats: int = 3
+    dtype: str = "auto"
+    timeout_s: float = 900.0
+    device_spec: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    engine_per_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ArchsearchError("backend", f"unknown backend {self.backend!r}",
+                                  f"use one of {sorted(BACKENDS)}")
+        self.batch_sizes = list(self.batch_sizes)
+        if not self.batch_sizes:
+            raise ArchsearchError("batch_sizes", "empty", "give at least one batch size, e.g. [1, 8]")
+        for b in self.batch_sizes:
+            if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+                raise ArchsearchError("batch_sizes", f"batch size must be a positive integer, got {b!r}")
+        if len(set(self.batch_sizes)) != len(self.batch_sizes):
+            raise ArchsearchError("batch_sizes", f"repeated batch size in {self.batch_sizes}")
+        for f, lo in (("input_len", 1), ("output_len", 1), ("repeats", 1), ("warmup", 0),
+                      ("seed", 0)):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ArchsearchError(f, f"must be an integer >= {lo}, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ArchsearchError("dtype", f"unknown dtype {self.dtype!r}", f"use one of {list(DTYPES)}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ArchsearchError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
+        if not isinstance(self.engine_args, dict):
+            raise ArchsearchError("engine_args", "must be a dict of engine keyword arguments")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BenchSettings":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class BatchResult:
+    """One batch size. Throughputs are tokens/s (mean and sample std over repeats); times in
+    seconds; ``repeats`` holds the raw per-repeat numbers."""
+
+    batch_size: int
+    ok: bool
+    error: str | None = None
+    output_throughput: float | None = None
+    output_throughput_std: float | None = None
+    total_throughput: float | None = None
+    total_throughput_std: float | None = None
+    ttft_mean: float | None = None
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    tpot_mean: float | None = None
+    e2e_latency_mean: float | None = None
+    peak_memory_bytes: int | None = None
+    preemptions: int | None = None
+    repeats: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def failed(cls, batch_size: int, error: str) -> "BatchResult":
+        return cls(batch_size=batch_size, ok=False, error=error)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BatchResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class BenchResult:
+    """One candidate on one backend. ``ok`` is True when every batch size succeeded; a failed
+    batch keeps its reason in ``per_batch`` and the first reason is in ``error``.
+    ``predicted`` is True only for the analytic roofline, which is never a measurement."""
+
+    backend: str
+    backend_version: str | None
+    device: str | None
+    dtype: str | None
+    settings: dict[str, Any]
+    architecture: dict[str, Any]
+    per_batch: list[BatchResult]
+    predicted: bool = False
+    timing: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.per_batch) and all(b.ok for b in self.per_batch)
+
+    @property
+    def error(self) -> str | None:
+        for b in self.per_batch:
+            if not b.ok:
+                return f"batch {b.batch_size}: {b.error}"
+        return None
+
+    def batch(self, batch_size: int) -> BatchResult | None:
+        return next((b for b in self.per_batch if b.batch_size == batch_size), None)
+
+    def throughput(self, batch_size: int) -> float | None:
+        """Mean output tokens/s at ``batch_size`` (None when that batch failed or was not run)."""
+        b = self.batch(batch_size)
+        return b.output_throughput if b is not None and b.ok else None
+
+    def ttft(self, batch_size: int) -> float | None:
+        """Mean time to first token in seconds at ``batch_size`` (None when failed)."""
+        b = self.batch(batch_size)
+        return b.ttft_mean if b is not None and b.ok else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "prediction" if self.predicted else "measurement",
+            "predicted": self.predicted,
+            "backend": self.backend,
+            "backend_version": self.backend_version,
+            "device": self.device,
+            "dtype": self.dtype,
+            "ok": self.ok,
+            "error": self.error,
+            "settings": self.settings,
+            "architecture": self.architecture,
+            "per_batch": [b.to_dict() for b in self.per_batch],
+            "timing": self.timing,
+            "provenance": self.provenance,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BenchResult":
+        return cls(backend=d["backend"], backend_version=d.get("backend_version"),
+                   device=d.get("device"), dtype=d.get("dtype"), settings=d.get("settings", {}),
+                   architecture=d.get("architecture", {}),
+                   per_batch=[BatchResult.from_dict(b) for b in d.get("per_batch", [])],
+                   predicted=bool(d.get("predicted", False)), timing=d.get("timing", {}),
+                   provenance=d.get("provenance", {}))
+
+
+def append_jsonl(path: str | Path, result: BenchResult | dict) -> Path:
+    """Append one result as a JSON line (creating the folder); returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    obj = result.to_dict() if isinstance(result, BenchResult) else result
+    with p.open("a") as f:
+        f.write(json.dumps(obj, default=str) + "\n")
+    return p
+
+
+def read_jsonl(path: str | Path) -> list[BenchResult]:
+    """Every result of a JSONL file written by :func:`append_jsonl`."""
+    return [BenchResult.from_dict(json.loads(line))
+            for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# -- backends --------------------------------------------------------------------------------
+
+def _find_spec(module: str):
+    """``importlib.util.find_spec`` without importing the module (tests replace this)."""
+    return importlib.util.find_spec(module)
+
+
+def require_module(module: str, what: str, fix: str) -> None:
+    """Raise :class:`MissingDependencyError` naming the extra to install when absent."""
+    if _find_spec(module) is None:
+        raise MissingDependencyError(what, f"the Python package {module!r} is not installed", fix)
+
+
+def installed_version(packages: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """(distribution, version) of the first installed of ``packages`` (None, None if none)."""
+    for p in packages:
+        try:
+            return p, metadata.version(p)
+        except metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
+class Backend(ABC):
+    """One way of getting inference speed for a shape. Subclasses set ``name``, ``packages``
+    (distributions whose version is the backend's version), ``isolated`` and ``predicted``."""
+
+    name: ClassVar[str]
+    packages: ClassVar[tuple[str, ...]] = ()
+    isolated: ClassVar[bool] = True
+    predicted: ClassVar[bool] = False
+
+    def version(self) -> str | None:
+        return installed_version(self.packages)[1]
+
+    def check_available(self) -> None:
+        """Raise MissingDependencyError if this backend cannot run here."""
+
+    @abstractmethod
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        """Measure (or predict) every batch size of ``job``; return the run summary.
+
+        ``job`` holds ``arch`` (ArchSpec dict), ``model_dir`` (folder with config.json),
+        ``real_weights``, ``settings`` (BenchSettings dict) and ``batch_sizes`` (this run's
+        share). The summary has ``device``, ``dtype``, ``engine`` (every speed-relevant engine
+        setting), ``per_batch`` (BatchResult dicts) and ``timing``.
+        """
+
+
+def get_backend(name: str) -> Backend:
+    """Instantiate a registered backend by name (imports its module only now)."""
+    if name not in BACKENDS:
+        raise ArchsearchError("backend", f"unknown backend {name!r}", f"use one of {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+# -- statistics --------------------------------------------------------------------------------
+
+def mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def std(xs: list[float]) -> float | None:
+    """Sample standard deviation; 0.0 for a single value (no spread observed)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)

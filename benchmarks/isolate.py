@@ -1,0 +1,161 @@
+"""Run one backend measurement in a child process with a timeout; failures become data.
+
+Engines do not free device memory reliably and can crash or hang, so every candidate gets a
+fresh interpreter (``python -m benchmarks.isolate JOB RESULT``) in its own session (process
+group). On timeout, or once it has finished, that whole group is terminated: the engine's
+own workers go with it, and nothing else of the caller's is touched. Because the child is a
+fresh ``python -m`` process, callers need no ``if __name__ == "__main__"`` guard.
+
+The child rewrites RESULT after every batch size, so a timeout keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Outcome:
+    """How the child ended. ``result`` is the last summary it wrote (possibly partial)."""
+
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    returncode: int | None = None
+    timed_out: bool = False
+    wall_s: float = 0.0
+    log_tail: str = ""
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, default=str))
+    os.replace(tmp, path)  # atomic: the parent never reads half a file
+
+
+def _kill_group(pgid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM then SIGKILL the child's process group (the child and its engine workers)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.1)
+
+
+def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | None = None,
+                 log_path: str | Path | None = None) -> Outcome:
+    """Run ``get_backend(job['backend']).run(job)`` in a child; never raises for its failures."""
+    with tempfile.TemporaryDirectory(prefix="archsearch-bench-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job, default=str))
+        log_file = Path(log_path) if log_path else Path(tmp) / "child.log"
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            [str(_REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        child_env.setdefault("PYTHONUNBUFFERED", "1")
+        t0 = time.perf_counter()
+        with log_file.open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.isolate", str(job_path), str(result_path)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
+                start_new_session=True)
+            timed_out = False
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                rc = None
+            finally:
+                _kill_group(proc.pid)
+                if proc.poll() is None:
+                    proc.wait()
+        wall = time.perf_counter() - t0
+        rc = proc.returncode if rc is None else rc
+        tail = _tail(log_file)
+        result: dict[str, Any] = {}
+        if result_path.exists():
+            try:
+                result = json.loads(result_path.read_text())
+            except json.JSONDecodeError:
+                result = {}
+        status = result.pop("status", None)
+        if timed_out:
+            return Outcome(False, result, f"timeout after {timeout_s:g} s", rc, True, wall, tail)
+        if status == "done" and rc == 0:
+            return Outcome(True, result, None, rc, False, wall, tail)
+        error = result.pop("error", None) or _crash_reason(rc, tail)
+        return Outcome(False, result, error, rc, False, wall, tail)
+
+
+def _tail(path: Path, n_chars: int = 4000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-n_chars:]
+
+
+def _crash_reason(rc: int | None, tail: str) -> str:
+    if rc is not None and rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = str(-rc)
+        why = f"engine process killed by signal {name}"
+        if -rc == signal.SIGKILL:
+            why += " (out of memory?)"
+    else:
+        why = f"engine process exited with status {rc}"
+    last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]
+    return f"{why}: {last[0].strip()[:300]}" if last[0] else why
+
+
+def _child_main(job_path: str, result_path: str) -> int:
+    from benchmarks.base import get_backend
+    from benchmarks.loop import describe_error
+
+    out = Path(result_path)
+    job = json.loads(Path(job_path).read_text())
+    state: dict[str, Any] = {}
+
+    def report(partial: dict) -> None:
+        state.update(partial)
+        _write_json(out, {"status": "running", **state})
+
+    try:
+        summary = get_backend(job["backend"]).run(job, report)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent as data
+        traceback.print_exc()
+        _write_json(out, {"status": "error", **state, "error": describe_error(e)})
+        return 1
+    _write_json(out, {"status": "done", **state, **summary})
+    return 0
+
+
+if __name__ == "__main__":
+    code = _child_main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Engines may leave non-daemon threads behind; the result is written, so leave now
+    # (the parent then ends the rest of this process group).
+    os._exit(code)
