@@ -1,0 +1,297 @@
+"""Training: configs, schedule, data, a tiny real run, resume after a kill, bad input.
+
+Tiny shapes (2 layers, 64 wide, sequences of 64) on the real Shakespeare corpus with a
+2048-token BPE. The tokenizer and packed data are cached (content-keyed) under
+$ARCHSEARCH_CACHE or ~/.cache/archsearch, so only the first session pays for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from archsearch.arch import ArchSpec
+from archsearch.errors import ArchsearchError
+from trainers.config import HPARAMS, DataConfig, SweepConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = ArchSpec(n_layers=2, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=192,
+                vocab_size=2048)
+DATA = DataConfig(source="shakespeare", tokenizer="bpe:2048", seq_len=64)
+# 150 steps of 16 x 64 tokens; a checkpoint every 25 steps
+TRAIN = TrainConfig(tokens=150 * 16 * 64, global_batch_size=16, lr=3e-3, checkpoint_interval=25,
+                    eval_batches=8, log_interval=5)
+ARCH_FLAGS = ["--layers", "2", "--hidden-size", "64", "--heads", "2", "--kv-heads", "1",
+              "--head-dim", "32", "--ffn", "192", "--vocab-size", "2048"]
+TRAIN_FLAGS = ["--tokens", str(150 * 16 * 64), "--global-batch-size", "16", "--lr", "3e-3",
+               "--checkpoint-interval", "25", "--eval-batches", "8", "--seq-len", "64",
+               "--data", "shakespeare", "--tokenizer", "bpe:2048"]
+
+
+# -- configs and schedule (no torch) ------------------------------------------------------------
+
+def test_presets_fill_unset_fields_and_keep_explicit_ones():
+    tc = TrainConfig(hparams="297m", tokens=1e9)
+    assert (tc.global_batch_size, tc.lr, tc.warmup_steps, tc.min_lr_ratio) == (512, 8e-4, 500, 0.1)
+    assert TrainConfig(hparams="80m", lr=1e-4).lr == 1e-4
+    assert [HPARAMS[k].lr for k in ("80m", "145m", "297m", "1b", "3b")] == [1.5e-3, 1e-3, 8e-4, 6e-4, 6e-4]
+    assert TrainConfig().global_batch_size == 32 and TrainConfig().lr == 1.5e-3
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"tokens": 1e6, "tokens_per_param": 20}, "train.tokens/tokens_per_param"),
+    ({"global_batch_size": 32, "micro_batch_size": 5}, "train.micro_batch_size"),
+    ({"hparams": "7b"}, "train.hparams"),
+    ({"dtype": "fp8"}, "train.dtype"),
+    ({"betas": (0.9, 1.5)}, "train.betas"),
+])
+def test_bad_train_config_names_the_field(kw, field):
+    with pytest.raises(ArchsearchError) as e:
+        TrainConfig(**kw)
+    assert e.value.field == field
+
+
+def test_sweep_config_from_yaml_names_bad_keys(tmp_path):
+    from archsearch.configio import load_config
+
+    cfg = load_config(SweepConfig, REPO / "configs" / "sweep-demo.yaml")
+    assert cfg.train.tokens_per_param == 2 and cfg.data.seq_len == 128
+    bad = tmp_path / "s.yaml"
+    bad.write_text("name: x\nparams: [1e5]\nhidden_over_sqrt_n: [0.2]\nmlp_to_attn: [1]\n"
+                   "train: {tokens_per_param: 2, lrr: 0.1}\n")
+    with pytest.raises(ArchsearchError, match=r"train\.lrr.*did you mean 'lr'"):
+        load_config(SweepConfig, bad)
+
+
+def test_lr_schedule_warmup_cosine_floor():
+    from trainers.loop import lr_at
+
+    steps, warm, lr = 100, 10, 1e-3
+    assert lr_at(0, steps, warm, lr, 0.1) == pytest.approx(1e-4)
+    assert lr_at(9, steps, warm, lr, 0.1) == pytest.approx(1e-3)
+    assert lr_at(steps - 1, steps, warm, lr, 0.1) == pytest.approx(1e-4)
+    vals = [lr_at(s, steps, warm, lr, 0.1) for s in range(warm, steps)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+def test_packed_data_is_deterministic_exact_and_split_by_work():
+    from trainers.data import prepare_data
+
+    d = prepare_data(DATA)
+    assert d.vocab_size == 2048
+    assert d.n_train_seqs == len(d.train_tokens) // 64 and d.n_val_seqs > 100
+    a, b = d.train_batch(100, 8, seed=0), d.train_batch(100, 8, seed=0)
+    assert (a == b).all() and a.shape == (8, 64)
+    assert not (a == d.train_batch(100, 8, seed=1)).all()
+    # one epoch visits every chunk exactly once
+    n = d.n_train_seqs
+    assert sorted(d._perm(0, 0)) == list(range(n))
+    text_val = d.tokenizer.decode(d.val_tokens[:2000])
+    assert "HAMLET" in text_val.upper()
+    assert set(d.info["val_works"]) == {"hamlet", "julius_caesar", "tempest"}
+
+
+def test_local_jsonl_source_and_text_field(tmp_path):
+    from trainers.data import prepare_data
+
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps({"body": f"document {i} says hello world " * 20}) + "\n"
+                         for i in range(40)))
+    d = prepare_data(DataConfig(source=str(f), tokenizer="bpe:300", seq_len=16, text_field="body",
+                                val_fraction=0.1, cache_dir=str(tmp_path / "cache")))
+    assert d.info["documents"] == 40 and "every 10th" in d.info["val_rule"]
+    assert len(d.train_tokens) > 0 and len(d.val_tokens) > 0
+    with pytest.raises(ArchsearchError, match="text_field"):
+        prepare_data(DataConfig(source=str(f), tokenizer="bpe:300", seq_len=16,
+                                cache_dir=str(tmp_path / "cache")))
+
+
+# -- a tiny real run ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory):
+    from trainers import train
+
+    out = tmp_path_factory.mktemp("runs") / "full"
+    rec = train(SPEC, TRAIN, DATA, out, progress=False)
+    return out, rec
+
+
+def test_tiny_run_learns_and_writes_a_loadable_model(done_run):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, rec = done_run
+    assert rec["status"] == "ok", rec.get("reason")
+    # uniform guessing is ln(2048) = 7.62 nats; 150 small steps must get far below it
+    assert rec["final_eval_loss"] < math.log(2048) - 1.5
+    assert rec["tokens"] == 150 * 16 * 64 and rec["steps"] == 150
+    assert rec["smoothed_train_loss"] < math.log(2048) - 1.0
+    assert rec["tokens_per_s"] > 0 and 0 < rec["mfu"] < 1
+    assert rec["provenance"]["versions"]["torch"] and rec["device"] == "cpu"
+    assert rec["dtype"] == "float32" and rec["attn_implementation"] == "sdpa"
+    assert json.loads((out / "run.json").read_text())["final_eval_loss"] == rec["final_eval_loss"]
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert len(tok) == 2048 and model.config.num_hidden_layers == 2
+    ids = torch.tensor([tok("To be, or not to be")["input_ids"]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_finished_run_is_skipped(done_run):
+    from trainers import train
+
+    out, rec = done_run
+    before = (out / "metrics.jsonl").read_text()
+    t = time.perf_counter()
+    again = train(SPEC, TRAIN, DATA, out, progress=False)
+    assert again == json.loads((out / "run.json").read_text()) and time.perf_counter() - t < 2
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_resume_after_kill_matches_uninterrupted(done_run, tmp_path):
+    """Really kill (SIGKILL) a CLI run after its second checkpoint, then run it again."""
+    from trainers import train
+
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "archsearch", "train", *ARCH_FLAGS, *TRAIN_FLAGS,
+                             "--out", str(out), "--no-progress"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "checkpoints" / "step_00000050" / "state.json").is_file():
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, f"run ended before the kill: {proc.stderr.read().decode()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert json.loads((out / "run.json").read_text())["status"] == "running"
+    rec = train(SPEC, TRAIN, DATA, out, progress=False)
+    assert rec["status"] == "ok" and rec["resumed_from_step"] >= 50
+    # Data order and LR are functions of the step, and model/optimizer/RNG are restored, so on
+    # the same CPU and thread count the resumed run should match to float rounding. Tolerance:
+    # 1e-3 nats absolute.
+    full = done_run[1]
+    assert abs(rec["final_eval_loss"] - full["final_eval_loss"]) < 1e-3, (rec["final_eval_loss"], full["final_eval_loss"])
+    assert abs(rec["smoothed_train_loss"] - full["smoothed_train_loss"]) < 1e-3
+
+
+# -- bad input leaves earlier runs intact --------------------------------------------------------
+
+def _snapshot(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("spec, tc, dc, field", [
+    (SPEC, TrainConfig(tokens=1000, global_batch_size=16), DATA, "train.tokens"),
+    (SPEC.replace(vocab_size=32000), TRAIN, DATA, "vocab_size"),
+    (SPEC, TRAIN, DataConfig(source="no_such_dataset", seq_len=64), "data.source"),
+    (SPEC, TRAIN, DataConfig(source="hf:no-such-org/no-such-dataset", seq_len=64), "data.source"),
+    (SPEC, TrainConfig(tokens=20 * 16 * 64, global_batch_size=16, warmup_steps=20), DATA,
+     "train.warmup_steps"),
+])
+def test_bad_input_is_a_clear_error_and_leaves_runs_intact(done_run, spec, tc, dc, field):
+    from trainers import train
+
+    out, _ = done_run
+    before = _snapshot(out)
+    with pytest.raises(ArchsearchError) as e:
+        train(spec, tc, dc, out.parent / "bad", progress=False)
+    assert e.value.field == field, str(e.value)
+    assert e.value.fix, "the error must say how to fix it"
+    assert not (out.parent / "bad").exists()
+    assert _snapshot(out) == before
+
+
+def test_cli_architecture_that_does_not_build(cli, tmp_path):
+    r = cli("train", "--layers", "2", "--hidden-size", "64", "--heads", "3", "--kv-heads", "2",
+            "--head-dim", "32", "--ffn", "192", "--vocab-size", "2048", "--tokens", "1e5",
+            "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "n_kv_heads" in r.stderr and "Traceback" not in r.stderr
+    r = cli("train", *ARCH_FLAGS[:-2], "--vocab-size", "32000", "--tokens", "1e5", "--seq-len", "64",
+            "--out", str(tmp_path / "y"))
+    assert r.returncode == 2 and "vocab_size" in r.stderr and "--match-vocab" in r.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_divergence_stops_the_run_as_failed(tmp_path):
+    from trainers import train
+
+    tc = TrainConfig(tokens=40 * 16 * 64, global_batch_size=16, lr=30.0, warmup_steps=1,
+                     eval_batches=2)
+    rec = train(SPEC, tc, DATA, tmp_path / "div", progress=False)
+    assert rec["status"] == "failed"
+    assert "non-finite" in rec["reason"] or "diverged" in rec["reason"]
+    assert rec["tokens_trained"] < rec["tokens"]
+    assert not (tmp_path / "div" / "model").exists()
+
+
+# -- sweep --------------------------------------------------------------------------------------
+
+def test_sweep_skips_done_runs_and_records_failures(tmp_path):
+    from archsearch.rundata import read_runs
+    from trainers import run_sweep
+    from trainers.config import SweepBuild
+
+    cfg = SweepConfig(
+        name="t", params=[6e4], n_layers=2, hidden_over_sqrt_n=[0.25, 0.6], mlp_to_attn=[1.0],
+        gqa=2, head_dim=32, build=SweepBuild(hidden_multiple=32, ffn_multiple=32, tolerance=0.1),
+        train=TrainConfig(tokens=30 * 8 * 64, global_batch_size=8, lr=3e-3, eval_batches=2),
+        data=DATA)
+    rows = run_sweep(cfg, tmp_path, progress=False)
+    # 0.6 * sqrt(6e4) -> hidden 160 leaves no room within 10% of N: recorded, not trained
+    assert len(rows) == 1 and rows[0].status == "ok" and rows[0].loss_kind == "eval"
+    fails = [json.loads(x) for x in (tmp_path / "failures.jsonl").read_text().splitlines()]
+    assert len(fails) == 1 and fails[0]["stage"] == "build" and "params" in fails[0]["reason"]
+    table = read_runs(tmp_path / "runs.csv")
+    assert [r.run_id for r in table] == [rows[0].run_id] and table[0].loss == pytest.approx(rows[0].loss)
+    run_json = tmp_path / "runs" / rows[0].run_id / "run.json"
+    stamp = run_json.stat().st_mtime_ns
+    t = time.perf_counter()
+    again = run_sweep(cfg, tmp_path, progress=False)
+    assert run_json.stat().st_mtime_ns == stamp and time.perf_counter() - t < 15
+    assert [r.loss for r in again] == [r.loss for r in rows]
+
+
+# -- launch ---------------------------------------------------------------------------------------
+
+def test_launch_writes_config_and_valid_multi_node_commands(cli, tmp_path):
+    import yaml
+    from accelerate.commands.launch import launch_command_parser
+
+    out = tmp_path / "big"
+    r = cli("train", "--preset", "llama-3.2-1b", "--tokens", "2e10", "--hparams", "1b", "--launch",
+            "--num-processes", "16", "--num-machines", "2", "--main-process-ip", "10.0.0.1",
+            "--fsdp", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    cfg = yaml.safe_load((out / "accelerate_config.yaml").read_text())
+    assert cfg["distributed_type"] == "FSDP" and cfg["num_processes"] == 16
+    assert cfg["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    cmds = [line.split() for line in r.stdout.splitlines() if not line.startswith("#")]
+    assert len(cmds) == 2
+    for rank, cmd in enumerate(cmds):
+        ns = launch_command_parser().parse_args(cmd[3:])  # accelerate's own parser accepts it
+        assert ns.machine_rank == rank and ns.config_file == str(out / "accelerate_config.yaml")
+        assert ns.module and ns.training_script == "archsearch"
+        assert "--launch" not in ns.training_script_args and "--hparams" in ns.training_script_args
+        assert ns.training_script_args[-2:] == ["--out", str(out)]
+
+
+@pytest.mark.gpu
+def test_gpu_run_uses_bf16(tmp_path):
+    from trainers import train
+
+    rec = train(SPEC, TRAIN.replace(checkpoint_interval=None), DATA, tmp_path / "gpu", progress=False)
+    assert rec["status"] == "ok" and rec["dtype"] == "bfloat16" and rec["device"] != "cpu"
+    assert rec["final_eval_loss"] < math.log(2048) - 1.5
