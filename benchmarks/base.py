@@ -269,7 +269,12 @@ def get_backend(name: str) -> Backend:
     """Instantiate a registered backend by name (imports its module only now)."""
     if name not in BACKENDS:
         raise ArchsearchError("backend", f"unknown backend {name!r}", f"use one of {sorted(BACKENDS)}")
-    module, cls = BACKENDS[name].split(":")
+    return load_backend(BACKENDS[name])
+
+
+def load_backend(target: str) -> Backend:
+    """Instantiate a backend from its ``"module:Class"`` string."""
+    module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)()
 
 

@@ -63,7 +63,8 @@ def _kill_group(pgid: int, grace_s: float = 5.0) -> None:
 
 def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | None = None,
                  log_path: str | Path | None = None) -> Outcome:
-    """Run ``get_backend(job['backend']).run(job)`` in a child; never raises for its failures."""
+    """Run ``load_backend(job['backend_class']).run(job)`` in a child; never raises for its
+    failures (a crash, a timeout, an exception all come back as ``Outcome(ok=False)``)."""
     with tempfile.TemporaryDirectory(prefix="archsearch-bench-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job, default=str))
@@ -131,7 +132,7 @@ def _crash_reason(rc: int | None, tail: str) -> str:
 
 
 def _child_main(job_path: str, result_path: str) -> int:
-    from benchmarks.base import get_backend
+    from benchmarks.base import load_backend
     from benchmarks.loop import describe_error
 
     out = Path(result_path)
@@ -143,7 +144,7 @@ def _child_main(job_path: str, result_path: str) -> int:
         _write_json(out, {"status": "running", **state})
 
     try:
-        summary = get_backend(job["backend"]).run(job, report)
+        summary = load_backend(job["backend_class"]).run(job, report)
     except BaseException as e:  # noqa: BLE001 - reported to the parent as data
         traceback.print_exc()
         _write_json(out, {"status": "error", **state, "error": describe_error(e)})

@@ -14,7 +14,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe, load_arch, write_hf_config
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
-from benchmarks.base import BatchResult, BenchResult, BenchSettings, get_backend
+from benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
 
 
 def resolve_arch(arch: ArchSpec | str | Path | None, model_path: str | Path | None) -> ArchSpec:
@@ -67,8 +67,9 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
             # torch_dtype in config.json is informational: every engine is given the dtype
             write_hf_config(spec, tmp, "float32" if settings.dtype == "auto" else settings.dtype)
         for group in groups:
-            job = {"backend": settings.backend, "arch": spec.to_dict(), "model_dir": model_dir,
-                   "real_weights": real, "settings": settings.to_dict(), "batch_sizes": group}
+            job = {"backend": settings.backend, "backend_class": BACKENDS[settings.backend],
+                   "arch": spec.to_dict(), "model_dir": model_dir, "real_weights": real,
+                   "settings": settings.to_dict(), "batch_sizes": group}
             if backend.isolated:
                 from benchmarks.isolate import run_isolated
 

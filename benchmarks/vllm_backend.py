@@ -118,9 +118,10 @@ class VLLMBackend(Backend):
     def check_available(self) -> None:
         require_module("vllm", "vllm", INSTALL_FIX)
 
-    def run(self, job: dict[str, Any], report: Report, vllm_module=None,
-            on_gpu: bool | None = None) -> dict[str, Any]:
-        """Measure in this process (the isolated child). Tests pass a fake ``vllm_module``."""
+    def run(self, job: dict[str, Any], report: Report, vllm_module=None, on_gpu: bool | None = None,
+            device_name: str | None = None, memory_probe=None) -> dict[str, Any]:
+        """Measure in this process (the isolated child). Tests pass a fake ``vllm_module``
+        (and, for the GPU path without a GPU, ``on_gpu``, ``device_name``, ``memory_probe``)."""
         import torch
 
         from archsearch.provenance import cpu_name
@@ -153,15 +154,16 @@ class VLLMBackend(Backend):
         engine["resolved"] = _resolved(llm)
         timing = {"import_s": t_import, "engine_start_s": start}
         if on_gpu:
-            device = torch.cuda.get_device_name(0)
+            device = device_name or torch.cuda.get_device_name(0)
 
             def probe() -> int:
                 free, total = torch.cuda.mem_get_info()
                 return total - free
+            probe = memory_probe or probe
             memory_method = "torch.cuda.mem_get_info: device memory in use (vLLM reserves its share up front)"
         else:
-            device = f"cpu: {cpu_name()}"
-            probe = process_tree_rss
+            device = device_name or f"cpu: {cpu_name()}"
+            probe = memory_probe or process_tree_rss
             memory_method = "resident memory of the engine process tree, sampled after each repeat"
         engine["peak_memory_method"] = memory_method
         report({"device": device, "dtype": dtype, "engine": engine, "timing": timing})

@@ -1,0 +1,102 @@
+"""Training throughput: our trainer vs a minimal plain PyTorch loop, and MFU, on this machine.
+
+Same model (the spec below, same seed), same data (the packed Shakespeare corpus, same batch
+order), same batch, same optimizer settings, same thread count. Both are timed over the same
+number of optimizer steps, each twice in alternation (plain, ours, plain, ours) and the best of
+each is kept, since a shared machine's load drifts. MFU = tokens/s x training FLOPs per token
+(trainers.loop.train_flops_per_token) / this machine's measured fp32 matmul peak
+(archsearch.hardware.measure_cpu, at the same thread count). Prints one JSON line.
+
+    python -m benchmarks.bench_training_speed [--steps 30] [--layers 4 --hidden 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def plain_loop(spec, data, steps: int, batch: int, lr: float, seed: int) -> float:
+    """tokens/s of the textbook loop: forward, backward, clip, AdamW step."""
+    import torch
+    from accelerate.utils import set_seed
+
+    from trainers.loop import build_model, lr_at
+
+    set_seed(seed)
+    model = build_model(spec, "sdpa")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    model.train()
+    elapsed = 0.0
+    for step in range(steps):
+        t = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, max(1, steps // 10), lr, 0.1)
+        x = torch.from_numpy(data.train_batch(step * batch, batch, seed))
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss)  # same per-step sync as the trainer's NaN check
+        elapsed += time.perf_counter() - t
+    return steps * batch * data.seq_len / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    from archsearch.arch import ArchSpec, non_embedding_params
+    from archsearch.hardware import measure_cpu
+    from archsearch.provenance import provenance
+    from trainers import DataConfig, TrainConfig, prepare_data, train
+    from trainers.loop import cpu_threads_for, train_flops_per_token
+
+    heads = args.hidden // 32
+    spec = ArchSpec(n_layers=args.layers, hidden_size=args.hidden, n_heads=heads,
+                    n_kv_heads=max(1, heads // 2), head_dim=32, ffn=args.hidden * 8 // 3 // 32 * 32,
+                    vocab_size=2048)
+    dc = DataConfig(source="shakespeare", tokenizer="bpe:2048", seq_len=args.seq_len)
+    tc = TrainConfig(tokens=args.steps * args.batch * args.seq_len, global_batch_size=args.batch,
+                     lr=1.5e-3, eval_batches=1, log_interval=10**9)
+    data = prepare_data(dc)
+    threads = cpu_threads_for(spec, tc)
+    torch.set_num_threads(threads)
+    ours, plain = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            plain.append(plain_loop(spec, data, args.steps, args.batch, tc.lr, tc.seed))
+            rec = train(spec, tc, dc, Path(tmp) / f"r{i}", progress=False, data=data)
+            ours.append(rec["tokens_per_s"])
+    peak = measure_cpu().peak_flops_fp32
+    flops = train_flops_per_token(spec, args.seq_len)
+    best_ours, best_plain = max(ours), max(plain)
+    print(json.dumps({
+        "bench": "training_speed", "spec": spec.to_dict(), "n_params_non_embedding": non_embedding_params(spec),
+        "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "threads": threads,
+        "ours_tokens_per_s": best_ours, "plain_tokens_per_s": best_plain,
+        "ratio": best_ours / best_plain, "all_ours": ours, "all_plain": plain,
+        "flops_per_token": flops, "cpu_peak_flops": peak, "mfu": best_ours * flops / peak,
+        "mfu_plain": best_plain * flops / peak, "load_avg": os.getloadavg(),
+        "provenance": provenance(),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Fake engines for testing the code paths that need a GPU or a failure (no real engine).
+
+``FakeVLLM`` and ``FakeSGLang`` stand in for the ``vllm`` and ``sglang`` modules: they record
+the keywords the backend gave them and answer ``generate`` with outputs shaped like the real
+ones (timestamps included). The ``Hang``/``Crash``/``Partial`` backends run in the isolated
+child to check that a timeout and a crash become failed measurements. Nothing here is used
+outside tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from benchmarks.base import Backend, Report
+from benchmarks.loop import RequestTiming, run_batches
+
+
+class FakeVLLM:
+    """A ``vllm`` module stand-in: ``LLM``, ``SamplingParams``, ``TokensPrompt``."""
+
+    def __init__(self, step_s: float = 0.001, fail_batch: int | None = None, metrics: bool = True,
+                 short_by: int = 0):
+        self.step_s, self.fail_batch, self.metrics, self.short_by = step_s, fail_batch, metrics, short_by
+        self.llm_kwargs: dict[str, Any] | None = None
+        self.calls: list[list[list[int]]] = []
+        fake = self
+
+        class LLM:
+            def __init__(self, **kw):
+                fake.llm_kwargs = kw
+
+            def generate(self, prompts, sp, use_tqdm=False):
+                ids = [p["prompt_token_ids"] for p in prompts]
+                fake.calls.append(ids)
+                if fake.fail_batch is not None and len(ids) == fake.fail_batch:
+                    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                n = sp.max_tokens - fake.short_by
+                t0 = time.monotonic()
+                time.sleep(fake.step_s * n)
+                outs = []
+                for _ in ids:
+                    m = (SimpleNamespace(first_token_latency=fake.step_s, first_token_ts=t0 + fake.step_s,
+                                         last_token_ts=t0 + fake.step_s * n, num_preemptions=0)
+                         if fake.metrics else None)
+                    outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(n)))],
+                                                metrics=m))
+                return outs
+
+        def SamplingParams(**kw):
+            return SimpleNamespace(**kw)
+
+        def TokensPrompt(prompt_token_ids):
+            return {"prompt_token_ids": prompt_token_ids}
+
+        self.LLM, self.SamplingParams, self.TokensPrompt = LLM, SamplingParams, TokensPrompt
+
+
+class FakeSGLang:
+    """An ``sglang`` module stand-in: ``Engine(**kw)`` with ``generate`` and ``shutdown``."""
+
+    def __init__(self, step_s: float = 0.001):
+        self.step_s = step_s
+        self.engine_kwargs: dict[str, Any] | None = None
+        self.calls: list[tuple[list[list[int]], dict]] = []
+        self.shut_down = False
+        fake = self
+
+        class Engine:
+            def __init__(self, **kw):
+                fake.engine_kwargs = kw
+
+            def generate(self, input_ids, sampling_params):
+                fake.calls.append((input_ids, dict(sampling_params)))
+                n = sampling_params["max_new_tokens"]
+                time.sleep(fake.step_s * n)
+                return [{"output_ids": list(range(n)),
+                         "meta_info": {"completion_tokens": n, "e2e_latency": fake.step_s * n}}
+                        for _ in input_ids]
+
+            def shutdown(self):
+                fake.shut_down = True
+
+        self.Engine = Engine
+
+
+class HangBackend(Backend):
+    """Measures the first batch size, then hangs: a timeout must keep the first result."""
+
+    name = "fake-hang"
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        s = job["settings"]
+
+        def generate(prompts):
+            if len(prompts) != job["batch_sizes"][0]:
+                time.sleep(3600)
+            return [RequestTiming(n_output=s["output_len"], ttft=0.001, e2e=0.002, tpot=0.0001)
+                    for _ in prompts]
+
+        report({"device": "fake", "dtype": "float32"})
+        per_batch = run_batches(generate, job["batch_sizes"], s, 100, report=report)
+        return {"device": "fake", "dtype": "float32", "engine": {}, "timing": {}, "per_batch": per_batch}
+
+
+class CrashBackend(Backend):
+    """Dies the way a segfaulting engine does: no result, no exception, a bad exit status."""
+
+    name = "fake-crash"
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        print("fake engine: about to crash", flush=True)
+        os.abort()
