@@ -203,7 +203,7 @@ class StudyConfig:
     tokens: float
     n_layers: int
     baseline: BaselineConfig
-    proxy: ProxyConfig
+    proxy: ProxyConfig | None = None  # not needed when law.file gives the law
     target: TargetConfig = field(default_factory=TargetConfig)
     search_space: SearchSpace = field(default_factory=SearchSpace)
     law: LawConfig = field(default_factory=LawConfig)
@@ -232,6 +232,9 @@ class StudyConfig:
             raise ArchsearchError("mode", f"{self.mode!r} is unknown", "use algorithm5 or predict-rank-select")
         if self.top_k <= 0:
             raise ArchsearchError("top_k", "must be positive")
+        if self.proxy is None and self.law.file is None:
+            raise ArchsearchError("proxy", "is required unless law.file gives a fitted law",
+                                  "add proxy.sweep (train proxies) or proxy.runs (reuse a run table)")
 
     def out_dir(self, override: str | Path | None = None) -> Path:
         return Path(override or self.out or Path("results") / self.name)

@@ -104,9 +104,9 @@ def validate(cfg: StudyConfig) -> None:
 
         law = load_law(cfg.law.file)
         check_target(cfg, law, target_loss(cfg, law))
-    if cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
+    if cfg.proxy and cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
         raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
-    if cfg.proxy.sweep is not None:
+    if cfg.proxy and cfg.proxy.sweep is not None:
         from trainers import SweepConfig
 
         from_dict(SweepConfig, cfg.proxy.sweep, where="proxy.sweep")
@@ -138,7 +138,9 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     p: dict[str, Any] = {"study": cfg.name, "out": str(out), "stages": []}
     runs_n, proxy_tokens, proxy_flops = 0, 0.0, 0.0
     proxy_specs = []
-    if cfg.proxy.runs:
+    if cfg.proxy is None:
+        p["stages"].append({"stage": "proxy", "action": f"none: the law comes from {cfg.law.file}"})
+    elif cfg.proxy.runs:
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
         from trainers import SweepConfig, plan_sweep
@@ -197,8 +199,8 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     """Run (or resume) the study; returns the summary."""
     from archsearch.search.study import SearchContext, build_settings
 
+    validate(cfg)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    validate(cfg)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     state = StudyState(out)
     lock = out / ".stage.lock"
@@ -206,7 +208,10 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 
     with file_lock(lock):
         state.reload()
-        runs_path = _stage_proxy(cfg, out, state) if want("proxy") or not _runs_path(cfg, out).is_file() else _runs_path(cfg, out)
+        runs_path = None
+        if cfg.proxy is not None:
+            runs_path = _stage_proxy(cfg, out, state) if want("proxy") or not _runs_path(cfg, out).is_file() \
+                else _runs_path(cfg, out)
         law = _stage_fit(cfg, out, state, runs_path, force=want("fit"))
     lt = target_loss(cfg, law)
     check_target(cfg, law, lt)
@@ -338,7 +343,7 @@ def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
 def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
     from trainers import DataConfig, TrainConfig, train
 
-    data = cfg.final_train.data or (cfg.proxy.sweep or {}).get("data") or {}
+    data = cfg.final_train.data or ((cfg.proxy and cfg.proxy.sweep) or {}).get("data") or {}
     data_cfg = from_dict(DataConfig, data, where="final_train.data")
     tokens = cfg.final_train.tokens or cfg.tokens
     tc = from_dict(TrainConfig, {**cfg.final_train.train, "tokens": tokens}, where="final_train.train")

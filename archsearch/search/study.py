@@ -3,7 +3,7 @@
 Each trial samples (d/sqrt(N), r, GQA); :func:`archsearch.candidates.build_candidate` expands
 them into a buildable shape at the study's budget; the fitted law predicts its loss (with a
 bootstrap interval); the constraint ``predicted_loss - L_t <= 0`` goes to the sampler through
-Optuna's ``constraints_func``; the objective is the measured output throughput at the
+Optuna's keyed constraints (``Trial.set_constraint``); the objective is the measured output throughput at the
 reference batch size (or, with ``objective: pareto``, throughput and predicted loss).
 
 Durability: the study lives in an Optuna storage (SQLite in the study folder by default, any
@@ -94,8 +94,11 @@ def make_storage(url: str):
         failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
 
 
-def _constraints(trial) -> list[float]:
-    return list(trial.user_attrs.get("constraints", [UNBUILDABLE]))
+def _set_constraint(trial, key: str, value: float) -> None:
+    """Feasible iff every value <= 0. Optuna's keyed constraints (read by the samplers) take
+    each key once per trial; the values are mirrored in ``user_attrs['constraints']``."""
+    trial.set_constraint(key, float(value))
+    trial.set_user_attr("constraints", {**trial.user_attrs.get("constraints", {}), key: float(value)})
 
 
 def make_sampler(cfg: StudyConfig):
@@ -103,12 +106,11 @@ def make_sampler(cfg: StudyConfig):
 
     o = cfg.optuna
     if o.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=o.seed, constraints_func=_constraints,
-                                          n_startup_trials=min(5, o.n_trials), multivariate=True)
+        return optuna.samplers.TPESampler(seed=o.seed, n_startup_trials=min(5, o.n_trials), multivariate=True)
     if o.sampler == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=o.seed, constraints_func=_constraints)
+        return optuna.samplers.NSGAIISampler(seed=o.seed)
     if o.sampler == "gp":
-        return optuna.samplers.GPSampler(seed=o.seed, constraints_func=_constraints)
+        return optuna.samplers.GPSampler(seed=o.seed)
     return optuna.samplers.RandomSampler(seed=o.seed)
 
 
@@ -130,9 +132,9 @@ def recover_stale_trials(study, storage) -> list[int]:
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         w = t.user_attrs.get("worker") or {}
         if w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"])):
-            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             storage.set_trial_user_attr(t._trial_id, "failure_reason",
                                         "its worker process died; parameters enqueued again")
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
             if t.params:
                 study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
             recovered.append(t.number)
@@ -166,7 +168,8 @@ def objective(trial, ctx: SearchContext):
     try:
         spec = expand(cfg, ctx.build, x1, r, g)
     except ArchsearchError as e:
-        trial.set_user_attr("constraints", [UNBUILDABLE])
+        _set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
+        _set_constraint(trial, "limits_violated", 0.0)
         trial.set_user_attr("pruned_reason", f"unbuildable: {e}")
         raise optuna.TrialPruned(f"unbuildable: {e}") from None
     d = describe(spec)
@@ -178,12 +181,13 @@ def objective(trial, ctx: SearchContext):
     trial.set_user_attr("predicted_loss", loss)
     trial.set_user_attr("predicted_loss_interval", interval)
     violation = loss - ctx.target_loss
-    trial.set_user_attr("constraints", [violation])
+    _set_constraint(trial, "predicted_loss_minus_target", violation)
     feasible = violation <= 0
     trial.set_user_attr("feasible_loss", feasible)
     if not feasible and not cfg.optuna.measure_infeasible and cfg.optuna.objective == "throughput":
         reason = f"predicted loss {loss:.4f} > target {ctx.target_loss:.4f}; not measured"
         trial.set_user_attr("pruned_reason", reason)
+        _set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
         raise optuna.TrialPruned(reason)
 
     result, cached = ctx.measurer.measure(spec)
@@ -198,13 +202,12 @@ def objective(trial, ctx: SearchContext):
     if not result.get("ok", False) or tput is None:
         reason = result.get("error") or f"no throughput at batch size {ctx.ref_batch}"
         trial.set_user_attr("failure_reason", reason)
+        _set_constraint(trial, "limits_violated", 0.0)
         raise MeasurementFailed(reason)
     ok, why = check_result_limits(cfg.limits, result, ctx.ref_batch)
     if not ok:
         trial.set_user_attr("limits_reason", why)
-        trial.set_user_attr("constraints", [violation, 1.0])
-    elif cfg.limits and any(v is not None for v in vars(cfg.limits).values()):
-        trial.set_user_attr("constraints", [violation, 0.0])
+    _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
     if cfg.optuna.objective == "pareto":
         return tput, loss
     return tput
@@ -212,7 +215,7 @@ def objective(trial, ctx: SearchContext):
 
 def trial_is_feasible(t) -> bool:
     cons = t.user_attrs.get("constraints")
-    return bool(cons) and all(c <= 0 for c in cons)
+    return bool(cons) and all(c <= 0 for c in cons.values())
 
 
 def create_study(ctx: SearchContext, load_only: bool = False):

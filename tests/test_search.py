@@ -1,0 +1,295 @@
+"""The search: config validation, the Optuna study (constraint, resume after a kill, two
+workers), local GQA search with early stopping, the study folder.
+
+The law here is written by hand (a known U-shaped conditional law on a Chinchilla reference),
+so the tests check the search's mechanics against a law whose optimum is known; the law fit
+itself is tested in test_laws.py and end to end in test_search_e2e.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from archsearch.errors import ArchsearchError
+
+REPO = Path(__file__).resolve().parent.parent
+
+# x1* = a2/a1 = 0.1, r* = b2/b1 = 2; both factors equal 1 at their minimum.
+LAW = {
+    "law": "conditional-multiplicative",
+    "coefficients": {"a0": 1.0651, "a1": 0.05, "a2": 0.005, "b0": 0.9153, "b1": 0.05, "b2": 0.1},
+    "reference": {"law": "chinchilla",
+                  "coefficients": {"E": 1.8, "A": 400.0, "alpha": 0.34, "B": 400.0, "beta": 0.28}},
+}
+
+
+def study_config(tmp_path: Path, **over) -> dict:
+    law = tmp_path / "law.json"
+    law.write_text(json.dumps(LAW))
+    cfg = {
+        "name": "t",
+        "params": 4.0e5,
+        "tokens": 8.0e6,
+        "n_layers": 2,
+        "vocab_size": 256,
+        "baseline": {"hidden_over_sqrt_n": 0.2, "mlp_to_attn": 1.0, "gqa": 1},
+        "target": {"slack": 0.0},
+        "law": {"file": str(law)},
+        "search_space": {"hidden_over_sqrt_n": [0.08, 0.3], "mlp_to_attn": [0.7, 5.0], "gqa": [1, 2, 4],
+                         "head_dim": 32, "hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05},
+        "measure": {"backend": "analytic", "device_spec": "H100", "batch_sizes": [8], "input_len": 64,
+                    "output_len": 16, "repeats": 1, "warmup": 0},
+        "optuna": {"n_trials": 6, "seed": 1, "enqueue_solution": 2},
+        "out": str(tmp_path / "study"),
+    }
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return cfg | {"_path": str(path)}
+
+
+def load(cfg: dict):
+    from archsearch.search.config import load_study_config
+
+    return load_study_config(cfg["_path"])
+
+
+def test_study_end_to_end_analytic(tmp_path):
+    from archsearch.search import pipeline
+
+    cfg = load(study_config(tmp_path))
+    out = cfg.out_dir()
+    summary = pipeline.run(cfg, out)
+    # the study folder a person reads
+    for f in ("summary.json", "report.md", "trials.csv", "chosen/config.json", "optuna.db", "law.json" if False else "config.json",
+              "plots/pareto.png", "plots/ucurves.png", "gqa.json", "measurements.jsonl"):
+        assert (out / f).is_file(), f
+    s = json.loads((out / "summary.json").read_text())
+    for key in ("target_loss", "baseline", "chosen"):
+        assert key in s
+    for key in ("throughput", "predicted_loss", "architecture"):
+        assert key in s["chosen"] and key in s["baseline"]
+    # the constraint is respected by the chosen architecture
+    assert s["chosen"]["predicted_loss"] <= s["target_loss"] + 1e-12
+    # the target is the baseline's predicted loss (slack 0)
+    assert s["target_loss"] == pytest.approx(s["baseline"]["predicted_loss"])
+    assert s["trials"]["complete"] == 6
+    # the chosen config loads in transformers
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(out / "chosen")
+    report = (out / "report.md").read_text()
+    assert "Answer" in report and "target" in report
+    assert summary["chosen"]["throughput"] >= max(p["throughput"] for p in s["pareto"]) - 1e-9
+    # measurements are taken once per distinct shape
+    keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
+    assert len(keys) == len(set(keys))
+    with open(out / "trials.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert all(r["predicted_loss"] for r in rows if r["state"] == "COMPLETE")
+
+
+def test_rerun_resumes_without_new_measurements(tmp_path):
+    from archsearch.search import pipeline
+
+    cfg = load(study_config(tmp_path))
+    pipeline.run(cfg, cfg.out_dir())
+    n_lines = len((cfg.out_dir() / "measurements.jsonl").read_text().splitlines())
+    s2 = pipeline.run(cfg, cfg.out_dir())
+    assert s2["measurements_taken_this_run"] == 0
+    assert len((cfg.out_dir() / "measurements.jsonl").read_text().splitlines()) == n_lines
+    assert s2["trials"]["complete"] == 6
+
+
+def test_infeasible_trials_are_pruned_not_measured(tmp_path):
+    from optuna.trial import TrialState
+
+    from archsearch.search import pipeline
+    from archsearch.search.study import create_study
+
+    cfg = load(study_config(tmp_path, target={"slack": 0.0}))
+    pipeline.run(cfg, cfg.out_dir(), only={"search"})
+    ctx_study = None
+    import optuna
+
+    ctx_study = optuna.load_study(study_name="t", storage=f"sqlite:///{cfg.out_dir() / 'optuna.db'}")
+    for t in ctx_study.get_trials():
+        if t.state == TrialState.COMPLETE:
+            assert t.user_attrs["predicted_loss"] <= ctx_study.user_attrs["target_loss"]
+        if t.state == TrialState.PRUNED and "predicted loss" in (t.user_attrs.get("pruned_reason") or ""):
+            assert "throughput" not in t.user_attrs
+    assert create_study  # imported API
+
+
+def test_gqa_search_early_stops(tmp_path):
+    from archsearch.arch import ArchSpec
+    from archsearch.search.gqa import gqa_variant, local_gqa_search
+    from archsearch.search.study import SearchContext, build_settings
+    from archsearch.laws import load_law
+
+    cfg = load(study_config(tmp_path))
+    spec = ArchSpec(n_layers=2, hidden_size=128, n_heads=8, n_kv_heads=2, head_dim=32, ffn=512, vocab_size=256)
+    build = build_settings(cfg, 256)
+    calls = []
+
+    class FakeMeasurer:
+        """Throughput rises with GQA up to 4, then falls: the search must stop at 8."""
+        note = None
+        backend = "fake"
+
+        def measure(self, s):
+            calls.append(s.gqa)
+            t = {1: 50.0, 2: 80.0, 4: 100.0, 8: 90.0}[s.gqa]
+            return {"ok": True, "per_batch": [{"batch_size": 8, "ok": True, "output_throughput": t}]}, False
+
+    ctx = SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
+                        measurer=FakeMeasurer(), out=tmp_path, build=build)
+    res = local_gqa_search(spec, ctx, baseline_gqa=4)
+    # baseline 4 first, then up: 8 is slower -> stop (no 16 exists anyway), then down: 2 slower -> stop (1 never)
+    assert calls == [4, 8, 2]
+    assert res.chosen.gqa == 4
+    assert any("stop" in s.note for s in res.steps)
+    v = gqa_variant(spec, 8, cfg.params, build)
+    assert v.n_kv_heads == 1 and v.n_heads == 8
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"search_space": {"hidden_over_sqrt_n": [0.3, 0.1]}}, "search_space.hidden_over_sqrt_n"),
+    ({"search_space": {"gqa": []}}, "search_space.gqa"),
+    ({"measure": {"backend": "tensorrt"}}, "measure.backend"),
+    ({"target": {"loss": 0.5}}, "target.loss"),
+    ({"optuna": {"sampler": "cmaes-magic"}}, "optuna.sampler"),
+    ({"n_layers": 0}, "n_layers"),
+    ({"search_space": {"hidden_over_sqrt_n": [5.0, 6.0]}}, "search_space"),
+])
+def test_bad_config_fails_before_work(tmp_path, cli, over, field):
+    cfg = study_config(tmp_path, **over)
+    r = cli("search", "--config", cfg["_path"])
+    assert r.returncode == 2, r.stderr
+    assert field in r.stderr and "Traceback" not in r.stderr
+    assert not Path(cfg["out"]).exists()  # nothing was written
+
+
+def test_unknown_key_named(tmp_path, cli):
+    cfg = study_config(tmp_path, optuna={"n_trails": 3})
+    r = cli("search", "--config", cfg["_path"])
+    assert r.returncode == 2 and "optuna.n_trails" in r.stderr and "n_trials" in r.stderr
+
+
+def test_dry_run_prints_plan(tmp_path, cli):
+    cfg = study_config(tmp_path)
+    r = cli("search", "--config", cfg["_path"], "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert [s["stage"] for s in plan["stages"]][:3] == ["proxy", "fit", "search"]
+    assert not Path(cfg["out"]).exists()
+
+
+# -- durability: real measurements (hf backend, tiny shapes), real processes --------------------
+
+def _hf_cfg(tmp_path, n_trials=5, **over):
+    return study_config(tmp_path, measure={"backend": "hf", "device_spec": None, "batch_sizes": [2],
+                                           "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0,
+                                           "timeout_s": 120},
+                        optuna={"n_trials": n_trials, "seed": 3, "enqueue_solution": 1},
+                        gqa_search={"enabled": False}, **over)
+
+
+def _states(db: Path) -> dict[str, int]:
+    if not db.is_file():
+        return {}
+    con = sqlite3.connect(db)
+    try:
+        rows = con.execute("select state, count(*) from trials group by state").fetchall()
+    except sqlite3.OperationalError:
+        return {}
+    finally:
+        con.close()
+    return dict(rows)
+
+
+def _start(cfg_path: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "archsearch", "search", "--config", cfg_path, "--only", "search"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
+    cfg = _hf_cfg(tmp_path, n_trials=5)
+    out = Path(cfg["out"])
+    proc = _start(cfg["_path"])
+    deadline = time.time() + 240
+    while time.time() < deadline and _states(out / "optuna.db").get("COMPLETE", 0) < 2:
+        time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()
+    os.killpg(proc.pid, signal.SIGKILL)  # a crash: no cleanup runs
+    proc.wait()
+    assert _states(out / "optuna.db").get("COMPLETE", 0) >= 2
+    r = subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", cfg["_path"]],
+                       cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}")
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 5  # nothing lost
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
+    assert len(keys) == len(set(keys))  # nothing measured twice
+    # every completed trial's measurement is in the store
+    assert {t.user_attrs["measurement_key"] for t in complete} <= set(keys)
+
+
+def test_two_workers_share_one_study(tmp_path):
+    cfg = _hf_cfg(tmp_path, n_trials=6)
+    out = Path(cfg["out"])
+    procs = [_start(cfg["_path"]) for _ in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}")
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert 6 <= len(complete) <= 7  # the second worker may finish one trial it had started
+    pids = {t.user_attrs["worker"]["pid"] for t in study.get_trials()}
+    assert len(pids) == 2  # both worked
+    keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
+    assert len(keys) == len(set(keys))
+
+
+def test_journal_storage(tmp_path):
+    from archsearch.search import pipeline
+
+    cfg = load(study_config(tmp_path, optuna={"storage": str(tmp_path / "journal.log"), "n_trials": 3}))
+    s = pipeline.run(cfg, cfg.out_dir(), only={"search", "report"})
+    assert (tmp_path / "journal.log").is_file()
+    assert s["trials"]["complete"] == 3
+
+
+def test_limits_make_candidates_infeasible(tmp_path):
+    from archsearch.search import pipeline
+
+    cfg = load(study_config(tmp_path, limits={"max_ttft_s": 1e-12}, optuna={"n_trials": 3}))
+    s = pipeline.run(cfg, cfg.out_dir(), only={"search", "report"})
+    assert s["chosen"] is None  # nothing meets an impossible TTFT limit
+    with open(cfg.out_dir() / "trials.csv") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["state"] == "COMPLETE"]
+    assert rows and all("ttft" in (r["reason"] or "").lower() for r in rows)
