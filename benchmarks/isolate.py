@@ -45,8 +45,9 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)  # atomic: the parent never reads half a file
 
 
-def _kill_group(pgid: int, grace_s: float = 5.0) -> None:
+def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM then SIGKILL the child's process group (the child and its engine workers)."""
+    pgid = proc.pid  # start_new_session: the child leads its own group
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
@@ -54,11 +55,12 @@ def _kill_group(pgid: int, grace_s: float = 5.0) -> None:
             return
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
+            proc.poll()  # reap the leader, or the group never looks empty
             try:
                 os.killpg(pgid, 0)
             except (ProcessLookupError, PermissionError):
                 return
-            time.sleep(0.1)
+            time.sleep(0.05)
 
 
 def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | None = None,
@@ -87,7 +89,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
                 timed_out = True
                 rc = None
             finally:
-                _kill_group(proc.pid)
+                _kill_group(proc)
                 if proc.poll() is None:
                     proc.wait()
         wall = time.perf_counter() - t0
