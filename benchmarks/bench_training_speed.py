@@ -45,7 +45,7 @@ def plain_loop(spec, data, steps: int, batch: int, lr: float, seed: int) -> floa
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)  # same per-step sync as the trainer's NaN check
+        float(loss.detach())  # same per-step sync as the trainer's NaN check
         elapsed += time.perf_counter() - t
     return steps * batch * data.seq_len / elapsed
 
