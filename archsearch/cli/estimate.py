@@ -1,0 +1,142 @@
+"""``archsearch estimate``: training time, GPU-hours and cost; ``estimate fit``: the time law
+from measured runs; ``estimate memory``: predicted peak memory and the largest batch."""
+
+from __future__ import annotations
+
+import argparse
+
+from archsearch.cli._common import parse_number, print_json, print_table
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "estimate", help="training time, GPU-hours and cost of an architecture",
+        description="Estimate training time and cost, with every assumption printed. "
+                    "Subcommands: 'fit' fits a time law to measured runs, 'memory' predicts "
+                    "peak memory and the largest batch.")
+    p.add_argument("--arch", help="a preset name, a folder with config.json, or an architecture JSON")
+    p.add_argument("--tokens", type=parse_number, help="training tokens D (e.g. 2e10, 20B)")
+    p.add_argument("--gpus", default="8xH100", help="COUNTxDEVICE, DEVICE or cpu (default 8xH100)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (default 1)")
+    p.add_argument("--mfu", type=float, help="model FLOPs utilisation in (0, 1] "
+                                             "(default: the law's measured one, else 0.40 assumed)")
+    p.add_argument("--price", type=float, help="USD per GPU-hour (default: archsearch.hardware table)")
+    p.add_argument("--law", metavar="TIME_LAW.json", help="a time law from 'archsearch estimate fit'")
+    p.add_argument("--dtype", default="bfloat16", help="training compute dtype (default bfloat16)")
+    p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the memory check")
+    p.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=_estimate)
+    sp = p.add_subparsers(dest="estimate_command", metavar="SUBCOMMAND", parser_class=type(p))
+
+    f = sp.add_parser("fit", help="fit the training-time law to runs with wall_time_s",
+                      description="Fit T(N, D, TP, PP) (analytic, Amdahl, power; each with and "
+                                  "without a boosted residual) and keep the best by cross-validated MAE.")
+    f.add_argument("--data", required=True, help="runs (.csv or .jsonl, the rundata format)")
+    f.add_argument("--holdout", help="runs to predict and report, never used for the fit")
+    f.add_argument("--out", required=True, metavar="TIME_LAW.json")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=_fit)
+
+    m = sp.add_parser("memory", help="predicted peak memory (inference and training) and max batch")
+    m.add_argument("--arch", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
+    m.add_argument("--gpus", default="H100", help="device for the max-batch answer (default H100)")
+    m.add_argument("--batch", type=int, default=16, help="inference batch size (default 16)")
+    m.add_argument("--input-len", type=int, default=4096)
+    m.add_argument("--output-len", type=int, default=1024)
+    m.add_argument("--dtype", default="bfloat16")
+    m.add_argument("--micro-batch", type=int, default=1, help="training micro-batch per device")
+    m.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
+    m.add_argument("--tp", type=int, default=1)
+    m.add_argument("--pp", type=int, default=1)
+    m.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_memory)
+
+
+def _require(args: argparse.Namespace, *names: str) -> None:
+    from archsearch.errors import ArchsearchError
+
+    for n in names:
+        if getattr(args, n) is None:
+            raise ArchsearchError(f"--{n}", "is required", "e.g. archsearch estimate --arch llama-3.2-1b "
+                                                          "--tokens 20B --gpus 8xH100")
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from archsearch.arch import load_arch
+    from archsearch.planning import estimate_training
+
+    _require(args, "arch", "tokens")
+    est = estimate_training(load_arch(args.arch), args.tokens, args.gpus, tp=args.tp, pp=args.pp,
+                            mfu=args.mfu, price_per_hour=args.price, time_law=args.law,
+                            dtype=args.dtype, seq_len=args.seq_len, parallelism=args.parallelism)
+    if args.json:
+        print_json(est.to_dict())
+        return 0
+    a = est.assumptions
+    cost = "n/a (no price: pass --price)" if est.cost_usd is None else f"${est.cost_usd:,.0f}"
+    print_table([("wall time (hours)", est.hours), ("days", est.hours / 24), ("GPU-hours", est.gpu_hours),
+                 ("cost", cost), ("method", est.method)]
+                + ([("analytic hours (beside the law)", est.analytic_hours)] if est.law_hours is not None else []),
+                title=f"training estimate: {args.arch} on {a['tokens']:.4g} tokens, "
+                      f"{a['n_devices']}x{a['device']} (tp={a['tp']}, pp={a['pp']}, dp={a['dp']})")
+    print_table([(k, v) for k, v in a.items() if k not in ("tokens",)], title="assumptions")
+    return 0
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from archsearch.planning import fit_time_law
+    from archsearch.rundata import read_runs
+
+    fit = fit_time_law(read_runs(args.data), holdout=read_runs(args.holdout) if args.holdout else ())
+    path = fit.law.save(args.out)
+    if args.json:
+        print_json({**fit.to_dict(), "out": str(path)})
+        return 0
+    law = fit.law
+    print(f"time law: {law.form}{' + boosted residual' if law.residual_model else ''} "
+          f"({law.n_runs} runs, device {law.device}) -> {path}")
+    print_table([(k, v) for k, v in law.params.items()]
+                + [("measured MFU", law.mfu if law.mfu is not None else "n/a (device peak unknown)")])
+    print("  cross-validated (and held-out) error per candidate:")
+    for r in fit.selection:
+        ho = r.get("holdout")
+        print(f"    {r['form']:<9} residual={str(r['residual_model']):<5} CV MAE {r['cv']['mae_s']:.4g} s "
+              f"R^2 {r['cv']['r2']:.3f}" + (f" | held-out MAE {ho['mae_s']:.4g} s R^2 {ho['r2']:.3f}" if ho else ""))
+    for n in law.notes:
+        print(f"  note: {n}")
+    return 0
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from archsearch.arch import load_arch
+    from archsearch.planning import (max_inference_batch, max_training_batch, parse_gpus,
+                                     predict_inference_memory, predict_training_memory)
+
+    spec = load_arch(args.arch)
+    n, device = parse_gpus(args.gpus)
+    inf = predict_inference_memory(spec, args.batch, args.input_len, args.output_len, args.dtype)
+    kw = dict(parallelism=args.parallelism, n_devices=n, tp=args.tp, pp=args.pp)
+    tr = predict_training_memory(spec, args.micro_batch, args.seq_len, args.dtype, **kw)
+    out = {"device": device.name, "device_memory_gib": device.memory_gib, "inference": inf, "training": tr,
+           "max_inference_batch": max_inference_batch(spec, device.memory_bytes, args.input_len,
+                                                      args.output_len, args.dtype),
+           "max_training_micro_batch": max_training_batch(spec, device.memory_bytes, args.seq_len,
+                                                          args.dtype, **kw)}
+    if args.json:
+        print_json(out)
+        return 0
+    gib = lambda b: f"{b / 2**30:,.3f} GiB"  # noqa: E731
+    print_table([(k, gib(inf[k])) for k in ("weights", "kv_cache", "activations", "total")],
+                title=f"inference: batch {args.batch}, {args.input_len} in + {args.output_len} out, {args.dtype}")
+    print_table([(k, gib(tr[k])) for k in ("weights", "gradients", "optimizer", "activations", "loss",
+                                           "optimizer_step", "total")],
+                title=f"training per device: micro-batch {args.micro_batch} x {args.seq_len}, "
+                      f"{n} devices, tp={args.tp} pp={args.pp} {args.parallelism}")
+    print_table([("device", f"{device.name} ({device.memory_gib:g} GiB)"),
+                 ("max inference batch (90% of memory)", out["max_inference_batch"]),
+                 ("max training micro-batch (95% of memory)", out["max_training_micro_batch"]),
+                 ("bytes per parameter (training)", tr["assumptions"]["bytes_per_param"])])
+    return 0

@@ -1,0 +1,162 @@
+"""Measured counterparts of the predictions, on this machine: peak memory and training time.
+
+Each memory point runs in a fresh Python subprocess (``python -m archsearch.planning.measure``)
+so that no allocator state or cached tensor of an earlier point leaks into it. The peak is the
+process's resident-set high-water mark (``VmHWM``), reset with ``/proc/self/clear_refs`` after
+the imports so that only the model and the work count; the baseline RSS before the model is
+built is subtracted. glibc is told to serve every allocation over 64 KiB with ``mmap``
+(``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the RSS at once, as they leave a
+CUDA caching allocator's "allocated" count; without it glibc may keep freed heap pages
+resident and the peak then measures the allocator, not the model. On a GPU the same quantity
+is ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from archsearch.arch import ArchSpec
+from archsearch.errors import ArchsearchError
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise ArchsearchError("measure", f"/proc/self/status has no {key}", "peak RSS needs Linux /proc")
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError as e:
+        raise ArchsearchError("measure", f"cannot reset the RSS high-water mark: {e}",
+                              "needs Linux >= 4.0 with a writable /proc/self/clear_refs") from None
+
+
+def _build(spec: ArchSpec):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from archsearch.arch import to_hf_config
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**{k: v for k, v in to_hf_config(spec, "float32").items()
+                         if k not in ("architectures", "model_type")})
+    return LlamaForCausalLM(cfg).float()
+
+
+def _child(kind: str, spec: ArchSpec, batch: int, a: int, b: int, threads: int) -> dict[str, Any]:
+    import gc
+
+    import torch
+
+    torch.set_num_threads(threads)
+    # warm-up on a tiny model of the same kind: every lazy import and first-use buffer of
+    # transformers/torch is paid before the baseline, so the baseline holds none of the model
+    tiny = ArchSpec(n_layers=1, hidden_size=64, n_heads=1, n_kv_heads=1, head_dim=64, ffn=64, vocab_size=64)
+    _run(kind, _build(tiny), tiny, 1, 8, 1)
+    gc.collect()
+    rss0 = _status_bytes("VmRSS")
+    model = _build(spec)
+    gc.collect()
+    rss_model = _status_bytes("VmRSS")
+    _reset_peak()
+    _run(kind, model, spec, batch, a, b)
+    peak = _status_bytes("VmHWM")
+    return {"weights_rss_bytes": rss_model - rss0, "peak_bytes": peak - rss0,
+            "baseline_rss_bytes": rss0, "threads": threads}
+
+
+def _run(kind: str, model, spec: ArchSpec, batch: int, a: int, b: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    if kind == "inference":  # a: input_len, b: output_len; the cache ends at a + b tokens
+        model.eval()
+        ids = torch.randint(0, spec.vocab_size, (batch, a), generator=g)
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            del out
+            for _ in range(b):
+                out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                del out
+    else:  # training: a: seq_len, b: steps; gradients zeroed, not freed (as predicted)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for _ in range(b):
+            ids = torch.randint(0, spec.vocab_size, (batch, a), generator=g)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+
+
+def measure_peak_memory(kind: str, spec: ArchSpec, batch_size: int, a: int, b: int,
+                        threads: int = 1, timeout: float = 300) -> dict[str, Any]:
+    """Peak RSS above the pre-model baseline (bytes) of one fp32 CPU inference or training run.
+
+    ``kind='inference'``: ``a`` = input length, ``b`` = output tokens (prefill, then ``b``
+    single-token decode steps). ``kind='training'``: ``a`` = sequence length, ``b`` = AdamW
+    steps (the second step is the first with optimizer states). Runs in a fresh subprocess.
+    """
+    if kind not in ("inference", "training"):
+        raise ArchsearchError("kind", f"{kind!r}", "use inference or training")
+    payload = json.dumps({"kind": kind, "spec": spec.to_dict(), "batch": batch_size, "a": a, "b": b,
+                          "threads": threads})
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
+    p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", payload],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"memory measurement failed ({p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def measure_training_time(spec: ArchSpec, tokens: int, batch_size: int, seq_len: int,
+                          threads: int = 1, seed: int = 0) -> dict[str, Any]:
+    """Wall (and process CPU) seconds of a plain fp32 AdamW loop over ``tokens`` random tokens.
+
+    One untimed warm-up step first (allocations, kernel selection); the timed steps cover
+    ``tokens // (batch_size * seq_len)`` steps, and the tokens actually trained are returned.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    steps = tokens // (batch_size * seq_len)
+    if steps < 1:
+        raise ArchsearchError("tokens", f"{tokens} is less than one batch of {batch_size}x{seq_len}")
+    torch.manual_seed(seed)
+    model = _build(spec).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(seed)
+
+    def step() -> None:
+        ids = torch.randint(0, spec.vocab_size, (batch_size, seq_len), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    # process CPU time beside wall time: on a shared machine it is far less disturbed by
+    # other jobs, so a law fit on it separates the law's error from the machine's noise
+    return {"wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0,
+            "tokens": steps * batch_size * seq_len, "steps": steps, "threads": threads}
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    res = _child(job["kind"], ArchSpec.from_dict(job["spec"]), job["batch"], job["a"], job["b"], job["threads"])
+    print(json.dumps(res))
