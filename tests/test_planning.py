@@ -159,6 +159,16 @@ def test_limit_without_measurement_is_infeasible():
     assert not ok and "tpot_mean was not measured at batch size 8" in why
 
 
+def test_limits_accept_the_real_batch_result():
+    base = pytest.importorskip("benchmarks.base")
+    r = base.BatchResult(batch_size=64, ok=True, ttft_mean=2.0, tpot_mean=0.01, peak_memory_bytes=GIB)
+    ok, why = check_limits(Limits(max_ttft_s=1.0), r, 64)
+    assert not ok and "ttft_mean=2 s at batch size 64" in why
+    assert check_limits(Limits(max_ttft_s=1.0), r.to_dict(), 64) == (ok, why)
+    ok, why = check_limits(Limits(max_tpot_s=1.0), base.BatchResult.failed(128, "CUDA out of memory"))
+    assert not ok and "failed at batch size 128: CUDA out of memory" in why
+
+
 def test_limits_validate():
     with pytest.raises(ArchsearchError, match="limits.max_ttft_s"):
         Limits(max_ttft_s=-1)

@@ -46,11 +46,12 @@ class Limits:
         return {name: getattr(self, name) for name, *_ in _CHECKS}
 
 
+def _field(result: Any, key: str) -> Any:
+    return result.get(key) if isinstance(result, Mapping) else getattr(result, key, None)
+
+
 def _measured(result: Any, key: str) -> float | None:
-    if isinstance(result, Mapping):
-        v = result.get(key)
-    else:
-        v = getattr(result, key, None)
+    v = _field(result, key)
     return None if v is None else float(v)
 
 
@@ -59,11 +60,14 @@ def check_limits(limits: Limits, result: Any, batch_size: int | None = None) -> 
 
     ``result`` is a BatchResult or its ``to_dict()``: anything with ``ttft_mean`` (s),
     ``tpot_mean`` (s) and ``peak_memory_bytes``. ``batch_size`` defaults to the result's
-    ``batch_size`` and is named in the reason.
+    ``batch_size`` and is named in the reason. A result with ``ok`` false (the engine failed at
+    that batch size, e.g. out of memory) is infeasible whenever a limit is set.
     """
     if batch_size is None:
         batch_size = _measured(result, "batch_size")
     at = f" at batch size {int(batch_size)}" if batch_size is not None else ""
+    if limits.active and _field(result, "ok") is False:
+        return False, f"measurement failed{at}: {_field(result, 'error') or 'no error recorded'}"
     broken = []
     for name, key, unit, scale in _CHECKS:
         limit = getattr(limits, name)
