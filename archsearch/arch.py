@@ -85,6 +85,12 @@ class ArchSpec:
             raise ArchsearchError(
                 "n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}",
                 f"valid KV head counts: {divisors}")
+        if self.hidden_size % self.n_heads:
+            # transformers' LlamaConfig rejects it, and so the model could not be built
+            valid = [h for h in range(1, self.hidden_size + 1) if self.hidden_size % h == 0 and h <= 256]
+            raise ArchsearchError(
+                "n_heads", f"{self.n_heads} does not divide hidden_size={self.hidden_size}",
+                f"transformers requires hidden_size to be a multiple of the head count; valid: {valid}")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ArchsearchError(
                 "head_dim", f"{self.head_dim} is not supported by the attention kernels",

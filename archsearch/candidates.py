@@ -6,7 +6,8 @@ one deterministic function that expands them (SPEC section 2):
 1. ``hidden_size = snap(x1 * sqrt(N), hidden_multiple)``.
 2. Per layer the budget is ``N / n_layers``; attention gets the share ``1 / (1 + r)``.
    Attention params per layer are ``2 * d * head_dim * n_kv * (gqa + 1)``, which fixes the
-   number of KV heads (rounded, at least one); ``n_heads = n_kv * gqa``.
+   number of KV heads: the nearest count (at least one) for which ``n_heads = n_kv * gqa``
+   divides the hidden size, as transformers requires.
 3. The MLP takes what is left of the per-layer budget: ``ffn = snap(rest / (3 d), ffn_multiple)``.
    Filling the budget this way keeps the realised N closest to the target; the realised r
    (which moves with head-count rounding) is reported next to the requested one.
@@ -100,7 +101,14 @@ def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
     d = _snap(hidden_over_sqrt_n * math.sqrt(params), s.hidden_multiple)
     per_layer = params / n_layers
     attn_target = per_layer / (1.0 + mlp_to_attn)
-    n_kv = max(1, int(round(attn_target / (2 * d * head_dim * (gqa + 1)))))
+    ideal_kv = attn_target / (2 * d * head_dim * (gqa + 1))
+    # the head count must divide the width (transformers requires it): nearest such KV count
+    fits = [k for k in range(1, max(2, int(ideal_kv * 2) + 2)) if d % (k * gqa) == 0]
+    if not fits:
+        raise ArchsearchError(
+            "gqa", f"no head count that is a multiple of GQA {gqa} divides hidden size {d}",
+            "use a GQA that divides the hidden size, or a hidden_multiple that GQA divides")
+    n_kv = min(fits, key=lambda k: (abs(k - ideal_kv), k))
     n_heads = n_kv * gqa
     attn = 2 * d * head_dim * (n_heads + n_kv)
     rest = per_layer - attn

@@ -66,3 +66,19 @@ def test_budget_unreachable():
     # tolerance too tight for the snapping
     with pytest.raises(ArchsearchError, match="within"):
         build_candidate(1e6, 2, 0.1, 3.0, gqa=1, head_dim=32, settings=BuildSettings(tolerance=1e-6))
+
+
+@pytest.mark.parametrize("x1, r, gqa", [(0.15, 0.7, 2), (0.15, 2.0, 2), (0.3, 4.5, 4), (0.5, 1.0, 1)])
+def test_heads_divide_hidden_size(x1, r, gqa):
+    # transformers' LlamaConfig rejects hidden_size % n_heads != 0: the constructor must not emit it
+    c = build_candidate(2e5, 2, x1, r, gqa=gqa, head_dim=32,
+                        settings=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.2))
+    assert c.spec.hidden_size % c.spec.n_heads == 0
+
+
+def test_spec_rejects_heads_not_dividing_width():
+    from archsearch.arch import ArchSpec
+
+    with pytest.raises(ArchsearchError) as e:
+        ArchSpec(n_layers=2, hidden_size=32, n_heads=10, n_kv_heads=5, head_dim=32, ffn=64)
+    assert e.value.field == "n_heads"

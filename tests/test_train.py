@@ -295,3 +295,16 @@ def test_gpu_run_uses_bf16(tmp_path):
     rec = train(SPEC, TRAIN.replace(checkpoint_interval=None), DATA, tmp_path / "gpu", progress=False)
     assert rec["status"] == "ok" and rec["dtype"] == "bfloat16" and rec["device"] != "cpu"
     assert rec["final_eval_loss"] < math.log(2048) - 1.5
+
+
+def test_hparams_per_level_applies_the_method_table():
+    from trainers.config import SweepConfig, TrainConfig
+
+    cfg = SweepConfig(name="s", params=[8e7, 1.45e8, 2.97e8], hidden_over_sqrt_n=[0.07], mlp_to_attn=[2.0],
+                      train=TrainConfig(tokens_per_param=100), hparams_per_level=["80m", "145m", "297m"])
+    assert [cfg.train_for(i).lr for i in range(3)] == [1.5e-3, 1e-3, 8e-4]
+    assert [cfg.train_for(i).global_batch_size for i in range(3)] == [256, 256, 512]
+    assert cfg.train_for(2).warmup_steps == 500 and cfg.train_for(2).min_lr_ratio == 0.1
+    with pytest.raises(ArchsearchError, match="hparams_per_level"):
+        SweepConfig(name="s", params=[8e7, 1.45e8], hidden_over_sqrt_n=[0.07], mlp_to_attn=[2.0],
+                    train=TrainConfig(tokens_per_param=100), hparams_per_level=["80m"])

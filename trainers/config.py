@@ -249,6 +249,9 @@ class SweepConfig:
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only
     retry_failed: bool = False  # re-train runs whose run.json says failed (e.g. after an lr change)
+    # One HPARAMS preset per N level (the method's per-size table, SPEC 6): the level's preset
+    # sets global_batch_size, lr, min_lr_ratio and warmup_steps, over the values in ``train``.
+    hparams_per_level: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -267,8 +270,24 @@ class SweepConfig:
             raise ArchsearchError("sweep.train.tokens_per_param", "no token budget",
                                   "set train.tokens_per_param (D = it x N) or train.tokens")
 
+        if self.hparams_per_level is not None:
+            if len(self.hparams_per_level) != len(self.params):
+                raise ArchsearchError("sweep.hparams_per_level", f"{len(self.hparams_per_level)} presets for "
+                                      f"{len(self.params)} N levels", "give one preset per N level")
+            for name in self.hparams_per_level:
+                get_hparams(name)
+
     def layers_for(self, level: int) -> int:
         return self.n_layers[level] if isinstance(self.n_layers, list) else self.n_layers
+
+    def train_for(self, level: int) -> TrainConfig:
+        """The training config of N level ``level`` (its hparams preset applied, if any)."""
+        if self.hparams_per_level is None:
+            return self.train
+        hp = get_hparams(self.hparams_per_level[level])
+        return self.train.replace(global_batch_size=hp.global_batch_size, lr=hp.lr,
+                                  min_lr_ratio=hp.min_lr_ratio, warmup_steps=hp.warmup_steps,
+                                  hparams=self.hparams_per_level[level])
 
 
 @dataclass(frozen=True)

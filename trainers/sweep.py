@@ -35,7 +35,8 @@ def sweep_points(cfg: SweepConfig) -> Iterator[dict[str, Any]]:
     for level, n in enumerate(cfg.params):
         for x1, r, seed in itertools.product(cfg.hidden_over_sqrt_n, cfg.mlp_to_attn, seeds):
             yield {"params": n, "n_layers": cfg.layers_for(level), "hidden_over_sqrt_n": x1,
-                   "mlp_to_attn": r, "gqa": cfg.gqa, "head_dim": cfg.head_dim, "seed": seed}
+                   "mlp_to_attn": r, "gqa": cfg.gqa, "head_dim": cfg.head_dim, "seed": seed,
+                   "level": level}
 
 
 def sweep_specs(cfg: SweepConfig, vocab_size: int) -> list[tuple[dict, ArchSpec | None, str | None]]:
@@ -99,7 +100,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
     out.mkdir(parents=True, exist_ok=True)
     # N (non-embedding) does not depend on the vocabulary, so budgets are known before the
     # tokenizer exists; a streamed dataset is read up to the largest of them.
-    budgets = [token_budget(s, cfg.train) for _, s, _ in sweep_specs(cfg, 32000) if s is not None]
+    budgets = [token_budget(s, cfg.train_for(p["level"])) for p, s, _ in sweep_specs(cfg, 32000) if s is not None]
     data = prepare_data(cfg.data, min_train_tokens=int(max(budgets, default=0)) + 1)
     specs = sweep_specs(cfg, data.vocab_size)
     t0 = time.perf_counter()
@@ -114,7 +115,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
             failures.append({**point, "stage": "build", "reason": err})
             log(f"{tag}: does not build: {err}")
             continue
-        tc = cfg.train.replace(seed=point["seed"])
+        tc = cfg.train_for(point["level"]).replace(seed=point["seed"])
         tokens = token_budget(spec, tc)
         run_id = run_id_for(spec, tokens, point["seed"])
         if run_id in seen:  # snapping mapped two grid points to one shape: train and list it once

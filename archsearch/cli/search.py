@@ -40,7 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_study_config(args.config)
     out = cfg.out_dir(args.out)
     if args.dry_run:
-        pipeline.validate(cfg)
+        pipeline.validate(cfg, for_plan=True)
         plan = pipeline.plan(cfg, out, gpus=args.gpus)
         if args.json:
             print_json(plan)

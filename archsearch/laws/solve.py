@@ -202,13 +202,21 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
     if target_loss is not None and not (target_loss > 0 and math.isfinite(target_loss)):
         raise ArchsearchError("target_loss", f"must be a positive loss, got {target_loss}")
     build = build or BuildSettings()
-    opt = optimum(fit, params, tokens) if fit.law in CONDITIONAL else None
+    notes: list[str] = []
+    opt = None
+    if fit.law in CONDITIONAL:
+        try:
+            opt = optimum(fit, params, tokens)
+        except ArchsearchError as e:
+            if not e.field.startswith("coefficients."):
+                raise
+            # a factor that is monotone over the data: the best shape lies on the grid's edge
+            notes.append(f"no closed-form optimum ({e.problem}); the scan alone decides")
     can_predict = fit.law not in CONDITIONAL or fit.reference is not None
     if target_loss is not None and not can_predict:
         raise ArchsearchError("reference", "a target loss needs predicted losses, and this law has no "
                               "reference L_opt", "add a reference (--reference-law) or drop --target-loss")
     x1s, x2s = grid if grid is not None else default_grid(fit, opt)
-    notes: list[str] = []
     seen: dict[Any, tuple[float, float, Any]] = {}  # spec -> first grid point that built it
     unbuildable = 0
     for x1 in x1s:

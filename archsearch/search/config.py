@@ -84,14 +84,26 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """The proxy runs: reuse a run table, or train a sweep (``trainers.SweepConfig`` fields)."""
+    """The proxy runs: reuse a run table, or train one sweep or several (``trainers.SweepConfig``
+    fields each; e.g. the shape grid plus a reference sweep at other token budgets, which a
+    Chinchilla reference needs)."""
 
     runs: str | None = None
     sweep: dict[str, Any] | None = None
+    sweeps: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
-        if self.runs is None and self.sweep is None:
-            raise ArchsearchError("proxy", "needs runs (a run table to reuse) or sweep (a sweep to train)")
+        if sum(x is not None for x in (self.runs, self.sweep, self.sweeps)) != 1:
+            raise ArchsearchError("proxy", "needs exactly one of runs (a run table to reuse), sweep "
+                                  "(a sweep to train) or sweeps (a list of them)")
+        if self.sweeps is not None and not self.sweeps:
+            raise ArchsearchError("proxy.sweeps", "is empty")
+
+    def sweep_dicts(self) -> list[tuple[str, dict[str, Any]]]:
+        """(config path for errors, sweep mapping) of every sweep to train."""
+        if self.sweep is not None:
+            return [("proxy.sweep", self.sweep)]
+        return [(f"proxy.sweeps[{i}]", d) for i, d in enumerate(self.sweeps or [])]
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,10 @@ def baseline_spec(cfg: StudyConfig) -> ArchSpec:
 
 # -- validation before any work ----------------------------------------------------------------
 
-def validate(cfg: StudyConfig) -> None:
+def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     """Everything that can be checked before work starts (the search space can build shapes,
-    the baseline builds, the measurement engine exists, a given law file loads)."""
+    the baseline builds, the measurement engine exists, a given law file loads, the proxies
+    can support the reference). ``for_plan``: a missing engine is not an error (the plan says)."""
     from archsearch.search.measure import resolve_backend
     from archsearch.search.study import build_settings, expand
 
@@ -98,7 +99,8 @@ def validate(cfg: StudyConfig) -> None:
         raise ArchsearchError("search_space", "no shape in the search space can be built at this "
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
     baseline_spec(cfg)
-    resolve_backend(cfg.measure)
+    if not for_plan:
+        resolve_backend(cfg.measure)
     if cfg.law.file:
         from archsearch.laws import load_law
 
@@ -106,10 +108,54 @@ def validate(cfg: StudyConfig) -> None:
         check_target(cfg, law, target_loss(cfg, law))
     if cfg.proxy and cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
         raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
-    if cfg.proxy and cfg.proxy.sweep is not None:
-        from trainers import SweepConfig
+    if cfg.proxy and not cfg.law.file:
+        check_reference_data(cfg)
 
-        from_dict(SweepConfig, cfg.proxy.sweep, where="proxy.sweep")
+
+def proxy_sweeps(cfg: StudyConfig) -> list:
+    """The study's proxy sweeps as validated ``trainers.SweepConfig`` objects."""
+    from trainers import SweepConfig
+
+    if cfg.proxy is None:
+        return []
+    sweeps = [from_dict(SweepConfig, d, where=where) for where, d in cfg.proxy.sweep_dicts()]
+    names = [s.name for s in sweeps]
+    if len(set(names)) != len(names):
+        raise ArchsearchError("proxy.sweeps", f"sweep names repeat: {names}", "give each sweep its own name")
+    return sweeps
+
+
+def _planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
+    """The (N, D) groups the proxy runs will have, to 2 significant digits."""
+    from archsearch.rundata import read_runs
+
+    r2 = lambda v: float(f"{v:.2g}")  # noqa: E731
+    if cfg.proxy.runs:
+        return {(r2(r.n_params), r2(r.tokens)) for r in read_runs(cfg.proxy.runs) if r.status == "ok"}
+    groups = set()
+    for sw in proxy_sweeps(cfg):
+        for level, n in enumerate(sw.params):
+            tc = sw.train_for(level)
+            groups.add((r2(n), r2(tc.tokens if tc.tokens is not None else tc.tokens_per_param * n)))
+    return groups
+
+
+def check_reference_data(cfg: StudyConfig) -> None:
+    """Fail before any training if the proxies cannot support the chosen reference L_opt."""
+    groups = _planned_groups(cfg)
+    if cfg.law.reference == "chinchilla" and len(groups) < 5:
+        raise ArchsearchError(
+            "law.reference", f"a Chinchilla reference needs proxy runs at >= 5 distinct (N, D); the "
+            f"proxies give {len(groups)}: {sorted(groups)}",
+            "add a sweep at other token budgets under proxy.sweeps, or use reference: best-observed "
+            "with the target N among the proxy sizes")
+    if cfg.law.reference == "best-observed":
+        near = [g for g in groups if abs(g[0] / cfg.params - 1) <= 0.05 and abs(g[1] / cfg.tokens - 1) <= 0.05]
+        if not near:
+            raise ArchsearchError(
+                "law.reference", f"best-observed predicts losses only where runs exist, and no proxy "
+                f"group is at N={cfg.params:.3g}, D={cfg.tokens:.3g} (groups: {sorted(groups)})",
+                "use reference: chinchilla, or put the target N and D among the proxy sizes")
 
 
 def target_loss(cfg: StudyConfig, law) -> float:
@@ -119,12 +165,17 @@ def target_loss(cfg: StudyConfig, law) -> float:
 
 
 def check_target(cfg: StudyConfig, law, lt: float) -> None:
-    """A target below the law's best possible loss at this budget has no feasible shape."""
-    from archsearch.laws import optimum
+    """A target below the law's lowest loss in the search box has no feasible shape."""
+    from archsearch.search.study import SearchContext, build_settings, scan_law
 
-    opt = optimum(law, cfg.params, cfg.tokens)
-    if opt.loss is not None and lt < opt.loss:
-        raise ArchsearchError("target.loss", f"{lt:.4f} is below the law's optimum {opt.loss:.4f} "
+    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."),
+                        build=build_settings(cfg, vocab_size(cfg)))
+    res, _ = scan_law(ctx)
+    losses = [p.predicted_loss for p in res.points if p.predicted_loss is not None]
+    if res.optimum is not None and res.optimum.loss is not None:
+        losses.append(res.optimum.loss)
+    if losses and lt < min(losses):
+        raise ArchsearchError("target.loss", f"{lt:.4f} is below the law's optimum {min(losses):.4f} "
                               f"at N={cfg.params:.3g}, D={cfg.tokens:.3g}: no shape can reach it",
                               "raise the target or its slack")
 
@@ -143,25 +194,40 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     elif cfg.proxy.runs:
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
-        from trainers import SweepConfig, plan_sweep
+        from trainers import sweep_specs, token_budget
 
-        sweep = from_dict(SweepConfig, cfg.proxy.sweep, where="proxy.sweep")
-        for item in plan_sweep(sweep):
-            if item.get("spec") is None:
-                continue
-            runs_n += 1
-            proxy_tokens += item["tokens"]
-            proxy_flops += training_flops(item["spec"], item["tokens"])
-            proxy_specs.append(item)
-        p["stages"].append({"stage": "proxy", "action": "train a proxy sweep", "runs": runs_n,
-                            "tokens": proxy_tokens, "train_flops": proxy_flops})
+        sweeps = proxy_sweeps(cfg)
+        for sweep in sweeps:
+            seen = set()
+            for point, spec, _err in sweep_specs(sweep, vocab_size(cfg)):
+                tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
+                if spec is None or (spec, point["seed"]) in seen:  # unbuildable, or a duplicate after snapping
+                    continue
+                seen.add((spec, point["seed"]))
+                tokens = token_budget(spec, tc)
+                runs_n += 1
+                proxy_tokens += tokens
+                proxy_flops += training_flops(spec, tokens)
+                proxy_specs.append({"spec": spec, "tokens": tokens})
+        p["stages"].append({"stage": "proxy", "action": f"train {len(sweeps)} proxy sweep(s): "
+                            + ", ".join(s.name for s in sweeps), "runs": runs_n,
+                            "tokens": proxy_tokens, "train_flops": proxy_flops,
+                            "nd_groups": len(_planned_groups(cfg))})
     p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.reference}, "
                         f"{cfg.law.bootstrap} bootstrap resamples)" if not cfg.law.file
                         else f"load {cfg.law.file}"})
+    from archsearch.search.measure import resolve_backend
+
+    try:
+        backend, engine_note = resolve_backend(cfg.measure)
+    except ArchsearchError as e:
+        backend, engine_note = None, f"cannot measure here: {e}"
     n_meas = cfg.optuna.n_trials + 1 + (len(cfg.search_space.gqa) if cfg.gqa_search.enabled else 0)
     p["stages"].append({"stage": "search", "action": f"Optuna {cfg.optuna.sampler} study, "
                         f"{cfg.optuna.n_trials} measured trials (objective {cfg.optuna.objective})",
-                        "backend": cfg.measure.backend, "batch_sizes": cfg.measure.batch_sizes,
+                        "backend": cfg.measure.backend, "engine_here": backend or "missing",
+                        **({"engine_note": engine_note} if engine_note else {}),
+                        "batch_sizes": cfg.measure.batch_sizes,
                         "input_len": cfg.measure.input_len, "output_len": cfg.measure.output_len,
                         "measurements_at_most": n_meas})
     if cfg.gqa_search.enabled:
@@ -236,6 +302,9 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
         from archsearch.search.report import chosen_from_study, write_report
 
         study = _load_study(ctx)
+        if study is None:
+            _log("no Optuna study yet: run the search stage to measure candidates")
+            return {"study": cfg.name, "stages": state.data, "target_loss": lt}
         best = chosen_from_study(study, ctx)
         if want("gqa") and cfg.gqa_search.enabled and best is not None and not state.done("gqa"):
             t = time.time()
@@ -269,15 +338,20 @@ def _runs_path(cfg: StudyConfig, out: Path) -> Path:
 
 
 def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
+    """Train every proxy sweep (each resumes and skips its finished runs) into
+    ``proxies/<sweep name>/`` and merge their tables into ``proxies/runs.csv``."""
     path = _runs_path(cfg, out)
     if cfg.proxy.runs or state.done("proxy"):
         return path
-    from trainers import SweepConfig, run_sweep
+    from archsearch.rundata import write_runs
+    from trainers import run_sweep
 
     t = time.time()
-    sweep = from_dict(SweepConfig, cfg.proxy.sweep, where="proxy.sweep")
-    _log(f"proxy sweep {sweep.name} into {out / 'proxies'}")
-    records = run_sweep(sweep, out / "proxies")
+    records = []
+    for sweep in proxy_sweeps(cfg):
+        _log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
+        records += run_sweep(sweep, out / "proxies" / sweep.name)
+    write_runs(path, records)
     ok = sum(1 for r in records if r.status == "ok")
     state.mark("proxy", time.time() - t, runs=len(records), ok=ok)
     return path
@@ -312,9 +386,15 @@ def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, 
 
 
 def _load_study(ctx):
+    """The stored study, or None when the search stage has not created it yet."""
+    import optuna
+
     from archsearch.search.study import create_study
 
-    study, _ = create_study(ctx, load_only=True)
+    try:
+        study, _ = create_study(ctx, load_only=True)
+    except KeyError:  # optuna: no study of that name in the storage
+        return None
     return study
 
 
@@ -343,7 +423,8 @@ def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
 def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
     from trainers import DataConfig, TrainConfig, train
 
-    data = cfg.final_train.data or ((cfg.proxy and cfg.proxy.sweep) or {}).get("data") or {}
+    sweeps = cfg.proxy.sweep_dicts() if cfg.proxy else []
+    data = cfg.final_train.data or (sweeps[0][1].get("data") if sweeps else None) or {}
     data_cfg = from_dict(DataConfig, data, where="final_train.data")
     tokens = cfg.final_train.tokens or cfg.tokens
     tc = from_dict(TrainConfig, {**cfg.final_train.train, "tokens": tokens}, where="final_train.train")

@@ -232,28 +232,45 @@ def create_study(ctx: SearchContext, load_only: bool = False):
     return study, storage
 
 
-def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
-    """The law's solution as starting points: the loss-optimal knobs, then the feasible shapes
-    the law and an analytic throughput predictor rank highest (Algorithm 5, step 2)."""
-    from archsearch.laws import optimum, solve
+def box_grid(cfg: StudyConfig, n: int = 9):
+    """A log-spaced grid over the search box, for scans of the law."""
+    import numpy as np
+
+    s = cfg.search_space
+    return np.geomspace(*s.hidden_over_sqrt_n, n), np.geomspace(*s.mlp_to_attn, n)
+
+
+def scan_law(ctx: SearchContext, throughput_fn=None):
+    """The law's constrained solution over the search box (laws.solve on the box grid)."""
+    from archsearch.laws import solve
 
     cfg = ctx.cfg
     s = cfg.search_space
-    clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
     g0 = cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in s.gqa else s.gqa[0]
-    points = []
-    opt = optimum(ctx.law, cfg.params, cfg.tokens)
-    points.append({"hidden_over_sqrt_n": clip(opt.hidden_over_sqrt_n, s.hidden_over_sqrt_n),
-                   "mlp_to_attn": clip(opt.mlp_to_attn_ratio, s.mlp_to_attn), "gqa": g0})
-    if cfg.optuna.enqueue_solution > 1:
-        tf = analytic_throughput_fn(ctx)
-        res = solve(ctx.law, cfg.params, cfg.tokens, cfg.n_layers, ctx.target_loss, tf,
-                    gqa=g0, head_dim=s.head_dim, build=ctx.build)
-        ranked = sorted((p for p in res.feasible if p.throughput is not None),
-                        key=lambda p: -p.throughput)
-        for p in ranked[: cfg.optuna.enqueue_solution - 1]:
-            points.append({"hidden_over_sqrt_n": clip(p.hidden_over_sqrt_n, s.hidden_over_sqrt_n),
-                           "mlp_to_attn": clip(p.mlp_to_attn_ratio, s.mlp_to_attn), "gqa": g0})
+    return solve(ctx.law, cfg.params, cfg.tokens, cfg.n_layers, ctx.target_loss, throughput_fn,
+                 gqa=g0, head_dim=s.head_dim, build=ctx.build, grid=box_grid(cfg)), g0
+
+
+def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
+    """The law's solution as starting points: the loss-optimal shape (closed form when the law
+    has an interior optimum, else the scan's lowest loss), then the feasible shapes the law and
+    an analytic throughput predictor rank highest (Algorithm 5, step 2)."""
+    cfg = ctx.cfg
+    s = cfg.search_space
+    clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
+    tf = analytic_throughput_fn(ctx) if cfg.optuna.enqueue_solution > 1 else None
+    res, g0 = scan_law(ctx, tf)
+    if res.optimum is not None:
+        best = (res.optimum.hidden_over_sqrt_n, res.optimum.mlp_to_attn_ratio)
+    else:
+        p = min((p for p in res.points if p.predicted_loss is not None), key=lambda p: p.predicted_loss)
+        best = (p.hidden_over_sqrt_n, p.mlp_to_attn_ratio)
+    points = [{"hidden_over_sqrt_n": clip(best[0], s.hidden_over_sqrt_n),
+               "mlp_to_attn": clip(best[1], s.mlp_to_attn), "gqa": g0}]
+    ranked = sorted((p for p in res.feasible if p.throughput is not None), key=lambda p: -p.throughput)
+    for p in ranked[: max(0, cfg.optuna.enqueue_solution - 1)]:
+        points.append({"hidden_over_sqrt_n": clip(p.hidden_over_sqrt_n, s.hidden_over_sqrt_n),
+                       "mlp_to_attn": clip(p.mlp_to_attn_ratio, s.mlp_to_attn), "gqa": g0})
     for pt in points:  # onto the sampling grid, so enqueued values are valid choices
         for name, ((lo, _), step) in _distribution_ranges(cfg).items():
             if step:
