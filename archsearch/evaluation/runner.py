@@ -64,6 +64,9 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     check_known(names, tm.all_tasks)
     if offline:
         _check_hub_data(tm, hub)
+    from archsearch.provenance import provenance
+
+    prov = provenance(extra_packages=("lm_eval", "gguf", "tokenizers", "vllm"))  # at the start
     device = device or default_device()
     lm = _make_lm(resolved, backend, batch_size, device)
     res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
@@ -73,9 +76,7 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
                          "limit": limit, "batch_size": batch_size, "device": device,
                          "hub_offline": offline,
                          "command": cli_command(model, tasks, backend, limit, batch_size)}
-    from archsearch.provenance import provenance
-
-    res["provenance"] = provenance(extra_packages=("lm_eval", "gguf", "tokenizers", "vllm"))
+    res["provenance"] = prov
     if out:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
