@@ -2,4 +2,5 @@ import sys
 
 from archsearch.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # engines (vLLM) spawn processes that re-import the main module
+    sys.exit(main())

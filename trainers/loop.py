@@ -306,6 +306,17 @@ def train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir:
     ends the run with status ``failed`` and the reason. ``data`` takes an already prepared
     :class:`trainers.data.PreparedData` for ``data_cfg`` (sweeps prepare it once).
     """
+    import torch
+
+    threads_before = torch.get_num_threads()
+    try:
+        return _train(spec, train_cfg, data_cfg, out_dir, progress=progress, data=data)
+    finally:  # the run may pin the CPU thread count; the caller's process gets its own back
+        torch.set_num_threads(threads_before)
+
+
+def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir: str | Path, *,
+           progress: bool = True, data=None) -> dict:
     out_dir = Path(out_dir)
     done = read_record(out_dir)
     if done and done.get("status") == "ok":

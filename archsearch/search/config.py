@@ -112,6 +112,9 @@ class LawConfig:
     reference: str = "chinchilla"
     bootstrap: int = 200
     r_range: tuple[float, float] | None = (0.5, 5.0)
+    # runs within this relative distance in N (and D) are one size; match it to the build
+    # tolerance, since snapped shapes land anywhere within it of their budget
+    size_tolerance: float = 0.05
     file: str | None = None  # a fitted or hand-written law JSON: skips the fit
 
     def __post_init__(self) -> None:
@@ -123,6 +126,8 @@ class LawConfig:
                                   "use chinchilla or best-observed")
         if self.bootstrap < 0:
             raise ArchsearchError("law.bootstrap", "must be >= 0")
+        if not 0 < self.size_tolerance < 1:
+            raise ArchsearchError("law.size_tolerance", f"must be in (0, 1), got {self.size_tolerance}")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ slower than that baseline.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ class GQAResult:
                 "chosen": asdict(self.chosen) if self.chosen else None}
 
 
-def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4) -> GQAResult:
+def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = True) -> GQAResult:
     """Measure GQA variants of ``spec`` outward from ``baseline_gqa`` with early stopping."""
     cfg = ctx.cfg
     divisors = [g for g in range(1, spec.n_heads + 1) if spec.n_heads % g == 0]
@@ -84,6 +85,9 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4) -> GQAResult:
             if step.throughput is None:
                 step.note = f"measurement failed: {result.get('error')}"
         res.steps.append(step)
+        if log:
+            tp = f"{step.throughput:.1f} tok/s" if step.throughput is not None else "-"
+            print(f"[search] GQA {g}: {tp} {step.note}".rstrip(), file=sys.stderr, flush=True)
         return step
 
     base = visit(g0)

@@ -150,7 +150,8 @@ def check_reference_data(cfg: StudyConfig) -> None:
             "add a sweep at other token budgets under proxy.sweeps, or use reference: best-observed "
             "with the target N among the proxy sizes")
     if cfg.law.reference == "best-observed":
-        near = [g for g in groups if abs(g[0] / cfg.params - 1) <= 0.05 and abs(g[1] / cfg.tokens - 1) <= 0.05]
+        tol = cfg.law.size_tolerance
+        near = [g for g in groups if abs(g[0] / cfg.params - 1) <= tol and abs(g[1] / cfg.tokens - 1) <= tol]
         if not near:
             raise ArchsearchError(
                 "law.reference", f"best-observed predicts losses only where runs exist, and no proxy "
@@ -341,7 +342,7 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     """Train every proxy sweep (each resumes and skips its finished runs) into
     ``proxies/<sweep name>/`` and merge their tables into ``proxies/runs.csv``."""
     path = _runs_path(cfg, out)
-    if cfg.proxy.runs or state.done("proxy"):
+    if cfg.proxy.runs or (state.done("proxy") and path.is_file()):
         return path
     from archsearch.rundata import write_runs
     from trainers import run_sweep
@@ -373,14 +374,12 @@ def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, 
     runs = [r for r in read_runs(runs_path) if r.status == "ok"]
     _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
     fit = fit_law(runs, cfg.law.form, FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap,
-                                                 r_range=cfg.law.r_range, seed=cfg.optuna.seed))
+                                                 r_range=cfg.law.r_range, seed=cfg.optuna.seed,
+                                                 size_tolerance=cfg.law.size_tolerance))
     fit.save(law_path)
-    try:
-        from archsearch.laws.plots import plot_fit
+    from archsearch.laws.plots import write_plots
 
-        plot_fit(fit, runs, out / "plots")
-    except ImportError:
-        pass
+    write_plots(fit, runs, [], out / "plots")
     state.mark("fit", time.time() - t, status=fit.status, warnings=list(fit.warnings))
     return fit
 

@@ -134,36 +134,46 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
 
 
 def _ucurves(ctx, out: Path, plt) -> list[str]:
+    """The law's two factors at the target (N, D) over the search box: predicted loss against
+    d/sqrt(N) at the box's best r, and against r at the box's best d/sqrt(N), with the bootstrap
+    band where the law has one, the target loss, and the baseline and chosen shapes."""
     import numpy as np
-
-    from archsearch.laws import optimum
-    from archsearch.search.study import expand
+    from matplotlib.ticker import ScalarFormatter
 
     cfg = ctx.cfg
-    opt = optimum(ctx.law, cfg.params, cfg.tokens)
     s = cfg.search_space
+    x1 = np.geomspace(*s.hidden_over_sqrt_n, 120)
+    x2 = np.geomspace(*s.mlp_to_attn, 120)
+    n = lambda k: np.full(k, float(cfg.params))  # noqa: E731
+    d = lambda k: np.full(k, float(cfg.tokens))  # noqa: E731
+
+    def curve(a, b):
+        X = {"N": n(len(a)), "D": d(len(a)), "x1": a, "x2": b, "R": a * 0 + 1.0}
+        return ctx.law.predict_arrays(X), ctx.law.bootstrap_predictions(X)
+
+    grid1, grid2 = np.meshgrid(x1, x2)
+    loss, _ = curve(grid1.ravel(), grid2.ravel())
+    i = int(np.argmin(loss))
+    best1, best2 = grid1.ravel()[i], grid2.ravel()[i]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, name, (lo, hi) in ((axes[0], "hidden_over_sqrt_n", s.hidden_over_sqrt_n), (axes[1], "mlp_to_attn", s.mlp_to_attn)):
-        xs, ys = [], []
-        for v in np.geomspace(lo, hi, 40):
-            x1 = v if name == "hidden_over_sqrt_n" else min(max(opt.hidden_over_sqrt_n, *s.hidden_over_sqrt_n[:1]), s.hidden_over_sqrt_n[1])
-            r = v if name == "mlp_to_attn" else min(max(opt.mlp_to_attn_ratio, s.mlp_to_attn[0]), s.mlp_to_attn[1])
-            try:
-                spec = expand(cfg, ctx.build, x1, r, cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in s.gqa else s.gqa[0])
-            except Exception:  # a knob value that does not build at this budget is simply not drawn
-                continue
-            d = describe(spec)
-            xs.append(d["hidden_over_sqrt_n"] if name == "hidden_over_sqrt_n" else d["mlp_to_attn_ratio"])
-            ys.append(ctx.law.predict(spec, cfg.tokens))
-        ax.plot(xs, ys, "o-", ms=3)
+    for ax, xs, fixed, key, name in ((axes[0], x1, best2, "hidden_over_sqrt_n", "d / sqrt(N)"),
+                                     (axes[1], x2, best1, "mlp_to_attn_ratio", "r = MLP / attention")):
+        a, b = (xs, np.full_like(xs, fixed)) if key == "hidden_over_sqrt_n" else (np.full_like(xs, fixed), xs)
+        y, boot = curve(a, b)
+        ax.plot(xs, y, c="tab:blue", label="law")
+        if boot is not None:
+            lo, hi = np.quantile(boot, [0.05, 0.95], axis=0)
+            ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, label="90% bootstrap band")
         ax.axhline(ctx.target_loss, ls="--", c="tab:red", label="target loss")
-        star = opt.hidden_over_sqrt_n if name == "hidden_over_sqrt_n" else opt.mlp_to_attn_ratio
-        ax.axvline(star, ls=":", c="k", label=f"law optimum {star:.3g}")
         ax.set_xscale("log")
-        ax.set_xlabel("d / sqrt(N)" if name == "hidden_over_sqrt_n" else "r = MLP / attention")
-        ax.set_ylabel("predicted loss (built shapes)")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(ScalarFormatter())
+        ax.tick_params(axis="x", which="minor", labelsize=7)
+        other = f"r = {fixed:.2f}" if key == "hidden_over_sqrt_n" else f"d/sqrt(N) = {fixed:.3f}"
+        ax.set_xlabel(f"{name}  (at {other})")
+        ax.set_ylabel("predicted loss")
         ax.legend(fontsize=8)
-    fig.suptitle(f"law U-curves at N={cfg.params:.3g}, D={cfg.tokens:.3g}")
+    fig.suptitle(f"law factors at N={cfg.params:.3g}, D={cfg.tokens:.3g} over the search box")
     fig.tight_layout()
     fig.savefig(out / "ucurves.png", dpi=120)
     plt.close(fig)
@@ -177,14 +187,18 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
     b = ctx.ref_batch
     base_t = throughput_at(base_result, b)
     base_loss = float(ctx.law.predict(base, cfg.tokens))
-    base_point = {"architecture": describe(base), "throughput": base_t, "predicted_loss": base_loss,
+    base_point = {"architecture": describe(base), "throughput": base_t,
+                  "throughput_std": (batch_entry(base_result, b) or {}).get("output_throughput_std"),
+                  "predicted_loss": base_loss,
                   "predicted_loss_interval": ctx.law.predict_interval(base, cfg.tokens),
                   "ttft": (batch_entry(base_result, b) or {}).get("ttft_mean"),
                   "measurement_ok": base_result.get("ok"), "measurement_error": base_result.get("error")}
     chosen_point = None
     if chosen is not None:
         spec = ArchSpec.from_dict(chosen["spec"])
+        stored = ctx.measurer.store.get(ctx.measurer.key(spec)) or {}
         chosen_point = {"architecture": describe(spec), "throughput": chosen["throughput"],
+                        "throughput_std": (batch_entry(stored, b) or {}).get("output_throughput_std"),
                         "predicted_loss": chosen["predicted_loss"],
                         "predicted_loss_interval": ctx.law.predict_interval(spec, cfg.tokens),
                         "source": chosen.get("source"), "config_json": str(out / "chosen" / "config.json")}
@@ -242,11 +256,13 @@ def render_markdown(s: dict[str, Any]) -> str:
     else:
         gain = s["throughput_gain_vs_baseline"]
         gain_txt = f"{gain:+.1%}" if gain is not None else "n/a (baseline measurement failed)"
+        pm = lambda p: f" ± {p['throughput_std']:.1f}" if p.get("throughput_std") is not None else ""  # noqa: E731
         lines += [
             f"**Answer:** {_arch_line(ch['architecture'])}.",
             "",
-            f"- Measured with **{s['backend']}** at batch {b}: **{ch['throughput']:.1f} output tokens/s**, "
-            f"{gain_txt} vs the baseline ({(base['throughput'] or float('nan')):.1f} tokens/s).",
+            f"- Measured with **{s['backend']}** at batch {b}: **{ch['throughput']:.1f}{pm(ch)} output tokens/s** "
+            f"(mean ± std over repeats), {gain_txt} vs the baseline "
+            f"({(base['throughput'] or float('nan')):.1f}{pm(base)} tokens/s).",
             f"- Predicted loss **{ch['predicted_loss']:.4f}** against the target **{s['target_loss']:.4f}** "
             f"({s['target_source']}); baseline predicted {base['predicted_loss']:.4f}.",
             f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
@@ -271,9 +287,10 @@ def render_markdown(s: dict[str, Any]) -> str:
             lines.append(f"| {st['gqa']} | {pl} | {st['feasible']} | {tp} | {st['note']} |")
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
-    if law.get("metrics"):
-        lines.append("Metrics: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, (int, float)) else f"{k} {v}"
-                                             for k, v in law["metrics"].items() if not isinstance(v, (dict, list))))
+    for part, vals in (law.get("metrics") or {}).items():
+        if isinstance(vals, dict) and vals:
+            lines.append(f"- {part}: " + ", ".join(f"{k} {v:.4g}" for k, v in vals.items()
+                                                  if isinstance(v, (int, float)) and not isinstance(v, bool)))
     for w in law.get("warnings") or []:
         lines.append(f"- warning: {w}")
     t = s["trials"]

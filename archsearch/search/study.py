@@ -292,6 +292,31 @@ def analytic_throughput_fn(ctx: SearchContext):
     return fn
 
 
+def _progress_callback(n_trials: int):
+    """One line per finished trial: the shape, its prediction and its measurement or reason."""
+    import sys
+
+    def cb(study, t) -> None:
+        from optuna.trial import TrialState
+
+        ua = t.user_attrs
+        spec = ua.get("spec") or {}
+        shape = (f"d={spec.get('hidden_size')} heads={spec.get('n_heads')}/{spec.get('n_kv_heads')} "
+                 f"ffn={spec.get('ffn')}" if spec else f"knobs {t.params}")
+        pl = ua.get("predicted_loss")
+        pred = f" pred.loss {pl:.4f}" if pl is not None else ""
+        if t.state == TrialState.COMPLETE:
+            what = f"{t.values[0]:.1f} tok/s{' (cached)' if ua.get('measurement_cached') else ''}"
+            if ua.get("limits_reason"):
+                what += f"; infeasible: {ua['limits_reason']}"
+        else:
+            what = f"{t.state.name.lower()}: {ua.get('failure_reason') or ua.get('pruned_reason') or ''}"
+        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+        print(f"[search] trial {t.number} ({done}/{n_trials} measured): {shape}{pred} -> {what}",
+              file=sys.stderr, flush=True)
+    return cb
+
+
 def run_study(ctx: SearchContext, progress: bool = True):
     """Create or resume the study and run it until ``n_trials`` trials have completed."""
     import optuna
@@ -318,7 +343,8 @@ def run_study(ctx: SearchContext, progress: bool = True):
     left = max_trials - len(study.get_trials(deepcopy=False))
     if done < cfg.optuna.n_trials and left > 0:
         study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                       callbacks=[MaxTrialsCallback(cfg.optuna.n_trials, states=(TrialState.COMPLETE,))],
+                       callbacks=[MaxTrialsCallback(cfg.optuna.n_trials, states=(TrialState.COMPLETE,))]
+                       + ([_progress_callback(cfg.optuna.n_trials)] if progress else []),
                        catch=(MeasurementFailed,), gc_after_trial=False,
                        show_progress_bar=False)
     return study, recovered
