@@ -19,16 +19,16 @@ def test_tiny_study_end_to_end(tmp_path):
 
     cfg = {
         "name": "tiny-e2e",
-        "params": 5.0e4,
-        "tokens": 5.0e4,
+        "params": 8.0e4,
+        "tokens": 8.0e4,
         "n_layers": 2,
         "vocab_size": 512,
-        "baseline": {"hidden_over_sqrt_n": 0.28, "mlp_to_attn": 3.0, "gqa": 2},
-        "search_space": {"hidden_over_sqrt_n": [0.12, 0.6], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2],
+        "baseline": {"hidden_over_sqrt_n": 0.18, "mlp_to_attn": 3.0, "gqa": 2},
+        "search_space": {"hidden_over_sqrt_n": [0.1, 0.4], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2],
                          "head_dim": 32, "hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2},
         "proxy": {"sweep": {
-            "name": "tiny-proxies", "params": [5.0e4], "n_layers": 2,
-            "hidden_over_sqrt_n": [0.14, 0.28, 0.56], "mlp_to_attn": [0.7, 1.6, 4.0], "gqa": 2, "head_dim": 32,
+            "name": "tiny-proxies", "params": [8.0e4], "n_layers": 2,
+            "hidden_over_sqrt_n": [0.1, 0.18, 0.3], "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,
             "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2},
             "train": {"tokens_per_param": 1.0, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 4},
             "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}},
@@ -47,7 +47,7 @@ def test_tiny_study_end_to_end(tmp_path):
     summary = pipeline.run(study, study.out_dir())
     out = Path(cfg["out"])
     runs = (out / "proxies" / "runs.csv").read_text().splitlines()
-    assert len(runs) >= 5  # header + real proxy runs
+    assert len(runs) == 1 + 6  # header + the six distinct shapes the grid builds
     law = json.loads((out / "law.json").read_text())
     assert law["law"] == "conditional-multiplicative" and law["reference"]["law"] == "best-observed"
     s = json.loads((out / "summary.json").read_text())
@@ -60,7 +60,8 @@ def test_tiny_study_end_to_end(tmp_path):
     assert (out / "chosen" / "config.json").is_file()
     assert summary["provenance"]["versions"]["torch"]
     # every stage recorded, and a rerun does nothing new
-    for stage in ("proxy", "fit", "search", "report"):
+    for stage in ("proxy", "fit", "search", "gqa"):
         assert s["stages"][stage]["status"] == "done"
+    assert json.loads((out / "state.json").read_text())["report"]["status"] == "done"
     again = pipeline.run(study, study.out_dir())
     assert again["measurements_taken_this_run"] == 0

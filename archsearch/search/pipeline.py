@@ -380,7 +380,7 @@ def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, 
     from archsearch.laws.plots import write_plots
 
     write_plots(fit, runs, [], out / "plots")
-    state.mark("fit", time.time() - t, status=fit.status, warnings=list(fit.warnings))
+    state.mark("fit", time.time() - t, law_status=fit.status, warnings=list(fit.warnings))
     return fit
 
 
