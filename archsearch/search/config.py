@@ -151,13 +151,22 @@ class MeasureConfig:
             v = getattr(self, f)
             if v is not None and v not in BACKENDS:
                 raise ArchsearchError(f"measure.{f}", f"unknown backend {v!r}", f"use one of {list(BACKENDS)}")
-        if not self.batch_sizes or any(b <= 0 for b in self.batch_sizes):
-            raise ArchsearchError("measure.batch_sizes", f"{self.batch_sizes} must be positive integers")
+        self.bench_settings(self.backend)  # the measurement's own checks, named under measure.
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("measure.reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
-        if self.input_len <= 0 or self.output_len <= 0 or self.repeats <= 0 or self.warmup < 0:
-            raise ArchsearchError("measure", "input_len, output_len and repeats must be positive, warmup >= 0")
+
+    def bench_settings(self, backend: str):
+        """The ``benchmarks.BenchSettings`` this plan measures with on ``backend``."""
+        from benchmarks.base import BenchSettings
+
+        try:
+            return BenchSettings(backend=backend, batch_sizes=list(self.batch_sizes), input_len=self.input_len,
+                                 output_len=self.output_len, warmup=self.warmup, repeats=self.repeats,
+                                 dtype=self.dtype, timeout_s=self.timeout_s, device_spec=self.device_spec,
+                                 engine_args=dict(self.engine_args))
+        except ArchsearchError as e:
+            raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
 
     @property
     def ref_batch(self) -> int:

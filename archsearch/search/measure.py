@@ -127,13 +127,7 @@ class Measurer:
         self.measured_now = 0  # measurements this process actually took
 
     def settings(self):
-        from benchmarks import BenchSettings
-
-        c = self.cfg
-        return BenchSettings(backend=self.backend, batch_sizes=list(c.batch_sizes),
-                             input_len=c.input_len, output_len=c.output_len, warmup=c.warmup,
-                             repeats=c.repeats, dtype=c.dtype, timeout_s=c.timeout_s,
-                             device_spec=c.device_spec, engine_args=dict(c.engine_args))
+        return self.cfg.bench_settings(self.backend)
 
     def key(self, spec: ArchSpec) -> str:
         settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("fallback_backend", "reference_batch_size")}
