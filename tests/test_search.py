@@ -296,3 +296,19 @@ def test_limits_make_candidates_infeasible(tmp_path):
     with open(cfg.out_dir() / "trials.csv") as fh:
         rows = [r for r in csv.DictReader(fh) if r["state"] == "COMPLETE"]
     assert rows and all("ttft" in (r["reason"] or "").lower() for r in rows)
+
+
+def test_enqueue_solution_zero_seeds_nothing(tmp_path):
+    from archsearch.laws import load_law
+    from archsearch.search.study import SearchContext, build_settings, seed_points
+
+    cfg0 = load(study_config(tmp_path, optuna={"enqueue_solution": 0}))
+    cfg2 = load(study_config(tmp_path, optuna={"enqueue_solution": 2}))
+    law = load_law(tmp_path / "law.json")
+    mk = lambda c: SearchContext(cfg=c, law=law, target_loss=100.0, measurer=None, out=tmp_path,  # noqa: E731
+                                 build=build_settings(c, 256))
+    assert seed_points(mk(cfg0)) == []
+    pts = seed_points(mk(cfg2))
+    assert len(pts) == 2
+    # the first seed is the law's loss optimum (x1* = 0.1, r* = 2 for this law), clipped into the box
+    assert pts[0]["hidden_over_sqrt_n"] == pytest.approx(0.1) and pts[0]["mlp_to_attn"] == pytest.approx(2.0)

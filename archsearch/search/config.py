@@ -181,7 +181,9 @@ class OptunaConfig:
     n_trials: int = 12  # completed (measured) trials to reach in total, across workers and resumes
     max_trials: int | None = None  # cap incl. pruned/failed ones; default 10 x n_trials
     objective: str = "throughput"  # or "pareto": throughput vs predicted loss, two objectives
-    enqueue_solution: int = 3  # seed the study with the law's best predicted feasible shapes
+    # seed the study with this many shapes from the law's solution (the loss optimum first, then
+    # the feasible shapes a roofline ranks fastest); 0: the sampler starts on its own
+    enqueue_solution: int = 3
     measure_infeasible: bool = False  # measure candidates that break the loss constraint too
 
     def __post_init__(self) -> None:
@@ -191,6 +193,8 @@ class OptunaConfig:
             raise ArchsearchError("optuna.objective", f"{self.objective!r} is unknown", "use throughput or pareto")
         if self.n_trials <= 0:
             raise ArchsearchError("optuna.n_trials", "must be positive")
+        if self.enqueue_solution < 0:
+            raise ArchsearchError("optuna.enqueue_solution", "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,8 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     has an interior optimum, else the scan's lowest loss), then the feasible shapes the law and
     an analytic throughput predictor rank highest (Algorithm 5, step 2)."""
     cfg = ctx.cfg
+    if cfg.optuna.enqueue_solution <= 0:  # the sampler starts on its own
+        return []
     s = cfg.search_space
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
     tf = analytic_throughput_fn(ctx) if cfg.optuna.enqueue_solution > 1 else None
