@@ -52,7 +52,7 @@ def test_tiny_study_end_to_end(tmp_path):
     assert law["law"] == "conditional-multiplicative" and law["reference"]["law"] == "best-observed"
     s = json.loads((out / "summary.json").read_text())
     assert s["backend"] == "hf" and s["measurement_note"] is None
-    assert s["trials"]["complete"] == 3
+    assert s["trials"]["distinct_shapes"] == 3
     assert s["baseline"]["throughput"] > 0
     assert s["chosen"] is not None
     assert s["chosen"]["predicted_loss"] <= s["target_loss"] + 1e-9  # the constraint holds

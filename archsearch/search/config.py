@@ -178,7 +178,7 @@ class OptunaConfig:
     storage: str | None = None  # default: sqlite:///<study dir>/optuna.db
     sampler: str = "tpe"
     seed: int = 0
-    n_trials: int = 12  # completed (measured) trials to reach in total, across workers and resumes
+    n_trials: int = 12  # distinct shapes to measure in total, across workers and resumes
     max_trials: int | None = None  # cap incl. pruned/failed ones; default 10 x n_trials
     objective: str = "throughput"  # or "pareto": throughput vs predicted loss, two objectives
     # seed the study with this many shapes from the law's solution (the loss optimum first, then

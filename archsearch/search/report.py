@@ -217,6 +217,7 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
         "throughput_gain_vs_baseline": gain,
         "pareto": pareto_set(study),
         "trials": {"total": len(study.trials), "complete": len(complete),
+                   "distinct_shapes": len({t.user_attrs.get("spec_key") for t in complete}),
                    "feasible": sum(1 for t in complete if _feasible(t))},
         "law": {"file": str(out / "law.json") if (out / "law.json").is_file() else cfg.law.file,
                 "form": cfg.law.form, "status": getattr(ctx.law, "status", None),
@@ -294,7 +295,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     for w in law.get("warnings") or []:
         lines.append(f"- warning: {w}")
     t = s["trials"]
-    lines += ["", "## Trials", "", f"{t['complete']} measured trials ({t['feasible']} feasible) of {t['total']}; "
+    lines += ["", "## Trials", "", f"{t['complete']} completed trials measuring {t['distinct_shapes']} distinct shapes "
+              f"({t['feasible']} feasible trials) of {t['total']} trials; "
               "all in `trials.csv`; Optuna storage " f"`{s['optuna_storage']}` (`optuna-dashboard {s['optuna_storage']}`).",
               "", "## Plots", ""] + [f"![{p}]({p})" for p in s.get("plots", [])]
     pv = s["provenance"]

@@ -313,18 +313,34 @@ def _progress_callback(n_trials: int):
                 what += f"; infeasible: {ua['limits_reason']}"
         else:
             what = f"{t.state.name.lower()}: {ua.get('failure_reason') or ua.get('pruned_reason') or ''}"
-        done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-        print(f"[search] trial {t.number} ({done}/{n_trials} measured): {shape}{pred} -> {what}",
+        print(f"[search] trial {t.number} ({distinct_measured(study)}/{n_trials} shapes measured): "
+              f"{shape}{pred} -> {what}",
               file=sys.stderr, flush=True)
     return cb
+
+
+def distinct_measured(study) -> int:
+    """Distinct shapes among completed trials: the study's budget counts these (a trial that
+    proposes an already-measured shape completes with its stored value at no cost)."""
+    from optuna.trial import TrialState
+
+    return len({t.user_attrs.get("spec_key") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))})
+
+
+class DistinctShapesCallback:
+    """Stops the study once ``n`` distinct shapes have been measured (across workers/resumes)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, study, trial) -> None:
+        if distinct_measured(study) >= self.n:
+            study.stop()
 
 
 def run_study(ctx: SearchContext, progress: bool = True):
     """Create or resume the study and run it until ``n_trials`` trials have completed."""
     import optuna
-    from optuna.study import MaxTrialsCallback
-    from optuna.trial import TrialState
-
     cfg = ctx.cfg
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study, storage = create_study(ctx)
@@ -341,11 +357,10 @@ def run_study(ctx: SearchContext, progress: bool = True):
                               f"{study.user_attrs['target_loss']:.6g}, this config gives "
                               f"{ctx.target_loss:.6g}", "use a new study name or folder")
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
-    done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     left = max_trials - len(study.get_trials(deepcopy=False))
-    if done < cfg.optuna.n_trials and left > 0:
+    if distinct_measured(study) < cfg.optuna.n_trials and left > 0:
         study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                       callbacks=[MaxTrialsCallback(cfg.optuna.n_trials, states=(TrialState.COMPLETE,))]
+                       callbacks=[DistinctShapesCallback(cfg.optuna.n_trials)]
                        + ([_progress_callback(cfg.optuna.n_trials)] if progress else []),
                        catch=(MeasurementFailed,), gc_after_trial=False,
                        show_progress_bar=False)
