@@ -36,8 +36,14 @@ def _point(t) -> dict[str, Any]:
 
 
 def pareto_set(study) -> list[dict[str, Any]]:
-    """Feasible measured trials not dominated in (throughput up, predicted loss down)."""
-    pts = [_point(t) for t in _complete(study) if _feasible(t)]
+    """Feasible measured shapes not dominated in (throughput up, predicted loss down); a shape
+    proposed by several trials appears once, under its first trial."""
+    pts, seen = [], set()
+    for t in sorted(_complete(study), key=lambda t: t.number):
+        key = t.user_attrs.get("spec_key")
+        if _feasible(t) and key not in seen:
+            seen.add(key)
+            pts.append(_point(t))
     front = [p for p in pts if not any(
         q["throughput"] >= p["throughput"] and q["predicted_loss"] <= p["predicted_loss"]
         and (q["throughput"] > p["throughput"] or q["predicted_loss"] < p["predicted_loss"]) for q in pts)]
