@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default="results/bench/training_speed.jsonl",
+                    help="JSONL file the result line is appended to ('' to skip)")
     args = ap.parse_args()
 
     import torch
@@ -87,15 +89,20 @@ def main() -> None:
     peak = measure_cpu().peak_flops_fp32
     flops = train_flops_per_token(spec, args.seq_len)
     best_ours, best_plain = max(ours), max(plain)
-    print(json.dumps({
-        "bench": "training_speed", "spec": spec.to_dict(), "n_params_non_embedding": non_embedding_params(spec),
+    line = json.dumps({
+        "bench": "training_speed", "cpu_peak_source": measure_cpu().source, "spec": spec.to_dict(), "n_params_non_embedding": non_embedding_params(spec),
         "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "threads": threads,
         "ours_tokens_per_s": best_ours, "plain_tokens_per_s": best_plain,
         "ratio": best_ours / best_plain, "all_ours": ours, "all_plain": plain,
         "flops_per_token": flops, "cpu_peak_flops": peak, "mfu": best_ours * flops / peak,
         "mfu_plain": best_plain * flops / peak, "load_avg": os.getloadavg(),
         "provenance": provenance(),
-    }))
+    })
+    print(line)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as fh:
+            fh.write(line + "\n")
 
 
 if __name__ == "__main__":
