@@ -176,7 +176,7 @@ def predict_training_memory(spec: ArchSpec, batch_size: int, seq_len: int, dtype
     vocab_matrix = spec.vocab_size * spec.hidden_size
     body = non_embedding_params(spec) + norm_params(spec) + bias_params(spec)
     if pp == 1:
-        params = (body + (total_params(spec) - body)) / tp
+        params = total_params(spec) / tp
     else:  # the busiest stage: its share of the layers plus one vocabulary matrix
         params = (body / pp + vocab_matrix) / tp
     shard_opt = dp if parallelism in ("zero1", "zero2", "fsdp") else 1
