@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from archsearch.arch import (ArchSpec, embedding_params, inference_flops_per_token,
-                             kv_cache_bytes_per_token, max_batch_by_kv, prefill_flops, total_params,
-                             weight_bytes)
+from archsearch.arch import (ArchSpec, dtype_bytes, inference_flops_per_token,
+                             kv_cache_bytes_per_token, max_batch_by_kv, prefill_flops, weight_bytes)
 from archsearch.hardware import Device, detect_gpu_name, get_device
 from benchmarks.base import Backend, BatchResult, Report
 
@@ -42,11 +41,10 @@ def default_device_name() -> str:
 
 
 def weights_read_per_step(spec: ArchSpec, dtype: str) -> float:
-    """Bytes of weights one forward pass reads: all but the input embedding table."""
-    from archsearch.arch import dtype_bytes
-
-    input_embedding = embedding_params(spec) - spec.vocab_size * spec.hidden_size
-    return (total_params(spec) - input_embedding) * dtype_bytes(dtype)
+    """Bytes of weights one forward pass reads: all but the input embedding table (a tied
+    table is still read, as the output head)."""
+    unread = 0 if spec.tie_embeddings else spec.vocab_size * spec.hidden_size
+    return weight_bytes(spec, dtype) - unread * dtype_bytes(dtype)
 
 
 def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, input_len: int,
