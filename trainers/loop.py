@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params
+from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params, training_flops
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig
@@ -58,8 +58,7 @@ def lr_at(step: int, steps: int, warmup: int, lr: float, min_ratio: float) -> fl
 
 def train_flops_per_token(spec: ArchSpec, seq_len: int) -> float:
     """6 (N + d V) + 6 L S dq: matmul FLOPs of forward + backward for one token (Kaplan)."""
-    return (6.0 * (non_embedding_params(spec) + spec.hidden_size * spec.vocab_size)
-            + 6.0 * spec.n_layers * seq_len * spec.q_dim)
+    return training_flops(spec, 1, include_embedding=True) + 6.0 * spec.n_layers * seq_len * spec.q_dim
 
 
 def token_budget(spec: ArchSpec, tc: TrainConfig) -> float:
