@@ -31,8 +31,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from archsearch.errors import ArchsearchError
-
-TASKS_DIR = Path(__file__).resolve().parent.parent / "evaltasks"
+from archsearch.evaluation.suites import TASKS_DIR
 SEED = 7
 N_NEXTLINE = 100    # items per held-out work
 N_LASTWORD = 100    # items per held-out work
@@ -136,8 +135,8 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def build(out_dir: Path = TASKS_DIR) -> dict[str, bytes]:
-    """The file contents of the suite, keyed by path relative to ``out_dir`` (nothing written).
+def build() -> dict[str, bytes]:
+    """The file contents of the suite, keyed by path relative to the task folder (nothing written).
 
     Each task gets its own seeded generator per work, so changing one task or one work's
     count leaves the other files unchanged.
@@ -172,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 if the files on disk differ from a rebuild")
     args = p.parse_args(argv)
-    files = build(args.out)
+    files = build()
     stale = [rel for rel, data in files.items()
              if not (args.out / rel).is_file() or (args.out / rel).read_bytes() != data]
     if args.check:
