@@ -24,7 +24,7 @@ from typing import Any
 from archsearch.arch import (ArchSpec, dtype_bytes, inference_flops_per_token,
                              kv_cache_bytes_per_token, max_batch_by_kv, prefill_flops, weight_bytes)
 from archsearch.hardware import Device, detect_gpu_name, get_device
-from benchmarks.base import Backend, BatchResult, Report
+from benchmarks.base import Backend, BatchResult, Report, resolve_dtype
 
 MEMORY_FRACTION = 0.9
 
@@ -88,7 +88,7 @@ class AnalyticBackend(Backend):
         s = job["settings"]
         spec = ArchSpec.from_dict(job["arch"])
         device = get_device(s.get("device_spec") or default_device_name())
-        dtype = s["dtype"] if s["dtype"] != "auto" else ("float32" if device.name == "cpu" else "bfloat16")
+        dtype = resolve_dtype(s["dtype"], on_gpu=device.name != "cpu")
         per_batch = [predict_batch(spec, device, dtype, b, s["input_len"], s["output_len"]).to_dict()
                      for b in job["batch_sizes"]]
         engine = {"model": "roofline: prefill compute-bound, decode bound by weights + KV reads",

@@ -98,6 +98,13 @@ class BenchSettings:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def resolve_dtype(dtype: str, on_gpu: bool) -> str:
+    """``auto`` is bfloat16 on a GPU and float32 on CPU (bf16 has no native support there)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if on_gpu else "float32"
+
+
 @dataclass
 class BatchResult:
     """One batch size. Throughputs are tokens/s (mean and sample std over repeats); times in

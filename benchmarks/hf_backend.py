@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from archsearch.arch import ArchSpec
-from benchmarks.base import Backend, Report
+from benchmarks.base import Backend, Report, resolve_dtype
 from benchmarks.loop import RequestTiming, process_tree_rss, run_batches
 
 
@@ -37,7 +37,7 @@ class HFBackend(Backend):
         spec = ArchSpec.from_dict(job["arch"])
         on_gpu = torch.cuda.is_available()
         dev = torch.device("cuda" if on_gpu else "cpu")
-        dtype = s["dtype"] if s["dtype"] != "auto" else ("bfloat16" if on_gpu else "float32")
+        dtype = resolve_dtype(s["dtype"], on_gpu)
         torch_dtype = getattr(torch, dtype)
         extra = dict(s.get("engine_args") or {})
         threads = extra.pop("torch_threads", None)

@@ -23,14 +23,10 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.errors import MissingDependencyError
-from benchmarks.base import Backend, Report, require_module
+from benchmarks.base import Backend, Report, require_module, resolve_dtype
 from benchmarks.loop import RequestTiming, run_batches
 
 INSTALL_FIX = "SGLang runs on a CUDA GPU only: pip install -e '.[sglang]' on a GPU machine"
-
-
-def resolve_dtype(dtype: str) -> str:
-    return "bfloat16" if dtype == "auto" else dtype
 
 
 def engine_kwargs(job: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -74,7 +70,7 @@ class SGLangBackend(Backend):
         """Measure in this process (the isolated child). Tests pass a fake ``sglang_module``."""
         s = job["settings"]
         spec = ArchSpec.from_dict(job["arch"])
-        dtype = resolve_dtype(s["dtype"])
+        dtype = resolve_dtype(s["dtype"], on_gpu=True)
         t0 = time.perf_counter()
         sgl = sglang_module or importlib.import_module("sglang")
         t_import = time.perf_counter() - t0

