@@ -267,3 +267,12 @@ def test_cli_estimate_and_errors(cli, tmp_path):
     assert r.returncode == 0 and "fitted law" in r.stdout, r.stderr
     r = cli("estimate", "memory", "--arch", "llama-3.2-1b", "--gpus", "H200", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["max_inference_batch"] > 0
+
+
+def test_unknown_device_says_why_there_is_no_mfu():
+    import dataclasses
+
+    runs = [dataclasses.replace(r, device="TPU-v9") for r in _synthetic_runs("amdahl", TRUE_AMDAHL, 0.01)]
+    fit = fit_time_law(runs, forms=("analytic",), residual_options=(False,))
+    assert fit.law.mfu is None
+    assert any("no measured MFU" in n and "'TPU-v9'" in n for n in fit.law.notes), fit.law.notes

@@ -328,6 +328,8 @@ def fit_time_law(runs: Sequence[Any], holdout: Sequence[Any] = (), forms: Sequen
         law.mfu = float(math.exp(aparams["log_F"]) / peak)
         law.mfu_source = (f"measured: geometric-mean MFU of {len(T)} runs on {device} "
                           f"(6*N_c*D FLOPs over wall time; peak {peak:.4g} FLOP/s from {peak_source})")
+    else:
+        law.notes.append(f"no measured MFU: {peak_source}")
     law.selection = selection
     law.notes.append(f"chosen by {folds}-fold cross-validated MAE over {len(T)} runs "
                      f"from {len(selection)} candidates")
@@ -336,12 +338,13 @@ def fit_time_law(runs: Sequence[Any], holdout: Sequence[Any] = (), forms: Sequen
 
 
 def _device_peak(device: str | None) -> tuple[float | None, str | None]:
+    """(peak FLOP/s, its source), or (None, why not) when the device is not in the table."""
     if device is None:
-        return None, None
+        return None, "the runs name no device"
     try:
         d = get_device(device)
-    except ArchsearchError:
-        return None, None
+    except ArchsearchError as e:
+        return None, f"device {device!r} has no peak in archsearch.hardware ({e.problem})"
     return d.peak_flops("bfloat16" if not d.measured else "float32"), d.source
 
 
