@@ -67,6 +67,7 @@ def main() -> None:
     from archsearch.arch import ArchSpec, non_embedding_params
     from archsearch.hardware import measure_cpu
     from archsearch.provenance import provenance
+    from benchmarks.base import append_jsonl
     from trainers import DataConfig, TrainConfig, prepare_data, train
     from trainers.loop import cpu_threads_for, train_flops_per_token
 
@@ -86,23 +87,23 @@ def main() -> None:
             plain.append(plain_loop(spec, data, args.steps, args.batch, tc.lr, tc.seed))
             rec = train(spec, tc, dc, Path(tmp) / f"r{i}", progress=False, data=data)
             ours.append(rec["tokens_per_s"])
-    peak = measure_cpu().peak_flops_fp32
+    cpu = measure_cpu()
+    peak = cpu.peak_flops_fp32
     flops = train_flops_per_token(spec, args.seq_len)
     best_ours, best_plain = max(ours), max(plain)
-    line = json.dumps({
-        "bench": "training_speed", "cpu_peak_source": measure_cpu().source, "spec": spec.to_dict(), "n_params_non_embedding": non_embedding_params(spec),
+    record = {
+        "bench": "training_speed", "cpu_peak_source": cpu.source, "spec": spec.to_dict(),
+        "n_params_non_embedding": non_embedding_params(spec),
         "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "threads": threads,
         "ours_tokens_per_s": best_ours, "plain_tokens_per_s": best_plain,
         "ratio": best_ours / best_plain, "all_ours": ours, "all_plain": plain,
         "flops_per_token": flops, "cpu_peak_flops": peak, "mfu": best_ours * flops / peak,
         "mfu_plain": best_plain * flops / peak, "load_avg": os.getloadavg(),
         "provenance": provenance(),
-    })
-    print(line)
+    }
+    print(json.dumps(record))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as fh:
-            fh.write(line + "\n")
+        append_jsonl(args.out, record)
 
 
 if __name__ == "__main__":
