@@ -2,7 +2,7 @@
 
 ``FakeVLLM`` and ``FakeSGLang`` stand in for the ``vllm`` and ``sglang`` modules: they record
 the keywords the backend gave them and answer ``generate`` with outputs shaped like the real
-ones (timestamps included). The ``Hang``/``Crash``/``Partial`` backends run in the isolated
+ones (timestamps included). The ``Hang`` and ``Crash`` backends run in the isolated
 child to check that a timeout and a crash become failed measurements. Nothing here is used
 outside tests.
 """
