@@ -96,17 +96,18 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
         rc = proc.returncode if rc is None else rc
         tail = _tail(log_file)
         result: dict[str, Any] = {}
+        unreadable = None
         if result_path.exists():
             try:
                 result = json.loads(result_path.read_text())
-            except json.JSONDecodeError:
-                result = {}
+            except json.JSONDecodeError as e:
+                unreadable = f"the engine process's result file is not valid JSON: {e}"
         status = result.pop("status", None)
         if timed_out:
             return Outcome(False, result, f"timeout after {timeout_s:g} s", rc, True, wall, tail)
         if status == "done" and rc == 0:
             return Outcome(True, result, None, rc, False, wall, tail)
-        error = result.pop("error", None) or _crash_reason(rc, tail)
+        error = result.pop("error", None) or unreadable or _crash_reason(rc, tail)
         return Outcome(False, result, error, rc, False, wall, tail)
 
 
