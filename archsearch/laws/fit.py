@@ -360,10 +360,6 @@ def run_arrays(runs: Sequence["RunRecord"]) -> tuple[forms.Data, np.ndarray]:
     return X, np.array([r.loss for r in runs], dtype=float)
 
 
-def _take(X: forms.Data, idx: np.ndarray) -> forms.Data:
-    return {k: v[idx] for k, v in X.items()}
-
-
 def _group_best(X: forms.Data, L: np.ndarray, tol: float) -> list[dict[str, float]]:
     """Best loss per (N, D) group, at that best run's own N and D."""
     key = cluster(X["N"], tol) * (10 ** 6) + cluster(X["D"], tol)
@@ -432,7 +428,7 @@ def _fit_robust(form, X, L, opts: FitOptions, starts, check: bool) -> _Core:
     best = min(results, key=lambda r: r.fun)
     warns: list[str] = []
     if check:
-        warns += _disagreement(form, X, nm, results, best, lambda th: form.logpred(th, X, nm)[0])
+        warns += _disagreement(form, X, nm, results, best)
         for name, v, (lo, hi) in zip(form.names, best.x, bounds):
             span = hi - lo
             if v - lo <= 1e-6 * span or hi - v <= 1e-6 * span:
@@ -456,7 +452,7 @@ def _bound_hint(law: str, name: str, side: str) -> str:
     return ""
 
 
-def _disagreement(form, X, nm, results, best, logpred) -> list[str]:
+def _disagreement(form, X, nm, results, best) -> list[str]:
     """Starts whose objective ties the best's but whose predictions differ (non-identifiable)."""
     near = [r for r in results if r.fun <= best.fun * 1.01 + 1e-12]
     if len(near) < 2:
@@ -555,14 +551,6 @@ def _vector_from_coefficients(law, form, X, L, opts, coefs) -> np.ndarray:
 
 
 # -- the two-step fit -------------------------------------------------------------------------
-
-@dataclass
-class _Prepared:
-    X: forms.Data
-    L: np.ndarray
-    ref: dict[str, Any] | None
-    ref_warnings: list[str]
-
 
 def _reference_for(law, X, L, opts: FitOptions, ref_fixed, extra_groups=(), warm=None, check=True):
     """(reference dict, Lref array, warnings) for a conditional fit on runs X, L."""
