@@ -304,6 +304,7 @@ def test_solve_feasible_pareto_and_buildable(mult_fit):
     assert res.feasible and all(p.predicted_loss <= target for p in res.feasible)
     assert all(abs(non_embedding_params(p.spec) / 1e9 - 1) <= 0.02 for p in res.points)
     assert res.best.throughput == max(p.throughput for p in res.feasible)
+    assert res.pareto  # feasible points with throughputs: the front cannot be empty
     for p in res.pareto:  # nobody beats a Pareto point on both axes
         assert not any(q.throughput > p.throughput and q.predicted_loss < p.predicted_loss for q in res.feasible)
     assert res.architecture.predicted_loss == pytest.approx(best_loss, rel=2e-3)
