@@ -39,7 +39,7 @@ def shapes(budget: float, layers: int) -> list:
 
 
 def _same(rec, spec, settings: BenchSettings) -> bool:
-    mine = {k: v for k, v in settings.to_dict().items()}
+    mine = settings.to_dict()
     theirs = {k: v for k, v in rec.settings.items() if k in mine}
     return rec.architecture.get("name") == spec.name and theirs == mine
 

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = ours.batch(b)
     summary = {
         "benchmark": "harness_overhead",
-        "shape": {k: v for k, v in spec.to_dict().items()},
+        "shape": spec.to_dict(),
         "batch_size": b, "input_len": args.input_len, "output_len": args.output_len,
         "ours_output_throughput": batch.output_throughput,
         "ours_output_throughput_std": batch.output_throughput_std,
