@@ -94,7 +94,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
     of ``runs.csv`` (ok and failed runs; points that do not build are in failures.jsonl)."""
     from archsearch.provenance import provenance
     from trainers.data import prepare_data
-    from trainers.loop import read_record, run_id_for, token_budget, train
+    from trainers.loop import RUN_FILE, _write_json, read_record, run_id_for, token_budget, train
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +140,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
                           else f"{type(e).__name__}: {e} | {traceback.format_exc(limit=3)}")
                 rec = _failed_record(spec, run_id, tokens, point["seed"], reason)
                 run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "run.json").write_text(json.dumps(rec, indent=2, default=str) + "\n")
+                _write_json(run_dir / RUN_FILE, rec)
             skipped = prev is not None and prev.get("status") == "ok"
             loss = rec.get("final_eval_loss")
             log(f"{tag}: {run_id} {'skipped (done)' if skipped else rec['status']}"
