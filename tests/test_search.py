@@ -343,3 +343,29 @@ def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
     assert release_best(rows, target_loss=2.95)["trial"] == 2
     assert release_best(rows, target_loss=2.0)["trial"] == 3
     assert release_best(rows[3:], target_loss=2.0) is None
+
+
+_OPEN_AT = """
+import sys, time
+import optuna
+from pathlib import Path
+from archsearch.search.study import open_storage
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+t0 = float(sys.argv[2])
+while time.time() < t0:
+    time.sleep(0.001)
+st = open_storage("sqlite:///" + sys.argv[1], Path(sys.argv[1]).parent)
+optuna.create_study(study_name="t", storage=st, load_if_exists=True)
+"""
+
+
+def test_two_workers_opening_a_new_storage_at_once(tmp_path):
+    # without the lock this failed about half the time (Optuna's schema creation races)
+    for i in range(4):
+        db = tmp_path / f"s{i}" / "optuna.db"
+        db.parent.mkdir()
+        t0 = time.time() + 2.0
+        procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AT, str(db), str(t0)],
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for p in procs:
+            assert p.wait(timeout=120) == 0, p.stderr.read()[-2000:]

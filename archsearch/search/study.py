@@ -220,17 +220,29 @@ def trial_is_feasible(t) -> bool:
     return bool(cons) and all(c <= 0 for c in cons.values())
 
 
+def open_storage(url: str, lock_dir: Path):
+    """``make_storage`` under a file lock: two workers opening a new SQLite file at once
+    otherwise race on Optuna's schema creation (UNIQUE constraint on alembic_version).
+    Workers on other hosts share no lock: create the study once before starting them."""
+    from archsearch.search.measure import file_lock
+
+    with file_lock(Path(lock_dir) / ".storage.lock"):
+        return make_storage(url)
+
+
 def create_study(ctx: SearchContext, load_only: bool = False):
     import optuna
 
+    from archsearch.search.measure import file_lock
+
     cfg = ctx.cfg
-    url = storage_url(cfg, ctx.out)
-    storage = make_storage(url)
+    storage = open_storage(storage_url(cfg, ctx.out), ctx.out)
     directions = ["maximize", "minimize"] if cfg.optuna.objective == "pareto" else ["maximize"]
     if load_only:
         return optuna.load_study(study_name=cfg.name, storage=storage), storage
-    study = optuna.create_study(study_name=cfg.name, storage=storage, sampler=make_sampler(cfg),
-                                directions=directions, load_if_exists=True)
+    with file_lock(ctx.out / ".storage.lock"):
+        study = optuna.create_study(study_name=cfg.name, storage=storage, sampler=make_sampler(cfg),
+                                    directions=directions, load_if_exists=True)
     return study, storage
 
 
