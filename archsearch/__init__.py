@@ -6,8 +6,7 @@ names below are loaded on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from archsearch._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -29,7 +28,4 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'archsearch' has no attribute {name!r}")
+__getattr__ = lazy_getattr('archsearch', _LAZY)

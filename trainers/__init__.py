@@ -5,8 +5,7 @@ Importing this package imports no torch; the names below load their module on fi
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from archsearch._lazy import lazy_getattr
 
 _LAZY = {
     "DataConfig": "trainers.config",
@@ -30,7 +29,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trainers' has no attribute {name!r}")
+__getattr__ = lazy_getattr('trainers', _LAZY)

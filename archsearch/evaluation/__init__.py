@@ -8,8 +8,7 @@ torch nor lm-eval; the names below load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from archsearch._lazy import lazy_getattr
 
 _LAZY = {
     "evaluate": "archsearch.evaluation.runner",
@@ -26,7 +25,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'archsearch.evaluation' has no attribute {name!r}")
+__getattr__ = lazy_getattr('archsearch.evaluation', _LAZY)
