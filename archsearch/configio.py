@@ -21,6 +21,17 @@ from archsearch.errors import ArchsearchError
 T = TypeVar("T")
 
 
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def number_from_text(text: str) -> float:
+    """'1e9', '1B', '150M', '300k', '2_000' -> float; ValueError otherwise (the CLI's and the
+    YAML files' one number syntax)."""
+    t = text.strip().replace("_", "")
+    mult = _SUFFIXES.get(t[-1:].lower())
+    return float(t[:-1]) * mult if mult else float(t)
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -82,7 +93,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return int(value)
         if isinstance(value, str):
             try:
-                f = float(value)  # allow "1e9" in YAML, which PyYAML reads as a string
+                f = number_from_text(value)  # "1e9" / "200K" in YAML, which PyYAML reads as strings
             except ValueError:
                 pass
             else:
@@ -96,7 +107,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return float(value)
         if isinstance(value, str):
             try:
-                return float(value)
+                return number_from_text(value)
             except ValueError:
                 pass
         raise ArchsearchError(where, f"expected a number, got {value!r}")
@@ -150,8 +161,30 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Parse a YAML file into a mapping, with a clear error for a missing or broken file."""
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``key.sub=value`` command-line overrides merged into a config mapping, with OmegaConf's
+    dotlist syntax and YAML value parsing (``optuna.n_trials=12``, ``search_space.gqa=[1,2]``,
+    ``params=200K``); the typed config then validates the result like the file itself."""
+    if not overrides:
+        return data
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if "=" not in o or not key or key.startswith("-"):
+            raise ArchsearchError(o, "is not an override", "write KEY.SUB=VALUE, e.g. optuna.n_trials=12")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ArchsearchError(" ".join(overrides), f"cannot apply the overrides: {e}".splitlines()[0],
+                              "write KEY.SUB=VALUE, e.g. optuna.n_trials=12") from None
+
+
+def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Parse a YAML file into a mapping (then apply ``key.sub=value`` overrides), with a clear
+    error for a missing or broken file."""
     import yaml
 
     p = Path(path)
@@ -163,9 +196,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ArchsearchError(str(p), f"invalid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ArchsearchError(str(p), "the top level must be a mapping of keys to values")
-    return data
+    return apply_overrides(data, overrides)
 
 
-def load_config(cls: type[T], path: str | Path) -> T:
-    """YAML file -> validated dataclass."""
-    return from_dict(cls, load_yaml(path), where="")
+def load_config(cls: type[T], path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """YAML file (+ ``key.sub=value`` overrides) -> validated dataclass."""
+    return from_dict(cls, load_yaml(path, overrides), where="")

@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         # a group without its subcommand (e.g. "archsearch arch"): show that group's help
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
+    from archsearch.cli._common import json_stdout
+
     try:
-        return int(args.func(args) or 0)
+        with json_stdout(bool(getattr(args, "json", False))):
+            return int(args.func(args) or 0)
     except ArchsearchError as e:
         print(f"archsearch: error: {e}", file=sys.stderr)
         return 2

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
+
+# Where print_json writes while a --json command runs (see json_stdout); None: sys.stdout.
+_json_out: Any = None
 
 
 def parse_number(text: str) -> float:
     """'1e9', '1B', '150M', '300k' -> float (an argparse ``type``)."""
-    t = text.strip().replace("_", "")
-    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower())
+    from archsearch.configio import number_from_text
+
     try:
-        return float(t[:-1]) * mult if mult else float(t)
+        return number_from_text(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1e9, 1B, 150M)") from None
 
@@ -80,9 +87,46 @@ def arch_from_args(args: argparse.Namespace):
     return ArchSpec(**kw)
 
 
+def add_overrides_arg(p: argparse.ArgumentParser) -> None:
+    """Positional ``key.sub=value`` overrides of the ``--config`` file (OmegaConf dotlist syntax)."""
+    p.add_argument("overrides", nargs="*", metavar="KEY.SUB=VALUE",
+                   help="override config fields, e.g. optuna.n_trials=12 params=200K")
+
+
+@contextlib.contextmanager
+def json_stdout(enabled: bool) -> Iterator[None]:
+    """With ``--json``, stdout carries exactly the one JSON document: everything else printed
+    meanwhile (lm-eval's progress, vLLM's engine processes, which inherit file descriptor 1)
+    goes to stderr, at the descriptor level, and :func:`print_json` writes to the real stdout."""
+    global _json_out
+    if not enabled:
+        yield
+        return
+    real = sys.stdout
+    real.flush()
+    try:
+        real_fd = real.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):  # e.g. a test's capture object
+        real_fd = None
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    _json_out = open(saved, "w", closefd=False) if real_fd == 1 else real
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = real
+        _json_out.flush()
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        _json_out = None
+
+
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    out = _json_out or sys.stdout
+    json.dump(obj, out, indent=2, default=str)
+    out.write("\n")
 
 
 def print_table(rows: list[tuple[str, Any]], title: str | None = None) -> None:

@@ -7,17 +7,21 @@ import argparse
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "eval", help="evaluate a model with lm-evaluation-harness (zero-shot)",
+        "eval", help="evaluate a model with lm-evaluation-harness",
         description="Run lm-eval on a local HF folder, a trainers run folder or a named reference "
-                    "model (smollm2-135m). The 'offline' suite is shipped in the repo and needs no "
+                    "model (smollm2-135m), or a Hub id ORG/NAME where huggingface.co is reachable. The 'offline' suite is shipped in the repo and needs no "
                     "network; Hub tasks need huggingface.co or a cached dataset.")
-    p.add_argument("--model", help="HF folder, trainers run folder, or a named model (smollm2-135m)")
+    p.add_argument("--model", help="HF folder, trainers run folder, a named model (smollm2-135m) or a Hub id")
     p.add_argument("--tasks", default="offline",
                    help="comma-separated suites and/or lm-eval tasks (default: offline)")
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
                    help="hf: in-process transformers model (default); vllm: lm-eval's vLLM backend")
     p.add_argument("--limit", type=_limit, help="at most N documents per task (a float < 1 is a fraction)")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--model_args", "--model-args", dest="model_args", metavar="K=V,...",
+                   help="passed to lm-eval's model class, as in lm-eval (e.g. max_length=512)")
+    p.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int,
+                   help="few-shot examples per prompt, as in lm-eval (default: each task's own, 0 here)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present, else cpu)")
     p.add_argument("--json", action="store_true", help="print lm-eval's results structure as JSON")
     p.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
@@ -55,7 +59,8 @@ def _eval(args: argparse.Namespace) -> int:
     from archsearch.evaluation.runner import evaluate
 
     res = evaluate(args.model, args.tasks, backend=args.backend, limit=args.limit,
-                   batch_size=args.batch_size, device=args.device, out=args.out)
+                   batch_size=args.batch_size, device=args.device, out=args.out,
+                   model_args=args.model_args, num_fewshot=args.num_fewshot)
     if args.json:
         print_json(res)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import print_json
+from archsearch.cli._common import add_overrides_arg, print_json
 
 STAGES = ("proxy", "fit", "search", "gqa", "train", "eval", "report")
 
@@ -30,6 +30,7 @@ def register(sub) -> None:
     p.add_argument("--only", type=_stages, help=f"run only these stages ({','.join(STAGES)})")
     p.add_argument("--skip", type=_stages, default=set(), help="skip these stages")
     p.add_argument("--json", action="store_true", help="print the plan / summary as JSON")
+    add_overrides_arg(p)
     p.set_defaults(func=_run)
 
 
@@ -37,7 +38,7 @@ def _run(args: argparse.Namespace) -> int:
     from archsearch.search import pipeline
     from archsearch.search.config import load_study_config
 
-    cfg = load_study_config(args.config)
+    cfg = load_study_config(args.config, args.overrides)
     out = cfg.out_dir(args.out)
     if args.dry_run:
         pipeline.validate(cfg, for_plan=True)

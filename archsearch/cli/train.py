@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from archsearch.cli._common import add_arch_args, parse_number, print_json, print_table
+from archsearch.cli._common import add_arch_args, add_overrides_arg, parse_number, print_json, print_table
 
 # CLI flag dest -> (config section, field)
 _TRAIN_FLAGS = {"tokens": "tokens", "tokens_per_param": "tokens_per_param",
@@ -29,7 +29,8 @@ def register(sub) -> None:
                                    "again resume from the last checkpoint.")
     add_arch_args(p)
     p.add_argument("--config", help="YAML with 'train:' and 'data:' sections (trainers.config); "
-                                    "flags override it")
+                                    "flags and KEY.SUB=VALUE overrides override it")
+    add_overrides_arg(p)
     b = p.add_argument_group("budget and optimisation")
     b.add_argument("--tokens", type=parse_number, help="token budget D (e.g. 2e9, 500M)")
     b.add_argument("--tokens-per-param", type=float, help="D = this x N (non-embedding)")
@@ -77,15 +78,16 @@ def register(sub) -> None:
     s.add_argument("--out", help="sweep folder (default results/sweeps/NAME)")
     s.add_argument("--json", action="store_true", help="print the rows as JSON")
     s.add_argument("--no-progress", action="store_true")
+    add_overrides_arg(s)
     s.set_defaults(func=_sweep)
 
 
 def _configs(args: argparse.Namespace):
-    from archsearch.configio import from_dict, load_yaml
+    from archsearch.configio import apply_overrides, from_dict, load_yaml
     from archsearch.errors import ArchsearchError
     from trainers.config import DataConfig, TrainConfig, get_hparams
 
-    raw = load_yaml(args.config) if args.config else {}
+    raw = load_yaml(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
     unknown = set(raw) - {"train", "data"}
     if unknown:
         raise ArchsearchError(f"{args.config}: {sorted(unknown)[0]}", "unknown section",
@@ -124,7 +126,7 @@ def _forwarded_args(args: argparse.Namespace, out: Path) -> list[str]:
             argv += [flag, *map(str, v)]
         else:
             argv += [flag, str(v)]
-    return argv + ["--out", str(out)]
+    return argv + ["--out", str(out), *args.overrides]
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -195,7 +197,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from trainers.config import SweepConfig
     from trainers.sweep import run_sweep
 
-    cfg = load_config(SweepConfig, args.config)
+    cfg = load_config(SweepConfig, args.config, args.overrides)
     out = Path(args.out) if args.out else Path("results/sweeps") / cfg.name
     rows = run_sweep(cfg, out, progress=not args.no_progress)
     if args.json:

@@ -4,20 +4,22 @@ MODEL is one of
 - a named reference model (:data:`REFERENCE_MODELS`, e.g. ``smollm2-135m``),
 - a local Hugging Face folder (``config.json`` + weights + tokenizer, as ``save_pretrained``
   writes it),
-- a trainers run folder, whose ``model/`` subfolder is such a folder.
-
-Hub ids are not accepted: evaluation here runs offline, and a typo would otherwise turn into
-a download attempt.
+- a trainers run folder, whose ``model/`` subfolder is such a folder,
+- a Hub id (``ORG/NAME``, not a local path), loaded only where huggingface.co is reachable
+  (checked before any download; offline it is a clear error, not a silent attempt).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError, MissingDependencyError
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
 class ResolvedModel:
     """A model on disk: ``path`` is the folder given to ``from_pretrained``."""
     name: str                   # what the user passed
-    kind: str                   # "reference" | "hf-folder" | "trainers-run"
+    kind: str                   # "reference" | "hf-folder" | "trainers-run" | "hub"
     path: Path
     gguf_file: str | None = None
 
@@ -71,11 +73,13 @@ def resolve_model(model: str | Path) -> ResolvedModel:
     if (path / "model" / "config.json").is_file():
         return ResolvedModel(name, "trainers-run", (path / "model").resolve())
     known = ", ".join(REFERENCE_MODELS)
+    if not path.exists() and _HUB_ID.fullmatch(name):
+        return ResolvedModel(name, "hub", Path(name))
     if path.is_dir():
         raise ArchsearchError("model", f"{name!r} has no config.json, nor model/config.json",
                               "give a folder written by save_pretrained or a trainers run folder")
     raise ArchsearchError("model", f"{name!r} is neither a folder nor a named reference model",
-                          f"named models: {known}; or a local HF / trainers run folder")
+                          f"named models: {known}; or a local HF / trainers run folder; or a Hub id ORG/NAME")
 
 
 def default_device() -> str:
@@ -101,10 +105,11 @@ def load_model(resolved: ResolvedModel, device: str | None = None):
             raise MissingDependencyError("model", f"{resolved.name!r} is a GGUF file and the "
                                          "'gguf' package is not installed", "pip install gguf")
         kw["gguf_file"] = resolved.gguf_file
+    src = resolved.name if resolved.kind == "hub" else resolved.path
     try:
-        tok = AutoTokenizer.from_pretrained(resolved.path, **kw)
+        tok = AutoTokenizer.from_pretrained(src, **kw)
     except (OSError, ValueError) as e:
         raise ArchsearchError("model", f"no usable tokenizer in {resolved.path}: {e}",
                               "save the tokenizer next to the model (tokenizer.save_pretrained)") from None
-    model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=dtype, **kw)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
     return model.to(device).eval(), tok

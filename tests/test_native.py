@@ -1,0 +1,53 @@
+"""Fit with the tools users already know: overrides, clean --json output, Optuna's dashboard."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from archsearch.cli._common import json_stdout, print_json
+from archsearch.configio import apply_overrides, from_dict, load_config, number_from_text
+from archsearch.errors import ArchsearchError
+from archsearch.search.config import StudyConfig, load_study_config
+
+
+def test_number_suffixes_in_yaml_and_cli():
+    assert number_from_text("200K") == 2e5 and number_from_text("1B") == 1e9
+    assert number_from_text("1_500") == 1500 and number_from_text("3e5") == 3e5
+    with pytest.raises(ValueError):
+        number_from_text("12Q")
+
+
+def test_overrides_merge_then_validate(tmp_path):
+    data = {"a": {"b": 1, "c": [1, 2]}, "d": "x"}
+    assert apply_overrides(data, ["a.b=3", "a.c=[4]", "e.f=200K"]) == \
+        {"a": {"b": 3, "c": [4]}, "d": "x", "e": {"f": "200K"}}
+    assert apply_overrides(data, []) is data
+    with pytest.raises(ArchsearchError, match="is not an override"):
+        apply_overrides(data, ["a.b"])
+    cfg = load_study_config("configs/demo-cpu.yaml", ["optuna.n_trials=9", "params=150K",
+                                                       "search_space.gqa=[1,2]"])
+    assert cfg.optuna.n_trials == 9 and cfg.params == 150_000 and cfg.search_space.gqa == [1, 2]
+    with pytest.raises(ArchsearchError, match="optuna.n_trial: unknown key.*n_trials"):
+        load_study_config("configs/demo-cpu.yaml", ["optuna.n_trial=9"])
+    (tmp_path / "s.yaml").write_text("name: s\nparams: 1B\ntokens: 20B\nn_layers: 16\n"
+                                     "baseline: {preset: llama-3.2-1b}\nlaw: {file: law.json}\n")
+    cfg = load_config(StudyConfig, tmp_path / "s.yaml")
+    assert cfg.params == 1_000_000_000 and cfg.tokens == 2e10
+    with pytest.raises(ArchsearchError, match="params"):
+        from_dict(StudyConfig, {"name": "s", "params": "1Q", "tokens": 1, "n_layers": 1,
+                                "baseline": {"preset": "llama-3.2-1b"}, "law": {"file": "x"}})
+
+
+def test_json_stdout_carries_one_document(capfd):
+    with json_stdout(True):
+        print("library chatter")
+        os.write(1, b"a child process writing to descriptor 1\n")
+        print_json({"ok": 1})
+    out, err = capfd.readouterr()
+    assert json.loads(out) == {"ok": 1}
+    assert "library chatter" in err and "descriptor 1" in err
+    print("back to normal")
+    assert capfd.readouterr().out == "back to normal\n"
