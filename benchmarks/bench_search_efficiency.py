@@ -164,9 +164,7 @@ def run_arm(cfg, law, lt, measurer, build, out: Path, sampler: str, seeded: bool
 
 def trials_to_threshold(study, target: float, n_trials: int) -> dict[str, Any]:
     """Measured trials until the best feasible throughput so far >= target."""
-    from optuna.trial import TrialState
-
-    from archsearch.search.study import trial_is_feasible
+    from archsearch.search.study import trial_is_feasible, was_measured
 
     complete = 0
     keys: set[str] = set()
@@ -174,7 +172,7 @@ def trials_to_threshold(study, target: float, n_trials: int) -> dict[str, Any]:
     reached = None
     best_at_budget = None
     for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
-        if t.state != TrialState.COMPLETE:
+        if not was_measured(t):
             continue
         complete += 1
         keys.add(t.user_attrs.get("measurement_key") or f"trial-{t.number}")
@@ -296,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                         tr.values[0] if trial_is_feasible(tr) and tr.values else None)
             r.update(seed=seed, seconds=round(time.time() - t, 1))
             _log(f"{label} seed {seed}: within 2% after {r['measured_trials']} measured trials "
-                 f"({r['all_trials']} incl. pruned, {r['distinct_shapes']} distinct shapes; {r['seconds']} s)")
+                 f"({r['all_trials']} incl. unmeasured, {r['distinct_shapes']} distinct shapes; {r['seconds']} s)")
             per_seed.append(r)
         counts = [r["measured_trials"] for r in per_seed]
         arms[label] = {

@@ -116,11 +116,12 @@ def test_rerun_resumes_without_new_measurements(tmp_path):
     assert s2["trials"]["distinct_shapes"] == 6
 
 
-def test_infeasible_trials_are_pruned_not_measured(tmp_path):
+def test_infeasible_trials_complete_unmeasured_and_read_right_in_the_dashboard(tmp_path):
     import optuna
     from optuna.trial import TrialState
 
     from archsearch.search import pipeline
+    from archsearch.search.study import was_measured
 
     # the law's optimum here predicts ~11.49 (Chinchilla reference ~11.44 times factors >= 1): a
     # target just above it leaves most of the box infeasible
@@ -128,15 +129,38 @@ def test_infeasible_trials_are_pruned_not_measured(tmp_path):
     pipeline.run(cfg, cfg.out_dir(), only={"search"})
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{cfg.out_dir() / 'optuna.db'}")
     target = study.user_attrs["target_loss"]
-    pruned = [t for t in study.get_trials() if t.state == TrialState.PRUNED
-              and "predicted loss" in (t.user_attrs.get("pruned_reason") or "")]
-    assert pruned, "the space has infeasible shapes: some trials must have been pruned for them"
-    for t in pruned:
-        assert t.user_attrs["predicted_loss"] > target and "throughput" not in t.user_attrs
+    assert study.metric_names == ["output_throughput_tok_per_s"]
+    refused = [t for t in study.get_trials() if t.user_attrs.get("measured") is False]
+    assert refused, "the space has infeasible shapes: some trials must have been refused for them"
+    for t in refused:
+        # infeasible as Optuna reads it: complete, its constraint value is the loss excess
+        assert t.state == TrialState.COMPLETE and not was_measured(t)
+        assert t.constraints["0"] == pytest.approx(t.user_attrs["predicted_loss"] - target)
+        assert t.constraints["0"] > 0 and "throughput" not in t.user_attrs
+        assert "predicted loss" in t.user_attrs["infeasible_reason"]
     for t in study.get_trials(states=(TrialState.COMPLETE,)):
-        assert t.user_attrs["predicted_loss"] <= target
+        assert t.user_attrs["realised_hidden_size"] == t.user_attrs["spec"]["hidden_size"]
+        if was_measured(t):
+            assert t.user_attrs["predicted_loss"] <= target
     measured = {json.loads(line)["key"] for line in (cfg.out_dir() / "measurements.jsonl").read_text().splitlines()}
-    assert {t.user_attrs.get("measurement_key") for t in pruned}.isdisjoint(measured - {None})
+    assert {t.user_attrs.get("measurement_key") for t in refused}.isdisjoint(measured - {None})
+    # and so optuna-dashboard shows them: objective names, infeasible trials with their
+    # constraint values, the realised shape beside the requested knobs
+    detail = dashboard_study_detail(cfg.out_dir() / "optuna.db")
+    assert detail["objective_names"] == ["output_throughput_tok_per_s"]
+    trials = detail["trials"]
+    attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in trials]
+    shown = [(t, a) for t, a in zip(trials, attrs) if a.get("measured") == "False"]
+    assert len(shown) == len(refused)
+    for t, a in shown:
+        assert t["state"] == "Complete" and t["constraints"][0] > 0, t
+        assert "predicted loss" in a["infeasible_reason"]
+    for t, a in zip(trials, attrs):
+        if t["state"] == "Complete":
+            assert {p["name"] for p in t["params"]} == {"hidden_over_sqrt_n", "mlp_to_attn", "gqa"}
+            for k in ("realised_hidden_size", "realised_n_heads", "realised_n_kv_heads", "realised_ffn",
+                      "realised_mlp_to_attn", "realised_hidden_over_sqrt_n"):
+                assert k in a, (k, sorted(a))
 
 
 def test_gqa_search_early_stops(tmp_path):
@@ -369,3 +393,27 @@ def test_two_workers_opening_a_new_storage_at_once(tmp_path):
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
         for p in procs:
             assert p.wait(timeout=120) == 0, p.stderr.read()[-2000:]
+
+
+
+def dashboard_study_detail(db: Path) -> dict:
+    """Serve optuna-dashboard on 127.0.0.1 over a SQLite storage; its API's view of the study."""
+    import threading
+    import urllib.request
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    optuna_dashboard = pytest.importorskip("optuna_dashboard")
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *a):  # no access log on stderr
+            pass
+
+    server = make_server("127.0.0.1", 0, optuna_dashboard.wsgi(f"sqlite:///{db}"), handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/api"
+        studies = json.loads(urllib.request.urlopen(f"{base}/studies", timeout=30).read())["study_summaries"]
+        sid = studies[0]["study_id"]
+        return json.loads(urllib.request.urlopen(f"{base}/studies/{sid}", timeout=30).read())
+    finally:
+        server.shutdown()

@@ -14,9 +14,12 @@ from archsearch.search.study import storage_url
 
 
 def _complete(study):
+    """Completed trials with a measurement (loss-infeasible ones complete unmeasured)."""
     from optuna.trial import TrialState
 
-    return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    from archsearch.search.study import was_measured
+
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if was_measured(t)]
 
 
 def _throughput(t) -> float:
@@ -76,16 +79,18 @@ def write_trials_csv(study, path: Path) -> None:
             "trial": t.number, "state": t.state.name,
             **{f"knob_{k}": v for k, v in t.params.items()},
             **{k: spec.get(k) for k in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn")},
-            **{f"realised_{k}": v for k, v in (ua.get("realised") or {}).items()},
+            **{k: v for k, v in ua.items() if k.startswith("realised_")},
+            **{f"realised_{k}": v for k, v in (ua.get("realised") or {}).items()},  # studies before flat attrs
             "predicted_loss": ua.get("predicted_loss"),
             "predicted_loss_lo": (ua.get("predicted_loss_interval") or [None, None])[0],
             "predicted_loss_hi": (ua.get("predicted_loss_interval") or [None, None])[1],
             "feasible": _feasible(t) if t.state.name == "COMPLETE" else ua.get("feasible_loss"),
-            "objective_throughput": t.values[0] if t.values else None,
+            "objective_throughput": t.values[0] if t.values and ua.get("measured") is not False else None,
             **{f"throughput_b{b}": v for b, v in (ua.get("throughput") or {}).items()},
             **{f"ttft_s_b{b}": v for b, v in (ua.get("ttft") or {}).items()},
             "measurement_cached": ua.get("measurement_cached"),
-            "reason": ua.get("failure_reason") or ua.get("pruned_reason") or ua.get("limits_reason"),
+            "reason": ua.get("failure_reason") or ua.get("pruned_reason") or ua.get("infeasible_reason")
+            or ua.get("limits_reason"),
             "retry_of": ua.get("retry_of"),
         })
     cols: list[str] = []

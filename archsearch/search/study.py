@@ -2,9 +2,9 @@
 
 Each trial samples (d/sqrt(N), r, GQA); :func:`archsearch.candidates.build_candidate` expands
 them into a buildable shape at the study's budget; the fitted law predicts its loss (with a
-bootstrap interval); the constraint ``predicted_loss - L_t <= 0`` goes to the sampler through
-Optuna's keyed constraints (``Trial.set_constraint``); the objective is the measured output throughput at the
-reference batch size (or, with ``objective: pareto``, throughput and predicted loss).
+bootstrap interval); the constraint ``predicted_loss - L_t <= 0`` goes to the sampler as a
+trial constraint (a shape that breaks it completes as an infeasible trial, unmeasured); the
+objective is the measured output throughput at the reference batch size (or, with ``objective: pareto``, throughput and predicted loss).
 
 Durability: the study lives in an Optuna storage (SQLite in the study folder by default, any
 SQLAlchemy URL, or a journal file ``*.log`` for several workers on a shared disk). A trial
@@ -96,11 +96,19 @@ def make_storage(url: str):
         failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
 
 
+# The constraints of every trial, in this order (feasible iff every value <= 0).
+CONSTRAINT_KEYS = ("predicted_loss_minus_target", "limits_violated")
+
+
 def _set_constraint(trial, key: str, value: float) -> None:
-    """Feasible iff every value <= 0. Optuna's keyed constraints (read by the samplers) take
-    each key once per trial; the values are mirrored in ``user_attrs['constraints']``."""
-    trial.set_constraint(key, float(value))
-    trial.set_user_attr("constraints", {**trial.user_attrs.get("constraints", {}), key: float(value)})
+    """Record one constraint value, named in ``user_attrs['constraints']``. The samplers and
+    optuna-dashboard read the values from the system attribute ``constraints`` as a list, the
+    form Optuna's own ``constraints_func`` writes (the dashboard does not read the keyed form
+    of ``Trial.set_constraint``), so the list is written here, in CONSTRAINT_KEYS order."""
+    cons = {**trial.user_attrs.get("constraints", {}), key: float(value)}
+    trial.set_user_attr("constraints", cons)
+    trial.storage.set_trial_system_attr(trial._trial_id, "constraints",
+                                        [cons[k] for k in CONSTRAINT_KEYS if k in cons])
 
 
 def make_sampler(cfg: StudyConfig):
@@ -174,11 +182,10 @@ def objective(trial, ctx: SearchContext):
         _set_constraint(trial, "limits_violated", 0.0)
         trial.set_user_attr("pruned_reason", f"unbuildable: {e}")
         raise optuna.TrialPruned(f"unbuildable: {e}") from None
-    d = describe(spec)
     trial.set_user_attr("spec", spec.to_dict())
     trial.set_user_attr("spec_key", spec_key(spec))
-    trial.set_user_attr("realised", {k: d[k] for k in ("n_params_non_embedding", "hidden_over_sqrt_n",
-                                                       "mlp_to_attn_ratio", "gqa")})
+    for k, v in realised_attrs(spec).items():
+        trial.set_user_attr(k, v)
     loss, interval = predict(ctx, spec)
     trial.set_user_attr("predicted_loss", loss)
     trial.set_user_attr("predicted_loss_interval", interval)
@@ -187,10 +194,14 @@ def objective(trial, ctx: SearchContext):
     feasible = violation <= 0
     trial.set_user_attr("feasible_loss", feasible)
     if not feasible and not cfg.optuna.measure_infeasible and cfg.optuna.objective == "throughput":
-        reason = f"predicted loss {loss:.4f} > target {ctx.target_loss:.4f}; not measured"
-        trial.set_user_attr("pruned_reason", reason)
+        # An infeasible trial, as Optuna's samplers and dashboard read one: complete, with its
+        # constraint value > 0. Optuna needs a value; 0 tok/s marks "not measured", and every
+        # reader of measurements skips it (was_measured).
+        trial.set_user_attr("measured", False)
+        trial.set_user_attr("infeasible_reason",
+                            f"predicted loss {loss:.4f} > target {ctx.target_loss:.4f}; not measured")
         _set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
-        raise optuna.TrialPruned(reason)
+        return 0.0
 
     result, cached = ctx.measurer.measure(spec)
     trial.set_user_attr("measurement_key", result.get("measurement_key"))
@@ -206,6 +217,7 @@ def objective(trial, ctx: SearchContext):
         trial.set_user_attr("failure_reason", reason)
         _set_constraint(trial, "limits_violated", 0.0)
         raise MeasurementFailed(reason)
+    trial.set_user_attr("measured", True)
     ok, why = check_result_limits(cfg.limits, result, ctx.ref_batch)
     if not ok:
         trial.set_user_attr("limits_reason", why)
@@ -213,6 +225,29 @@ def objective(trial, ctx: SearchContext):
     if cfg.optuna.objective == "pareto":
         return tput, loss
     return tput
+
+
+# Objective names, as Optuna's dashboard and ``study.trials_dataframe()`` show them.
+METRIC_NAMES = {"throughput": ["output_throughput_tok_per_s"],
+                "pareto": ["output_throughput_tok_per_s", "predicted_loss"]}
+
+
+def realised_attrs(spec: ArchSpec) -> dict[str, Any]:
+    """The shape a trial's knobs realised, as flat user attributes beside the requested knobs."""
+    d = describe(spec)
+    return {"realised_hidden_size": spec.hidden_size, "realised_n_heads": spec.n_heads,
+            "realised_n_kv_heads": spec.n_kv_heads, "realised_ffn": spec.ffn,
+            "realised_n_params_non_embedding": d["n_params_non_embedding"],
+            "realised_hidden_over_sqrt_n": d["hidden_over_sqrt_n"],
+            "realised_mlp_to_attn": d["mlp_to_attn_ratio"], "realised_gqa": d["gqa"]}
+
+
+def was_measured(t) -> bool:
+    """A completed trial whose shape was measured (not one completed as loss-infeasible
+    without a measurement; studies from before that attribute were all measured)."""
+    from optuna.trial import TrialState
+
+    return t.state == TrialState.COMPLETE and t.user_attrs.get("measured", True) is not False
 
 
 def trial_is_feasible(t) -> bool:
@@ -243,6 +278,12 @@ def create_study(ctx: SearchContext, load_only: bool = False):
     with file_lock(ctx.out / ".storage.lock"):
         study = optuna.create_study(study_name=cfg.name, storage=storage, sampler=make_sampler(cfg),
                                     directions=directions, load_if_exists=True)
+        if study.metric_names is None:
+            import warnings
+
+            with warnings.catch_warnings():  # experimental since Optuna 3.2, stable in use
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(METRIC_NAMES[cfg.optuna.objective])
     return study, storage
 
 
@@ -321,7 +362,9 @@ def _progress_callback(n_trials: int):
                  f"ffn={spec.get('ffn')}" if spec else f"knobs {t.params}")
         pl = ua.get("predicted_loss")
         pred = f" pred.loss {pl:.4f}" if pl is not None else ""
-        if t.state == TrialState.COMPLETE:
+        if t.state == TrialState.COMPLETE and not was_measured(t):
+            what = f"infeasible: {ua.get('infeasible_reason')}"
+        elif t.state == TrialState.COMPLETE:
             what = f"{t.values[0]:.1f} tok/s{' (cached)' if ua.get('measurement_cached') else ''}"
             if ua.get("limits_reason"):
                 what += f"; infeasible: {ua['limits_reason']}"
@@ -338,7 +381,8 @@ def distinct_measured(study) -> int:
     proposes an already-measured shape completes with its stored value at no cost)."""
     from optuna.trial import TrialState
 
-    return len({t.user_attrs.get("spec_key") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))})
+    return len({t.user_attrs.get("spec_key") for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if was_measured(t)})
 
 
 class DistinctShapesCallback:
