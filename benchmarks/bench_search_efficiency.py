@@ -201,7 +201,7 @@ def median_count(counts: list[int | None]) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/demo-cpu.yaml")
-    ap.add_argument("--law", default="results/demo-cpu/law.json")
+    ap.add_argument("--law", default="results/examples/demo-cpu/law.json")
     ap.add_argument("--seed-store", default=None,
                     help="measurements to reuse (default: measurements.jsonl next to --law); only "
                          "records whose key these settings reproduce are copied")

@@ -6,7 +6,9 @@ group). On timeout, or once it has finished, that whole group is terminated: the
 own workers go with it, and nothing else of the caller's is touched. Because the child is a
 fresh ``python -m`` process, callers need no ``if __name__ == "__main__"`` guard.
 
-The child rewrites RESULT after every batch size, so a timeout keeps what was measured.
+The child rewrites RESULT after every batch size, so a timeout keeps what was measured, and
+at every long step (engine start, warm-up, repeat k of n) with an ``event`` the parent
+prints as one line on stderr while it waits.
 """
 
 from __future__ import annotations
@@ -63,10 +65,24 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
+def _print_event(job: dict[str, Any], event: str) -> None:
+    a = job.get("arch") or {}
+    shape = f"d={a.get('hidden_size')} L={a.get('n_layers')} heads={a.get('n_heads')}/{a.get('n_kv_heads')}"
+    print(f"[bench] {job.get('settings', {}).get('backend', '')} {shape}: {event}", file=sys.stderr, flush=True)
+
+
+def _event(path: Path) -> str | None:
+    try:
+        return json.loads(path.read_text()).get("event")
+    except (OSError, json.JSONDecodeError):  # not written yet
+        return None
+
+
 def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | None = None,
-                 log_path: str | Path | None = None) -> Outcome:
+                 log_path: str | Path | None = None, on_event=_print_event) -> Outcome:
     """Run ``load_backend(job['backend_class']).run(job)`` in a child; never raises for its
-    failures (a crash, a timeout, an exception all come back as ``Outcome(ok=False)``)."""
+    failures (a crash, a timeout, an exception all come back as ``Outcome(ok=False)``).
+    ``on_event(job, text)`` gets each progress event of the child (None: silent)."""
     with tempfile.TemporaryDirectory(prefix="archsearch-bench-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job, default=str))
@@ -82,12 +98,19 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
                 [sys.executable, "-m", "benchmarks.isolate", str(job_path), str(result_path)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
                 start_new_session=True)
-            timed_out = False
+            timed_out, rc, last = False, None, None
             try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                rc = None
+                while rc is None:  # wait, reporting the child's progress events as they come
+                    try:
+                        rc = proc.wait(timeout=0.5)
+                    except subprocess.TimeoutExpired:
+                        if time.perf_counter() - t0 > timeout_s:
+                            timed_out = True
+                            break
+                    ev = _event(result_path) if on_event else None
+                    if ev and ev != last:
+                        on_event(job, ev)
+                        last = ev
             finally:
                 _kill_group(proc)
                 if proc.poll() is None:
@@ -103,6 +126,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
             except json.JSONDecodeError as e:
                 unreadable = f"the engine process's result file is not valid JSON: {e}"
         status = result.pop("status", None)
+        result.pop("event", None)  # progress only
         if timed_out:
             return Outcome(False, result, f"timeout after {timeout_s:g} s", rc, True, wall, tail)
         if status == "done" and rc == 0:

@@ -84,12 +84,15 @@ def run_batches(generate: Generate, batch_sizes: list[int], settings: dict, voca
     input_len, output_len = settings["input_len"], settings["output_len"]
     prompts = PromptSource(vocab_size, input_len, settings["seed"])
     out: list[dict] = []
+    event = (lambda text: report({"event": text})) if report is not None else (lambda text: None)
     for b in batch_sizes:
         try:
-            for _ in range(settings["warmup"]):
+            for i in range(settings["warmup"]):
+                event(f"batch {b}: warm-up {i + 1} of {settings['warmup']}")
                 generate(prompts.batch(b))
             reps, ttfts, peak = [], [], 0
-            for _ in range(settings["repeats"]):
+            for k in range(settings["repeats"]):
+                event(f"batch {b}: repeat {k + 1} of {settings['repeats']}")
                 first = ttft_probe(prompts.batch(b)) if ttft_probe is not None else None
                 batch = prompts.batch(b)
                 t0 = time.perf_counter()

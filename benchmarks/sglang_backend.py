@@ -88,11 +88,12 @@ class SGLangBackend(Backend):
                   "sampling": {"ignore_eos": True, "max_new_tokens": s["output_len"],
                                "temperature": 1.0, "top_p": 1.0},
                   "peak_memory_method": "torch.cuda.mem_get_info: device memory in use"}
-        report({"engine": engine})
+        report({"engine": engine, "event": "SGLang engine starting"})
         t0 = time.perf_counter()
         llm = sgl.Engine(**kw)
         timing = {"import_s": t_import, "engine_start_s": time.perf_counter() - t0}
-        report({"device": device_name, "dtype": dtype, "timing": timing})
+        report({"device": device_name, "dtype": dtype, "timing": timing,
+                "event": f"SGLang engine started in {timing['engine_start_s']:.0f} s"})
         full = {"max_new_tokens": s["output_len"], "ignore_eos": True, "temperature": 1.0, "top_p": 1.0}
         one = dict(full, max_new_tokens=1)
 

@@ -140,10 +140,11 @@ class VLLMBackend(Backend):
                   "ttft_method": "RequestOutput.metrics.first_token_latency (engine per-request stats)",
                   "sampling": {"ignore_eos": True, "max_tokens": s["output_len"], "temperature": 1.0,
                                "top_p": 1.0, "detokenize": False}}
-        report({"engine": engine})
+        report({"engine": engine, "event": "vLLM engine starting (tens of seconds on a CPU)"})
         t0 = time.perf_counter()
         llm = vllm.LLM(**kw)
         start = time.perf_counter() - t0
+        report({"event": f"vLLM engine started in {start:.0f} s"})
         engine["resolved"] = _resolved(llm)
         timing = {"import_s": t_import, "engine_start_s": start}
         if on_gpu:

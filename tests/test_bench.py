@@ -175,6 +175,11 @@ def test_vllm_gpu_path_with_fake_engine(tmp_path):
     assert b8.e2e_latency_mean == pytest.approx(0.008)
     assert b8.output_throughput > 0 and len(b8.repeats) == 2
     assert reports[-1]["per_batch"] == out["per_batch"], "each batch reported as it finishes"
+    # progress events for the parent to print while it waits: engine start, warm-up, repeat k of n
+    events = [r["event"] for r in reports if "event" in r]
+    assert events[0] == "vLLM engine starting (tens of seconds on a CPU)"
+    assert events[1].startswith("vLLM engine started in ")
+    assert events[2:5] == ["batch 1: warm-up 1 of 1", "batch 1: repeat 1 of 2", "batch 1: repeat 2 of 2"]
 
 
 def test_vllm_batch_failure_is_data_and_next_batch_runs(tmp_path):
@@ -242,13 +247,16 @@ def test_sglang_unavailable_here_says_so():
 
 # -- failures in the isolated child become data ---------------------------------------------
 
-def test_timeout_keeps_finished_batches(monkeypatch):
+def test_timeout_keeps_finished_batches(monkeypatch, capsys):
     monkeypatch.setitem(BACKENDS, "fake-hang", "benchmarks.fakes:HangBackend")
     r = measure(TINY, BenchSettings(backend="fake-hang", batch_sizes=[1, 2], input_len=4,
                                     output_len=2, repeats=1, timeout_s=8))
     assert r.batch(1).ok and r.throughput(1) > 0
     assert not r.batch(2).ok and "timeout after 8 s" in r.batch(2).error
     assert not r.ok and r.timing["runs"][0]["timed_out"]
+    # while it waited, the parent said where the child was, one line per event
+    err = capsys.readouterr().err
+    assert "[bench] fake-hang d=" in err and err.rstrip().endswith(": batch 2: repeat 1 of 1"), err
 
 
 def test_crash_is_recorded(monkeypatch):

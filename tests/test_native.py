@@ -51,3 +51,24 @@ def test_json_stdout_carries_one_document(capfd):
     assert "library chatter" in err and "descriptor 1" in err
     print("back to normal")
     assert capfd.readouterr().out == "back to normal\n"
+
+
+def test_figures_saved_as_png_and_pdf_with_plain_log_ticks(tmp_path):
+    from archsearch.figures import count, log_axis, save, styled
+
+    assert [count(v) for v in (2e5, 1.5e9, 64, 3e6)] == ["200K", "1.5B", "64", "3M"]
+
+    @styled
+    def draw():
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots()
+        ax.plot([0.07, 0.35], [1, 2])
+        log_axis(ax, "x")
+        fig.canvas.draw()
+        labels = [t.get_text() for t in ax.get_xticklabels() if 0.07 <= t.get_position()[0] <= 0.35]
+        return save(fig, tmp_path / "f.png"), labels
+
+    png, labels = draw()
+    assert labels == ["0.1", "0.2", "0.3"]
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.with_suffix(".pdf").read_bytes()[:4] == b"%PDF"

@@ -104,16 +104,27 @@ def test_study_end_to_end_analytic(tmp_path):
     assert all(r["predicted_loss"] for r in rows if r["state"] == "COMPLETE")
 
 
-def test_rerun_resumes_without_new_measurements(tmp_path):
+def test_rerun_resumes_without_new_measurements(tmp_path, capsys):
     from archsearch.search import pipeline
 
     cfg = load(study_config(tmp_path))
     pipeline.run(cfg, cfg.out_dir())
     n_lines = len((cfg.out_dir() / "measurements.jsonl").read_text().splitlines())
+    first = json.loads((cfg.out_dir() / "state.json").read_text())
+    capsys.readouterr()
     s2 = pipeline.run(cfg, cfg.out_dir())
     assert s2["measurements_taken_this_run"] == 0
     assert len((cfg.out_dir() / "measurements.jsonl").read_text().splitlines()) == n_lines
     assert s2["trials"]["distinct_shapes"] == 6
+    # the rerun says what it resumes, adds no time to a stage that did nothing, and relabels
+    # no earlier stage: each stage keeps the provenance of the run that did its work
+    err = capsys.readouterr().err
+    assert f"resuming the study in {cfg.out_dir()}: stages done search, gqa, report" in err
+    state = json.loads((cfg.out_dir() / "state.json").read_text())
+    for stage in ("search", "gqa"):
+        assert state[stage] == first[stage]
+        assert [set(r) >= {"time_utc", "host", "git", "device", "seconds"} for r in state[stage]["runs"]] == [True]
+    assert "| search |" in (cfg.out_dir() / "report.md").read_text()
 
 
 def test_infeasible_trials_complete_unmeasured_and_read_right_in_the_dashboard(tmp_path):

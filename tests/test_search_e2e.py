@@ -57,7 +57,12 @@ def test_tiny_study_end_to_end(tmp_path):
     assert s["chosen"] is not None
     assert s["chosen"]["predicted_loss"] <= s["target_loss"] + 1e-9  # the constraint holds
     assert s["chosen"]["throughput"] > 0
-    assert (out / "chosen" / "config.json").is_file()
+    # chosen/ is a ready model folder: the measured dtype and the study's tokenizer
+    from transformers import AutoTokenizer
+
+    measured_dtypes = {json.loads(ln)["result"]["dtype"] for ln in (out / "measurements.jsonl").open()}
+    assert json.loads((out / "chosen" / "config.json").read_text())["torch_dtype"] in measured_dtypes
+    assert len(AutoTokenizer.from_pretrained(out / "chosen")) == cfg["vocab_size"]
     assert summary["provenance"]["versions"]["torch"]
     # every stage recorded, and a rerun does nothing new
     for stage in ("proxy", "fit", "search", "gqa"):

@@ -1,10 +1,10 @@
-"""Diagnostic PNGs of a fit (matplotlib, Agg backend, imported only here).
+"""Diagnostic figures of a fit, each as PNG and PDF (:mod:`archsearch.figures`).
 
 * ``predicted_vs_actual.png``: fitted and held-out runs marked apart, with the y = x line.
 * ``loss_vs_hidden_over_sqrt_n.png`` / ``loss_vs_r.png``: for a conditional law, the partial
   loss (the run's loss with the other factor and L_opt divided out, or subtracted for the
   additive form) against each variable, with the fitted U-curve; for the other laws, the
-  loss against the variable.
+  loss against the variable; points coloured by model size N, held-out runs as crosses.
 * ``residuals.png``: log residuals against N, hidden/sqrt(N) and r.
 """
 
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from archsearch.figures import count, log_axis, log_ticks, save, styled
 from archsearch.laws import forms
 from archsearch.laws.fit import run_arrays
 
@@ -23,13 +24,12 @@ if TYPE_CHECKING:
     from archsearch.rundata import RunRecord
 
 
+@styled
 def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs: Sequence["RunRecord"],
                 out_dir: str | Path) -> list[Path]:
-    """Write the diagnostic PNGs into ``out_dir``; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    """Write the diagnostic figures into ``out_dir``; returns the PNG paths."""
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,6 +50,8 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
     sets = [(name, arrays(r), c) for name, r, c in (("fit", fit_runs, "C0"), ("held out", holdout_runs, "C3"))]
     sets = [(n, a, c) for n, a, c in sets if a is not None]
     paths = []
+    sizes = np.concatenate([a[0]["N"] for _, a, _ in sets])
+    size_norm = LogNorm(sizes.min(), sizes.max() * (1.0001 if sizes.min() == sizes.max() else 1.0))
 
     fig, ax = plt.subplots(figsize=(5, 5))
     for name, (X, L, P), color in sets:
@@ -60,14 +62,16 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
     ax.set(xlabel="actual loss", ylabel="predicted loss", title=f"{fit.law}: predicted vs actual",
            xlim=lim, ylim=lim)
     ax.legend()
-    paths.append(_save(fig, out / "predicted_vs_actual.png", plt))
+    paths.append(save(fig, out / "predicted_vs_actual.png"))
 
     c = fit.coefficients
     for var, key, fname in (("hidden/sqrt(N)", "x1", "loss_vs_hidden_over_sqrt_n.png"),
                             ("r = mlp/attn", "x2", "loss_vs_r.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for name, (X, L, P), color in sets:
-            ax.scatter(X[key], _partial(fit.law, c, X, L, key), s=14, color=color, label=name, alpha=0.8)
+        for name, (X, L, P), _color in sets:
+            pts = ax.scatter(X[key], _partial(fit.law, c, X, L, key), s=22, c=X["N"], cmap="viridis",
+                             norm=size_norm, marker="o" if name == "fit" else "x", label=name, alpha=0.9)
+        log_ticks(fig.colorbar(pts, ax=ax, label="N (non-embedding parameters)").ax.yaxis, count)
         if fit.law in forms.CONDITIONAL:
             xs = np.geomspace(min(a[0][key].min() for _, a, _ in sets) / 1.3,
                               max(a[0][key].max() for _, a, _ in sets) * 1.3, 200)
@@ -76,20 +80,22 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
                 else "loss - L_opt - other factor"
         else:
             ylabel = "loss"
-        ax.set(xscale="log", xlabel=var, ylabel=ylabel, title=f"{fit.law}: loss vs {var}")
+        log_axis(ax, "x")
+        ax.set(xlabel=var, ylabel=ylabel, title=f"{fit.law}: loss vs {var}")
         ax.legend()
-        paths.append(_save(fig, out / fname, plt))
+        paths.append(save(fig, out / fname))
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
     for ax, (key, label) in zip(axes, (("N", "N (non-embedding)"), ("x1", "hidden/sqrt(N)"), ("x2", "r"))):
         for name, (X, L, P), color in sets:
             ax.scatter(X[key], np.log(P) - np.log(L), s=10, color=color, label=name, alpha=0.8)
         ax.axhline(0.0, color="k", lw=0.8)
-        ax.set(xscale="log", xlabel=label)
+        log_axis(ax, "x", count if key == "N" else None)
+        ax.set(xlabel=label)
     axes[0].set_ylabel("log predicted - log actual")
     axes[0].legend()
     fig.suptitle(f"{fit.law}: residuals")
-    paths.append(_save(fig, out / "residuals.png", plt))
+    paths.append(save(fig, out / "residuals.png"))
     return paths
 
 
@@ -108,9 +114,3 @@ def _curve(law, c, key, x):
         return forms.u_factor(c["a0"], c["a1"], c["a2"], x)
     return forms.u_factor(c.get("b0", 0.0), c["b1"], c["b2"], x)
 
-
-def _save(fig, path: Path, plt) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

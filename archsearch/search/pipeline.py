@@ -31,8 +31,19 @@ def _log(msg: str) -> None:
     print(f"[search] {msg}", file=sys.stderr, flush=True)
 
 
+def stage_provenance() -> dict[str, Any]:
+    """Where and when a stage ran (the full versions are in config.json's summary and in each
+    measurement's own record)."""
+    from archsearch.provenance import provenance
+
+    p = provenance()
+    return {"time_utc": p["time_utc"], "host": p["host"], "git": p["git"],
+            "device": (p.get("device") or {}).get("name"), "command": p["command"]}
+
+
 class StudyState:
-    """``state.json``: which stages are done, when, and how long they took."""
+    """``state.json``: which stages are done, and for each run of a stage that did work, its
+    seconds and where and when it ran (a resumed study adds a run; it never relabels one)."""
 
     def __init__(self, out: Path):
         self.path = out / "state.json"
@@ -44,9 +55,14 @@ class StudyState:
     def done(self, stage: str) -> bool:
         return self.data.get(stage, {}).get("status") == "done"
 
-    def mark(self, stage: str, seconds: float, **info: Any) -> None:
+    def mark(self, stage: str, seconds: float, extend: bool = False, **info: Any) -> None:
+        """Mark ``stage`` done after a run that took ``seconds``; ``extend``: this run added to
+        the stage's earlier runs (a resumed search) instead of replacing them."""
         self.reload()
-        self.data[stage] = {"status": "done", "seconds": round(seconds, 2), **info}
+        run = {"seconds": round(seconds, 2), **stage_provenance()}
+        runs = (self.data.get(stage, {}).get("runs", []) if extend else []) + [run]
+        self.data[stage] = {"status": "done", "seconds": round(sum(r["seconds"] for r in runs), 2),
+                            "runs": runs, **info}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2, default=str))
         tmp.replace(self.path)
@@ -268,8 +284,15 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 
     validate(cfg)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     state = StudyState(out)
+    done = [st for st in STAGES if state.done(st)]
+    if done:
+        first = (state.data[done[0]].get("runs") or [{}])[0]
+        _log(f"resuming the study in {out}: stages done {', '.join(done)}"
+             + (f" (first run {first['time_utc']} on {first['host']})" if first else "")
+             + "; earlier stages and measurements keep their own provenance. For a fresh study, "
+               "give another folder: --out DIR")
+    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     lock = out / ".stage.lock"
     want = lambda st: (only is None or st in only) and st not in skip  # noqa: E731
 
@@ -297,7 +320,12 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
         if recovered:
             _log(f"recovered trials {recovered} left running by a dead process")
         _wait_for_running(study)
-        state.mark("search", time.time() - t + state.data.get("search", {}).get("seconds", 0.0))
+        new = sum(1 for tr in study.get_trials(deepcopy=False)
+                  if tr.datetime_start and tr.datetime_start.timestamp() >= t)
+        if new or not state.done("search"):  # a no-op rerun adds no time and no run
+            state.mark("search", time.time() - t, extend=True)
+        else:
+            _log("search: the study has its trials already; nothing measured")
     with file_lock(lock):
         state.reload()
         from archsearch.search.report import chosen_from_study, write_report
@@ -319,21 +347,48 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
         base = baseline_spec(cfg)
         base_result, _ = measurer.measure(base)
         if chosen is not None:
-            write_hf_config(ArchSpec.from_dict(chosen["spec"]), out / "chosen")
+            write_chosen(ctx, out, chosen)
         if want("train") and (cfg.final_train.enabled or cfg.mode == "predict-rank-select") \
                 and chosen is not None and not state.done("train"):
             t = time.time()
             _stage_train(cfg, out, ctx, study, chosen)
             state.mark("train", time.time() - t)
             chosen = _choose(out, best)
-            write_hf_config(ArchSpec.from_dict(chosen["spec"]), out / "chosen")
+            write_chosen(ctx, out, chosen)
         if want("eval") and cfg.evaluation.enabled and not state.done("eval"):
             t = time.time()
             _stage_eval(cfg, out)
             state.mark("eval", time.time() - t)
+        _log("writing the report, trials.csv and plots")
+        t = time.time()
         summary = write_report(ctx, study, chosen, base, base_result, state)
-        state.mark("report", 0.0)
+        state.mark("report", time.time() - t)
     return summary
+
+
+def write_chosen(ctx, out: Path, chosen: dict[str, Any]) -> Path:
+    """``chosen/``, a folder vLLM and transformers load without extra flags: the config in the
+    dtype the study measured it in, and the study's tokenizer when it trained with one."""
+    spec = ArchSpec.from_dict(chosen["spec"])
+    stored = ctx.measurer.store.get(ctx.measurer.key(spec)) or {}
+    dtype = stored.get("dtype") or (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
+    folder = out / "chosen"
+    write_hf_config(spec, folder, dtype=dtype)
+    tok = study_tokenizer(out)
+    if tok is not None and not (folder / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(tok)).save_pretrained(str(folder))
+    return folder
+
+
+def study_tokenizer(out: Path) -> Path | None:
+    """A model folder of this study with a saved tokenizer (final model, else a proxy run)."""
+    for pattern in ("final/model", "final/candidate-*/model", "proxies/*/runs/*/model"):
+        for folder in sorted(out.glob(pattern)):
+            if (folder / "tokenizer.json").is_file():
+                return folder
+    return None
 
 
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:

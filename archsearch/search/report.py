@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
+from archsearch.figures import log_axis, save, styled
 from archsearch.provenance import provenance
 from archsearch.search.measure import batch_entry, throughput_at
 from archsearch.search.study import storage_url
@@ -102,10 +103,8 @@ def write_trials_csv(study, path: Path) -> None:
         w.writerows(rows)
 
 
+@styled
 def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
@@ -137,20 +136,22 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "pareto.png")
     made.append("plots/pareto.png")
     # 2. U-curves of the law at the target budget
-    made += _ucurves(ctx, out, plt)
+    marks = [("baseline", base_point["architecture"], "tab:orange")]
+    if chosen:
+        marks.append(("chosen", describe(ArchSpec.from_dict(chosen["spec"])), "tab:green"))
+    made += _ucurves(ctx, out, plt, marks)
     return made
 
 
-def _ucurves(ctx, out: Path, plt) -> list[str]:
+def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) -> list[str]:
     """The law's two factors at the target (N, D) over the search box: predicted loss against
     d/sqrt(N) at the box's best r, and against r at the box's best d/sqrt(N), with the bootstrap
-    band where the law has one, the target loss, and the baseline and chosen shapes."""
+    band where the law has one, the target loss, and where the baseline and chosen shapes
+    (``marks``: label, ``describe`` dict, colour) sit on each axis."""
     import numpy as np
-    from matplotlib.ticker import ScalarFormatter
 
     cfg = ctx.cfg
     s = cfg.search_space
@@ -177,18 +178,15 @@ def _ucurves(ctx, out: Path, plt) -> list[str]:
             lo, hi = np.quantile(boot, [0.05, 0.95], axis=0)
             ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, label="90% bootstrap band")
         ax.axhline(ctx.target_loss, ls="--", c="tab:red", label="target loss")
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(ScalarFormatter())
-        ax.tick_params(axis="x", which="minor", labelsize=7)
+        for label, arch, color in marks:
+            ax.axvline(arch[key], ls=":", c=color, label=f"{label} ({arch[key]:.3g})")
+        log_axis(ax, "x")
         other = f"r = {fixed:.2f}" if key == "hidden_over_sqrt_n" else f"d/sqrt(N) = {fixed:.3f}"
         ax.set_xlabel(f"{name}  (at {other})")
         ax.set_ylabel("predicted loss")
-        ax.legend(fontsize=8)
+        ax.legend()
     fig.suptitle(f"law factors at N={cfg.params:.3g}, D={cfg.tokens:.3g} over the search box")
-    fig.tight_layout()
-    fig.savefig(out / "ucurves.png", dpi=120)
-    plt.close(fig)
+    save(fig, out / "ucurves.png")
     return ["plots/ucurves.png"]
 
 
@@ -313,7 +311,14 @@ def render_markdown(s: dict[str, Any]) -> str:
               "", "## Plots", ""] + [f"![{p}]({p})" for p in s.get("plots", [])]
     pv = s["provenance"]
     lines += ["", "## Provenance", "",
-              f"{pv['time_utc']} on {pv['host']} ({(pv.get('device') or {}).get('name')}), git {pv['git']}; "
-              + ", ".join(f"{k} {v}" for k, v in pv["versions"].items() if v), "",
-              "Stage times (s): " + ", ".join(f"{k} {v.get('seconds')}" for k, v in s["stages"].items()), ""]
+              f"This report: {pv['time_utc']} on {pv['host']} ({(pv.get('device') or {}).get('name')}), "
+              f"git {pv['git']}; " + ", ".join(f"{k} {v}" for k, v in pv["versions"].items() if v) + ".",
+              "Each stage's runs below, and each measurement in `measurements.jsonl`, carry where and "
+              "when they were made.", "", "| stage | seconds | runs (UTC time, host, device, git) |",
+              "|---|---|---|"]
+    for name, st in s["stages"].items():
+        runs = "; ".join(f"{r.get('time_utc')} {r.get('host')} {r.get('device')} {r.get('git')} ({r.get('seconds')} s)"
+                         for r in st.get("runs") or []) or "not recorded (a study from before per-stage provenance)"
+        lines.append(f"| {name} | {st.get('seconds')} | {runs} |")
+    lines.append("")
     return "\n".join(lines) + "\n"

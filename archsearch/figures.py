@@ -1,0 +1,68 @@
+"""One look for every figure archsearch writes: a shared style, readable log ticks, and a save
+helper that writes each figure as PNG (for reports) and PDF (for papers). matplotlib is
+imported only when a figure is drawn."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Applied only while archsearch draws (rc_context), so a caller's own settings are untouched.
+STYLE = {
+    "font.family": "DejaVu Sans", "font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10,
+    "xtick.labelsize": 9, "ytick.labelsize": 9, "legend.fontsize": 8, "figure.titlesize": 12,
+    "axes.grid": True, "grid.alpha": 0.25, "savefig.bbox": "tight", "pdf.fonttype": 42,
+}
+
+
+def styled(fn: F) -> F:
+    """Run a drawing function with the Agg backend and :data:`STYLE`."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        with matplotlib.rc_context(STYLE):
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]
+
+
+def count(v: float) -> str:
+    """200000 -> '200K', 1.5e9 -> '1.5B': sizes and token counts on axes."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(v) >= div:
+            return f"{v / div:g}{suffix}"
+    return f"{v:g}"
+
+
+def log_ticks(axis, fmt: Callable[[float], str] | None = None) -> None:
+    """Label a log-scaled ``axis`` (``ax.xaxis``, a colorbar's ``ax.yaxis``) at 1, 2, 3, 5 x 10^k
+    in plain numbers (0.2, 0.3, 1, 2 or 200K), not 2x10^-1; unlabelled minor ticks."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    fmt = fmt or (lambda v: f"{v:g}")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 3.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: fmt(v)))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def log_axis(ax, axis: str = "x", fmt: Callable[[float], str] | None = None) -> None:
+    """Put ``ax``'s ``axis`` on a log scale with :func:`log_ticks`."""
+    getattr(ax, f"set_{axis}scale")("log")
+    log_ticks(getattr(ax, f"{axis}axis"), fmt)
+
+
+def save(fig, png: str | Path, dpi: int = 150) -> Path:
+    """Write ``fig`` as ``png`` and as the same name with ``.pdf``; close it; return the PNG path."""
+    import matplotlib.pyplot as plt
+
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=dpi)
+    fig.savefig(png.with_suffix(".pdf"))
+    plt.close(fig)
+    return png
