@@ -127,6 +127,7 @@ def test_rerun_resumes_without_new_measurements(tmp_path, capsys):
     assert "| search |" in (cfg.out_dir() / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_infeasible_trials_complete_unmeasured_and_read_right_in_the_dashboard(tmp_path):
     import optuna
     from optuna.trial import TrialState
@@ -136,10 +137,19 @@ def test_infeasible_trials_complete_unmeasured_and_read_right_in_the_dashboard(t
 
     # the law's optimum here predicts ~11.49 (Chinchilla reference ~11.44 times factors >= 1): a
     # target just above it leaves most of the box infeasible
-    cfg = load(study_config(tmp_path, target={"loss": 11.5}))
+    pytest.importorskip("tensorboard")
+    cfg = load(study_config(tmp_path, target={"loss": 11.5}, optuna={"log_with": "tensorboard"}))
     pipeline.run(cfg, cfg.out_dir(), only={"search"})
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{cfg.out_dir() / 'optuna.db'}")
     target = study.user_attrs["target_loss"]
+    # each trial reported to TensorBoard through accelerate's tracker (optuna.log_with)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(cfg.out_dir() / "tracking" / "study-t"))
+    acc.Reload()
+    assert len(acc.Scalars("predicted_loss")) == len(study.trials)
+    assert {"output_throughput_tok_per_s", "feasible", "constraint/predicted_loss_minus_target"} \
+        <= set(acc.Tags()["scalars"])
     assert study.metric_names == ["output_throughput_tok_per_s"]
     refused = [t for t in study.get_trials() if t.user_attrs.get("measured") is False]
     assert refused, "the space has infeasible shapes: some trials must have been refused for them"

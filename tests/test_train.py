@@ -52,6 +52,8 @@ def test_presets_fill_unset_fields_and_keep_explicit_ones():
     ({"hparams": "7b"}, "train.hparams"),
     ({"dtype": "fp8"}, "train.dtype"),
     ({"betas": (0.9, 1.5)}, "train.betas"),
+    ({"log_with": "neptune"}, "train.log_with"),
+    ({"log_with": ["tensorboard", "comet"]}, "train.log_with[1]"),
 ])
 def test_bad_train_config_names_the_field(kw, field):
     with pytest.raises(ArchsearchError) as e:
@@ -235,6 +237,27 @@ def test_divergence_stops_the_run_as_failed(tmp_path):
     assert "non-finite" in rec["reason"] or "diverged" in rec["reason"]
     assert rec["tokens_trained"] < rec["tokens"]
     assert not (tmp_path / "div" / "model").exists()
+
+
+@pytest.mark.slow
+def test_log_with_tensorboard_through_accelerate(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainers import train
+
+    tc = TrainConfig(tokens=10 * 16 * 64, global_batch_size=16, lr=3e-3, eval_batches=2, log_interval=5,
+                     log_with="tensorboard")
+    rec = train(SPEC, tc, DATA, tmp_path / "tb", progress=False)
+    assert rec["status"] == "ok" and tc.log_with == ["tensorboard"]
+    events = list((tmp_path / "tb" / "tracking").rglob("events.out.tfevents.*"))
+    assert events, "accelerate's TensorBoard tracker wrote nothing"
+    scalars = set()
+    for ev in events:
+        acc = EventAccumulator(str(ev.parent))
+        acc.Reload()
+        scalars |= set(acc.Tags()["scalars"])
+    assert {"loss", "smoothed_loss", "eval_loss", "lr"} <= scalars, scalars
 
 
 # -- sweep --------------------------------------------------------------------------------------

@@ -118,6 +118,26 @@ class DataConfig:
         return list(self.source) if isinstance(self.source, list) else [self.source]
 
 
+# accelerate's trackers that train.log_with takes: name -> (import name, how to get it).
+TRACKERS = {
+    "tensorboard": ("tensorboard", "pip install tensorboard (local files; view with tensorboard --logdir OUT/tracking)"),
+    "wandb": ("wandb", "pip install wandb, then wandb login (or WANDB_MODE=offline for local files)"),
+    "mlflow": ("mlflow", "pip install mlflow (logs to ./mlruns unless MLFLOW_TRACKING_URI is set)"),
+}
+
+
+def check_trackers(names: list[str], field: str = "train.log_with") -> None:
+    """Fail before any work when a requested tracker's package is missing."""
+    import importlib.util
+
+    from archsearch.errors import MissingDependencyError
+
+    for name in names:
+        module, how = TRACKERS[name]
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependencyError(field, f"the {name} tracker needs the {module!r} package", how)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run's optimisation settings.
@@ -159,6 +179,9 @@ class TrainConfig:
     cpu_threads: int | None = None
     divergence_factor: float = 3.0
     smoothing: float = 0.95  # EMA factor of the smoothed train loss (bias-corrected)
+    # Run tracking through accelerate's trackers, besides metrics.jsonl (always written, local,
+    # no account): "tensorboard" (local files under OUT/tracking), "wandb", "mlflow", or a list.
+    log_with: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -212,6 +235,12 @@ class TrainConfig:
             raise ArchsearchError("train.divergence_factor", f"must be > 1, got {self.divergence_factor}")
         if not 0 <= self.smoothing < 1:
             raise ArchsearchError("train.smoothing", f"must be in [0, 1), got {self.smoothing}")
+        trackers = [self.log_with] if isinstance(self.log_with, str) else list(self.log_with or [])
+        for i, t in enumerate(trackers):
+            if t not in TRACKERS:
+                raise ArchsearchError(f"train.log_with[{i}]" if isinstance(self.log_with, list) else "train.log_with",
+                                      f"{t!r} is not a supported tracker", f"use one of {sorted(TRACKERS)}")
+        set_("log_with", trackers)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -37,7 +37,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params, training_flops
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
-from trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig
+from trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -333,8 +333,10 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     wall0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     precision = _resolve_precision(train_cfg, cuda)
+    check_trackers(train_cfg.log_with)
     accelerator = Accelerator(mixed_precision="bf16" if precision == "bfloat16" else "no",
-                              cpu=not cuda)
+                              cpu=not cuda, log_with=train_cfg.log_with or None,
+                              project_dir=str(out_dir / "tracking") if train_cfg.log_with else None)
     n_proc = accelerator.num_processes
     threads = None
     if not cuda:
@@ -397,10 +399,19 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         _write_json(out_dir / RUN_FILE, record)
     metrics = (out_dir / "metrics.jsonl").open("a") if accelerator.is_main_process else None
 
+    if train_cfg.log_with:  # the run's knobs next to its curves in TensorBoard / W&B / MLflow
+        accelerator.init_trackers(out_dir.name, config={
+            "n_params_non_embedding": record.get("n_params_non_embedding"), "tokens": record.get("tokens"),
+            "lr": train_cfg.lr, "global_batch_size": gbs, "seq_len": seq_len, "seed": train_cfg.seed,
+            "hidden_size": spec.hidden_size, "n_layers": spec.n_layers, "n_heads": spec.n_heads,
+            "n_kv_heads": spec.n_kv_heads, "ffn": spec.ffn})
+
     def log(obj: dict) -> None:
         if metrics:
             metrics.write(json.dumps(obj) + "\n")
             metrics.flush()
+        if train_cfg.log_with:
+            accelerator.log({k: v for k, v in obj.items() if k != "step"}, step=obj["step"])
 
     from tqdm.auto import tqdm
 
@@ -495,6 +506,8 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     record["wall_time_s"] = base_wall + time.perf_counter() - wall0
     if metrics:
         metrics.close()
+    if train_cfg.log_with:
+        accelerator.end_training()
     if accelerator.is_main_process:
         _write_json(out_dir / RUN_FILE, record)
     accelerator.wait_for_everyone()

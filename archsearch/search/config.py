@@ -185,8 +185,18 @@ class OptunaConfig:
     # the feasible shapes a roofline ranks fastest); 0: the sampler starts on its own
     enqueue_solution: int = 3
     measure_infeasible: bool = False  # measure candidates that break the loss constraint too
+    # report each trial to accelerate's trackers, as train.log_with: tensorboard, wandb, mlflow
+    log_with: str | list[str] | None = None
 
     def __post_init__(self) -> None:
+        from trainers.config import TRACKERS
+
+        trackers = [self.log_with] if isinstance(self.log_with, str) else list(self.log_with or [])
+        for t in trackers:
+            if t not in TRACKERS:
+                raise ArchsearchError("optuna.log_with", f"{t!r} is not a supported tracker",
+                                      f"use one of {sorted(TRACKERS)}")
+        object.__setattr__(self, "log_with", trackers)
         if self.sampler not in SAMPLERS:
             raise ArchsearchError("optuna.sampler", f"unknown sampler {self.sampler!r}", f"use one of {list(SAMPLERS)}")
         if self.objective not in ("throughput", "pareto"):

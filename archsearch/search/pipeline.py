@@ -116,7 +116,10 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
     baseline_spec(cfg)
     if not for_plan:
+        from trainers.config import check_trackers
+
         resolve_backend(cfg.measure)
+        check_trackers(cfg.optuna.log_with, "optuna.log_with")
     if cfg.law.file:
         from archsearch.laws import load_law
 

@@ -376,6 +376,39 @@ def _progress_callback(n_trials: int):
     return cb
 
 
+class TrackerCallback:
+    """Reports each finished trial to accelerate's trackers (the ones ``train.log_with``
+    takes): measured throughput, predicted loss, feasibility and constraint values, at step =
+    trial number, under ``logging_dir/run_name`` for the trackers that write local files."""
+
+    def __init__(self, names: list[str], logging_dir: Path, run_name: str):
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        from trainers.config import check_trackers
+
+        check_trackers(names, "optuna.log_with")
+        self.trackers = []
+        for name in names:
+            cls = LOGGER_TYPE_TO_CLASS[name]
+            tracker = cls(run_name, logging_dir=str(logging_dir)) if cls.requires_logging_directory else cls(run_name)
+            tracker.start()
+            self.trackers.append(tracker)
+
+    def __call__(self, study, t) -> None:
+        ua = t.user_attrs
+        values = {"predicted_loss": ua.get("predicted_loss"), "feasible": float(trial_is_feasible(t)),
+                  **{f"constraint/{k}": v for k, v in (ua.get("constraints") or {}).items()}}
+        if was_measured(t) and t.values:
+            values["output_throughput_tok_per_s"] = t.values[0]
+        values = {k: v for k, v in values.items() if v is not None}
+        for tracker in self.trackers:
+            tracker.log(values, step=t.number)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+
+
 def distinct_measured(study) -> int:
     """Distinct shapes among completed trials: the study's budget counts these (a trial that
     proposes an already-measured shape completes with its stored value at no cost)."""
@@ -417,9 +450,16 @@ def run_study(ctx: SearchContext, progress: bool = True):
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
     left = max_trials - len(study.get_trials(deepcopy=False))
     if distinct_measured(study) < cfg.optuna.n_trials and left > 0:
-        study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                       callbacks=[DistinctShapesCallback(cfg.optuna.n_trials)]
-                       + ([_progress_callback(cfg.optuna.n_trials)] if progress else []),
-                       catch=(MeasurementFailed,), gc_after_trial=False,
-                       show_progress_bar=False)
+        tracking = TrackerCallback(cfg.optuna.log_with, ctx.out / "tracking", f"study-{cfg.name}") \
+            if cfg.optuna.log_with else None
+        try:
+            study.optimize(lambda t: objective(t, ctx), n_trials=left,
+                           callbacks=[DistinctShapesCallback(cfg.optuna.n_trials)]
+                           + ([_progress_callback(cfg.optuna.n_trials)] if progress else [])
+                           + ([tracking] if tracking else []),
+                           catch=(MeasurementFailed,), gc_after_trial=False,
+                           show_progress_bar=False)
+        finally:
+            if tracking:
+                tracking.close()
     return study, recovered
