@@ -321,8 +321,9 @@ def test_cli_fit_solve_round_trip(tmp_path, capsys, mult_runs):
                  "--starts", "4", "--out", str(law), "--plots", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
     assert "coefficients" in out and "metrics (holdout)" in out
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
-        "loss_vs_hidden_over_sqrt_n.png", "loss_vs_r.png", "predicted_vs_actual.png", "residuals.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(  # each as PNG and PDF
+        f"{f}.{ext}" for f in ("loss_vs_hidden_over_sqrt_n", "loss_vs_r", "predicted_vs_actual", "residuals")
+        for ext in ("png", "pdf"))
     assert main(["solve", "--law", str(law), "--params", "1e9", "--tokens", "2e10", "--layers", "16",
                  "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -72,3 +72,24 @@ def test_figures_saved_as_png_and_pdf_with_plain_log_ticks(tmp_path):
     png, labels = draw()
     assert labels == ["0.1", "0.2", "0.3"]
     assert png.read_bytes()[:4] == b"\x89PNG" and png.with_suffix(".pdf").read_bytes()[:4] == b"%PDF"
+
+
+def test_solve_messages_never_contradict_the_result(tmp_path):
+    from archsearch.candidates import BuildSettings
+    from archsearch.laws import load_law, solve
+
+    law = tmp_path / "law.json"
+    law.write_text(json.dumps({"law": "conditional-multiplicative", "coefficients": {
+        "a0": 1.0651, "a1": 0.05, "a2": 0.005, "b0": 0.9153, "b1": 0.05, "b2": 0.1},
+        "reference": {"law": "chinchilla", "coefficients": {"E": 1.8, "A": 400.0, "alpha": 0.34,
+                                                             "B": 400.0, "beta": 0.28}}}))
+    fit = load_law(law)
+    # nothing builds at this budget with heads of 64: no architecture, and the notes say so
+    res = solve(fit, 2e4, 3e5, 2, None, head_dim=64)
+    assert res.architecture is None
+    assert not any("architecture is the" in n for n in res.notes)
+    assert any(n.startswith("no architecture: none of the") for n in res.notes), res.notes
+    # with heads of 32 and finer multiples it builds, and the note names where it came from
+    res = solve(fit, 2e5, 3e5, 2, None, head_dim=32,
+                build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15))
+    assert res.architecture is not None and res.architecture.predicted_loss > 0

@@ -167,12 +167,17 @@ class SolveResult:
 
 
 def default_grid(fit: "FitResult", opt: Optimum | None, n: int = 21) -> tuple[np.ndarray, np.ndarray]:
-    """x1 from x1*/3 to 3 x1* (or the fitted range, or 0.02..0.2); r over the fit's r range."""
+    """x1 from x1*/3 to 3 x1*, widened to cover the fitted range (an optimum extrapolated far
+    outside the data may not build, while the data's shapes do), or the fitted range, or
+    0.02..0.2; r over the fit's r range."""
+    data = fit.data_ranges.get("hidden_over_sqrt_n")
     if opt is not None:
-        x1 = np.geomspace(opt.hidden_over_sqrt_n / 3.0, opt.hidden_over_sqrt_n * 3.0, n)
-    elif "hidden_over_sqrt_n" in fit.data_ranges:
-        lo, hi = fit.data_ranges["hidden_over_sqrt_n"]
-        x1 = np.geomspace(lo / 1.5, hi * 1.5, n)
+        lo, hi = opt.hidden_over_sqrt_n / 3.0, opt.hidden_over_sqrt_n * 3.0
+        if data:
+            lo, hi = min(lo, data[0] / 1.5), max(hi, data[1] * 1.5)
+        x1 = np.geomspace(lo, hi, n)
+    elif data:
+        x1 = np.geomspace(data[0] / 1.5, data[1] * 1.5, n)
     else:
         x1 = np.geomspace(0.02, 0.2, n)
     rr = fit.options.get("r_range") or [0.5, 5.0]
@@ -246,15 +251,24 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
             arch = SolvePoint(opt.hidden_over_sqrt_n, opt.mlp_to_attn_ratio, cand.spec, loss,
                               None if tp is None else float(tp))
         except ArchsearchError as e:
-            notes.append(f"the optimum itself does not build ({e}); architecture is the lowest-loss "
-                         "buildable grid point")
+            notes.append(f"the optimum itself does not build ({e})")
     if arch is None and points and can_predict:
         arch = min(points, key=lambda p: p.predicted_loss)
-        if opt is None:
-            notes.append("architecture is the lowest-loss buildable grid point (no closed-form optimum)")
-            if arch.hidden_over_sqrt_n in (min(x1s), max(x1s)) or arch.mlp_to_attn_ratio in (min(x2s), max(x2s)):
-                notes.append("that point is on the edge of the scanned grid: the law's loss keeps "
-                             "falling beyond it, so widen the grid or read it as a bound")
+        notes.append("architecture is the lowest-loss buildable grid point"
+                     + (" (no closed-form optimum)" if opt is None else ""))
+        if opt is None and (arch.hidden_over_sqrt_n in (min(x1s), max(x1s))
+                            or arch.mlp_to_attn_ratio in (min(x2s), max(x2s))):
+            notes.append("that point is on the edge of the scanned grid: the law's loss keeps "
+                         "falling beyond it, so widen the grid or read it as a bound")
+    elif arch is None and not points:
+        # say so, rather than leave every field null under a note that promises an architecture
+        notes.append(f"no architecture: none of the {unbuildable} scanned grid points builds at "
+                     f"N={params:.3g} with {n_layers} layers, heads of {head_dim} and widths in "
+                     f"multiples of {build.hidden_multiple} (lower head_dim / hidden_multiple / "
+                     "ffn_multiple, or raise the tolerance)")
+    elif arch is None:
+        notes.append("no architecture: without a reference L_opt the law cannot rank shapes by loss "
+                     "(add a reference, e.g. --reference-law)")
 
     if target_loss is None:
         feasible = list(points)
