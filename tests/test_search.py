@@ -47,7 +47,7 @@ def study_config(tmp_path: Path, **over) -> dict:
         "target": {"slack": 0.0},
         "law": {"file": str(law)},
         "search_space": {"hidden_over_sqrt_n": [0.08, 0.3], "mlp_to_attn": [0.7, 5.0], "gqa": [1, 2, 4],
-                         "head_dim": 32, "hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05},
+                         "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05, "on_r_drift": "flag"}},
         "measure": {"backend": "analytic", "device_spec": "H100", "batch_sizes": [8], "input_len": 64,
                     "output_len": 16, "repeats": 1, "warmup": 0},
         "optuna": {"n_trials": 6, "seed": 1, "enqueue_solution": 2},

@@ -242,11 +242,11 @@ def test_divergence_stops_the_run_as_failed(tmp_path):
 def test_sweep_skips_done_runs_and_records_failures(tmp_path):
     from archsearch.rundata import read_runs
     from trainers import run_sweep
-    from trainers.config import SweepBuild
+    from archsearch.candidates import BuildSettings
 
     cfg = SweepConfig(
         name="t", params=[6e4], n_layers=2, hidden_over_sqrt_n=[0.25, 0.6], mlp_to_attn=[1.0],
-        gqa=2, head_dim=32, build=SweepBuild(hidden_multiple=32, ffn_multiple=32, tolerance=0.1),
+        gqa=2, head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.1, on_r_drift="flag"),
         train=TrainConfig(tokens=30 * 8 * 64, global_batch_size=8, lr=3e-3, eval_batches=2),
         data=DATA)
     rows = run_sweep(cfg, tmp_path, progress=False)

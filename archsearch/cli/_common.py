@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from archsearch.arch import FAMILIES
+
 
 def parse_number(text: str) -> float:
     """'1e9', '1B', '150M', '300k' -> float (an argparse ``type``)."""
@@ -43,7 +45,31 @@ def add_arch_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     g.add_argument("--ffn", type=int, help="SwiGLU intermediate size")
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--tie-embeddings", action="store_true", default=None)
-    g.add_argument("--family", choices=["llama", "qwen2", "qwen3", "olmo2"], default=None)
+    g.add_argument("--family", choices=sorted(FAMILIES), default=None)
+
+
+def add_build_args(p: argparse.ArgumentParser) -> None:
+    """Flags of :class:`archsearch.candidates.BuildSettings` (defaults from the dataclass)."""
+    from archsearch.candidates import BuildSettings
+
+    d = BuildSettings()
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--hidden-multiple", type=int, default=d.hidden_multiple)
+    p.add_argument("--ffn-multiple", type=int, default=d.ffn_multiple)
+    p.add_argument("--tolerance", type=float, default=d.tolerance,
+                   help=f"max relative distance of the realised N from the budget (default {d.tolerance})")
+    p.add_argument("--r-tolerance", type=float, default=d.r_tolerance,
+                   help=f"max relative drift of the realised r from the requested one (default {d.r_tolerance})")
+    p.add_argument("--on-r-drift", choices=["refuse", "flag"], default=d.on_r_drift,
+                   help="beyond --r-tolerance: refuse the shape, or build it with a warning")
+
+
+def build_settings_from_args(args: argparse.Namespace, **kw: Any):
+    from archsearch.candidates import BuildSettings
+
+    return BuildSettings(hidden_multiple=args.hidden_multiple, ffn_multiple=args.ffn_multiple,
+                         tolerance=args.tolerance, r_tolerance=args.r_tolerance,
+                         on_r_drift=args.on_r_drift, vocab_size=args.vocab_size, **kw)
 
 
 def arch_from_args(args: argparse.Namespace):

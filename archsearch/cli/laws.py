@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import parse_number, print_json, print_table
+from archsearch.cli._common import (add_build_args, build_settings_from_args, parse_number, print_json,
+                                    print_table)
 
 LAWS = ("chinchilla", "aspect-ratio", "conditional-multiplicative", "conditional-additive")
 
@@ -78,10 +79,7 @@ def register(sub) -> None:
                         "n_kv_heads, head_dim, ffn, throughput): ranks the feasible candidates")
     p.add_argument("--gqa", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--hidden-multiple", type=int, default=64)
-    p.add_argument("--ffn-multiple", type=int, default=64)
-    p.add_argument("--tolerance", type=float, default=0.02, help="budget tolerance of the built spec")
+    add_build_args(p)
     p.add_argument("--level", type=float, default=0.9, help="interval level (default 0.9)")
     p.add_argument("--all-points", action="store_true", help="include every scanned candidate (JSON)")
     p.add_argument("--json", action="store_true")
@@ -181,7 +179,6 @@ def _read_throughputs(path: str):
 
 def _solve(args: argparse.Namespace) -> int:
     from archsearch.arch import describe
-    from archsearch.candidates import BuildSettings
     from archsearch.laws import load_law, solve
 
     fit = load_law(args.law)
@@ -192,8 +189,7 @@ def _solve(args: argparse.Namespace) -> int:
         table = _read_throughputs(args.throughput)
         tp_fn = lambda s: table.get((s.n_layers, s.hidden_size, s.n_heads, s.n_kv_heads,  # noqa: E731
                                      s.head_dim, s.ffn))
-    build = BuildSettings(hidden_multiple=args.hidden_multiple, ffn_multiple=args.ffn_multiple,
-                          tolerance=args.tolerance, vocab_size=args.vocab_size)
+    build = build_settings_from_args(args)
     res = solve(fit, args.params, args.tokens, args.layers, args.target_loss, tp_fn, gqa=args.gqa,
                 head_dim=args.head_dim, build=build)
     arch = res.architecture

@@ -356,7 +356,12 @@ def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float]) -> forms.
 
 def run_arrays(runs: Sequence["RunRecord"]) -> tuple[forms.Data, np.ndarray]:
     """(inputs, losses) of runs; N, r and hidden/sqrt(N) are derived from the architecture."""
-    X = _spec_arrays([r.spec for r in runs], [r.tokens for r in runs])
+    if all(r.has_arch for r in runs):
+        X = _spec_arrays([r.spec for r in runs], [r.tokens for r in runs])
+    else:  # N-only rows (Chinchilla): the shape variables are unknown
+        nan = np.full(len(runs), np.nan)
+        X = {"N": np.array([r.n_params for r in runs], dtype=float),
+             "D": np.array([r.tokens for r in runs], dtype=float), "x1": nan, "x2": nan.copy(), "R": nan.copy()}
     return X, np.array([r.loss for r in runs], dtype=float)
 
 
@@ -624,6 +629,13 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
+    shapeless = [r for r in ok if not r.has_arch]
+    if shapeless and law != "chinchilla":
+        r = shapeless[0]
+        raise ArchsearchError(f"run {r.run_id or ok.index(r) + 1}.params",
+                              f"{len(shapeless)} run(s) give N only, and {law} needs the architecture",
+                              "fit the chinchilla law on them, or give the columns n_layers, hidden_size, "
+                              "n_heads, n_kv_heads, head_dim, ffn")
     fit_runs, test = split_holdout(ok, opts.holdout_size, opts.size_tolerance)
     return _fit_split(fit_runs, test, law, opts, n_failed=len(runs) - len(ok))
 
@@ -663,6 +675,9 @@ def _r_filter(runs, opts, role):
     lo, hi = opts.r_range
     keep, dropped = [], []
     for i, r in enumerate(runs):
+        if not r.has_arch:  # N only (Chinchilla rows): r is unknown, nothing to filter on
+            keep.append(r)
+            continue
         ratio = r.mlp_to_attn_ratio
         if lo <= ratio <= hi:
             keep.append(r)

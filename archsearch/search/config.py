@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
 
 BACKENDS = ("vllm", "sglang", "hf", "analytic")
@@ -57,13 +58,15 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class SearchSpace:
+    """The box the search samples, and how a sample becomes a shape (``build``: snapping and
+    tolerances of :func:`archsearch.candidates.build_candidate`; its vocabulary and tied
+    embeddings are the study's)."""
+
     hidden_over_sqrt_n: tuple[float, float] = (0.03, 0.12)
     mlp_to_attn: tuple[float, float] = (0.5, 5.0)
     gqa: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     head_dim: int = 64
-    hidden_multiple: int = 64
-    ffn_multiple: int = 64
-    tolerance: float = 0.02
+    build: BuildSettings = field(default_factory=BuildSettings)
     # Knob grid steps: shapes snap to multiples anyway, so a step keeps Optuna from proposing
     # near-identical shapes. 0 means continuous.
     hidden_over_sqrt_n_step: float = 0.0

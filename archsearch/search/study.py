@@ -51,10 +51,11 @@ class SearchContext:
 
 
 def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
-    s = cfg.search_space
-    return BuildSettings(hidden_multiple=s.hidden_multiple, ffn_multiple=s.ffn_multiple,
-                         tolerance=s.tolerance, vocab_size=vocab_size,
-                         tie_embeddings=cfg.tie_embeddings)
+    """The search space's build settings with the study's vocabulary and embedding tying."""
+    import dataclasses
+
+    return dataclasses.replace(cfg.search_space.build, vocab_size=vocab_size,
+                               tie_embeddings=cfg.tie_embeddings)
 
 
 def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int) -> ArchSpec:
