@@ -139,36 +139,57 @@ def test_infeasible_trials_are_pruned_not_measured(tmp_path):
     assert {t.user_attrs.get("measurement_key") for t in pruned}.isdisjoint(measured - {None})
 
 
-def test_gqa_search_early_stops(tmp_path):
-    from archsearch.arch import ArchSpec
-    from archsearch.search.gqa import gqa_variant, local_gqa_search
-    from archsearch.search.study import SearchContext, build_settings
-    from archsearch.laws import load_law
+def test_gqa_pairs_keep_the_attention_share():
+    # the method's example: GQA 4 with 24+6 heads and GQA 9 with 27+3 hold the same share
+    from archsearch.arch import ArchSpec, mlp_to_attn_ratio, non_embedding_params
+    from archsearch.candidates import BuildSettings
+    from archsearch.search.gqa import gqa_pairs
 
-    cfg = load(study_config(tmp_path))
-    spec = ArchSpec(n_layers=2, hidden_size=128, n_heads=8, n_kv_heads=2, head_dim=32, ffn=512, vocab_size=256)
+    spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192)
+    n = non_embedding_params(spec)
+    pairs = gqa_pairs(spec, n, BuildSettings())
+    assert (pairs[4].n_heads, pairs[4].n_kv_heads) == (24, 6)
+    assert (pairs[9].n_heads, pairs[9].n_kv_heads) == (27, 3)
+    assert non_embedding_params(pairs[9]) == n  # same head total: same N, same r
+    for g, v in pairs.items():
+        assert v.n_heads == g * v.n_kv_heads and v.hidden_size == 2048 and v.ffn == 8192
+        assert abs(non_embedding_params(v) / n - 1) <= 0.02
+        assert abs(mlp_to_attn_ratio(v) / mlp_to_attn_ratio(spec) - 1) <= 0.10
+    assert 8 not in pairs  # 24+3 or 32+4: the share moves by 10%, r by more than its tolerance
+
+
+def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
+    from archsearch.arch import ArchSpec, non_embedding_params
+    from archsearch.laws import load_law
+    from archsearch.search.gqa import gqa_pairs, local_gqa_search
+    from archsearch.search.study import SearchContext, build_settings
+
+    spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192,
+                    vocab_size=256)
+    cfg = load(study_config(tmp_path, params=non_embedding_params(spec)))
     build = build_settings(cfg, 256)
+    pairs = sorted(gqa_pairs(spec, cfg.params, build))
     calls = []
 
     class FakeMeasurer:
-        """Throughput rises with GQA up to 4, then falls: the search must stop at 8."""
+        """Throughput peaks at GQA 9: the walk up must pass 5..9, stop at the first slower than
+        GQA 4 after the peak, then walk down and stop at GQA 3."""
         note = None
         backend = "fake"
 
         def measure(self, s):
             calls.append(s.gqa)
-            t = {1: 50.0, 2: 80.0, 4: 100.0, 8: 90.0}[s.gqa]
+            t = 100.0 + 10 * s.gqa if s.gqa <= 9 else 50.0
             return {"ok": True, "per_batch": [{"batch_size": 8, "ok": True, "output_throughput": t}]}, False
 
     ctx = SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
                         measurer=FakeMeasurer(), out=tmp_path, build=build)
     res = local_gqa_search(spec, ctx, baseline_gqa=4)
-    # baseline 4 first, then up: 8 is slower -> stop (no 16 exists anyway), then down: 2 slower -> stop (1 never)
-    assert calls == [4, 8, 2]
-    assert res.chosen.gqa == 4
-    assert any("stop" in s.note for s in res.steps)
-    v = gqa_variant(spec, 8, cfg.params, build)
-    assert v.n_kv_heads == 1 and v.n_heads == 8
+    up = [g for g in pairs if g > 4]
+    first_slow_up = next(g for g in up if g > 9)
+    assert calls == [4] + [g for g in up if g <= first_slow_up] + [3]
+    assert res.chosen.gqa == 9 and (res.chosen.n_heads, res.chosen.n_kv_heads) == (27, 3)
+    assert sum("stop" in s.note for s in res.steps) == 2
 
 
 @pytest.mark.parametrize("over, field", [

@@ -288,11 +288,13 @@ def render_markdown(s: dict[str, Any]) -> str:
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
-                  "| GQA | pred. loss | feasible | tokens/s | note |", "|---|---|---|---|---|"]
+                  "Query heads traded against KV heads at a fixed attention share (N and r held).", "",
+                  "| GQA | heads/KV | pred. loss | feasible | tokens/s | note |", "|---|---|---|---|---|---|"]
         for st in g["steps"]:
             pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
             tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
-            lines.append(f"| {st['gqa']} | {pl} | {st['feasible']} | {tp} | {st['note']} |")
+            hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
+            lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {tp} | {st['note']} |")
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     for part, vals in (law.get("metrics") or {}).items():
