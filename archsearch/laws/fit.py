@@ -120,9 +120,10 @@ class FitResult:
     provenance: dict[str, Any] | None = None
 
     # -- prediction --
-    def predict(self, spec: "ArchSpec", tokens: float) -> float:
-        """Predicted loss of ``spec`` trained on ``tokens`` tokens."""
-        return float(self.predict_arrays(_spec_arrays([spec], [tokens]))[0])
+    def predict(self, spec: "ArchSpec", tokens: float, params: float | None = None) -> float:
+        """Predicted loss of ``spec`` trained on ``tokens`` tokens. With ``params``, the shape's
+        ratios (d/sqrt(N), r, R) at that N instead of its own: two shapes compared at one budget."""
+        return float(self.predict_arrays(_spec_arrays([spec], [tokens], params))[0])
 
     def predict_arrays(self, X: forms.Data, coefficients: dict[str, float] | None = None,
                        reference: dict[str, Any] | None = None) -> np.ndarray:
@@ -136,10 +137,10 @@ class FitResult:
         """L_opt(N, D) of a conditional law (raises ArchsearchError when it has none there)."""
         return float(reference_loss(self.reference, np.array([float(params)]), np.array([float(tokens)]))[0])
 
-    def predict_interval(self, spec: "ArchSpec", tokens: float,
-                         level: float = 0.9) -> tuple[float, float] | None:
+    def predict_interval(self, spec: "ArchSpec", tokens: float, level: float = 0.9,
+                         params: float | None = None) -> tuple[float, float] | None:
         """Bootstrap interval of the predicted (mean) loss; None when fitted without bootstrap."""
-        samples = self.bootstrap_predictions(_spec_arrays([spec], [tokens]))
+        samples = self.bootstrap_predictions(_spec_arrays([spec], [tokens], params))
         if samples is None:
             return None
         lo, hi = _quantiles(samples[:, 0], level)
@@ -344,10 +345,12 @@ def reference_loss(ref: dict[str, Any] | None, N: np.ndarray, D: np.ndarray) -> 
 
 # -- arrays from runs -------------------------------------------------------------------------
 
-def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float]) -> forms.Data:
+def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float],
+                 params: float | None = None) -> forms.Data:
     from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
 
-    return {"N": np.array([non_embedding_params(s) for s in specs], dtype=float),
+    n = [float(params) if params is not None else non_embedding_params(s) for s in specs]
+    return {"N": np.array(n, dtype=float),
             "D": np.array(tokens, dtype=float),
             "x1": np.array([hidden_over_sqrt_n(s) for s in specs]),
             "x2": np.array([mlp_to_attn_ratio(s) for s in specs]),

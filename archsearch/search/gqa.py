@@ -95,7 +95,7 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
 
     def visit(g: int) -> GQAStep:
         v = pairs[g]
-        loss = float(ctx.law.predict(v, cfg.tokens))
+        loss = float(ctx.law.predict(v, cfg.tokens, params=cfg.params))
         step = GQAStep(g, v.to_dict(), v.n_heads, v.n_kv_heads, loss, loss <= ctx.target_loss)
         if not step.feasible:
             step.note = f"skipped: predicted loss {loss:.4f} > target {ctx.target_loss:.4f}"

@@ -98,7 +98,7 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     if ok == 0:
         raise ArchsearchError("search_space", "no shape in the search space can be built at this "
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
-    baseline_spec(cfg)
+    check_baseline_size(cfg, baseline_spec(cfg))
     if not for_plan:
         resolve_backend(cfg.measure)
     if cfg.law.file:
@@ -110,6 +110,17 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
         raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
     if cfg.proxy and not cfg.law.file:
         check_reference_data(cfg)
+
+
+def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10) -> None:
+    """A baseline far from the study's N is another model size: its ratios say little there."""
+    from archsearch.arch import non_embedding_params
+
+    n = non_embedding_params(base)
+    if abs(n / cfg.params - 1) > max_gap:
+        raise ArchsearchError("baseline", f"its N is {n:.4g}, {n / cfg.params - 1:+.0%} from the study's "
+                              f"params {cfg.params:.4g} (more than {max_gap:.0%})",
+                              f"set params to {n:.4g}, or choose a baseline of this size")
 
 
 def proxy_sweeps(cfg: StudyConfig) -> list:
@@ -159,10 +170,28 @@ def check_reference_data(cfg: StudyConfig) -> None:
                 "use reference: chinchilla, or put the target N and D among the proxy sizes")
 
 
+def baseline_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
+    """The baseline's predicted loss at the study's N and D: its shape ratios (d/sqrt(N), r)
+    with L_opt at the study's budget, so that the target and the candidates (all at the study's
+    N) are compared at the same N and D, whatever the baseline's own N (LLaMA-3.2-1B: 0.973e9)."""
+    return float(law.predict(base, cfg.tokens, params=cfg.params))
+
+
+def baseline_note(cfg: StudyConfig, base: ArchSpec) -> str | None:
+    """What the report says when the baseline's own N is not the study's."""
+    from archsearch.arch import non_embedding_params
+
+    n = non_embedding_params(base)
+    if n == cfg.params:
+        return None
+    return (f"the baseline's own N is {n:.4g} ({n / cfg.params - 1:+.1%} from the study's {cfg.params:.4g}); "
+            f"its loss is predicted from its shape ratios at the study's N and D, like every candidate's")
+
+
 def target_loss(cfg: StudyConfig, law) -> float:
     if cfg.target.loss is not None:
         return float(cfg.target.loss)
-    return float(law.predict(baseline_spec(cfg), cfg.tokens)) * (1.0 + cfg.target.slack)
+    return baseline_loss(cfg, law, baseline_spec(cfg)) * (1.0 + cfg.target.slack)
 
 
 def check_target(cfg: StudyConfig, law, lt: float) -> None:

@@ -193,11 +193,14 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
     out = ctx.out
     b = ctx.ref_batch
     base_t = throughput_at(base_result, b)
-    base_loss = float(ctx.law.predict(base, cfg.tokens))
+    from archsearch.search.pipeline import baseline_loss, baseline_note
+
+    base_loss = baseline_loss(cfg, ctx.law, base)
     base_point = {"architecture": describe(base), "throughput": base_t,
                   "throughput_std": (batch_entry(base_result, b) or {}).get("output_throughput_std"),
                   "predicted_loss": base_loss,
-                  "predicted_loss_interval": ctx.law.predict_interval(base, cfg.tokens),
+                  "predicted_loss_interval": ctx.law.predict_interval(base, cfg.tokens, params=cfg.params),
+                  "size_note": baseline_note(cfg, base),
                   "ttft": (batch_entry(base_result, b) or {}).get("ttft_mean"),
                   "measurement_ok": base_result.get("ok"), "measurement_error": base_result.get("error")}
     chosen_point = None
@@ -207,7 +210,7 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
         chosen_point = {"architecture": describe(spec), "throughput": chosen["throughput"],
                         "throughput_std": (batch_entry(stored, b) or {}).get("output_throughput_std"),
                         "predicted_loss": chosen["predicted_loss"],
-                        "predicted_loss_interval": ctx.law.predict_interval(spec, cfg.tokens),
+                        "predicted_loss_interval": ctx.law.predict_interval(spec, cfg.tokens, params=cfg.params),
                         "source": chosen.get("source"), "config_json": str(out / "chosen" / "config.json")}
     gain = (chosen_point["throughput"] / base_t - 1.0) if (chosen_point and base_t) else None
     complete = _complete(study)
@@ -272,7 +275,8 @@ def render_markdown(s: dict[str, Any]) -> str:
             f"(mean ± std over repeats), {gain_txt} vs the baseline "
             f"({(base['throughput'] or float('nan')):.1f}{pm(base)} tokens/s).",
             f"- Predicted loss **{ch['predicted_loss']:.4f}** against the target **{s['target_loss']:.4f}** "
-            f"({s['target_source']}); baseline predicted {base['predicted_loss']:.4f}.",
+            f"({s['target_source']}); baseline predicted {base['predicted_loss']:.4f}"
+            + (f" ({base['size_note']})." if base.get("size_note") else "."),
             f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
             "",
         ]

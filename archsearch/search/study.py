@@ -65,8 +65,10 @@ def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int
 
 
 def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
-    loss = float(ctx.law.predict(spec, ctx.cfg.tokens))
-    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens)
+    """Predicted loss (and bootstrap interval) of a shape's ratios at the study's N and D: every
+    shape, candidate or baseline, is compared at one budget (snapping moves each one's own N)."""
+    loss = float(ctx.law.predict(spec, ctx.cfg.tokens, params=ctx.cfg.params))
+    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens, params=ctx.cfg.params)
     return loss, (tuple(float(v) for v in interval) if interval is not None else None)
 
 
