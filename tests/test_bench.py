@@ -390,3 +390,14 @@ def test_word_tokenizer_round_trips_lengths(tmp_path):
     ids = [5, 299, 0, 17, 17]
     text = tok.decode(ids)
     assert tok(text, add_special_tokens=False).input_ids == ids
+
+
+def test_cli_shape_from_flags_sized_for_its_lengths(cli):
+    # dummy weights: the paper's 4096 in / 1024 out must work from flags without a preset
+    r = cli("bench", "--backend", "analytic", "--device-spec", "H200", "--layers", "16",
+            "--hidden-size", "2560", "--heads", "72", "--kv-heads", "18", "--head-dim", "64",
+            "--ffn", "8192", "--vocab-size", "128256", "--batch-sizes", "128", "--input-len", "4096",
+            "--output-len", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["ok"] and d["spec"]["max_position_embeddings"] >= 5120 and d["spec"]["n_heads"] == 72

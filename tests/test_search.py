@@ -390,3 +390,55 @@ def test_two_workers_opening_a_new_storage_at_once(tmp_path):
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
         for p in procs:
             assert p.wait(timeout=120) == 0, p.stderr.read()[-2000:]
+
+
+def test_paper_configs_validate_completely(cli):
+    # every name a later stage uses is checked at load: the dry run validates the whole config
+    for name in ("paper-1b", "paper-3b"):
+        r = cli("search", "--config", f"configs/{name}.yaml", "--dry-run", "--json")
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"evaluation": {"tasks": "paper"}}, "evaluation.tasks"),
+    ({"measure": {"device_spec": "H900"}}, "measure.device_spec"),
+    ({"final_train": {"train": {"lr": -1.0}, "data": {"source": "shakespeare", "tokenizer": "bpe:512"}}},
+     "final_train.train"),
+    ({"baseline": {"preset": "llama-3.2-1b"}}, "baseline"),  # 0.97e9 against a 4e5 budget
+])
+def test_later_stage_names_checked_before_work(tmp_path, cli, over, field):
+    cfg = study_config(tmp_path, **over)
+    r = cli("search", "--config", cfg["_path"])
+    assert r.returncode == 2, r.stderr
+    assert field in r.stderr and "Traceback" not in r.stderr
+    assert not Path(cfg["out"]).exists()
+
+
+def test_vocab_comes_from_the_proxies_tokenizer_never_a_default(tmp_path):
+    from archsearch.search.pipeline import vocab_size
+
+    sweep = {"name": "s", "params": [1e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [2.0],
+             "data": {"source": "shakespeare", "tokenizer": "bpe:640"}}
+    cfg = load(study_config(tmp_path, vocab_size=None, proxy={"sweep": sweep}, law={"file": None}))
+    assert vocab_size(cfg) == 640
+    cfg = load(study_config(tmp_path, vocab_size=512, proxy={"sweep": sweep}, law={"file": None}))
+    with pytest.raises(ArchsearchError, match="disagrees"):
+        vocab_size(cfg)
+    cfg = load(study_config(tmp_path, vocab_size=None))  # a law file, no proxies: nothing tells it
+    with pytest.raises(ArchsearchError) as e:
+        vocab_size(cfg)
+    assert e.value.field == "vocab_size"
+
+
+def test_baseline_predicted_at_the_study_budget(tmp_path):
+    from archsearch.arch import non_embedding_params
+    from archsearch.laws import load_law
+    from archsearch.search.pipeline import baseline_loss, baseline_note, baseline_spec
+
+    cfg = load(study_config(tmp_path))
+    law = load_law(tmp_path / "law.json")
+    base = baseline_spec(cfg)
+    assert non_embedding_params(base) != cfg.params  # snapped: its own N differs a little
+    assert baseline_loss(cfg, law, base) == law.predict(base, cfg.tokens, params=cfg.params)
+    assert baseline_loss(cfg, law, base) != law.predict(base, cfg.tokens)
+    assert "study's N" in baseline_note(cfg, base)

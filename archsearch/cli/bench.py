@@ -6,6 +6,7 @@ import argparse
 import json
 
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
+from benchmarks.base import BACKENDS
 
 
 def register(sub) -> None:
@@ -14,7 +15,7 @@ def register(sub) -> None:
         description="Measure output/total tokens/s, TTFT, TPOT, latency and peak memory per "
                     "batch size, with dummy weights, one engine process per run (SPEC 5). "
                     "'analytic' is a roofline prediction, never a measurement.")
-    p.add_argument("--backend", required=True, choices=["vllm", "sglang", "hf", "analytic"])
+    p.add_argument("--backend", required=True, choices=list(BACKENDS))
     add_arch_args(p)
     p.add_argument("--config-dir", dest="arch_file", metavar="DIR",
                    help="a folder with a Hugging Face config.json (same as --arch)")
@@ -67,6 +68,10 @@ def _bench(args: argparse.Namespace) -> int:
         engine_args=_engine_args(args.engine_arg), seed=args.seed,
         engine_per_batch=args.engine_per_batch)
     spec = None if args.model_path else arch_from_args(args)
+    if spec is not None and args.n_layers is not None:
+        # a shape from flags has dummy weights and no trained context: size it for the run
+        need = settings.input_len + settings.output_len
+        spec = spec.replace(max_position_embeddings=max(spec.max_position_embeddings, need))
     result = measure(spec, settings, model_path=args.model_path, log_path=args.log)
     if args.out:
         append_jsonl(args.out, result)

