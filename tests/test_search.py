@@ -346,17 +346,30 @@ def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
         optuna={"n_trials": 4, "seed": 1, "enqueue_solution": 2}, gqa_search={"enabled": False},
         final_train={"tokens": 20480, "train": {"global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2,
                                                 "cpu_threads": 1},
-                     "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}))
+                     "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}},
+        evaluation={"tasks": "offline", "limit": 8, "batch_size": 8}))
     s = pipeline.run(cfg, cfg.out_dir())
     prs = json.loads((cfg.out_dir() / "predict_rank_select.json").read_text())
     assert len(prs["candidates"]) == 2
+    # distinct feasible shapes, each trained and evaluated downstream
+    assert len({json.dumps(c["spec"], sort_keys=True) for c in prs["candidates"]}) == 2
+    assert all(c["predicted_loss"] <= prs["target_loss"] for c in prs["candidates"])
     assert all(c["status"] == "ok" and c["eval_loss"] > 0 for c in prs["candidates"])
-    assert prs["released"] is not None
+    assert all(0 <= c["downstream_accuracy"] <= 1 for c in prs["candidates"])
+    assert prs["released"] is not None and "downstream accuracy" in prs["released"]["source"]
+    report = (cfg.out_dir() / "report.md").read_text()
+    assert "Predict-rank-select" in report and "**yes**" in report
     # the released model is the chosen one, and its config is the one written
     assert s["chosen"]["architecture"]["hidden_size"] == prs["released"]["spec"]["hidden_size"]
     written = json.loads((cfg.out_dir() / "chosen" / "config.json").read_text())
     assert written["hidden_size"] == prs["released"]["spec"]["hidden_size"]
-    # the release rule, on its own: fastest that meets the target, else the lowest loss
+    # the release rule, on its own: by downstream accuracy (ties within the tolerance go to the
+    # fastest); without accuracies, the fastest that meets the target, else the lowest loss
+    acc = [{"trial": 1, "status": "ok", "eval_loss": 3.0, "throughput": 10.0, "downstream_accuracy": 0.40},
+           {"trial": 2, "status": "ok", "eval_loss": 2.9, "throughput": 20.0, "downstream_accuracy": 0.395},
+           {"trial": 3, "status": "ok", "eval_loss": 2.5, "throughput": 30.0, "downstream_accuracy": 0.30}]
+    assert release_best(acc, target_loss=2.0, accuracy_tolerance=0.01)["trial"] == 2
+    assert release_best(acc, target_loss=2.0, accuracy_tolerance=0.0)["trial"] == 1
     rows = [{"trial": 1, "status": "ok", "eval_loss": 3.0, "throughput": 10.0},
             {"trial": 2, "status": "ok", "eval_loss": 2.9, "throughput": 20.0},
             {"trial": 3, "status": "ok", "eval_loss": 2.5, "throughput": 5.0},

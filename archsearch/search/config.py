@@ -245,7 +245,10 @@ class StudyConfig:
     gqa_search: GQASearchConfig = field(default_factory=GQASearchConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     mode: str = "algorithm5"  # or "predict-rank-select"
-    top_k: int = 3  # predict-rank-select: shapes trained
+    top_k: int = 3  # predict-rank-select: distinct feasible shapes trained and evaluated
+    # predict-rank-select: candidates within this (absolute) mean accuracy of the best are tied;
+    # the fastest of them is released
+    release_accuracy_tolerance: float = 0.01
     final_train: FinalTrainConfig = field(default_factory=FinalTrainConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
@@ -265,6 +268,9 @@ class StudyConfig:
             raise ArchsearchError("mode", f"{self.mode!r} is unknown", "use algorithm5 or predict-rank-select")
         if self.top_k <= 0:
             raise ArchsearchError("top_k", "must be positive")
+        if not 0 <= self.release_accuracy_tolerance < 1:
+            raise ArchsearchError("release_accuracy_tolerance", f"must be in [0, 1), got "
+                                  f"{self.release_accuracy_tolerance}", "e.g. 0.01: one accuracy point")
         if self.proxy is None and self.law.file is None:
             raise ArchsearchError("proxy", "is required unless law.file gives a fitted law",
                                   "add proxy.sweep (train proxies) or proxy.runs (reuse a run table)")

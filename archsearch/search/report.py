@@ -58,9 +58,15 @@ def chosen_from_study(study, ctx) -> dict[str, Any] | None:
 
 
 def top_k_candidates(study, ctx, k: int) -> list[dict[str, Any]]:
-    """Predict-rank-select: the k best by a joint rank of measured throughput and predicted
-    loss (sum of the two ranks, ties by throughput), over every measured trial."""
-    pts = [_point(t) for t in _complete(study)]
+    """Predict-rank-select: the k best distinct feasible shapes by a joint rank of measured
+    throughput and predicted loss (sum of the two ranks, ties by throughput). A shape proposed
+    by several trials counts once, under its first trial."""
+    pts, seen = [], set()
+    for t in sorted(_complete(study), key=lambda t: t.number):
+        key = t.user_attrs.get("spec_key")
+        if _feasible(t) and key not in seen:
+            seen.add(key)
+            pts.append(_point(t))
     by_t = sorted(pts, key=lambda p: -p["throughput"])
     by_l = sorted(pts, key=lambda p: p["predicted_loss"])
     rank = {p["trial"]: by_t.index(p) + by_l.index(p) for p in pts}
@@ -242,6 +248,9 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
     gpath = out / "gqa.json"
     if gpath.is_file():
         summary["gqa_search"] = json.loads(gpath.read_text())
+    prs = out / "predict_rank_select.json"
+    if prs.is_file():
+        summary["predict_rank_select"] = json.loads(prs.read_text())
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -299,6 +308,20 @@ def render_markdown(s: dict[str, Any]) -> str:
             tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
             hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
             lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {tp} | {st['note']} |")
+    if "predict_rank_select" in s:
+        p = s["predict_rank_select"]
+        rel = (p.get("released") or {}).get("trial")
+        lines += ["", f"## Predict-rank-select: the top {len(p['candidates'])} trained and evaluated "
+                  f"({p.get('tasks')})", "", f"Release rule: {p['rule']}.", "",
+                  "| trial | hidden | heads/KV | ffn | tokens/s | pred. loss | held-out loss | downstream acc. | released |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in p["candidates"]:
+            sp = c["spec"]
+            f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
+            lines.append(f"| {c['trial']} | {sp['hidden_size']} | {sp['n_heads']}/{sp['n_kv_heads']} | {sp['ffn']} | "
+                         f"{f(c.get('throughput'), '.1f')} | {f(c.get('predicted_loss'), '.4f')} | "
+                         f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
+                         f"{'**yes**' if c['trial'] == rel else ''} |")
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     for part, vals in (law.get("metrics") or {}).items():
