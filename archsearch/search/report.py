@@ -280,9 +280,12 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += [
             f"**Answer:** {_arch_line(ch['architecture'])}.",
             "",
-            f"- Measured with **{s['backend']}** at batch {b}: **{ch['throughput']:.1f}{pm(ch)} output tokens/s** "
-            f"(mean ± std over repeats), {gain_txt} vs the baseline "
-            f"({(base['throughput'] or float('nan')):.1f}{pm(base)} tokens/s).",
+            (f"- **Predicted, not measured**: the analytic roofline (uncalibrated) at batch {b} gives "
+             f"**{ch['throughput']:.1f} output tokens/s**, {gain_txt} vs the baseline "
+             f"({(base['throughput'] or float('nan')):.1f} tokens/s)." if s["backend"] == "analytic" else
+             f"- Measured with **{s['backend']}** at batch {b}: **{ch['throughput']:.1f}{pm(ch)} output tokens/s** "
+             f"(mean ± std over repeats), {gain_txt} vs the baseline "
+             f"({(base['throughput'] or float('nan')):.1f}{pm(base)} tokens/s)."),
             f"- Predicted loss **{ch['predicted_loss']:.4f}** against the target **{s['target_loss']:.4f}** "
             f"({s['target_source']}); baseline predicted {base['predicted_loss']:.4f}"
             + (f" ({base['size_note']})." if base.get("size_note") else "."),

@@ -51,11 +51,14 @@ class SearchContext:
 
 
 def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
-    """The search space's build settings with the study's vocabulary and embedding tying."""
+    """The search space's build settings with the study's vocabulary and embedding tying, and a
+    context long enough for the measured lengths."""
     import dataclasses
 
-    return dataclasses.replace(cfg.search_space.build, vocab_size=vocab_size,
-                               tie_embeddings=cfg.tie_embeddings)
+    b = cfg.search_space.build
+    need = cfg.measure.input_len + cfg.measure.output_len
+    return dataclasses.replace(b, vocab_size=vocab_size, tie_embeddings=cfg.tie_embeddings,
+                               max_position_embeddings=max(b.max_position_embeddings, need))
 
 
 def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int) -> ArchSpec:
