@@ -74,7 +74,7 @@ def test_result_shape(measured, backend):
                                 sum(x["output_throughput"] for x in br.repeats) / 2)
     d = json.loads(json.dumps(r.to_dict()))
     assert d["kind"] == ("prediction" if backend == "analytic" else "measurement")
-    assert d["architecture"]["n_params_non_embedding"] == 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256)
+    assert d["architecture"]["n_params_non_embedding"] == 2 * (2 * 128 * 192 + 2 * 128 * 64 + 3 * 128 * 256)
     assert d["provenance"]["versions"] and d["device"] and d["dtype"] == "float32"
     for pb in d["per_batch"]:
         assert any("throughput" in k for k in pb) and any("ttft" in k for k in pb)
@@ -207,7 +207,7 @@ def test_vllm_cpu_path_sizes_kv_space(tmp_path, monkeypatch):
     out, _ = _run_vllm(_job(tmp_path), fake, on_gpu=False)
     assert fake.llm_kwargs["enforce_eager"] is True and fake.llm_kwargs["dtype"] == "float32"
     assert out["engine"]["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    big = TINY.replace(n_layers=64, n_kv_heads=2)
+    big = TINY.replace(n_layers=64, n_kv_heads=3)
     need = kv_cache_bytes_per_token(big, "float32") * 512 * 4096 * 1.5
     assert cpu_kv_space_gib(big, "float32", 512, 4096) == math.ceil(need / 2**30) > 1
 
@@ -348,7 +348,7 @@ def test_cli_table_and_config_dir(cli, tmp_path):
 
 @pytest.mark.parametrize("args,msg", [
     (["--backend", "tensorrt", "--preset", "tiny"], "invalid choice"),
-    (["--backend", "analytic", "--preset", "tiny", "--batch-sizes", "0"], "batch_sizes"),
+    (["--backend", "analytic", "--preset", "tiny", "--batch-sizes", "0"], "--batch-sizes"),
     (["--backend", "analytic", "--preset", "tiny", "--input-len", "600"], "max_position_embeddings"),
 ])
 def test_cli_bad_input(cli, args, msg):
