@@ -400,4 +400,4 @@ def test_cli_shape_from_flags_sized_for_its_lengths(cli):
             "--output-len", "1024", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["ok"] and d["spec"]["max_position_embeddings"] >= 5120 and d["spec"]["n_heads"] == 72
+    assert d["ok"] and d["architecture"]["max_position_embeddings"] >= 5120 and d["architecture"]["n_heads"] == 72
