@@ -99,6 +99,11 @@ class Candidate:
         return d
 
 
+# 1e14 parameters are 200 TB of bf16 weights: beyond any training cluster's memory. Larger
+# budgets are typos (1e30), refused before any work.
+MAX_PARAMS = 1e14
+
+
 def _snap(x: float, multiple: int) -> int:
     return max(multiple, int(round(x / multiple)) * multiple)
 
@@ -110,6 +115,9 @@ def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
     s = settings or BuildSettings()
     if not (params > 0 and math.isfinite(params)):
         raise ArchsearchError("params", f"must be a positive finite number, got {params}")
+    if params > MAX_PARAMS:
+        raise ArchsearchError("params", f"{params:.3g} parameters need {2 * params:.3g} bytes of bf16 weights, "
+                              f"beyond any cluster (over {MAX_PARAMS:.0e} parameters)", "e.g. 1e9 or 1B")
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
         raise ArchsearchError("layers", f"must be a positive integer, got {n_layers!r}")
     if not (hidden_over_sqrt_n > 0 and math.isfinite(hidden_over_sqrt_n)):

@@ -146,6 +146,9 @@ _FLOAT = {"tokens", "loss", "wall_time_s", "params"}
 
 
 def _parse(row: dict[str, Any], where: str) -> RunRecord:
+    if not isinstance(row, dict):
+        raise ArchsearchError(where, f"is not an object: {str(row)[:60]}",
+                              "each line of a JSONL run file is one JSON object with the run's columns")
     given = lambda c: row.get(c) not in (None, "")  # noqa: E731
     needed = ("tokens", "loss") if given("params") and not any(given(c) for c in ARCH_COLUMNS) \
         else (*ARCH_COLUMNS, "tokens", "loss")

@@ -47,6 +47,15 @@ nonneg_float = _bounded(float, 0, what="a finite number >= 0")
 finite_float = _bounded(float, what="a finite number")
 fraction = _bounded(float, 0, 1, lo_open=True, what="a number in (0, 1]")
 port = _bounded(int, 1, 65535, what="a port number in 1..65535")
+learning_rate = _bounded(float, 0, 10, lo_open=True, what="a learning rate in (0, 10]")
+
+
+def level(text: str) -> float:
+    """An interval level in (0, 1) (an argparse ``type``)."""
+    v = finite_float(text)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1), e.g. 0.9")
+    return v
 
 
 def out_file(text: str) -> str:

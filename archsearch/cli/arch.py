@@ -8,6 +8,7 @@ from archsearch.arch import FAMILIES
 from archsearch.cli._common import (add_arch_args, add_build_args, add_group, arch_from_args,
                                     build_settings_from_args, parse_number,
                                     print_json, print_table)
+from archsearch.cli._common import out_dir, pos_float, pos_int
 
 
 def register(sub) -> None:
@@ -18,7 +19,7 @@ def register(sub) -> None:
     add_arch_args(p)
     p.add_argument("--dtype", default="bfloat16", help="KV-cache dtype for the byte count")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    p.add_argument("--out", metavar="DIR", help="also write DIR/config.json (HF format)")
+    p.add_argument("--out", type=out_dir, metavar="DIR", help="also write DIR/config.json (HF format)")
     p.set_defaults(func=_describe)
 
     p = g.add_parser("build", help="build a concrete shape from a parameter budget and ratios",
@@ -26,18 +27,18 @@ def register(sub) -> None:
                                  "buildable spec, sizes snapped to multiples.")
     p.add_argument("--params", type=parse_number, required=True,
                    help="non-embedding parameter budget N (e.g. 1e9, 1B, 150M)")
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--hidden-over-sqrt-n", type=float, required=True, help="d / sqrt(N)")
-    p.add_argument("--mlp-to-attn", type=float, required=True, help="r = MLP / attention params")
-    p.add_argument("--gqa", type=int, default=4, help="query heads per KV head (default 4)")
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=pos_int, required=True)
+    p.add_argument("--hidden-over-sqrt-n", type=pos_float, required=True, help="d / sqrt(N)")
+    p.add_argument("--mlp-to-attn", type=pos_float, required=True, help="r = MLP / attention params")
+    p.add_argument("--gqa", type=pos_int, default=4, help="query heads per KV head (default 4)")
+    p.add_argument("--head-dim", type=pos_int, default=64)
     p.add_argument("--tie-embeddings", action="store_true")
     add_build_args(p)
     p.add_argument("--family", choices=sorted(FAMILIES), default="llama",
                    help="model family (llama shapes whose heads do not divide the width are "
                         "exported as Mistral, the same math)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", metavar="DIR", help="write DIR/config.json (HF format)")
+    p.add_argument("--out", type=out_dir, metavar="DIR", help="write DIR/config.json (HF format)")
     p.set_defaults(func=_build)
 
     p = g.add_parser("list", help="list the named reference architectures")
