@@ -251,7 +251,7 @@ def test_log_with_tensorboard_through_accelerate(tmp_path):
     tc = TrainConfig(tokens=10 * 16 * 64, global_batch_size=16, lr=3e-3, eval_batches=2, log_interval=5,
                      log_with="tensorboard")
     rec = train(SPEC, tc, DATA, tmp_path / "tb", progress=False)
-    assert rec["status"] == "ok" and tc.log_with == ["tensorboard"]
+    assert rec["status"] == "ok" and tc.log_with == ("tensorboard",)
     events = list((tmp_path / "tb" / "tracking").rglob("events.out.tfevents.*"))
     assert events, "accelerate's TensorBoard tracker wrote nothing"
     scalars = set()

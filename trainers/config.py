@@ -241,7 +241,7 @@ class TrainConfig:
             if t not in TRACKERS:
                 raise ArchsearchError(f"train.log_with[{i}]" if isinstance(self.log_with, list) else "train.log_with",
                                       f"{t!r} is not a supported tracker", f"use one of {sorted(TRACKERS)}")
-        set_("log_with", trackers)
+        set_("log_with", tuple(trackers))  # hashable: sweeps key runs by their config
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)

@@ -335,7 +335,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     precision = _resolve_precision(train_cfg, cuda)
     check_trackers(train_cfg.log_with)
     accelerator = Accelerator(mixed_precision="bf16" if precision == "bfloat16" else "no",
-                              cpu=not cuda, log_with=train_cfg.log_with or None,
+                              cpu=not cuda, log_with=list(train_cfg.log_with) or None,
                               project_dir=str(out_dir / "tracking") if train_cfg.log_with else None)
     n_proc = accelerator.num_processes
     threads = None

@@ -199,7 +199,7 @@ class OptunaConfig:
             if t not in TRACKERS:
                 raise ArchsearchError("optuna.log_with", f"{t!r} is not a supported tracker",
                                       f"use one of {sorted(TRACKERS)}")
-        object.__setattr__(self, "log_with", trackers)
+        object.__setattr__(self, "log_with", tuple(trackers))
         if self.sampler not in SAMPLERS:
             raise ArchsearchError("optuna.sampler", f"unknown sampler {self.sampler!r}", f"use one of {list(SAMPLERS)}")
         if self.objective not in ("throughput", "pareto"):

@@ -405,7 +405,7 @@ class TrackerCallback:
     takes): measured throughput, predicted loss, feasibility and constraint values, at step =
     trial number, under ``logging_dir/run_name`` for the trackers that write local files."""
 
-    def __init__(self, names: list[str], logging_dir: Path, run_name: str):
+    def __init__(self, names: tuple[str, ...], logging_dir: Path, run_name: str):
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
         from trainers.config import check_trackers
