@@ -142,13 +142,14 @@ def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
         ffn = _snap(rest / (3 * d), s.ffn_multiple)
         r = 3 * d * ffn / (attn_per_kv * n_kv)
         n = n_layers * (attn_per_kv * n_kv + 3 * d * ffn)
-        options.append((abs(r / mlp_to_attn - 1), abs(n / params - 1), n_kv, ffn))
+        # within the budget first: the KV count nearer in r may miss N by the FFN snapping
+        options.append((abs(n / params - 1) > s.tolerance, abs(r / mlp_to_attn - 1), abs(n / params - 1), n_kv, ffn))
     if not options:
         raise ArchsearchError(
             "params", f"budget {params:.4g} leaves no room for an MLP with {n_layers} layers, "
             f"hidden size {d} and {gqa + 1} heads of {head_dim}",
             "raise the budget, or lower layers / hidden_over_sqrt_n / head_dim")
-    _, _, n_kv, ffn = min(options)
+    *_, n_kv, ffn = min(options)
     n_heads = n_kv * gqa
     spec = ArchSpec(n_layers=n_layers, hidden_size=d, n_heads=n_heads, n_kv_heads=n_kv,
                     head_dim=head_dim, ffn=ffn, vocab_size=s.vocab_size,
