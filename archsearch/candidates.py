@@ -8,7 +8,8 @@ one deterministic function that expands them (SPEC section 2):
    Attention params per layer are ``2 * d * head_dim * n_kv * (gqa + 1)``, which fixes the
    number of KV heads up to rounding. As in the method, ``head_dim`` is fixed and the head
    count moves: heads need not divide the width (hidden 2560 with 72 heads of 64 is normal).
-   Of the two KV counts around the ideal one, the one whose realised r is nearest the request.
+   Of the two KV counts around the ideal one, the one whose realised r is nearest the request
+   among those that meet the budget (step 4) once the MLP is snapped.
 3. The MLP takes what is left of the per-layer budget: ``ffn = snap(rest / (3 d), ffn_multiple)``.
 4. The realised N must be within ``tolerance`` of the budget, and the realised r within
    ``r_tolerance`` of the request: beyond it the shape is refused (``on_r_drift: refuse``) or
