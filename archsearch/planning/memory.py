@@ -12,7 +12,8 @@ Inference (one forward at a time, HF/vLLM style):
   ``batch * input_len`` tokens. Layers run one after another and free their temporaries, so
   it is one layer's peak: attention phase ``2d + 4*dq`` elements per token (residual, normed
   input, Q, Q after RoPE, K/V repeated to the query heads for GQA, attention output), MLP phase
-  ``2d + 3*ffn`` (ffn: the routed experts' total width for MoE, arch.active_ffn_width) (residual, normed input, act(gate), up, their product); plus the last
+  ``2d + 3*ffn`` (residual, normed input, act(gate), up, their product; for MoE ffn is the
+  routed experts' summed width, ``arch.active_ffn_width``); plus the last
   position's logits, ``batch * vocab`` in fp32. Attention scores (``S x S``) are assumed not
   materialised (SDPA / flash kernels); pass ``materialised_scores=True`` for eager attention.
   Paged engines (vLLM) reserve a fixed share of device memory up front and add CUDA graphs and
