@@ -66,16 +66,10 @@ def _loo(fit, predict, points: Sequence[Any], y: np.ndarray) -> dict[str, float]
 
 
 class _Saved:
-    """JSON save/load for the frozen law dataclasses."""
+    """Dict round trip for the frozen law dataclasses (both laws share one file)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"law": type(self).__name__, **asdict(self)}
-
-    def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]):
