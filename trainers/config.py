@@ -218,12 +218,6 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _sweep_build() -> BuildSettings:
-    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
-    # flagged), since the law is fitted on the realised r
-    return BuildSettings(on_r_drift="flag")
-
-
 @dataclass(frozen=True)
 class HealthConfig:
     """Proxy health (trainers/health.py): the orderings a sweep's runs must obey and how a run
@@ -267,7 +261,8 @@ class SweepConfig:
     n_layers: int | list[int] = 4
     gqa: int = 4
     head_dim: int = 64
-    build: BuildSettings = field(default_factory=_sweep_build)  # vocab_size: the tokenizer's
+    # vocab_size: the tokenizer's; on_r_drift is always "flag" here (see sweep_specs)
+    build: BuildSettings = field(default_factory=BuildSettings)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(tokens_per_param=20))
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only
