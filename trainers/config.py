@@ -218,10 +218,34 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _sweep_build() -> BuildSettings:
-    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
-    # flagged), since the law is fitted on the realised r
-    return BuildSettings(on_r_drift="flag")
+@dataclass(frozen=True)
+class HealthConfig:
+    """Proxy health (trainers/health.py): the orderings a sweep's runs must obey and how a run
+    that breaks one is retrained. ``min_batch`` / ``max_lr``: the floor of the halved global
+    batch and the ceiling of the doubled LR, one value or one per N level; ``retries``: the
+    retraining budget per run; ``tolerance``: loss slack (nats) before an ordering counts as
+    broken, so that eval noise alone does not trigger a retrain."""
+
+    min_batch: int | list[int] = 4
+    max_lr: float | list[float] = 1e-2
+    retries: int = 2
+    tolerance: float = 0.01
+
+    def __post_init__(self) -> None:
+        for k, ok in (("min_batch", lambda v: isinstance(v, int) and v >= 1),
+                      ("max_lr", lambda v: isinstance(v, (int, float)) and v > 0)):
+            vals = getattr(self, k)
+            if not all(ok(v) for v in (vals if isinstance(vals, list) else [vals])):
+                raise ArchsearchError(f"sweep.health.{k}", f"invalid value {vals!r}",
+                                      "min_batch: integers >= 1; max_lr: positive numbers")
+        if not (isinstance(self.retries, int) and self.retries >= 0):
+            raise ArchsearchError("sweep.health.retries", f"must be an integer >= 0, got {self.retries!r}")
+        if not self.tolerance >= 0:
+            raise ArchsearchError("sweep.health.tolerance", f"must be >= 0, got {self.tolerance!r}")
+
+    def bound(self, name: str, level: int):
+        v = getattr(self, name)
+        return v[level] if isinstance(v, list) else v
 
 
 @dataclass(frozen=True)
@@ -237,7 +261,8 @@ class SweepConfig:
     n_layers: int | list[int] = 4
     gqa: int = 4
     head_dim: int = 64
-    build: BuildSettings = field(default_factory=_sweep_build)  # vocab_size: the tokenizer's
+    # vocab_size: the tokenizer's; on_r_drift is always "flag" here (see sweep_specs)
+    build: BuildSettings = field(default_factory=BuildSettings)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(tokens_per_param=20))
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only
@@ -245,6 +270,7 @@ class SweepConfig:
     # One HPARAMS preset per N level (the method's per-size table, SPEC 6): the level's preset
     # sets global_batch_size, lr, min_lr_ratio and warmup_steps, over the values in ``train``.
     hparams_per_level: list[str] | None = None
+    health: HealthConfig | None = None  # None: no ordering checks, no retuning
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -269,6 +295,12 @@ class SweepConfig:
                                       f"{len(self.params)} N levels", "give one preset per N level")
             for name in self.hparams_per_level:
                 get_hparams(name)
+        if self.health is not None:
+            for k in ("min_batch", "max_lr"):
+                v = getattr(self.health, k)
+                if isinstance(v, list) and len(v) != len(self.params):
+                    raise ArchsearchError(f"sweep.health.{k}", f"{len(v)} values for {len(self.params)} "
+                                          "N levels", "give one value, or one per N level")
 
     def layers_for(self, level: int) -> int:
         return self.n_layers[level] if isinstance(self.n_layers, list) else self.n_layers

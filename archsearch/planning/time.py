@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from archsearch.arch import ArchSpec, non_embedding_params, training_flops
+from archsearch.arch import ArchSpec, active_non_embedding_params, non_embedding_params, training_flops
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import Device, get_device
 from archsearch.planning.cost import resolve_price, training_cost
@@ -52,8 +52,9 @@ DEFAULT_MFU_SOURCE = ("assumed 0.40: dense-decoder pretraining reports 38-55% MF
 
 
 def compute_params(spec: ArchSpec) -> int:
-    """N_c: non-embedding parameters plus the output head (the matmuls of a training step)."""
-    return non_embedding_params(spec) + spec.vocab_size * spec.hidden_size
+    """N_c: non-embedding parameters (active ones for MoE) plus the output head (the matmuls
+    of a training step)."""
+    return active_non_embedding_params(spec) + spec.vocab_size * spec.hidden_size
 
 
 def parse_gpus(text: str) -> tuple[int, Device]:
