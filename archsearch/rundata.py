@@ -121,6 +121,9 @@ _FLOAT = {"tokens", "loss", "wall_time_s"}
 
 
 def _parse(row: dict[str, Any], where: str) -> RunRecord:
+    if not isinstance(row, dict):
+        raise ArchsearchError(where, f"is a {type(row).__name__}, not an object of columns",
+                              "one JSON object per line (docs/laws.md)")
     missing = [c for c in (*ARCH_COLUMNS, "tokens", "loss") if row.get(c) in (None, "")]
     if missing:
         raise ArchsearchError(f"{where}.{missing[0]}", "missing required column",
@@ -156,9 +159,9 @@ def _parse(row: dict[str, Any], where: str) -> RunRecord:
 
 def read_runs(path: str | Path) -> list[RunRecord]:
     """Read runs from ``.csv`` or ``.jsonl``/``.json``; errors name the row and column."""
-    p = Path(path)
-    if not p.is_file():
-        raise ArchsearchError("--data", f"no such file {str(p)!r}")
+    from archsearch.fileio import check_input_file
+
+    p = check_input_file("--data", path)
     rows: list[dict[str, Any]]
     if p.suffix == ".csv":
         with p.open(newline="") as fh:
@@ -178,20 +181,19 @@ def read_runs(path: str | Path) -> list[RunRecord]:
 
 def write_runs(path: str | Path, runs: Iterable[RunRecord]) -> Path:
     """Write runs as CSV or JSONL (by suffix), atomically."""
+    from archsearch.fileio import atomic_open, atomic_write
+
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     rows = [r.to_row() for r in runs]
-    tmp = p.with_suffix(p.suffix + ".tmp")
     if p.suffix == ".csv":
         cols: list[str] = list(_FIELDS)
         for r in rows:
             cols += [k for k in r if k not in cols]
-        with tmp.open("w", newline="") as fh:
+        with atomic_open(p, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=cols)
             w.writeheader()
             for r in rows:
                 w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
     else:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(p)
+        atomic_write(p, "".join(json.dumps(r) + "\n" for r in rows))
     return p

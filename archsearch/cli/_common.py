@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -13,9 +14,34 @@ def parse_number(text: str) -> float:
     t = text.strip().replace("_", "")
     mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower())
     try:
-        return float(t[:-1]) * mult if mult else float(t)
+        v = float(t[:-1]) * mult if mult else float(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1e9, 1B, 150M)") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number (e.g. 1e9, 1B, 150M)")
+    return v
+
+
+def finite_float(text: str) -> float:
+    """A float that is neither NaN nor infinite (the ``type`` of every float flag)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (an argparse ``type``)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return v
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -26,6 +52,8 @@ def parse_int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not vals:
         raise argparse.ArgumentTypeError("empty list")
+    if min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
     return vals
 
 
@@ -35,13 +63,13 @@ def add_arch_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     g.add_argument("--preset", help="a named preset (archsearch arch list)")
     g.add_argument("--arch", dest="arch_file", metavar="PATH",
                    help="a folder with config.json, an HF config.json, or an architecture JSON")
-    g.add_argument("--layers", type=int, dest="n_layers")
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--heads", type=int, dest="n_heads")
-    g.add_argument("--kv-heads", type=int, dest="n_kv_heads", help="default: --heads (no GQA)")
-    g.add_argument("--head-dim", type=int, help="default: hidden_size / heads")
-    g.add_argument("--ffn", type=int, help="SwiGLU intermediate size")
-    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--layers", type=positive_int, dest="n_layers")
+    g.add_argument("--hidden-size", type=positive_int)
+    g.add_argument("--heads", type=positive_int, dest="n_heads")
+    g.add_argument("--kv-heads", type=positive_int, dest="n_kv_heads", help="default: --heads (no GQA)")
+    g.add_argument("--head-dim", type=positive_int, help="default: hidden_size / heads")
+    g.add_argument("--ffn", type=positive_int, help="SwiGLU intermediate size")
+    g.add_argument("--vocab-size", type=positive_int, default=None)
     g.add_argument("--tie-embeddings", action="store_true", default=None)
     g.add_argument("--family", choices=["llama", "qwen2", "qwen3", "olmo2"], default=None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from archsearch.cli._common import (add_arch_args, add_group, arch_from_args, parse_number,
-                                    print_json, print_table)
+                                    positive_int, print_json, print_table)
 
 
 def register(sub) -> None:
@@ -23,12 +23,12 @@ def register(sub) -> None:
                                  "buildable spec, sizes snapped to multiples.")
     p.add_argument("--params", type=parse_number, required=True,
                    help="non-embedding parameter budget N (e.g. 1e9, 1B, 150M)")
-    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--layers", type=positive_int, required=True)
     p.add_argument("--hidden-over-sqrt-n", type=float, required=True, help="d / sqrt(N)")
     p.add_argument("--mlp-to-attn", type=float, required=True, help="r = MLP / attention params")
-    p.add_argument("--gqa", type=int, default=4, help="query heads per KV head (default 4)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--gqa", type=positive_int, default=4, help="query heads per KV head (default 4)")
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--vocab-size", type=positive_int, default=32000)
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--hidden-multiple", type=int, default=64)
     p.add_argument("--ffn-multiple", type=int, default=64)
@@ -59,7 +59,9 @@ def _describe(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace) -> int:
     from archsearch.arch import write_hf_config
     from archsearch.candidates import BuildSettings, build_candidate
+    from archsearch.fileio import check_output
 
+    check_output("--out", args.out, "dir")
     settings = BuildSettings(hidden_multiple=args.hidden_multiple, ffn_multiple=args.ffn_multiple,
                              tolerance=args.tolerance, vocab_size=args.vocab_size,
                              tie_embeddings=args.tie_embeddings, family=args.family)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 
@@ -58,7 +59,11 @@ def _engine_args(items: list[str]) -> dict:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from archsearch.fileio import check_output
     from benchmarks import BenchSettings, append_jsonl, measure
+
+    check_output("--out", args.out)
+    check_output("--log", args.log)
 
     settings = BenchSettings(
         backend=args.backend, batch_sizes=args.batch_sizes, input_len=args.input_len,
@@ -77,7 +82,10 @@ def _bench(args: argparse.Namespace) -> int:
         _print_table(d)
         if args.out:
             print(f"appended to {args.out}")
-    return 0 if result.ok else 1
+    if not result.ok:  # recorded above; the exit status and this line say it failed
+        print(f"archsearch: measurement failed: {result.error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:

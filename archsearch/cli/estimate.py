@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import parse_number, print_json, print_table
+from archsearch.cli._common import parse_number, positive_int, print_json, print_table
 
 
 def register(sub) -> None:
@@ -42,14 +42,14 @@ def register(sub) -> None:
     m = sp.add_parser("memory", help="predicted peak memory (inference and training) and max batch")
     m.add_argument("--arch", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
     m.add_argument("--gpus", default="H100", help="device for the max-batch answer (default H100)")
-    m.add_argument("--batch", type=int, default=16, help="inference batch size (default 16)")
-    m.add_argument("--input-len", type=int, default=4096)
-    m.add_argument("--output-len", type=int, default=1024)
+    m.add_argument("--batch", type=positive_int, default=16, help="inference batch size (default 16)")
+    m.add_argument("--input-len", type=positive_int, default=4096)
+    m.add_argument("--output-len", type=positive_int, default=1024)
     m.add_argument("--dtype", default="bfloat16")
-    m.add_argument("--micro-batch", type=int, default=1, help="training micro-batch per device")
-    m.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
-    m.add_argument("--tp", type=int, default=1)
-    m.add_argument("--pp", type=int, default=1)
+    m.add_argument("--micro-batch", type=positive_int, default=1, help="training micro-batch per device")
+    m.add_argument("--seq-len", type=positive_int, default=2048, help="training sequence length")
+    m.add_argument("--tp", type=positive_int, default=1)
+    m.add_argument("--pp", type=positive_int, default=1)
     m.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_memory)
@@ -90,6 +90,9 @@ def _fit(args: argparse.Namespace) -> int:
     from archsearch.planning import fit_time_law
     from archsearch.rundata import read_runs
 
+    from archsearch.fileio import check_output
+
+    check_output("--out", args.out)
     fit = fit_time_law(read_runs(args.data), holdout=read_runs(args.holdout) if args.holdout else ())
     path = fit.law.save(args.out)
     if args.json:

@@ -53,6 +53,9 @@ def _eval(args: argparse.Namespace) -> int:
     if not args.model:
         raise ArchsearchError("--model", "is required", "e.g. --model smollm2-135m, or a model folder")
     from archsearch.evaluation.runner import evaluate
+    from archsearch.fileio import check_output
+
+    check_output("--out", args.out)
 
     res = evaluate(args.model, args.tasks, backend=args.backend, limit=args.limit,
                    batch_size=args.batch_size, device=args.device, out=args.out)

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import parse_number, print_json, print_table
+from archsearch.cli._common import parse_number, positive_int, print_json, print_table
 
+# 200 runs x 1000 resamples fit in ~14 s here: beyond 1e5 a bootstrap is hours of work that
+# moves an interval's end by less than its own Monte-Carlo error.
+MAX_BOOTSTRAP = 100_000
 LAWS = ("chinchilla", "aspect-ratio", "conditional-multiplicative", "conditional-additive")
 
 
@@ -42,6 +45,13 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace, holdout=None):
     from archsearch.laws import FitOptions, load_law
 
+    from archsearch.errors import ArchsearchError
+
+    if not args.no_r_filter and not 0 <= args.r_range[0] < args.r_range[1]:
+        raise ArchsearchError("--r-range", f"{list(args.r_range)} is empty", "give LOW HIGH with 0 <= LOW < HIGH")
+    if args.bootstrap > MAX_BOOTSTRAP:
+        raise ArchsearchError("--bootstrap", f"{args.bootstrap} resamples would take hours and narrow "
+                              "no interval further", f"give at most {MAX_BOOTSTRAP} (1000 is a good value)")
     ref = load_law(args.reference_law) if args.reference_law else None
     return FitOptions(method=args.method, huber_delta=args.huber_delta, n_starts=args.starts,
                       seed=args.seed, bootstrap=args.bootstrap, n_jobs=args.jobs,
@@ -70,13 +80,13 @@ def register(sub) -> None:
     p.add_argument("--law", required=True, metavar="LAW.json", help="a fitted or hand-written law")
     p.add_argument("--params", type=parse_number, required=True, help="non-embedding N (e.g. 1B)")
     p.add_argument("--tokens", type=parse_number, required=True, help="training tokens D (e.g. 20B)")
-    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--layers", type=positive_int, required=True)
     p.add_argument("--target-loss", type=float, help="keep candidates whose predicted loss is <= this")
     p.add_argument("--reference-law", metavar="LAW.json", help="a chinchilla law file to use as L_opt")
     p.add_argument("--throughput", metavar="FILE",
                    help="measured throughputs (.csv/.jsonl with n_layers, hidden_size, n_heads, "
                         "n_kv_heads, head_dim, ffn, throughput): ranks the feasible candidates")
-    p.add_argument("--gqa", type=int, default=4)
+    p.add_argument("--gqa", type=positive_int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--hidden-multiple", type=int, default=64)
@@ -104,6 +114,10 @@ def _fit(args: argparse.Namespace) -> int:
     from archsearch.laws.fit import split_holdout
     from archsearch.rundata import read_runs
 
+    from archsearch.fileio import check_output
+
+    check_output("--out", args.out)
+    check_output("--plots", args.plots, "dir")
     runs = read_runs(args.data)
     opts = _options(args, args.holdout_size)
     fit = fit_law(runs, args.law, opts)
@@ -155,27 +169,36 @@ def _read_throughputs(path: str):
     """(arch tuple) -> throughput, from a runs-like CSV/JSONL with a ``throughput`` column."""
     import csv
     import json
-    from pathlib import Path
+    import math
 
     from archsearch.errors import ArchsearchError
     from archsearch.rundata import ARCH_COLUMNS
 
-    p = Path(path)
-    if not p.is_file():
-        raise ArchsearchError("--throughput", f"no such file {path!r}")
+    from archsearch.fileio import check_input_file
+
+    p = check_input_file("--throughput", path)
+    need = "needs numbers " + ", ".join(ARCH_COLUMNS) + ", throughput (a positive one)"
     if p.suffix == ".csv":
         with p.open(newline="") as fh:
             rows = list(csv.DictReader(fh))
     else:
-        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        rows = []
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ArchsearchError(f"--throughput line {i}", f"is not valid JSON ({e.msg})", need) from None
     table = {}
     for i, row in enumerate(rows, 1):
         try:
             key = tuple(int(float(row[c])) for c in ARCH_COLUMNS)
-            table[key] = float(row["throughput"])
-        except (KeyError, TypeError, ValueError):
-            raise ArchsearchError(f"--throughput row {i}", "needs numbers " + ", ".join(ARCH_COLUMNS)
-                                  + ", throughput") from None
+            tp = float(row["throughput"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise ArchsearchError(f"--throughput row {i}", need) from None
+        if not (math.isfinite(tp) and tp > 0):
+            raise ArchsearchError(f"--throughput row {i}", f"throughput {tp} is not a positive number", need)
+        table[key] = tp
     return table
 
 
@@ -184,6 +207,14 @@ def _solve(args: argparse.Namespace) -> int:
     from archsearch.candidates import BuildSettings
     from archsearch.laws import load_law, solve
 
+    from archsearch.candidates import check_size
+    from archsearch.errors import ArchsearchError
+
+    check_size(args.params, args.layers)
+    if not 0 < args.level < 1:
+        raise ArchsearchError("--level", f"must be in (0, 1), got {args.level}", "e.g. 0.9")
+    if args.gqa < 1:
+        raise ArchsearchError("--gqa", f"must be a positive integer, got {args.gqa}")
     fit = load_law(args.law)
     if args.reference_law:
         fit = fit.with_reference(load_law(args.reference_law))
@@ -248,16 +279,17 @@ def _validate(args: argparse.Namespace) -> int:
     from archsearch.laws.diagnostics import PROTOCOLS
     from archsearch.rundata import read_runs
 
+    from archsearch.fileio import atomic_open, check_output
+
+    check_output("--out", args.out)
     runs = read_runs(args.data)
     protocols = PROTOCOLS if args.protocol == "all" else (args.protocol,)
     rows = progressive_validation(runs, args.law, _options(args), protocols)
     if args.out:
         import csv
-        from pathlib import Path
 
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         cols = list(dict.fromkeys(k for r in rows for k in r))
-        with open(args.out, "w", newline="") as fh:
+        with atomic_open(args.out, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=cols)
             w.writeheader()
             w.writerows(rows)

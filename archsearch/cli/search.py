@@ -37,6 +37,9 @@ def _run(args: argparse.Namespace) -> int:
     from archsearch.search import pipeline
     from archsearch.search.config import load_study_config
 
+    from archsearch.fileio import check_output
+
+    check_output("--out", args.out, "dir")
     cfg = load_study_config(args.config)
     out = cfg.out_dir(args.out)
     if args.dry_run:

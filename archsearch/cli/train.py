@@ -90,6 +90,10 @@ def _configs(args: argparse.Namespace):
     if unknown:
         raise ArchsearchError(f"{args.config}: {sorted(unknown)[0]}", "unknown section",
                               "a train config has 'train:' and 'data:' sections")
+    for section in ("train", "data"):
+        if raw.get(section) is not None and not isinstance(raw[section], dict):
+            raise ArchsearchError(f"{args.config}: {section}", f"is a {type(raw[section]).__name__}",
+                                  f"'{section}:' holds a mapping of fields")
     t = dict(raw.get("train") or {})
     dd = dict(raw.get("data") or {})
     for dest, key in _TRAIN_FLAGS.items():
@@ -131,6 +135,9 @@ def _train(args: argparse.Namespace) -> int:
     from archsearch.cli._common import arch_from_args
     from archsearch.errors import ArchsearchError
 
+    from archsearch.fileio import check_output
+
+    check_output("--out", args.out, "dir")
     spec = arch_from_args(args)
     tc, dc = _configs(args)
     if args.run and not args.launch:
@@ -139,7 +146,9 @@ def _train(args: argparse.Namespace) -> int:
         return _launch(args, spec, tc, dc)
 
     from trainers.data import prepare_data
-    from trainers.loop import match_vocab, run_id_for, token_budget, train
+    from trainers.loop import check_train_budget, match_vocab, run_id_for, token_budget, train
+
+    check_train_budget(spec, token_budget(spec, tc), "--tokens")
 
     from accelerate import PartialState
 
@@ -195,6 +204,9 @@ def _sweep(args: argparse.Namespace) -> int:
     from trainers.config import SweepConfig
     from trainers.sweep import run_sweep
 
+    from archsearch.fileio import check_output
+
+    check_output("--out", args.out, "dir")
     cfg = load_config(SweepConfig, args.config)
     out = Path(args.out) if args.out else Path("results/sweeps") / cfg.name
     rows = run_sweep(cfg, out, progress=not args.no_progress)
