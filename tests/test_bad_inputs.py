@@ -17,7 +17,6 @@ import copy
 import hashlib
 import io
 import json
-import math
 import os
 import signal
 import sys

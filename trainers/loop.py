@@ -112,9 +112,9 @@ def run_id_for(spec: ArchSpec, tokens: float, seed: int) -> str:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    from archsearch.fileio import write_json
+
+    write_json(path, obj, default=str)
 
 
 def read_record(out_dir: Path) -> dict | None:
@@ -421,6 +421,10 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     }
     if accelerator.is_main_process:
         _write_json(out_dir / RUN_FILE, record)
+    if accelerator.is_main_process:  # a line torn by a kill is cut before the resumed run appends
+        from archsearch.fileio import _heal_torn_tail
+
+        _heal_torn_tail(out_dir / "metrics.jsonl")
     metrics = (out_dir / "metrics.jsonl").open("a") if accelerator.is_main_process else None
 
     def log(obj: dict) -> None:

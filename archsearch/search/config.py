@@ -222,7 +222,13 @@ class OptunaConfig:
 
 
 def _check_storage_url(url: str) -> None:
-    """An Optuna storage URL SQLAlchemy can parse, with an installed dialect."""
+    """A journal file (``*.log`` / ``journal:PATH``), or a database URL SQLAlchemy can parse
+    with an installed dialect."""
+    if url.startswith("journal:") or url.endswith(".log"):
+        from archsearch.fileio import check_output
+
+        check_output("optuna.storage", url[len("journal:"):] if url.startswith("journal:") else url)
+        return
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
@@ -230,8 +236,8 @@ def _check_storage_url(url: str) -> None:
         make_url(url).get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError, ImportError) as e:
         raise ArchsearchError("optuna.storage", f"{url!r} is not a usable database URL ({e})",
-                              "e.g. sqlite:///study.db or postgresql://user@host/db; leave it out "
-                              "for the study folder's SQLite file") from None
+                              "e.g. sqlite:///study.db, postgresql://user@host/db or a journal "
+                              "file.log; leave it out for the study folder's SQLite file") from None
 
 
 @dataclass(frozen=True)

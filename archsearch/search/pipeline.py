@@ -19,6 +19,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import write_json
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock, throughput_at
 
@@ -47,9 +48,7 @@ class StudyState:
     def mark(self, stage: str, seconds: float, **info: Any) -> None:
         self.reload()
         self.data[stage] = {"status": "done", "seconds": round(seconds, 2), **info}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        write_json(self.path, self.data, default=str)
 
 
 # -- shapes ------------------------------------------------------------------------------------
@@ -268,7 +267,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 
     validate(cfg)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    write_json(out / "config.json", to_dict(cfg), default=str)
     state = StudyState(out)
     lock = out / ".stage.lock"
     want = lambda st: (only is None or st in only) and st not in skip  # noqa: E731
@@ -313,7 +312,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 
             _log(f"local GQA search around trial {best['trial']}")
             g = local_gqa_search(ArchSpec.from_dict(best["spec"]), ctx, cfg.gqa_search.baseline_gqa)
-            (out / "gqa.json").write_text(json.dumps(g.to_dict(), indent=2, default=str))
+            write_json(out / "gqa.json", g.to_dict(), default=str)
             state.mark("gqa", time.time() - t)
         chosen = _choose(out, best)
         base = baseline_spec(cfg)
@@ -447,10 +446,10 @@ def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]
         results.append({**c, "run_dir": str(run_dir), "status": rec.get("status"),
                         "eval_loss": rec.get("final_eval_loss")})
     released = release_best(results, ctx.target_loss)
-    (out / "predict_rank_select.json").write_text(json.dumps(
-        {"target_loss": ctx.target_loss, "candidates": results, "released": released,
-         "rule": "the highest measured throughput among trained candidates whose held-out loss "
-                 "meets the target; if none does, the lowest held-out loss"}, indent=2, default=str))
+    write_json(out / "predict_rank_select.json",
+               {"target_loss": ctx.target_loss, "candidates": results, "released": released,
+                "rule": "the highest measured throughput among trained candidates whose held-out loss "
+                        "meets the target; if none does, the lowest held-out loss"}, default=str)
 
 
 def release_best(results: list[dict[str, Any]], target_loss: float) -> dict[str, Any] | None:
