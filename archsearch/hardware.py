@@ -85,6 +85,16 @@ def detect_gpu_name(cuda_name: str) -> str | None:
     return None
 
 
+def local_device_name() -> str | None:
+    """The device this process would measure on: the first CUDA GPU's table name (None when
+    it is not in the table), or ``cpu`` where there is no CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return detect_gpu_name(torch.cuda.get_device_name(0))
+    return "cpu"
+
+
 @functools.lru_cache(maxsize=1)
 def host_memory_bytes() -> float:
     """This machine's physical memory in bytes (0 where the OS does not say)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
 
 
@@ -222,18 +223,10 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class SweepBuild:
-    """How the sweep's shapes are snapped (archsearch.candidates.BuildSettings; the
-    vocabulary comes from the tokenizer)."""
-
-    hidden_multiple: int = 64
-    ffn_multiple: int = 64
-    tolerance: float = 0.02
-    tie_embeddings: bool = False
-    family: str = "llama"
-    max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
+def _sweep_build() -> BuildSettings:
+    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
+    # flagged), since the law is fitted on the realised r
+    return BuildSettings(on_r_drift="flag")
 
 
 @dataclass(frozen=True)
@@ -249,7 +242,7 @@ class SweepConfig:
     n_layers: int | list[int] = 4
     gqa: int = 4
     head_dim: int = 64
-    build: SweepBuild = field(default_factory=SweepBuild)
+    build: BuildSettings = field(default_factory=_sweep_build)  # vocab_size: the tokenizer's
     train: TrainConfig = field(default_factory=lambda: TrainConfig(tokens_per_param=20))
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only
@@ -267,7 +260,7 @@ class SweepConfig:
                 raise ArchsearchError(f"sweep.{k}", "is empty", "give at least one value")
             if not all(v > 0 for v in vals):
                 raise ArchsearchError(f"sweep.{k}", f"values must be positive, got {vals}")
-        from archsearch.candidates import BuildSettings, check_size
+        from archsearch.candidates import check_size
 
         for i, n in enumerate(self.params):
             try:
@@ -281,12 +274,6 @@ class SweepConfig:
                 raise ArchsearchError(f"sweep.{k}", f"must be a positive integer, got {getattr(self, k)}")
         if self.seeds is not None and not self.seeds:
             raise ArchsearchError("sweep.seeds", "is empty", "give at least one seed, or leave it out")
-        b = self.build
-        try:
-            BuildSettings(hidden_multiple=b.hidden_multiple, ffn_multiple=b.ffn_multiple,
-                          tolerance=b.tolerance, max_position_embeddings=b.max_position_embeddings)
-        except ArchsearchError as e:
-            raise ArchsearchError(f"sweep.build.{e.field}", e.problem, e.fix) from None
         if isinstance(self.n_layers, list):
             if len(self.n_layers) != len(self.params):
                 raise ArchsearchError("sweep.n_layers", f"{len(self.n_layers)} values for "

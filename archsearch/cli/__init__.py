@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         # one line, however long the underlying message (YAML errors span several)
         print("archsearch: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
+    except OSError as e:  # a path the user named: missing, a folder, not writable, disk full
+        where = e.filename if e.filename is not None else "file"
+        print(f"archsearch: error: {where}: {e.strerror or e} (check the path and its permissions)",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
