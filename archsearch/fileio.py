@@ -105,6 +105,25 @@ def read_jsonl_lines(path: str | Path, what: str | None = None) -> list[Any]:
     return out
 
 
+def read_table(path: Path, what: str) -> list[Any]:
+    """The rows of a user's ``.csv`` (dicts by header) or JSON-lines file; a broken line is an
+    error naming ``what`` and the line."""
+    import csv
+
+    if path.suffix == ".csv":
+        with path.open(newline="") as fh:
+            return list(csv.DictReader(fh))
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ArchsearchError(f"{what} line {i}", f"is not valid JSON ({e.msg})",
+                                      "one JSON object per line") from None
+    return rows
+
+
 def check_output(flag: str, path: str | Path | None, kind: str = "file") -> None:
     """Refuse, before any work, an output ``path`` that cannot be written as a ``kind``
     ("file" or "dir"): an existing folder where a file goes, a file where a folder goes, or

@@ -188,23 +188,12 @@ def _parse(row: dict[str, Any], where: str) -> RunRecord:
 
 def read_runs(path: str | Path) -> list[RunRecord]:
     """Read runs from ``.csv`` or ``.jsonl``/``.json``; errors name the row and column."""
-    from archsearch.fileio import check_input_file
+    from archsearch.fileio import check_input_file, read_table
 
     p = check_input_file("--data", path)
-    rows: list[dict[str, Any]]
-    if p.suffix == ".csv":
-        with p.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    elif p.suffix in (".jsonl", ".json"):
-        rows = []
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ArchsearchError(f"{p}:{i}", f"invalid JSON: {e}") from None
-    else:
+    if p.suffix not in (".csv", ".jsonl", ".json"):
         raise ArchsearchError("--data", f"unknown format {p.suffix!r}", "use .csv or .jsonl")
+    rows = read_table(p, str(p))
     return [_parse(r, f"{p.name} row {i}") for i, r in enumerate(rows, 1)]
 
 

@@ -62,38 +62,49 @@ KILL_POINTS = {
 }
 
 
-def _start(cwd: Path, out: str) -> subprocess.Popen:
+def _cli(cwd: Path, *args: str, quiet: bool = False) -> subprocess.Popen:
+    """``archsearch ARGS``; ``quiet`` for a process we poll (a full stderr pipe would stall it)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "archsearch", "search", "--config", "study.yaml",
-                             "--out", out, "--json"], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "archsearch", *args], cwd=cwd, env=env,
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL if quiet else subprocess.PIPE, text=True)
 
 
-def _run_to_end(cwd: Path, out: str, timeout: float = 600) -> None:
-    p = _start(cwd, out)
-    _, err = p.communicate(timeout=timeout)
-    assert p.returncode == 0, err[-3000:]
-
-
-def _kill_when(cwd: Path, out: str, stage: str, timeout: float = 600) -> bool:
-    """Start the study and kill -9 it as soon as ``stage`` is under way; False if it finished
-    (or passed the stage) before the condition was seen."""
-    p = _start(cwd, out)
-    cond, folder, t0 = KILL_POINTS[stage], cwd / out, time.time()
+def _kill_on(p: subprocess.Popen, cond, timeout: float = 600) -> bool:
+    t0 = time.time()
     try:
         while p.poll() is None and time.time() - t0 < timeout:
-            if cond(folder):
+            if cond():
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
                 return True
             time.sleep(0.005)
-        assert p.poll() is not None, f"study still running after {timeout} s"
+        assert p.poll() is not None, f"still running after {timeout} s"
         return False
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-        p.stderr.close()
+
+
+def _finish(p: subprocess.Popen, timeout: float = 600) -> None:
+    _, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err[-3000:]
+
+
+def _start(cwd: Path, out: str, quiet: bool = False) -> subprocess.Popen:
+    return _cli(cwd, "search", "--config", "study.yaml", "--out", out, "--json", quiet=quiet)
+
+
+def _run_to_end(cwd: Path, out: str) -> None:
+    _finish(_start(cwd, out))
+
+
+def _kill_when(cwd: Path, out: str, stage: str) -> bool:
+    """Start the study and kill -9 it as soon as ``stage`` is under way; False if it finished
+    (or passed the stage) before the condition was seen."""
+    cond, folder = KILL_POINTS[stage], cwd / out
+    return _kill_on(_start(cwd, out, quiet=True), lambda: cond(folder))
 
 
 def _strip(obj):
@@ -143,34 +154,6 @@ TINY = ["--layers", "2", "--hidden-size", "64", "--heads", "2", "--kv-heads", "1
         "--vocab-size", "2048"]
 
 
-def _cli(cwd: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "archsearch", *args], cwd=cwd, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _kill_on(p: subprocess.Popen, cond, timeout: float = 600) -> bool:
-    t0 = time.time()
-    try:
-        while p.poll() is None and time.time() - t0 < timeout:
-            if cond():
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
-                return True
-            time.sleep(0.01)
-        return False
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        p.stderr.close()
-
-
-def _finish(p: subprocess.Popen, timeout: float = 600) -> None:
-    _, err = p.communicate(timeout=timeout)
-    assert p.returncode == 0, err[-3000:]
-
-
 @pytest.mark.slow
 def test_training_run_survives_kill_9(tmp_path):
     """Killed after its first checkpoint, a run resumes from it and ends where a clean run ends."""
@@ -178,7 +161,7 @@ def test_training_run_survives_kill_9(tmp_path):
     args = ["train", *TINY, "--config", "train.yaml", "--no-progress", "--out"]
     _finish(_cli(tmp_path, *args, "clean"))
     ckpts = tmp_path / "drilled" / "checkpoints"
-    landed = _kill_on(_cli(tmp_path, *args, "drilled"),
+    landed = _kill_on(_cli(tmp_path, *args, "drilled", quiet=True),
                       lambda: ckpts.is_dir() and any(not c.name.startswith(".") for c in ckpts.iterdir()))
     assert landed, "the run finished before its first checkpoint"
     _finish(_cli(tmp_path, *args, "drilled"))
@@ -187,3 +170,28 @@ def test_training_run_survives_kill_9(tmp_path):
     assert drilled["status"] == clean["status"] == "ok"
     assert drilled["steps"] == clean["steps"] and drilled["tokens"] == clean["tokens"]
     assert drilled["final_eval_loss"] == pytest.approx(clean["final_eval_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_study_where_every_candidate_fails_ends_with_a_message(tmp_path):
+    """Every measurement fails (a batch no device holds): failed trials with reasons, a report
+    that says so first, no traceback."""
+    import copy
+
+    from archsearch.laws.synthetic import synthetic_runs
+    from archsearch.rundata import write_runs
+
+    coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
+    write_runs(tmp_path / "runs.csv", synthetic_runs("conditional-multiplicative", coef,
+                                                     sizes=(5e5, 1e6, 2e6, 4e6), tokens_per_param=(10, 20)))
+    cfg = copy.deepcopy(STUDY)
+    cfg["measure"].update(batch_sizes=[10**8], device_spec="A100-40GB")
+    cfg["optuna"].update(n_trials=2, max_trials=4)
+    cfg["law"]["bootstrap"] = 0
+    (tmp_path / "study.yaml").write_text(yaml.safe_dump(cfg))
+    p = subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", "study.yaml", "--out", "s"],
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                       text=True, timeout=600)
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.returncode == 0 and "No feasible shape was measured" in p.stdout
+    assert "predicted not to fit" in (tmp_path / "s" / "trials.csv").read_text()

@@ -162,28 +162,15 @@ def _fit(args: argparse.Namespace) -> int:
 
 def _read_throughputs(path: str):
     """(arch tuple) -> throughput, from a runs-like CSV/JSONL with a ``throughput`` column."""
-    import csv
-    import json
     import math
 
     from archsearch.errors import ArchsearchError
     from archsearch.rundata import ARCH_COLUMNS
 
-    from archsearch.fileio import check_input_file
+    from archsearch.fileio import check_input_file, read_table
 
-    p = check_input_file("--throughput", path)
     need = "needs numbers " + ", ".join(ARCH_COLUMNS) + ", throughput (a positive one)"
-    if p.suffix == ".csv":
-        with p.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    else:
-        rows = []
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ArchsearchError(f"--throughput line {i}", f"is not valid JSON ({e.msg})", need) from None
+    rows = read_table(check_input_file("--throughput", path), "--throughput")
     table = {}
     for i, row in enumerate(rows, 1):
         try:
