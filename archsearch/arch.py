@@ -488,11 +488,9 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ArchSpec:
 
 def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write ``out_dir/config.json``; returns its path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.json"
-    path.write_text(json.dumps(to_hf_config(spec, dtype), indent=2) + "\n")
-    return path
+    from archsearch.fileio import write_json
+
+    return write_json(Path(out_dir) / "config.json", to_hf_config(spec, dtype))
 
 
 def load_arch(source: str | Path) -> ArchSpec:
@@ -514,6 +512,9 @@ def load_arch(source: str | Path) -> ArchSpec:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ArchsearchError(str(p), f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ArchsearchError(str(p), f"holds a {type(data).__name__}, not a JSON object",
+                              "give an HF config.json or an architecture JSON object")
     if "architecture" in data and isinstance(data["architecture"], dict):
         data = data["architecture"]
     if "model_type" in data:

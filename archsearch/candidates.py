@@ -109,10 +109,43 @@ def _snap(x: float, multiple: int) -> int:
     return max(multiple, int(round(x / multiple)) * multiple)
 
 
+# Beyond these a request is a typo, not a model: 10T non-embedding parameters is several times
+# the largest dense model trained, a million wide or 10k layers deep has never been built.
+MAX_PARAMS = 1e13
+MAX_LAYERS = 10_000
+MAX_HIDDEN = 1_000_000
+
+
+def check_size(params: float, n_layers: int | None = None) -> None:
+    """Refuse a parameter budget or depth beyond any buildable model (cheap, up front)."""
+    if not (isinstance(params, (int, float)) and math.isfinite(params) and params > 0):
+        raise ArchsearchError("params", f"must be a positive finite number, got {params!r}")
+    if params > MAX_PARAMS:
+        raise ArchsearchError("params", f"{params:.3g} is beyond any buildable model",
+                              f"give a budget up to {MAX_PARAMS:.0e} (e.g. 1e9 or 1B)")
+    if n_layers is not None and not (isinstance(n_layers, int) and 0 < n_layers <= MAX_LAYERS):
+        raise ArchsearchError("layers", f"must be an integer in [1, {MAX_LAYERS}], got {n_layers!r}")
+
+
+def check_build_request(params: float, n_layers: int, hidden_over_sqrt_n: float,
+                        mlp_to_attn: float) -> None:
+    """Refuse absurd or non-finite knobs from arithmetic alone, before any shape is searched."""
+    for name, v in (("params", params), ("hidden_over_sqrt_n", hidden_over_sqrt_n),
+                    ("mlp_to_attn", mlp_to_attn)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ArchsearchError(name, f"must be a positive finite number, got {v!r}")
+    check_size(params, n_layers)
+    if hidden_over_sqrt_n * math.sqrt(params) > MAX_HIDDEN:
+        raise ArchsearchError("hidden_over_sqrt_n", f"{hidden_over_sqrt_n} x sqrt(N) gives a hidden size "
+                              f"of {hidden_over_sqrt_n * math.sqrt(params):.3g}",
+                              f"keep the hidden size under {MAX_HIDDEN:,} (typical: 0.03-0.12)")
+
+
 def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
                     mlp_to_attn: float, gqa: int = 4, head_dim: int = 64,
                     settings: BuildSettings | None = None, name: str | None = None) -> Candidate:
     """Expand the primary knobs into a buildable spec (see the module docstring)."""
+    check_build_request(params, n_layers, hidden_over_sqrt_n, mlp_to_attn)
     s = settings or BuildSettings()
     if not (params > 0 and math.isfinite(params)):
         raise ArchsearchError("params", f"must be a positive finite number, got {params}")

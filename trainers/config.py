@@ -119,6 +119,10 @@ class DataConfig:
         return list(self.source) if isinstance(self.source, list) else [self.source]
 
 
+# Above this AdamW diverges on the first step (and near 3e38 the float32 update overflows).
+MAX_LR = 10.0
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run's optimisation settings.
@@ -192,8 +196,9 @@ class TrainConfig:
             raise ArchsearchError("train.micro_batch_size",
                                   f"{self.micro_batch_size} does not divide global_batch_size="
                                   f"{self.global_batch_size}", "pick a divisor of the global batch")
-        if not self.lr > 0:
-            raise ArchsearchError("train.lr", f"must be positive, got {self.lr}")
+        if not 0 < self.lr <= MAX_LR:
+            raise ArchsearchError("train.lr", f"must be in (0, {MAX_LR:g}], got {self.lr}",
+                                  "AdamW learning rates of LLMs lie around 1e-4 to 1e-2")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ArchsearchError("train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:
@@ -281,6 +286,20 @@ class SweepConfig:
                 raise ArchsearchError(f"sweep.{k}", "is empty", "give at least one value")
             if not all(v > 0 for v in vals):
                 raise ArchsearchError(f"sweep.{k}", f"values must be positive, got {vals}")
+        from archsearch.candidates import check_size
+
+        for i, n in enumerate(self.params):
+            try:
+                check_size(n, max(self.n_layers) if isinstance(self.n_layers, list) and self.n_layers
+                           else self.n_layers)
+            except ArchsearchError as e:
+                raise ArchsearchError(f"sweep.{'params' if e.field == 'params' else 'n_layers'}",
+                                      e.problem, e.fix) from None
+        for k in ("gqa", "head_dim"):
+            if getattr(self, k) <= 0:
+                raise ArchsearchError(f"sweep.{k}", f"must be a positive integer, got {getattr(self, k)}")
+        if self.seeds is not None and not self.seeds:
+            raise ArchsearchError("sweep.seeds", "is empty", "give at least one seed, or leave it out")
         if isinstance(self.n_layers, list):
             if len(self.n_layers) != len(self.params):
                 raise ArchsearchError("sweep.n_layers", f"{len(self.n_layers)} values for "

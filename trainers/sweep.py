@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec, non_embedding_params
 from archsearch.configio import to_dict
+from archsearch.fileio import atomic_write, write_json
 from archsearch.errors import ArchsearchError
 from archsearch.rundata import RunRecord, write_runs
 from trainers.config import SweepConfig
@@ -170,7 +171,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
         if health is not None:
             (out / "health.jsonl").write_text("".join(json.dumps(a, default=str) + "\n" for a in health.attempts))
     write_runs(out / "runs.csv", rows)
-    (out / "failures.jsonl").write_text("".join(json.dumps(f, default=str) + "\n" for f in failures))
+    atomic_write(out / "failures.jsonl", "".join(json.dumps(f, default=str) + "\n" for f in failures))
     ok = [r for r in rows if r.status == "ok"]
     summary = {"name": cfg.name, "config": to_dict(cfg), "points": len(specs), "runs_ok": len(ok),
                "runs_failed": len(rows) - len(ok), "not_built": sum(s is None for _, s, _ in specs),
@@ -178,7 +179,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
                "health": health.summary(final_records) if health is not None else None,
                "elapsed_s": time.perf_counter() - t0, "data": {k: v for k, v in data.info.items()},
                "provenance": provenance()}
-    (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_json(out / "sweep.json", summary, default=str)
     log(f"sweep {cfg.name}: {len(ok)} ok, {len(rows) - len(ok)} failed, "
         f"{summary['not_built']} not built -> {out / 'runs.csv'}")
     if health is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
@@ -83,7 +84,10 @@ def _bench(args: argparse.Namespace) -> int:
         _print_table(d)
         if args.out:
             print(f"appended to {args.out}")
-    return 0 if result.ok else 1
+    if not result.ok:  # recorded above; the exit status and this line say it failed
+        print(f"archsearch: measurement failed: {result.error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:

@@ -110,7 +110,10 @@ def _curve(law, c, key, x):
 
 
 def _save(fig, path: Path, plt) -> Path:
+    from archsearch.fileio import atomic_open
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)
     return path

@@ -201,10 +201,9 @@ class TimeLaw:
         return cls(**{k: v for k, v in data.items() if k in keys})
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        from archsearch.fileio import write_json
+
+        return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "TimeLaw":

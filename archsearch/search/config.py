@@ -39,6 +39,10 @@ class BaselineConfig:
                                   "hidden_over_sqrt_n + mlp_to_attn (+ gqa)")
         if ways[2] and (self.hidden_over_sqrt_n is None or self.mlp_to_attn is None):
             raise ArchsearchError("baseline", "knobs need both hidden_over_sqrt_n and mlp_to_attn")
+        for k in ("hidden_over_sqrt_n", "mlp_to_attn", "gqa"):
+            v = getattr(self, k)
+            if v is not None and not v > 0:
+                raise ArchsearchError(f"baseline.{k}", f"must be positive, got {v}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,15 @@ class SearchSpace:
         for i, g in enumerate(self.gqa):
             if g <= 0:
                 raise ArchsearchError(f"search_space.gqa[{i}]", f"must be positive, got {g}")
+        for name in ("hidden_over_sqrt_n_step", "mlp_to_attn_step"):
+            if getattr(self, name) < 0:
+                raise ArchsearchError(f"search_space.{name}", f"must be >= 0, got {getattr(self, name)}",
+                                      "0 means continuous")
+        from archsearch.arch import SUPPORTED_HEAD_DIMS
+
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ArchsearchError("search_space.head_dim", f"{self.head_dim} is not supported by the "
+                                  "attention kernels", f"use one of {list(SUPPORTED_HEAD_DIMS)}")
 
 
 @dataclass(frozen=True)
@@ -196,8 +209,32 @@ class OptunaConfig:
             raise ArchsearchError("optuna.objective", f"{self.objective!r} is unknown", "use throughput or pareto")
         if self.n_trials <= 0:
             raise ArchsearchError("optuna.n_trials", "must be positive")
+        if self.max_trials is not None and self.max_trials < self.n_trials:
+            raise ArchsearchError("optuna.max_trials", f"{self.max_trials} is below n_trials={self.n_trials}",
+                                  "leave it out (10 x n_trials) or give at least n_trials")
+        if self.storage is not None:
+            _check_storage_url(self.storage)
         if self.enqueue_solution < 0:
             raise ArchsearchError("optuna.enqueue_solution", "must be >= 0")
+
+
+def _check_storage_url(url: str) -> None:
+    """A journal file (``*.log`` / ``journal:PATH``), or a database URL SQLAlchemy can parse
+    with an installed dialect."""
+    if url.startswith("journal:") or url.endswith(".log"):
+        from archsearch.fileio import check_output
+
+        check_output("optuna.storage", url[len("journal:"):] if url.startswith("journal:") else url)
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(url).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError, ImportError) as e:
+        raise ArchsearchError("optuna.storage", f"{url!r} is not a usable database URL ({e})",
+                              "e.g. sqlite:///study.db, postgresql://user@host/db or a journal "
+                              "file.log; leave it out for the study folder's SQLite file") from None
 
 
 @dataclass(frozen=True)
@@ -205,12 +242,21 @@ class GQASearchConfig:
     enabled: bool = True
     baseline_gqa: int = 4
 
+    def __post_init__(self) -> None:
+        if self.baseline_gqa <= 0:
+            raise ArchsearchError("gqa_search.baseline_gqa", f"must be a positive integer, got {self.baseline_gqa}")
+
 
 @dataclass(frozen=True)
 class LimitsConfig:
     max_ttft_s: float | None = None
     max_tpot_s: float | None = None
     max_peak_memory_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        from archsearch.planning.limits import Limits
+
+        Limits(self.max_ttft_s, self.max_tpot_s, self.max_peak_memory_gib)  # its checks, named limits.*
 
 
 @dataclass(frozen=True)
@@ -220,6 +266,10 @@ class FinalTrainConfig:
     train: dict[str, Any] = field(default_factory=dict)  # trainers.TrainConfig fields
     data: dict[str, Any] | None = None  # trainers.DataConfig fields; default: the proxy sweep's
 
+    def __post_init__(self) -> None:
+        if self.tokens is not None and not self.tokens > 0:
+            raise ArchsearchError("final_train.tokens", f"must be positive, got {self.tokens}")
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -227,6 +277,12 @@ class EvalConfig:
     tasks: str = "offline"
     limit: int | None = None
     batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit <= 0:
+            raise ArchsearchError("evaluation.limit", f"must be positive, got {self.limit}")
+        if self.batch_size <= 0:
+            raise ArchsearchError("evaluation.batch_size", f"must be positive, got {self.batch_size}")
 
 
 @dataclass(frozen=True)
@@ -258,8 +314,9 @@ class StudyConfig:
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in "/\\ "):
             raise ArchsearchError("name", f"{self.name!r} must be a non-empty name without slashes or spaces")
-        if not self.params > 0:
-            raise ArchsearchError("params", f"must be positive, got {self.params}")
+        from archsearch.candidates import check_size
+
+        check_size(self.params, self.n_layers if self.n_layers > 0 else None)
         if not self.tokens > 0:
             raise ArchsearchError("tokens", f"must be positive, got {self.tokens}")
         if self.n_layers <= 0:
@@ -268,6 +325,11 @@ class StudyConfig:
             raise ArchsearchError("mode", f"{self.mode!r} is unknown", "use algorithm5 or predict-rank-select")
         if self.top_k <= 0:
             raise ArchsearchError("top_k", "must be positive")
+        if self.out is not None and ".." in Path(self.out).parts:
+            raise ArchsearchError("out", f"{self.out!r} climbs out with '..'",
+                                  "give an absolute path or one below the current folder")
+        if self.law.file is not None and not Path(self.law.file).is_file():
+            raise ArchsearchError("law.file", f"no such file {self.law.file!r}")
         if not 0 <= self.release_accuracy_tolerance < 1:
             raise ArchsearchError("release_accuracy_tolerance", f"must be in [0, 1), got "
                                   f"{self.release_accuracy_tolerance}", "e.g. 0.01: one accuracy point")

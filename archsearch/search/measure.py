@@ -14,13 +14,13 @@ import fcntl
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.fileio import append_line, read_jsonl_lines
 from archsearch.search.config import MeasureConfig
 
 _ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang"}
@@ -53,13 +53,7 @@ class MeasurementStore:
         self._lock = self.path.with_suffix(".lock")
 
     def _read(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    out[rec["key"]] = rec["result"]
-        return out
+        return {rec["key"]: rec["result"] for rec in read_jsonl_lines(self.path)}
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self._read().get(key)
@@ -69,10 +63,7 @@ class MeasurementStore:
 
     def put(self, key: str, result: dict[str, Any]) -> None:
         with file_lock(self._lock):
-            with self.path.open("a") as fh:
-                fh.write(json.dumps({"key": key, "result": result}, default=str) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            append_line(self.path, json.dumps({"key": key, "result": result}, default=str))
 
     @contextlib.contextmanager
     def claim(self, key: str) -> Iterator[dict[str, Any] | None]:

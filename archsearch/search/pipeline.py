@@ -19,6 +19,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import write_json
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock, throughput_at
 
@@ -47,9 +48,7 @@ class StudyState:
     def mark(self, stage: str, seconds: float, **info: Any) -> None:
         self.reload()
         self.data[stage] = {"status": "done", "seconds": round(seconds, 2), **info}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        write_json(self.path, self.data, default=str)
 
 
 # -- shapes ------------------------------------------------------------------------------------
@@ -334,7 +333,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 
     validate(cfg)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    write_json(out / "config.json", to_dict(cfg), default=str)
     state = StudyState(out)
     lock = out / ".stage.lock"
     want = lambda st: (only is None or st in only) and st not in skip  # noqa: E731
@@ -379,7 +378,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 
             _log(f"local GQA search around trial {best['trial']}")
             g = local_gqa_search(ArchSpec.from_dict(best["spec"]), ctx, cfg.gqa_search.baseline_gqa)
-            (out / "gqa.json").write_text(json.dumps(g.to_dict(), indent=2, default=str))
+            write_json(out / "gqa.json", g.to_dict(), default=str)
             state.mark("gqa", time.time() - t)
         chosen = _choose(out, best)
         base = baseline_spec(cfg)
@@ -531,10 +530,10 @@ def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]
             row["downstream"] = {t: m.get("acc,none") for t, m in ev.get("results", {}).items()}
         results.append(row)
     released = release_best(results, ctx.target_loss, cfg.release_accuracy_tolerance)
-    (out / "predict_rank_select.json").write_text(json.dumps(
-        {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
-         "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)},
-        indent=2, default=str))
+    write_json(out / "predict_rank_select.json",
+               {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
+                "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)},
+               default=str)
 
 
 RELEASE_RULE = ("of the trained candidates, those whose mean downstream accuracy is within {tol} of the "

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
+from archsearch.fileio import atomic_open, atomic_write, write_json
 from archsearch.provenance import provenance
 from archsearch.search.measure import batch_entry, throughput_at
 from archsearch.search.study import storage_url
@@ -97,7 +98,7 @@ def write_trials_csv(study, path: Path) -> None:
     cols: list[str] = []
     for r in rows:
         cols += [k for k in r if k not in cols]
-    with path.open("w", newline="") as fh:
+    with atomic_open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
@@ -138,7 +139,8 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "pareto.png", dpi=120)
+    with atomic_open(out / "pareto.png", "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
     made.append("plots/pareto.png")
     # 2. U-curves of the law at the target budget
@@ -188,7 +190,8 @@ def _ucurves(ctx, out: Path, plt) -> list[str]:
         ax.legend(fontsize=8)
     fig.suptitle(f"law factors at N={cfg.params:.3g}, D={cfg.tokens:.3g} over the search box")
     fig.tight_layout()
-    fig.savefig(out / "ucurves.png", dpi=120)
+    with atomic_open(out / "ucurves.png", "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
     return ["plots/ucurves.png"]
 
@@ -253,8 +256,8 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
         summary["predict_rank_select"] = json.loads(prs.read_text())
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / "report.md").write_text(render_markdown(summary))
+    write_json(out / "summary.json", summary, default=str)
+    atomic_write(out / "report.md", render_markdown(summary))
     return summary
 
 

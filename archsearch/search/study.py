@@ -36,6 +36,15 @@ class MeasurementFailed(Exception):
     """A candidate's measurement failed: its trial fails, the study goes on."""
 
 
+def _no_traceback_for_failed_measurements(record) -> bool:
+    """A logging filter: Optuna logs a caught trial error with its traceback; a failed
+    measurement is expected (its reason is in the line and in the trial), so drop the trace."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, MeasurementFailed):
+        record.exc_info = None
+    return True
+
+
 @dataclass
 class SearchContext:
     cfg: StudyConfig
@@ -400,6 +409,11 @@ def run_study(ctx: SearchContext, progress: bool = True):
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
     left = max_trials - len(study.get_trials(deepcopy=False))
     if distinct_measured(study) < cfg.optuna.n_trials and left > 0:
+        import logging
+
+        log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
+        if _no_traceback_for_failed_measurements not in log.filters:
+            log.addFilter(_no_traceback_for_failed_measurements)
         study.optimize(lambda t: objective(t, ctx), n_trials=left,
                        callbacks=[DistinctShapesCallback(cfg.optuna.n_trials)]
                        + ([_progress_callback(cfg.optuna.n_trials)] if progress else []),
