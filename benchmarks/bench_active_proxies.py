@@ -9,8 +9,9 @@ proxies: N = 80M, 145M, 297M at D = 100N, a 5 x 5 box of d/sqrt(N) in [0.04, 0.1
 the true law times exp(noise z); grid and plan see the same draw for the same run.
 
 * grid: every run of the box, fitted once (the method's plan); also its size-by-size prefixes.
-* active: ``archsearch.laws.active.propose`` (grid3 initial design at the smallest size, then
-  the acquisition), batches of ``--batch``, run up to a third of the grid's FLOPs. Inside the
+* active: ``archsearch.laws.active.propose`` over a finer box of candidates at the same sizes
+  (``--active-resolution`` 9 x 9; the plan is not bound to the grid's points), grid3 initial
+  design at the smallest size, then the acquisition, batches of ``--batch``, run up to a third of the grid's FLOPs. Inside the
   loop the law is fitted with ``--bootstrap`` (32) resamples and 3 starts instead of 200 / 10,
   to keep the benchmark cheap; the plan's estimate is the full fit's closed-form optimum.
 
@@ -70,6 +71,17 @@ def paper_pool(sizes=(80e6, 145e6, 297e6), tokens_per_param=100.0, box_x1=(0.04,
                 toks.append(tokens_per_param * non_embedding_params(spec))
                 lev.append(li)
     return Pool.of(specs, toks, lev)
+
+
+def observe(pool, mean, noise, seed):
+    """Noisy losses; a run's noise depends only on its shape, budget and the seed, so the grid and
+    the plan (whose pools overlap) see the same draw for the same run."""
+    import hashlib
+
+    z = [np.random.default_rng([seed, int(hashlib.sha256(
+        json.dumps([s.to_dict(), float(t)], sort_keys=True).encode()).hexdigest()[:12], 16)]).standard_normal()
+         for s, t in zip(pool.specs, pool.tokens)]
+    return mean * np.exp(noise * np.array(z))
 
 
 def error(est, truth, which=(0, 1)) -> float:
@@ -143,34 +155,37 @@ def summarise_plan(traj, truth, tol, at_flops):
 
 
 def _med(vals):
-    v = [x for x in vals if x is not None]
-    return float(np.median(v)) if v else None
+    """Median over seeds; None (never reached) counts as infinitely late; an infinite median is None."""
+    m = float(np.median([math.inf if x is None else x for x in vals]))
+    return m if math.isfinite(m) else None
 
 
 def synthetic(args) -> dict:
     from archsearch.laws import FitOptions, forms
 
-    pool = paper_pool()
-    X = dict(pool.X)
-    X["Lref"] = forms.predict("chinchilla", CHINCHILLA, X)
-    mean = forms.predict(LAW, TRUE, X)
+    def with_truth(pool):
+        X = dict(pool.X)
+        X["Lref"] = forms.predict("chinchilla", CHINCHILLA, X)
+        return pool, forms.predict(LAW, TRUE, X)
+
+    pool, mean = with_truth(paper_pool())
+    apool, amean = with_truth(paper_pool(k=args.active_resolution))
     truth = (TRUE["a2"] / TRUE["a1"], TRUE["b2"] / TRUE["b1"])
     grid_opts = FitOptions(reference="best-observed")
     loop_opts = FitOptions(reference="best-observed", bootstrap=args.bootstrap, n_starts=3)
     grid_flops = float(pool.flops.sum())
     level_flops = np.cumsum([pool.flops[pool.level == lv].sum() for lv in sorted(set(pool.level))])
-    out = {"pool_runs": len(pool), "grid_flops": grid_flops, "grid_level_flops": level_flops.tolist(),
+    out = {"pool_runs": len(pool), "active_pool_runs": len(apool), "grid_flops": grid_flops, "grid_level_flops": level_flops.tolist(),
            "truth": {"hidden_over_sqrt_n": truth[0], "mlp_to_attn_ratio": truth[1]}, "noise": {}}
     for noise in args.noise:
         rows = []
         for seed in range(args.seeds):
             t0 = time.perf_counter()
-            rng = np.random.default_rng([seed, int(noise * 1e6)])
-            losses = mean * np.exp(noise * rng.standard_normal(len(pool)))
+            losses = observe(pool, mean, noise, seed)
             grid_est = [point_optimum(pool, np.flatnonzero(pool.level <= lv), losses, grid_opts)
                         for lv in sorted(set(pool.level))]
             grid_levels = [error(e, truth) for e in grid_est]
-            traj = run_plan(pool, losses, loop_opts, grid_flops / 3.0, args.batch)
+            traj = run_plan(apool, observe(apool, amean, noise, seed), loop_opts, grid_flops / 3.0, args.batch)
             row = {"seed": seed, "grid_error": grid_levels[-1], "grid_error_by_level": grid_levels,
                    "grid_error_x1": error(grid_est[-1], truth, (0,)), "grid_error_r": error(grid_est[-1], truth, (1,)),
                    "grid_error_x1_by_level": [error(e, truth, (0,)) for e in grid_est],
@@ -237,6 +252,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--noise", type=float, nargs="+", default=[0.003, 0.01])
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--active-resolution", type=int, default=9,
+                    help="the plan's candidates: this many d/sqrt(N) x r values per size (the grid has 5 x 5)")
     ap.add_argument("--bootstrap", type=int, default=32)
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--runs", default="results/demo-cpu/proxies/runs.csv")

@@ -208,11 +208,11 @@ def _run(tmp_path, **active_over):
     sweep = from_dict(SweepConfig, SWEEP)
     cfg = ActiveProxyConfig(**{"bootstrap": 24, "tolerance": 0.02, **active_over})
     return run_active([sweep], "conditional-multiplicative", FitOptions(reference="best-observed", n_starts=2),
-                      cfg, tmp_path / "active", progress=False)
+                      cfg, tmp_path / "proxies" / "active", progress=False)
 
 
 def _events(tmp_path):
-    return [json.loads(x) for x in (tmp_path / "active" / "decisions.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (tmp_path / "proxies" / "active" / "decisions.jsonl").read_text().splitlines()]
 
 
 def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
@@ -237,6 +237,25 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     assert props[-1]["reason"].startswith("largest expected shrinkage")
     assert ev[-1]["event"] == "stop" and "budget" in ev[-1]["reason"]
     assert any(e["event"] == "fit" and e["interval"]["half_width_hidden_over_sqrt_n"] > 0 for e in ev)
+    # the report's section and plot: each decision with its interval before and after its run
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+
+    plan = active_plan_summary(tmp_path)
+    assert plan["runs"] == len(props) and plan["grid_runs"] == len(pool)
+    assert plan["flops"] <= budget < plan["grid_flops"]
+    d = plan["decisions"]
+    assert d[0]["half_width_before"] is None and d[-1]["half_width_before"] is not None
+    assert all(x["half_width_after"] is not None for x in d[:-1])  # the last run's fit is the stop's
+    md = "\n".join(_active_markdown(plan))
+    assert "## Proxy plan: active" in md and "compute budget" in md and md.count("| initial design") == len(small)
+    (tmp_path / "plots").mkdir()
+    assert _active_plot(plan, tmp_path / "plots", plt) == ["plots/active_proxies.png"]
+    assert (tmp_path / "plots" / "active_proxies.png").stat().st_size > 10_000
     # a rerun resumes: nothing is trained again, the stop is not logged twice
     n = len(fake_training)
     _run(tmp_path, budget_flops=budget)
@@ -250,7 +269,7 @@ def test_driver_reproposes_a_dead_workers_run_and_skips_a_live_ones(tmp_path, fa
     _run(tmp_path / "a", budget_flops=_one_run_budget())
     first = [e["run_id"] for e in _events(tmp_path / "a") if e["event"] == "propose"][0]
     fake_training.clear()
-    out = tmp_path / "b" / "active"
+    out = tmp_path / "b" / "proxies" / "active"
     # a dead worker left the claim file of the first run (nobody holds its lock)
     (out / "claims").mkdir(parents=True)
     (out / "claims" / f"{first}.lock").write_text("otherhost:1\n")
@@ -261,7 +280,7 @@ def test_driver_reproposes_a_dead_workers_run_and_skips_a_live_ones(tmp_path, fa
     import threading
 
     fake_training.clear()
-    other = _Claims(tmp_path / "c" / "active")
+    other = _Claims(tmp_path / "c" / "proxies" / "active")
     other.take(first)
     # the other worker "dies" after a while; this one waits for runs in flight before stopping
     timer = threading.Timer(3.0, other.release, [first])

@@ -110,10 +110,11 @@ def _append(path: Path, rec: dict) -> None:
 
 
 def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
-               progress: bool = True) -> list[RunRecord]:
+               anchor_params: list[float] = (), progress: bool = True) -> list[RunRecord]:
     """Run (or resume, or join as another worker) the active plan; returns the finished runs'
     rows (also in ``runs.csv``). ``cfg``: ``archsearch.search.config.ActiveProxyConfig``;
-    ``fit_options``: the study's ``FitOptions`` (the loop refits with ``cfg.bootstrap``)."""
+    ``fit_options``: the study's ``FitOptions`` (the loop refits with ``cfg.bootstrap``);
+    ``anchor_params``: sizes whose box centre joins the initial design (the nearest level)."""
     import dataclasses
 
     from archsearch.laws.active import Pool, propose
@@ -135,6 +136,8 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     pool = Pool.of([e["spec"] for e in pool_entries], [e["tokens"] for e in pool_entries],
                    [e["level"] for e in pool_entries])
     loop_opts = dataclasses.replace(fit_options, bootstrap=cfg.bootstrap, n_starts=min(fit_options.n_starts, 3))
+    sizes = sorted({float(n) for s in sweeps for n in s.params})
+    anchors = sorted({min(range(len(sizes)), key=lambda i: abs(math.log(sizes[i] / a))) for a in anchor_params})
     claims = _Claims(out)
     decisions = out / DECISIONS
     lock = out / ".plan.lock"
@@ -162,7 +165,8 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
             spent = float(sum(pool.flops[i] for i in [*observed, *failed, *pending]))
             left = math.inf if cfg.budget_flops is None else cfg.budget_flops - spent
             prop = propose(pool, observed, pending, law, loop_opts, k=cfg.batch_size, initial=cfg.initial,
-                           noise_floor=cfg.noise_floor, level=cfg.level, exclude=failed, max_cost=left)
+                           noise_floor=cfg.noise_floor, level=cfg.level, exclude=failed, max_cost=left,
+                           anchors=anchors)
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             interval = prop.interval.to_dict() if prop.interval else None
             if prop.interval is not None:

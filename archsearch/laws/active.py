@@ -169,7 +169,7 @@ def initial_design(levels: np.ndarray, x1: np.ndarray, r: np.ndarray, kind: str)
     in logs) or ``grid3`` (corners, edge midpoints, centre)."""
     small = np.flatnonzero(levels == levels.min())
     lx, lr = np.log(x1[small]), np.log(r[small])
-    fr = np.linspace(0.0, 1.0, 3) if kind == "grid3" else np.array([0.0, 1.0])
+    fr = {"grid3": np.linspace(0.0, 1.0, 3), "centre": np.array([])}.get(kind, np.array([0.0, 1.0]))
     targets = [(a, b) for a in fr for b in fr]
     if kind != "grid3":
         targets.append((0.5, 0.5))
@@ -231,10 +231,12 @@ class Proposal:
 def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law: str, options: Any,
             k: int = 1, initial: str = "grid3", noise_floor: float = 0.002,
             level: float = 0.9, min_resamples: int = 10, exclude: Sequence[int] = (),
-            max_cost: float = math.inf) -> Proposal:
+            max_cost: float = math.inf, anchors: Sequence[int] = ()) -> Proposal:
     """The next ``k`` runs given the finished ones (``observed``: pool index -> loss), those in
     flight (``pending``) and those never to propose (``exclude``, e.g. failed); runs dearer
-    than ``max_cost`` FLOPs (what is left of a budget) are not proposed. ``options``: the :class:`~archsearch.laws.fit.FitOptions` of the fit,
+    than ``max_cost`` FLOPs (what is left of a budget) are not proposed. ``anchors``: size levels
+    whose box centre joins the initial design (a best-observed L_opt needs a run at the target
+    size). ``options``: the :class:`~archsearch.laws.fit.FitOptions` of the fit,
     with the (small) bootstrap the ensemble needs."""
     from archsearch.errors import ArchsearchError
     from archsearch.laws.fit import fit_law
@@ -247,6 +249,10 @@ def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law:
     available = np.array([i not in taken for i in range(len(pool))]) & in_range & (pool.flops <= max_cost)
     sub = np.flatnonzero(in_range)
     design = [int(sub[i]) for i in initial_design(pool.level[sub], pool.X["x1"][sub], r[sub], initial)]
+    for lv in anchors:
+        at = sub[pool.level[sub] == lv]
+        if at.size:
+            design += [int(at[i]) for i in initial_design(pool.level[at], pool.X["x1"][at], r[at], "centre")]
     todo = [i for i in design if available[i]]
     if todo:
         return Proposal([{"index": i, "reason": f"initial design ({initial} of the box at the smallest size)"}

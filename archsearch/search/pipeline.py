@@ -377,8 +377,10 @@ def _stage_proxy_active(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
 
     t = time.time()
     _log(f"active proxy plan into {out / 'proxies' / 'active'}")
+    # a best-observed L_opt exists only at a trained size: the target size joins the initial design
+    anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
     records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
-                         out / "proxies" / "active")
+                         out / "proxies" / "active", anchor_params=anchors)
     path = _runs_path(cfg, out)
     with file_lock(out / ".stage.lock"):
         write_runs(path, records)
