@@ -447,12 +447,30 @@ def _stage_proxy_active(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
     records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
                          out / "proxies" / "active", anchor_params=anchors)
+    write_active_plan_report(out)
     path = _runs_path(cfg, out)
     with file_lock(out / ".stage.lock"):
         write_runs(path, records)
         state.mark("proxy", time.time() - t, plan="active", runs=len(records),
                    ok=sum(1 for r in records if r.status == "ok"))
     return path
+
+
+def write_active_plan_report(out: Path) -> None:
+    """The plan's section and plot on their own (``proxies/active/plan.md``, ``plots/active_proxies.png``),
+    readable before the search stage; the study's report repeats them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+
+    plan = active_plan_summary(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    _active_plot(plan, out / "plots", plt)
+    (out / "proxies" / "active" / "plan.md").write_text("\n".join(_active_markdown(plan)[1:]) + "\n\n"
+                                                       "![plot](../../plots/active_proxies.png)\n")
 
 
 def fit_options(cfg: StudyConfig):
