@@ -106,6 +106,10 @@ def test_propose_initial_design_then_acquisition():
     design = [q["index"] for q in p.picks]
     assert len(design) == 9 and all(pool.level[i] == 0 for i in design)
     assert all(q["reason"].startswith("initial design") for q in p.picks)
+    # a best-observed L_opt needs a run at the target size: its box centre joins the design
+    pa = active.propose(pool, {}, [], "conditional-multiplicative", opts, k=20, anchors=[1])
+    assert [q["index"] for q in pa.picks][:9] == design and len(pa.picks) == 10
+    assert pool.level[pa.picks[-1]["index"]] == 1 and "target size" in pa.picks[-1]["reason"]
     rng = np.random.default_rng(0)
     observed = {i: loss[i] * math.exp(0.002 * rng.standard_normal()) for i in design}
     p = active.propose(pool, observed, [], "conditional-multiplicative", opts, k=2)

@@ -249,14 +249,17 @@ def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law:
     available = np.array([i not in taken for i in range(len(pool))]) & in_range & (pool.flops <= max_cost)
     sub = np.flatnonzero(in_range)
     design = [int(sub[i]) for i in initial_design(pool.level[sub], pool.X["x1"][sub], r[sub], initial)]
+    why = {i: f"initial design ({initial} of the box at the smallest size)" for i in design}
     for lv in anchors:
         at = sub[pool.level[sub] == lv]
         if at.size:
-            design += [int(at[i]) for i in initial_design(pool.level[at], pool.X["x1"][at], r[at], "centre")]
+            for i in initial_design(pool.level[at], pool.X["x1"][at], r[at], "centre"):
+                design.append(int(at[i]))
+                why.setdefault(int(at[i]), "initial design (box centre at the target size: the "
+                               "best-observed L_opt needs a run there)")
     todo = [i for i in design if available[i]]
     if todo:
-        return Proposal([{"index": i, "reason": f"initial design ({initial} of the box at the smallest size)"}
-                         for i in todo[:k]], None, None, None, "initial design")
+        return Proposal([{"index": i, "reason": why[i]} for i in todo[:k]], None, None, None, "initial design")
     if not available.any():
         return Proposal([], None, None, None, "no candidate left (trained, in flight, or over the budget)")
 
