@@ -250,7 +250,7 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
 
     plan = active_plan_summary(tmp_path)
-    assert plan["runs"] == len(props) and plan["grid_runs"] == len(pool)
+    assert plan["runs"] == len(props) and plan["grid_runs"] == len(pool)  # no run proposed twice here
     assert plan["flops"] <= budget < plan["grid_flops"]
     d = plan["decisions"]
     assert d[0]["half_width_before"] is None and d[-1]["half_width_before"] is not None

@@ -210,18 +210,20 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
     def hw(iv):
         return None if iv is None else max(iv["half_width_hidden_over_sqrt_n"], iv["half_width_mlp_to_attn_ratio"])
 
+    level = {q["run_id"]: q["level"] for q in plan.get("pool", [])}
     decisions = []
     for step, e in enumerate((e for e in events if e["event"] == "propose"), 1):
         after = next((f for f in fits if e["run_id"] in f["runs"]), None)
         decisions.append({"step": step, **{k: e.get(k) for k in (
             "run_id", "params", "tokens", "hidden_over_sqrt_n", "mlp_to_attn_ratio", "flops", "reason",
-            "expected_half_width_after", "worker")},
+            "expected_half_width_after", "worker")}, "level": level.get(e["run_id"]),
             "half_width_before": hw(e.get("interval_before")),
             "half_width_after": hw(after["interval"]) if after else None})
     stop = next((e for e in reversed(events) if e["event"] == "stop"), None)
     pool = plan.get("pool", [])
+    runs = {d["run_id"]: d["flops"] for d in decisions}  # a run proposed again counts once
     return {"plan": "active", "settings": plan.get("settings"), "decisions": decisions, "stop": stop,
-            "runs": len(decisions), "flops": sum(d["flops"] for d in decisions),
+            "runs": len(runs), "flops": sum(runs.values()),
             "grid_runs": len(pool), "grid_flops": sum(p["flops"] for p in pool),
             "interval_trace": [{"flops_spent": f["flops_spent"], "n_runs": f["n_runs"], "interval": f["interval"],
                                 "optimum": f["optimum"]} for f in fits],
@@ -249,12 +251,12 @@ def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     pool = plan["pool"]
     a2.scatter([p["hidden_over_sqrt_n"] for p in pool], [p["mlp_to_attn_ratio"] for p in pool], s=60,
                facecolors="none", edgecolors="tab:gray", label="grid (candidates)")
-    sizes = sorted({round(d["params"], -3) for d in plan["decisions"]})
-    colors = plt.cm.viridis(np.linspace(0.1, 0.9, max(len(sizes), 1)))
-    for size, c in zip(sizes, colors):
-        ds = [d for d in plan["decisions"] if round(d["params"], -3) == size]
+    levels = sorted({d["level"] for d in plan["decisions"]}, key=lambda v: (v is None, v))
+    colors = plt.cm.viridis(np.linspace(0.1, 0.9, max(len(levels), 1)))
+    for lv, c in zip(levels, colors):   # one colour per size level (snapped shapes land near it)
+        ds = [d for d in plan["decisions"] if d["level"] == lv]
         a2.scatter([d["hidden_over_sqrt_n"] for d in ds], [d["mlp_to_attn_ratio"] for d in ds], color=c, s=30,
-                   label=f"chosen, N={size:.3g}")
+                   label=f"chosen, N~{np.median([d['params'] for d in ds]):.3g}")
         for d in ds:
             a2.annotate(str(d["step"]), (d["hidden_over_sqrt_n"], d["mlp_to_attn_ratio"]), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
@@ -352,7 +354,7 @@ def _active_markdown(p: dict[str, Any]) -> list[str]:
     stop = p.get("stop") or {}
     iv = stop.get("interval") or (p["interval_trace"][-1]["interval"] if p["interval_trace"] else None)
     lines = ["", "## Proxy plan: active", "",
-             f"{p['runs']} runs of the grid's {p['grid_runs']}, {p['flops']:.3g} of its {p['grid_flops']:.3g} "
+             f"{p['runs']} runs ({len(p['decisions'])} decisions) of the grid's {p['grid_runs']}, {p['flops']:.3g} of its {p['grid_flops']:.3g} "
              f"training FLOPs ({p['flops'] / p['grid_flops']:.0%}). Stopped: {stop.get('reason', 'not yet')}."]
     if iv:
         lines.append(f"Last interval ({iv['level']:.0%}): d/sqrt(N)* in [{iv['hidden_over_sqrt_n'][0]:.4f}, "
