@@ -99,14 +99,55 @@ class SearchSpace:
 
 
 @dataclass(frozen=True)
+class ActiveProxyConfig:
+    """``proxy.plan: active`` (issue 16): the sweeps' grid is the pool of candidate runs; the plan
+    trains an initial design, then one batch at a time the runs that most shrink the interval of
+    the optimum (d/sqrt(N)*, r*) per FLOP, until the interval is within ``tolerance`` or the
+    FLOPs reach ``budget_flops`` (see ``archsearch.laws.active``)."""
+
+    initial: str = "grid3"              # corners-centre | grid3, at the smallest size
+    tolerance: float = 0.05             # relative half-width of the optimum's interval (both coordinates)
+    budget_flops: float | None = None   # proxy training FLOPs (6ND); None: the pool is the limit
+    batch_size: int = 1                 # runs proposed at once (one per worker)
+    bootstrap: int = 32                 # resamples of the fit inside the loop (the final fit uses law.bootstrap)
+    level: float = 0.9                  # interval level
+    noise_floor: float = 0.002          # smallest log-noise of one run the acquisition assumes
+
+    def __post_init__(self) -> None:
+        from archsearch.laws.active import INITIAL_DESIGNS
+
+        if self.initial not in INITIAL_DESIGNS:
+            raise ArchsearchError("proxy.active.initial", f"{self.initial!r} is unknown",
+                                  f"use one of {list(INITIAL_DESIGNS)}")
+        if not 0 < self.tolerance < 1:
+            raise ArchsearchError("proxy.active.tolerance", f"must be in (0, 1), got {self.tolerance}",
+                                  "a relative half-width such as 0.05")
+        if self.budget_flops is not None and not self.budget_flops > 0:
+            raise ArchsearchError("proxy.active.budget_flops", f"must be positive, got {self.budget_flops}",
+                                  "training FLOPs (6 N D) for all proxies, e.g. 1e20, or leave it out")
+        if self.batch_size < 1:
+            raise ArchsearchError("proxy.active.batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.bootstrap < 10:
+            raise ArchsearchError("proxy.active.bootstrap", f"must be >= 10, got {self.bootstrap}",
+                                  "the acquisition needs an ensemble; 32 is enough")
+        if not 0 < self.level < 1:
+            raise ArchsearchError("proxy.active.level", f"must be in (0, 1), got {self.level}")
+        if not self.noise_floor > 0:
+            raise ArchsearchError("proxy.active.noise_floor", f"must be positive, got {self.noise_floor}")
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """The proxy runs: reuse a run table, or train one sweep or several (``trainers.SweepConfig``
     fields each; e.g. the shape grid plus a reference sweep at other token budgets, which a
-    Chinchilla reference needs)."""
+    Chinchilla reference needs). ``plan: grid`` trains every point; ``plan: active`` trains
+    the points the active plan chooses (settings in ``active``)."""
 
     runs: str | None = None
     sweep: dict[str, Any] | None = None
     sweeps: list[dict[str, Any]] | None = None
+    plan: str = "grid"
+    active: ActiveProxyConfig = field(default_factory=ActiveProxyConfig)
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.runs, self.sweep, self.sweeps)) != 1:
@@ -114,6 +155,11 @@ class ProxyConfig:
                                   "(a sweep to train) or sweeps (a list of them)")
         if self.sweeps is not None and not self.sweeps:
             raise ArchsearchError("proxy.sweeps", "is empty")
+        if self.plan not in ("grid", "active"):
+            raise ArchsearchError("proxy.plan", f"{self.plan!r} is unknown", "use grid or active")
+        if self.plan == "active" and self.runs is not None:
+            raise ArchsearchError("proxy.plan", "active chooses runs to train, but proxy.runs reuses a table",
+                                  "give proxy.sweep (the pool of candidate runs) or use plan: grid")
 
     def sweep_dicts(self) -> list[tuple[str, dict[str, Any]]]:
         """(config path for errors, sweep mapping) of every sweep to train."""

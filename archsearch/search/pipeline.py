@@ -275,7 +275,12 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 proxy_tokens += tokens
                 proxy_flops += training_flops(spec, tokens)
                 proxy_specs.append({"spec": spec, "tokens": tokens})
-        p["stages"].append({"stage": "proxy", "action": f"train {len(sweeps)} proxy sweep(s): "
+        active = cfg.proxy.plan == "active"
+        a = cfg.proxy.active
+        p["stages"].append({"stage": "proxy", "action": (
+                            f"active plan over the grid of {len(sweeps)} sweep(s) (at most the runs and FLOPs "
+                            f"below; stops at interval half-width {a.tolerance} or budget {a.budget_flops}): "
+                            if active else f"train {len(sweeps)} proxy sweep(s): ")
                             + ", ".join(s.name for s in sweeps), "runs": runs_n,
                             "tokens": proxy_tokens, "train_flops": proxy_flops,
                             "nd_groups": len(_planned_groups(cfg))})
@@ -338,6 +343,8 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     lock = out / ".stage.lock"
     want = lambda st: (only is None or st in only) and st not in skip  # noqa: E731
 
+    if cfg.proxy is not None and cfg.proxy.plan == "active" and want("proxy") and not state.done("proxy"):
+        _stage_proxy_active(cfg, out, state)  # outside the stage lock: several workers train at once
     with file_lock(lock):
         state.reload()
         runs_path = None
@@ -411,6 +418,8 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     path = _runs_path(cfg, out)
     if cfg.proxy.runs or (state.done("proxy") and path.is_file()):
         return path
+    if cfg.proxy.plan == "active":
+        return _stage_proxy_active(cfg, out, state)
     from archsearch.rundata import write_runs
     from trainers import run_sweep
 
@@ -425,8 +434,54 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     return path
 
 
+def _stage_proxy_active(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
+    """``proxy.plan: active``: train the runs the active plan chooses (``trainers.active``) into
+    ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
+    from archsearch.rundata import write_runs
+    from trainers.active import run_active
+
+    t = time.time()
+    _log(f"active proxy plan into {out / 'proxies' / 'active'}")
+    # a best-observed L_opt exists only at a trained size: the target size joins the initial design
+    anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
+    records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
+                         out / "proxies" / "active", anchor_params=anchors)
+    write_active_plan_report(out)
+    path = _runs_path(cfg, out)
+    with file_lock(out / ".stage.lock"):
+        write_runs(path, records)
+        state.mark("proxy", time.time() - t, plan="active", runs=len(records),
+                   ok=sum(1 for r in records if r.status == "ok"))
+    return path
+
+
+def write_active_plan_report(out: Path) -> None:
+    """The plan's section and plot on their own (``proxies/active/plan.md``, ``plots/active_proxies.png``),
+    readable before the search stage; the study's report repeats them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+
+    plan = active_plan_summary(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    _active_plot(plan, out / "plots", plt)
+    (out / "proxies" / "active" / "plan.md").write_text("\n".join(_active_markdown(plan)[1:]) + "\n\n"
+                                                       "![plot](../../plots/active_proxies.png)\n")
+
+
+def fit_options(cfg: StudyConfig):
+    """The study's law-fit options (the final fit, and the active plan's loop with fewer resamples)."""
+    from archsearch.laws import FitOptions
+
+    return FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap, r_range=cfg.law.r_range,
+                      seed=cfg.optuna.seed, size_tolerance=cfg.law.size_tolerance)
+
+
 def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, force: bool):
-    from archsearch.laws import FitOptions, fit_law, load_law
+    from archsearch.laws import fit_law, load_law
 
     law_path = out / "law.json"
     if cfg.law.file:
@@ -440,9 +495,7 @@ def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, 
     t = time.time()
     runs = [r for r in read_runs(runs_path) if r.status == "ok"]
     _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
-    fit = fit_law(runs, cfg.law.form, FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap,
-                                                 r_range=cfg.law.r_range, seed=cfg.optuna.seed,
-                                                 size_tolerance=cfg.law.size_tolerance))
+    fit = fit_law(runs, cfg.law.form, fit_options(cfg))
     fit.save(law_path)
     from archsearch.laws.plots import write_plots
 

@@ -145,6 +145,9 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     made.append("plots/pareto.png")
     # 2. U-curves of the law at the target budget
     made += _ucurves(ctx, out, plt)
+    plan = active_plan_summary(ctx.out)
+    if plan is not None:
+        made += _active_plot(plan, out, plt)
     return made
 
 
@@ -194,6 +197,85 @@ def _ucurves(ctx, out: Path, plt) -> list[str]:
         fig.savefig(fh, format="png", dpi=120)
     plt.close(fig)
     return ["plots/ucurves.png"]
+
+
+def active_plan_summary(out: Path) -> dict[str, Any] | None:
+    """The active proxy plan's decisions (``proxies/active/decisions.jsonl``), each with its
+    reason and the optimum's interval half-width before it and after its run was fitted."""
+    folder = out / "proxies" / "active"
+    path = folder / "decisions.jsonl"
+    if not path.is_file():
+        return None
+    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    fits = [e for e in events if e["event"] == "fit"]
+    plan = json.loads((folder / "plan.json").read_text()) if (folder / "plan.json").is_file() else {}
+
+    def hw(iv):
+        return None if iv is None else max(iv["half_width_hidden_over_sqrt_n"], iv["half_width_mlp_to_attn_ratio"])
+
+    level = {q["run_id"]: q["level"] for q in plan.get("pool", [])}
+    decisions = []
+    for step, e in enumerate((e for e in events if e["event"] == "propose"), 1):
+        after = next((f for f in fits if e["run_id"] in f["runs"]), None)
+        decisions.append({"step": step, **{k: e.get(k) for k in (
+            "run_id", "params", "tokens", "hidden_over_sqrt_n", "mlp_to_attn_ratio", "flops", "reason",
+            "expected_half_width_after", "worker")}, "level": level.get(e["run_id"]),
+            "half_width_before": hw(e.get("interval_before")),
+            "half_width_after": hw(after["interval"]) if after else None})
+    stop = next((e for e in reversed(events) if e["event"] == "stop"), None)
+    pool = plan.get("pool", [])
+    runs = {d["run_id"]: d["flops"] for d in decisions}  # a run proposed again counts once
+    return {"plan": "active", "settings": plan.get("settings"), "decisions": decisions, "stop": stop,
+            "runs": len(runs), "flops": sum(runs.values()),
+            "grid_runs": len(pool), "grid_flops": sum(p["flops"] for p in pool),
+            "interval_trace": [{"flops_spent": f["flops_spent"], "n_runs": f["n_runs"], "interval": f["interval"],
+                                "optimum": f["optimum"]} for f in fits],
+            "pool": pool, "folder": str(folder)}
+
+
+def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
+    """Interval half-widths against proxy FLOPs, and the chosen runs in the box."""
+    import numpy as np
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    tr = plan["interval_trace"]
+    if tr:
+        f = [t["flops_spent"] for t in tr]
+        a1.plot(f, [t["interval"]["half_width_hidden_over_sqrt_n"] for t in tr], "o-", label="d/sqrt(N)*")
+        a1.plot(f, [t["interval"]["half_width_mlp_to_attn_ratio"] for t in tr], "s-", label="r*")
+    tol = (plan.get("settings") or {}).get("tolerance")
+    if tol:
+        a1.axhline(tol, ls="--", c="tab:red", label=f"tolerance {tol}")
+    a1.set_yscale("log")
+    a1.set_xlabel("proxy training FLOPs spent (6ND)")
+    a1.set_ylabel("half-width of the 90% interval (relative)")
+    a1.set_title("how the optimum's interval shrank")
+    a1.legend(fontsize=8)
+    pool = plan["pool"]
+    a2.scatter([p["hidden_over_sqrt_n"] for p in pool], [p["mlp_to_attn_ratio"] for p in pool], s=60,
+               facecolors="none", edgecolors="tab:gray", label="grid (candidates)")
+    levels = sorted({d["level"] for d in plan["decisions"]}, key=lambda v: (v is None, v))
+    colors = plt.cm.viridis(np.linspace(0.1, 0.9, max(len(levels), 1)))
+    for lv, c in zip(levels, colors):   # one colour per size level (snapped shapes land near it)
+        ds = [d for d in plan["decisions"] if d["level"] == lv]
+        a2.scatter([d["hidden_over_sqrt_n"] for d in ds], [d["mlp_to_attn_ratio"] for d in ds], color=c, s=30,
+                   label=f"chosen, N~{np.median([d['params'] for d in ds]):.3g}")
+        for d in ds:
+            a2.annotate(str(d["step"]), (d["hidden_over_sqrt_n"], d["mlp_to_attn_ratio"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    if tr and tr[-1]["optimum"]:
+        a2.scatter([tr[-1]["optimum"][0]], [tr[-1]["optimum"][1]], marker="*", s=200, c="tab:red",
+                   label="fitted optimum")
+    a2.set_xscale("log")
+    a2.set_yscale("log")
+    a2.set_xlabel("d / sqrt(N)")
+    a2.set_ylabel("r = MLP / attention")
+    a2.set_title("runs chosen (numbers: order)")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "active_proxies.png", dpi=120)
+    plt.close(fig)
+    return ["plots/active_proxies.png"]
 
 
 def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base_result: dict[str, Any],
@@ -254,6 +336,9 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
     prs = out / "predict_rank_select.json"
     if prs.is_file():
         summary["predict_rank_select"] = json.loads(prs.read_text())
+    plan = active_plan_summary(out)
+    if plan is not None:
+        summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
     write_json(out / "summary.json", summary, default=str)
@@ -265,6 +350,27 @@ def _arch_line(a: dict[str, Any]) -> str:
     return (f"{a['n_layers']} layers, hidden {a['hidden_size']}, {a['n_heads']} heads / {a['n_kv_heads']} KV "
             f"(GQA {a['gqa']}) of {a['head_dim']}, ffn {a['ffn']}; N = {a['n_params_non_embedding']:,}, "
             f"r = {a['mlp_to_attn_ratio']:.2f}, d/sqrt(N) = {a['hidden_over_sqrt_n']:.4f}")
+
+
+def _active_markdown(p: dict[str, Any]) -> list[str]:
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    stop = p.get("stop") or {}
+    iv = stop.get("interval") or (p["interval_trace"][-1]["interval"] if p["interval_trace"] else None)
+    lines = ["", "## Proxy plan: active", "",
+             f"{p['runs']} runs ({len(p['decisions'])} decisions) of the grid's {p['grid_runs']}, {p['flops']:.3g} of its {p['grid_flops']:.3g} "
+             f"training FLOPs ({p['flops'] / p['grid_flops']:.0%}). Stopped: {stop.get('reason', 'not yet')}."]
+    if iv:
+        lines.append(f"Last interval ({iv['level']:.0%}): d/sqrt(N)* in [{iv['hidden_over_sqrt_n'][0]:.4f}, "
+                     f"{iv['hidden_over_sqrt_n'][1]:.4f}], r* in [{iv['mlp_to_attn_ratio'][0]:.3f}, "
+                     f"{iv['mlp_to_attn_ratio'][1]:.3f}] (half-widths {iv['half_width_hidden_over_sqrt_n']:.3f}, "
+                     f"{iv['half_width_mlp_to_attn_ratio']:.3f}).")
+    lines += ["Half-width: the larger relative half-width of the two, before the decision and once its "
+              "run was fitted (`-`: no interval yet). Log: `proxies/active/decisions.jsonl`.", "",
+              "| step | N | d/sqrt(N) | r | FLOPs | why | half-width before | after |", "|---|---|---|---|---|---|---|---|"]
+    for d in p["decisions"]:
+        lines.append(f"| {d['step']} | {d['params']:.3g} | {d['hidden_over_sqrt_n']:.3f} | {d['mlp_to_attn_ratio']:.2f} | "
+                     f"{d['flops']:.3g} | {d['reason']} | {f(d['half_width_before'])} | {f(d['half_width_after'])} |")
+    return lines
 
 
 def render_markdown(s: dict[str, Any]) -> str:
@@ -328,6 +434,8 @@ def render_markdown(s: dict[str, Any]) -> str:
                          f"{f(c.get('throughput'), '.1f')} | {f(c.get('predicted_loss'), '.4f')} | "
                          f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
                          f"{'**yes**' if c['trial'] == rel else ''} |")
+    if s.get("proxy_plan"):
+        lines += _active_markdown(s["proxy_plan"])
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     for part, vals in (law.get("metrics") or {}).items():
