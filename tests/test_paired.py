@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -129,3 +130,36 @@ def test_answer_keeps_the_baseline_unless_significantly_faster(tmp_path):
     assert kept["is_baseline"] and kept["spec"] == ctx.baseline.to_dict() and kept["best_candidate"] is tie
     win = {**tie, "ratio": {**tie["ratio"], "lo": 1.01, "significantly_faster": True}}
     assert keep_baseline_unless_faster(win, ctx.baseline, ctx) is win
+
+
+def test_calibration_recovers_known_efficiencies_and_labels_uncalibrated(tmp_path):
+    """Results made by a known calibration are fitted back; held-out shapes then match."""
+    import dataclasses
+
+    from benchmarks import measure
+    from benchmarks.calibration import Calibration, fit_calibration
+
+    truth = Calibration("dev", "vllm", "float32", 0.2, 0.05, 2e-3, peak_flops=1e12, memory_bandwidth=1e11)
+    truth.save(tmp_path / "truth.json")
+    shapes = [ArchSpec(n_layers=2, hidden_size=d, n_heads=d // 32, n_kv_heads=kv, head_dim=32, ffn=f, vocab_size=2048)
+              for d, kv, f in ((128, 4, 256), (256, 2, 512), (512, 16, 1024), (256, 8, 2048), (384, 4, 768))]
+    made = []
+    for sp in shapes:
+        s = BenchSettings(backend="analytic", batch_sizes=[4, 16], input_len=32, output_len=16, dtype="float32",
+                          device_spec="H100", engine_args={"calibration": str(tmp_path / "truth.json")})
+        r = measure(sp, s)
+        made.append(dataclasses.replace(r, predicted=False, device="dev", backend="vllm"))
+    fit = fit_calibration(made[:3], "H100")
+    fit.save(tmp_path / "fit.json")
+    for sp, r in zip(shapes[3:], made[3:]):
+        s = BenchSettings(backend="analytic", batch_sizes=[4, 16], input_len=32, output_len=16, dtype="float32",
+                          device_spec="H100", engine_args={"calibration": str(tmp_path / "fit.json")})
+        p = measure(sp, s)
+        for b in (4, 16):
+            assert p.throughput(b) == pytest.approx(r.throughput(b), rel=0.02)
+        assert p.to_dict()["settings"]["engine_args"]["calibration"]
+    plain = measure(shapes[0], BenchSettings(backend="analytic", batch_sizes=[4], device_spec="H100"))
+    assert "uncalibrated" in json.dumps(plain.to_dict())
+    with pytest.raises(ArchsearchError) as e:
+        fit_calibration(made[:1], "H100")
+    assert e.value.field == "results"

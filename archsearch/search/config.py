@@ -151,6 +151,9 @@ class MeasureConfig:
     timeout_s: float = 1800.0
     device_spec: str | None = None  # analytic backend: which GPU to predict for
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # a roofline calibration file (benchmarks.calibration) for the seed ranking's predictions
+    # (and the analytic backend); without one they are labelled uncalibrated
+    calibration: str | None = None
     # Paired comparison with the baseline (benchmarks.paired): engines resident in one process,
     # interleaved rounds at the reference batch size until every ratio's `ci_level` interval is
     # within +-ci_rel_halfwidth, or max_rounds is spent.
@@ -166,6 +169,13 @@ class MeasureConfig:
                 raise ArchsearchError(f"measure.{f}", f"unknown backend {v!r}", f"use one of {list(BACKENDS)}")
         self.bench_settings(self.backend)  # the measurement's own checks, named under measure.
         self.paired_settings()
+        if self.calibration is not None:
+            from benchmarks.calibration import Calibration
+
+            try:
+                Calibration.load(self.calibration)
+            except ArchsearchError as e:
+                raise ArchsearchError("measure.calibration", e.problem, e.fix) from None
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("measure.reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")

@@ -356,7 +356,8 @@ def analytic_throughput_fn(ctx: SearchContext):
     m = ctx.cfg.measure
     settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
                              output_len=m.output_len, warmup=0, repeats=1,
-                             device_spec=m.device_spec or "cpu")
+                             device_spec=m.device_spec or "cpu",
+                             engine_args={"calibration": m.calibration} if m.calibration else {})
 
     def fn(spec: ArchSpec) -> float | None:
         return measure(spec, settings).throughput(ctx.ref_batch)
@@ -425,8 +426,11 @@ def run_study(ctx: SearchContext, progress: bool = True):
         study.set_user_attr("params", cfg.params)
         study.set_user_attr("tokens", cfg.tokens)
         study.set_user_attr("n_layers", cfg.n_layers)
+        ranking = (f"roofline calibrated by {cfg.measure.calibration}" if cfg.measure.calibration
+                   else "uncalibrated roofline (peak device figures)")
         for pt in seed_points(ctx):
-            study.enqueue_trial(pt, user_attrs={"seeded_by": "law solution"}, skip_if_exists=True)
+            study.enqueue_trial(pt, user_attrs={"seeded_by": f"law solution; shapes ranked by the {ranking}"},
+                                skip_if_exists=True)
     elif not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
         raise ArchsearchError("target", f"the stored study was run with target loss "
                               f"{study.user_attrs['target_loss']:.6g}, this config gives "
