@@ -70,9 +70,15 @@ def chosen_from_study(study, ctx) -> dict[str, Any] | None:
 
 
 def top_k_candidates(study, ctx, k: int) -> list[dict[str, Any]]:
-    """Predict-rank-select: the k best by a joint rank of measured throughput and predicted
-    loss (sum of the two ranks, ties by throughput), over every measured trial."""
-    pts = [_point(t) for t in _complete(study)]
+    """Predict-rank-select: the k best distinct feasible shapes by a joint rank of measured
+    throughput (the paired ratio estimate where there is one) and predicted loss (sum of the two
+    ranks, ties by throughput). A shape proposed by several trials counts once, under its first trial."""
+    pts, seen = [], set()
+    for t in sorted(_complete(study), key=lambda t: t.number):
+        key = t.user_attrs.get("spec_key")
+        if _feasible(t) and key not in seen:
+            seen.add(key)
+            pts.append(_point(t))
     by_t = sorted(pts, key=lambda p: -p["score"])
     by_l = sorted(pts, key=lambda p: p["predicted_loss"])
     rank = {p["trial"]: by_t.index(p) + by_l.index(p) for p in pts}
@@ -251,7 +257,8 @@ def _ucurves(ctx, out: Path, plt) -> list[str]:
 
 def _interval(spec: ArchSpec, ctx) -> tuple[float, float] | None:
     level = ctx.cfg.target.confidence
-    iv = ctx.law.predict_interval(spec, ctx.cfg.tokens, **({"level": 2 * level - 1} if level else {}))
+    iv = ctx.law.predict_interval(spec, ctx.cfg.tokens, params=ctx.cfg.params,
+                                  **({"level": 2 * level - 1} if level else {}))
     return tuple(float(v) for v in iv) if iv is not None else None
 
 
@@ -263,14 +270,17 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, stat
     cfg = ctx.cfg
     out = ctx.out
     b = ctx.ref_batch
+    from archsearch.search.pipeline import baseline_loss, baseline_note
+
     base_ts = [t.user_attrs["baseline_throughput"] for t in _complete(study)
                if t.user_attrs.get("baseline_throughput") is not None]
     base_point = {"architecture": describe(base),
                   "throughput": statistics.fmean(base_ts) if base_ts else None,
                   "throughput_std": statistics.stdev(base_ts) if len(base_ts) > 1 else None,
                   "throughput_note": f"mean over the {len(base_ts)} paired measurements beside the candidates",
-                  "predicted_loss": float(ctx.law.predict(base, cfg.tokens)),
-                  "predicted_loss_interval": _interval(base, ctx)}
+                  "predicted_loss": baseline_loss(cfg, ctx.law, base),
+                  "predicted_loss_interval": _interval(base, ctx),
+                  "size_note": baseline_note(cfg, base)}
     chosen_point = None
     if chosen is not None:
         spec = ArchSpec.from_dict(chosen["spec"])
@@ -291,6 +301,7 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, stat
         "study": cfg.name,
         "measurement_note": ctx.measurer.note,
         "backend": ctx.measurer.backend,
+        "calibration": (f"calibrated by {cfg.measure.calibration}" if cfg.measure.calibration else None),
         "reference_batch_size": b,
         "target_loss": ctx.target_loss,
         "target_source": "explicit" if cfg.target.loss is not None else
@@ -317,6 +328,9 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, stat
     gpath = out / "gqa.json"
     if gpath.is_file():
         summary["gqa_search"] = json.loads(gpath.read_text())
+    prs = out / "predict_rank_select.json"
+    if prs.is_file():
+        summary["predict_rank_select"] = json.loads(prs.read_text())
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -364,7 +378,9 @@ def render_markdown(s: dict[str, Any]) -> str:
                        "not significantly faster than the baseline" if q else "not compared")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
-                f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: "
+                (f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
+                 f"at batch {b}: " if s["backend"] == "analytic" else
+                 f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
                 f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}): {verdict}; "
                 f"{(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
                 f"{(base['throughput'] or float('nan')):.1f}." if q else
@@ -373,7 +389,8 @@ def render_markdown(s: dict[str, Any]) -> str:
                 ""]
         lines += [f"- Predicted loss **{ch['predicted_loss']:.4f}**{iv(ch)} against the target "
                   f"**{s['target_loss']:.4f}** ({s['target_source']}{cc}); baseline predicted "
-                  f"{base['predicted_loss']:.4f}{iv(base)}.", ""]
+                  f"{base['predicted_loss']:.4f}{iv(base)}"
+                  + (f" ({base['size_note']})." if base.get("size_note") else "."), ""]
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
     lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
               "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | tokens/s | ratio [interval] | tied with best |",
@@ -389,13 +406,29 @@ def render_markdown(s: dict[str, Any]) -> str:
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
-                  "| GQA | pred. loss | feasible | tokens/s | vs baseline | vs start GQA | note |",
-                  "|---|---|---|---|---|---|---|"]
+                  "Query heads traded against KV heads at a fixed attention share (N and r held).", "",
+                  "| GQA | heads/KV | pred. loss | feasible | tokens/s | vs baseline | vs start GQA | note |",
+                  "|---|---|---|---|---|---|---|---|"]
         for st in g["steps"]:
             pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
             tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
             r0, r1 = (_ratio_txt(st.get(k)) for k in ("ratio", "ratio_vs_start"))
-            lines.append(f"| {st['gqa']} | {pl} | {st['feasible']} | {tp} | {r0} | {r1} | {st['note']} |")
+            hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
+            lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {tp} | {r0} | {r1} | {st['note']} |")
+    if "predict_rank_select" in s:
+        p = s["predict_rank_select"]
+        rel = (p.get("released") or {}).get("trial")
+        lines += ["", f"## Predict-rank-select: the top {len(p['candidates'])} trained and evaluated "
+                  f"({p.get('tasks')})", "", f"Release rule: {p['rule']}.", "",
+                  "| trial | hidden | heads/KV | ffn | tokens/s | pred. loss | held-out loss | downstream acc. | released |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in p["candidates"]:
+            sp = c["spec"]
+            f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
+            lines.append(f"| {c['trial']} | {sp['hidden_size']} | {sp['n_heads']}/{sp['n_kv_heads']} | {sp['ffn']} | "
+                         f"{f(c.get('throughput'), '.1f')} | {f(c.get('predicted_loss'), '.4f')} | "
+                         f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
+                         f"{'**yes**' if c['trial'] == rel else ''} |")
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     for part, vals in (law.get("metrics") or {}).items():
