@@ -94,29 +94,36 @@ class _PairedFake:
                 "paired": {"level": 0.9}, "batch_size": 8}, False
 
 
-def _gqa_ctx(tmp_path, measurer):
+def _gqa_ctx(tmp_path, measurer, spec=None):
+    from archsearch.arch import non_embedding_params
     from archsearch.laws import load_law
     from archsearch.search.study import SearchContext, build_settings
     from tests.test_search import load, study_config
 
-    cfg = load(study_config(tmp_path))
-    base = ArchSpec(n_layers=2, hidden_size=128, n_heads=8, n_kv_heads=8, head_dim=32, ffn=512, vocab_size=256)
+    cfg = load(study_config(tmp_path, **({"params": non_embedding_params(spec)} if spec else {})))
+    base = ArchSpec(n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=64, ffn=8192, vocab_size=256)
     return SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=measurer,
                          out=tmp_path, build=build_settings(cfg, 256), baseline=base)
 
 
 def test_gqa_stop_needs_significantly_slower_else_remeasures(tmp_path):
-    from archsearch.search.gqa import local_gqa_search
+    from archsearch.search.gqa import gqa_pairs, local_gqa_search
 
-    spec = ArchSpec(n_layers=2, hidden_size=128, n_heads=8, n_kv_heads=2, head_dim=32, ffn=512, vocab_size=256)
-    # GQA 8 looks slower than 4 (0.995 vs 1.0) but within noise: re-measured, still a tie, so the
-    # walk goes on (no 16); GQA 2 is clearly slower: stop, GQA 1 never measured
-    m = _PairedFake({4: 1.30, 8: 1.30 * 0.995, 2: 1.0}, retry_ratios={4: 1.30, 8: 1.30 * 0.998})
-    res = local_gqa_search(spec, _gqa_ctx(tmp_path, m), baseline_gqa=4)
-    assert m.calls == [([1, 4], 0), ([1, 4, 8], 0), ([1, 4, 8], 1), ([1, 4, 2], 0)]
+    spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192, vocab_size=256)
+    ctx = _gqa_ctx(tmp_path, None, spec)
+    pairs = sorted(gqa_pairs(spec, ctx.cfg.params, ctx.build))
+    up1, up2 = [g for g in pairs if g > 4][:2]
+    down = max(g for g in pairs if g < 4)
+    # up1 looks slower than GQA 4 (x0.995) but within the noise: re-measured, still a tie, so the
+    # walk goes on; up2 and `down` are clearly slower: stop there
+    m = _PairedFake({4: 1.30, up1: 1.30 * 0.995, up2: 1.30 * 0.7, down: 1.0},
+                    retry_ratios={4: 1.30, up1: 1.30 * 0.998})
+    ctx.measurer = m
+    res = local_gqa_search(spec, ctx, baseline_gqa=4)
+    assert m.calls == [([1, 4], 0), ([1, 4, up1], 0), ([1, 4, up1], 1), ([1, 4, up2], 0), ([1, 4, down], 0)]
     notes = {s.gqa: s.note for s in res.steps}
-    assert "re-measured" in notes[8] and "stop" not in notes[8]
-    assert "significantly slower" in notes[2] and "stop" in notes[2]
+    assert "re-measured" in notes[up1] and "stop" not in notes[up1]
+    assert "significantly slower" in notes[up2] and "stop" in notes[down]
     assert res.chosen.gqa == 4 and res.chosen.ratio["significantly_faster"]
 
 
