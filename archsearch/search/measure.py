@@ -137,38 +137,30 @@ class Measurer:
 
     def measure(self, spec: ArchSpec) -> tuple[dict[str, Any], bool]:
         """(result dict, cached?). Failures are results with ok=False, never exceptions."""
-        key = self.key(spec)
-        found = self.store.get(key)
-        if found is not None:
-            return found, True
-        with self.store.claim(key) as found:
-            if found is not None:
-                return found, True
-            from benchmarks import measure
+        from benchmarks import measure
 
-            result = measure(spec, self.settings()).to_dict()
-            result["measurement_key"] = key
-            self.store.put(key, result)
-            self.measured_now += 1
-            return result, False
-
+        return self._once(self.key(spec), lambda: measure(spec, self.settings()).to_dict())
 
     def compare(self, specs: list[ArchSpec], attempt: int = 0) -> tuple[dict[str, Any], bool]:
         """(paired result dict, cached?) of ``specs`` measured together, the first the
         reference (``benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
+        from benchmarks.paired import measure_paired
+
         blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
                            "attempt": attempt}, sort_keys=True)
         key = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return self._once(key, lambda: measure_paired(specs, self.settings(), self.cfg.paired_settings(),
+                                                      self.cfg.ref_batch).to_dict())
+
+    def _once(self, key: str, work) -> tuple[dict[str, Any], bool]:
+        """The stored result under ``key``, else ``work()`` run under the key's lock and stored."""
         found = self.store.get(key)
         if found is not None:
             return found, True
         with self.store.claim(key) as found:
             if found is not None:
                 return found, True
-            from benchmarks.paired import measure_paired
-
-            result = measure_paired(specs, self.settings(), self.cfg.paired_settings(),
-                                    self.cfg.ref_batch).to_dict()
+            result = work()
             result["measurement_key"] = key
             self.store.put(key, result)
             self.measured_now += 1
