@@ -257,6 +257,24 @@ def installed_version(packages: tuple[str, ...]) -> tuple[str | None, str | None
     return None, None
 
 
+@dataclass
+class Session:
+    """A started engine for one shape: ``generate(prompts)`` runs one static batch and returns
+    the requests' ``benchmarks.loop.RequestTiming``. Kept resident by paired measurement."""
+
+    generate: Callable[[list[list[int]]], list[Any]]
+    vocab_size: int
+    memory_probe: Callable[[], int] | None
+    device: str
+    dtype: str
+    engine: dict[str, Any]
+    timing: dict[str, Any]
+    ttft_probe: Callable[[list[list[int]]], float] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype, "engine": self.engine, "timing": self.timing}
+
+
 class Backend(ABC):
     """One way of getting inference speed for a shape. Subclasses set ``name``, ``packages``
     (distributions whose version is the backend's version), ``isolated`` and ``predicted``."""

@@ -51,8 +51,14 @@ class TargetConfig:
 
     loss: float | None = None
     slack: float = 0.0
+    # chance constraint: feasible only if the predicted loss's bootstrap `confidence` quantile
+    # (one-sided) is under the target; None: the point prediction is compared
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
+        if self.confidence is not None and not 0.5 <= self.confidence < 1:
+            raise ArchsearchError("target.confidence", f"must be in [0.5, 1), got {self.confidence}",
+                                  "e.g. 0.9, or leave it out to compare the point prediction")
         if self.loss is not None and not self.loss > 0:
             raise ArchsearchError("target.loss", f"must be positive, got {self.loss}")
         if not -0.5 < self.slack < 1.0:
@@ -207,6 +213,16 @@ class MeasureConfig:
     timeout_s: float = 1800.0
     device_spec: str | None = None  # analytic backend: which GPU to predict for
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # a roofline calibration file (benchmarks.calibration) for the seed ranking's predictions
+    # (and the analytic backend); without one they are labelled uncalibrated
+    calibration: str | None = None
+    # Paired comparison with the baseline (benchmarks.paired): engines resident in one process,
+    # interleaved rounds at the reference batch size until every ratio's `ci_level` interval is
+    # within +-ci_rel_halfwidth, or max_rounds is spent.
+    ci_level: float = 0.9
+    ci_rel_halfwidth: float = 0.03
+    min_rounds: int = 4
+    max_rounds: int = 16
 
     def __post_init__(self) -> None:
         for f in ("backend", "fallback_backend"):
@@ -214,6 +230,14 @@ class MeasureConfig:
             if v is not None and v not in BACKENDS:
                 raise ArchsearchError(f"measure.{f}", f"unknown backend {v!r}", f"use one of {list(BACKENDS)}")
         self.bench_settings(self.backend)  # the measurement's own checks, named under measure.
+        self.paired_settings()
+        if self.calibration is not None:
+            from benchmarks.calibration import Calibration
+
+            try:
+                Calibration.load(self.calibration)
+            except ArchsearchError as e:
+                raise ArchsearchError("measure.calibration", e.problem, e.fix) from None
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("measure.reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
@@ -229,6 +253,17 @@ class MeasureConfig:
                                  engine_args=dict(self.engine_args))
         except ArchsearchError as e:
             raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
+
+    def paired_settings(self):
+        """The ``benchmarks.paired.PairedSettings`` of this plan."""
+        from benchmarks.paired import PairedSettings
+
+        names = {"level": "ci_level", "rel_halfwidth": "ci_rel_halfwidth", "min_rounds": "min_rounds",
+                 "max_rounds": "max_rounds"}
+        try:
+            return PairedSettings(**{k: getattr(self, v) for k, v in names.items()})
+        except ArchsearchError as e:
+            raise ArchsearchError(f"measure.{names[e.field]}", e.problem, e.fix) from None
 
     @property
     def ref_batch(self) -> int:

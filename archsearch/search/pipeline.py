@@ -21,7 +21,7 @@ from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
 from archsearch.search.config import StudyConfig
-from archsearch.search.measure import MeasurementStore, Measurer, file_lock, throughput_at
+from archsearch.search.measure import MeasurementStore, Measurer, file_lock
 
 STAGES = ("proxy", "fit", "search", "gqa", "train", "eval", "report")
 
@@ -102,6 +102,9 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     from archsearch.search.study import build_settings, expand
 
     s = cfg.search_space
+    if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.bootstrap == 0:
+        raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.bootstrap is 0",
+                              "set law.bootstrap (e.g. 200) or drop target.confidence")
     build = build_settings(cfg, vocab_size(cfg))
     ok = 0
     errors = []
@@ -357,8 +360,9 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
     if measurer.note:
         _log(measurer.note)
+    base = baseline_spec(cfg)
     ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                        build=build_settings(cfg, vocab_size(cfg)))
+                        build=build_settings(cfg, vocab_size(cfg)), baseline=base)
     if want("search"):
         t = time.time()
         from archsearch.search.study import run_study
@@ -387,9 +391,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             g = local_gqa_search(ArchSpec.from_dict(best["spec"]), ctx, cfg.gqa_search.baseline_gqa)
             write_json(out / "gqa.json", g.to_dict(), default=str)
             state.mark("gqa", time.time() - t)
-        chosen = _choose(out, best)
-        base = baseline_spec(cfg)
-        base_result, _ = measurer.measure(base)
+        chosen = keep_baseline_unless_faster(_choose(out, best), base, ctx)
         if chosen is not None:
             write_hf_config(ArchSpec.from_dict(chosen["spec"]), out / "chosen")
         if want("train") and (cfg.final_train.enabled or cfg.mode == "predict-rank-select") \
@@ -403,7 +405,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             t = time.time()
             _stage_eval(cfg, out)
             state.mark("eval", time.time() - t)
-        summary = write_report(ctx, study, chosen, base, base_result, state)
+        summary = write_report(ctx, study, chosen, base, state)
         state.mark("report", 0.0)
     return summary
 
@@ -536,11 +538,24 @@ def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
     if best is not None and gpath.is_file():
         g = json.loads(gpath.read_text())
         c = g.get("chosen")
-        if c and c.get("throughput") and c["throughput"] > (best.get("throughput") or 0):
+        if c and c.get("ratio") and best.get("ratio") and c["ratio"]["ratio"] > best["ratio"]["ratio"]:
             return {"source": f"GQA search (GQA={c['gqa']})", "spec": c["spec"],
-                    "throughput": c["throughput"], "predicted_loss": c["predicted_loss"],
-                    "trial": best.get("trial")}
+                    "throughput": c["throughput"], "ratio": c["ratio"],
+                    "predicted_loss": c["predicted_loss"], "trial": best.get("trial")}
     return best
+
+
+def keep_baseline_unless_faster(chosen: dict[str, Any] | None, base: ArchSpec, ctx) -> dict[str, Any] | None:
+    """The answer is a new shape only if it is significantly faster than the baseline (its
+    paired ratio's interval above 1); otherwise the baseline, with the best candidate kept
+    beside it for the report. Predict-rank-select's released model is left as it is."""
+    if chosen is None or not chosen.get("ratio") or chosen["ratio"].get("significantly_faster") \
+            or chosen.get("source", "").startswith("predict-rank-select"):
+        return chosen
+    return {"source": "the baseline: no feasible shape measured significantly faster",
+            "spec": base.to_dict(), "throughput": None, "ratio": None,
+            "predicted_loss": float(ctx.law.predict(base, ctx.cfg.tokens, params=ctx.cfg.params)), "trial": None,
+            "best_candidate": chosen, "is_baseline": True}
 
 
 def final_train_configs(cfg: StudyConfig):
