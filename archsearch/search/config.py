@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError
 
 BACKENDS = ("vllm", "sglang", "hf", "analytic")
@@ -245,6 +246,7 @@ class StudyConfig:
     top_k: int = 3  # predict-rank-select: shapes trained
     final_train: FinalTrainConfig = field(default_factory=FinalTrainConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where proxy/measurement jobs run
     vocab_size: int | None = None  # default: the proxy tokenizer's, else 32000
     tie_embeddings: bool = False
     out: str | None = None  # default: results/<name>

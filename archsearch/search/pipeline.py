@@ -264,8 +264,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study; returns the summary."""
-    from archsearch.search.study import SearchContext, build_settings
-
     validate(cfg)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
@@ -280,22 +278,25 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             runs_path = _stage_proxy(cfg, out, state) if want("proxy") or not _runs_path(cfg, out).is_file() \
                 else _runs_path(cfg, out)
         law = _stage_fit(cfg, out, state, runs_path, force=want("fit"))
-    lt = target_loss(cfg, law)
-    check_target(cfg, law, lt)
-    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    ctx = search_context(cfg, out, law)
+    lt, measurer = ctx.target_loss, ctx.measurer
     if measurer.note:
         _log(measurer.note)
-    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                        build=build_settings(cfg, vocab_size(cfg)))
     if want("search"):
         t = time.time()
         from archsearch.search.study import run_study
 
         _log(f"target loss {lt:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
              f"measuring with {measurer.backend}")
-        study, recovered = run_study(ctx, progress=progress)
-        if recovered:
-            _log(f"recovered trials {recovered} left running by a dead process")
+        if cfg.cluster.parallel:
+            from archsearch.cluster.study import run_search_workers
+
+            run_search_workers(cfg, out)
+            study = _load_study(ctx)
+        else:
+            study, recovered = run_study(ctx, progress=progress)
+            if recovered:
+                _log(f"recovered trials {recovered} left running by a dead process")
         _wait_for_running(study)
         state.mark("search", time.time() - t + state.data.get("search", {}).get("seconds", 0.0))
     with file_lock(lock):
@@ -336,6 +337,22 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     return summary
 
 
+def search_context(cfg: StudyConfig, out: Path, law=None):
+    """The search's context (law, target loss, measurer on the study's store); the law is read
+    from the study folder (or ``law.file``) when not given, as a measurement worker does."""
+    from archsearch.search.study import SearchContext, build_settings
+
+    if law is None:
+        from archsearch.laws import load_law
+
+        law = load_law(cfg.law.file or out / "law.json")
+    lt = target_loss(cfg, law)
+    check_target(cfg, law, lt)
+    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
+                         build=build_settings(cfg, vocab_size(cfg)))
+
+
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:
     return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
 
@@ -353,6 +370,13 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     records = []
     for sweep in proxy_sweeps(cfg):
         _log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
+        if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
+            from dataclasses import replace
+
+            from archsearch.cluster.study import JOBS_DIR, run_proxy_jobs
+
+            run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name)
+            sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
     write_runs(path, records)
     ok = sum(1 for r in records if r.status == "ok")

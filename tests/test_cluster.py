@@ -1,0 +1,117 @@
+"""The executor layer on submitit's local executor, for real: jobs side by side, retries up to
+the limit, and a coordinator killed mid-way whose successor adopts the running jobs and
+collects the finished ones without submitting anything twice."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from archsearch.cluster.config import ClusterConfig
+from archsearch.errors import ArchsearchError
+
+pytest.importorskip("submitit")
+
+
+def _script(out: Path, sleep: float, fail_first: int = 0) -> list[str]:
+    """A job body (stdlib only, so any job process can run it): append start/end times to
+    ``out.log``; fail the first ``fail_first`` attempts; write ``out`` when done."""
+    code = (f"import os, sys, time; p = {str(out)!r}\n"
+            f"open(p + '.log', 'a').write(f'start {{time.time()}} {{os.getpid()}}\\n')\n"
+            f"n = sum(1 for l in open(p + '.log') if l.startswith('start'))\n"
+            f"time.sleep({sleep})\n"
+            f"if n <= {fail_first}: sys.exit('deliberate failure ' + str(n))\n"
+            f"open(p, 'w').write('ok')\n")
+    return [sys.executable, "-c", code]
+
+
+def _tasks(tmp: Path, specs: dict[str, tuple[float, int]]):
+    from archsearch.cluster.executor import Task
+
+    tasks = []
+    for key, (sleep, fail_first) in specs.items():
+        out = tmp / key
+        tasks.append(Task(key=key, fn=subprocess.run, args=(_script(out, sleep, fail_first),),
+                          is_done=partial(Path.is_file, out)))
+    return tasks
+
+
+def _starts(path: Path) -> list[tuple[float, int]]:
+    lines = (path.parent / (path.name + ".log")).read_text().splitlines()
+    return [(float(x.split()[1]), int(x.split()[2])) for x in lines if x.startswith("start")]
+
+
+@pytest.mark.parametrize("field,value", [("executor", "kubernetes"), ("jobs_at_once", 0),
+                                         ("measure_workers", 0), ("gpus_per_job", -1), ("max_retries", -1),
+                                         ("poll_s", 0)])
+def test_cluster_config_names_the_bad_field(field, value):
+    kw = {"executor": "local", field: value}
+    with pytest.raises(ArchsearchError, match=f"cluster.{field}"):
+        ClusterConfig(**kw)
+
+
+def test_inline_cannot_run_jobs_side_by_side():
+    with pytest.raises(ArchsearchError, match="cluster.executor"):
+        ClusterConfig(executor="inline", jobs_at_once=2)
+
+
+def test_local_jobs_side_by_side_with_retries(tmp_path):
+    from archsearch.cluster.executor import run_tasks
+
+    cfg = ClusterConfig(executor="local", jobs_at_once=2, max_retries=1, poll_s=0.2)
+    tasks = _tasks(tmp_path, {"a": (3.0, 0), "b": (3.0, 0), "flaky": (0.1, 1), "bad": (0.1, 5)})
+    res = run_tasks(tasks, cfg, tmp_path / "jobs", log=lambda m: None)
+    assert res["a"].status == res["b"].status == res["flaky"].status == "ok"
+    assert res["flaky"].attempts == 2  # failed once, retried once
+    assert res["bad"].status == "failed" and res["bad"].attempts == 2  # 1 + max_retries
+    assert "deliberate failure 2" in res["bad"].reason  # the job's own stderr says why
+    (sa,), (sb,) = _starts(tmp_path / "a"), _starts(tmp_path / "b")
+    assert abs(sa[0] - sb[0]) < 2.5 and sa[1] != sb[1]  # both ran at once, in two processes
+    ledger = json.loads((tmp_path / "jobs" / "ledger.json").read_text())
+    assert {k: len(v) for k, v in ledger.items()} == {"a": 1, "b": 1, "flaky": 2, "bad": 2}
+    again = run_tasks(tasks, cfg, tmp_path / "jobs", log=lambda m: None)  # a restart submits nothing:
+    assert again["a"].status == "ok" and len(_starts(tmp_path / "a")) == 1
+    assert again["bad"].status == "failed" and len(_starts(tmp_path / "bad")) == 2  # the limit holds
+
+
+def _coordinator(tmp: str) -> None:
+    from archsearch.cluster.executor import run_tasks
+
+    tmp_path = Path(tmp)
+    run_tasks(_tasks(tmp_path, {"quick": (0.2, 0), "slow1": (6.0, 0), "slow2": (6.0, 0)}),
+              ClusterConfig(executor="local", jobs_at_once=2, poll_s=0.2), tmp_path / "jobs", log=lambda m: None)
+
+
+def test_coordinator_killed_midway_repeats_nothing(tmp_path):
+    """Kill the coordinator while jobs run; the next one adopts them and submits only the rest."""
+    from archsearch.cluster.executor import run_tasks
+
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=_coordinator, args=(str(tmp_path),))
+    p.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not ((tmp_path / "quick").is_file() and (tmp_path / "slow1.log").is_file()):
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)  # the coordinator only: its jobs live on
+    p.join()
+    ledger = json.loads((tmp_path / "jobs" / "ledger.json").read_text())
+    assert set(ledger) == {"quick", "slow1"}  # slow2 waited for a free slot when it died
+    assert not (tmp_path / "slow1").is_file()  # still running
+    logs: list[str] = []
+    res = run_tasks(_tasks(tmp_path, {"quick": (0.2, 0), "slow1": (6.0, 0), "slow2": (6.0, 0)}),
+                    ClusterConfig(executor="local", jobs_at_once=2, poll_s=0.2), tmp_path / "jobs", log=logs.append)
+    assert all(r.status == "ok" for r in res.values())
+    assert any("slow1: job" in m and "still running" in m for m in logs)
+    ledger = json.loads((tmp_path / "jobs" / "ledger.json").read_text())
+    assert {k: len(v) for k, v in ledger.items()} == {"quick": 1, "slow1": 1, "slow2": 1}
+    for key in ("quick", "slow1", "slow2"):
+        assert len(_starts(tmp_path / key)) == 1  # each body ran exactly once
