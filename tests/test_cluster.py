@@ -115,3 +115,67 @@ def test_coordinator_killed_midway_repeats_nothing(tmp_path):
     assert {k: len(v) for k, v in ledger.items()} == {"quick": 1, "slow1": 1, "slow2": 1}
     for key in ("quick", "slow1", "slow2"):
         assert len(_starts(tmp_path / key)) == 1  # each body ran exactly once
+
+
+# -- two Optuna workers on one PostgreSQL database ----------------------------------------------
+
+def _pg_bindir() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    return found[-1].parent if found else None
+
+
+@pytest.fixture
+def postgres():
+    """A throw-away PostgreSQL server on 127.0.0.1 (Debian's package, installed here if
+    missing and possible); yields its SQLAlchemy URL."""
+    import shutil
+    import socket
+    import tempfile
+
+    pytest.importorskip("psycopg", reason="the PostgreSQL driver (psycopg) is not installed")
+    if _pg_bindir() is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "postgresql"], capture_output=True, timeout=600,
+                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+    bindir = _pg_bindir()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed and cannot be installed here (needs root and apt-get)")
+    # the server refuses to run as root: run it as Debian's postgres user
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    data = Path(tempfile.mkdtemp(prefix="archsearch-pg-"))
+    if as_user:
+        shutil.chown(data, "postgres")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True, timeout=120)  # noqa: E731
+    try:
+        run(str(bindir / "initdb"), "-D", str(data / "db"), "-U", "archsearch", "--auth=trust")
+        run(str(bindir / "pg_ctl"), "-D", str(data / "db"), "-w", "-l", str(data / "log"), "-o",
+            f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start")
+        yield f"postgresql+psycopg://archsearch@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*as_user, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "immediate", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_two_workers_share_a_postgresql_study(tmp_path, postgres):
+    import optuna
+    from optuna.trial import TrialState
+    from test_search import _start, study_config
+
+    cfg = study_config(tmp_path, measure={"backend": "hf", "device_spec": None, "batch_sizes": [2],
+                                          "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0},
+                       optuna={"storage": postgres, "n_trials": 4, "seed": 3, "enqueue_solution": 1},
+                       gqa_search={"enabled": False})
+    procs = [_start(cfg["_path"]) for _ in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    study = optuna.load_study(study_name="t", storage=postgres)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert 4 <= len({t.user_attrs["spec_key"] for t in complete}) <= 5
+    assert len({t.user_attrs["worker"]["pid"] for t in study.get_trials()}) == 2  # both worked
+    keys = [json.loads(x)["key"] for x in (Path(cfg["out"]) / "measurements.jsonl").read_text().splitlines()]
+    assert len(keys) == len(set(keys))
+    assert not (Path(cfg["out"]) / "optuna.db").exists()  # nothing went to the default SQLite file
