@@ -57,13 +57,14 @@ def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
 def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, TaskResult]:
     """Train every run of ``sweep`` not yet in ``out_dir/runs/`` as one job each and wait; a run
     whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on)."""
-    from trainers.data import prepare_data
+    from trainers.data import check_epochs, prepare_data
     from trainers.loop import RUN_FILE, _write_json, run_id_for, token_budget
     from trainers.sweep import _failed_record, sweep_specs
 
     # the coordinator tokenizes once into the shared cache; every job then reads it from there
     budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
     data = prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
+    check_epochs(data, max(budgets, default=0), sweep.data.max_epochs, f"sweep {sweep.name}'s largest run")
     tasks, seen = [], set()
     for point, spec, _err in sweep_specs(sweep, data.vocab_size):
         if spec is None:
