@@ -179,3 +179,42 @@ def test_two_workers_share_a_postgresql_study(tmp_path, postgres):
     keys = [json.loads(x)["key"] for x in (Path(cfg["out"]) / "measurements.jsonl").read_text().splitlines()]
     assert len(keys) == len(set(keys))
     assert not (Path(cfg["out"]) / "optuna.db").exists()  # nothing went to the default SQLite file
+
+
+def test_local_jobs_need_the_gpus_they_ask_for(monkeypatch):
+    from archsearch.cluster.executor import check_cluster
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ArchsearchError, match="cluster.gpus_per_job: a job needs 1 GPU"):
+        check_cluster(ClusterConfig(executor="local", gpus_per_job=1))
+    check_cluster(ClusterConfig(executor="local", jobs_at_once=2))  # CPU jobs need none
+
+
+def test_makespan_places_longest_first():
+    from archsearch.search.pipeline import makespan
+
+    assert makespan([4, 3, 3, 2], 2) == 6
+    assert makespan([5.0], 3) == 5.0
+    assert makespan([1.0] * 8, 8) == 1.0
+    assert makespan([1.0] * 8, 1) == 8.0
+
+
+def test_dry_run_prices_proxies_as_the_executor_runs_them():
+    """The paper plan: 62 proxy runs, each with its FLOPs and hours; on 8 jobs at once the wall
+    time is about an eighth of the GPU-hours, in one process it is all of them."""
+    from dataclasses import replace
+
+    from archsearch.search import pipeline
+    from archsearch.search.config import load_study_config
+
+    repo = Path(__file__).resolve().parent.parent
+    cfg = load_study_config(repo / "configs" / "paper-1b.yaml")
+    p = pipeline.plan(cfg, Path("unused"), gpus="8xH100")["compute"]
+    runs = p["proxy_runs"]
+    assert len(runs) == 62 and len({r["run"] for r in runs}) == 62
+    assert sum(r["train_flops"] for r in runs) == pytest.approx(p["proxy_train_flops"])
+    assert p["proxy_jobs_at_once"] == 8
+    assert p["proxy_gpu_hours"] / 8 <= p["proxy_wall_hours"] <= p["proxy_gpu_hours"] / 8 * 1.1
+    assert any("8 proxy job(s) at once" in a for a in p["assumptions"])
+    inline = pipeline.plan(replace(cfg, cluster=ClusterConfig()), Path("unused"), gpus="8xH100")["compute"]
+    assert inline["proxy_wall_hours"] == pytest.approx(inline["proxy_gpu_hours"])

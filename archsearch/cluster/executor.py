@@ -78,23 +78,36 @@ def visible_gpus() -> list[int]:
     return list(range(sum(1 for line in out.splitlines() if line.startswith("GPU "))))
 
 
+def check_cluster(cfg: ClusterConfig) -> None:
+    """Fail before any work where ``cfg``'s executor cannot run here."""
+    if cfg.executor == "inline":
+        return
+    try:
+        import submitit  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError("cluster.executor", f"{cfg.executor} needs submitit ({e})",
+                                     "pip install 'archsearch[cluster]'") from e
+    if cfg.executor == "slurm" and shutil.which("sbatch") is None:
+        raise MissingDependencyError("cluster.executor", "slurm: sbatch is not on PATH",
+                                     "run the study on a Slurm login node, or use executor: local")
+    if cfg.executor == "local" and cfg.gpus_per_job and len(visible_gpus()) < cfg.gpus_per_job:
+        raise ArchsearchError("cluster.gpus_per_job", f"a job needs {cfg.gpus_per_job} GPU(s), "
+                              f"{len(visible_gpus())} are visible here",
+                              "lower gpus_per_job (0 on a machine without GPUs) or run where the GPUs are")
+
+
 class _Backend:
     """A submitit executor plus what the ledger needs to find its jobs again."""
 
     def __init__(self, cfg: ClusterConfig, folder: Path):
-        try:
-            import submitit
-        except ImportError as e:
-            raise MissingDependencyError("cluster.executor", f"{cfg.executor} needs submitit ({e})",
-                                         "pip install 'archsearch[cluster]'") from e
+        check_cluster(cfg)
+        import submitit
+
         self.cfg, self.folder, self.submitit = cfg, folder, submitit
         if cfg.executor == "local":
             self.ex = submitit.LocalExecutor(folder=folder / "%j")
             self.ex.update_parameters(timeout_min=cfg.timeout_min)
         else:
-            if shutil.which("sbatch") is None:
-                raise MissingDependencyError("cluster.executor", "slurm: sbatch is not on PATH",
-                                             "run the study on a Slurm login node, or use executor: local")
             self.ex = submitit.SlurmExecutor(folder=folder / "%j")
             self.ex.update_parameters(time=int(cfg.timeout_min), array_parallelism=cfg.jobs_at_once,
                                       **cfg.slurm)
@@ -160,10 +173,6 @@ def run_tasks(tasks: list[Task], cfg: ClusterConfig, folder: Path,
     folder = Path(folder)
     backend = _Backend(cfg, folder)
     gpus = visible_gpus() if cfg.executor == "local" else []
-    need = max((t.gpus for t in tasks), default=0)
-    if cfg.executor == "local" and need and len(gpus) < need:
-        raise ArchsearchError("cluster.gpus_per_job", f"a job needs {need} GPUs, {len(gpus)} are visible here",
-                              "lower gpus_per_job or run on a machine with more GPUs")
     ledger = Ledger(folder / "ledger.json")
     results: dict[str, TaskResult] = {}
     running: dict[str, dict[str, Any]] = {}

@@ -12,6 +12,7 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,10 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
     baseline_spec(cfg)
     if not for_plan:
+        from archsearch.cluster.executor import check_cluster
+
         resolve_backend(cfg.measure)
+        check_cluster(cfg.cluster)
     if cfg.law.file:
         from archsearch.laws import load_law
 
@@ -196,6 +200,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
         from trainers import sweep_specs, token_budget
+        from trainers.loop import run_id_for
 
         sweeps = proxy_sweeps(cfg)
         for sweep in sweeps:
@@ -209,7 +214,8 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 runs_n += 1
                 proxy_tokens += tokens
                 proxy_flops += training_flops(spec, tokens)
-                proxy_specs.append({"spec": spec, "tokens": tokens})
+                proxy_specs.append({"spec": spec, "tokens": tokens, "flops": training_flops(spec, tokens),
+                                    "run": run_id_for(spec, tokens, point["seed"])})
         p["stages"].append({"stage": "proxy", "action": f"train {len(sweeps)} proxy sweep(s): "
                             + ", ".join(s.name for s in sweeps), "runs": runs_n,
                             "tokens": proxy_tokens, "train_flops": proxy_flops,
@@ -247,16 +253,38 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
     if gpus:
         from archsearch.planning import estimate_training
+        from archsearch.planning.time import parse_gpus
 
-        total_hours, total_cost = 0.0, 0.0
+        n_total, _ = parse_gpus(gpus)
+        device = re.sub(r"^\s*\d+\s*[xX*]\s*", "", gpus)
+        per_job = max(1, cfg.cluster.gpus_per_job)
+        slots = max(1, min(cfg.cluster.jobs_at_once, n_total // per_job)) if cfg.cluster.parallel else 1
+        runs = []
         for item in proxy_specs:
-            e = estimate_training(item["spec"], item["tokens"], gpus)
-            total_hours += e.hours
-            total_cost += e.cost_usd or 0.0
+            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
+            runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
+                         "hours": e.hours, "gpu_hours": e.gpu_hours, "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus)
-        p["compute"].update({"gpus": gpus, "proxy_hours": total_hours, "proxy_cost_usd": total_cost,
-                             "final_train": fin.to_dict()})
+        p["compute"].update({
+            "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
+            "proxy_wall_hours": makespan([r["hours"] for r in runs], slots), "proxy_jobs_at_once": slots,
+            "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
+            "assumptions": [
+                f"executor {cfg.cluster.executor}: {slots} proxy job(s) at once, {per_job} {device} each "
+                f"(of the {n_total} named); runs are placed longest first on the first free slot",
+                "a run's time is archsearch.planning.estimate_training on its job's GPUs",
+                "queueing, data preparation and job start-up are not included"]})
     return p
+
+
+def makespan(hours: list[float], slots: int) -> float:
+    """Wall time of independent jobs on ``slots`` parallel slots, longest first on the first
+    free slot (what a scheduler with that many jobs at once does)."""
+    free = [0.0] * max(1, slots)
+    for h in sorted(hours, reverse=True):
+        i = free.index(min(free))
+        free[i] += h
+    return max(free)
 
 
 # -- the pipeline ------------------------------------------------------------------------------
