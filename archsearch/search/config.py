@@ -92,6 +92,9 @@ class ProxyConfig:
     runs: str | None = None
     sweep: dict[str, Any] | None = None
     sweeps: list[dict[str, Any]] | None = None
+    # a folder shared by studies: proxy runs live there keyed by what determines them, so a
+    # run another study trained is reused and only missing runs are trained
+    store: str | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.runs, self.sweep, self.sweeps)) != 1:

@@ -398,6 +398,11 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     records = []
     for sweep in proxy_sweeps(cfg):
         _log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
+        if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
+            from archsearch.cluster.study import link_shared_runs
+
+            reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
+            _log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
         if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
             from dataclasses import replace
 
