@@ -39,6 +39,10 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", True, None),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False, "head"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2", False, "full"),
+    # Mistral without a sliding window is LLaMA's math (vLLM serves it with its Llama layers),
+    # and its transformers config, unlike LlamaConfig, accepts n_heads*head_dim != hidden_size
+    # with heads that do not divide the width: llama shapes of that kind are exported as it.
+    "mistral": ("MistralForCausalLM", "mistral", False, None),
 }
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
@@ -85,12 +89,6 @@ class ArchSpec:
             raise ArchsearchError(
                 "n_kv_heads", f"{self.n_kv_heads} does not divide n_heads={self.n_heads}",
                 f"valid KV head counts: {divisors}")
-        if self.hidden_size % self.n_heads:
-            # transformers' LlamaConfig rejects it, and so the model could not be built
-            valid = [h for h in range(1, self.hidden_size + 1) if self.hidden_size % h == 0 and h <= 256]
-            raise ArchsearchError(
-                "n_heads", f"{self.n_heads} does not divide hidden_size={self.hidden_size}",
-                f"transformers requires hidden_size to be a multiple of the head count; valid: {valid}")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ArchsearchError(
                 "head_dim", f"{self.head_dim} is not supported by the attention kernels",
@@ -271,9 +269,18 @@ def describe(spec: ArchSpec, dtype: str = "bfloat16") -> dict[str, Any]:
 
 # -- Hugging Face export / import -----------------------------------------------------------
 
+def hf_family(spec: ArchSpec) -> str:
+    """The family a spec is exported as: its own, except a llama shape whose heads do not divide
+    the width (transformers' LlamaConfig refuses it), which goes out as the same math under
+    Mistral's config."""
+    if spec.family == "llama" and spec.hidden_size % spec.n_heads:
+        return "mistral"
+    return spec.family
+
+
 def to_hf_config(spec: ArchSpec, dtype: str = "bfloat16") -> dict[str, Any]:
     """A ``config.json`` dict that transformers and vLLM load as is."""
-    arch, model_type, qkv_bias, _ = FAMILIES[spec.family]
+    arch, model_type, qkv_bias, _ = FAMILIES[hf_family(spec)]
     cfg: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -305,6 +312,8 @@ def to_hf_config(spec: ArchSpec, dtype: str = "bfloat16") -> dict[str, Any]:
         cfg.update({"use_sliding_window": False, "max_window_layers": spec.n_layers})
     elif model_type == "olmo2":
         cfg.update({"attention_bias": False})
+    elif model_type == "mistral":
+        cfg.update({"sliding_window": None})
     if qkv_bias and model_type != "qwen2":  # qwen2 always has the biases
         cfg["attention_bias"] = True
     return cfg
@@ -319,6 +328,10 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ArchSpec:
     if mt not in _MODEL_TYPE_TO_FAMILY:
         raise ArchsearchError("model_type", f"{mt!r} is not a supported decoder family",
                               f"supported: {sorted(_MODEL_TYPE_TO_FAMILY)}")
+    if mt == "mistral" and cfg.get("sliding_window") is not None:
+        raise ArchsearchError("config.json:sliding_window", f"{cfg['sliding_window']} (sliding-window "
+                              "attention is not the dense decoder archsearch accounts for)",
+                              "set sliding_window to null")
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])

@@ -6,16 +6,18 @@ one deterministic function that expands them (SPEC section 2):
 1. ``hidden_size = snap(x1 * sqrt(N), hidden_multiple)``.
 2. Per layer the budget is ``N / n_layers``; attention gets the share ``1 / (1 + r)``.
    Attention params per layer are ``2 * d * head_dim * n_kv * (gqa + 1)``, which fixes the
-   number of KV heads: the nearest count (at least one) for which ``n_heads = n_kv * gqa``
-   divides the hidden size, as transformers requires.
+   number of KV heads up to rounding. As in the method, ``head_dim`` is fixed and the head
+   count moves: heads need not divide the width (hidden 2560 with 72 heads of 64 is normal).
+   Of the two KV counts around the ideal one, the one whose realised r is nearest the request.
 3. The MLP takes what is left of the per-layer budget: ``ffn = snap(rest / (3 d), ffn_multiple)``.
-   Filling the budget this way keeps the realised N closest to the target; the realised r
-   (which moves with head-count rounding) is reported next to the requested one.
-4. The realised N must be within ``tolerance`` of the budget.
+4. The realised N must be within ``tolerance`` of the budget, and the realised r within
+   ``r_tolerance`` of the request: beyond it the shape is refused (``on_r_drift: refuse``) or
+   built with a warning (``flag``). The realised values are reported next to the requested ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,8 @@ class BuildSettings:
     hidden_multiple: int = 64
     ffn_multiple: int = 64
     tolerance: float = 0.02
+    r_tolerance: float = 0.10  # max relative drift of the realised r from the requested one
+    on_r_drift: str = "refuse"  # or "flag": build it, with a warning on the candidate
     vocab_size: int = 32000
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
@@ -45,6 +49,11 @@ class BuildSettings:
         if not 0 < self.tolerance < 1:
             raise ArchsearchError("tolerance", f"must be in (0, 1), got {self.tolerance}",
                                   "0.02 means the realised N is within 2% of the budget")
+        if not 0 < self.r_tolerance < 10:
+            raise ArchsearchError("r_tolerance", f"must be in (0, 10), got {self.r_tolerance}",
+                                  "0.10 means the realised r is within 10% of the requested r")
+        if self.on_r_drift not in ("refuse", "flag"):
+            raise ArchsearchError("on_r_drift", f"{self.on_r_drift!r} is unknown", "use refuse or flag")
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class Candidate:
 
     spec: ArchSpec
     requested: dict[str, float] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
 
     @property
     def realised(self) -> dict[str, float]:
@@ -67,12 +77,31 @@ class Candidate:
     def param_error(self) -> float:
         return non_embedding_params(self.spec) / self.requested["params"] - 1.0
 
+    @property
+    def r_drift(self) -> float:
+        """Realised r relative to the requested r, minus one."""
+        return mlp_to_attn_ratio(self.spec) / self.requested["mlp_to_attn_ratio"] - 1.0
+
+    @property
+    def x1_drift(self) -> float:
+        """Realised d/sqrt(N) relative to the requested one, minus one."""
+        return hidden_over_sqrt_n(self.spec) / self.requested["hidden_over_sqrt_n"] - 1.0
+
     def to_dict(self, dtype: str = "bfloat16") -> dict[str, Any]:
         d = describe(self.spec, dtype)
         d["requested"] = dict(self.requested)
         d["realised"] = self.realised
         d["param_error"] = self.param_error
+        d["r_drift"] = self.r_drift
+        d["hidden_over_sqrt_n_drift"] = self.x1_drift
+        if self.warnings:
+            d["warnings"] = list(self.warnings)
         return d
+
+
+# 1e14 parameters are 200 TB of bf16 weights: beyond any training cluster's memory. Larger
+# budgets are typos (1e30), refused before any work.
+MAX_PARAMS = 1e14
 
 
 def _snap(x: float, multiple: int) -> int:
@@ -84,14 +113,17 @@ def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
                     settings: BuildSettings | None = None, name: str | None = None) -> Candidate:
     """Expand the primary knobs into a buildable spec (see the module docstring)."""
     s = settings or BuildSettings()
-    if not params > 0:
-        raise ArchsearchError("params", f"must be positive, got {params}")
+    if not (params > 0 and math.isfinite(params)):
+        raise ArchsearchError("params", f"must be a positive finite number, got {params}")
+    if params > MAX_PARAMS:
+        raise ArchsearchError("params", f"{params:.3g} parameters need {2 * params:.3g} bytes of bf16 weights, "
+                              f"beyond any cluster (over {MAX_PARAMS:.0e} parameters)", "e.g. 1e9 or 1B")
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
         raise ArchsearchError("layers", f"must be a positive integer, got {n_layers!r}")
-    if not hidden_over_sqrt_n > 0:
-        raise ArchsearchError("hidden_over_sqrt_n", f"must be positive, got {hidden_over_sqrt_n}")
-    if not mlp_to_attn > 0:
-        raise ArchsearchError("mlp_to_attn", f"must be positive, got {mlp_to_attn}")
+    if not (hidden_over_sqrt_n > 0 and math.isfinite(hidden_over_sqrt_n)):
+        raise ArchsearchError("hidden_over_sqrt_n", f"must be a positive finite number, got {hidden_over_sqrt_n}")
+    if not (mlp_to_attn > 0 and math.isfinite(mlp_to_attn)):
+        raise ArchsearchError("mlp_to_attn", f"must be a positive finite number, got {mlp_to_attn}")
     if isinstance(gqa, bool) or not isinstance(gqa, int) or gqa <= 0:
         raise ArchsearchError("gqa", f"must be a positive integer, got {gqa!r}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -100,24 +132,24 @@ def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
 
     d = _snap(hidden_over_sqrt_n * math.sqrt(params), s.hidden_multiple)
     per_layer = params / n_layers
-    attn_target = per_layer / (1.0 + mlp_to_attn)
-    ideal_kv = attn_target / (2 * d * head_dim * (gqa + 1))
-    # the head count must divide the width (transformers requires it): nearest such KV count
-    fits = [k for k in range(1, max(2, int(ideal_kv * 2) + 2)) if d % (k * gqa) == 0]
-    if not fits:
-        raise ArchsearchError(
-            "gqa", f"no head count that is a multiple of GQA {gqa} divides hidden size {d}",
-            "use a GQA that divides the hidden size, or a hidden_multiple that GQA divides")
-    n_kv = min(fits, key=lambda k: (abs(k - ideal_kv), k))
-    n_heads = n_kv * gqa
-    attn = 2 * d * head_dim * (n_heads + n_kv)
-    rest = per_layer - attn
-    if rest <= 0:
+    attn_per_kv = 2 * d * head_dim * (gqa + 1)  # attention params per layer per KV head
+    ideal_kv = per_layer / (1.0 + mlp_to_attn) / attn_per_kv
+    options = []
+    for n_kv in sorted({max(1, math.floor(ideal_kv)), max(1, math.ceil(ideal_kv))}):
+        rest = per_layer - attn_per_kv * n_kv
+        if rest <= 0:
+            continue
+        ffn = _snap(rest / (3 * d), s.ffn_multiple)
+        r = 3 * d * ffn / (attn_per_kv * n_kv)
+        n = n_layers * (attn_per_kv * n_kv + 3 * d * ffn)
+        options.append((abs(r / mlp_to_attn - 1), abs(n / params - 1), n_kv, ffn))
+    if not options:
         raise ArchsearchError(
             "params", f"budget {params:.4g} leaves no room for an MLP with {n_layers} layers, "
-            f"hidden size {d} and {n_heads} heads of {head_dim}",
+            f"hidden size {d} and {gqa + 1} heads of {head_dim}",
             "raise the budget, or lower layers / hidden_over_sqrt_n / head_dim")
-    ffn = _snap(rest / (3 * d), s.ffn_multiple)
+    _, _, n_kv, ffn = min(options)
+    n_heads = n_kv * gqa
     spec = ArchSpec(n_layers=n_layers, hidden_size=d, n_heads=n_heads, n_kv_heads=n_kv,
                     head_dim=head_dim, ffn=ffn, vocab_size=s.vocab_size,
                     tie_embeddings=s.tie_embeddings,
@@ -133,4 +165,11 @@ def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
             f"closest is {non_embedding_params(spec):.4g} ({cand.param_error:+.1%}) with "
             f"hidden {d}, {n_heads}x{head_dim} heads, ffn {ffn}",
             "raise the tolerance, use smaller snapping multiples, or change layers/head_dim")
+    if abs(cand.r_drift) > s.r_tolerance:
+        msg = (f"realised r {mlp_to_attn_ratio(spec):.3g} is {cand.r_drift:+.1%} off the requested "
+               f"{mlp_to_attn:.3g} (head granularity: {n_heads}+{n_kv} heads of {head_dim} at width {d})")
+        if s.on_r_drift == "refuse":
+            raise ArchsearchError("mlp_to_attn", msg, f"raise r_tolerance ({s.r_tolerance:g}), set "
+                                  "on_r_drift: flag, or use a smaller head_dim / ffn_multiple")
+        cand = dataclasses.replace(cand, warnings=(msg,))
     return cand

@@ -85,6 +85,16 @@ def detect_gpu_name(cuda_name: str) -> str | None:
     return None
 
 
+def local_device_name() -> str | None:
+    """The device this process would measure on: the first CUDA GPU's table name (None when
+    it is not in the table), or ``cpu`` where there is no CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return detect_gpu_name(torch.cuda.get_device_name(0))
+    return "cpu"
+
+
 @functools.lru_cache(maxsize=1)
 def measure_cpu(n: int = 1024, repeats: int = 5) -> Device:
     """This CPU's fp32 matmul FLOP/s and copy bandwidth, measured with torch (best of runs).

@@ -5,12 +5,15 @@ One row per training run, as CSV (header row) or JSONL (one object per line):
 =============  ========  ====================================================================
 column         required  meaning
 =============  ========  ====================================================================
-n_layers       yes       decoder layers
-hidden_size    yes       model width d
-n_heads        yes       query heads
-n_kv_heads     yes       key/value heads
-head_dim       yes       size of one head
-ffn            yes       SwiGLU intermediate size
+n_layers       yes (*)   decoder layers
+hidden_size    yes (*)   model width d
+n_heads        yes (*)   query heads
+n_kv_heads     yes (*)   key/value heads
+head_dim       yes (*)   size of one head
+ffn            yes (*)   SwiGLU intermediate size
+params         (*)       N, non-embedding, instead of the six architecture columns (published
+                         scaling tables give only N, D and loss): such rows fit the Chinchilla
+                         law and are refused, by name, by the laws that need the shape
 vocab_size     no        vocabulary (only used for embedding counts)
 tokens         yes       training tokens D
 loss           yes       final loss (see loss_kind)
@@ -24,7 +27,7 @@ device         no        device name (``H100-SXM``, ``cpu``)
 =============  ========  ====================================================================
 
 N (non-embedding), r and d/sqrt(N) are derived from the architecture columns, never typed by
-hand. Other columns are kept in ``extra`` and written back unchanged.
+hand; a row with both the architecture and ``params`` must agree on N within 1%. Other columns are kept in ``extra`` and written back unchanged.
 """
 
 from __future__ import annotations
@@ -46,14 +49,15 @@ LOSS_KINDS = ("eval", "smoothed_train")
 
 @dataclass(frozen=True)
 class RunRecord:
-    n_layers: int
-    hidden_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
     tokens: float
     loss: float
+    n_layers: int | None = None
+    hidden_size: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn: int | None = None
+    params: float | None = None
     vocab_size: int | None = None
     loss_kind: str = "eval"
     seed: int | None = None
@@ -79,10 +83,31 @@ class RunRecord:
                                       "drop the row or mark it status=failed")
             if not self.tokens > 0:
                 raise ArchsearchError(f"{where}.tokens", f"must be positive, got {self.tokens!r}")
-        self.spec  # validates the architecture columns
+        if self.has_arch:
+            n = non_embedding_params(self.spec)  # validates the architecture columns
+            if self.params is not None and abs(self.params / n - 1) > 0.01:
+                raise ArchsearchError(f"{where}.params", f"{self.params:.6g} disagrees with the "
+                                      f"architecture columns (N = {n})", "drop one of them")
+        elif self.params is None:
+            raise ArchsearchError(f"{where}.params", "the run has neither the architecture columns "
+                                  "nor params", f"give {', '.join(ARCH_COLUMNS)}, or params (N only)")
+        elif not (math.isfinite(self.params) and self.params > 0):
+            raise ArchsearchError(f"{where}.params", f"must be a positive finite number, got {self.params!r}")
+
+    @property
+    def has_arch(self) -> bool:
+        """Whether the row gives the architecture (else only N, in ``params``)."""
+        return any(getattr(self, c) is not None for c in ARCH_COLUMNS)
 
     @property
     def spec(self) -> ArchSpec:
+        if not self.has_arch:
+            raise ArchsearchError(f"run {self.run_id or '?'}.params", "gives N only, no architecture",
+                                  f"this use needs the columns {', '.join(ARCH_COLUMNS)}")
+        missing = [c for c in ARCH_COLUMNS if getattr(self, c) is None]
+        if missing:
+            raise ArchsearchError(f"run {self.run_id or '?'}.{missing[0]}", "missing architecture column",
+                                  f"give all of {', '.join(ARCH_COLUMNS)}, or only params")
         try:
             return ArchSpec(n_layers=self.n_layers, hidden_size=self.hidden_size,
                             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
@@ -92,8 +117,8 @@ class RunRecord:
             raise ArchsearchError(f"run {self.run_id or '?'}.{e.field}", e.problem, e.fix) from None
 
     @property
-    def n_params(self) -> int:
-        return non_embedding_params(self.spec)
+    def n_params(self) -> float:
+        return non_embedding_params(self.spec) if self.has_arch else float(self.params)
 
     @property
     def mlp_to_attn_ratio(self) -> float:
@@ -117,14 +142,21 @@ class RunRecord:
 _FIELDS = {f.name: f for f in dataclasses.fields(RunRecord) if f.name != "extra"}
 _INT = {"n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab_size",
         "seed", "n_devices", "tp", "pp"}
-_FLOAT = {"tokens", "loss", "wall_time_s"}
+_FLOAT = {"tokens", "loss", "wall_time_s", "params"}
 
 
 def _parse(row: dict[str, Any], where: str) -> RunRecord:
-    missing = [c for c in (*ARCH_COLUMNS, "tokens", "loss") if row.get(c) in (None, "")]
+    if not isinstance(row, dict):
+        raise ArchsearchError(where, f"is not an object: {str(row)[:60]}",
+                              "each line of a JSONL run file is one JSON object with the run's columns")
+    given = lambda c: row.get(c) not in (None, "")  # noqa: E731
+    needed = ("tokens", "loss") if given("params") and not any(given(c) for c in ARCH_COLUMNS) \
+        else (*ARCH_COLUMNS, "tokens", "loss")
+    missing = [c for c in needed if not given(c)]
     if missing:
         raise ArchsearchError(f"{where}.{missing[0]}", "missing required column",
-                              f"every run needs {', '.join((*ARCH_COLUMNS, 'tokens', 'loss'))}")
+                              f"every run needs tokens, loss and either {', '.join(ARCH_COLUMNS)} "
+                              "or params (N only)")
     kw: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for k, v in row.items():

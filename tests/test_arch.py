@@ -82,6 +82,31 @@ def test_count_equals_transformers_numel(family, tie):
     assert torch.is_tensor(next(model.parameters()))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "olmo2"])
+def test_heads_not_dividing_width_build_and_count(family, tmp_path):
+    # the method's shapes: n_heads*head_dim != hidden and n_heads does not divide it (2560 with
+    # 72 heads of 64, here scaled down). LlamaConfig refuses them, so llama goes out as Mistral.
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archsearch.arch import hf_family, load_arch, write_hf_config
+
+    spec = ArchSpec(n_layers=2, hidden_size=80, n_heads=6, n_kv_heads=2, head_dim=32, ffn=160,
+                    vocab_size=211, family=family)
+    write_hf_config(spec, tmp_path, "float32")
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert cfg.model_type == ("mistral" if family == "llama" else family)
+    assert cfg.head_dim == 32 and cfg.num_attention_heads == 6
+    assert getattr(cfg, "sliding_window", None) is None
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == total_params(spec)
+    back = load_arch(tmp_path)
+    assert back == spec.replace(family=hf_family(spec))
+    assert non_embedding_params(back) == non_embedding_params(spec)
+    out = model(torch.tensor([[1, 2, 3]])).logits
+    assert out.shape == (1, 3, 211) and torch.isfinite(out).all()
+
+
 def test_hf_export_loads_with_autoconfig(tmp_path):
     pytest.importorskip("transformers")
     from transformers import AutoConfig, AutoModelForCausalLM

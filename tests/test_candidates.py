@@ -68,17 +68,51 @@ def test_budget_unreachable():
         build_candidate(1e6, 2, 0.1, 3.0, gqa=1, head_dim=32, settings=BuildSettings(tolerance=1e-6))
 
 
-@pytest.mark.parametrize("x1, r, gqa", [(0.15, 0.7, 2), (0.15, 2.0, 2), (0.3, 4.5, 4), (0.5, 1.0, 1)])
-def test_heads_divide_hidden_size(x1, r, gqa):
-    # transformers' LlamaConfig rejects hidden_size % n_heads != 0: the constructor must not emit it
-    c = build_candidate(2e5, 2, x1, r, gqa=gqa, head_dim=32,
-                        settings=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.2))
-    assert c.spec.hidden_size % c.spec.n_heads == 0
+def test_method_shapes_heads_need_not_divide_width():
+    # SPEC 2: head_dim fixed, the head count moves to reach r, e.g. hidden 2560 with 72 heads
+    # of 64 and 18 KV heads (2560 % 72 != 0)
+    c = build_candidate(1e9, 16, 2560 / math.sqrt(1e9), 1.12, gqa=4, head_dim=64)
+    s = c.spec
+    assert (s.hidden_size, s.n_heads, s.n_kv_heads) == (2560, 72, 18)
+    assert s.hidden_size % s.n_heads != 0
+    assert abs(c.r_drift) < 0.05 and abs(c.param_error) <= 0.02
 
 
-def test_spec_rejects_heads_not_dividing_width():
-    from archsearch.arch import ArchSpec
+@pytest.mark.parametrize("n, layers, x1, r, gqa, hd", [
+    (1e9, 16, 0.066, 4.8, 4, 64), (1e9, 16, 0.11, 0.6, 8, 64), (3e9, 28, 0.058, 3.0, 4, 128),
+    (3e9, 28, 0.09, 1.0, 2, 128), (150e6, 12, 0.06, 2.0, 2, 64),
+])
+def test_realised_r_is_the_nearest_head_count(n, layers, x1, r, gqa, hd):
+    c = build_candidate(n, layers, x1, r, gqa=gqa, head_dim=hd)
+    # one KV head more or fewer (MLP refilled) would not land closer to the requested r
+    for dk in (-1, 1):
+        kv = c.spec.n_kv_heads + dk
+        if kv < 1:
+            continue
+        attn = 2 * c.spec.hidden_size * hd * kv * (gqa + 1)
+        rest = n / layers - attn
+        if rest <= 0:
+            continue
+        ffn = max(64, round(rest / (3 * c.spec.hidden_size) / 64) * 64)
+        assert abs(3 * c.spec.hidden_size * ffn / attn / r - 1) >= abs(c.r_drift) - 1e-12
+    assert c.to_dict()["r_drift"] == pytest.approx(mlp_to_attn_ratio(c.spec) / r - 1)
 
+
+def test_r_drift_refused_or_flagged():
+    # a tiny shape: one head pair is a large share of attention, so r cannot be hit closely
+    kw = dict(params=2e5, n_layers=2, hidden_over_sqrt_n=0.15, mlp_to_attn=0.7, gqa=2, head_dim=32)
+    coarse = dict(hidden_multiple=32, ffn_multiple=32, tolerance=0.2)
     with pytest.raises(ArchsearchError) as e:
-        ArchSpec(n_layers=2, hidden_size=32, n_heads=10, n_kv_heads=5, head_dim=32, ffn=64)
-    assert e.value.field == "n_heads"
+        build_candidate(**kw, settings=BuildSettings(**coarse))
+    assert e.value.field == "mlp_to_attn" and "r_tolerance" in e.value.fix
+    c = build_candidate(**kw, settings=BuildSettings(**coarse, on_r_drift="flag"))
+    assert abs(c.r_drift) > 0.10 and c.warnings and "off the requested" in c.warnings[0]
+    assert build_candidate(**kw, settings=BuildSettings(**coarse, r_tolerance=0.5)).warnings == ()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_knobs(bad):
+    for kw in (dict(params=bad), dict(hidden_over_sqrt_n=bad), dict(mlp_to_attn=bad)):
+        args = {**dict(params=1e8, n_layers=8, hidden_over_sqrt_n=0.07, mlp_to_attn=3.0), **kw}
+        with pytest.raises(ArchsearchError):
+            build_candidate(**args)

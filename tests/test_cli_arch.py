@@ -70,7 +70,7 @@ def test_list(capsys):
 @pytest.mark.parametrize("argv, field", [
     (["arch", "describe", "--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "3", "--ffn", "64"], "n_kv_heads"),
     (["arch", "describe", "--layers", "2", "--hidden-size", "64", "--heads", "2", "--head-dim", "24", "--ffn", "64"], "head_dim"),
-    (["arch", "describe", "--layers", "0", "--hidden-size", "64", "--heads", "2", "--ffn", "64"], "n_layers"),
+    (["arch", "describe", "--layers", "0", "--hidden-size", "64", "--heads", "2", "--ffn", "64"], "--layers"),
     (["arch", "describe", "--preset", "gpt-5"], "preset"),
     (["arch", "build", "--params", "1e5", "--layers", "8", "--hidden-over-sqrt-n", "0.5", "--mlp-to-attn", "3"], "params"),
     (["arch", "build", "--params", "1e9", "--layers", "16", "--hidden-over-sqrt-n", "0.06", "--mlp-to-attn", "3", "--gqa", "0"], "gqa"),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from archsearch.errors import ArchsearchError
-from trainers.config import DataConfig, SweepBuild, SweepConfig, TrainConfig
+from archsearch.candidates import BuildSettings
+from trainers.config import DataConfig, SweepConfig, TrainConfig
 from trainers.data import PreparedData, check_epochs
 
 
@@ -37,7 +38,7 @@ def test_sweep_over_a_small_source_fails_before_training(tmp_path):
     f.write_text("".join(f"line {i}: {i % 97} quick foxes jump over {i * 7} lazy dogs.\n" for i in range(800)))
     data = DataConfig(source=str(f), tokenizer="bpe:300", seq_len=16, cache_dir=str(tmp_path / "cache"))
     cfg = SweepConfig(name="s", params=[6e4], n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0], gqa=2,
-                      head_dim=32, build=SweepBuild(hidden_multiple=32, ffn_multiple=32, tolerance=0.1),
+                      head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.1, on_r_drift="flag"),
                       train=TrainConfig(tokens_per_param=10.0, global_batch_size=8), data=data)
     with pytest.raises(ArchsearchError, match=r"data\.max_epochs: sweep s's largest run needs 6\d\d,\d{3} "
                                               r"training tokens .* epochs > max_epochs=1"):

@@ -83,6 +83,28 @@ def test_coefficients_and_theta_round_trip(law, mult_runs):
 
 # -- parameter recovery (tolerances stated per law) ------------------------------------------
 
+def test_n_only_rows_fit_chinchilla_and_are_refused_by_shape_laws(tmp_path):
+    # published scaling tables give N, D and loss only
+    runs = synthetic_runs("chinchilla", TRUE_CHINCHILLA, (1e7, 4e7, 1.6e8, 6.4e8), tokens_per_param=(10, 40, 160),
+                          hidden_over_sqrt_n=(0.08,), mlp_to_attn=(2.5,), noise=0.002, seed=5)
+    path = tmp_path / "n_only.csv"
+    path.write_text("params,tokens,loss\n" + "".join(f"{r.n_params},{r.tokens},{r.loss}\n" for r in runs))
+    from archsearch.rundata import read_runs
+
+    rows = read_runs(path)
+    assert not rows[0].has_arch and rows[0].n_params == runs[0].n_params
+    a = fit_law(rows, "chinchilla").coefficients
+    b = fit_law(runs, "chinchilla").coefficients
+    assert all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)  # the same fit as with the shapes
+    with pytest.raises(ArchsearchError) as e:
+        fit_law(rows, "conditional-multiplicative")
+    assert e.value.field.endswith(".params") and "chinchilla" in e.value.fix
+    with pytest.raises(ArchsearchError, match="neither"):
+        RunRecord(tokens=1e9, loss=3.0)
+    with pytest.raises(ArchsearchError, match="disagrees"):
+        RunRecord.from_arch(runs[0].spec, 1e9, 3.0, params=2 * runs[0].n_params)
+
+
 def test_recover_chinchilla():
     """18 runs, 6 sizes x 3 token budgets, 0.3% noise: exponents within 0.03, E within 10%."""
     runs = synthetic_runs("chinchilla", TRUE_CHINCHILLA, (1e7, 2e7, 4e7, 8e7, 1.6e8, 3.2e8),

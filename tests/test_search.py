@@ -47,7 +47,7 @@ def study_config(tmp_path: Path, **over) -> dict:
         "target": {"slack": 0.0},
         "law": {"file": str(law)},
         "search_space": {"hidden_over_sqrt_n": [0.08, 0.3], "mlp_to_attn": [0.7, 5.0], "gqa": [1, 2, 4],
-                         "head_dim": 32, "hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05},
+                         "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05, "on_r_drift": "flag"}},
         "measure": {"backend": "analytic", "device_spec": "H100", "batch_sizes": [8], "input_len": 64,
                     "output_len": 16, "repeats": 1, "warmup": 0},
         "optuna": {"n_trials": 6, "seed": 1, "enqueue_solution": 2},
@@ -139,36 +139,57 @@ def test_infeasible_trials_are_pruned_not_measured(tmp_path):
     assert {t.user_attrs.get("measurement_key") for t in pruned}.isdisjoint(measured - {None})
 
 
-def test_gqa_search_early_stops(tmp_path):
-    from archsearch.arch import ArchSpec
-    from archsearch.search.gqa import gqa_variant, local_gqa_search
-    from archsearch.search.study import SearchContext, build_settings
-    from archsearch.laws import load_law
+def test_gqa_pairs_keep_the_attention_share():
+    # the method's example: GQA 4 with 24+6 heads and GQA 9 with 27+3 hold the same share
+    from archsearch.arch import ArchSpec, mlp_to_attn_ratio, non_embedding_params
+    from archsearch.candidates import BuildSettings
+    from archsearch.search.gqa import gqa_pairs
 
-    cfg = load(study_config(tmp_path))
-    spec = ArchSpec(n_layers=2, hidden_size=128, n_heads=8, n_kv_heads=2, head_dim=32, ffn=512, vocab_size=256)
+    spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192)
+    n = non_embedding_params(spec)
+    pairs = gqa_pairs(spec, n, BuildSettings())
+    assert (pairs[4].n_heads, pairs[4].n_kv_heads) == (24, 6)
+    assert (pairs[9].n_heads, pairs[9].n_kv_heads) == (27, 3)
+    assert non_embedding_params(pairs[9]) == n  # same head total: same N, same r
+    for g, v in pairs.items():
+        assert v.n_heads == g * v.n_kv_heads and v.hidden_size == 2048 and v.ffn == 8192
+        assert abs(non_embedding_params(v) / n - 1) <= 0.02
+        assert abs(mlp_to_attn_ratio(v) / mlp_to_attn_ratio(spec) - 1) <= 0.10
+    assert 8 not in pairs  # 24+3 or 32+4: the share moves by 10%, r by more than its tolerance
+
+
+def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
+    from archsearch.arch import ArchSpec, non_embedding_params
+    from archsearch.laws import load_law
+    from archsearch.search.gqa import gqa_pairs, local_gqa_search
+    from archsearch.search.study import SearchContext, build_settings
+
+    spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192,
+                    vocab_size=256)
+    cfg = load(study_config(tmp_path, params=non_embedding_params(spec)))
     build = build_settings(cfg, 256)
+    pairs = sorted(gqa_pairs(spec, cfg.params, build))
     calls = []
 
     class FakeMeasurer:
-        """Throughput rises with GQA up to 4, then falls: the search must stop at 8."""
+        """Throughput peaks at GQA 9: the walk up must pass 5..9, stop at the first slower than
+        GQA 4 after the peak, then walk down and stop at GQA 3."""
         note = None
         backend = "fake"
 
         def measure(self, s):
             calls.append(s.gqa)
-            t = {1: 50.0, 2: 80.0, 4: 100.0, 8: 90.0}[s.gqa]
+            t = 100.0 + 10 * s.gqa if s.gqa <= 9 else 50.0
             return {"ok": True, "per_batch": [{"batch_size": 8, "ok": True, "output_throughput": t}]}, False
 
     ctx = SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
                         measurer=FakeMeasurer(), out=tmp_path, build=build)
     res = local_gqa_search(spec, ctx, baseline_gqa=4)
-    # baseline 4 first, then up: 8 is slower -> stop (no 16 exists anyway), then down: 2 slower -> stop (1 never)
-    assert calls == [4, 8, 2]
-    assert res.chosen.gqa == 4
-    assert any("stop" in s.note for s in res.steps)
-    v = gqa_variant(spec, 8, cfg.params, build)
-    assert v.n_kv_heads == 1 and v.n_heads == 8
+    up = [g for g in pairs if g > 4]
+    first_slow_up = next(g for g in up if g > 9)
+    assert calls == [4] + [g for g in up if g <= first_slow_up] + [3]
+    assert res.chosen.gqa == 9 and (res.chosen.n_heads, res.chosen.n_kv_heads) == (27, 3)
+    assert sum("stop" in s.note for s in res.steps) == 2
 
 
 @pytest.mark.parametrize("over, field", [
@@ -325,17 +346,30 @@ def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
         optuna={"n_trials": 4, "seed": 1, "enqueue_solution": 2}, gqa_search={"enabled": False},
         final_train={"tokens": 20480, "train": {"global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2,
                                                 "cpu_threads": 1},
-                     "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}))
+                     "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}},
+        evaluation={"tasks": "offline", "limit": 8, "batch_size": 8}))
     s = pipeline.run(cfg, cfg.out_dir())
     prs = json.loads((cfg.out_dir() / "predict_rank_select.json").read_text())
     assert len(prs["candidates"]) == 2
+    # distinct feasible shapes, each trained and evaluated downstream
+    assert len({json.dumps(c["spec"], sort_keys=True) for c in prs["candidates"]}) == 2
+    assert all(c["predicted_loss"] <= prs["target_loss"] for c in prs["candidates"])
     assert all(c["status"] == "ok" and c["eval_loss"] > 0 for c in prs["candidates"])
-    assert prs["released"] is not None
+    assert all(0 <= c["downstream_accuracy"] <= 1 for c in prs["candidates"])
+    assert prs["released"] is not None and "downstream accuracy" in prs["released"]["source"]
+    report = (cfg.out_dir() / "report.md").read_text()
+    assert "Predict-rank-select" in report and "**yes**" in report
     # the released model is the chosen one, and its config is the one written
     assert s["chosen"]["architecture"]["hidden_size"] == prs["released"]["spec"]["hidden_size"]
     written = json.loads((cfg.out_dir() / "chosen" / "config.json").read_text())
     assert written["hidden_size"] == prs["released"]["spec"]["hidden_size"]
-    # the release rule, on its own: fastest that meets the target, else the lowest loss
+    # the release rule, on its own: by downstream accuracy (ties within the tolerance go to the
+    # fastest); without accuracies, the fastest that meets the target, else the lowest loss
+    acc = [{"trial": 1, "status": "ok", "eval_loss": 3.0, "throughput": 10.0, "downstream_accuracy": 0.40},
+           {"trial": 2, "status": "ok", "eval_loss": 2.9, "throughput": 20.0, "downstream_accuracy": 0.395},
+           {"trial": 3, "status": "ok", "eval_loss": 2.5, "throughput": 30.0, "downstream_accuracy": 0.30}]
+    assert release_best(acc, target_loss=2.0, accuracy_tolerance=0.01)["trial"] == 2
+    assert release_best(acc, target_loss=2.0, accuracy_tolerance=0.0)["trial"] == 1
     rows = [{"trial": 1, "status": "ok", "eval_loss": 3.0, "throughput": 10.0},
             {"trial": 2, "status": "ok", "eval_loss": 2.9, "throughput": 20.0},
             {"trial": 3, "status": "ok", "eval_loss": 2.5, "throughput": 5.0},
@@ -369,3 +403,55 @@ def test_two_workers_opening_a_new_storage_at_once(tmp_path):
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
         for p in procs:
             assert p.wait(timeout=120) == 0, p.stderr.read()[-2000:]
+
+
+def test_paper_configs_validate_completely(cli):
+    # every name a later stage uses is checked at load: the dry run validates the whole config
+    for name in ("paper-1b", "paper-3b"):
+        r = cli("search", "--config", f"configs/{name}.yaml", "--dry-run", "--json")
+        assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"evaluation": {"tasks": "paper"}}, "evaluation.tasks"),
+    ({"measure": {"device_spec": "H900"}}, "measure.device_spec"),
+    ({"final_train": {"train": {"lr": -1.0}, "data": {"source": "shakespeare", "tokenizer": "bpe:512"}}},
+     "final_train.train"),
+    ({"baseline": {"preset": "llama-3.2-1b"}}, "baseline"),  # 0.97e9 against a 4e5 budget
+])
+def test_later_stage_names_checked_before_work(tmp_path, cli, over, field):
+    cfg = study_config(tmp_path, **over)
+    r = cli("search", "--config", cfg["_path"])
+    assert r.returncode == 2, r.stderr
+    assert field in r.stderr and "Traceback" not in r.stderr
+    assert not Path(cfg["out"]).exists()
+
+
+def test_vocab_comes_from_the_proxies_tokenizer_never_a_default(tmp_path):
+    from archsearch.search.pipeline import vocab_size
+
+    sweep = {"name": "s", "params": [1e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [2.0],
+             "data": {"source": "shakespeare", "tokenizer": "bpe:640"}}
+    cfg = load(study_config(tmp_path, vocab_size=None, proxy={"sweep": sweep}, law={"file": None}))
+    assert vocab_size(cfg) == 640
+    cfg = load(study_config(tmp_path, vocab_size=512, proxy={"sweep": sweep}, law={"file": None}))
+    with pytest.raises(ArchsearchError, match="disagrees"):
+        vocab_size(cfg)
+    cfg = load(study_config(tmp_path, vocab_size=None))  # a law file, no proxies: nothing tells it
+    with pytest.raises(ArchsearchError) as e:
+        vocab_size(cfg)
+    assert e.value.field == "vocab_size"
+
+
+def test_baseline_predicted_at_the_study_budget(tmp_path):
+    from archsearch.arch import non_embedding_params
+    from archsearch.laws import load_law
+    from archsearch.search.pipeline import baseline_loss, baseline_note, baseline_spec
+
+    cfg = load(study_config(tmp_path))
+    law = load_law(tmp_path / "law.json")
+    base = baseline_spec(cfg)
+    assert non_embedding_params(base) != cfg.params  # snapped: its own N differs a little
+    assert baseline_loss(cfg, law, base) == law.predict(base, cfg.tokens, params=cfg.params)
+    assert baseline_loss(cfg, law, base) != law.predict(base, cfg.tokens)
+    assert "study's N" in baseline_note(cfg, base)

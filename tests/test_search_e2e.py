@@ -25,7 +25,7 @@ def test_tiny_study_end_to_end(tmp_path):
         "vocab_size": 512,
         "baseline": {"hidden_over_sqrt_n": 0.18, "mlp_to_attn": 3.0, "gqa": 2},
         "search_space": {"hidden_over_sqrt_n": [0.1, 0.4], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2],
-                         "head_dim": 32, "hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2},
+                         "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2, "on_r_drift": "flag"}},
         "proxy": {"sweep": {
             "name": "tiny-proxies", "params": [8.0e4], "n_layers": 2,
             "hidden_over_sqrt_n": [0.1, 0.18, 0.3], "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,

@@ -11,7 +11,6 @@ _LAZY = {
     "DataConfig": "trainers.config",
     "TrainConfig": "trainers.config",
     "SweepConfig": "trainers.config",
-    "SweepBuild": "trainers.config",
     "RunConfig": "trainers.config",
     "HPARAMS": "trainers.config",
     "prepare_data": "trainers.data",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
 
 
@@ -222,18 +223,10 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass(frozen=True)
-class SweepBuild:
-    """How the sweep's shapes are snapped (archsearch.candidates.BuildSettings; the
-    vocabulary comes from the tokenizer)."""
-
-    hidden_multiple: int = 64
-    ffn_multiple: int = 64
-    tolerance: float = 0.02
-    tie_embeddings: bool = False
-    family: str = "llama"
-    max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
+def _sweep_build() -> BuildSettings:
+    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
+    # flagged), since the law is fitted on the realised r
+    return BuildSettings(on_r_drift="flag")
 
 
 @dataclass(frozen=True)
@@ -249,7 +242,7 @@ class SweepConfig:
     n_layers: int | list[int] = 4
     gqa: int = 4
     head_dim: int = 64
-    build: SweepBuild = field(default_factory=SweepBuild)
+    build: BuildSettings = field(default_factory=_sweep_build)  # vocab_size: the tokenizer's
     train: TrainConfig = field(default_factory=lambda: TrainConfig(tokens_per_param=20))
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only

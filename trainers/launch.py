@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import ArchSpec
+from archsearch.arch import ArchSpec, hf_family
 from archsearch.errors import ArchsearchError
 
 # the decoder-layer class FSDP wraps, per family (transformers class names)
 _LAYER_CLASS = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-                "qwen3": "Qwen3DecoderLayer", "olmo2": "Olmo2DecoderLayer"}
+                "qwen3": "Qwen3DecoderLayer", "olmo2": "Olmo2DecoderLayer",
+                "mistral": "MistralDecoderLayer"}
 
 
 def accelerate_config(spec: ArchSpec, *, num_processes: int, num_machines: int = 1,
@@ -55,7 +56,7 @@ def accelerate_config(spec: ArchSpec, *, num_processes: int, num_machines: int =
         cfg["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": _LAYER_CLASS[spec.family],
+            "fsdp_transformer_layer_cls_to_wrap": _LAYER_CLASS[hf_family(spec)],
             "fsdp_reshard_after_forward": True,
             # sharded optimizer checkpoints (the model is saved whole by the loop)
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",

@@ -42,14 +42,11 @@ def sweep_points(cfg: SweepConfig) -> Iterator[dict[str, Any]]:
 def sweep_specs(cfg: SweepConfig, vocab_size: int) -> list[tuple[dict, ArchSpec | None, str | None]]:
     """(point, spec or None, error or None) for every grid point, shapes built by
     archsearch.candidates.build_candidate with the tokenizer's vocabulary."""
-    from archsearch.candidates import BuildSettings, build_candidate
+    import dataclasses
 
-    b = cfg.build
-    settings = BuildSettings(hidden_multiple=b.hidden_multiple, ffn_multiple=b.ffn_multiple,
-                             tolerance=b.tolerance, vocab_size=vocab_size,
-                             tie_embeddings=b.tie_embeddings, family=b.family,
-                             max_position_embeddings=b.max_position_embeddings,
-                             rope_theta=b.rope_theta)
+    from archsearch.candidates import build_candidate
+
+    settings = dataclasses.replace(cfg.build, vocab_size=vocab_size)
     out = []
     for p in sweep_points(cfg):
         try:

@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except ArchsearchError as e:
         print(f"archsearch: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path the user named: missing, a folder, not writable, disk full
+        where = e.filename if e.filename is not None else "file"
+        print(f"archsearch: error: {where}: {e.strerror or e} (check the path and its permissions)",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
         return 130

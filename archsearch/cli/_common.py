@@ -4,18 +4,76 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 from typing import Any
+
+from archsearch.arch import FAMILIES
 
 
 def parse_number(text: str) -> float:
-    """'1e9', '1B', '150M', '300k' -> float (an argparse ``type``)."""
+    """'1e9', '1B', '150M', '300k' -> a positive finite float (an argparse ``type``)."""
     t = text.strip().replace("_", "")
     mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower())
     try:
-        return float(t[:-1]) * mult if mult else float(t)
+        v = float(t[:-1]) * mult if mult else float(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 1e9, 1B, 150M)") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive finite number (e.g. 1e9, 1B, 150M)")
+    return v
+
+
+def _bounded(kind, lo=None, hi=None, lo_open=False, what=""):
+    """An argparse ``type``: ``kind`` (int or float), finite, within [lo, hi] (lo open if asked)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or v <= hi)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return v
+    parse.__name__ = what or kind.__name__
+    return parse
+
+
+pos_int = _bounded(int, 1, what="a positive integer")
+nonneg_int = _bounded(int, 0, what="an integer >= 0")
+pos_float = _bounded(float, 0, lo_open=True, what="a positive finite number")
+nonneg_float = _bounded(float, 0, what="a finite number >= 0")
+finite_float = _bounded(float, what="a finite number")
+fraction = _bounded(float, 0, 1, lo_open=True, what="a number in (0, 1]")
+port = _bounded(int, 1, 65535, what="a port number in 1..65535")
+learning_rate = _bounded(float, 0, 10, lo_open=True, what="a learning rate in (0, 10]")
+
+
+def level(text: str) -> float:
+    """An interval level in (0, 1) (an argparse ``type``)."""
+    v = finite_float(text)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be in (0, 1), e.g. 0.9")
+    return v
+
+
+def out_file(text: str) -> str:
+    """A file to write (an argparse ``type``): not an existing folder, nor under a file."""
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
+    if any(a.is_file() for a in p.parents):
+        raise argparse.ArgumentTypeError(f"{text!r} is under a file, not a folder")
+    return text
+
+
+def out_dir(text: str) -> str:
+    """A folder to write into (an argparse ``type``): not an existing file, nor under one."""
+    p = Path(text)
+    if p.is_file() or any(a.is_file() for a in p.parents):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file (or under one); give a folder path")
+    return text
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -26,6 +84,8 @@ def parse_int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not vals:
         raise argparse.ArgumentTypeError("empty list")
+    if any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be a positive integer")
     return vals
 
 
@@ -35,15 +95,39 @@ def add_arch_args(p: argparse.ArgumentParser, required: bool = False) -> None:
     g.add_argument("--preset", help="a named preset (archsearch arch list)")
     g.add_argument("--arch", dest="arch_file", metavar="PATH",
                    help="a folder with config.json, an HF config.json, or an architecture JSON")
-    g.add_argument("--layers", type=int, dest="n_layers")
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--heads", type=int, dest="n_heads")
-    g.add_argument("--kv-heads", type=int, dest="n_kv_heads", help="default: --heads (no GQA)")
-    g.add_argument("--head-dim", type=int, help="default: hidden_size / heads")
-    g.add_argument("--ffn", type=int, help="SwiGLU intermediate size")
-    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--layers", type=pos_int, dest="n_layers")
+    g.add_argument("--hidden-size", type=pos_int)
+    g.add_argument("--heads", type=pos_int, dest="n_heads")
+    g.add_argument("--kv-heads", type=pos_int, dest="n_kv_heads", help="default: --heads (no GQA)")
+    g.add_argument("--head-dim", type=pos_int, help="default: hidden_size / heads")
+    g.add_argument("--ffn", type=pos_int, help="SwiGLU intermediate size")
+    g.add_argument("--vocab-size", type=pos_int, default=None)
     g.add_argument("--tie-embeddings", action="store_true", default=None)
-    g.add_argument("--family", choices=["llama", "qwen2", "qwen3", "olmo2"], default=None)
+    g.add_argument("--family", choices=sorted(FAMILIES), default=None)
+
+
+def add_build_args(p: argparse.ArgumentParser) -> None:
+    """Flags of :class:`archsearch.candidates.BuildSettings` (defaults from the dataclass)."""
+    from archsearch.candidates import BuildSettings
+
+    d = BuildSettings()
+    p.add_argument("--vocab-size", type=pos_int, default=d.vocab_size)
+    p.add_argument("--hidden-multiple", type=pos_int, default=d.hidden_multiple)
+    p.add_argument("--ffn-multiple", type=pos_int, default=d.ffn_multiple)
+    p.add_argument("--tolerance", type=fraction, default=d.tolerance,
+                   help=f"max relative distance of the realised N from the budget (default {d.tolerance})")
+    p.add_argument("--r-tolerance", type=pos_float, default=d.r_tolerance,
+                   help=f"max relative drift of the realised r from the requested one (default {d.r_tolerance})")
+    p.add_argument("--on-r-drift", choices=["refuse", "flag"], default=d.on_r_drift,
+                   help="beyond --r-tolerance: refuse the shape, or build it with a warning")
+
+
+def build_settings_from_args(args: argparse.Namespace, **kw: Any):
+    from archsearch.candidates import BuildSettings
+
+    return BuildSettings(hidden_multiple=args.hidden_multiple, ffn_multiple=args.ffn_multiple,
+                         tolerance=args.tolerance, r_tolerance=args.r_tolerance,
+                         on_r_drift=args.on_r_drift, vocab_size=args.vocab_size, **kw)
 
 
 def arch_from_args(args: argparse.Namespace):

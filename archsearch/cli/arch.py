@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import (add_arch_args, add_group, arch_from_args, parse_number,
+from archsearch.arch import FAMILIES
+from archsearch.cli._common import (add_arch_args, add_build_args, add_group, arch_from_args,
+                                    build_settings_from_args, parse_number,
                                     print_json, print_table)
+from archsearch.cli._common import out_dir, pos_float, pos_int
 
 
 def register(sub) -> None:
@@ -16,6 +19,7 @@ def register(sub) -> None:
     add_arch_args(p)
     p.add_argument("--dtype", default="bfloat16", help="KV-cache dtype for the byte count")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.add_argument("--out", type=out_dir, metavar="DIR", help="also write DIR/config.json (HF format)")
     p.set_defaults(func=_describe)
 
     p = g.add_parser("build", help="build a concrete shape from a parameter budget and ratios",
@@ -23,21 +27,18 @@ def register(sub) -> None:
                                  "buildable spec, sizes snapped to multiples.")
     p.add_argument("--params", type=parse_number, required=True,
                    help="non-embedding parameter budget N (e.g. 1e9, 1B, 150M)")
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--hidden-over-sqrt-n", type=float, required=True, help="d / sqrt(N)")
-    p.add_argument("--mlp-to-attn", type=float, required=True, help="r = MLP / attention params")
-    p.add_argument("--gqa", type=int, default=4, help="query heads per KV head (default 4)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--layers", type=pos_int, required=True)
+    p.add_argument("--hidden-over-sqrt-n", type=pos_float, required=True, help="d / sqrt(N)")
+    p.add_argument("--mlp-to-attn", type=pos_float, required=True, help="r = MLP / attention params")
+    p.add_argument("--gqa", type=pos_int, default=4, help="query heads per KV head (default 4)")
+    p.add_argument("--head-dim", type=pos_int, default=64)
     p.add_argument("--tie-embeddings", action="store_true")
-    p.add_argument("--hidden-multiple", type=int, default=64)
-    p.add_argument("--ffn-multiple", type=int, default=64)
-    p.add_argument("--tolerance", type=float, default=0.02,
-                   help="max relative distance of the realised N from the budget (default 0.02)")
-    p.add_argument("--family", choices=["llama", "qwen3"], default="llama",
-                   help="HF architecture of the exported config.json")
+    add_build_args(p)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                   help="model family (llama shapes whose heads do not divide the width are "
+                        "exported as Mistral, the same math)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", metavar="DIR", help="write DIR/config.json (HF format)")
+    p.add_argument("--out", type=out_dir, metavar="DIR", help="write DIR/config.json (HF format)")
     p.set_defaults(func=_build)
 
     p = g.add_parser("list", help="list the named reference architectures")
@@ -48,7 +49,12 @@ def register(sub) -> None:
 def _describe(args: argparse.Namespace) -> int:
     from archsearch.arch import describe
 
-    d = describe(arch_from_args(args), args.dtype)
+    spec = arch_from_args(args)
+    d = describe(spec, args.dtype)
+    if args.out:
+        from archsearch.arch import write_hf_config
+
+        d["config_json"] = str(write_hf_config(spec, args.out))
     if args.json:
         print_json(d)
     else:
@@ -58,11 +64,9 @@ def _describe(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from archsearch.arch import write_hf_config
-    from archsearch.candidates import BuildSettings, build_candidate
+    from archsearch.candidates import build_candidate
 
-    settings = BuildSettings(hidden_multiple=args.hidden_multiple, ffn_multiple=args.ffn_multiple,
-                             tolerance=args.tolerance, vocab_size=args.vocab_size,
-                             tie_embeddings=args.tie_embeddings, family=args.family)
+    settings = build_settings_from_args(args, tie_embeddings=args.tie_embeddings, family=args.family)
     cand = build_candidate(args.params, args.layers, args.hidden_over_sqrt_n, args.mlp_to_attn,
                            gqa=args.gqa, head_dim=args.head_dim, settings=settings)
     d = cand.to_dict()

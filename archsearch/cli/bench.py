@@ -6,6 +6,8 @@ import argparse
 import json
 
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
+from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
+from benchmarks.base import BACKENDS
 
 
 def register(sub) -> None:
@@ -14,31 +16,31 @@ def register(sub) -> None:
         description="Measure output/total tokens/s, TTFT, TPOT, latency and peak memory per "
                     "batch size, with dummy weights, one engine process per run (SPEC 5). "
                     "'analytic' is a roofline prediction, never a measurement.")
-    p.add_argument("--backend", required=True, choices=["vllm", "sglang", "hf", "analytic"])
+    p.add_argument("--backend", required=True, choices=list(BACKENDS))
     add_arch_args(p)
     p.add_argument("--config-dir", dest="arch_file", metavar="DIR",
                    help="a folder with a Hugging Face config.json (same as --arch)")
     p.add_argument("--model-path", metavar="DIR",
                    help="a folder with real weights to load instead of dummy weights")
     p.add_argument("--batch-sizes", type=parse_int_list, default=[1, 8], help="e.g. 1,8 (default)")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--input-len", type=pos_int, default=128)
+    p.add_argument("--output-len", type=pos_int, default=64)
+    p.add_argument("--repeats", type=pos_int, default=3)
+    p.add_argument("--warmup", type=nonneg_int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--device-spec", help="device table entry for --backend analytic (e.g. H200, "
                                          "A100-40GB, cpu); default: this machine")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine process")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=pos_float, default=900.0, help="seconds per engine process")
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="extra engine keyword, value parsed as JSON when it can be "
                         "(e.g. --engine-arg enforce_eager=false); repeatable")
     p.add_argument("--engine-per-batch", action="store_true",
                    help="one engine process per batch size (max_num_seqs exactly that size)")
-    p.add_argument("--log", metavar="FILE", help="keep the engine's output in FILE")
+    p.add_argument("--log", type=out_file, metavar="FILE", help="keep the engine's output in FILE")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--out", metavar="FILE.jsonl", help="append the result to this JSONL file")
+    p.add_argument("--out", type=out_file, metavar="FILE.jsonl", help="append the result to this JSONL file")
     p.set_defaults(func=_bench)
 
 
@@ -67,6 +69,10 @@ def _bench(args: argparse.Namespace) -> int:
         engine_args=_engine_args(args.engine_arg), seed=args.seed,
         engine_per_batch=args.engine_per_batch)
     spec = None if args.model_path else arch_from_args(args)
+    if spec is not None and args.n_layers is not None:
+        # a shape from flags has dummy weights and no trained context: size it for the run
+        need = settings.input_len + settings.output_len
+        spec = spec.replace(max_position_embeddings=max(spec.max_position_embeddings, need))
     result = measure(spec, settings, model_path=args.model_path, log_path=args.log)
     if args.out:
         append_jsonl(args.out, result)

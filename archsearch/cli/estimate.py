@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from archsearch.cli._common import parse_number, print_json, print_table
+from archsearch.cli._common import fraction, nonneg_float, out_file, pos_int
 
 
 def register(sub) -> None:
@@ -17,14 +18,14 @@ def register(sub) -> None:
     p.add_argument("--arch", help="a preset name, a folder with config.json, or an architecture JSON")
     p.add_argument("--tokens", type=parse_number, help="training tokens D (e.g. 2e10, 20B)")
     p.add_argument("--gpus", default="8xH100", help="COUNTxDEVICE, DEVICE or cpu (default 8xH100)")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (default 1)")
-    p.add_argument("--mfu", type=float, help="model FLOPs utilisation in (0, 1] "
+    p.add_argument("--tp", type=pos_int, default=1, help="tensor parallel degree (default 1)")
+    p.add_argument("--pp", type=pos_int, default=1, help="pipeline parallel degree (default 1)")
+    p.add_argument("--mfu", type=fraction, help="model FLOPs utilisation in (0, 1] "
                                              "(default: the law's measured one, else 0.40 assumed)")
-    p.add_argument("--price", type=float, help="USD per GPU-hour (default: archsearch.hardware table)")
+    p.add_argument("--price", type=nonneg_float, help="USD per GPU-hour (default: archsearch.hardware table)")
     p.add_argument("--law", metavar="TIME_LAW.json", help="a time law from 'archsearch estimate fit'")
     p.add_argument("--dtype", default="bfloat16", help="training compute dtype (default bfloat16)")
-    p.add_argument("--seq-len", type=int, default=2048, help="sequence length for the memory check")
+    p.add_argument("--seq-len", type=pos_int, default=2048, help="sequence length for the memory check")
     p.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_estimate)
@@ -35,21 +36,21 @@ def register(sub) -> None:
                                   "without a boosted residual) and keep the best by cross-validated MAE.")
     f.add_argument("--data", required=True, help="runs (.csv or .jsonl, the rundata format)")
     f.add_argument("--holdout", help="runs to predict and report, never used for the fit")
-    f.add_argument("--out", required=True, metavar="TIME_LAW.json")
+    f.add_argument("--out", type=out_file, required=True, metavar="TIME_LAW.json")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=_fit)
 
     m = sp.add_parser("memory", help="predicted peak memory (inference and training) and max batch")
     m.add_argument("--arch", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
     m.add_argument("--gpus", default="H100", help="device for the max-batch answer (default H100)")
-    m.add_argument("--batch", type=int, default=16, help="inference batch size (default 16)")
-    m.add_argument("--input-len", type=int, default=4096)
-    m.add_argument("--output-len", type=int, default=1024)
+    m.add_argument("--batch", type=pos_int, default=16, help="inference batch size (default 16)")
+    m.add_argument("--input-len", type=pos_int, default=4096)
+    m.add_argument("--output-len", type=pos_int, default=1024)
     m.add_argument("--dtype", default="bfloat16")
-    m.add_argument("--micro-batch", type=int, default=1, help="training micro-batch per device")
-    m.add_argument("--seq-len", type=int, default=2048, help="training sequence length")
-    m.add_argument("--tp", type=int, default=1)
-    m.add_argument("--pp", type=int, default=1)
+    m.add_argument("--micro-batch", type=pos_int, default=1, help="training micro-batch per device")
+    m.add_argument("--seq-len", type=pos_int, default=2048, help="training sequence length")
+    m.add_argument("--tp", type=pos_int, default=1)
+    m.add_argument("--pp", type=pos_int, default=1)
     m.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_memory)

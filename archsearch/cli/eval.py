@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from archsearch.cli._common import out_file, pos_int
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -17,10 +19,10 @@ def register(sub) -> None:
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
                    help="hf: in-process transformers model (default); vllm: lm-eval's vLLM backend")
     p.add_argument("--limit", type=_limit, help="at most N documents per task (a float < 1 is a fraction)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=pos_int, default=8)
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present, else cpu)")
     p.add_argument("--json", action="store_true", help="print lm-eval's results structure as JSON")
-    p.add_argument("--out", metavar="FILE", help="also write the JSON results to FILE")
+    p.add_argument("--out", type=out_file, metavar="FILE", help="also write the JSON results to FILE")
     p.add_argument("--list-tasks", action="store_true", help="list the suites and their tasks, then exit")
     p.set_defaults(func=_eval)
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import parse_number, print_json, print_table
+from archsearch.cli._common import (add_build_args, build_settings_from_args, parse_number, print_json,
+                                    print_table)
+from archsearch.cli._common import fraction, level, nonneg_int, out_dir, out_file, pos_float, pos_int
 
 LAWS = ("chinchilla", "aspect-ratio", "conditional-multiplicative", "conditional-additive")
 
@@ -19,13 +21,13 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=["huber-lbfgsb", "lm"], default="huber-lbfgsb",
                    help="robust log-space Huber + multi-start L-BFGS-B (default), or "
                         "Levenberg-Marquardt on the loss (paper parity)")
-    g.add_argument("--huber-delta", type=float, default=1e-3)
-    g.add_argument("--starts", type=int, default=10, help="multi-start count (default 10)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--bootstrap", type=int, default=0, metavar="N",
+    g.add_argument("--huber-delta", type=pos_float, default=1e-3)
+    g.add_argument("--starts", type=pos_int, default=10, help="multi-start count (default 10)")
+    g.add_argument("--seed", type=nonneg_int, default=0)
+    g.add_argument("--bootstrap", type=nonneg_int, default=0, metavar="N",
                    help="bootstrap resamples for intervals (0 = none; 1000 is a good value)")
-    g.add_argument("--jobs", type=int, default=1, help="processes for the bootstrap")
-    g.add_argument("--r-range", type=float, nargs=2, default=(0.5, 5.0), metavar=("LOW", "HIGH"),
+    g.add_argument("--jobs", type=pos_int, default=1, help="processes for the bootstrap")
+    g.add_argument("--r-range", type=pos_float, nargs=2, default=(0.5, 5.0), metavar=("LOW", "HIGH"),
                    help="keep runs with r = mlp/attn params in [LOW, HIGH] (default 0.5 5)")
     g.add_argument("--no-r-filter", action="store_true", help="keep every run whatever its r")
     g.add_argument("--reference", choices=["chinchilla", "best-observed"], default="chinchilla",
@@ -35,7 +37,7 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
                    help="a fitted chinchilla law file to use as L_opt instead of fitting one")
     g.add_argument("--free-exponents", action="store_true",
                    help="aspect-ratio law: fit alpha, beta, gamma separately (default: tied)")
-    g.add_argument("--size-tolerance", type=float, default=0.05,
+    g.add_argument("--size-tolerance", type=fraction, default=0.05,
                    help="runs within this relative distance in N (and D) are one size (default 0.05)")
 
 
@@ -58,8 +60,8 @@ def register(sub) -> None:
     _add_fit_options(p)
     p.add_argument("--holdout-size", type=parse_number, metavar="N",
                    help="hold out the size nearest N (all its runs); metrics on it")
-    p.add_argument("--out", required=True, metavar="LAW.json")
-    p.add_argument("--plots", metavar="DIR", help="write diagnostic PNGs into DIR")
+    p.add_argument("--out", type=out_file, required=True, metavar="LAW.json")
+    p.add_argument("--plots", type=out_dir, metavar="DIR", help="write diagnostic PNGs into DIR")
     p.add_argument("--json", action="store_true", help="print the law file instead of a summary")
     p.set_defaults(func=_fit)
 
@@ -70,19 +72,16 @@ def register(sub) -> None:
     p.add_argument("--law", required=True, metavar="LAW.json", help="a fitted or hand-written law")
     p.add_argument("--params", type=parse_number, required=True, help="non-embedding N (e.g. 1B)")
     p.add_argument("--tokens", type=parse_number, required=True, help="training tokens D (e.g. 20B)")
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--target-loss", type=float, help="keep candidates whose predicted loss is <= this")
+    p.add_argument("--layers", type=pos_int, required=True)
+    p.add_argument("--target-loss", type=pos_float, help="keep candidates whose predicted loss is <= this")
     p.add_argument("--reference-law", metavar="LAW.json", help="a chinchilla law file to use as L_opt")
     p.add_argument("--throughput", metavar="FILE",
                    help="measured throughputs (.csv/.jsonl with n_layers, hidden_size, n_heads, "
                         "n_kv_heads, head_dim, ffn, throughput): ranks the feasible candidates")
-    p.add_argument("--gqa", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--hidden-multiple", type=int, default=64)
-    p.add_argument("--ffn-multiple", type=int, default=64)
-    p.add_argument("--tolerance", type=float, default=0.02, help="budget tolerance of the built spec")
-    p.add_argument("--level", type=float, default=0.9, help="interval level (default 0.9)")
+    p.add_argument("--gqa", type=pos_int, default=4)
+    p.add_argument("--head-dim", type=pos_int, default=64)
+    add_build_args(p)
+    p.add_argument("--level", type=level, default=0.9, help="interval level (default 0.9)")
     p.add_argument("--all-points", action="store_true", help="include every scanned candidate (JSON)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_solve)
@@ -93,7 +92,7 @@ def register(sub) -> None:
     _add_fit_options(p)
     p.add_argument("--protocol", choices=["all", "progressive", "previous-size", "leave-one-size-out"],
                    default="all")
-    p.add_argument("--out", metavar="TABLE.csv", help="also write the table as CSV")
+    p.add_argument("--out", type=out_file, metavar="TABLE.csv", help="also write the table as CSV")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_validate)
 
@@ -181,7 +180,6 @@ def _read_throughputs(path: str):
 
 def _solve(args: argparse.Namespace) -> int:
     from archsearch.arch import describe
-    from archsearch.candidates import BuildSettings
     from archsearch.laws import load_law, solve
 
     fit = load_law(args.law)
@@ -192,8 +190,7 @@ def _solve(args: argparse.Namespace) -> int:
         table = _read_throughputs(args.throughput)
         tp_fn = lambda s: table.get((s.n_layers, s.hidden_size, s.n_heads, s.n_kv_heads,  # noqa: E731
                                      s.head_dim, s.ffn))
-    build = BuildSettings(hidden_multiple=args.hidden_multiple, ffn_multiple=args.ffn_multiple,
-                          tolerance=args.tolerance, vocab_size=args.vocab_size)
+    build = build_settings_from_args(args)
     res = solve(fit, args.params, args.tokens, args.layers, args.target_loss, tp_fn, gqa=args.gqa,
                 head_dim=args.head_dim, build=build)
     arch = res.architecture

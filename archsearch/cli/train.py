@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from archsearch.cli._common import add_arch_args, parse_number, print_json, print_table
+from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file, port, pos_float, pos_int
 
 # CLI flag dest -> (config section, field)
 _TRAIN_FLAGS = {"tokens": "tokens", "tokens_per_param": "tokens_per_param",
@@ -32,49 +33,49 @@ def register(sub) -> None:
                                     "flags override it")
     b = p.add_argument_group("budget and optimisation")
     b.add_argument("--tokens", type=parse_number, help="token budget D (e.g. 2e9, 500M)")
-    b.add_argument("--tokens-per-param", type=float, help="D = this x N (non-embedding)")
+    b.add_argument("--tokens-per-param", type=pos_float, help="D = this x N (non-embedding)")
     b.add_argument("--hparams", help="the method's per-size preset: 80m, 145m, 297m, 1b, 3b "
                                      "(batch, LR, warm-up; seq_len 2048 unless --seq-len)")
-    b.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
-    b.add_argument("--micro-batch-size", type=int, help="sequences per forward pass per process")
-    b.add_argument("--lr", type=float)
-    b.add_argument("--warmup-steps", type=int)
-    b.add_argument("--eval-interval", type=int, help="steps between held-out evaluations")
-    b.add_argument("--eval-batches", type=int)
-    b.add_argument("--checkpoint-interval", type=int, help="steps between checkpoints")
-    b.add_argument("--seed", type=int)
+    b.add_argument("--global-batch-size", type=pos_int, help="sequences per optimizer step")
+    b.add_argument("--micro-batch-size", type=pos_int, help="sequences per forward pass per process")
+    b.add_argument("--lr", type=learning_rate)
+    b.add_argument("--warmup-steps", type=nonneg_int)
+    b.add_argument("--eval-interval", type=pos_int, help="steps between held-out evaluations")
+    b.add_argument("--eval-batches", type=pos_int)
+    b.add_argument("--checkpoint-interval", type=pos_int, help="steps between checkpoints")
+    b.add_argument("--seed", type=nonneg_int)
     b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     b.add_argument("--attn-implementation", choices=["auto", "sdpa", "eager", "flash_attention_2"])
-    b.add_argument("--cpu-threads", type=int)
+    b.add_argument("--cpu-threads", type=pos_int)
     d = p.add_argument_group("data")
     d.add_argument("--data", nargs="+", help="shakespeare | hf:NAME[:CONFIG] | .txt/.jsonl paths")
     d.add_argument("--tokenizer", help="bpe:VOCAB | smollm2 | an HF tokenizer name or folder")
-    d.add_argument("--seq-len", type=int)
+    d.add_argument("--seq-len", type=pos_int)
     d.add_argument("--text-field")
     d.add_argument("--cache-dir")
     d.add_argument("--match-vocab", action="store_true",
                    help="set the architecture's vocab_size to the tokenizer's")
     o = p.add_argument_group("output")
-    o.add_argument("--out", help="run folder (default results/train/RUN_ID)")
+    o.add_argument("--out", type=out_dir, help="run folder (default results/train/RUN_ID)")
     o.add_argument("--json", action="store_true", help="print the run record as JSON")
     o.add_argument("--no-progress", action="store_true")
     la = p.add_argument_group("multi-GPU / multi-node (accelerate launch)")
     la.add_argument("--launch", action="store_true",
                     help="write the accelerate config and print the launch command(s)")
     la.add_argument("--run", action="store_true", help="with --launch: run it (single machine)")
-    la.add_argument("--num-processes", type=int, default=None, help="total GPUs over all machines")
-    la.add_argument("--num-machines", type=int, default=1)
+    la.add_argument("--num-processes", type=pos_int, default=None, help="total GPUs over all machines")
+    la.add_argument("--num-machines", type=pos_int, default=1)
     la.add_argument("--main-process-ip")
-    la.add_argument("--main-process-port", type=int, default=29500)
+    la.add_argument("--main-process-port", type=port, default=29500)
     la.add_argument("--fsdp", action="store_true", help="FSDP2 (sharded) instead of DDP")
-    la.add_argument("--accelerate-config", help="where to write it (default OUT/accelerate_config.yaml)")
+    la.add_argument("--accelerate-config", type=out_file, help="where to write it (default OUT/accelerate_config.yaml)")
     p.set_defaults(func=_train, _parser=p)
 
     s = sub.add_parser("sweep", help="train a grid of proxies (resumable) into a run table",
                        description="Train every (N, d/sqrt(N), r) point of a sweep config; skips "
                                    "finished runs, resumes partial ones; writes OUT/runs.csv.")
     s.add_argument("--config", required=True, help="sweep YAML (trainers.config.SweepConfig)")
-    s.add_argument("--out", help="sweep folder (default results/sweeps/NAME)")
+    s.add_argument("--out", type=out_dir, help="sweep folder (default results/sweeps/NAME)")
     s.add_argument("--json", action="store_true", help="print the rows as JSON")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=_sweep)
@@ -164,7 +165,6 @@ def _launch(args, spec, tc, dc) -> int:
 
     from archsearch.errors import ArchsearchError
     from trainers.launch import accelerate_config, launch_commands, write_accelerate_config
-    from trainers.loop import run_id_for, token_budget
 
     if not args.out:
         raise ArchsearchError("--out", "is required with --launch", "every process must write to the same folder")

@@ -65,6 +65,26 @@ def check_known(tasks: list[str], known: list[str] | set[str]) -> None:
                               "them, and lm-eval's own names are accepted too")
 
 
+def check_task_names(tasks: str | list[str] | tuple[str, ...], field: str = "tasks") -> list[str]:
+    """The task names of ``tasks``, checked before any work: suites and the tasks of this table
+    at no cost, any other name against lm-eval's task index (built only then: seconds)."""
+    names = expand_tasks(tasks)
+    ours = {*OFFLINE_TASKS, *METHOD_TASKS, "wikitext"}
+    other = [t for t in names if t not in ours]
+    if other:
+        try:
+            from lm_eval.tasks import TaskManager
+        except ImportError:
+            raise ArchsearchError(field, f"cannot check the task {other[0]!r}: lm-evaluation-harness is "
+                                  "not installed", f"pip install -e .[eval], or use a suite: {', '.join(SUITES)}") from None
+        known = set(TaskManager(include_path=str(TASKS_DIR)).all_tasks)
+        try:
+            check_known(other, known)
+        except ArchsearchError as e:
+            raise ArchsearchError(field, e.problem, e.fix) from None
+    return names
+
+
 def list_tasks() -> dict[str, dict]:
     """``{"suites": {name: {"tasks": [...], "help": str, "network": bool}},
     "tasks": {name: help}}`` for the suites above (lm-eval's thousands of others not listed)."""

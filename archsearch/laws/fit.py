@@ -120,9 +120,10 @@ class FitResult:
     provenance: dict[str, Any] | None = None
 
     # -- prediction --
-    def predict(self, spec: "ArchSpec", tokens: float) -> float:
-        """Predicted loss of ``spec`` trained on ``tokens`` tokens."""
-        return float(self.predict_arrays(_spec_arrays([spec], [tokens]))[0])
+    def predict(self, spec: "ArchSpec", tokens: float, params: float | None = None) -> float:
+        """Predicted loss of ``spec`` trained on ``tokens`` tokens. With ``params``, the shape's
+        ratios (d/sqrt(N), r, R) at that N instead of its own: two shapes compared at one budget."""
+        return float(self.predict_arrays(_spec_arrays([spec], [tokens], params))[0])
 
     def predict_arrays(self, X: forms.Data, coefficients: dict[str, float] | None = None,
                        reference: dict[str, Any] | None = None) -> np.ndarray:
@@ -136,10 +137,10 @@ class FitResult:
         """L_opt(N, D) of a conditional law (raises ArchsearchError when it has none there)."""
         return float(reference_loss(self.reference, np.array([float(params)]), np.array([float(tokens)]))[0])
 
-    def predict_interval(self, spec: "ArchSpec", tokens: float,
-                         level: float = 0.9) -> tuple[float, float] | None:
+    def predict_interval(self, spec: "ArchSpec", tokens: float, level: float = 0.9,
+                         params: float | None = None) -> tuple[float, float] | None:
         """Bootstrap interval of the predicted (mean) loss; None when fitted without bootstrap."""
-        samples = self.bootstrap_predictions(_spec_arrays([spec], [tokens]))
+        samples = self.bootstrap_predictions(_spec_arrays([spec], [tokens], params))
         if samples is None:
             return None
         lo, hi = _quantiles(samples[:, 0], level)
@@ -344,10 +345,12 @@ def reference_loss(ref: dict[str, Any] | None, N: np.ndarray, D: np.ndarray) -> 
 
 # -- arrays from runs -------------------------------------------------------------------------
 
-def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float]) -> forms.Data:
+def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float],
+                 params: float | None = None) -> forms.Data:
     from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
 
-    return {"N": np.array([non_embedding_params(s) for s in specs], dtype=float),
+    n = [float(params) if params is not None else non_embedding_params(s) for s in specs]
+    return {"N": np.array(n, dtype=float),
             "D": np.array(tokens, dtype=float),
             "x1": np.array([hidden_over_sqrt_n(s) for s in specs]),
             "x2": np.array([mlp_to_attn_ratio(s) for s in specs]),
@@ -356,7 +359,12 @@ def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float]) -> forms.
 
 def run_arrays(runs: Sequence["RunRecord"]) -> tuple[forms.Data, np.ndarray]:
     """(inputs, losses) of runs; N, r and hidden/sqrt(N) are derived from the architecture."""
-    X = _spec_arrays([r.spec for r in runs], [r.tokens for r in runs])
+    if all(r.has_arch for r in runs):
+        X = _spec_arrays([r.spec for r in runs], [r.tokens for r in runs])
+    else:  # N-only rows (Chinchilla): the shape variables are unknown
+        nan = np.full(len(runs), np.nan)
+        X = {"N": np.array([r.n_params for r in runs], dtype=float),
+             "D": np.array([r.tokens for r in runs], dtype=float), "x1": nan, "x2": nan.copy(), "R": nan.copy()}
     return X, np.array([r.loss for r in runs], dtype=float)
 
 
@@ -624,6 +632,13 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
+    shapeless = [r for r in ok if not r.has_arch]
+    if shapeless and law != "chinchilla":
+        r = shapeless[0]
+        raise ArchsearchError(f"run {r.run_id or ok.index(r) + 1}.params",
+                              f"{len(shapeless)} run(s) give N only, and {law} needs the architecture",
+                              "fit the chinchilla law on them, or give the columns n_layers, hidden_size, "
+                              "n_heads, n_kv_heads, head_dim, ffn")
     fit_runs, test = split_holdout(ok, opts.holdout_size, opts.size_tolerance)
     return _fit_split(fit_runs, test, law, opts, n_failed=len(runs) - len(ok))
 
@@ -663,6 +678,9 @@ def _r_filter(runs, opts, role):
     lo, hi = opts.r_range
     keep, dropped = [], []
     for i, r in enumerate(runs):
+        if not r.has_arch:  # N only (Chinchilla rows): r is unknown, nothing to filter on
+            keep.append(r)
+            continue
         ratio = r.mlp_to_attn_ratio
         if lo <= ratio <= hi:
             keep.append(r)

@@ -230,7 +230,7 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
             if cand.spec not in seen:
                 seen[cand.spec] = (float(x1), float(x2), cand.spec)
     specs = list(seen.values())
-    losses = _predict_specs(fit, [s for _, _, s in specs], tokens, can_predict)
+    losses = _predict_specs(fit, [s for _, _, s in specs], tokens, can_predict, params)
     points = []
     for (x1, x2, spec), loss in zip(specs, losses):
         tp = throughput_fn(spec) if throughput_fn else None
@@ -241,7 +241,7 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
         try:
             cand = build_candidate(params, n_layers, opt.hidden_over_sqrt_n, opt.mlp_to_attn_ratio,
                                    gqa=gqa, head_dim=head_dim, settings=build)
-            loss = _predict_specs(fit, [cand.spec], tokens, can_predict)[0]
+            loss = _predict_specs(fit, [cand.spec], tokens, can_predict, params)[0]
             tp = throughput_fn(cand.spec) if throughput_fn else None
             arch = SolvePoint(opt.hidden_over_sqrt_n, opt.mlp_to_attn_ratio, cand.spec, loss,
                               None if tp is None else float(tp))
@@ -276,14 +276,15 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
                        feasible, pareto, best, unbuildable, notes)
 
 
-def _predict_specs(fit, specs, tokens, can_predict) -> list[float]:
+def _predict_specs(fit, specs, tokens, can_predict, params) -> list[float]:
+    """Losses of the shapes' ratios at the budget ``params`` (snapping moves each one's own N)."""
     from archsearch.laws.fit import _spec_arrays
 
     if not specs:
         return []
     if not can_predict:
         return [None] * len(specs)
-    return [float(v) for v in fit.predict_arrays(_spec_arrays(specs, [tokens] * len(specs)))]
+    return [float(v) for v in fit.predict_arrays(_spec_arrays(specs, [tokens] * len(specs), params))]
 
 
 def pareto_front(points: Sequence[SolvePoint]) -> list[SolvePoint]:

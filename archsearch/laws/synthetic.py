@@ -39,7 +39,8 @@ def synthetic_runs(law: str, coefficients: dict[str, float], sizes: Sequence[flo
     if law not in forms.LAWS:
         raise ArchsearchError("law", f"unknown law {law!r}", f"use one of {list(forms.LAWS)}")
     rng = np.random.default_rng(seed)
-    settings = BuildSettings(hidden_multiple=32, ffn_multiple=32)
+    # data, not a search: keep every shape, whatever its realised r (the law reads the realised r)
+    settings = BuildSettings(hidden_multiple=32, ffn_multiple=32, on_r_drift="flag")
     specs, tokens = [], []
     for n in sizes:
         for k in tokens_per_param:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.candidates import BuildSettings
 from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError
 
@@ -58,13 +59,15 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class SearchSpace:
+    """The box the search samples, and how a sample becomes a shape (``build``: snapping and
+    tolerances of :func:`archsearch.candidates.build_candidate`; its vocabulary and tied
+    embeddings are the study's)."""
+
     hidden_over_sqrt_n: tuple[float, float] = (0.03, 0.12)
     mlp_to_attn: tuple[float, float] = (0.5, 5.0)
     gqa: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     head_dim: int = 64
-    hidden_multiple: int = 64
-    ffn_multiple: int = 64
-    tolerance: float = 0.02
+    build: BuildSettings = field(default_factory=BuildSettings)
     # Knob grid steps: shapes snap to multiples anyway, so a step keeps Optuna from proposing
     # near-identical shapes. 0 means continuous.
     hidden_over_sqrt_n_step: float = 0.0
@@ -246,11 +249,14 @@ class StudyConfig:
     gqa_search: GQASearchConfig = field(default_factory=GQASearchConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     mode: str = "algorithm5"  # or "predict-rank-select"
-    top_k: int = 3  # predict-rank-select: shapes trained
+    top_k: int = 3  # predict-rank-select: distinct feasible shapes trained and evaluated
+    # predict-rank-select: candidates within this (absolute) mean accuracy of the best are tied;
+    # the fastest of them is released
+    release_accuracy_tolerance: float = 0.01
     final_train: FinalTrainConfig = field(default_factory=FinalTrainConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where proxy/measurement jobs run
-    vocab_size: int | None = None  # default: the proxy tokenizer's, else 32000
+    vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
     tie_embeddings: bool = False
     out: str | None = None  # default: results/<name>
 
@@ -267,6 +273,9 @@ class StudyConfig:
             raise ArchsearchError("mode", f"{self.mode!r} is unknown", "use algorithm5 or predict-rank-select")
         if self.top_k <= 0:
             raise ArchsearchError("top_k", "must be positive")
+        if not 0 <= self.release_accuracy_tolerance < 1:
+            raise ArchsearchError("release_accuracy_tolerance", f"must be in [0, 1), got "
+                                  f"{self.release_accuracy_tolerance}", "e.g. 0.01: one accuracy point")
         if self.proxy is None and self.law.file is None:
             raise ArchsearchError("proxy", "is required unless law.file gives a fitted law",
                                   "add proxy.sweep (train proxies) or proxy.runs (reuse a run table)")

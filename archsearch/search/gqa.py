@@ -1,45 +1,67 @@
 """Local GQA search (Algorithm 5, step 3).
 
-GQA has no smooth relation to loss, so it is not in the law: it is searched locally around
-the chosen shape. The query-head count and width stay fixed; each feasible KV-head count (a
-divisor of the head count) gives one variant, whose MLP is refilled so that N stays on the
-budget. The GQA=4 variant (``baseline_gqa``) is measured first; then the search walks to
-larger and to smaller GQA values and stops in each direction at the first variant that is
-slower than that baseline.
+GQA has no smooth relation to loss, so it is not in the law: it is searched locally around the
+chosen shape. With N, the width and r fixed, GQA trades query heads against KV heads while the
+attention parameters stay on budget: the attention share per layer is
+``2 * d * head_dim * (n_heads + n_kv_heads)``, so every pair with the same head total holds the
+same share (GQA 4 with 24+6 heads and GQA 9 with 27+3). :func:`gqa_pairs` enumerates, for each
+integer GQA, the pair whose total is nearest the chosen shape's (the MLP is unchanged), and
+keeps those whose N is within the budget tolerance and whose r is within the r tolerance.
+The GQA=4 variant (``baseline_gqa``, or the nearest enumerated value) is measured first; then
+the search walks to larger and to smaller GQA values and stops in each direction at the first
+variant that is slower than that baseline (:func:`slower_than_baseline`).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from archsearch.arch import ArchSpec, attention_params_per_layer, non_embedding_params
+from archsearch.arch import ArchSpec, mlp_to_attn_ratio, non_embedding_params
 from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
 from archsearch.search.measure import throughput_at
 
 
+def gqa_pairs(spec: ArchSpec, params: float, build: BuildSettings) -> dict[int, ArchSpec]:
+    """GQA value -> the variant of ``spec`` with that GQA and (nearly) the same head total,
+    for every integer GQA whose variant keeps N and r within ``build``'s tolerances."""
+    total = spec.n_heads + spec.n_kv_heads
+    r0 = mlp_to_attn_ratio(spec)
+    out: dict[int, ArchSpec] = {}
+    for g in range(1, total):
+        kv = min({max(1, math.floor(total / (g + 1))), max(1, math.ceil(total / (g + 1)))},
+                 key=lambda k: (abs(k * (g + 1) - total), k))
+        v = spec.replace(n_heads=kv * g, n_kv_heads=kv, name=None)
+        if (abs(non_embedding_params(v) / params - 1) <= build.tolerance
+                and abs(mlp_to_attn_ratio(v) / r0 - 1) <= build.r_tolerance):
+            out[g] = v
+    return out
+
+
 def gqa_variant(spec: ArchSpec, gqa: int, params: float, build: BuildSettings) -> ArchSpec:
-    """``spec`` with ``n_heads / gqa`` KV heads and the MLP refilled to the budget."""
-    if spec.n_heads % gqa:
-        raise ArchsearchError("gqa", f"{gqa} does not divide n_heads={spec.n_heads}")
-    s = spec.replace(n_kv_heads=spec.n_heads // gqa, name=None)
-    rest = params / s.n_layers - attention_params_per_layer(s)
-    if rest <= 0:
-        raise ArchsearchError("gqa", f"GQA {gqa} leaves no room for the MLP at this budget")
-    ffn = max(build.ffn_multiple, int(round(rest / (3 * s.hidden_size) / build.ffn_multiple)) * build.ffn_multiple)
-    s = s.replace(ffn=ffn)
-    err = non_embedding_params(s) / params - 1
-    if abs(err) > build.tolerance:
-        raise ArchsearchError("gqa", f"GQA {gqa} misses the budget by {err:+.1%}")
-    return s
+    """The variant of ``spec`` at ``gqa`` (see :func:`gqa_pairs`), or a clear error."""
+    pairs = gqa_pairs(spec, params, build)
+    if gqa not in pairs:
+        raise ArchsearchError("gqa", f"GQA {gqa} keeps no head pair within the budget and r tolerances "
+                              f"(head total {spec.n_heads + spec.n_kv_heads})",
+                              f"reachable GQA values: {sorted(pairs)}")
+    return pairs[gqa]
+
+
+def slower_than_baseline(step: "GQAStep", base: "GQAStep") -> bool:
+    """Whether a variant did worse than the baseline GQA variant (the early-stop rule)."""
+    return base.throughput is not None and step.throughput is not None and step.throughput < base.throughput
 
 
 @dataclass
 class GQAStep:
     gqa: int
     spec: dict[str, Any] | None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
     predicted_loss: float | None = None
     feasible: bool = False
     throughput: float | None = None
@@ -63,19 +85,18 @@ class GQAResult:
 def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = True) -> GQAResult:
     """Measure GQA variants of ``spec`` outward from ``baseline_gqa`` with early stopping."""
     cfg = ctx.cfg
-    divisors = [g for g in range(1, spec.n_heads + 1) if spec.n_heads % g == 0]
-    g0 = baseline_gqa if baseline_gqa in divisors else min(divisors, key=lambda g: (abs(g - baseline_gqa), g))
+    pairs = gqa_pairs(spec, cfg.params, ctx.build)
+    if not pairs:
+        raise ArchsearchError("gqa_search", f"no GQA variant of the chosen shape keeps N and r in tolerance "
+                              f"(heads {spec.n_heads}+{spec.n_kv_heads})",
+                              "raise search_space.build.tolerance or r_tolerance")
+    g0 = baseline_gqa if baseline_gqa in pairs else min(pairs, key=lambda g: (abs(g - baseline_gqa), g))
     res = GQAResult(baseline_gqa=g0)
 
     def visit(g: int) -> GQAStep:
-        try:
-            v = gqa_variant(spec, g, cfg.params, ctx.build)
-        except ArchsearchError as e:
-            step = GQAStep(g, None, note=f"skipped: {e.problem}")
-            res.steps.append(step)
-            return step
-        loss = float(ctx.law.predict(v, cfg.tokens))
-        step = GQAStep(g, v.to_dict(), loss, loss <= ctx.target_loss)
+        v = pairs[g]
+        loss = float(ctx.law.predict(v, cfg.tokens, params=cfg.params))
+        step = GQAStep(g, v.to_dict(), v.n_heads, v.n_kv_heads, loss, loss <= ctx.target_loss)
         if not step.feasible:
             step.note = f"skipped: predicted loss {loss:.4f} > target {ctx.target_loss:.4f}"
         else:
@@ -87,15 +108,15 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         res.steps.append(step)
         if log:
             tp = f"{step.throughput:.1f} tok/s" if step.throughput is not None else "-"
-            print(f"[search] GQA {g}: {tp} {step.note}".rstrip(), file=sys.stderr, flush=True)
+            print(f"[search] GQA {g} ({v.n_heads}+{v.n_kv_heads} heads): {tp} {step.note}".rstrip(),
+                  file=sys.stderr, flush=True)
         return step
 
     base = visit(g0)
-    t0 = base.throughput
-    for direction in (sorted(g for g in divisors if g > g0), sorted((g for g in divisors if g < g0), reverse=True)):
+    for direction in (sorted(g for g in pairs if g > g0), sorted((g for g in pairs if g < g0), reverse=True)):
         for g in direction:
             step = visit(g)
-            if t0 is not None and step.throughput is not None and step.throughput < t0:
+            if slower_than_baseline(step, base):
                 step.note = (step.note + "; " if step.note else "") + "slower than the baseline GQA: stop"
                 break
     measured = [s for s in res.steps if s.feasible and s.throughput is not None]

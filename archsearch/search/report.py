@@ -58,9 +58,15 @@ def chosen_from_study(study, ctx) -> dict[str, Any] | None:
 
 
 def top_k_candidates(study, ctx, k: int) -> list[dict[str, Any]]:
-    """Predict-rank-select: the k best by a joint rank of measured throughput and predicted
-    loss (sum of the two ranks, ties by throughput), over every measured trial."""
-    pts = [_point(t) for t in _complete(study)]
+    """Predict-rank-select: the k best distinct feasible shapes by a joint rank of measured
+    throughput and predicted loss (sum of the two ranks, ties by throughput). A shape proposed
+    by several trials counts once, under its first trial."""
+    pts, seen = [], set()
+    for t in sorted(_complete(study), key=lambda t: t.number):
+        key = t.user_attrs.get("spec_key")
+        if _feasible(t) and key not in seen:
+            seen.add(key)
+            pts.append(_point(t))
     by_t = sorted(pts, key=lambda p: -p["throughput"])
     by_l = sorted(pts, key=lambda p: p["predicted_loss"])
     rank = {p["trial"]: by_t.index(p) + by_l.index(p) for p in pts}
@@ -193,11 +199,14 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
     out = ctx.out
     b = ctx.ref_batch
     base_t = throughput_at(base_result, b)
-    base_loss = float(ctx.law.predict(base, cfg.tokens))
+    from archsearch.search.pipeline import baseline_loss, baseline_note
+
+    base_loss = baseline_loss(cfg, ctx.law, base)
     base_point = {"architecture": describe(base), "throughput": base_t,
                   "throughput_std": (batch_entry(base_result, b) or {}).get("output_throughput_std"),
                   "predicted_loss": base_loss,
-                  "predicted_loss_interval": ctx.law.predict_interval(base, cfg.tokens),
+                  "predicted_loss_interval": ctx.law.predict_interval(base, cfg.tokens, params=cfg.params),
+                  "size_note": baseline_note(cfg, base),
                   "ttft": (batch_entry(base_result, b) or {}).get("ttft_mean"),
                   "measurement_ok": base_result.get("ok"), "measurement_error": base_result.get("error")}
     chosen_point = None
@@ -207,7 +216,7 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
         chosen_point = {"architecture": describe(spec), "throughput": chosen["throughput"],
                         "throughput_std": (batch_entry(stored, b) or {}).get("output_throughput_std"),
                         "predicted_loss": chosen["predicted_loss"],
-                        "predicted_loss_interval": ctx.law.predict_interval(spec, cfg.tokens),
+                        "predicted_loss_interval": ctx.law.predict_interval(spec, cfg.tokens, params=cfg.params),
                         "source": chosen.get("source"), "config_json": str(out / "chosen" / "config.json")}
     gain = (chosen_point["throughput"] / base_t - 1.0) if (chosen_point and base_t) else None
     complete = _complete(study)
@@ -239,6 +248,9 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
     gpath = out / "gqa.json"
     if gpath.is_file():
         summary["gqa_search"] = json.loads(gpath.read_text())
+    prs = out / "predict_rank_select.json"
+    if prs.is_file():
+        summary["predict_rank_select"] = json.loads(prs.read_text())
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -268,11 +280,15 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += [
             f"**Answer:** {_arch_line(ch['architecture'])}.",
             "",
-            f"- Measured with **{s['backend']}** at batch {b}: **{ch['throughput']:.1f}{pm(ch)} output tokens/s** "
-            f"(mean ± std over repeats), {gain_txt} vs the baseline "
-            f"({(base['throughput'] or float('nan')):.1f}{pm(base)} tokens/s).",
+            (f"- **Predicted, not measured**: the analytic roofline (uncalibrated) at batch {b} gives "
+             f"**{ch['throughput']:.1f} output tokens/s**, {gain_txt} vs the baseline "
+             f"({(base['throughput'] or float('nan')):.1f} tokens/s)." if s["backend"] == "analytic" else
+             f"- Measured with **{s['backend']}** at batch {b}: **{ch['throughput']:.1f}{pm(ch)} output tokens/s** "
+             f"(mean ± std over repeats), {gain_txt} vs the baseline "
+             f"({(base['throughput'] or float('nan')):.1f}{pm(base)} tokens/s)."),
             f"- Predicted loss **{ch['predicted_loss']:.4f}** against the target **{s['target_loss']:.4f}** "
-            f"({s['target_source']}); baseline predicted {base['predicted_loss']:.4f}.",
+            f"({s['target_source']}); baseline predicted {base['predicted_loss']:.4f}"
+            + (f" ({base['size_note']})." if base.get("size_note") else "."),
             f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
             "",
         ]
@@ -288,11 +304,27 @@ def render_markdown(s: dict[str, Any]) -> str:
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
-                  "| GQA | pred. loss | feasible | tokens/s | note |", "|---|---|---|---|---|"]
+                  "Query heads traded against KV heads at a fixed attention share (N and r held).", "",
+                  "| GQA | heads/KV | pred. loss | feasible | tokens/s | note |", "|---|---|---|---|---|---|"]
         for st in g["steps"]:
             pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
             tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
-            lines.append(f"| {st['gqa']} | {pl} | {st['feasible']} | {tp} | {st['note']} |")
+            hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
+            lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {tp} | {st['note']} |")
+    if "predict_rank_select" in s:
+        p = s["predict_rank_select"]
+        rel = (p.get("released") or {}).get("trial")
+        lines += ["", f"## Predict-rank-select: the top {len(p['candidates'])} trained and evaluated "
+                  f"({p.get('tasks')})", "", f"Release rule: {p['rule']}.", "",
+                  "| trial | hidden | heads/KV | ffn | tokens/s | pred. loss | held-out loss | downstream acc. | released |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in p["candidates"]:
+            sp = c["spec"]
+            f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
+            lines.append(f"| {c['trial']} | {sp['hidden_size']} | {sp['n_heads']}/{sp['n_kv_heads']} | {sp['ffn']} | "
+                         f"{f(c.get('throughput'), '.1f')} | {f(c.get('predicted_loss'), '.4f')} | "
+                         f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
+                         f"{'**yes**' if c['trial'] == rel else ''} |")
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     for part, vals in (law.get("metrics") or {}).items():

@@ -51,10 +51,14 @@ class SearchContext:
 
 
 def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
-    s = cfg.search_space
-    return BuildSettings(hidden_multiple=s.hidden_multiple, ffn_multiple=s.ffn_multiple,
-                         tolerance=s.tolerance, vocab_size=vocab_size,
-                         tie_embeddings=cfg.tie_embeddings)
+    """The search space's build settings with the study's vocabulary and embedding tying, and a
+    context long enough for the measured lengths."""
+    import dataclasses
+
+    b = cfg.search_space.build
+    need = cfg.measure.input_len + cfg.measure.output_len
+    return dataclasses.replace(b, vocab_size=vocab_size, tie_embeddings=cfg.tie_embeddings,
+                               max_position_embeddings=max(b.max_position_embeddings, need))
 
 
 def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int) -> ArchSpec:
@@ -64,8 +68,10 @@ def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int
 
 
 def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
-    loss = float(ctx.law.predict(spec, ctx.cfg.tokens))
-    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens)
+    """Predicted loss (and bootstrap interval) of a shape's ratios at the study's N and D: every
+    shape, candidate or baseline, is compared at one budget (snapping moves each one's own N)."""
+    loss = float(ctx.law.predict(spec, ctx.cfg.tokens, params=ctx.cfg.params))
+    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens, params=ctx.cfg.params)
     return loss, (tuple(float(v) for v in interval) if interval is not None else None)
 
 
@@ -274,7 +280,8 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
         return []
     s = cfg.search_space
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
-    tf = analytic_throughput_fn(ctx) if cfg.optuna.enqueue_solution > 1 else None
+    device = ranking_device(cfg) if cfg.optuna.enqueue_solution > 1 else None
+    tf = analytic_throughput_fn(ctx, device) if device else None
     res, g0 = scan_law(ctx, tf)
     if res.optimum is not None:
         best = (res.optimum.hidden_over_sqrt_n, res.optimum.mlp_to_attn_ratio)
@@ -294,14 +301,31 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     return points
 
 
-def analytic_throughput_fn(ctx: SearchContext):
-    """Predicted throughput at the reference batch size from the roofline (ranking only)."""
+def ranking_device(cfg: StudyConfig) -> str | None:
+    """The device whose roofline ranks the seed shapes: the one the study names
+    (``measure.device_spec``), else the one its measurements run on (the local GPU, or this CPU
+    where there is none). None, with a message, for a GPU the table does not know: then only the
+    law's optimum seeds the study."""
+    import sys
+
+    if cfg.measure.device_spec:
+        return cfg.measure.device_spec
+    from archsearch.hardware import local_device_name
+
+    name = local_device_name()
+    if name is None:
+        print("[search] this GPU is not in the device table: seeds are not ranked by a roofline "
+              "(set measure.device_spec to rank them)", file=sys.stderr, flush=True)
+    return name
+
+
+def analytic_throughput_fn(ctx: SearchContext, device: str):
+    """Predicted throughput at the reference batch size from ``device``'s roofline (ranking only)."""
     from benchmarks import BenchSettings, measure
 
     m = ctx.cfg.measure
     settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
-                             output_len=m.output_len, warmup=0, repeats=1,
-                             device_spec=m.device_spec or "cpu")
+                             output_len=m.output_len, warmup=0, repeats=1, device_spec=device)
 
     def fn(spec: ArchSpec) -> float | None:
         return measure(spec, settings).throughput(ctx.ref_batch)
@@ -364,8 +388,11 @@ def run_study(ctx: SearchContext, progress: bool = True):
         study.set_user_attr("params", cfg.params)
         study.set_user_attr("tokens", cfg.tokens)
         study.set_user_attr("n_layers", cfg.n_layers)
-        for pt in seed_points(ctx):
-            study.enqueue_trial(pt, user_attrs={"seeded_by": "law solution"}, skip_if_exists=True)
+        points = seed_points(ctx)
+        how = "law solution" + (f", ranked by the {ranking_device(cfg)} roofline" if len(points) > 1 else "")
+        study.set_user_attr("seeded_by", how)
+        for pt in points:
+            study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
     elif not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
         raise ArchsearchError("target", f"the stored study was run with target loss "
                               f"{study.user_attrs['target_loss']:.6g}, this config gives "
