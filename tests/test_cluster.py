@@ -221,6 +221,7 @@ def test_dry_run_prices_proxies_as_the_executor_runs_them():
     assert inline["proxy_wall_hours"] == pytest.approx(inline["proxy_gpu_hours"])
 
 
+@pytest.mark.slow
 def test_studies_share_proxy_runs_through_the_store(tmp_path):
     """Study B's sweep holds study A's run plus one more: B links A's finished run from the
     store (keyed by what determines it) and trains only the new one."""
