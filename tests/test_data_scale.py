@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from archsearch.errors import ArchsearchError
 from archsearch.candidates import BuildSettings
+from archsearch.errors import ArchsearchError
 from trainers.config import DataConfig, SweepConfig, TrainConfig
 from trainers.data import PreparedData, check_epochs
 

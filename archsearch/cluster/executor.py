@@ -21,9 +21,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError, MissingDependencyError
@@ -236,7 +237,7 @@ def _run_inline(tasks: list[Task], cfg: ClusterConfig, log: Callable[[str], None
                 t.fn(*t.args)
             except KeyboardInterrupt:
                 raise
-            except Exception as e:  # the task's own output decides; the exception is the reason
+            except Exception as e:  # noqa: BLE001 - the task's output decides; this is the reason
                 reason = f"{type(e).__name__}: {e}"
                 log(f"[cluster] {t.key}: attempt {attempts} failed: {reason}")
         results[t.key] = TaskResult(t.key, "ok" if t.is_done() else "failed", attempts,
