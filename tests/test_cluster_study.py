@@ -32,7 +32,7 @@ def _config(tmp_path: Path) -> Path:
         "proxy": {"sweep": {
             "name": "tiny-proxies", "params": [8.0e4], "n_layers": 2,
             "hidden_over_sqrt_n": [0.1, 0.18, 0.3], "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,
-            "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2},
+            "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2, "on_r_drift": "flag"},
             "train": {"tokens_per_param": 0.5, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 4,
                       "cpu_threads": 1},
             "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}},
