@@ -223,12 +223,6 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _sweep_build() -> BuildSettings:
-    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
-    # flagged), since the law is fitted on the realised r
-    return BuildSettings(on_r_drift="flag")
-
-
 @dataclass(frozen=True)
 class SweepConfig:
     """A proxy sweep (the method's design): N levels x a grid of (d/sqrt(N), r) at fixed
@@ -242,7 +236,8 @@ class SweepConfig:
     n_layers: int | list[int] = 4
     gqa: int = 4
     head_dim: int = 64
-    build: BuildSettings = field(default_factory=_sweep_build)  # vocab_size: the tokenizer's
+    # vocab_size: the tokenizer's; on_r_drift is always "flag" here (see sweep_specs)
+    build: BuildSettings = field(default_factory=BuildSettings)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(tokens_per_param=20))
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only

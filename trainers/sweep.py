@@ -46,7 +46,9 @@ def sweep_specs(cfg: SweepConfig, vocab_size: int) -> list[tuple[dict, ArchSpec 
 
     from archsearch.candidates import build_candidate
 
-    settings = dataclasses.replace(cfg.build, vocab_size=vocab_size)
+    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
+    # flagged), since the law is fitted on the realised r
+    settings = dataclasses.replace(cfg.build, vocab_size=vocab_size, on_r_drift="flag")
     out = []
     for p in sweep_points(cfg):
         try:
