@@ -25,11 +25,12 @@ def _log(msg: str) -> None:
 
 
 def _has_record(run_dir: Path) -> bool:
-    """A proxy run is finished when ``run.json`` exists (ok, or failed by the loop itself, e.g.
-    diverged: training it again would give the same)."""
+    """A proxy run is finished when its ``run.json`` says ok, or failed by the loop itself (e.g.
+    diverged: training it again would give the same); a run's record says running meanwhile."""
     from trainers.loop import read_record
 
-    return read_record(run_dir) is not None
+    rec = read_record(run_dir)
+    return rec is not None and rec.get("status") in ("ok", "failed")
 
 
 def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
@@ -99,7 +100,6 @@ def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
     """Point ``out_dir/runs/<run id>`` at ``store/<content key>`` for every run of ``sweep``, so
     that a run trained by any study that shares the store is reused, and a new one is trained
     into the store. Returns the keys already finished there."""
-    from trainers.loop import read_record
 
     store.mkdir(parents=True, exist_ok=True)
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,7 @@ def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
         else:
             target.mkdir(parents=True, exist_ok=True)
             link.symlink_to(target, target_is_directory=True)
-        if read_record(target) is not None:
+        if _has_record(target):
             reused.append(target.name)
     return reused
 
