@@ -84,9 +84,14 @@ class DataConfig:
     max_train_tokens: int | None = None  # hub datasets: stop streaming here (None: the budget)
     bpe_train_chars: int = 50_000_000  # text used to train a BPE tokenizer (from the start)
     cache_dir: str | None = None  # None: $ARCHSEARCH_CACHE or ~/.cache/archsearch
+    # passes over the training side a run may make; more is refused before training starts
+    max_epochs: float = 1.0
 
     def __post_init__(self) -> None:
         src = self.source
+        if not self.max_epochs > 0:
+            raise ArchsearchError("data.max_epochs", f"must be positive, got {self.max_epochs}",
+                                  "1 (one pass, the method's setting) or more to allow repetition")
         if isinstance(src, list):
             if not src:
                 raise ArchsearchError("data.source", "is an empty list",

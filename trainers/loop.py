@@ -139,6 +139,9 @@ def _plan(spec: ArchSpec, tc: TrainConfig, dc: DataConfig, data, n_proc: int) ->
         raise ArchsearchError("data.seq_len", f"{dc.seq_len} exceeds max_position_embeddings="
                               f"{spec.max_position_embeddings}", "shorten seq_len or raise the limit")
     target = token_budget(spec, tc)
+    from trainers.data import check_epochs
+
+    check_epochs(data, target, dc.max_epochs, "this run")
     gbs = tc.global_batch_size
     per_step = gbs * dc.seq_len
     steps = int(target // per_step)

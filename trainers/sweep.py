@@ -112,7 +112,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
     """Train every buildable grid point of ``cfg`` (see the module docstring); returns the rows
     of ``runs.csv`` (ok and failed runs; points that do not build are in failures.jsonl)."""
     from archsearch.provenance import provenance
-    from trainers.data import prepare_data
+    from trainers.data import check_epochs, prepare_data
     from trainers.health import HealthMonitor
     from trainers.loop import read_record, run_id_for, token_budget
 
@@ -122,6 +122,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
     # tokenizer exists; a streamed dataset is read up to the largest of them.
     budgets = [token_budget(s, cfg.train_for(p["level"])) for p, s, _ in sweep_specs(cfg, 32000) if s is not None]
     data = prepare_data(cfg.data, min_train_tokens=int(max(budgets, default=0)) + 1)
+    check_epochs(data, max(budgets, default=0), cfg.data.max_epochs, f"sweep {cfg.name}'s largest run")
     specs = sweep_specs(cfg, data.vocab_size)
     t0 = time.perf_counter()
     rows: list[RunRecord] = []

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.candidates import BuildSettings
+from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError
 
 BACKENDS = ("vllm", "sglang", "hf", "analytic")
@@ -154,6 +155,9 @@ class ProxyConfig:
     sweeps: list[dict[str, Any]] | None = None
     plan: str = "grid"
     active: ActiveProxyConfig = field(default_factory=ActiveProxyConfig)
+    # a folder shared by studies: proxy runs live there keyed by what determines them, so a
+    # run another study trained is reused and only missing runs are trained
+    store: str | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.runs, self.sweep, self.sweeps)) != 1:
@@ -388,6 +392,7 @@ class StudyConfig:
     release_accuracy_tolerance: float = 0.01
     final_train: FinalTrainConfig = field(default_factory=FinalTrainConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where proxy/measurement jobs run
     vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
     tie_embeddings: bool = False
     out: str | None = None  # default: results/<name>

@@ -12,6 +12,7 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,10 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
     check_baseline_size(cfg, baseline_spec(cfg))
     if not for_plan:
+        from archsearch.cluster.executor import check_cluster
+
         resolve_backend(cfg.measure)
+        check_cluster(cfg.cluster)
     if cfg.law.file:
         from archsearch.laws import load_law
 
@@ -264,6 +268,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
         from trainers import sweep_specs, token_budget
+        from trainers.loop import run_id_for
 
         sweeps = proxy_sweeps(cfg)
         for sweep in sweeps:
@@ -277,7 +282,8 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 runs_n += 1
                 proxy_tokens += tokens
                 proxy_flops += training_flops(spec, tokens)
-                proxy_specs.append({"spec": spec, "tokens": tokens})
+                proxy_specs.append({"spec": spec, "tokens": tokens, "flops": training_flops(spec, tokens),
+                                    "run": run_id_for(spec, tokens, point["seed"])})
         active = cfg.proxy.plan == "active"
         a = cfg.proxy.active
         p["stages"].append({"stage": "proxy", "action": (
@@ -320,16 +326,38 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
     if gpus:
         from archsearch.planning import estimate_training
+        from archsearch.planning.time import parse_gpus
 
-        total_hours, total_cost = 0.0, 0.0
+        n_total, _ = parse_gpus(gpus)
+        device = re.sub(r"^\s*\d+\s*[xX*]\s*", "", gpus)
+        per_job = max(1, cfg.cluster.gpus_per_job)
+        slots = max(1, min(cfg.cluster.jobs_at_once, n_total // per_job)) if cfg.cluster.parallel else 1
+        runs = []
         for item in proxy_specs:
-            e = estimate_training(item["spec"], item["tokens"], gpus)
-            total_hours += e.hours
-            total_cost += e.cost_usd or 0.0
+            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
+            runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
+                         "hours": e.hours, "gpu_hours": e.gpu_hours, "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus)
-        p["compute"].update({"gpus": gpus, "proxy_hours": total_hours, "proxy_cost_usd": total_cost,
-                             "final_train": fin.to_dict()})
+        p["compute"].update({
+            "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
+            "proxy_wall_hours": makespan([r["hours"] for r in runs], slots), "proxy_jobs_at_once": slots,
+            "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
+            "assumptions": [
+                f"executor {cfg.cluster.executor}: {slots} proxy job(s) at once, {per_job} {device} each "
+                f"(of the {n_total} named); runs are placed longest first on the first free slot",
+                "a run's time is archsearch.planning.estimate_training on its job's GPUs",
+                "queueing, data preparation and job start-up are not included"]})
     return p
+
+
+def makespan(hours: list[float], slots: int) -> float:
+    """Wall time of independent jobs on ``slots`` parallel slots, longest first on the first
+    free slot (what a scheduler with that many jobs at once does)."""
+    free = [0.0] * max(1, slots)
+    for h in sorted(hours, reverse=True):
+        i = free.index(min(free))
+        free[i] += h
+    return max(free)
 
 
 # -- the pipeline ------------------------------------------------------------------------------
@@ -337,8 +365,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study; returns the summary."""
-    from archsearch.search.study import SearchContext, build_settings
-
     validate(cfg)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", to_dict(cfg), default=str)
@@ -355,23 +381,26 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             runs_path = _stage_proxy(cfg, out, state) if want("proxy") or not _runs_path(cfg, out).is_file() \
                 else _runs_path(cfg, out)
         law = _stage_fit(cfg, out, state, runs_path, force=want("fit"))
-    lt = target_loss(cfg, law)
-    check_target(cfg, law, lt)
-    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    ctx = search_context(cfg, out, law)
+    lt, measurer = ctx.target_loss, ctx.measurer
     if measurer.note:
         _log(measurer.note)
-    base = baseline_spec(cfg)
-    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                        build=build_settings(cfg, vocab_size(cfg)), baseline=base)
+    base = ctx.baseline
     if want("search"):
         t = time.time()
         from archsearch.search.study import run_study
 
         _log(f"target loss {lt:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
              f"measuring with {measurer.backend}")
-        study, recovered = run_study(ctx, progress=progress)
-        if recovered:
-            _log(f"recovered trials {recovered} left running by a dead process")
+        if cfg.cluster.parallel:
+            from archsearch.cluster.study import run_search_workers
+
+            run_search_workers(cfg, out)
+            study = _load_study(ctx)
+        else:
+            study, recovered = run_study(ctx, progress=progress)
+            if recovered:
+                _log(f"recovered trials {recovered} left running by a dead process")
         _wait_for_running(study)
         state.mark("search", time.time() - t + state.data.get("search", {}).get("seconds", 0.0))
     with file_lock(lock):
@@ -410,6 +439,22 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     return summary
 
 
+def search_context(cfg: StudyConfig, out: Path, law=None):
+    """The search's context (law, target loss, measurer on the study's store); the law is read
+    from the study folder (or ``law.file``) when not given, as a measurement worker does."""
+    from archsearch.search.study import SearchContext, build_settings
+
+    if law is None:
+        from archsearch.laws import load_law
+
+        law = load_law(cfg.law.file or out / "law.json")
+    lt = target_loss(cfg, law)
+    check_target(cfg, law, lt)
+    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
+                         build=build_settings(cfg, vocab_size(cfg)), baseline=baseline_spec(cfg))
+
+
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:
     return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
 
@@ -429,6 +474,18 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     records = []
     for sweep in proxy_sweeps(cfg):
         _log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
+        if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
+            from archsearch.cluster.study import link_shared_runs
+
+            reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
+            _log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
+        if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
+            from dataclasses import replace
+
+            from archsearch.cluster.study import JOBS_DIR, run_proxy_jobs
+
+            run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name)
+            sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
     write_runs(path, records)
     ok = sum(1 for r in records if r.status == "ok")
@@ -508,7 +565,6 @@ def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, 
 
 def _load_study(ctx):
     """The stored study, or None when the search stage has not created it yet."""
-    import optuna
 
     from archsearch.search.study import create_study
 
