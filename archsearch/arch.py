@@ -43,7 +43,14 @@ FAMILIES = {
     # and its transformers config, unlike LlamaConfig, accepts n_heads*head_dim != hidden_size
     # with heads that do not divide the width: llama shapes of that kind are exported as it.
     "mistral": ("MistralForCausalLM", "mistral", False, None),
+    # Mixture-of-experts families (need n_experts > 0): every MLP is a routed set of SwiGLU
+    # experts with a bias-free linear router; qwen2_moe adds one gated shared expert.
+    "mixtral": ("MixtralForCausalLM", "mixtral", False, None),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe", False, "head"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe", False, "full"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe", True, None),
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                "fp8": 1, "float8": 1, "int8": 1}
@@ -60,7 +67,13 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """A LLaMA-style dense decoder. Defaults are LLaMA's (RMSNorm 1e-5, RoPE theta 1e4)."""
+    """A LLaMA-style decoder. Defaults are LLaMA's (RMSNorm 1e-5, RoPE theta 1e4).
+
+    Dense unless ``n_experts > 0``: then every layer's MLP is ``n_experts`` SwiGLU experts of
+    width ``ffn`` each (the expert intermediate size), of which ``experts_per_token`` run per
+    token, plus a linear router (and, for ``qwen2_moe``, one shared expert of width
+    ``shared_expert_ffn`` with a scalar gate).
+    """
 
     n_layers: int
     hidden_size: int
@@ -75,6 +88,9 @@ class ArchSpec:
     rope_theta: float = 10000.0
     family: str = "llama"
     name: str | None = field(default=None, compare=False)
+    n_experts: int = 0
+    experts_per_token: int = 0
+    shared_expert_ffn: int = 0
 
     def __post_init__(self) -> None:
         for f in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn",
@@ -98,6 +114,43 @@ class ArchSpec:
                                   f"use one of {sorted(FAMILIES)}")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ArchsearchError("rms_norm_eps/rope_theta", "must be positive")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for f in ("n_experts", "experts_per_token", "shared_expert_ffn"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ArchsearchError(f, f"must be a non-negative integer, got {v!r}")
+        moe_family = self.family in MOE_FAMILIES
+        if not self.n_experts:
+            if moe_family:
+                raise ArchsearchError("n_experts", f"family {self.family!r} is mixture-of-experts",
+                                      "set n_experts and experts_per_token, or use a dense family")
+            if self.experts_per_token or self.shared_expert_ffn:
+                raise ArchsearchError("experts_per_token", "set on a dense spec (n_experts=0)",
+                                      "set n_experts > 0 or leave the expert fields at 0")
+            return
+        if not moe_family:
+            raise ArchsearchError("family", f"{self.family!r} is dense but n_experts={self.n_experts}",
+                                  f"use one of {list(MOE_FAMILIES)}")
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ArchsearchError("experts_per_token",
+                                  f"{self.experts_per_token} is not in 1..n_experts={self.n_experts}")
+        if self.shared_expert_ffn and self.family != "qwen2_moe":
+            raise ArchsearchError("shared_expert_ffn", f"family {self.family!r} has no shared expert",
+                                  "use family qwen2_moe or set shared_expert_ffn=0")
+        if self.family == "olmoe" and self.q_dim != self.hidden_size:
+            # transformers' OLMoE derives head_dim = hidden_size / n_heads and ignores head_dim
+            raise ArchsearchError("head_dim", f"olmoe needs n_heads*head_dim == hidden_size, got "
+                                  f"{self.q_dim} != {self.hidden_size}",
+                                  f"use head_dim={self.hidden_size // self.n_heads}")
+        if self.family == "qwen2_moe" and not self.shared_expert_ffn:
+            raise ArchsearchError("shared_expert_ffn", "qwen2_moe always has a shared expert",
+                                  "set its intermediate size (> 0)")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -119,6 +172,9 @@ class ArchSpec:
         d = dataclasses.asdict(self)
         if d["name"] is None:
             del d["name"]
+        if not self.is_moe:  # dense specs keep their pre-MoE form
+            for f in ("n_experts", "experts_per_token", "shared_expert_ffn"):
+                del d[f]
         return d
 
     @classmethod
@@ -135,14 +191,58 @@ def attention_params_per_layer(spec: ArchSpec) -> int:
     return 2 * spec.hidden_size * spec.q_dim + 2 * spec.hidden_size * spec.kv_dim
 
 
+def _swiglu(spec: ArchSpec, width: int) -> int:
+    return 3 * spec.hidden_size * width
+
+
+def _shared_expert_params(spec: ArchSpec) -> int:
+    """qwen2_moe's shared expert and its d x 1 sigmoid gate; zero elsewhere."""
+    return _swiglu(spec, spec.shared_expert_ffn) + spec.hidden_size if spec.shared_expert_ffn else 0
+
+
 def mlp_params_per_layer(spec: ArchSpec) -> int:
-    """SwiGLU gate, up and down projections."""
-    return 3 * spec.hidden_size * spec.ffn
+    """SwiGLU gate, up and down projections; for MoE every expert, the d x E router and the
+    shared expert (all stored weights)."""
+    if not spec.is_moe:
+        return _swiglu(spec, spec.ffn)
+    return (spec.n_experts * _swiglu(spec, spec.ffn) + spec.hidden_size * spec.n_experts
+            + _shared_expert_params(spec))
+
+
+def active_mlp_params_per_layer(spec: ArchSpec) -> int:
+    """MLP weights one token multiplies: the router, ``experts_per_token`` experts and the
+    shared expert. Equals :func:`mlp_params_per_layer` for a dense spec."""
+    if not spec.is_moe:
+        return mlp_params_per_layer(spec)
+    return (spec.experts_per_token * _swiglu(spec, spec.ffn) + spec.hidden_size * spec.n_experts
+            + _shared_expert_params(spec))
 
 
 def non_embedding_params(spec: ArchSpec) -> int:
     """SPEC's N: weight matrices of attention and MLP, no norms, no biases."""
     return spec.n_layers * (attention_params_per_layer(spec) + mlp_params_per_layer(spec))
+
+
+def active_ffn_width(spec: ArchSpec) -> int:
+    """MLP intermediate width one token's activations span: ``ffn`` dense; for MoE its
+    ``experts_per_token`` experts plus the shared expert (memory planning uses it)."""
+    return spec.experts_per_token * spec.ffn + spec.shared_expert_ffn if spec.is_moe else spec.ffn
+
+
+def active_non_embedding_params(spec: ArchSpec) -> int:
+    """N_active: the non-embedding weights one token uses (= N for a dense spec)."""
+    return spec.n_layers * (attention_params_per_layer(spec) + active_mlp_params_per_layer(spec))
+
+
+def active_params(spec: ArchSpec) -> int:
+    """Every parameter one token touches (total minus the experts it is not routed to)."""
+    return total_params(spec) - non_embedding_params(spec) + active_non_embedding_params(spec)
+
+
+def sparsity(spec: ArchSpec) -> float:
+    """Active / total non-embedding parameters: 1.0 dense, e.g. ~0.27 for Mixtral-8x7B
+    (the ``sparsity`` of the SPEC 8 batch and throughput laws)."""
+    return active_non_embedding_params(spec) / non_embedding_params(spec)
 
 
 def embedding_params(spec: ArchSpec) -> int:
@@ -197,10 +297,11 @@ def weight_bytes(spec: ArchSpec, dtype: str = "bfloat16") -> int:
 
 
 def inference_flops_per_token(spec: ArchSpec, kv_len: int, include_head: bool = False) -> int:
-    """Forward FLOPs for one token attending ``kv_len`` keys: 2N + 2*L*T*dq (+ 2*d*V head)."""
+    """Forward FLOPs for one token attending ``kv_len`` keys: 2N + 2*L*T*dq (+ 2*d*V head),
+    N the active parameters for MoE (a token runs only its routed experts)."""
     if kv_len < 0:
         raise ArchsearchError("kv_len", f"must be >= 0, got {kv_len}")
-    flops = 2 * non_embedding_params(spec) + 2 * spec.n_layers * kv_len * spec.q_dim
+    flops = 2 * active_non_embedding_params(spec) + 2 * spec.n_layers * kv_len * spec.q_dim
     if include_head:
         flops += 2 * spec.hidden_size * spec.vocab_size
     return flops
@@ -214,16 +315,16 @@ def prefill_flops(spec: ArchSpec, seq_len: int, include_head: bool = False) -> i
     """
     if seq_len <= 0:
         raise ArchsearchError("seq_len", f"must be positive, got {seq_len}")
-    flops = 2 * non_embedding_params(spec) * seq_len + spec.n_layers * spec.q_dim * seq_len * (seq_len + 1)
+    flops = 2 * active_non_embedding_params(spec) * seq_len + spec.n_layers * spec.q_dim * seq_len * (seq_len + 1)
     if include_head:
         flops += 2 * spec.hidden_size * spec.vocab_size * seq_len
     return flops
 
 
 def training_flops(spec: ArchSpec, tokens: float, include_embedding: bool = False) -> float:
-    """6 * N * D. With ``include_embedding``, N also counts the output head (the matmul that
-    costs compute); the input lookup is free either way."""
-    n = non_embedding_params(spec)
+    """6 * N * D, N active for MoE. With ``include_embedding``, N also counts the output head
+    (the matmul that costs compute); the input lookup is free either way."""
+    n = active_non_embedding_params(spec)
     if include_embedding:
         n += spec.vocab_size * spec.hidden_size
     return 6.0 * n * float(tokens)
@@ -264,6 +365,9 @@ def describe(spec: ArchSpec, dtype: str = "bfloat16") -> dict[str, Any]:
         "kv_cache_bytes_per_token": kv_cache_bytes_per_token(spec, dtype),
         "inference_flops_per_token_at_0": inference_flops_per_token(spec, 0),
     })
+    if spec.is_moe:
+        out.update({"n_params_active_non_embedding": active_non_embedding_params(spec),
+                    "n_params_active": active_params(spec), "sparsity": sparsity(spec)})
     return out
 
 
@@ -314,9 +418,39 @@ def to_hf_config(spec: ArchSpec, dtype: str = "bfloat16") -> dict[str, Any]:
         cfg.update({"attention_bias": False})
     elif model_type == "mistral":
         cfg.update({"sliding_window": None})
+    if spec.is_moe:
+        cfg.update(_moe_hf_fields(spec))
     if qkv_bias and model_type != "qwen2":  # qwen2 always has the biases
         cfg["attention_bias"] = True
     return cfg
+
+
+def _moe_hf_fields(spec: ArchSpec) -> dict[str, Any]:
+    """Each MoE family's own names for the expert settings (every layer sparse)."""
+    e, k = spec.n_experts, spec.experts_per_token
+    if spec.family == "mixtral":
+        return {"num_local_experts": e, "num_experts_per_tok": k, "sliding_window": None,
+                "output_router_logits": False, "router_aux_loss_coef": 0.02}
+    cfg: dict[str, Any] = {"num_experts": e, "num_experts_per_tok": k,
+                           "output_router_logits": False, "router_aux_loss_coef": 0.01}
+    if spec.family == "olmoe":
+        return {**cfg, "norm_topk_prob": False, "clip_qkv": None}
+    # qwen MoE: intermediate_size would size the dense layers of mlp_only_layers; there are none
+    cfg.update({"moe_intermediate_size": spec.ffn, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "norm_topk_prob": spec.family == "qwen3_moe"})
+    if spec.family == "qwen2_moe":
+        cfg["shared_expert_intermediate_size"] = spec.shared_expert_ffn
+    return cfg
+
+
+def _moe_from_hf(cfg: dict[str, Any]) -> dict[str, int]:
+    mt = cfg["model_type"]
+    if mt not in MOE_FAMILIES:
+        return {}
+    return {"n_experts": int(cfg["num_local_experts"] if mt == "mixtral" else cfg["num_experts"]),
+            "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "ffn": int(cfg["intermediate_size"] if mt in ("mixtral", "olmoe") else cfg["moe_intermediate_size"]),
+            "shared_expert_ffn": int(cfg.get("shared_expert_intermediate_size") or 0)}
 
 
 _MODEL_TYPE_TO_FAMILY = {v[1]: k for k, v in FAMILIES.items()}
@@ -335,16 +469,18 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ArchSpec:
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        moe = _moe_from_hf(cfg)
+        fields = {"ffn": int(cfg["intermediate_size"]), **moe}
         return ArchSpec(
             n_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, n_heads=heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            ffn=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+            vocab_size=int(cfg["vocab_size"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            family=_MODEL_TYPE_TO_FAMILY[mt], name=name)
+            family=_MODEL_TYPE_TO_FAMILY[mt], name=name, **fields)
     except KeyError as e:
         raise ArchsearchError(f"config.json:{e.args[0]}", "missing key",
                               "a decoder config needs the standard transformers keys") from None
@@ -352,11 +488,9 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ArchSpec:
 
 def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write ``out_dir/config.json``; returns its path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.json"
-    path.write_text(json.dumps(to_hf_config(spec, dtype), indent=2) + "\n")
-    return path
+    from archsearch.fileio import write_json
+
+    return write_json(Path(out_dir) / "config.json", to_hf_config(spec, dtype))
 
 
 def load_arch(source: str | Path) -> ArchSpec:
@@ -378,6 +512,9 @@ def load_arch(source: str | Path) -> ArchSpec:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ArchsearchError(str(p), f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ArchsearchError(str(p), f"holds a {type(data).__name__}, not a JSON object",
+                              "give an HF config.json or an architecture JSON object")
     if "architecture" in data and isinstance(data["architecture"], dict):
         data = data["architecture"]
     if "model_type" in data:

@@ -8,7 +8,8 @@ one deterministic function that expands them (SPEC section 2):
    Attention params per layer are ``2 * d * head_dim * n_kv * (gqa + 1)``, which fixes the
    number of KV heads up to rounding. As in the method, ``head_dim`` is fixed and the head
    count moves: heads need not divide the width (hidden 2560 with 72 heads of 64 is normal).
-   Of the two KV counts around the ideal one, the one whose realised r is nearest the request.
+   Of the two KV counts around the ideal one, the one whose realised r is nearest the request
+   among those that meet the budget (step 4) once the MLP is snapped.
 3. The MLP takes what is left of the per-layer budget: ``ffn = snap(rest / (3 d), ffn_multiple)``.
 4. The realised N must be within ``tolerance`` of the budget, and the realised r within
    ``r_tolerance`` of the request: beyond it the shape is refused (``on_r_drift: refuse``) or
@@ -108,10 +109,43 @@ def _snap(x: float, multiple: int) -> int:
     return max(multiple, int(round(x / multiple)) * multiple)
 
 
+# Beyond these a request is a typo, not a model: 10T non-embedding parameters is several times
+# the largest dense model trained, a million wide or 10k layers deep has never been built.
+MAX_PARAMS = 1e13
+MAX_LAYERS = 10_000
+MAX_HIDDEN = 1_000_000
+
+
+def check_size(params: float, n_layers: int | None = None) -> None:
+    """Refuse a parameter budget or depth beyond any buildable model (cheap, up front)."""
+    if not (isinstance(params, (int, float)) and math.isfinite(params) and params > 0):
+        raise ArchsearchError("params", f"must be a positive finite number, got {params!r}")
+    if params > MAX_PARAMS:
+        raise ArchsearchError("params", f"{params:.3g} is beyond any buildable model",
+                              f"give a budget up to {MAX_PARAMS:.0e} (e.g. 1e9 or 1B)")
+    if n_layers is not None and not (isinstance(n_layers, int) and 0 < n_layers <= MAX_LAYERS):
+        raise ArchsearchError("layers", f"must be an integer in [1, {MAX_LAYERS}], got {n_layers!r}")
+
+
+def check_build_request(params: float, n_layers: int, hidden_over_sqrt_n: float,
+                        mlp_to_attn: float) -> None:
+    """Refuse absurd or non-finite knobs from arithmetic alone, before any shape is searched."""
+    for name, v in (("params", params), ("hidden_over_sqrt_n", hidden_over_sqrt_n),
+                    ("mlp_to_attn", mlp_to_attn)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ArchsearchError(name, f"must be a positive finite number, got {v!r}")
+    check_size(params, n_layers)
+    if hidden_over_sqrt_n * math.sqrt(params) > MAX_HIDDEN:
+        raise ArchsearchError("hidden_over_sqrt_n", f"{hidden_over_sqrt_n} x sqrt(N) gives a hidden size "
+                              f"of {hidden_over_sqrt_n * math.sqrt(params):.3g}",
+                              f"keep the hidden size under {MAX_HIDDEN:,} (typical: 0.03-0.12)")
+
+
 def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
                     mlp_to_attn: float, gqa: int = 4, head_dim: int = 64,
                     settings: BuildSettings | None = None, name: str | None = None) -> Candidate:
     """Expand the primary knobs into a buildable spec (see the module docstring)."""
+    check_build_request(params, n_layers, hidden_over_sqrt_n, mlp_to_attn)
     s = settings or BuildSettings()
     if not (params > 0 and math.isfinite(params)):
         raise ArchsearchError("params", f"must be a positive finite number, got {params}")
@@ -142,13 +176,14 @@ def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,
         ffn = _snap(rest / (3 * d), s.ffn_multiple)
         r = 3 * d * ffn / (attn_per_kv * n_kv)
         n = n_layers * (attn_per_kv * n_kv + 3 * d * ffn)
-        options.append((abs(r / mlp_to_attn - 1), abs(n / params - 1), n_kv, ffn))
+        # within the budget first: the KV count nearer in r may miss N by the FFN snapping
+        options.append((abs(n / params - 1) > s.tolerance, abs(r / mlp_to_attn - 1), abs(n / params - 1), n_kv, ffn))
     if not options:
         raise ArchsearchError(
             "params", f"budget {params:.4g} leaves no room for an MLP with {n_layers} layers, "
             f"hidden size {d} and {gqa + 1} heads of {head_dim}",
             "raise the budget, or lower layers / hidden_over_sqrt_n / head_dim")
-    _, _, n_kv, ffn = min(options)
+    *_, n_kv, ffn = min(options)
     n_heads = n_kv * gqa
     spec = ArchSpec(n_layers=n_layers, hidden_size=d, n_heads=n_heads, n_kv_heads=n_kv,
                     head_dim=head_dim, ffn=ffn, vocab_size=s.vocab_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -103,14 +104,19 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ArchsearchError(where, f"expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return number_from_text(value)
+                number = number_from_text(value)
             except ValueError:
                 pass
-        raise ArchsearchError(where, f"expected a number, got {value!r}")
+        if number is None:
+            raise ArchsearchError(where, f"expected a number, got {value!r}")
+        if not math.isfinite(number):  # no config field means anything at NaN or infinity
+            raise ArchsearchError(where, f"must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value

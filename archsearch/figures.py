@@ -60,9 +60,13 @@ def save(fig, png: str | Path, dpi: int = 150) -> Path:
     """Write ``fig`` as ``png`` and as the same name with ``.pdf``; close it; return the PNG path."""
     import matplotlib.pyplot as plt
 
+    from archsearch.fileio import atomic_open
+
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=dpi)
-    fig.savefig(png.with_suffix(".pdf"))
+    with atomic_open(png, "wb") as fh:  # a kill leaves the old figure or the new, never half
+        fig.savefig(fh, format="png", dpi=dpi)
+    with atomic_open(png.with_suffix(".pdf"), "wb") as fh:
+        fig.savefig(fh, format="pdf")
     plt.close(fig)
     return png

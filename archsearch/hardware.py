@@ -96,6 +96,16 @@ def local_device_name() -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
+def host_memory_bytes() -> float:
+    """This machine's physical memory in bytes (0 where the OS does not say)."""
+    import os
+
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
 def measure_cpu(n: int = 1024, repeats: int = 5) -> Device:
     """This CPU's fp32 matmul FLOP/s and copy bandwidth, measured with torch (best of runs).
 
@@ -121,11 +131,7 @@ def measure_cpu(n: int = 1024, repeats: int = 5) -> Device:
         y.copy_(x)
         best_bw = min(best_bw, time.perf_counter() - t)
     bandwidth = 2 * x.numel() * 4 / best_bw  # read + write
-    try:
-        import os
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        mem_gib = 0.0
+    mem_gib = host_memory_bytes() / 2**30
     return Device(name="cpu", peak_flops_bf16=flops, peak_flops_fp32=flops,
                   memory_bandwidth=bandwidth, memory_gib=mem_gib, price_per_hour=None,
                   source=f"measured here: torch fp32 {n}x{n} matmul and a 128 MiB copy, "

@@ -21,10 +21,14 @@ class Preset:
     published_params: int
     published_precision: int = 1  # the published total is exact to this many parameters
     published_non_embedding: int | None = None
+    published_active: int | None = None  # MoE: parameters one token uses
+    published_active_precision: int = 1
 
 
-def _p(name, source, published, precision=1, non_embed=None, **fields) -> Preset:
-    return Preset(ArchSpec(name=name, **fields), source, published, precision, non_embed)
+def _p(name, source, published, precision=1, non_embed=None, active=None, active_precision=1,
+       **fields) -> Preset:
+    return Preset(ArchSpec(name=name, **fields), source, published, precision, non_embed,
+                  active, active_precision)
 
 
 _LLAMA3 = dict(family="llama", rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
@@ -89,6 +93,25 @@ PRESETS: dict[str, Preset] = {p.spec.name: p for p in [
        n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=128, ffn=8192,
        vocab_size=100352, tie_embeddings=False, family="olmo2", rms_norm_eps=1e-6,
        rope_theta=500000.0, max_position_embeddings=4096),
+    # Mixture-of-experts. published_active: the active count the card/paper gives (rounded).
+    _p("mixtral-8x7b", _HF.format("mistralai/Mixtral-8x7B-v0.1") + "; active 12.9B: mistral.ai/news/mixtral-of-experts",
+       46_702_792_704, active=12_900_000_000, active_precision=100_000_000,
+       n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn=14336,
+       n_experts=8, experts_per_token=2, vocab_size=32000, tie_embeddings=False, family="mixtral",
+       rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768),
+    _p("qwen3-30b-a3b", "https://huggingface.co/Qwen/Qwen3-30B-A3B (model card: 30.5B, 3.3B activated, "
+       "non-embedding 29.9B)", 30_500_000_000, 100_000_000, 29_900_000_000,
+       # the card's "3.3B activated" is 1.6% under the exact 3.353B (attention, router, 8 experts,
+       # embedding and head); it does not say how it rounds, so the check allows +-0.1B
+       active=3_300_000_000, active_precision=200_000_000,
+       n_layers=48, hidden_size=2048, n_heads=32, n_kv_heads=4, ffn=768, n_experts=128,
+       experts_per_token=8, tie_embeddings=False, **{**_QWEN3, "family": "qwen3_moe"}),
+    _p("olmoe-1b-7b", "https://huggingface.co/allenai/OLMoE-1B-7B-0924 (paper arXiv:2409.02060: "
+       "6.9B total, 1.3B active)", 6_900_000_000, 100_000_000,
+       active=1_300_000_000, active_precision=100_000_000,
+       n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=128, ffn=1024,
+       n_experts=64, experts_per_token=8, vocab_size=50304, tie_embeddings=False, family="olmoe",
+       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096),
     # Tiny shapes for tests and CPU demos (not published models: count is our own).
     _p("tiny", "archsearch debug shape", 0, n_layers=2, hidden_size=64, n_heads=2,
        n_kv_heads=1, head_dim=32, ffn=128, vocab_size=256, max_position_embeddings=512),

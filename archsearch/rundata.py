@@ -188,42 +188,30 @@ def _parse(row: dict[str, Any], where: str) -> RunRecord:
 
 def read_runs(path: str | Path) -> list[RunRecord]:
     """Read runs from ``.csv`` or ``.jsonl``/``.json``; errors name the row and column."""
-    p = Path(path)
-    if not p.is_file():
-        raise ArchsearchError("--data", f"no such file {str(p)!r}")
-    rows: list[dict[str, Any]]
-    if p.suffix == ".csv":
-        with p.open(newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    elif p.suffix in (".jsonl", ".json"):
-        rows = []
-        for i, line in enumerate(p.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ArchsearchError(f"{p}:{i}", f"invalid JSON: {e}") from None
-    else:
+    from archsearch.fileio import check_input_file, read_table
+
+    p = check_input_file("--data", path)
+    if p.suffix not in (".csv", ".jsonl", ".json"):
         raise ArchsearchError("--data", f"unknown format {p.suffix!r}", "use .csv or .jsonl")
+    rows = read_table(p, str(p))
     return [_parse(r, f"{p.name} row {i}") for i, r in enumerate(rows, 1)]
 
 
 def write_runs(path: str | Path, runs: Iterable[RunRecord]) -> Path:
     """Write runs as CSV or JSONL (by suffix), atomically."""
+    from archsearch.fileio import atomic_open, atomic_write
+
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     rows = [r.to_row() for r in runs]
-    tmp = p.with_suffix(p.suffix + ".tmp")
     if p.suffix == ".csv":
         cols: list[str] = list(_FIELDS)
         for r in rows:
             cols += [k for k in r if k not in cols]
-        with tmp.open("w", newline="") as fh:
+        with atomic_open(p, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=cols)
             w.writeheader()
             for r in rows:
                 w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
     else:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(p)
+        atomic_write(p, "".join(json.dumps(r) + "\n" for r in rows))
     return p

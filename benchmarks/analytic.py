@@ -48,8 +48,10 @@ def weights_read_per_step(spec: ArchSpec, dtype: str) -> float:
 
 
 def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, input_len: int,
-                  output_len: int) -> BatchResult:
-    """Roofline prediction for one batch size (see the module docstring)."""
+                  output_len: int, calibration=None) -> BatchResult:
+    """Roofline prediction for one batch size (see the module docstring). With a
+    ``benchmarks.calibration.Calibration`` the peaks are scaled by its efficiencies and every
+    engine step (prefill and each decode step) costs its overhead on top."""
     seq = input_len + output_len
     capacity = max_batch_by_kv(spec, device.memory_bytes, seq, dtype, MEMORY_FRACTION)
     if batch_size > capacity:
@@ -57,15 +59,20 @@ def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, i
             batch_size, f"predicted not to fit: {device.name} holds the KV cache of at most "
                         f"{capacity} sequences of {seq} tokens beside the weights ({dtype})")
     peak, bw = device.peak_flops(dtype), device.memory_bandwidth
+    overhead = 0.0
+    if calibration is not None:
+        peak = (calibration.peak_flops or peak) * calibration.compute_efficiency
+        bw = (calibration.memory_bandwidth or bw) * calibration.memory_efficiency
+        overhead = calibration.step_overhead_s
     w = weights_read_per_step(spec, dtype)
     kv = kv_cache_bytes_per_token(spec, dtype)
     head = 2 * spec.hidden_size * spec.vocab_size
-    ttft = max(batch_size * (prefill_flops(spec, input_len) + head) / peak,
-               (w + batch_size * input_len * kv) / bw)
+    ttft = overhead + max(batch_size * (prefill_flops(spec, input_len) + head) / peak,
+                          (w + batch_size * input_len * kv) / bw)
     decode = 0.0
     for t in range(input_len + 1, input_len + output_len):
-        decode += max(batch_size * inference_flops_per_token(spec, t, include_head=True) / peak,
-                      (w + batch_size * t * kv) / bw)
+        decode += overhead + max(batch_size * inference_flops_per_token(spec, t, include_head=True) / peak,
+                                 (w + batch_size * t * kv) / bw)
     e2e = ttft + decode
     return BatchResult(
         batch_size=batch_size, ok=True,
@@ -89,10 +96,20 @@ class AnalyticBackend(Backend):
         spec = ArchSpec.from_dict(job["arch"])
         device = get_device(s.get("device_spec") or default_device_name())
         dtype = resolve_dtype(s["dtype"], on_gpu=device.name != "cpu")
-        per_batch = [predict_batch(spec, device, dtype, b, s["input_len"], s["output_len"]).to_dict()
+        cal_path = (s.get("engine_args") or {}).get("calibration")
+        cal = None
+        if cal_path:
+            from benchmarks.calibration import Calibration
+
+            cal = Calibration.load(cal_path)
+        per_batch = [predict_batch(spec, device, dtype, b, s["input_len"], s["output_len"], cal).to_dict()
                      for b in job["batch_sizes"]]
         engine = {"model": "roofline: prefill compute-bound, decode bound by weights + KV reads",
                   "device_entry": device.to_dict(), "memory_fraction": MEMORY_FRACTION,
-                  "peak_flops_used": device.peak_flops(dtype)}
+                  "peak_flops_used": device.peak_flops(dtype),
+                  "calibration": ({"file": str(cal_path), "compute_efficiency": cal.compute_efficiency,
+                                   "memory_efficiency": cal.memory_efficiency,
+                                   "step_overhead_s": cal.step_overhead_s, "engine": cal.engine}
+                                  if cal else "uncalibrated: peak device figures, an optimistic bound")}
         return {"device": device.name, "dtype": dtype, "engine": engine, "timing": {},
                 "per_batch": per_batch}

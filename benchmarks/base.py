@@ -82,9 +82,20 @@ class BenchSettings:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ArchsearchError(f, f"must be an integer >= {lo}, got {v!r}")
+        # cheap arithmetic before any engine starts: the prompt and output token ids alone (8
+        # bytes each) of the largest batch must fit in this machine's memory
+        # (the analytic backend builds no prompts: it records a batch that cannot fit as failed)
+        from archsearch.hardware import host_memory_bytes
+
+        need, have = max(self.batch_sizes) * (self.input_len + self.output_len) * 8, host_memory_bytes()
+        if self.backend != "analytic" and have and need > have:
+            raise ArchsearchError("batch_sizes/input_len", f"{max(self.batch_sizes)} sequences of "
+                                  f"{self.input_len}+{self.output_len} tokens need {need / 2**30:,.0f} GiB for "
+                                  f"the token ids alone; this machine has {have / 2**30:,.0f} GiB",
+                                  "use smaller batch sizes or lengths")
         if self.dtype not in DTYPES:
             raise ArchsearchError("dtype", f"unknown dtype {self.dtype!r}", f"use one of {list(DTYPES)}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ArchsearchError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
         if not isinstance(self.engine_args, dict):
             raise ArchsearchError("engine_args", "must be a dict of engine keyword arguments")
@@ -209,18 +220,18 @@ class BenchResult:
 
 def append_jsonl(path: str | Path, result: BenchResult | dict) -> Path:
     """Append one result as a JSON line (creating the folder); returns the path."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    from archsearch.fileio import append_line
+
     obj = result.to_dict() if isinstance(result, BenchResult) else result
-    with p.open("a") as f:
-        f.write(json.dumps(obj, default=str) + "\n")
-    return p
+    append_line(path, json.dumps(obj, default=str))
+    return Path(path)
 
 
 def read_jsonl(path: str | Path) -> list[BenchResult]:
     """Every result of a JSONL file written by :func:`append_jsonl`."""
-    return [BenchResult.from_dict(json.loads(line))
-            for line in Path(path).read_text().splitlines() if line.strip()]
+    from archsearch.fileio import read_jsonl_lines
+
+    return [BenchResult.from_dict(d) for d in read_jsonl_lines(path)]
 
 
 # -- backends --------------------------------------------------------------------------------
@@ -244,6 +255,24 @@ def installed_version(packages: tuple[str, ...]) -> tuple[str | None, str | None
         except metadata.PackageNotFoundError:
             continue
     return None, None
+
+
+@dataclass
+class Session:
+    """A started engine for one shape: ``generate(prompts)`` runs one static batch and returns
+    the requests' ``benchmarks.loop.RequestTiming``. Kept resident by paired measurement."""
+
+    generate: Callable[[list[list[int]]], list[Any]]
+    vocab_size: int
+    memory_probe: Callable[[], int] | None
+    device: str
+    dtype: str
+    engine: dict[str, Any]
+    timing: dict[str, Any]
+    ttft_probe: Callable[[list[list[int]]], float] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": self.dtype, "engine": self.engine, "timing": self.timing}
 
 
 class Backend(ABC):

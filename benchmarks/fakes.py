@@ -14,7 +14,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.base import Backend, Report
+from benchmarks.base import Backend, Report, Session
 from benchmarks.loop import RequestTiming, run_batches
 
 
@@ -113,3 +113,28 @@ class CrashBackend(Backend):
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
         print("fake engine: about to crash", flush=True)
         os.abort()
+
+
+class SleepBackend(Backend):
+    """An engine whose batch takes ``hidden_size * 2e-5`` s per output token, times a drifting
+    load factor shared by every engine of the process (as a busy machine's load is): paired
+    measurement must see the 2x difference of hidden 128 vs 64 through the drift."""
+
+    name = "fake-sleep"
+    _calls = 0
+
+    def open(self, job: dict[str, Any], report: Report) -> Session:
+        s, d = job["settings"], job["arch"]["hidden_size"]
+
+        def generate(prompts):
+            SleepBackend._calls += 1
+            load = 1.0 + 0.5 * (SleepBackend._calls % 7) / 6  # drifts between 1x and 1.5x
+            time.sleep(d * 2e-5 * s["output_len"] * load)
+            return [RequestTiming(n_output=s["output_len"], ttft=None, e2e=None, tpot=None) for _ in prompts]
+
+        return Session(generate, 100, None, "fake", "float32", {}, {})
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        sess = self.open(job, report)
+        per_batch = run_batches(sess.generate, job["batch_sizes"], job["settings"], 100, report=report)
+        return {**sess.summary(), "per_batch": per_batch}

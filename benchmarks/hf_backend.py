@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from archsearch.arch import ArchSpec
-from benchmarks.base import Backend, Report, resolve_dtype
+from benchmarks.base import Backend, Report, Session, resolve_dtype
 from benchmarks.loop import RequestTiming, process_tree_rss, run_batches
 
 
@@ -28,6 +28,13 @@ class HFBackend(Backend):
     packages = ("transformers",)
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        sess = self.open(job, report)
+        per_batch = run_batches(sess.generate, job["batch_sizes"], job["settings"], sess.vocab_size,
+                                report=report, memory_probe=sess.memory_probe, ttft_probe=sess.ttft_probe)
+        return {**sess.summary(), "per_batch": per_batch}
+
+    def open(self, job: dict[str, Any], report: Report) -> Session:
+        """Load the model for ``job`` and return its :class:`Session`."""
         import torch
         import transformers
 
@@ -91,7 +98,4 @@ class HFBackend(Backend):
             _gen(prompts, 1)
             return time.perf_counter() - t
 
-        per_batch = run_batches(generate, job["batch_sizes"], s, spec.vocab_size, report=report,
-                                memory_probe=probe, ttft_probe=ttft_probe)
-        return {"device": device, "dtype": dtype, "engine": engine, "timing": timing,
-                "per_batch": per_batch}
+        return Session(generate, spec.vocab_size, probe, device, dtype, engine, timing, ttft_probe)

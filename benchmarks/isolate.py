@@ -42,9 +42,9 @@ class Outcome:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, default=str))
-    os.replace(tmp, path)  # atomic: the parent never reads half a file
+    from archsearch.fileio import write_json
+
+    write_json(path, obj, default=str)  # atomic: the parent never reads half a file
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:

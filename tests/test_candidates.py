@@ -98,6 +98,14 @@ def test_realised_r_is_the_nearest_head_count(n, layers, x1, r, gqa, hd):
     assert c.to_dict()["r_drift"] == pytest.approx(mlp_to_attn_ratio(c.spec) / r - 1)
 
 
+def test_kv_count_within_budget_preferred():
+    # 1B, GQA 16, wide and attention-heavy: the KV count nearest in r misses the budget by the
+    # FFN snapping (+2.0%), the other lands inside it; the shape must build, not be refused
+    st = BuildSettings(hidden_multiple=128, ffn_multiple=256, on_r_drift="flag")
+    c = build_candidate(1e9, 16, 0.1125, 0.5, gqa=16, head_dim=64, settings=st)
+    assert abs(c.param_error) <= st.tolerance
+
+
 def test_r_drift_refused_or_flagged():
     # a tiny shape: one head pair is a large share of attention, so r cannot be hit closely
     kw = dict(params=2e5, n_layers=2, hidden_over_sqrt_n=0.15, mlp_to_attn=0.7, gqa=2, head_dim=32)

@@ -4,7 +4,6 @@ and the time law's recovery of known parameters from synthetic data."""
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 import numpy as np

@@ -274,7 +274,9 @@ def test_dry_run_prints_plan(tmp_path, cli):
 def _hf_cfg(tmp_path, n_trials=5, **over):
     return study_config(tmp_path, measure={"backend": "hf", "device_spec": None, "batch_sizes": [2],
                                            "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0,
-                                           "timeout_s": 120},
+                                           "timeout_s": 120,
+                                           # durability, not precision: the fewest paired rounds
+                                           "min_rounds": 2, "max_rounds": 2},
                         optuna={"n_trials": n_trials, "seed": 3, "enqueue_solution": 1},
                         gqa_search={"enabled": False}, **over)
 

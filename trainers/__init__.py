@@ -23,6 +23,7 @@ _LAZY = {
     "run_sweep": "trainers.sweep",
     "sweep_specs": "trainers.sweep",
     "to_run_record": "trainers.sweep",
+    "run_active": "trainers.active",
 }
 
 __all__ = list(_LAZY)

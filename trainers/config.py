@@ -84,9 +84,14 @@ class DataConfig:
     max_train_tokens: int | None = None  # hub datasets: stop streaming here (None: the budget)
     bpe_train_chars: int = 50_000_000  # text used to train a BPE tokenizer (from the start)
     cache_dir: str | None = None  # None: $ARCHSEARCH_CACHE or ~/.cache/archsearch
+    # passes over the training side a run may make; more is refused before training starts
+    max_epochs: float = 1.0
 
     def __post_init__(self) -> None:
         src = self.source
+        if not self.max_epochs > 0:
+            raise ArchsearchError("data.max_epochs", f"must be positive, got {self.max_epochs}",
+                                  "1 (one pass, the method's setting) or more to allow repetition")
         if isinstance(src, list):
             if not src:
                 raise ArchsearchError("data.source", "is an empty list",
@@ -137,6 +142,10 @@ def check_trackers(names: list[str], field: str = "train.log_with") -> None:
         module, how = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
             raise MissingDependencyError(field, f"the {name} tracker needs the {module!r} package", how)
+
+
+# Above this AdamW diverges on the first step (and near 3e38 the float32 update overflows).
+MAX_LR = 10.0
 
 
 @dataclass(frozen=True)
@@ -215,8 +224,9 @@ class TrainConfig:
             raise ArchsearchError("train.micro_batch_size",
                                   f"{self.micro_batch_size} does not divide global_batch_size="
                                   f"{self.global_batch_size}", "pick a divisor of the global batch")
-        if not self.lr > 0:
-            raise ArchsearchError("train.lr", f"must be positive, got {self.lr}")
+        if not 0 < self.lr <= MAX_LR:
+            raise ArchsearchError("train.lr", f"must be in (0, {MAX_LR:g}], got {self.lr}",
+                                  "AdamW learning rates of LLMs lie around 1e-4 to 1e-2")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ArchsearchError("train.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:
@@ -247,10 +257,34 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _sweep_build() -> BuildSettings:
-    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
-    # flagged), since the law is fitted on the realised r
-    return BuildSettings(on_r_drift="flag")
+@dataclass(frozen=True)
+class HealthConfig:
+    """Proxy health (trainers/health.py): the orderings a sweep's runs must obey and how a run
+    that breaks one is retrained. ``min_batch`` / ``max_lr``: the floor of the halved global
+    batch and the ceiling of the doubled LR, one value or one per N level; ``retries``: the
+    retraining budget per run; ``tolerance``: loss slack (nats) before an ordering counts as
+    broken, so that eval noise alone does not trigger a retrain."""
+
+    min_batch: int | list[int] = 4
+    max_lr: float | list[float] = 1e-2
+    retries: int = 2
+    tolerance: float = 0.01
+
+    def __post_init__(self) -> None:
+        for k, ok in (("min_batch", lambda v: isinstance(v, int) and v >= 1),
+                      ("max_lr", lambda v: isinstance(v, (int, float)) and v > 0)):
+            vals = getattr(self, k)
+            if not all(ok(v) for v in (vals if isinstance(vals, list) else [vals])):
+                raise ArchsearchError(f"sweep.health.{k}", f"invalid value {vals!r}",
+                                      "min_batch: integers >= 1; max_lr: positive numbers")
+        if not (isinstance(self.retries, int) and self.retries >= 0):
+            raise ArchsearchError("sweep.health.retries", f"must be an integer >= 0, got {self.retries!r}")
+        if not self.tolerance >= 0:
+            raise ArchsearchError("sweep.health.tolerance", f"must be >= 0, got {self.tolerance!r}")
+
+    def bound(self, name: str, level: int):
+        v = getattr(self, name)
+        return v[level] if isinstance(v, list) else v
 
 
 @dataclass(frozen=True)
@@ -266,7 +300,8 @@ class SweepConfig:
     n_layers: int | list[int] = 4
     gqa: int = 4
     head_dim: int = 64
-    build: BuildSettings = field(default_factory=_sweep_build)  # vocab_size: the tokenizer's
+    # vocab_size: the tokenizer's; on_r_drift is always "flag" here (see sweep_specs)
+    build: BuildSettings = field(default_factory=BuildSettings)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(tokens_per_param=20))
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only
@@ -274,6 +309,7 @@ class SweepConfig:
     # One HPARAMS preset per N level (the method's per-size table, SPEC 6): the level's preset
     # sets global_batch_size, lr, min_lr_ratio and warmup_steps, over the values in ``train``.
     hparams_per_level: list[str] | None = None
+    health: HealthConfig | None = None  # None: no ordering checks, no retuning
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -284,6 +320,20 @@ class SweepConfig:
                 raise ArchsearchError(f"sweep.{k}", "is empty", "give at least one value")
             if not all(v > 0 for v in vals):
                 raise ArchsearchError(f"sweep.{k}", f"values must be positive, got {vals}")
+        from archsearch.candidates import check_size
+
+        for i, n in enumerate(self.params):
+            try:
+                check_size(n, max(self.n_layers) if isinstance(self.n_layers, list) and self.n_layers
+                           else self.n_layers)
+            except ArchsearchError as e:
+                raise ArchsearchError(f"sweep.{'params' if e.field == 'params' else 'n_layers'}",
+                                      e.problem, e.fix) from None
+        for k in ("gqa", "head_dim"):
+            if getattr(self, k) <= 0:
+                raise ArchsearchError(f"sweep.{k}", f"must be a positive integer, got {getattr(self, k)}")
+        if self.seeds is not None and not self.seeds:
+            raise ArchsearchError("sweep.seeds", "is empty", "give at least one seed, or leave it out")
         if isinstance(self.n_layers, list):
             if len(self.n_layers) != len(self.params):
                 raise ArchsearchError("sweep.n_layers", f"{len(self.n_layers)} values for "
@@ -298,6 +348,12 @@ class SweepConfig:
                                       f"{len(self.params)} N levels", "give one preset per N level")
             for name in self.hparams_per_level:
                 get_hparams(name)
+        if self.health is not None:
+            for k in ("min_batch", "max_lr"):
+                v = getattr(self.health, k)
+                if isinstance(v, list) and len(v) != len(self.params):
+                    raise ArchsearchError(f"sweep.health.{k}", f"{len(v)} values for {len(self.params)} "
+                                          "N levels", "give one value, or one per N level")
 
     def layers_for(self, level: int) -> int:
         return self.n_layers[level] if isinstance(self.n_layers, list) else self.n_layers

@@ -337,6 +337,20 @@ def _skip_tokens_approx(docs: Iterator[str], tokens: int) -> Iterator[str]:
         chars += len(d)
 
 
+def check_epochs(data: PreparedData, tokens: float, max_epochs: float, what: str) -> None:
+    """Refuse a token budget that would pass over the training side more than ``max_epochs``
+    times (checked before any training, with the numbers)."""
+    available = data.n_train_seqs * data.seq_len
+    src = data.info.get("source", "the source")
+    src = src if isinstance(src, str) else f"{len(src)} file(s)"
+    if tokens > max_epochs * available:
+        raise ArchsearchError(
+            "data.max_epochs", f"{what} needs {tokens:,.0f} training tokens but {src} "
+            f"holds {available:,.0f} ({tokens / available:.2f} epochs > max_epochs={max_epochs:g})",
+            "name a larger source, lower the token budget, or allow the repetition with "
+            f"data.max_epochs: {tokens / available:.2f}")
+
+
 def describe_data(data: PreparedData) -> dict[str, Any]:
     """Counts for run records: tokens and sequences on each side."""
     return {**{k: v for k, v in data.info.items() if k != "cache"},

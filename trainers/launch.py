@@ -71,10 +71,9 @@ def accelerate_config(spec: ArchSpec, *, num_processes: int, num_machines: int =
 def write_accelerate_config(path: str | Path, cfg: dict[str, Any]) -> Path:
     import yaml
 
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return p
+    from archsearch.fileio import atomic_write
+
+    return atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
 
 
 def launch_commands(config_path: str | Path, train_args: list[str], num_machines: int = 1,

@@ -71,6 +71,32 @@ def token_budget(spec: ArchSpec, tc: TrainConfig) -> float:
                           "give tokens (D) or tokens_per_param (D = it x N)")
 
 
+# A request that would take longer than this at 100% of the machine's peak is refused up front.
+MAX_TRAIN_DAYS = 365.0
+
+
+def check_train_budget(spec: ArchSpec, tokens: float, flag: str = "train.tokens") -> None:
+    """Refuse, from 6*N*D against this machine's peak FLOP/s, a budget that could not finish
+    within :data:`MAX_TRAIN_DAYS` even at full utilisation (before any data is prepared)."""
+    import torch
+
+    from archsearch.hardware import GPUS, detect_gpu_name, measure_cpu
+
+    if not (math.isfinite(tokens) and tokens > 0):
+        raise ArchsearchError(flag, f"must be a positive finite number, got {tokens!r}")
+    if torch.cuda.is_available():
+        name = detect_gpu_name(torch.cuda.get_device_name(0))
+        per_device = GPUS[name].peak_flops_bf16 if name else max(g.peak_flops_bf16 for g in GPUS.values())
+        peak, where = per_device * torch.cuda.device_count(), f"{torch.cuda.device_count()} GPU(s)"
+    else:
+        peak, where = measure_cpu(n=512, repeats=3).peak_flops_fp32, "this CPU"
+    days = training_flops(spec, tokens) / peak / 86400
+    if days > MAX_TRAIN_DAYS:
+        raise ArchsearchError(flag, f"{tokens:.3g} tokens on N={non_embedding_params(spec):.3g} take "
+                              f"{days:,.0f} days on {where} even at 100% of its peak",
+                              "lower the budget, or launch on a cluster (archsearch train --launch)")
+
+
 def match_vocab(spec: ArchSpec, tokenizer_or_size: Any) -> ArchSpec:
     """The spec with its vocab_size set to the tokenizer's (``len(tokenizer)``) or to a number."""
     size = tokenizer_or_size if isinstance(tokenizer_or_size, int) else len(tokenizer_or_size)
@@ -86,9 +112,9 @@ def run_id_for(spec: ArchSpec, tokens: float, seed: int) -> str:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    tmp.replace(path)
+    from archsearch.fileio import write_json
+
+    write_json(path, obj, default=str)
 
 
 def read_record(out_dir: Path) -> dict | None:
@@ -113,6 +139,9 @@ def _plan(spec: ArchSpec, tc: TrainConfig, dc: DataConfig, data, n_proc: int) ->
         raise ArchsearchError("data.seq_len", f"{dc.seq_len} exceeds max_position_embeddings="
                               f"{spec.max_position_embeddings}", "shorten seq_len or raise the limit")
     target = token_budget(spec, tc)
+    from trainers.data import check_epochs
+
+    check_epochs(data, target, dc.max_epochs, "this run")
     gbs = tc.global_batch_size
     per_step = gbs * dc.seq_len
     steps = int(target // per_step)
@@ -397,6 +426,10 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     }
     if accelerator.is_main_process:
         _write_json(out_dir / RUN_FILE, record)
+    if accelerator.is_main_process:  # a line torn by a kill is cut before the resumed run appends
+        from archsearch.fileio import _heal_torn_tail
+
+        _heal_torn_tail(out_dir / "metrics.jsonl")
     metrics = (out_dir / "metrics.jsonl").open("a") if accelerator.is_main_process else None
 
     if train_cfg.log_with:  # the run's knobs next to its curves in TensorBoard / W&B / MLflow

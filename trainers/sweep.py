@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec, non_embedding_params
 from archsearch.configio import to_dict
+from archsearch.fileio import atomic_write, write_json
 from archsearch.errors import ArchsearchError
 from archsearch.rundata import RunRecord, write_runs
 from trainers.config import SweepConfig
@@ -46,7 +47,9 @@ def sweep_specs(cfg: SweepConfig, vocab_size: int) -> list[tuple[dict, ArchSpec 
 
     from archsearch.candidates import build_candidate
 
-    settings = dataclasses.replace(cfg.build, vocab_size=vocab_size)
+    # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
+    # flagged), since the law is fitted on the realised r
+    settings = dataclasses.replace(cfg.build, vocab_size=vocab_size, on_r_drift="flag")
     out = []
     for p in sweep_points(cfg):
         try:
@@ -65,7 +68,8 @@ def to_run_record(rec: dict, point: dict | None = None) -> RunRecord:
     ok = rec.get("status") == "ok"
     extra = {"smoothed_train_loss": rec.get("smoothed_train_loss"),
              "tokens_per_s": rec.get("tokens_per_s"), "mfu": rec.get("mfu"),
-             "reason": rec.get("reason")}
+             "reason": rec.get("reason"), "compliant": rec.get("compliant"),
+             "retune_attempts": rec.get("retune_attempts")}
     if point:
         extra.update({"requested_params": point["params"],
                       "requested_hidden_over_sqrt_n": point["hidden_over_sqrt_n"],
@@ -86,12 +90,31 @@ def _failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason
             "final_eval_loss": None, "provenance": provenance(device=False)}
 
 
+def _train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, progress: bool,
+                   tokens: float, seed: int) -> dict:
+    """Train one run (or resume/skip it); a failure is recorded in its run.json, not raised."""
+    from trainers.loop import RUN_FILE, _write_json, train
+
+    try:
+        return train(spec, tc, cfg.data, run_dir, progress=progress, data=data)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # record it and go on: one bad point must not stop the sweep
+        reason = (str(e) if isinstance(e, ArchsearchError)
+                  else f"{type(e).__name__}: {e} | {traceback.format_exc(limit=3)}")
+        rec = _failed_record(spec, run_dir.name, tokens, seed, reason)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / RUN_FILE, rec)
+        return rec
+
+
 def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -> list[RunRecord]:
     """Train every buildable grid point of ``cfg`` (see the module docstring); returns the rows
     of ``runs.csv`` (ok and failed runs; points that do not build are in failures.jsonl)."""
     from archsearch.provenance import provenance
-    from trainers.data import prepare_data
-    from trainers.loop import RUN_FILE, _write_json, read_record, run_id_for, token_budget, train
+    from trainers.data import check_epochs, prepare_data
+    from trainers.health import HealthMonitor
+    from trainers.loop import read_record, run_id_for, token_budget
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,11 +122,14 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
     # tokenizer exists; a streamed dataset is read up to the largest of them.
     budgets = [token_budget(s, cfg.train_for(p["level"])) for p, s, _ in sweep_specs(cfg, 32000) if s is not None]
     data = prepare_data(cfg.data, min_train_tokens=int(max(budgets, default=0)) + 1)
+    check_epochs(data, max(budgets, default=0), cfg.data.max_epochs, f"sweep {cfg.name}'s largest run")
     specs = sweep_specs(cfg, data.vocab_size)
     t0 = time.perf_counter()
     rows: list[RunRecord] = []
     failures: list[dict] = []
     seen: dict[str, str] = {}
+    health = HealthMonitor(cfg.health) if cfg.health is not None else None
+    final_records: list[dict] = []
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     for i, (point, spec, err) in enumerate(specs, 1):
         tag = (f"[{i}/{len(specs)}] N={point['params']:.4g} L={point['n_layers']} "
@@ -128,16 +154,10 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
             log(f"{tag}: {run_id} failed before ({prev.get('reason')}); retry_failed is off")
         else:
             started = time.perf_counter()
-            try:
-                rec = train(spec, tc, cfg.data, run_dir, progress=progress, data=data)
-            except KeyboardInterrupt:
-                raise
-            except Exception as e:  # record it and go on: one bad point must not stop the sweep
-                reason = (str(e) if isinstance(e, ArchsearchError)
-                          else f"{type(e).__name__}: {e} | {traceback.format_exc(limit=3)}")
-                rec = _failed_record(spec, run_id, tokens, point["seed"], reason)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                _write_json(run_dir / RUN_FILE, rec)
+            rec = _train_or_fail(spec, tc, cfg, run_dir, data, progress, tokens, point["seed"])
+            if health is not None:  # retrains a run that breaks the scaling orderings
+                rec = health.check(point, tc, rec, lambda tc2, sfx: _train_or_fail(
+                    spec, tc2, cfg, run_dir.with_name(f"{run_id}.{sfx}"), data, progress, tokens, point["seed"]))
             skipped = prev is not None and prev.get("status") == "ok"
             loss = rec.get("final_eval_loss")
             log(f"{tag}: {run_id} {'skipped (done)' if skipped else rec['status']}"
@@ -147,16 +167,24 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
         if rec.get("status") != "ok":
             failures.append({**point, "run_id": run_id, "stage": "train", "reason": rec.get("reason")})
         rows.append(to_run_record(rec, point))
+        final_records.append(rec)
         write_runs(out / "runs.csv", rows)  # after every run: a killed sweep leaves a valid table
+        if health is not None:
+            (out / "health.jsonl").write_text("".join(json.dumps(a, default=str) + "\n" for a in health.attempts))
     write_runs(out / "runs.csv", rows)
-    (out / "failures.jsonl").write_text("".join(json.dumps(f, default=str) + "\n" for f in failures))
+    atomic_write(out / "failures.jsonl", "".join(json.dumps(f, default=str) + "\n" for f in failures))
     ok = [r for r in rows if r.status == "ok"]
     summary = {"name": cfg.name, "config": to_dict(cfg), "points": len(specs), "runs_ok": len(ok),
                "runs_failed": len(rows) - len(ok), "not_built": sum(s is None for _, s, _ in specs),
                "best": min(ok, key=lambda r: r.loss).run_id if ok else None,
+               "health": health.summary(final_records) if health is not None else None,
                "elapsed_s": time.perf_counter() - t0, "data": {k: v for k, v in data.info.items()},
                "provenance": provenance()}
-    (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_json(out / "sweep.json", summary, default=str)
     log(f"sweep {cfg.name}: {len(ok)} ok, {len(rows) - len(ok)} failed, "
         f"{summary['not_built']} not built -> {out / 'runs.csv'}")
+    if health is not None:
+        h = summary["health"]
+        log(f"proxy health: {h['compliant']} compliant ({h['compliant_after_retune']} after retuning), "
+            f"{h['retuned']} retuned, {h['non_compliant']} non-compliant (not fitted) -> {out / 'health.jsonl'}")
     return rows

@@ -17,12 +17,31 @@ import pkgutil
 import sys
 
 from archsearch import __version__
+from archsearch.cli._common import finite_float
 from archsearch.errors import ArchsearchError
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, like every other user error
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def add_argument(self, *args, **kwargs):
+        # no flag of ours means anything at NaN or infinity: refuse them at parse time
+        if kwargs.get("type") is float:
+            kwargs["type"] = finite_float
+        return super().add_argument(*args, **kwargs)
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        plain = group.add_argument
+
+        def add_argument(*a, **kw):
+            if kw.get("type") is float:
+                kw["type"] = finite_float
+            return plain(*a, **kw)
+
+        group.add_argument = add_argument
+        return group
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         with json_stdout(bool(getattr(args, "json", False))):
             return int(args.func(args) or 0)
     except ArchsearchError as e:
-        print(f"archsearch: error: {e}", file=sys.stderr)
+        # one line, however long the underlying message (YAML errors span several)
+        print("archsearch: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     except OSError as e:  # a path the user named: missing, a folder, not writable, disk full
         where = e.filename if e.filename is not None else "file"

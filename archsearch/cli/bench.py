@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
@@ -31,6 +32,8 @@ def register(sub) -> None:
                    help="auto: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--device-spec", help="device table entry for --backend analytic (e.g. H200, "
                                          "A100-40GB, cpu); default: this machine")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="--backend analytic: a calibration file (python -m benchmarks.calibration)")
     p.add_argument("--timeout", type=pos_float, default=900.0, help="seconds per engine process")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
@@ -60,13 +63,23 @@ def _engine_args(items: list[str]) -> dict:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from archsearch.errors import ArchsearchError
     from benchmarks import BenchSettings, append_jsonl, measure
 
+    engine_args = _engine_args(args.engine_arg)
+    if args.calibration:
+        if args.backend != "analytic":
+            raise ArchsearchError("--calibration", "applies to --backend analytic only",
+                                  "drop it, or predict with --backend analytic")
+        from benchmarks.calibration import Calibration
+
+        Calibration.load(args.calibration)  # a missing or broken file fails before any work
+        engine_args["calibration"] = str(args.calibration)
     settings = BenchSettings(
         backend=args.backend, batch_sizes=args.batch_sizes, input_len=args.input_len,
         output_len=args.output_len, warmup=args.warmup, repeats=args.repeats, dtype=args.dtype,
         timeout_s=args.timeout, device_spec=args.device_spec,
-        engine_args=_engine_args(args.engine_arg), seed=args.seed,
+        engine_args=engine_args, seed=args.seed,
         engine_per_batch=args.engine_per_batch)
     spec = None if args.model_path else arch_from_args(args)
     if spec is not None and args.n_layers is not None:
@@ -83,7 +96,10 @@ def _bench(args: argparse.Namespace) -> int:
         _print_table(d)
         if args.out:
             print(f"appended to {args.out}")
-    return 0 if result.ok else 1
+    if not result.ok:  # recorded above; the exit status and this line say it failed
+        print(f"archsearch: measurement failed: {result.error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:

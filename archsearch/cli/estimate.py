@@ -4,6 +4,8 @@ from measured runs; ``estimate memory``: predicted peak memory and the largest b
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from archsearch.cli._common import parse_number, print_json, print_table
 from archsearch.cli._common import fraction, nonneg_float, out_file, pos_int
@@ -24,6 +26,9 @@ def register(sub) -> None:
                                              "(default: the law's measured one, else 0.40 assumed)")
     p.add_argument("--price", type=nonneg_float, help="USD per GPU-hour (default: archsearch.hardware table)")
     p.add_argument("--law", metavar="TIME_LAW.json", help="a time law from 'archsearch estimate fit'")
+    p.add_argument("--batch-laws", metavar="LAWS.json",
+                   help="fitted max-batch and throughput laws ('estimate batch-laws'): their answer "
+                        "is shown beside the analytic one")
     p.add_argument("--dtype", default="bfloat16", help="training compute dtype (default bfloat16)")
     p.add_argument("--seq-len", type=pos_int, default=2048, help="sequence length for the memory check")
     p.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
@@ -39,6 +44,16 @@ def register(sub) -> None:
     f.add_argument("--out", type=out_file, required=True, metavar="TIME_LAW.json")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=_fit)
+
+    b = sp.add_parser("batch-laws", help="fit the SPEC 8 max-batch and throughput-vs-batch laws",
+                      description="Fit throughput = C2*log(batch/(sparsity*C3)) + C4 and max batch = "
+                                  "floor(C0*(M_gpu - M_model)/(seq_len*((1-C1) + C1*sparsity))) to "
+                                  "measurements: 'bench --out' results or training-step timings.")
+    b.add_argument("--data", required=True, help="JSONL: bench --out results or training timings")
+    b.add_argument("--holdout", help="measurements of the same kind to predict, never fitted")
+    b.add_argument("--out", required=True, metavar="LAWS.json")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=_batch_laws)
 
     m = sp.add_parser("memory", help="predicted peak memory (inference and training) and max batch")
     m.add_argument("--arch", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
@@ -73,8 +88,9 @@ def _estimate(args: argparse.Namespace) -> int:
     est = estimate_training(load_arch(args.arch), args.tokens, args.gpus, tp=args.tp, pp=args.pp,
                             mfu=args.mfu, price_per_hour=args.price, time_law=args.law,
                             dtype=args.dtype, seq_len=args.seq_len, parallelism=args.parallelism)
+    fitted = _fitted_beside(args, est) if args.batch_laws else None
     if args.json:
-        print_json(est.to_dict())
+        print_json({**est.to_dict(), **({"batch_laws": fitted.to_dict()} if fitted else {})})
         return 0
     a = est.assumptions
     cost = "n/a (no price: pass --price)" if est.cost_usd is None else f"${est.cost_usd:,.0f}"
@@ -84,6 +100,60 @@ def _estimate(args: argparse.Namespace) -> int:
                 title=f"training estimate: {args.arch} on {a['tokens']:.4g} tokens, "
                       f"{a['n_devices']}x{a['device']} (tp={a['tp']}, pp={a['pp']}, dp={a['dp']})")
     print_table([(k, v) for k, v in a.items() if k not in ("tokens",)], title="assumptions")
+    if fitted is not None:
+        fc = "n/a (no price: pass --price)" if fitted.cost_usd is None else f"${fitted.cost_usd:,.0f}"
+        print_table([("analytic hours", est.analytic_hours), ("fitted-law hours", fitted.hours),
+                     ("fitted-law cost", fc), ("batch (max-batch law)", fitted.batch_size),
+                     ("throughput (law, per device)", fitted.throughput)],
+                    title="analytic vs fitted batch/throughput laws (SPEC 8)")
+        print_table(list(fitted.assumptions.items()), title="fitted-law assumptions")
+    return 0
+
+
+def _fitted_beside(args: argparse.Namespace, est):
+    """The batch/throughput-law answer for the same run (training tokens/s laws only)."""
+    from archsearch.arch import load_arch, sparsity
+    from archsearch.errors import ArchsearchError
+    from archsearch.planning import parse_gpus, resolve_price
+    from archsearch.planning.batchlaws import estimate_from_batch_laws, load_batch_laws, model_memory_bytes
+
+    tl, ml = load_batch_laws(args.batch_laws)
+    n, device = parse_gpus(args.gpus)
+    if tl.quantity != "training tokens/s":
+        raise ArchsearchError("--batch-laws", f"the throughput law is of {tl.quantity}",
+                              "a training estimate needs laws fit on training-step timings")
+    if tl.device not in (None, device.name):
+        raise ArchsearchError("--batch-laws", f"fit on {tl.device!r}, not {device.name!r}",
+                              "fit the laws on measurements from this device")
+    spec = load_arch(args.arch)
+    dtype = "float32" if device.measured else args.dtype
+    return estimate_from_batch_laws(tl, ml, args.tokens, device.memory_bytes,
+                                    model_memory_bytes(spec, tl.quantity, dtype), args.seq_len,
+                                    sparsity(spec), n, resolve_price(device, args.price))
+
+
+def _batch_laws(args: argparse.Namespace) -> int:
+    from archsearch.planning.batchlaws import fit_max_batch_law, fit_throughput_law, read_points
+
+    quantity, tp, mb, device = read_points(args.data)
+    hq, htp, hmb, _ = read_points(args.holdout) if args.holdout else (quantity, [], [], None)
+    tl = fit_throughput_law(tp, quantity, device, holdout=htp)
+    ml = fit_max_batch_law(mb, device, holdout=hmb)
+    out = {"throughput": tl.to_dict(), "max_batch": ml.to_dict(), "data": args.data,
+           "holdout_data": args.holdout}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    if args.json:
+        print_json({**out, "out": str(path)})
+        return 0
+    print(f"batch laws ({quantity}, device {device}) -> {path}")
+    print_table([("throughput", f"{tl.c2:.4g} * log(b / (s * {tl.c3:g})) + {tl.c4:.4g}"),
+                 ("  points / LOO / held-out", f"{tl.n_points} / {tl.loo} / {tl.holdout}"),
+                 ("max batch", f"floor({ml.c0:.4g} * (M - M_model) / (seq * ((1 - {ml.c1:.3g}) + {ml.c1:.3g} * s)))"),
+                 ("  points / LOO / held-out", f"{ml.n_points} / {ml.loo} / {ml.holdout}")])
+    for note in tl.notes + ml.notes:
+        print(f"  note: {note}")
     return 0
 
 

@@ -68,6 +68,12 @@ def _print_plan(plan: dict) -> None:
           f"{c['final_train_flops_per_model']:.3g} FLOPs per model")
     if "final_train" in c:
         ft = c["final_train"]
-        print(f"  on {c['gpus']}: proxies {c['proxy_hours']:.2f} h (${c['proxy_cost_usd']:,.0f}); final training "
+        for r in c["proxy_runs"]:
+            print(f"    proxy {r['run']}: {r['tokens']:.3g} tokens, {r['train_flops']:.3g} FLOPs, "
+                  f"{r['hours']:.2f} h, {r['gpu_hours']:.1f} GPU-h")
+        print(f"  on {c['gpus']}: proxies {c['proxy_gpu_hours']:.1f} GPU-h, {c['proxy_wall_hours']:.2f} h wall with "
+              f"{c['proxy_jobs_at_once']} job(s) at once (${c['proxy_cost_usd']:,.0f}); final training "
               f"{ft.get('hours', float('nan')):.1f} h, {ft.get('gpu_hours', float('nan')):.0f} GPU-h, "
               f"${ft.get('cost_usd') or 0:,.0f}")
+        for a in c["assumptions"]:
+            print(f"  assumption: {a}")

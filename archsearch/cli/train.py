@@ -93,6 +93,10 @@ def _configs(args: argparse.Namespace):
     if unknown:
         raise ArchsearchError(f"{args.config}: {sorted(unknown)[0]}", "unknown section",
                               "a train config has 'train:' and 'data:' sections")
+    for section in ("train", "data"):
+        if raw.get(section) is not None and not isinstance(raw[section], dict):
+            raise ArchsearchError(f"{args.config}: {section}", f"is a {type(raw[section]).__name__}",
+                                  f"'{section}:' holds a mapping of fields")
     t = dict(raw.get("train") or {})
     dd = dict(raw.get("data") or {})
     for dest, key in _TRAIN_FLAGS.items():
@@ -142,7 +146,12 @@ def _train(args: argparse.Namespace) -> int:
         return _launch(args, spec, tc, dc)
 
     from trainers.data import prepare_data
-    from trainers.loop import match_vocab, run_id_for, token_budget, train
+    from trainers.loop import check_train_budget, match_vocab, run_id_for, token_budget, train
+
+    if dc.seq_len > spec.max_position_embeddings:
+        raise ArchsearchError("--seq-len", f"{dc.seq_len} exceeds the model's max_position_embeddings "
+                              f"{spec.max_position_embeddings}", "lower --seq-len")
+    check_train_budget(spec, token_budget(spec, tc), "--tokens")
 
     from accelerate import PartialState
 

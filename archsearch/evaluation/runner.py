@@ -89,9 +89,9 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
                                                 model_args, num_fewshot)}
     res["provenance"] = prov
     if out:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+        from archsearch.fileio import write_json
+
+        write_json(out, res, sort_keys=True)
     return res
 
 

@@ -176,12 +176,9 @@ class FitResult:
 
     def save(self, path: str | Path) -> Path:
         """Write the law as JSON (atomically)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n")
-        tmp.replace(p)
-        return p
+        from archsearch.fileio import write_json
+
+        return write_json(path, self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "law file") -> "FitResult":

@@ -43,14 +43,13 @@ def _reset_peak() -> None:
 
 def _build(spec: ArchSpec):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from archsearch.arch import to_hf_config
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(**{k: v for k, v in to_hf_config(spec, "float32").items()
-                         if k not in ("architectures", "model_type")})
-    return LlamaForCausalLM(cfg).float()
+    # the spec's own family (LLaMA, Qwen, the MoE families), as exported
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**to_hf_config(spec, "float32"))).float()
 
 
 def _child(kind: str, spec: ArchSpec, batch: int, a: int, b: int, threads: int) -> dict[str, Any]:

@@ -12,7 +12,8 @@ Inference (one forward at a time, HF/vLLM style):
   ``batch * input_len`` tokens. Layers run one after another and free their temporaries, so
   it is one layer's peak: attention phase ``2d + 4*dq`` elements per token (residual, normed
   input, Q, Q after RoPE, K/V repeated to the query heads for GQA, attention output), MLP phase
-  ``2d + 3*ffn`` (residual, normed input, act(gate), up, their product); plus the last
+  ``2d + 3*ffn`` (residual, normed input, act(gate), up, their product; for MoE ffn is the
+  routed experts' summed width, ``arch.active_ffn_width``); plus the last
   position's logits, ``batch * vocab`` in fp32. Attention scores (``S x S``) are assumed not
   materialised (SDPA / flash kernels); pass ``materialised_scores=True`` for eager attention.
   Paged engines (vLLM) reserve a fixed share of device memory up front and add CUDA graphs and
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from archsearch.arch import (ArchSpec, bias_params, dtype_bytes, kv_cache_bytes_per_token,
+from archsearch.arch import (ArchSpec, active_ffn_width, bias_params, dtype_bytes, kv_cache_bytes_per_token,
                              non_embedding_params, norm_params, total_params)
 from archsearch.errors import ArchsearchError
 
@@ -120,7 +121,7 @@ def predict_inference_memory(spec: ArchSpec, batch_size: int, input_len: int, ou
     tokens = batch_size * input_len
     if prefill_chunk_tokens is not None:
         tokens = min(tokens, _positive_int("prefill_chunk_tokens", prefill_chunk_tokens))
-    d, dq, ffn = spec.hidden_size, spec.q_dim, spec.ffn
+    d, dq, ffn = spec.hidden_size, spec.q_dim, active_ffn_width(spec)
     attn = 2 * d + 4 * dq
     mlp = 2 * d + 3 * ffn
     acts = tokens * max(attn, mlp) * wb
@@ -187,7 +188,7 @@ def predict_training_memory(spec: ArchSpec, batch_size: int, seq_len: int, dtype
     opt = params * ob / shard_opt
 
     cb = dtype_bytes(dtype)
-    d, dq, dkv, ffn = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.ffn
+    d, dq, dkv, ffn = spec.hidden_size, spec.q_dim, spec.kv_dim, active_ffn_width(spec)
     per_token_layer = (3 * d + 3 * dq + 2 * dkv) + (3 * d + 4 * ffn)
     tokens = batch_size * seq_len
     layers = spec.n_layers // pp

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from archsearch.arch import ArchSpec, non_embedding_params, training_flops
+from archsearch.arch import ArchSpec, active_non_embedding_params, non_embedding_params, training_flops
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import Device, get_device
 from archsearch.planning.cost import resolve_price, training_cost
@@ -52,8 +52,9 @@ DEFAULT_MFU_SOURCE = ("assumed 0.40: dense-decoder pretraining reports 38-55% MF
 
 
 def compute_params(spec: ArchSpec) -> int:
-    """N_c: non-embedding parameters plus the output head (the matmuls of a training step)."""
-    return non_embedding_params(spec) + spec.vocab_size * spec.hidden_size
+    """N_c: non-embedding parameters (active ones for MoE) plus the output head (the matmuls
+    of a training step)."""
+    return active_non_embedding_params(spec) + spec.vocab_size * spec.hidden_size
 
 
 def parse_gpus(text: str) -> tuple[int, Device]:
@@ -200,10 +201,9 @@ class TimeLaw:
         return cls(**{k: v for k, v in data.items() if k in keys})
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        from archsearch.fileio import write_json
+
+        return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> "TimeLaw":

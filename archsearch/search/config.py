@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.candidates import BuildSettings
+from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError
 
 BACKENDS = ("vllm", "sglang", "hf", "analytic")
@@ -39,6 +40,10 @@ class BaselineConfig:
                                   "hidden_over_sqrt_n + mlp_to_attn (+ gqa)")
         if ways[2] and (self.hidden_over_sqrt_n is None or self.mlp_to_attn is None):
             raise ArchsearchError("baseline", "knobs need both hidden_over_sqrt_n and mlp_to_attn")
+        for k in ("hidden_over_sqrt_n", "mlp_to_attn", "gqa"):
+            v = getattr(self, k)
+            if v is not None and not v > 0:
+                raise ArchsearchError(f"baseline.{k}", f"must be positive, got {v}")
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,14 @@ class TargetConfig:
 
     loss: float | None = None
     slack: float = 0.0
+    # chance constraint: feasible only if the predicted loss's bootstrap `confidence` quantile
+    # (one-sided) is under the target; None: the point prediction is compared
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
+        if self.confidence is not None and not 0.5 <= self.confidence < 1:
+            raise ArchsearchError("target.confidence", f"must be in [0.5, 1), got {self.confidence}",
+                                  "e.g. 0.9, or leave it out to compare the point prediction")
         if self.loss is not None and not self.loss > 0:
             raise ArchsearchError("target.loss", f"must be positive, got {self.loss}")
         if not -0.5 < self.slack < 1.0:
@@ -83,17 +94,70 @@ class SearchSpace:
         for i, g in enumerate(self.gqa):
             if g <= 0:
                 raise ArchsearchError(f"search_space.gqa[{i}]", f"must be positive, got {g}")
+        for name in ("hidden_over_sqrt_n_step", "mlp_to_attn_step"):
+            if getattr(self, name) < 0:
+                raise ArchsearchError(f"search_space.{name}", f"must be >= 0, got {getattr(self, name)}",
+                                      "0 means continuous")
+        from archsearch.arch import SUPPORTED_HEAD_DIMS
+
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ArchsearchError("search_space.head_dim", f"{self.head_dim} is not supported by the "
+                                  "attention kernels", f"use one of {list(SUPPORTED_HEAD_DIMS)}")
+
+
+@dataclass(frozen=True)
+class ActiveProxyConfig:
+    """``proxy.plan: active`` (issue 16): the sweeps' grid is the pool of candidate runs; the plan
+    trains an initial design, then one batch at a time the runs that most shrink the interval of
+    the optimum (d/sqrt(N)*, r*) per FLOP, until the interval is within ``tolerance`` or the
+    FLOPs reach ``budget_flops`` (see ``archsearch.laws.active``)."""
+
+    initial: str = "grid3"              # corners-centre | grid3, at the smallest size
+    tolerance: float = 0.05             # relative half-width of the optimum's interval (both coordinates)
+    budget_flops: float | None = None   # proxy training FLOPs (6ND); None: the pool is the limit
+    batch_size: int = 1                 # runs proposed at once (one per worker)
+    bootstrap: int = 32                 # resamples of the fit inside the loop (the final fit uses law.bootstrap)
+    level: float = 0.9                  # interval level
+    noise_floor: float = 0.002          # smallest log-noise of one run the acquisition assumes
+
+    def __post_init__(self) -> None:
+        from archsearch.laws.active import INITIAL_DESIGNS
+
+        if self.initial not in INITIAL_DESIGNS:
+            raise ArchsearchError("proxy.active.initial", f"{self.initial!r} is unknown",
+                                  f"use one of {list(INITIAL_DESIGNS)}")
+        if not 0 < self.tolerance < 1:
+            raise ArchsearchError("proxy.active.tolerance", f"must be in (0, 1), got {self.tolerance}",
+                                  "a relative half-width such as 0.05")
+        if self.budget_flops is not None and not self.budget_flops > 0:
+            raise ArchsearchError("proxy.active.budget_flops", f"must be positive, got {self.budget_flops}",
+                                  "training FLOPs (6 N D) for all proxies, e.g. 1e20, or leave it out")
+        if self.batch_size < 1:
+            raise ArchsearchError("proxy.active.batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.bootstrap < 10:
+            raise ArchsearchError("proxy.active.bootstrap", f"must be >= 10, got {self.bootstrap}",
+                                  "the acquisition needs an ensemble; 32 is enough")
+        if not 0 < self.level < 1:
+            raise ArchsearchError("proxy.active.level", f"must be in (0, 1), got {self.level}")
+        if not self.noise_floor > 0:
+            raise ArchsearchError("proxy.active.noise_floor", f"must be positive, got {self.noise_floor}")
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
     """The proxy runs: reuse a run table, or train one sweep or several (``trainers.SweepConfig``
     fields each; e.g. the shape grid plus a reference sweep at other token budgets, which a
-    Chinchilla reference needs)."""
+    Chinchilla reference needs). ``plan: grid`` trains every point; ``plan: active`` trains
+    the points the active plan chooses (settings in ``active``)."""
 
     runs: str | None = None
     sweep: dict[str, Any] | None = None
     sweeps: list[dict[str, Any]] | None = None
+    plan: str = "grid"
+    active: ActiveProxyConfig = field(default_factory=ActiveProxyConfig)
+    # a folder shared by studies: proxy runs live there keyed by what determines them, so a
+    # run another study trained is reused and only missing runs are trained
+    store: str | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.runs, self.sweep, self.sweeps)) != 1:
@@ -101,6 +165,11 @@ class ProxyConfig:
                                   "(a sweep to train) or sweeps (a list of them)")
         if self.sweeps is not None and not self.sweeps:
             raise ArchsearchError("proxy.sweeps", "is empty")
+        if self.plan not in ("grid", "active"):
+            raise ArchsearchError("proxy.plan", f"{self.plan!r} is unknown", "use grid or active")
+        if self.plan == "active" and self.runs is not None:
+            raise ArchsearchError("proxy.plan", "active chooses runs to train, but proxy.runs reuses a table",
+                                  "give proxy.sweep (the pool of candidate runs) or use plan: grid")
 
     def sweep_dicts(self) -> list[tuple[str, dict[str, Any]]]:
         """(config path for errors, sweep mapping) of every sweep to train."""
@@ -148,6 +217,16 @@ class MeasureConfig:
     timeout_s: float = 1800.0
     device_spec: str | None = None  # analytic backend: which GPU to predict for
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # a roofline calibration file (benchmarks.calibration) for the seed ranking's predictions
+    # (and the analytic backend); without one they are labelled uncalibrated
+    calibration: str | None = None
+    # Paired comparison with the baseline (benchmarks.paired): engines resident in one process,
+    # interleaved rounds at the reference batch size until every ratio's `ci_level` interval is
+    # within +-ci_rel_halfwidth, or max_rounds is spent.
+    ci_level: float = 0.9
+    ci_rel_halfwidth: float = 0.03
+    min_rounds: int = 4
+    max_rounds: int = 16
 
     def __post_init__(self) -> None:
         for f in ("backend", "fallback_backend"):
@@ -155,6 +234,14 @@ class MeasureConfig:
             if v is not None and v not in BACKENDS:
                 raise ArchsearchError(f"measure.{f}", f"unknown backend {v!r}", f"use one of {list(BACKENDS)}")
         self.bench_settings(self.backend)  # the measurement's own checks, named under measure.
+        self.paired_settings()
+        if self.calibration is not None:
+            from benchmarks.calibration import Calibration
+
+            try:
+                Calibration.load(self.calibration)
+            except ArchsearchError as e:
+                raise ArchsearchError("measure.calibration", e.problem, e.fix) from None
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("measure.reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
@@ -170,6 +257,17 @@ class MeasureConfig:
                                  engine_args=dict(self.engine_args))
         except ArchsearchError as e:
             raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
+
+    def paired_settings(self):
+        """The ``benchmarks.paired.PairedSettings`` of this plan."""
+        from benchmarks.paired import PairedSettings
+
+        names = {"level": "ci_level", "rel_halfwidth": "ci_rel_halfwidth", "min_rounds": "min_rounds",
+                 "max_rounds": "max_rounds"}
+        try:
+            return PairedSettings(**{k: getattr(self, v) for k, v in names.items()})
+        except ArchsearchError as e:
+            raise ArchsearchError(f"measure.{names[e.field]}", e.problem, e.fix) from None
 
     @property
     def ref_batch(self) -> int:
@@ -206,8 +304,32 @@ class OptunaConfig:
             raise ArchsearchError("optuna.objective", f"{self.objective!r} is unknown", "use throughput or pareto")
         if self.n_trials <= 0:
             raise ArchsearchError("optuna.n_trials", "must be positive")
+        if self.max_trials is not None and self.max_trials < self.n_trials:
+            raise ArchsearchError("optuna.max_trials", f"{self.max_trials} is below n_trials={self.n_trials}",
+                                  "leave it out (10 x n_trials) or give at least n_trials")
+        if self.storage is not None:
+            _check_storage_url(self.storage)
         if self.enqueue_solution < 0:
             raise ArchsearchError("optuna.enqueue_solution", "must be >= 0")
+
+
+def _check_storage_url(url: str) -> None:
+    """A journal file (``*.log`` / ``journal:PATH``), or a database URL SQLAlchemy can parse
+    with an installed dialect."""
+    if url.startswith("journal:") or url.endswith(".log"):
+        from archsearch.fileio import check_output
+
+        check_output("optuna.storage", url[len("journal:"):] if url.startswith("journal:") else url)
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        make_url(url).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError, ImportError) as e:
+        raise ArchsearchError("optuna.storage", f"{url!r} is not a usable database URL ({e})",
+                              "e.g. sqlite:///study.db, postgresql://user@host/db or a journal "
+                              "file.log; leave it out for the study folder's SQLite file") from None
 
 
 @dataclass(frozen=True)
@@ -215,12 +337,21 @@ class GQASearchConfig:
     enabled: bool = True
     baseline_gqa: int = 4
 
+    def __post_init__(self) -> None:
+        if self.baseline_gqa <= 0:
+            raise ArchsearchError("gqa_search.baseline_gqa", f"must be a positive integer, got {self.baseline_gqa}")
+
 
 @dataclass(frozen=True)
 class LimitsConfig:
     max_ttft_s: float | None = None
     max_tpot_s: float | None = None
     max_peak_memory_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        from archsearch.planning.limits import Limits
+
+        Limits(self.max_ttft_s, self.max_tpot_s, self.max_peak_memory_gib)  # its checks, named limits.*
 
 
 @dataclass(frozen=True)
@@ -230,6 +361,10 @@ class FinalTrainConfig:
     train: dict[str, Any] = field(default_factory=dict)  # trainers.TrainConfig fields
     data: dict[str, Any] | None = None  # trainers.DataConfig fields; default: the proxy sweep's
 
+    def __post_init__(self) -> None:
+        if self.tokens is not None and not self.tokens > 0:
+            raise ArchsearchError("final_train.tokens", f"must be positive, got {self.tokens}")
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -237,6 +372,12 @@ class EvalConfig:
     tasks: str = "offline"
     limit: int | None = None
     batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit <= 0:
+            raise ArchsearchError("evaluation.limit", f"must be positive, got {self.limit}")
+        if self.batch_size <= 0:
+            raise ArchsearchError("evaluation.batch_size", f"must be positive, got {self.batch_size}")
 
 
 @dataclass(frozen=True)
@@ -261,6 +402,7 @@ class StudyConfig:
     release_accuracy_tolerance: float = 0.01
     final_train: FinalTrainConfig = field(default_factory=FinalTrainConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where proxy/measurement jobs run
     vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
     tie_embeddings: bool = False
     out: str | None = None  # default: results/<name>
@@ -268,8 +410,9 @@ class StudyConfig:
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in "/\\ "):
             raise ArchsearchError("name", f"{self.name!r} must be a non-empty name without slashes or spaces")
-        if not self.params > 0:
-            raise ArchsearchError("params", f"must be positive, got {self.params}")
+        from archsearch.candidates import check_size
+
+        check_size(self.params, self.n_layers if self.n_layers > 0 else None)
         if not self.tokens > 0:
             raise ArchsearchError("tokens", f"must be positive, got {self.tokens}")
         if self.n_layers <= 0:
@@ -278,6 +421,11 @@ class StudyConfig:
             raise ArchsearchError("mode", f"{self.mode!r} is unknown", "use algorithm5 or predict-rank-select")
         if self.top_k <= 0:
             raise ArchsearchError("top_k", "must be positive")
+        if self.out is not None and ".." in Path(self.out).parts:
+            raise ArchsearchError("out", f"{self.out!r} climbs out with '..'",
+                                  "give an absolute path or one below the current folder")
+        if self.law.file is not None and not Path(self.law.file).is_file():
+            raise ArchsearchError("law.file", f"no such file {self.law.file!r}")
         if not 0 <= self.release_accuracy_tolerance < 1:
             raise ArchsearchError("release_accuracy_tolerance", f"must be in [0, 1), got "
                                   f"{self.release_accuracy_tolerance}", "e.g. 0.01: one accuracy point")

@@ -10,6 +10,13 @@ keeps those whose N is within the budget tolerance and whose r is within the r t
 The GQA=4 variant (``baseline_gqa``, or the nearest enumerated value) is measured first; then
 the search walks to larger and to smaller GQA values and stops in each direction at the first
 variant that is slower than that baseline (:func:`slower_than_baseline`).
+
+With a study baseline in the context (the pipeline always has one), every variant is measured
+paired (``benchmarks.paired``) with the study baseline and the GQA=4 variant in one engine
+process: "slower" then means significantly slower (the ratio's interval below 1); a variant
+that looks slower without being significantly so is measured once more (fresh rounds), and
+the walk stops only if that says significantly slower. The pick is the variant with the
+highest throughput ratio to the study baseline.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from typing import Any
 from archsearch.arch import ArchSpec, mlp_to_attn_ratio, non_embedding_params
 from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
-from archsearch.search.measure import throughput_at
+from archsearch.search.measure import paired_from_dict, throughput_at
+from archsearch.search.study import loss_bound
 
 
 def gqa_pairs(spec: ArchSpec, params: float, build: BuildSettings) -> dict[int, ArchSpec]:
@@ -52,7 +60,10 @@ def gqa_variant(spec: ArchSpec, gqa: int, params: float, build: BuildSettings) -
 
 
 def slower_than_baseline(step: "GQAStep", base: "GQAStep") -> bool:
-    """Whether a variant did worse than the baseline GQA variant (the early-stop rule)."""
+    """Whether a variant did worse than the baseline GQA variant (the early-stop rule): measured
+    paired with it, significantly slower; measured alone, a lower throughput."""
+    if step.ratio_vs_start is not None:
+        return bool(step.ratio_vs_start["significantly_slower"])
     return base.throughput is not None and step.throughput is not None and step.throughput < base.throughput
 
 
@@ -67,6 +78,8 @@ class GQAStep:
     throughput: float | None = None
     measured: bool = False
     note: str = ""
+    ratio: dict[str, Any] | None = None  # vs the study baseline (paired)
+    ratio_vs_start: dict[str, Any] | None = None  # vs the GQA=4 variant (paired)
 
 
 @dataclass
@@ -96,9 +109,12 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
     def visit(g: int) -> GQAStep:
         v = pairs[g]
         loss = float(ctx.law.predict(v, cfg.tokens, params=cfg.params))
-        step = GQAStep(g, v.to_dict(), v.n_heads, v.n_kv_heads, loss, loss <= ctx.target_loss)
+        bound = loss_bound(ctx, v)
+        step = GQAStep(g, v.to_dict(), v.n_heads, v.n_kv_heads, loss, bound <= ctx.target_loss)
         if not step.feasible:
-            step.note = f"skipped: predicted loss {loss:.4f} > target {ctx.target_loss:.4f}"
+            step.note = f"skipped: predicted loss {bound:.4f} > target {ctx.target_loss:.4f}"
+        elif ctx.baseline is not None:
+            paired_visit(step, v)
         else:
             result, cached = ctx.measurer.measure(v)
             step.measured = True
@@ -108,17 +124,45 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         res.steps.append(step)
         if log:
             tp = f"{step.throughput:.1f} tok/s" if step.throughput is not None else "-"
+            if step.ratio:
+                tp += f", x{step.ratio['ratio']:.3f} [{step.ratio['lo']:.3f}, {step.ratio['hi']:.3f}] vs baseline"
             print(f"[search] GQA {g} ({v.n_heads}+{v.n_kv_heads} heads): {tp} {step.note}".rstrip(),
                   file=sys.stderr, flush=True)
         return step
 
+    def paired_visit(step: GQAStep, v: ArchSpec, attempt: int = 0) -> None:
+        group = [ctx.baseline, v] if start is None else [ctx.baseline, start, v]
+        result, _ = ctx.measurer.compare(group, attempt=attempt)
+        step.measured = True
+        if not result.get("ok"):
+            step.note = f"measurement failed: {result.get('error')}"
+            return
+        pr = paired_from_dict(result)
+        last = len(group) - 1
+        step.throughput = pr.throughput(last)
+        step.ratio = pr.estimate(last).to_dict()
+        if start is not None:
+            step.ratio_vs_start = pr.estimate(last, ref=1).to_dict()
+
+    start: ArchSpec | None = None
     base = visit(g0)
+    if base.measured and base.spec is not None:
+        start = ArchSpec.from_dict(base.spec)
     for direction in (sorted(g for g in pairs if g > g0), sorted((g for g in pairs if g < g0), reverse=True)):
         for g in direction:
             step = visit(g)
+            q = step.ratio_vs_start
+            if q is not None and q["ratio"] < 1 and not q["significantly_slower"]:
+                paired_visit(step, pairs[g], attempt=1)
+                step.note = (step.note + "; " if step.note else "") + "re-measured (not significantly slower)"
             if slower_than_baseline(step, base):
-                step.note = (step.note + "; " if step.note else "") + "slower than the baseline GQA: stop"
+                q = step.ratio_vs_start
+                why = (f"significantly slower than GQA {g0} (x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}])"
+                       if q else "slower than the baseline GQA")
+                step.note = (step.note + "; " if step.note else "") + f"{why}: stop"
                 break
     measured = [s for s in res.steps if s.feasible and s.throughput is not None]
-    res.chosen = max(measured, key=lambda s: s.throughput) if measured else None
+    key = (lambda s: s.ratio["ratio"]) if ctx.baseline is not None else (lambda s: s.throughput)
+    measured = [s for s in measured if ctx.baseline is None or s.ratio]
+    res.chosen = max(measured, key=key) if measured else None
     return res

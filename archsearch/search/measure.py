@@ -14,13 +14,13 @@ import fcntl
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.fileio import append_line, read_jsonl_lines
 from archsearch.search.config import MeasureConfig
 
 _ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang"}
@@ -53,13 +53,7 @@ class MeasurementStore:
         self._lock = self.path.with_suffix(".lock")
 
     def _read(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        if self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    out[rec["key"]] = rec["result"]
-        return out
+        return {rec["key"]: rec["result"] for rec in read_jsonl_lines(self.path)}
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self._read().get(key)
@@ -69,10 +63,7 @@ class MeasurementStore:
 
     def put(self, key: str, result: dict[str, Any]) -> None:
         with file_lock(self._lock):
-            with self.path.open("a") as fh:
-                fh.write(json.dumps({"key": key, "result": result}, default=str) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            append_line(self.path, json.dumps({"key": key, "result": result}, default=str))
 
     @contextlib.contextmanager
     def claim(self, key: str) -> Iterator[dict[str, Any] | None]:
@@ -137,20 +128,42 @@ class Measurer:
 
     def measure(self, spec: ArchSpec) -> tuple[dict[str, Any], bool]:
         """(result dict, cached?). Failures are results with ok=False, never exceptions."""
-        key = self.key(spec)
+        from benchmarks import measure
+
+        return self._once(self.key(spec), lambda: measure(spec, self.settings()).to_dict())
+
+    def compare(self, specs: list[ArchSpec], attempt: int = 0) -> tuple[dict[str, Any], bool]:
+        """(paired result dict, cached?) of ``specs`` measured together, the first the
+        reference (``benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
+        from benchmarks.paired import measure_paired
+
+        blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
+                           "attempt": attempt}, sort_keys=True)
+        key = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return self._once(key, lambda: measure_paired(specs, self.settings(), self.cfg.paired_settings(),
+                                                      self.cfg.ref_batch).to_dict())
+
+    def _once(self, key: str, work) -> tuple[dict[str, Any], bool]:
+        """The stored result under ``key``, else ``work()`` run under the key's lock and stored."""
         found = self.store.get(key)
         if found is not None:
             return found, True
         with self.store.claim(key) as found:
             if found is not None:
                 return found, True
-            from benchmarks import measure
-
-            result = measure(spec, self.settings()).to_dict()
+            result = work()
             result["measurement_key"] = key
             self.store.put(key, result)
             self.measured_now += 1
             return result, False
+
+
+def paired_from_dict(d: dict[str, Any]):
+    """A stored paired result back as ``benchmarks.paired.PairedResult``."""
+    from benchmarks.paired import PairedResult
+
+    names = set(PairedResult.__dataclass_fields__)
+    return PairedResult(**{k: v for k, v in d.items() if k in names})
 
 
 def check_result_limits(limits, result: dict[str, Any], batch_size: int) -> tuple[bool, str | None]:

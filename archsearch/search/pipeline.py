@@ -12,6 +12,7 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,9 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import write_json
 from archsearch.search.config import StudyConfig
-from archsearch.search.measure import MeasurementStore, Measurer, file_lock, throughput_at
+from archsearch.search.measure import MeasurementStore, Measurer, file_lock
 
 STAGES = ("proxy", "fit", "search", "gqa", "train", "eval", "report")
 
@@ -63,9 +65,7 @@ class StudyState:
         runs = (self.data.get(stage, {}).get("runs", []) if extend else []) + [run]
         self.data[stage] = {"status": "done", "seconds": round(sum(r["seconds"] for r in runs), 2),
                             "runs": runs, **info}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        write_json(self.path, self.data, default=str)
 
 
 # -- shapes ------------------------------------------------------------------------------------
@@ -119,6 +119,9 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     from archsearch.search.study import build_settings, expand
 
     s = cfg.search_space
+    if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.bootstrap == 0:
+        raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.bootstrap is 0",
+                              "set law.bootstrap (e.g. 200) or drop target.confidence")
     build = build_settings(cfg, vocab_size(cfg))
     ok = 0
     errors = []
@@ -135,9 +138,11 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
     check_baseline_size(cfg, baseline_spec(cfg))
     if not for_plan:
+        from archsearch.cluster.executor import check_cluster
         from trainers.config import check_trackers
 
         resolve_backend(cfg.measure)
+        check_cluster(cfg.cluster)
         check_trackers(cfg.optuna.log_with, "optuna.log_with")
     if cfg.law.file:
         from archsearch.laws import load_law
@@ -281,6 +286,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
         from trainers import sweep_specs, token_budget
+        from trainers.loop import run_id_for
 
         sweeps = proxy_sweeps(cfg)
         for sweep in sweeps:
@@ -294,8 +300,14 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 runs_n += 1
                 proxy_tokens += tokens
                 proxy_flops += training_flops(spec, tokens)
-                proxy_specs.append({"spec": spec, "tokens": tokens})
-        p["stages"].append({"stage": "proxy", "action": f"train {len(sweeps)} proxy sweep(s): "
+                proxy_specs.append({"spec": spec, "tokens": tokens, "flops": training_flops(spec, tokens),
+                                    "run": run_id_for(spec, tokens, point["seed"])})
+        active = cfg.proxy.plan == "active"
+        a = cfg.proxy.active
+        p["stages"].append({"stage": "proxy", "action": (
+                            f"active plan over the grid of {len(sweeps)} sweep(s) (at most the runs and FLOPs "
+                            f"below; stops at interval half-width {a.tolerance} or budget {a.budget_flops}): "
+                            if active else f"train {len(sweeps)} proxy sweep(s): ")
                             + ", ".join(s.name for s in sweeps), "runs": runs_n,
                             "tokens": proxy_tokens, "train_flops": proxy_flops,
                             "nd_groups": len(_planned_groups(cfg))})
@@ -332,16 +344,38 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
     if gpus:
         from archsearch.planning import estimate_training
+        from archsearch.planning.time import parse_gpus
 
-        total_hours, total_cost = 0.0, 0.0
+        n_total, _ = parse_gpus(gpus)
+        device = re.sub(r"^\s*\d+\s*[xX*]\s*", "", gpus)
+        per_job = max(1, cfg.cluster.gpus_per_job)
+        slots = max(1, min(cfg.cluster.jobs_at_once, n_total // per_job)) if cfg.cluster.parallel else 1
+        runs = []
         for item in proxy_specs:
-            e = estimate_training(item["spec"], item["tokens"], gpus)
-            total_hours += e.hours
-            total_cost += e.cost_usd or 0.0
+            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
+            runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
+                         "hours": e.hours, "gpu_hours": e.gpu_hours, "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus)
-        p["compute"].update({"gpus": gpus, "proxy_hours": total_hours, "proxy_cost_usd": total_cost,
-                             "final_train": fin.to_dict()})
+        p["compute"].update({
+            "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
+            "proxy_wall_hours": makespan([r["hours"] for r in runs], slots), "proxy_jobs_at_once": slots,
+            "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
+            "assumptions": [
+                f"executor {cfg.cluster.executor}: {slots} proxy job(s) at once, {per_job} {device} each "
+                f"(of the {n_total} named); runs are placed longest first on the first free slot",
+                "a run's time is archsearch.planning.estimate_training on its job's GPUs",
+                "queueing, data preparation and job start-up are not included"]})
     return p
+
+
+def makespan(hours: list[float], slots: int) -> float:
+    """Wall time of independent jobs on ``slots`` parallel slots, longest first on the first
+    free slot (what a scheduler with that many jobs at once does)."""
+    free = [0.0] * max(1, slots)
+    for h in sorted(hours, reverse=True):
+        i = free.index(min(free))
+        free[i] += h
+    return max(free)
 
 
 # -- the pipeline ------------------------------------------------------------------------------
@@ -349,8 +383,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study; returns the summary."""
-    from archsearch.search.study import SearchContext, build_settings
-
     validate(cfg)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     state = StudyState(out)
@@ -361,10 +393,12 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
              + (f" (first run {first['time_utc']} on {first['host']})" if first else "")
              + "; earlier stages and measurements keep their own provenance. For a fresh study, "
                "give another folder: --out DIR")
-    (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    write_json(out / "config.json", to_dict(cfg), default=str)
     lock = out / ".stage.lock"
     want = lambda st: (only is None or st in only) and st not in skip  # noqa: E731
 
+    if cfg.proxy is not None and cfg.proxy.plan == "active" and want("proxy") and not state.done("proxy"):
+        _stage_proxy_active(cfg, out, state)  # outside the stage lock: several workers train at once
     with file_lock(lock):
         state.reload()
         runs_path = None
@@ -372,22 +406,26 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             runs_path = _stage_proxy(cfg, out, state) if want("proxy") or not _runs_path(cfg, out).is_file() \
                 else _runs_path(cfg, out)
         law = _stage_fit(cfg, out, state, runs_path, force=want("fit"))
-    lt = target_loss(cfg, law)
-    check_target(cfg, law, lt)
-    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    ctx = search_context(cfg, out, law)
+    lt, measurer = ctx.target_loss, ctx.measurer
     if measurer.note:
         _log(measurer.note)
-    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                        build=build_settings(cfg, vocab_size(cfg)))
+    base = ctx.baseline
     if want("search"):
         t = time.time()
         from archsearch.search.study import run_study
 
         _log(f"target loss {lt:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
              f"measuring with {measurer.backend}")
-        study, recovered = run_study(ctx, progress=progress)
-        if recovered:
-            _log(f"recovered trials {recovered} left running by a dead process")
+        if cfg.cluster.parallel:
+            from archsearch.cluster.study import run_search_workers
+
+            run_search_workers(cfg, out)
+            study = _load_study(ctx)
+        else:
+            study, recovered = run_study(ctx, progress=progress)
+            if recovered:
+                _log(f"recovered trials {recovered} left running by a dead process")
         _wait_for_running(study)
         new = sum(1 for tr in study.get_trials(deepcopy=False)
                   if tr.datetime_start and tr.datetime_start.timestamp() >= t)
@@ -410,11 +448,9 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 
             _log(f"local GQA search around trial {best['trial']}")
             g = local_gqa_search(ArchSpec.from_dict(best["spec"]), ctx, cfg.gqa_search.baseline_gqa)
-            (out / "gqa.json").write_text(json.dumps(g.to_dict(), indent=2, default=str))
+            write_json(out / "gqa.json", g.to_dict(), default=str)
             state.mark("gqa", time.time() - t)
-        chosen = _choose(out, best)
-        base = baseline_spec(cfg)
-        base_result, _ = measurer.measure(base)
+        chosen = keep_baseline_unless_faster(_choose(out, best), base, ctx)
         if chosen is not None:
             write_chosen(ctx, out, chosen)
         if want("train") and (cfg.final_train.enabled or cfg.mode == "predict-rank-select") \
@@ -430,7 +466,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             state.mark("eval", time.time() - t)
         _log("writing the report, trials.csv and plots")
         t = time.time()
-        summary = write_report(ctx, study, chosen, base, base_result, state)
+        summary = write_report(ctx, study, chosen, base, state)
         state.mark("report", time.time() - t)
     return summary
 
@@ -460,6 +496,22 @@ def study_tokenizer(out: Path) -> Path | None:
     return None
 
 
+def search_context(cfg: StudyConfig, out: Path, law=None):
+    """The search's context (law, target loss, measurer on the study's store); the law is read
+    from the study folder (or ``law.file``) when not given, as a measurement worker does."""
+    from archsearch.search.study import SearchContext, build_settings
+
+    if law is None:
+        from archsearch.laws import load_law
+
+        law = load_law(cfg.law.file or out / "law.json")
+    lt = target_loss(cfg, law)
+    check_target(cfg, law, lt)
+    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
+                         build=build_settings(cfg, vocab_size(cfg)), baseline=baseline_spec(cfg))
+
+
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:
     return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
 
@@ -470,6 +522,8 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     path = _runs_path(cfg, out)
     if cfg.proxy.runs or (state.done("proxy") and path.is_file()):
         return path
+    if cfg.proxy.plan == "active":
+        return _stage_proxy_active(cfg, out, state)
     from archsearch.rundata import write_runs
     from trainers import run_sweep
 
@@ -477,6 +531,18 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     records = []
     for sweep in proxy_sweeps(cfg):
         _log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
+        if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
+            from archsearch.cluster.study import link_shared_runs
+
+            reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
+            _log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
+        if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
+            from dataclasses import replace
+
+            from archsearch.cluster.study import JOBS_DIR, run_proxy_jobs
+
+            run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name)
+            sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
     write_runs(path, records)
     ok = sum(1 for r in records if r.status == "ok")
@@ -484,8 +550,54 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     return path
 
 
+def _stage_proxy_active(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
+    """``proxy.plan: active``: train the runs the active plan chooses (``trainers.active``) into
+    ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
+    from archsearch.rundata import write_runs
+    from trainers.active import run_active
+
+    t = time.time()
+    _log(f"active proxy plan into {out / 'proxies' / 'active'}")
+    # a best-observed L_opt exists only at a trained size: the target size joins the initial design
+    anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
+    records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
+                         out / "proxies" / "active", anchor_params=anchors)
+    write_active_plan_report(out)
+    path = _runs_path(cfg, out)
+    with file_lock(out / ".stage.lock"):
+        write_runs(path, records)
+        state.mark("proxy", time.time() - t, plan="active", runs=len(records),
+                   ok=sum(1 for r in records if r.status == "ok"))
+    return path
+
+
+def write_active_plan_report(out: Path) -> None:
+    """The plan's section and plot on their own (``proxies/active/plan.md``, ``plots/active_proxies.png``),
+    readable before the search stage; the study's report repeats them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+
+    plan = active_plan_summary(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    _active_plot(plan, out / "plots", plt)
+    (out / "proxies" / "active" / "plan.md").write_text("\n".join(_active_markdown(plan)[1:]) + "\n\n"
+                                                       "![plot](../../plots/active_proxies.png)\n")
+
+
+def fit_options(cfg: StudyConfig):
+    """The study's law-fit options (the final fit, and the active plan's loop with fewer resamples)."""
+    from archsearch.laws import FitOptions
+
+    return FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap, r_range=cfg.law.r_range,
+                      seed=cfg.optuna.seed, size_tolerance=cfg.law.size_tolerance)
+
+
 def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, force: bool):
-    from archsearch.laws import FitOptions, fit_law, load_law
+    from archsearch.laws import fit_law, load_law
 
     law_path = out / "law.json"
     if cfg.law.file:
@@ -499,9 +611,7 @@ def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, 
     t = time.time()
     runs = [r for r in read_runs(runs_path) if r.status == "ok"]
     _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
-    fit = fit_law(runs, cfg.law.form, FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap,
-                                                 r_range=cfg.law.r_range, seed=cfg.optuna.seed,
-                                                 size_tolerance=cfg.law.size_tolerance))
+    fit = fit_law(runs, cfg.law.form, fit_options(cfg))
     fit.save(law_path)
     from archsearch.laws.plots import write_plots
 
@@ -512,7 +622,6 @@ def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, 
 
 def _load_study(ctx):
     """The stored study, or None when the search stage has not created it yet."""
-    import optuna
 
     from archsearch.search.study import create_study
 
@@ -542,11 +651,24 @@ def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
     if best is not None and gpath.is_file():
         g = json.loads(gpath.read_text())
         c = g.get("chosen")
-        if c and c.get("throughput") and c["throughput"] > (best.get("throughput") or 0):
+        if c and c.get("ratio") and best.get("ratio") and c["ratio"]["ratio"] > best["ratio"]["ratio"]:
             return {"source": f"GQA search (GQA={c['gqa']})", "spec": c["spec"],
-                    "throughput": c["throughput"], "predicted_loss": c["predicted_loss"],
-                    "trial": best.get("trial")}
+                    "throughput": c["throughput"], "ratio": c["ratio"],
+                    "predicted_loss": c["predicted_loss"], "trial": best.get("trial")}
     return best
+
+
+def keep_baseline_unless_faster(chosen: dict[str, Any] | None, base: ArchSpec, ctx) -> dict[str, Any] | None:
+    """The answer is a new shape only if it is significantly faster than the baseline (its
+    paired ratio's interval above 1); otherwise the baseline, with the best candidate kept
+    beside it for the report. Predict-rank-select's released model is left as it is."""
+    if chosen is None or not chosen.get("ratio") or chosen["ratio"].get("significantly_faster") \
+            or chosen.get("source", "").startswith("predict-rank-select"):
+        return chosen
+    return {"source": "the baseline: no feasible shape measured significantly faster",
+            "spec": base.to_dict(), "throughput": None, "ratio": None,
+            "predicted_loss": float(ctx.law.predict(base, ctx.cfg.tokens, params=ctx.cfg.params)), "trial": None,
+            "best_candidate": chosen, "is_baseline": True}
 
 
 def final_train_configs(cfg: StudyConfig):
@@ -589,10 +711,10 @@ def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]
             row["downstream"] = {t: m.get("acc,none") for t, m in ev.get("results", {}).items()}
         results.append(row)
     released = release_best(results, ctx.target_loss, cfg.release_accuracy_tolerance)
-    (out / "predict_rank_select.json").write_text(json.dumps(
-        {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
-         "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)},
-        indent=2, default=str))
+    write_json(out / "predict_rank_select.json",
+               {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
+                "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)},
+               default=str)
 
 
 RELEASE_RULE = ("of the trained candidates, those whose mean downstream accuracy is within {tol} of the "

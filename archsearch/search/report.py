@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
-from archsearch.figures import log_axis, save, styled
+from archsearch.figures import log_axis, styled
+from archsearch.fileio import atomic_open, atomic_write, write_json
 from archsearch.provenance import provenance
-from archsearch.search.measure import batch_entry, throughput_at
 from archsearch.search.study import storage_url
 
 
@@ -24,6 +24,11 @@ def _complete(study):
 
 
 def _throughput(t) -> float:
+    """Measured tokens/s at the reference batch (paired trials keep it in the user attrs;
+    their objective value is the ratio to the baseline)."""
+    tp = t.user_attrs.get("throughput") or {}
+    if t.user_attrs.get("ratio") and tp:
+        return float(next(iter(tp.values())))
     return float(t.values[0])
 
 
@@ -34,7 +39,9 @@ def _feasible(t) -> bool:
 
 
 def _point(t) -> dict[str, Any]:
+    ratio = t.user_attrs.get("ratio")
     return {"trial": t.number, "spec": t.user_attrs["spec"], "throughput": _throughput(t),
+            "ratio": ratio, "score": ratio["ratio"] if ratio else _throughput(t),
             "predicted_loss": t.user_attrs["predicted_loss"],
             "predicted_loss_interval": t.user_attrs.get("predicted_loss_interval"),
             "knobs": dict(t.params), "source": f"Optuna trial {t.number}"}
@@ -50,28 +57,34 @@ def pareto_set(study) -> list[dict[str, Any]]:
             seen.add(key)
             pts.append(_point(t))
     front = [p for p in pts if not any(
-        q["throughput"] >= p["throughput"] and q["predicted_loss"] <= p["predicted_loss"]
-        and (q["throughput"] > p["throughput"] or q["predicted_loss"] < p["predicted_loss"]) for q in pts)]
-    return sorted(front, key=lambda p: -p["throughput"])
+        q["score"] >= p["score"] and q["predicted_loss"] <= p["predicted_loss"]
+        and (q["score"] > p["score"] or q["predicted_loss"] < p["predicted_loss"]) for q in pts)]
+    return sorted(front, key=lambda p: -p["score"])
+
+
+def tied_with(best: dict[str, Any], p: dict[str, Any]) -> bool:
+    """Statistically tied in throughput: the two ratio intervals (each vs the baseline) overlap."""
+    a, b = best.get("ratio"), p.get("ratio")
+    return bool(a and b) and a["lo"] <= b["hi"] and b["lo"] <= a["hi"]
 
 
 def chosen_from_study(study, ctx) -> dict[str, Any] | None:
-    """The feasible trial with the highest measured throughput."""
+    """The feasible trial with the highest throughput estimate (paired ratio to the baseline)."""
     front = pareto_set(study)
     return front[0] if front else None
 
 
 def top_k_candidates(study, ctx, k: int) -> list[dict[str, Any]]:
     """Predict-rank-select: the k best distinct feasible shapes by a joint rank of measured
-    throughput and predicted loss (sum of the two ranks, ties by throughput). A shape proposed
-    by several trials counts once, under its first trial."""
+    throughput (the paired ratio estimate where there is one) and predicted loss (sum of the two
+    ranks, ties by throughput). A shape proposed by several trials counts once, under its first trial."""
     pts, seen = [], set()
     for t in sorted(_complete(study), key=lambda t: t.number):
         key = t.user_attrs.get("spec_key")
         if _feasible(t) and key not in seen:
             seen.add(key)
             pts.append(_point(t))
-    by_t = sorted(pts, key=lambda p: -p["throughput"])
+    by_t = sorted(pts, key=lambda p: -p["score"])
     by_l = sorted(pts, key=lambda p: p["predicted_loss"])
     rank = {p["trial"]: by_t.index(p) + by_l.index(p) for p in pts}
     return sorted(pts, key=lambda p: (rank[p["trial"]], -p["throughput"]))[:k]
@@ -92,7 +105,10 @@ def write_trials_csv(study, path: Path) -> None:
             "predicted_loss_lo": (ua.get("predicted_loss_interval") or [None, None])[0],
             "predicted_loss_hi": (ua.get("predicted_loss_interval") or [None, None])[1],
             "feasible": _feasible(t) if t.state.name == "COMPLETE" else ua.get("feasible_loss"),
-            "objective_throughput": t.values[0] if t.values and ua.get("measured") is not False else None,
+            "objective": t.values[0] if t.values and ua.get("measured") is not False else None,
+            **{f"ratio_{k}": (ua.get("ratio") or {}).get(k) for k in ("ratio", "lo", "hi", "significantly_faster")},
+            "paired_rounds": ua.get("rounds"),
+            "loss_upper_bound": (ua.get("loss_upper_bound") or {}).get("value"),
             **{f"throughput_b{b}": v for b, v in (ua.get("throughput") or {}).items()},
             **{f"ttft_s_b{b}": v for b, v in (ua.get("ttft") or {}).items()},
             "measurement_cached": ua.get("measurement_cached"),
@@ -103,7 +119,7 @@ def write_trials_csv(study, path: Path) -> None:
     cols: list[str] = []
     for r in rows:
         cols += [k for k in r if k not in cols]
-    with path.open("w", newline="") as fh:
+    with atomic_open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
@@ -115,41 +131,96 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
 
     out.mkdir(parents=True, exist_ok=True)
     made = []
-    # 1. Pareto frontier: measured throughput vs predicted loss
-    fig, ax = plt.subplots(figsize=(7, 5))
+    # 1. Pareto frontier: throughput (ratio to the baseline, paired, with its interval) vs
+    # predicted loss, the front as a step line, points tied with the best ringed
     pts = [_point(t) | {"feasible": _feasible(t)} for t in _complete(study)]
-    feas = [p for p in pts if p["feasible"]]
-    infeas = [p for p in pts if not p["feasible"]]
-    if feas:
-        ax.scatter([p["predicted_loss"] for p in feas], [p["throughput"] for p in feas], c="tab:blue", label="feasible trials")
-    if infeas:
-        ax.scatter([p["predicted_loss"] for p in infeas], [p["throughput"] for p in infeas], facecolors="none",
-                   edgecolors="tab:gray", label="infeasible trials")
+    paired = any(p["ratio"] for p in pts)
+    y = (lambda p: p["ratio"]["ratio"]) if paired else (lambda p: p["throughput"])  # noqa: E731
     front = pareto_set(study)
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for group, style in (([p for p in pts if p["feasible"]], dict(fmt="o", c="tab:blue", label="feasible trials")),
+                         ([p for p in pts if not p["feasible"]], dict(fmt="o", c="tab:gray", mfc="none",
+                                                                      label="infeasible trials"))):
+        if not group:
+            continue
+        err = None
+        if paired:
+            err = [[y(p) - p["ratio"]["lo"] for p in group], [p["ratio"]["hi"] - y(p) for p in group]]
+        ax.errorbar([p["predicted_loss"] for p in group], [y(p) for p in group], yerr=err, capsize=3,
+                    ls="none", **style)
     if front:
         fr = sorted(front, key=lambda p: p["predicted_loss"])
-        ax.plot([p["predicted_loss"] for p in fr], [p["throughput"] for p in fr], "-", c="tab:blue", alpha=0.6,
+        ax.step([p["predicted_loss"] for p in fr], [y(p) for p in fr], where="post", c="tab:blue", alpha=0.6,
                 label="Pareto front")
+        tied = [p for p in pts if p["feasible"] and p["trial"] != front[0]["trial"] and tied_with(front[0], p)]
+        if tied:
+            ax.scatter([p["predicted_loss"] for p in tied], [y(p) for p in tied], s=160, facecolors="none",
+                       edgecolors="tab:purple", label="tied with the best (intervals overlap)", zorder=4)
     ax.axvline(ctx.target_loss, ls="--", c="tab:red", label=f"target loss {ctx.target_loss:.3f}")
-    if base_point.get("throughput"):
-        ax.scatter([base_point["predicted_loss"]], [base_point["throughput"]], marker="*", s=250, c="tab:orange",
+    base_y = 1.0 if paired else base_point.get("throughput")
+    if base_y:
+        ax.scatter([base_point["predicted_loss"]], [base_y], marker="*", s=250, c="tab:orange",
                    label="baseline", zorder=5)
-    if chosen:
-        ax.scatter([chosen["predicted_loss"]], [chosen["throughput"]], marker="D", s=90, c="tab:green",
-                   label="chosen", zorder=6)
+    if chosen and not chosen.get("is_baseline"):
+        cy = chosen["ratio"]["ratio"] if paired and chosen.get("ratio") else chosen.get("throughput")
+        ax.scatter([chosen["predicted_loss"]], [cy], marker="D", s=90, c="tab:green", label="chosen", zorder=6)
     ax.set_xlabel("predicted loss")
-    ax.set_ylabel(f"measured output tokens/s (batch {ctx.ref_batch})")
+    ax.set_ylabel(f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
+                  else f"measured output tokens/s (batch {ctx.ref_batch})")
     ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save(fig, out / "pareto.png")
-    made.append("plots/pareto.png")
+    made += _save(fig, out, "pareto", plt)
+    if paired:
+        made += _ratio_chart(ctx, pts, chosen, out, plt)
     # 2. U-curves of the law at the target budget
     marks = [("baseline", base_point["architecture"], "tab:orange")]
     if chosen:
         marks.append(("chosen", describe(ArchSpec.from_dict(chosen["spec"])), "tab:green"))
     made += _ucurves(ctx, out, plt, marks)
+    plan = active_plan_summary(ctx.out)
+    if plan is not None:
+        made += _active_plot(plan, out, plt)
     return made
+
+
+def _level(pts) -> str:
+    q = next((p["ratio"] for p in pts if p.get("ratio")), None)
+    return f"{q['level']:.0%}" if q else ""
+
+
+def _save(fig, out: Path, name: str, plt) -> list[str]:
+    """PNG for the report, PDF for print (each written atomically)."""
+    with atomic_open(out / f"{name}.png", "wb") as fh:
+        fig.savefig(fh, format="png", dpi=120)
+    with atomic_open(out / f"{name}.pdf", "wb") as fh:
+        fig.savefig(fh, format="pdf")
+    plt.close(fig)
+    return [f"plots/{name}.png", f"plots/{name}.pdf"]
+
+
+def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
+    """Every measured shape's throughput ratio to the baseline with its interval, best first."""
+    shapes, seen = [], set()
+    for p in sorted(pts, key=lambda p: -p["ratio"]["ratio"] if p["ratio"] else 0):
+        key = json.dumps(p["spec"], sort_keys=True)
+        if p["ratio"] and key not in seen:
+            seen.add(key)
+            shapes.append(p)
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(shapes) + 1.5))
+    labels = [f"#{p['trial']} d{p['spec']['hidden_size']} kv{p['spec']['n_kv_heads']} ffn{p['spec']['ffn']}"
+              + ("" if p["feasible"] else " (infeasible)") for p in shapes]
+    r = [p["ratio"]["ratio"] for p in shapes]
+    err = [[p["ratio"]["ratio"] - p["ratio"]["lo"] for p in shapes], [p["ratio"]["hi"] - p["ratio"]["ratio"] for p in shapes]]
+    colors = ["tab:green" if p["ratio"]["significantly_faster"] else
+              "tab:red" if p["ratio"]["significantly_slower"] else "tab:gray" for p in shapes]
+    ax.barh(range(len(shapes)), r, xerr=err, color=colors, capsize=3, alpha=0.8)
+    ax.axvline(1.0, c="k", lw=1)
+    ax.set_yticks(range(len(shapes)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval); green: significantly faster")
+    fig.tight_layout()
+    return _save(fig, out, "throughput", plt)
 
 
 def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) -> list[str]:
@@ -192,41 +263,134 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
         ax.set_ylabel("predicted loss")
         ax.legend()
     fig.suptitle(f"law factors at N={cfg.params:.3g}, D={cfg.tokens:.3g} over the search box")
-    save(fig, out / "ucurves.png")
-    return ["plots/ucurves.png"]
+    fig.tight_layout()
+    return _save(fig, out, "ucurves", plt)
 
 
-def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base_result: dict[str, Any],
-                 state) -> dict[str, Any]:
+def active_plan_summary(out: Path) -> dict[str, Any] | None:
+    """The active proxy plan's decisions (``proxies/active/decisions.jsonl``), each with its
+    reason and the optimum's interval half-width before it and after its run was fitted."""
+    folder = out / "proxies" / "active"
+    path = folder / "decisions.jsonl"
+    if not path.is_file():
+        return None
+    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    fits = [e for e in events if e["event"] == "fit"]
+    plan = json.loads((folder / "plan.json").read_text()) if (folder / "plan.json").is_file() else {}
+
+    def hw(iv):
+        return None if iv is None else max(iv["half_width_hidden_over_sqrt_n"], iv["half_width_mlp_to_attn_ratio"])
+
+    level = {q["run_id"]: q["level"] for q in plan.get("pool", [])}
+    decisions = []
+    for step, e in enumerate((e for e in events if e["event"] == "propose"), 1):
+        after = next((f for f in fits if e["run_id"] in f["runs"]), None)
+        decisions.append({"step": step, **{k: e.get(k) for k in (
+            "run_id", "params", "tokens", "hidden_over_sqrt_n", "mlp_to_attn_ratio", "flops", "reason",
+            "expected_half_width_after", "worker")}, "level": level.get(e["run_id"]),
+            "half_width_before": hw(e.get("interval_before")),
+            "half_width_after": hw(after["interval"]) if after else None})
+    stop = next((e for e in reversed(events) if e["event"] == "stop"), None)
+    pool = plan.get("pool", [])
+    runs = {d["run_id"]: d["flops"] for d in decisions}  # a run proposed again counts once
+    return {"plan": "active", "settings": plan.get("settings"), "decisions": decisions, "stop": stop,
+            "runs": len(runs), "flops": sum(runs.values()),
+            "grid_runs": len(pool), "grid_flops": sum(p["flops"] for p in pool),
+            "interval_trace": [{"flops_spent": f["flops_spent"], "n_runs": f["n_runs"], "interval": f["interval"],
+                                "optimum": f["optimum"]} for f in fits],
+            "pool": pool, "folder": str(folder)}
+
+
+def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
+    """Interval half-widths against proxy FLOPs, and the chosen runs in the box."""
+    import numpy as np
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    tr = plan["interval_trace"]
+    if tr:
+        f = [t["flops_spent"] for t in tr]
+        a1.plot(f, [t["interval"]["half_width_hidden_over_sqrt_n"] for t in tr], "o-", label="d/sqrt(N)*")
+        a1.plot(f, [t["interval"]["half_width_mlp_to_attn_ratio"] for t in tr], "s-", label="r*")
+    tol = (plan.get("settings") or {}).get("tolerance")
+    if tol:
+        a1.axhline(tol, ls="--", c="tab:red", label=f"tolerance {tol}")
+    a1.set_yscale("log")
+    a1.set_xlabel("proxy training FLOPs spent (6ND)")
+    a1.set_ylabel("half-width of the 90% interval (relative)")
+    a1.set_title("how the optimum's interval shrank")
+    a1.legend(fontsize=8)
+    pool = plan["pool"]
+    a2.scatter([p["hidden_over_sqrt_n"] for p in pool], [p["mlp_to_attn_ratio"] for p in pool], s=60,
+               facecolors="none", edgecolors="tab:gray", label="grid (candidates)")
+    levels = sorted({d["level"] for d in plan["decisions"]}, key=lambda v: (v is None, v))
+    colors = plt.cm.viridis(np.linspace(0.1, 0.9, max(len(levels), 1)))
+    for lv, c in zip(levels, colors):   # one colour per size level (snapped shapes land near it)
+        ds = [d for d in plan["decisions"] if d["level"] == lv]
+        a2.scatter([d["hidden_over_sqrt_n"] for d in ds], [d["mlp_to_attn_ratio"] for d in ds], color=c, s=30,
+                   label=f"chosen, N~{np.median([d['params'] for d in ds]):.3g}")
+        for d in ds:
+            a2.annotate(str(d["step"]), (d["hidden_over_sqrt_n"], d["mlp_to_attn_ratio"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+    if tr and tr[-1]["optimum"]:
+        a2.scatter([tr[-1]["optimum"][0]], [tr[-1]["optimum"][1]], marker="*", s=200, c="tab:red",
+                   label="fitted optimum")
+    a2.set_xscale("log")
+    a2.set_yscale("log")
+    a2.set_xlabel("d / sqrt(N)")
+    a2.set_ylabel("r = MLP / attention")
+    a2.set_title("runs chosen (numbers: order)")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, out, "active_proxies", plt)
+
+
+def _interval(spec: ArchSpec, ctx) -> tuple[float, float] | None:
+    level = ctx.cfg.target.confidence
+    iv = ctx.law.predict_interval(spec, ctx.cfg.tokens, params=ctx.cfg.params,
+                                  **({"level": 2 * level - 1} if level else {}))
+    return tuple(float(v) for v in iv) if iv is not None else None
+
+
+def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, state) -> dict[str, Any]:
+    """The study folder's summary, report and plots. The baseline's throughput is the mean of
+    its paired rounds across trials (it is measured beside every candidate)."""
+    import statistics
+
     cfg = ctx.cfg
     out = ctx.out
     b = ctx.ref_batch
-    base_t = throughput_at(base_result, b)
     from archsearch.search.pipeline import baseline_loss, baseline_note
 
-    base_loss = baseline_loss(cfg, ctx.law, base)
-    base_point = {"architecture": describe(base), "throughput": base_t,
-                  "throughput_std": (batch_entry(base_result, b) or {}).get("output_throughput_std"),
-                  "predicted_loss": base_loss,
-                  "predicted_loss_interval": ctx.law.predict_interval(base, cfg.tokens, params=cfg.params),
-                  "size_note": baseline_note(cfg, base),
-                  "ttft": (batch_entry(base_result, b) or {}).get("ttft_mean"),
-                  "measurement_ok": base_result.get("ok"), "measurement_error": base_result.get("error")}
+    base_ts = [t.user_attrs["baseline_throughput"] for t in _complete(study)
+               if t.user_attrs.get("baseline_throughput") is not None]
+    base_point = {"architecture": describe(base),
+                  "throughput": statistics.fmean(base_ts) if base_ts else None,
+                  "throughput_std": statistics.stdev(base_ts) if len(base_ts) > 1 else None,
+                  "throughput_note": f"mean over the {len(base_ts)} paired measurements beside the candidates",
+                  "predicted_loss": baseline_loss(cfg, ctx.law, base),
+                  "predicted_loss_interval": _interval(base, ctx),
+                  "size_note": baseline_note(cfg, base)}
     chosen_point = None
     if chosen is not None:
         spec = ArchSpec.from_dict(chosen["spec"])
-        stored = ctx.measurer.store.get(ctx.measurer.key(spec)) or {}
-        chosen_point = {"architecture": describe(spec), "throughput": chosen["throughput"],
-                        "throughput_std": (batch_entry(stored, b) or {}).get("output_throughput_std"),
-                        "predicted_loss": chosen["predicted_loss"],
-                        "predicted_loss_interval": ctx.law.predict_interval(spec, cfg.tokens, params=cfg.params),
+        chosen_point = {"architecture": describe(spec), "throughput": chosen.get("throughput"),
+                        "ratio": chosen.get("ratio"), "predicted_loss": chosen["predicted_loss"],
+                        "predicted_loss_interval": _interval(spec, ctx),
+                        "is_baseline": bool(chosen.get("is_baseline")),
                         "source": chosen.get("source"), "config_json": str(out / "chosen" / "config.json")}
-    gain = (chosen_point["throughput"] / base_t - 1.0) if (chosen_point and base_t) else None
+        if chosen.get("best_candidate"):
+            bc = chosen["best_candidate"]
+            chosen_point["best_candidate"] = {"architecture": describe(ArchSpec.from_dict(bc["spec"])),
+                                              "throughput": bc.get("throughput"), "ratio": bc.get("ratio"),
+                                              "predicted_loss": bc["predicted_loss"], "source": bc.get("source")}
+    q = (chosen_point or {}).get("ratio")
+    gain = q["ratio"] - 1.0 if q else (0.0 if chosen_point and chosen_point["is_baseline"] else None)
     complete = _complete(study)
     summary = {
         "study": cfg.name,
         "measurement_note": ctx.measurer.note,
         "backend": ctx.measurer.backend,
+        "calibration": (f"calibrated by {cfg.measure.calibration}" if cfg.measure.calibration else None),
         "reference_batch_size": b,
         "target_loss": ctx.target_loss,
         "target_source": "explicit" if cfg.target.loss is not None else
@@ -234,6 +398,8 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
         "baseline": base_point,
         "chosen": chosen_point,
         "throughput_gain_vs_baseline": gain,
+        "significantly_faster": bool(q and q.get("significantly_faster")),
+        "chance_constraint": cfg.target.confidence,
         "pareto": pareto_set(study),
         "trials": {"total": len(study.trials), "complete": len(complete),
                    "distinct_shapes": len({t.user_attrs.get("spec_key") for t in complete}),
@@ -254,10 +420,13 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, base
     prs = out / "predict_rank_select.json"
     if prs.is_file():
         summary["predict_rank_select"] = json.loads(prs.read_text())
+    plan = active_plan_summary(out)
+    if plan is not None:
+        summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out / "report.md").write_text(render_markdown(summary))
+    write_json(out / "summary.json", summary, default=str)
+    atomic_write(out / "report.md", render_markdown(summary))
     return summary
 
 
@@ -267,6 +436,33 @@ def _arch_line(a: dict[str, Any]) -> str:
             f"r = {a['mlp_to_attn_ratio']:.2f}, d/sqrt(N) = {a['hidden_over_sqrt_n']:.4f}")
 
 
+def _active_markdown(p: dict[str, Any]) -> list[str]:
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    stop = p.get("stop") or {}
+    iv = stop.get("interval") or (p["interval_trace"][-1]["interval"] if p["interval_trace"] else None)
+    lines = ["", "## Proxy plan: active", "",
+             f"{p['runs']} runs ({len(p['decisions'])} decisions) of the grid's {p['grid_runs']}, {p['flops']:.3g} of its {p['grid_flops']:.3g} "
+             f"training FLOPs ({p['flops'] / p['grid_flops']:.0%}). Stopped: {stop.get('reason', 'not yet')}."]
+    if iv:
+        lines.append(f"Last interval ({iv['level']:.0%}): d/sqrt(N)* in [{iv['hidden_over_sqrt_n'][0]:.4f}, "
+                     f"{iv['hidden_over_sqrt_n'][1]:.4f}], r* in [{iv['mlp_to_attn_ratio'][0]:.3f}, "
+                     f"{iv['mlp_to_attn_ratio'][1]:.3f}] (half-widths {iv['half_width_hidden_over_sqrt_n']:.3f}, "
+                     f"{iv['half_width_mlp_to_attn_ratio']:.3f}).")
+    lines += ["Half-width: the larger relative half-width of the two, before the decision and once its "
+              "run was fitted (`-`: no interval yet). Log: `proxies/active/decisions.jsonl`.", "",
+              "| step | N | d/sqrt(N) | r | FLOPs | why | half-width before | after |", "|---|---|---|---|---|---|---|---|"]
+    for d in p["decisions"]:
+        lines.append(f"| {d['step']} | {d['params']:.3g} | {d['hidden_over_sqrt_n']:.3f} | {d['mlp_to_attn_ratio']:.2f} | "
+                     f"{d['flops']:.3g} | {d['reason']} | {f(d['half_width_before'])} | {f(d['half_width_after'])} |")
+    return lines
+
+
+def _ratio_txt(q: dict[str, Any] | None) -> str:
+    if not q:
+        return "-"
+    return f"x{q['ratio']:.3f}, {q['level']:.0%} interval [{q['lo']:.3f}, {q['hi']:.3f}] over {q['n']} rounds"
+
+
 def render_markdown(s: dict[str, Any]) -> str:
     lines = []
     if s.get("measurement_note"):
@@ -274,46 +470,64 @@ def render_markdown(s: dict[str, Any]) -> str:
     lines.append(f"# Study {s['study']}\n")
     base, ch = s["baseline"], s["chosen"]
     b = s["reference_batch_size"]
+    iv = lambda p: (f" ({s['chance_constraint'] or 0.9:.0%} interval {p['predicted_loss_interval'][0]:.4f}"  # noqa: E731
+                    f"-{p['predicted_loss_interval'][1]:.4f})" if p.get("predicted_loss_interval") else "")
     if ch is None:
         lines.append("**No feasible shape was measured.** See trials.csv for the reasons.\n")
     else:
-        gain = s["throughput_gain_vs_baseline"]
-        gain_txt = f"{gain:+.1%}" if gain is not None else "n/a (baseline measurement failed)"
-        pm = lambda p: f" ± {p['throughput_std']:.1f}" if p.get("throughput_std") is not None else ""  # noqa: E731
-        lines += [
-            f"**Answer:** {_arch_line(ch['architecture'])}.",
-            "",
-            (f"- **Predicted, not measured**: the analytic roofline (uncalibrated) at batch {b} gives "
-             f"**{ch['throughput']:.1f} output tokens/s**, {gain_txt} vs the baseline "
-             f"({(base['throughput'] or float('nan')):.1f} tokens/s)." if s["backend"] == "analytic" else
-             f"- Measured with **{s['backend']}** at batch {b}: **{ch['throughput']:.1f}{pm(ch)} output tokens/s** "
-             f"(mean ± std over repeats), {gain_txt} vs the baseline "
-             f"({(base['throughput'] or float('nan')):.1f}{pm(base)} tokens/s)."),
-            f"- Predicted loss **{ch['predicted_loss']:.4f}** against the target **{s['target_loss']:.4f}** "
-            f"({s['target_source']}); baseline predicted {base['predicted_loss']:.4f}"
-            + (f" ({base['size_note']})." if base.get("size_note") else "."),
-            f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
-            "",
-        ]
+        cc = (f"; chance constraint: the {s['chance_constraint']:.0%} upper bound must be under the target"
+              if s.get("chance_constraint") else "")
+        if ch["is_baseline"]:
+            bc = ch.get("best_candidate") or {}
+            q = bc.get("ratio") or {}
+            lines += [
+                "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
+                f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput x{q['ratio']:.3f} "
+                f"the baseline's, {_ratio_txt(q)}, which includes 1 (a tie within the measurement's noise)."
+                if q else "", ""]
+        else:
+            q = ch.get("ratio")
+            verdict = ("**significantly faster** than the baseline" if q and q["significantly_faster"] else
+                       "not significantly faster than the baseline" if q else "not compared")
+            lines += [
+                f"**Answer:** {_arch_line(ch['architecture'])}.", "",
+                (f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
+                 f"at batch {b}: " if s["backend"] == "analytic" else
+                 f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
+                f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}): {verdict}; "
+                f"{(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
+                f"{(base['throughput'] or float('nan')):.1f}." if q else
+                f"- Measured with **{s['backend']}** at batch {b}: {(ch['throughput'] or float('nan')):.1f} tokens/s.",
+                f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
+                ""]
+        lines += [f"- Predicted loss **{ch['predicted_loss']:.4f}**{iv(ch)} against the target "
+                  f"**{s['target_loss']:.4f}** ({s['target_source']}{cc}); baseline predicted "
+                  f"{base['predicted_loss']:.4f}{iv(base)}"
+                  + (f" ({base['size_note']})." if base.get("size_note") else "."), ""]
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
-    lines += ["## Feasible Pareto set (measured throughput vs predicted loss)", "",
-              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | tokens/s |",
-              "|---|---|---|---|---|---|---|---|"]
-    for p in s["pareto"][:10]:
+    lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
+              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | tokens/s | ratio [interval] | tied with best |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    front = s["pareto"]
+    for p in front[:10]:
         a = describe(ArchSpec.from_dict(p["spec"]))
+        rt = f"x{p['ratio']['ratio']:.3f} [{p['ratio']['lo']:.3f}, {p['ratio']['hi']:.3f}]" if p.get("ratio") else "-"
+        tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "
-                     f"{p['throughput']:.1f} |")
+                     f"{p['throughput']:.1f} | {rt} | {tie} |")
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
                   "Query heads traded against KV heads at a fixed attention share (N and r held).", "",
-                  "| GQA | heads/KV | pred. loss | feasible | tokens/s | note |", "|---|---|---|---|---|---|"]
+                  "| GQA | heads/KV | pred. loss | feasible | tokens/s | vs baseline | vs start GQA | note |",
+                  "|---|---|---|---|---|---|---|---|"]
         for st in g["steps"]:
             pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
             tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
+            r0, r1 = (_ratio_txt(st.get(k)) for k in ("ratio", "ratio_vs_start"))
             hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
-            lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {tp} | {st['note']} |")
+            lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {tp} | {r0} | {r1} | {st['note']} |")
     if "predict_rank_select" in s:
         p = s["predict_rank_select"]
         rel = (p.get("released") or {}).get("trial")
@@ -328,6 +542,8 @@ def render_markdown(s: dict[str, Any]) -> str:
                          f"{f(c.get('throughput'), '.1f')} | {f(c.get('predicted_loss'), '.4f')} | "
                          f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
                          f"{'**yes**' if c['trial'] == rel else ''} |")
+    if s.get("proxy_plan"):
+        lines += _active_markdown(s["proxy_plan"])
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     for part, vals in (law.get("metrics") or {}).items():

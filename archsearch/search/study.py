@@ -36,6 +36,15 @@ class MeasurementFailed(Exception):
     """A candidate's measurement failed: its trial fails, the study goes on."""
 
 
+def _no_traceback_for_failed_measurements(record) -> bool:
+    """A logging filter: Optuna logs a caught trial error with its traceback; a failed
+    measurement is expected (its reason is in the line and in the trial), so drop the trace."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, MeasurementFailed):
+        record.exc_info = None
+    return True
+
+
 @dataclass
 class SearchContext:
     cfg: StudyConfig
@@ -44,6 +53,9 @@ class SearchContext:
     measurer: Measurer
     out: Path
     build: BuildSettings = field(default_factory=BuildSettings)
+    # the shape every candidate is compared with, paired (benchmarks.paired); None: each
+    # candidate is measured alone and the objective is its absolute throughput
+    baseline: ArchSpec | None = None
 
     @property
     def ref_batch(self) -> int:
@@ -73,6 +85,19 @@ def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, flo
     loss = float(ctx.law.predict(spec, ctx.cfg.tokens, params=ctx.cfg.params))
     interval = ctx.law.predict_interval(spec, ctx.cfg.tokens, params=ctx.cfg.params)
     return loss, (tuple(float(v) for v in interval) if interval is not None else None)
+
+
+def loss_bound(ctx: SearchContext, spec: ArchSpec) -> float:
+    """What the target is compared with: the predicted loss, or with ``target.confidence`` c
+    its one-sided upper bootstrap bound at level c (a chance constraint)."""
+    c = ctx.cfg.target.confidence
+    if c is None:
+        return float(ctx.law.predict(spec, ctx.cfg.tokens, params=ctx.cfg.params))
+    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens, level=2 * c - 1, params=ctx.cfg.params)
+    if interval is None:
+        raise ArchsearchError("target.confidence", "the law has no bootstrap to give an interval",
+                              "set law.bootstrap > 0 (e.g. 200), or drop target.confidence")
+    return float(interval[1])
 
 
 # -- storage and sampler ---------------------------------------------------------------------
@@ -195,20 +220,26 @@ def objective(trial, ctx: SearchContext):
     loss, interval = predict(ctx, spec)
     trial.set_user_attr("predicted_loss", loss)
     trial.set_user_attr("predicted_loss_interval", interval)
-    violation = loss - ctx.target_loss
+    bound = loss_bound(ctx, spec)
+    if cfg.target.confidence is not None:
+        trial.set_user_attr("loss_upper_bound", {"level": cfg.target.confidence, "value": bound})
+    violation = bound - ctx.target_loss
     _set_constraint(trial, "predicted_loss_minus_target", violation)
     feasible = violation <= 0
     trial.set_user_attr("feasible_loss", feasible)
     if not feasible and not cfg.optuna.measure_infeasible and cfg.optuna.objective == "throughput":
         # An infeasible trial, as Optuna's samplers and dashboard read one: complete, with its
-        # constraint value > 0. Optuna needs a value; 0 tok/s marks "not measured", and every
-        # reader of measurements skips it (was_measured).
+        # constraint value > 0. Optuna needs a value; 0 marks "not measured", and every reader of
+        # measurements skips it (was_measured).
+        what = (f"predicted loss {loss:.4f}" if cfg.target.confidence is None else
+                f"predicted loss {loss:.4f} ({cfg.target.confidence:.0%} upper bound {bound:.4f})")
         trial.set_user_attr("measured", False)
-        trial.set_user_attr("infeasible_reason",
-                            f"predicted loss {loss:.4f} > target {ctx.target_loss:.4f}; not measured")
+        trial.set_user_attr("infeasible_reason", f"{what} > target {ctx.target_loss:.4f}; not measured")
         _set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
         return 0.0
 
+    if ctx.baseline is not None:
+        return _paired_objective(trial, ctx, spec, loss)
     result, cached = ctx.measurer.measure(spec)
     trial.set_user_attr("measurement_key", result.get("measurement_key"))
     trial.set_user_attr("measurement_cached", cached)
@@ -234,8 +265,11 @@ def objective(trial, ctx: SearchContext):
 
 
 # Objective names, as Optuna's dashboard and ``study.trials_dataframe()`` show them.
+# (paired studies: the objective is the throughput ratio to the baseline)
 METRIC_NAMES = {"throughput": ["output_throughput_tok_per_s"],
                 "pareto": ["output_throughput_tok_per_s", "predicted_loss"]}
+PAIRED_METRIC_NAMES = {"throughput": ["throughput_ratio_vs_baseline"],
+                       "pareto": ["throughput_ratio_vs_baseline", "predicted_loss"]}
 
 
 def realised_attrs(spec: ArchSpec) -> dict[str, Any]:
@@ -254,6 +288,39 @@ def was_measured(t) -> bool:
     from optuna.trial import TrialState
 
     return t.state == TrialState.COMPLETE and t.user_attrs.get("measured", True) is not False
+
+
+def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
+    """Measure ``spec`` paired with the baseline; the objective is the throughput ratio's
+    estimate (the geometric mean of per-round ratios), its interval kept in the user attrs."""
+    from archsearch.search.measure import paired_from_dict
+
+    cfg = ctx.cfg
+    result, cached = ctx.measurer.compare([ctx.baseline, spec])
+    trial.set_user_attr("measurement_key", result.get("measurement_key"))
+    trial.set_user_attr("measurement_cached", cached)
+    trial.set_user_attr("backend", result.get("settings", {}).get("backend"))
+    if not result.get("ok"):
+        reason = result.get("error") or "the paired measurement gave fewer than two rounds"
+        trial.set_user_attr("failure_reason", reason)
+        _set_constraint(trial, "limits_violated", 0.0)
+        raise MeasurementFailed(reason)
+    pr = paired_from_dict(result)
+    est = pr.estimate(1)
+    entry = pr.batch_entry(1)
+    trial.set_user_attr("throughput", {str(ctx.ref_batch): entry["output_throughput"]})
+    trial.set_user_attr("baseline_throughput", pr.throughput(0))
+    trial.set_user_attr("ttft", {str(ctx.ref_batch): entry["ttft_mean"]})
+    trial.set_user_attr("ratio", est.to_dict())
+    trial.set_user_attr("rounds", len(pr.rounds))
+    trial.set_user_attr("measured", True)
+    ok, why = check_result_limits(cfg.limits, {"per_batch": [entry]}, ctx.ref_batch)
+    if not ok:
+        trial.set_user_attr("limits_reason", why)
+    _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
+    if cfg.optuna.objective == "pareto":
+        return est.ratio, loss
+    return est.ratio
 
 
 def trial_is_feasible(t) -> bool:
@@ -289,7 +356,8 @@ def create_study(ctx: SearchContext, load_only: bool = False):
 
             with warnings.catch_warnings():  # experimental since Optuna 3.2, stable in use
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                study.set_metric_names(METRIC_NAMES[cfg.optuna.objective])
+                names = PAIRED_METRIC_NAMES if ctx.baseline is not None else METRIC_NAMES
+                study.set_metric_names(names[cfg.optuna.objective])
     return study, storage
 
 
@@ -366,7 +434,8 @@ def analytic_throughput_fn(ctx: SearchContext, device: str):
 
     m = ctx.cfg.measure
     settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
-                             output_len=m.output_len, warmup=0, repeats=1, device_spec=device)
+                             output_len=m.output_len, warmup=0, repeats=1, device_spec=device,
+                             engine_args={"calibration": m.calibration} if m.calibration else {})
 
     def fn(spec: ArchSpec) -> float | None:
         return measure(spec, settings).throughput(ctx.ref_batch)
@@ -388,6 +457,12 @@ def _progress_callback(n_trials: int):
         pred = f" pred.loss {pl:.4f}" if pl is not None else ""
         if t.state == TrialState.COMPLETE and not was_measured(t):
             what = f"infeasible: {ua.get('infeasible_reason')}"
+        elif t.state == TrialState.COMPLETE and ua.get("ratio"):
+            q = ua["ratio"]
+            what = (f"x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}] vs baseline "
+                    f"({ua['rounds']} paired rounds){' (cached)' if ua.get('measurement_cached') else ''}")
+            if ua.get("limits_reason"):
+                what += f"; infeasible: {ua['limits_reason']}"
         elif t.state == TrialState.COMPLETE:
             what = f"{t.values[0]:.1f} tok/s{' (cached)' if ua.get('measurement_cached') else ''}"
             if ua.get("limits_reason"):
@@ -466,7 +541,9 @@ def run_study(ctx: SearchContext, progress: bool = True):
         study.set_user_attr("tokens", cfg.tokens)
         study.set_user_attr("n_layers", cfg.n_layers)
         points = seed_points(ctx)
-        how = "law solution" + (f", ranked by the {ranking_device(cfg)} roofline" if len(points) > 1 else "")
+        ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
+                   if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
+        how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
         study.set_user_attr("seeded_by", how)
         for pt in points:
             study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
@@ -477,6 +554,11 @@ def run_study(ctx: SearchContext, progress: bool = True):
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
     left = max_trials - len(study.get_trials(deepcopy=False))
     if distinct_measured(study) < cfg.optuna.n_trials and left > 0:
+        import logging
+
+        log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
+        if _no_traceback_for_failed_measurements not in log.filters:
+            log.addFilter(_no_traceback_for_failed_measurements)
         tracking = TrackerCallback(cfg.optuna.log_with, ctx.out / "tracking", f"study-{cfg.name}") \
             if cfg.optuna.log_with else None
         try:

@@ -1,0 +1,182 @@
+"""A study's stages as jobs: one job per proxy run, one job per Optuna measurement worker.
+
+The job functions here are what the scheduler runs; they write only into the study folder
+(the proxy run's folder, the shared Optuna storage and measurement store) and their result is
+read from there, so a restarted coordinator finds it whatever happened to itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+from archsearch.cluster.executor import Task, TaskResult, run_tasks
+from archsearch.errors import ArchsearchError
+
+JOBS_DIR = "cluster"
+
+
+def _log(msg: str) -> None:
+    print(f"[search] {msg}", file=sys.stderr, flush=True)
+
+
+def _has_record(run_dir: Path) -> bool:
+    """A proxy run is finished when its ``run.json`` says ok, or failed by the loop itself (e.g.
+    diverged: training it again would give the same); a run's record says running meanwhile."""
+    from trainers.loop import read_record
+
+    rec = read_record(run_dir)
+    return rec is not None and rec.get("status") in ("ok", "failed")
+
+
+def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
+    """Job: train one proxy run into ``run_dir`` (resumes from its checkpoint); with more than
+    one GPU through ``accelerate launch`` of ``archsearch train`` on the same folder."""
+    from trainers.loop import train
+
+    out = Path(run_dir)
+    if gpus <= 1:
+        train(spec, tc, data_cfg, out, progress=False)
+        return
+    import yaml
+
+    from archsearch.configio import to_dict
+    from trainers.launch import accelerate_config, launch_commands, write_accelerate_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(spec.to_dict(), indent=2))
+    (out / "train.yaml").write_text(yaml.safe_dump({"train": to_dict(tc), "data": to_dict(data_cfg)}))
+    acc = write_accelerate_config(out / "accelerate_config.yaml", accelerate_config(spec, num_processes=gpus))
+    cmd = launch_commands(acc, ["--arch", str(out / "spec.json"), "--config", str(out / "train.yaml"),
+                                "--out", str(out), "--no-progress"])[0]
+    subprocess.run(cmd, check=True)
+
+
+# fields that change how a run is executed or logged, not what it computes
+_NOT_DETERMINING = {"train": {"log_interval", "checkpoint_interval", "keep_checkpoints", "cpu_threads",
+                              "eval_interval"},
+                    "data": {"cache_dir", "max_epochs"}}
+
+
+def sweep_runs(sweep) -> list[tuple[str, object, object]]:
+    """(run id, spec, train config) of every distinct run of ``sweep``, after the data check
+    (the coordinator tokenizes once into the shared cache; every job then reads it from there)."""
+    from trainers.data import check_epochs, prepare_data
+    from trainers.loop import run_id_for, token_budget
+    from trainers.sweep import sweep_specs
+
+    budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
+    data = prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
+    check_epochs(data, max(budgets, default=0), sweep.data.max_epochs, f"sweep {sweep.name}'s largest run")
+    runs, seen = [], set()
+    for point, spec, _err in sweep_specs(sweep, data.vocab_size):
+        if spec is None:
+            continue
+        tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
+        run_id = run_id_for(spec, token_budget(spec, tc), point["seed"])
+        if run_id not in seen:  # snapping may map two grid points to one shape
+            seen.add(run_id)
+            runs.append((run_id, spec, tc))
+    return runs
+
+
+def content_key(run_id: str, tc, data_cfg) -> str:
+    """A run's key in a shared store: its id (shape, D, seed) plus a hash of every setting that
+    determines its result (training and data settings, not logging or checkpoint cadence)."""
+    import hashlib
+
+    from archsearch.configio import to_dict
+
+    what = {"train": {k: v for k, v in to_dict(tc).items() if k not in _NOT_DETERMINING["train"]},
+            "data": {k: v for k, v in to_dict(data_cfg).items() if k not in _NOT_DETERMINING["data"]}}
+    return f"{run_id}-{hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]}"
+
+
+def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
+    """Point ``out_dir/runs/<run id>`` at ``store/<content key>`` for every run of ``sweep``, so
+    that a run trained by any study that shares the store is reused, and a new one is trained
+    into the store. Returns the keys already finished there."""
+
+    store.mkdir(parents=True, exist_ok=True)
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    reused = []
+    for run_id, _spec, tc in sweep_runs(sweep):
+        target = (store / content_key(run_id, tc, sweep.data)).resolve()
+        link = out_dir / "runs" / run_id
+        if link.is_symlink() and link.resolve() == target:
+            pass
+        elif link.exists() or link.is_symlink():
+            raise ArchsearchError("proxy.store", f"{link} already exists and is not a link to {target}",
+                                  "use a fresh study folder with a shared store, or drop proxy.store")
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(target, target_is_directory=True)
+        if _has_record(target):
+            reused.append(target.name)
+    return reused
+
+
+def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, TaskResult]:
+    """Train every run of ``sweep`` not yet in ``out_dir/runs/`` as one job each and wait; a run
+    whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on)."""
+    from trainers.loop import RUN_FILE, _write_json, token_budget
+    from trainers.sweep import _failed_record
+
+    tasks = []
+    for run_id, spec, tc in sweep_runs(sweep):
+        run_dir = out_dir / "runs" / run_id
+        tasks.append(Task(key=run_id, fn=train_proxy, args=(spec, tc, sweep.data, str(run_dir), cluster.gpus_per_job),
+                          is_done=partial(_has_record, run_dir), gpus=cluster.gpus_per_job))
+    _log(f"proxy sweep {sweep.name}: {len(tasks)} runs as {cluster.executor} jobs "
+         f"({cluster.jobs_at_once} at once)")
+    results = run_tasks(tasks, cluster, jobs_dir)
+    for t in tasks:
+        r = results[t.key]
+        if r.status == "failed":
+            spec, tc = t.args[0], t.args[1]
+            run_dir = Path(t.args[3])
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(run_dir / RUN_FILE, _failed_record(spec, t.key, token_budget(spec, tc), tc.seed,
+                                                           f"{r.attempts} job(s) failed: {r.reason}"))
+    return results
+
+
+def search_worker(cfg, out: str, marker: str) -> None:
+    """Job: one Optuna worker on the study's shared storage, measuring on this job's device
+    until the study has its ``n_trials`` shapes (the workers share the count); then ``marker``."""
+    from archsearch.search.pipeline import search_context
+    from archsearch.search.study import run_study
+
+    run_study(search_context(cfg, Path(out)), progress=False)
+    Path(marker).write_text("done\n")
+
+
+def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
+    """The search stage as ``measure_workers`` jobs (one engine, one GPU each where GPUs are
+    used); a worker is done once the study has its trials."""
+    from archsearch.search.pipeline import search_context
+    from archsearch.search.study import distinct_measured
+
+    ctx = search_context(cfg, out)
+    inline = replace(cfg, cluster=replace(cfg.cluster, executor="inline", jobs_at_once=1, measure_workers=1))
+    gpus = min(1, cfg.cluster.gpus_per_job)
+
+    def study_done() -> bool:
+        from archsearch.search.pipeline import _load_study
+
+        study = _load_study(ctx)
+        return study is not None and distinct_measured(study) >= cfg.optuna.n_trials
+
+    folder = out / JOBS_DIR / "search"
+    folder.mkdir(parents=True, exist_ok=True)
+    tasks = []
+    for i in range(cfg.cluster.measure_workers):
+        marker = folder / f"worker-{i}.done"
+        tasks.append(Task(key=f"search-worker-{i}", fn=search_worker, args=(inline, str(out), str(marker)),
+                          is_done=lambda m=marker: m.is_file() or study_done(), gpus=gpus))
+    _log(f"search: {len(tasks)} Optuna workers as {cfg.cluster.executor} jobs")
+    return run_tasks(tasks, cfg.cluster, folder)

@@ -1,0 +1,156 @@
+"""Safe file I/O: atomic writes, append-only logs that survive a torn last line, output checks.
+
+Every file the project writes goes through :func:`atomic_write` (a temporary file in the same
+folder, flushed and renamed over the target), so a kill leaves either the old or the new
+content, never half a file. Append-only logs (JSONL) are appended one whole line per write and
+read back with :func:`read_jsonl_lines`, which skips a torn last line and says so.
+:func:`check_output` refuses an output path of the wrong kind before any work is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+from archsearch.errors import ArchsearchError
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
+    """Open a temporary file next to ``path``; on success it replaces ``path`` in one rename."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, mode, **kw) as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text or bytes) to ``path`` atomically; returns the path."""
+    with atomic_open(path, "wb" if isinstance(data, bytes) else "w") as fh:
+        fh.write(data)
+    return Path(path)
+
+
+def write_json(path: str | Path, obj: Any, **kw: Any) -> Path:
+    """``obj`` as indented JSON, atomically."""
+    kw.setdefault("indent", 2)
+    return atomic_write(path, json.dumps(obj, **kw) + "\n")
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one whole line in a single write (a torn tail is dropped by the reader)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    _heal_torn_tail(p)
+    with p.open("a") as fh:
+        fh.write(line.rstrip("\n") + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _heal_torn_tail(p: Path) -> None:
+    """Cut a last line without its newline (a write killed half-way) before appending."""
+    try:
+        with p.open("rb+") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            if size == 0:
+                return
+            fh.seek(size - 1)
+            if fh.read(1) == b"\n":
+                return
+            data = fh.seek(0) or fh.read()
+            keep = data.rfind(b"\n") + 1
+            print(f"archsearch: {p}: dropped a torn last line ({size - keep} bytes) left by an "
+                  "interrupted write", file=sys.stderr)
+            fh.truncate(keep)
+    except FileNotFoundError:
+        return
+
+
+def read_jsonl_lines(path: str | Path, what: str | None = None) -> list[Any]:
+    """The parsed lines of an append-only JSONL log. A torn last line (an interrupted append)
+    is skipped with a message; a broken line elsewhere is an error naming the line."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    lines = p.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                print(f"archsearch: {p}: skipped a torn last line {i} (an interrupted write); "
+                      "it is redone", file=sys.stderr)
+                continue
+            raise ArchsearchError(what or f"{p}:{i}", f"line {i} is not valid JSON ({e.msg})",
+                                  "fix or delete that line") from None
+    return out
+
+
+def read_table(path: Path, what: str) -> list[Any]:
+    """The rows of a user's ``.csv`` (dicts by header) or JSON-lines file; a broken line is an
+    error naming ``what`` and the line."""
+    import csv
+
+    if path.suffix == ".csv":
+        with path.open(newline="") as fh:
+            return list(csv.DictReader(fh))
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ArchsearchError(f"{what} line {i}", f"is not valid JSON ({e.msg})",
+                                      "one JSON object per line") from None
+    return rows
+
+
+def check_output(flag: str, path: str | Path | None, kind: str = "file") -> None:
+    """Refuse, before any work, an output ``path`` that cannot be written as a ``kind``
+    ("file" or "dir"): an existing folder where a file goes, a file where a folder goes, or
+    a parent that is a file."""
+    if path is None:
+        return
+    p = Path(path)
+    if kind == "file" and p.is_dir():
+        raise ArchsearchError(flag, f"{str(p)!r} is a folder", "give a file path")
+    if kind == "dir" and p.exists() and not p.is_dir():
+        raise ArchsearchError(flag, f"{str(p)!r} is a file", "give a folder path (new or existing)")
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ArchsearchError(flag, f"{str(parent)!r} is a file, so {str(p)!r} cannot be made",
+                                      "give a path under a folder")
+            if not os.access(parent, os.W_OK):
+                raise ArchsearchError(flag, f"cannot write under {str(parent)!r} (permission denied)",
+                                      "give a writable path")
+            break
+
+
+def check_input_file(flag: str, path: str | Path) -> Path:
+    """An existing regular file, or a clear error naming ``flag``."""
+    p = Path(path)
+    if p.is_dir():
+        raise ArchsearchError(flag, f"{str(p)!r} is a folder", "give a file")
+    if not p.is_file():
+        raise ArchsearchError(flag, f"no such file {str(p)!r}")
+    return p

@@ -1,0 +1,305 @@
+"""Active proxy plan: which proxy run to train next so that the optimum's interval shrinks most
+per training FLOP (issue 16). Pure math on arrays; the driver that trains is ``trainers.active``.
+
+What the study needs from the proxies is the loss-optimal shape ``(d/sqrt(N)*, r*)`` of the
+conditional law (SPEC 3c). The law's bootstrap gives an ensemble: for every resample ``b``, the
+optimum ``t_b = (log x1*, log r*)`` and the predicted log loss ``y_b(c)`` of every candidate run
+``c``. Treating the ensemble as Gaussian (as an ensemble Kalman filter does), observing ``c``
+with log-noise variance ``s2`` lowers the variance of ``t_i`` by
+``Cov(t_i, y_c)^2 / (Var(y_c) + s2)``. The plan picks the candidate with the largest total
+reduction (both coordinates in log units, i.e. relative) per FLOP (``6 N D``). For a batch, it
+conditions the ensemble covariance on each pick before the next; the update needs no observed
+value, so runs in flight (another worker's) are conditioned on the same way.
+
+The interval of the optimum is the percentile interval of the bootstrap optima; its relative
+half-width ``(hi - lo) / 2`` in log units is what the tolerance bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from archsearch.laws import forms
+
+
+@dataclass(frozen=True)
+class OptimumInterval:
+    """Percentile interval of the bootstrap optima (d/sqrt(N)*, r*) and its relative half-widths."""
+
+    hidden_over_sqrt_n: tuple[float, float]
+    mlp_to_attn_ratio: tuple[float, float]
+    level: float
+    n: int                                # usable resamples (both factors U-shaped)
+
+    @property
+    def half_widths(self) -> tuple[float, float]:
+        """(hi - lo) / 2 of log x1* and log r*: a relative half-width (0.05 = about +-5%)."""
+        return tuple(0.5 * math.log(hi / lo) for lo, hi in (self.hidden_over_sqrt_n, self.mlp_to_attn_ratio))
+
+    @property
+    def width(self) -> float:
+        """The larger of the two half-widths: the plan stops when it is below the tolerance."""
+        return max(self.half_widths)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hidden_over_sqrt_n": list(self.hidden_over_sqrt_n),
+                "mlp_to_attn_ratio": list(self.mlp_to_attn_ratio), "level": self.level, "n": self.n,
+                "half_width_hidden_over_sqrt_n": self.half_widths[0],
+                "half_width_mlp_to_attn_ratio": self.half_widths[1]}
+
+
+def bootstrap_optima(coefficients: Sequence[dict[str, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """(log optima as rows (log x1*, log r*), indices of the usable resamples): resamples whose
+    factors are not both U-shaped have no optimum and are left out."""
+    rows, keep = [], []
+    for i, c in enumerate(coefficients):
+        o1, o2 = forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"])
+        if o1 is not None and o2 is not None:
+            rows.append((math.log(o1), math.log(o2)))
+            keep.append(i)
+    return np.array(rows, dtype=float).reshape(-1, 2), np.array(keep, dtype=int)
+
+
+def optimum_interval(log_optima: np.ndarray, level: float = 0.9) -> OptimumInterval:
+    """Percentile interval of the bootstrap optima (rows of log x1*, log r*)."""
+    if log_optima.shape[0] < 2:
+        raise ValueError("an interval needs at least 2 usable bootstrap resamples")
+    a = (1.0 - level) / 2.0
+    lo, hi = np.exp(np.quantile(log_optima, [a, 1.0 - a], axis=0))
+    return OptimumInterval((float(lo[0]), float(hi[0])), (float(lo[1]), float(hi[1])), level,
+                           int(log_optima.shape[0]))
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One chosen candidate: its index, the expected reduction of the optimum's variance
+    (sum over log x1*, log r*), that per FLOP, and the expected half-width after the batch so far."""
+
+    index: int
+    variance_reduction: float
+    score: float
+    expected_width_after: float
+
+
+def expected_width(var: np.ndarray, prior_var: np.ndarray, width: float) -> float:
+    """Half-width scaled by the standard deviation ratio of the worse coordinate (Gaussian)."""
+    ratio = np.sqrt(np.maximum(var, 0.0) / np.maximum(prior_var, 1e-300))
+    return float(width * ratio.max())
+
+
+def acquire(log_optima: np.ndarray, log_pred: np.ndarray, cost: np.ndarray, noise_var: float,
+            available: np.ndarray, pending: Sequence[int] = (), k: int = 1,
+            width: float | None = None) -> list[Pick]:
+    """Greedy batch of ``k`` candidates (see the module docstring).
+
+    ``log_optima``: (B, 2) bootstrap optima in logs; ``log_pred``: (B, C) log predicted loss of
+    every candidate under the same resamples; ``cost``: (C,) FLOPs; ``available``: (C,) bool,
+    candidates that may be picked; ``pending``: candidates already being trained (conditioned
+    on, never picked); ``width``: the current half-width, to report the expected one after.
+    """
+    B, C = log_pred.shape
+    if log_optima.shape != (B, 2) or cost.shape != (C,) or available.shape != (C,):
+        raise ValueError("shapes of log_optima, log_pred, cost, available do not match")
+    if B < 3:
+        raise ValueError("the ensemble needs at least 3 resamples")
+    Z = np.concatenate([log_optima, log_pred], axis=1)
+    Z = Z - Z.mean(axis=0)
+    S = Z.T @ Z / (B - 1)                         # joint covariance: 2 targets, then C candidates
+    prior = np.diag(S)[:2].copy()
+    # the targets' units differ in spread, not in meaning: weigh each by its prior variance so
+    # both coordinates count, as the stopping rule (the worse half-width) does
+    w = 1.0 / np.maximum(prior, 1e-12)
+    avail = available.copy()
+
+    def condition(S, j):
+        col = S[:, j].copy()
+        return S - np.outer(col, col) / (S[j, j] + noise_var)
+
+    for j in pending:
+        S = condition(S, 2 + j)
+        avail[j] = False
+    picks: list[Pick] = []
+    for _ in range(k):
+        if not avail.any():
+            break
+        cov_t = S[:2, 2:]                         # (2, C)
+        var_y = np.diag(S)[2:] + noise_var
+        red = (w[:, None] * cov_t ** 2).sum(axis=0) / var_y
+        score = np.where(avail, red / cost, -np.inf)
+        j = int(np.argmax(score))
+        S = condition(S, 2 + j)
+        avail[j] = False
+        after = expected_width(np.diag(S)[:2], prior, width) if width is not None else float("nan")
+        picks.append(Pick(j, float(red[j]), float(score[j]), after))
+    return picks
+
+
+def space_filling(points: np.ndarray, observed: np.ndarray, cost: np.ndarray,
+                  available: np.ndarray) -> int:
+    """Before a law can be fitted: among the available candidates of the lowest cost, the one
+    farthest (in log coordinates ``points``, (C, dims)) from every observed one. The shape law
+    is shared across sizes, so the cheapest runs fill the box as well as dear ones."""
+    if not available.any():
+        raise ValueError("no candidate is available")
+    cheapest = cost[available].min()
+    cand = np.flatnonzero(available & (cost <= 1.5 * cheapest))
+    if observed.any():
+        d = np.min(np.linalg.norm(points[cand][:, None, :] - points[observed][None, :, :], axis=2), axis=1)
+    else:
+        d = np.zeros(len(cand))
+    return int(cand[int(np.argmax(d))])
+
+
+def noise_variance(log_residuals: np.ndarray, n_params: int, floor: float) -> float:
+    """Log-noise variance of one run from the fit's residuals (degrees-of-freedom corrected),
+    never below ``floor**2``: with as many runs as parameters the residuals are zero."""
+    n = log_residuals.size
+    dof = n - n_params
+    est = float(np.sum(log_residuals ** 2) / dof) if dof > 0 else 0.0
+    return max(est, floor ** 2)
+
+
+def initial_design(levels: np.ndarray, x1: np.ndarray, r: np.ndarray, kind: str) -> np.ndarray:
+    """Indices of the initial runs among candidates with coordinates (level, x1, r): at the
+    smallest level, ``corners-centre`` (4 corners of the box and the point nearest its centre
+    in logs) or ``grid3`` (corners, edge midpoints, centre)."""
+    small = np.flatnonzero(levels == levels.min())
+    lx, lr = np.log(x1[small]), np.log(r[small])
+    fr = {"grid3": np.linspace(0.0, 1.0, 3), "centre": np.array([])}.get(kind, np.array([0.0, 1.0]))
+    targets = [(a, b) for a in fr for b in fr]
+    if kind != "grid3":
+        targets.append((0.5, 0.5))
+    ux = (lx - lx.min()) / max(np.ptp(lx), 1e-12)
+    ur = (lr - lr.min()) / max(np.ptp(lr), 1e-12)
+    chosen: list[int] = []
+    for a, b in targets:
+        d = (ux - a) ** 2 + (ur - b) ** 2
+        for i in np.argsort(d, kind="stable"):
+            if int(small[i]) not in chosen:
+                chosen.append(int(small[i]))
+                break
+    return np.array(chosen, dtype=int)
+
+
+# -- one step of the plan: fit, interval, next runs ---------------------------------------------
+
+INITIAL_DESIGNS = ("corners-centre", "grid3")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The candidate proxy runs (a sweep's grid): shapes, token budgets, size level, FLOPs."""
+
+    specs: tuple
+    tokens: np.ndarray
+    level: np.ndarray
+    X: dict
+    flops: np.ndarray
+
+    @classmethod
+    def of(cls, specs: Sequence, tokens: Sequence[float], levels: Sequence[int]) -> "Pool":
+        from archsearch.arch import training_flops
+        from archsearch.laws.fit import _spec_arrays
+
+        return cls(tuple(specs), np.asarray(tokens, float), np.asarray(levels, int),
+                   _spec_arrays(specs, tokens),
+                   np.array([training_flops(s, t) for s, t in zip(specs, tokens)]))
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def log_coords(self) -> np.ndarray:
+        return np.log(np.stack([self.X["N"], self.X["x1"], self.X["x2"]], axis=1))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What one step decided: the runs to train (index, reason, score, expected half-width
+    after), and the fit it rests on (interval of the optimum, point optimum, noise)."""
+
+    picks: list[dict[str, Any]]
+    interval: OptimumInterval | None
+    optimum: tuple[float, float] | None
+    noise: float | None
+    note: str
+
+
+def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law: str, options: Any,
+            k: int = 1, initial: str = "grid3", noise_floor: float = 0.002,
+            level: float = 0.9, min_resamples: int = 10, exclude: Sequence[int] = (),
+            max_cost: float = math.inf, anchors: Sequence[int] = ()) -> Proposal:
+    """The next ``k`` runs given the finished ones (``observed``: pool index -> loss), those in
+    flight (``pending``) and those never to propose (``exclude``, e.g. failed); runs dearer
+    than ``max_cost`` FLOPs (what is left of a budget) are not proposed. ``anchors``: size levels
+    whose box centre joins the initial design (a best-observed L_opt needs a run at the target
+    size). ``options``: the :class:`~archsearch.laws.fit.FitOptions` of the fit,
+    with the (small) bootstrap the ensemble needs."""
+    from archsearch.errors import ArchsearchError
+    from archsearch.laws.fit import fit_law
+    from archsearch.rundata import RunRecord
+
+    taken = set(observed) | set(pending) | set(exclude)
+    r = pool.X["x2"]
+    in_range = np.ones(len(pool), bool) if options.r_range is None else \
+        (r >= options.r_range[0]) & (r <= options.r_range[1])   # the fit would drop the others
+    available = np.array([i not in taken for i in range(len(pool))]) & in_range & (pool.flops <= max_cost)
+    sub = np.flatnonzero(in_range)
+    design = [int(sub[i]) for i in initial_design(pool.level[sub], pool.X["x1"][sub], r[sub], initial)]
+    why = {i: f"initial design ({initial} of the box at the smallest size)" for i in design}
+    for lv in anchors:
+        at = sub[pool.level[sub] == lv]
+        if at.size:
+            for i in initial_design(pool.level[at], pool.X["x1"][at], r[at], "centre"):
+                design.append(int(at[i]))
+                why.setdefault(int(at[i]), "initial design (box centre at the target size: the "
+                               "best-observed L_opt needs a run there)")
+    todo = [i for i in design if available[i]]
+    if todo:
+        return Proposal([{"index": i, "reason": why[i]} for i in todo[:k]], None, None, None, "initial design")
+    if not available.any():
+        return Proposal([], None, None, None, "no candidate left (trained, in flight, or over the budget)")
+
+    def fill(note):
+        picks, avail, obs = [], available.copy(), np.zeros(len(pool), bool)
+        obs[list(taken)] = True
+        for _ in range(min(k, int(avail.sum()))):
+            i = space_filling(pool.log_coords()[:, 1:], obs, pool.flops, avail)
+            picks.append({"index": i, "reason": f"space-filling: {note}"})
+            avail[i], obs[i] = False, True
+        return Proposal(picks, None, None, None, note)
+
+    idx = sorted(observed)
+    runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(observed[i]),
+                                run_id=f"c{i}") for i in idx]
+    try:
+        fit = fit_law(runs, law, options)
+    except ArchsearchError as e:
+        return fill(f"no law can be fitted yet ({e})")
+    coefs = [dict(zip(fit.bootstrap["names"], row)) for row in (fit.bootstrap or {}).get("coefficients", [])]
+    log_opt, keep = bootstrap_optima(coefs)
+    if keep.size < min_resamples:
+        return fill(f"only {keep.size} of {len(coefs)} bootstrap fits have an interior optimum")
+    interval = optimum_interval(log_opt, level)
+    c = fit.coefficients
+    point = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+    # L_opt is common to the resamples unless a Chinchilla reference is refitted per resample;
+    # a common L_opt only shifts log predictions, so leaving it out keeps every covariance
+    try:
+        pred = fit.bootstrap_predictions(pool.X)
+    except ArchsearchError:
+        pred = fit.bootstrap_predictions({**pool.X, "Lref": np.ones(len(pool))})
+    log_pred = np.log(np.maximum(pred[keep], 1e-12))
+    X, L = {k2: v[idx] for k2, v in pool.X.items()}, np.array([observed[i] for i in idx])
+    res = np.log(fit.predict_arrays(X)) - np.log(L)
+    noise = noise_variance(res, 5, noise_floor)
+    picks = acquire(log_opt, log_pred, pool.flops, noise, available, [i for i in pending if i not in observed],
+                    k, interval.width)
+    return Proposal([{"index": p.index, "reason": "largest expected shrinkage of the optimum's interval per FLOP",
+                      "variance_reduction": p.variance_reduction, "score_per_flop": p.score,
+                      "expected_half_width_after": p.expected_width_after} for p in picks],
+                    interval, point if None not in point else None, math.sqrt(noise),
+                    f"fit on {len(idx)} runs, {keep.size} usable resamples")

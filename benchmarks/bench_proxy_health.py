@@ -1,0 +1,86 @@
+"""Proxy-health benchmark: trials (trainings) needed to reach a compliant sweep by
+scaling-law-guided retuning versus a full learning-rate x batch-size grid, at demo scale on
+the real corpus (two N levels, one shape family, a deliberately low starting learning rate).
+
+Retuning: one sweep with ``health`` on; trials = runs + retrain attempts. Grid: every
+(lr, batch) of the same bounds trained at every level; trials = grid size x levels, and the
+grid counts as reaching a compliant sweep when some choice per level passes every check.
+Prints one JSON object; ``--out`` also writes it (with provenance) and keeps the sweeps.
+
+    python benchmarks/bench_proxy_health.py [--out results/proxy-health]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PARAMS = [3e4, 6e4]
+START = {"lr": 3e-4, "global_batch_size": 8}
+LRS = [3e-4, 1.2e-3, 4.8e-3]  # the grid spans the retuning bounds: LR up to the ceiling
+BATCHES = [8, 4]               # and batch down to the floor
+TOKENS = 32 * 8 * 64
+
+
+def _cfg(name, params, lr, batch, health=None):
+    from trainers.config import DataConfig, SweepBuild, SweepConfig, TrainConfig
+
+    return SweepConfig(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
+                       gqa=2, head_dim=32, build=SweepBuild(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
+                       train=TrainConfig(tokens=TOKENS, global_batch_size=batch, lr=lr, eval_batches=4,
+                                         eval_interval=8),
+                       data=DataConfig(source="shakespeare", tokenizer="bpe:2048", seq_len=64), health=health)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tolerance", type=float, default=0.02)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    from archsearch.provenance import provenance
+    from trainers import run_sweep
+    from trainers.config import HealthConfig
+    from trainers.health import curve_violation, size_violation
+
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="proxy-health-"))
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    hc = HealthConfig(min_batch=min(BATCHES), max_lr=max(LRS), retries=4, tolerance=args.tolerance)
+    run_sweep(_cfg("retune", PARAMS, START["lr"], START["global_batch_size"], hc), out / "retune", progress=False)
+    h = json.loads((out / "retune" / "sweep.json").read_text())["health"]
+    retune = {"trials": len(PARAMS) + h["retrain_attempts"], "compliant_sweep": h["non_compliant"] == 0,
+              "health": h, "attempts": [json.loads(x) for x in (out / "retune" / "health.jsonl").read_text().splitlines()],
+              "seconds": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    grid = {}
+    for lr, b in itertools.product(LRS, BATCHES):
+        for level, n in enumerate(PARAMS):
+            d = out / "grid" / f"lr{lr:g}-b{b}-L{level}"
+            run_sweep(_cfg("grid", [n], lr, b), d, progress=False)
+            (rec,) = [json.loads(p.read_text()) for p in (d / "runs").glob("*/run.json")]
+            grid[(lr, b, level)] = rec
+    ok_pairs = [(c0, c1) for c0 in itertools.product(LRS, BATCHES) for c1 in itertools.product(LRS, BATCHES)
+                if all(grid[(*c, lv)]["status"] == "ok" and curve_violation(grid[(*c, lv)], args.tolerance) is None
+                       for c, lv in ((c0, 0), (c1, 1)))
+                and size_violation(grid[(*c0, 0)], grid[(*c1, 1)], args.tolerance) is None]
+    result = {"benchmark": "proxy_health", "levels": PARAMS, "start": START, "tokens": TOKENS,
+              "tolerance": args.tolerance, "retune": retune,
+              "grid": {"lrs": LRS, "batches": BATCHES, "trials": len(grid),
+                       "compliant_sweep": bool(ok_pairs), "compliant_choices": len(ok_pairs),
+                       "losses": {f"lr{k[0]:g}-b{k[1]}-L{k[2]}": v.get("final_eval_loss") for k, v in grid.items()},
+                       "seconds": time.perf_counter() - t1},
+              "load_avg_before": load0, "load_avg_after": os.getloadavg(), "provenance": provenance()}
+    if args.out:
+        (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

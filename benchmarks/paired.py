@@ -1,0 +1,259 @@
+"""Paired, interleaved measurement: shapes compared in the same time window.
+
+On a shared machine the load drifts by 2x within minutes, so two throughputs measured minutes
+apart compare the load, not the shapes. Here every shape of a group (the reference first)
+gets its engine started once in ONE child process and kept resident; then rounds run: in each
+round every engine generates one timed static batch of fresh prompts, in an order that
+reverses every round (A B, B A, ...) so a linear drift cancels within two rounds. Each
+round gives one paired ratio per shape (its throughput over the reference's in that round);
+the estimate is the geometric mean of the per-round ratios with a Student-t interval on their
+logs. Rounds go on until every ratio's interval half-width (relative) is under
+``rel_halfwidth`` or ``max_rounds`` is spent (sequential stopping; the stopping rule makes
+the nominal level slightly optimistic, which the test-retest benchmark checks).
+
+Only engines that run isolated (vLLM, SGLang, transformers) are measured this way; the
+analytic roofline is deterministic and its ratio has a zero-width interval.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archsearch.arch import ArchSpec, describe, write_hf_config
+from archsearch.errors import ArchsearchError
+from archsearch.provenance import provenance
+from benchmarks.base import BACKENDS, BenchSettings, Report, get_backend, load_backend, mean, std
+
+
+@dataclass(frozen=True)
+class PairedSettings:
+    """How long to compare: at least ``min_rounds`` rounds, at most ``max_rounds``, stopping
+    once every ratio's ``level`` interval is within ``rel_halfwidth`` of it."""
+
+    level: float = 0.9
+    rel_halfwidth: float = 0.03
+    min_rounds: int = 4
+    max_rounds: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0.5 <= self.level < 1:
+            raise ArchsearchError("level", f"must be in [0.5, 1), got {self.level}", "e.g. 0.9")
+        if not 0 < self.rel_halfwidth < 1:
+            raise ArchsearchError("rel_halfwidth", f"must be in (0, 1), got {self.rel_halfwidth}",
+                                  "e.g. 0.03 (stop at a +-3% interval)")
+        if not 2 <= self.min_rounds <= self.max_rounds:
+            raise ArchsearchError("min_rounds", f"need 2 <= min_rounds <= max_rounds, got "
+                                  f"{self.min_rounds} and {self.max_rounds}")
+
+
+@dataclass(frozen=True)
+class RatioEstimate:
+    """Throughput of a shape over the reference's: geometric mean of paired per-round ratios
+    and its two-sided ``level`` interval."""
+
+    ratio: float
+    lo: float
+    hi: float
+    level: float
+    n: int
+
+    @property
+    def rel_halfwidth(self) -> float:
+        return (self.hi - self.lo) / 2 / self.ratio
+
+    @property
+    def faster(self) -> bool:
+        """Significantly faster than the reference (interval above 1)."""
+        return self.lo > 1.0
+
+    @property
+    def slower(self) -> bool:
+        """Significantly slower than the reference (interval below 1)."""
+        return self.hi < 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "significantly_faster": self.faster, "significantly_slower": self.slower}
+
+
+def ratio_estimate(ref: list[float], other: list[float], level: float = 0.9) -> RatioEstimate:
+    """Paired ratio of ``other`` over ``ref`` (same-round throughputs) with a t interval on
+    the per-round log ratios. Identical pairs give a zero-width interval."""
+    from scipy import stats
+
+    if len(ref) != len(other) or not ref:
+        raise ValueError("paired series must be non-empty and of equal length")
+    logs = [math.log(o / r) for r, o in zip(ref, other)]
+    m = sum(logs) / len(logs)
+    if len(logs) < 2:
+        return RatioEstimate(math.exp(m), 0.0, math.inf, level, len(logs))
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / (len(logs) - 1))
+    h = stats.t.ppf(0.5 + level / 2, len(logs) - 1) * sd / math.sqrt(len(logs))
+    return RatioEstimate(math.exp(m), math.exp(m - h), math.exp(m + h), level, len(logs))
+
+
+@dataclass
+class PairedResult:
+    """Per-round output throughputs (rounds x shapes, shape 0 the reference) and what the
+    child recorded. ``ok`` is False when fewer than two rounds finished."""
+
+    specs: list[dict[str, Any]]
+    rounds: list[list[float]]
+    settings: dict[str, Any]
+    paired: dict[str, Any]
+    batch_size: int
+    ok: bool = True
+    error: str | None = None
+    stop_reason: str | None = None
+    ttft: list[float | None] = field(default_factory=list)
+    device: str | None = None
+    dtype: str | None = None
+    engines: list[dict[str, Any]] = field(default_factory=list)
+    timing: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    predicted: bool = False
+
+    def series(self, i: int) -> list[float]:
+        return [r[i] for r in self.rounds]
+
+    def estimate(self, i: int, ref: int = 0) -> RatioEstimate:
+        """Shape ``i`` over shape ``ref`` (any two shapes of the group are paired)."""
+        return ratio_estimate(self.series(ref), self.series(i), self.paired["level"])
+
+    def throughput(self, i: int) -> float | None:
+        return mean(self.series(i)) if self.rounds else None
+
+    def batch_entry(self, i: int) -> dict[str, Any]:
+        """A ``BatchResult``-shaped dict for shape ``i`` (what limits and reports read)."""
+        xs = self.series(i)
+        return {"batch_size": self.batch_size, "ok": self.ok and bool(xs), "error": self.error,
+                "output_throughput": mean(xs), "output_throughput_std": std(xs),
+                "ttft_mean": self.ttft[i] if i < len(self.ttft) else None, "repeats": len(xs)}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.ok:
+            d["ratios"] = [self.estimate(i).to_dict() for i in range(len(self.specs))]
+        return d
+
+
+def _stop(rounds: list[list[float]], p: PairedSettings) -> str | None:
+    n = len(rounds)
+    if n >= p.min_rounds:
+        worst = max(ratio_estimate([r[0] for r in rounds], [r[i] for r in rounds], p.level).rel_halfwidth
+                    for i in range(1, len(rounds[0])))
+        if worst <= p.rel_halfwidth:
+            return f"every {p.level:.0%} interval within +-{p.rel_halfwidth:.1%} after {n} rounds"
+    if n >= p.max_rounds:
+        return f"round budget spent ({p.max_rounds} rounds)"
+    return None
+
+
+class PairedRunner:
+    """Runs in the isolated child: opens every shape's engine session, then interleaved rounds."""
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        from benchmarks.loop import PromptSource
+
+        s, p = job["settings"], PairedSettings(**job["paired"])
+        b = job["batch_size"]
+        backend = load_backend(job["inner_backend_class"])
+        def quiet(_partial: dict) -> None:  # the group reports once per round instead
+            pass
+        sessions = []
+        for arch, model_dir in zip(job["archs"], job["model_dirs"]):
+            sub = {**job, "arch": arch, "model_dir": model_dir, "batch_sizes": [b]}
+            sessions.append(backend.open(sub, quiet))
+        vocab = min(x.vocab_size for x in sessions)
+        prompts = PromptSource(vocab, s["input_len"], s["seed"])
+        head = {"device": sessions[0].device, "dtype": sessions[0].dtype,
+                "engines": [x.engine for x in sessions], "timing": {"engine_start_s": [
+                    x.timing.get("engine_start_s") for x in sessions]}}
+        for x in sessions:
+            for _ in range(s["warmup"]):
+                x.generate(prompts.batch(b))
+        rounds: list[list[float]] = []
+        ttfts: list[list[float]] = [[] for _ in sessions]
+        t0 = time.perf_counter()
+        while True:
+            order = list(range(len(sessions)))
+            if len(rounds) % 2:
+                order.reverse()
+            row = [0.0] * len(sessions)
+            for i in order:
+                batch = prompts.batch(b)
+                t = time.perf_counter()
+                timings = sessions[i].generate(batch)
+                wall = time.perf_counter() - t
+                n_out = sum(x.n_output for x in timings)
+                if len(timings) != b or n_out != b * s["output_len"]:
+                    raise RuntimeError(f"engine produced {n_out} tokens for {len(timings)} requests, "
+                                       f"expected {b} x {s['output_len']}")
+                row[i] = n_out / wall
+                ttfts[i] += [x.ttft for x in timings if x.ttft is not None]
+            rounds.append(row)
+            why = _stop(rounds, p)
+            report({**head, "rounds": rounds, "ttft": [mean(t) for t in ttfts]})
+            if why:
+                break
+        head["timing"]["rounds_s"] = time.perf_counter() - t0
+        return {**head, "rounds": rounds, "ttft": [mean(t) for t in ttfts], "stop_reason": why}
+
+
+def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: PairedSettings,
+                   batch_size: int, log_path: str | Path | None = None,
+                   backend_class: str | None = None) -> PairedResult:
+    """Compare ``specs`` (the first is the reference) at ``batch_size`` with paired,
+    interleaved rounds in one engine process. Failures come back as ``ok=False``."""
+    from benchmarks.measure import check_lengths
+
+    if len(specs) < 2:
+        raise ArchsearchError("specs", "paired measurement needs a reference and at least one shape")
+    for sp in specs:
+        check_lengths(sp, settings)
+    backend = get_backend(settings.backend)
+    backend.check_available()
+    res = PairedResult(specs=[sp.to_dict() for sp in specs], rounds=[], settings=settings.to_dict(),
+                       paired=asdict(paired), batch_size=batch_size)
+    if not backend.isolated:  # a prediction: deterministic, one "round" repeated
+        from benchmarks.measure import measure
+
+        tp = [measure(sp, BenchSettings.from_dict({**settings.to_dict(), "batch_sizes": [batch_size]}))
+              .throughput(batch_size) for sp in specs]
+        if any(t is None for t in tp):
+            res.ok, res.error = False, "the prediction failed for a shape of the group"
+        else:
+            res.rounds, res.predicted = [tp, tp], True
+            res.stop_reason = "analytic prediction (deterministic)"
+        res.provenance = provenance(extra_packages=backend.packages)
+        return res
+    from benchmarks.isolate import run_isolated
+
+    with tempfile.TemporaryDirectory(prefix="archsearch-paired-") as tmp:
+        dirs = []
+        for i, sp in enumerate(specs):
+            d = Path(tmp) / f"m{i}"
+            write_hf_config(sp, d, "float32" if settings.dtype == "auto" else settings.dtype)
+            dirs.append(str(d))
+        job = {"backend": settings.backend, "backend_class": "benchmarks.paired:PairedRunner",
+               "inner_backend_class": backend_class or BACKENDS[settings.backend],
+               "archs": [sp.to_dict() for sp in specs], "model_dirs": dirs, "real_weights": False,
+               "settings": settings.to_dict(), "paired": asdict(paired), "batch_size": batch_size}
+        out = run_isolated(job, settings.timeout_s * len(specs), log_path=log_path)
+    r = out.result
+    res.rounds = r.get("rounds") or []
+    res.ttft = r.get("ttft") or []
+    res.device, res.dtype = r.get("device"), r.get("dtype")
+    res.engines, res.timing = r.get("engines") or [], {**(r.get("timing") or {}), "wall_s": out.wall_s}
+    res.stop_reason = r.get("stop_reason")
+    if not out.ok:
+        res.error = out.error
+        res.stop_reason = f"stopped early: {out.error}"
+    res.ok = len(res.rounds) >= 2
+    res.provenance = provenance(extra_packages=backend.packages)
+    res.provenance["architectures"] = [describe(sp, res.dtype or "float32") for sp in specs]
+    return res

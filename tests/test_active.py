@@ -1,0 +1,297 @@
+"""The active proxy plan (issue 16): the acquisition math, one planning step on a known law,
+the config, and the driver's claims (a killed worker's run is proposed again; another worker's
+run in flight is not). The driver tests replace training with the known law (the trainer
+itself is tested in test_train.py); the plan trains for real in the demo study
+(configs/demo-cpu-active.yaml) and benchmarks/bench_active_proxies.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from archsearch.errors import ArchsearchError
+from archsearch.laws import active
+
+
+def test_acquire_picks_the_informative_run_and_its_reduction_is_the_gaussian_one():
+    rng = np.random.default_rng(0)
+    B = 4000
+    t = rng.standard_normal((B, 2))
+    y_good = t[:, 0] + 0.1 * rng.standard_normal(B)        # tells about log x1*
+    y_none = rng.standard_normal(B)                         # tells nothing
+    pred = np.stack([y_none, y_good], axis=1)
+    picks = active.acquire(t, pred, np.ones(2), 0.01, np.array([True, True]))
+    assert picks[0].index == 1
+    # Var(t0) = 1 (weight 1/1), Cov(t0, y) = 1, Var(y) = 1.01: reduction 1/(1.01 + 0.01)
+    assert picks[0].variance_reduction == pytest.approx(1 / 1.02, rel=0.08)
+
+
+def test_acquire_weighs_cost_and_conditions_on_runs_in_flight():
+    rng = np.random.default_rng(1)
+    B = 2000
+    t = rng.standard_normal((B, 2))
+    y1 = t[:, 0] + 0.1 * rng.standard_normal(B)
+    y2 = t[:, 1] + 0.1 * rng.standard_normal(B)
+    pred = np.stack([y1, y1 + 1e-3 * rng.standard_normal(B), y2], axis=1)  # 0 and 1: the same information
+    # equal information, cost decides
+    p = active.acquire(t, pred, np.array([4.0, 1.0, 4.0]), 0.01, np.ones(3, bool))
+    assert p[0].index == 1
+    # a batch of two never takes both copies: after one, the other tells nothing new
+    p = active.acquire(t, pred, np.ones(3), 0.01, np.ones(3, bool), k=2)
+    assert {q.index for q in p} in ({0, 2}, {1, 2})
+    # with run 0 in flight (another worker), its copy is worth nothing: run 2 is next
+    p = active.acquire(t, pred, np.ones(3), 0.01, np.ones(3, bool), pending=[0])
+    assert p[0].index == 2
+
+
+def test_interval_half_widths_and_bootstrap_optima():
+    coefs = [{"a1": 0.1, "a2": 0.1 * x, "b1": 0.01, "b2": 0.01 * r} for x, r in
+             [(0.08, 1.0), (0.09, 1.2), (0.085, 1.1), (0.082, 0.9)]]
+    coefs.append({"a1": -0.1, "a2": 0.01, "b1": 0.01, "b2": 0.01})  # not U-shaped: left out
+    log_opt, keep = active.bootstrap_optima(coefs)
+    assert keep.tolist() == [0, 1, 2, 3]
+    iv = active.optimum_interval(log_opt, level=0.999999)
+    assert iv.hidden_over_sqrt_n == pytest.approx((0.08, 0.09), rel=1e-4)
+    assert iv.half_widths[1] == pytest.approx(0.5 * math.log(1.2 / 0.9), rel=1e-4)
+    assert iv.width == max(iv.half_widths)
+
+
+def test_initial_design_and_space_filling():
+    lv = np.array([0] * 9 + [1])
+    x1 = np.array([a for a in (0.05, 0.1, 0.2) for _ in range(3)] + [0.1])
+    r = np.array([0.5, 1.0, 2.0] * 3 + [1.0])
+    cc = active.initial_design(lv, x1, r, "corners-centre")
+    assert sorted(cc.tolist()) == [0, 2, 4, 6, 8]
+    assert sorted(active.initial_design(lv, x1, r, "grid3").tolist()) == list(range(9))
+    obs = np.zeros(10, bool)
+    obs[0] = True
+    cost = np.array([1.0] * 9 + [50.0])
+    i = active.space_filling(np.log(np.stack([x1, r], 1)), obs, cost, ~obs)
+    assert i == 8  # the far corner, at the cheap size
+
+
+def _pool_and_truth(sizes=(2e6, 4e6)):
+    from archsearch.candidates import BuildSettings, build_candidate
+    from archsearch.laws import forms
+    from archsearch.laws.synthetic import TRUE_CHINCHILLA
+
+    st = BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.05)
+    specs, toks, lev = [], [], []
+    for li, n in enumerate(sizes):
+        for x1 in np.geomspace(0.05, 0.2, 4):
+            for r in np.geomspace(0.6, 4.5, 4):
+                try:
+                    s = build_candidate(n, 4, x1, r, gqa=2, head_dim=32, settings=st).spec
+                except ArchsearchError:
+                    continue
+                if s not in specs:
+                    specs.append(s)
+                    toks.append(20 * n)
+                    lev.append(li)
+    pool = active.Pool.of(specs, toks, lev)
+    truth = {"a0": 1.0, "a1": 0.05, "a2": 0.005, "b0": 0.98, "b1": 0.02, "b2": 0.03}
+    X = dict(pool.X, Lref=forms.predict("chinchilla", TRUE_CHINCHILLA, pool.X))
+    return pool, forms.predict("conditional-multiplicative", truth, X)
+
+
+def test_propose_initial_design_then_acquisition():
+    from archsearch.laws import FitOptions
+
+    pool, loss = _pool_and_truth()
+    opts = FitOptions(reference="best-observed", bootstrap=16, n_starts=2)
+    p = active.propose(pool, {}, [], "conditional-multiplicative", opts, k=20)
+    design = [q["index"] for q in p.picks]
+    assert len(design) == 9 and all(pool.level[i] == 0 for i in design)
+    assert all(q["reason"].startswith("initial design") for q in p.picks)
+    # a best-observed L_opt needs a run at the target size: its box centre joins the design
+    pa = active.propose(pool, {}, [], "conditional-multiplicative", opts, k=20, anchors=[1])
+    assert [q["index"] for q in pa.picks][:9] == design and len(pa.picks) == 10
+    assert pool.level[pa.picks[-1]["index"]] == 1 and "target size" in pa.picks[-1]["reason"]
+    rng = np.random.default_rng(0)
+    observed = {i: loss[i] * math.exp(0.002 * rng.standard_normal()) for i in design}
+    p = active.propose(pool, observed, [], "conditional-multiplicative", opts, k=2)
+    assert p.interval is not None and p.optimum is not None
+    assert len(p.picks) == 2 and not {q["index"] for q in p.picks} & set(observed)
+    assert all(q["reason"].startswith("largest expected shrinkage") for q in p.picks)
+    assert p.picks[0]["expected_half_width_after"] <= p.interval.width + 1e-12
+
+
+@pytest.mark.parametrize("over, field", [
+    ({"plan": "smart"}, "proxy.plan"),
+    ({"plan": "active", "active": {"tolerance": 0}}, "proxy.active.tolerance"),
+    ({"plan": "active", "active": {"initial": "corners"}}, "proxy.active.initial"),
+    ({"plan": "active", "active": {"budget_flops": -1}}, "proxy.active.budget_flops"),
+    ({"plan": "active", "active": {"batch_size": 0}}, "proxy.active.batch_size"),
+    ({"plan": "active", "active": {"bootstrap": 3}}, "proxy.active.bootstrap"),
+    ({"plan": "active", "active": {"tolernce": 0.1}}, "proxy.active.tolernce"),
+])
+def test_active_config_errors_name_the_field(over, field):
+    from archsearch.configio import from_dict
+    from archsearch.search.config import ProxyConfig
+
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(ProxyConfig, {"sweep": {"name": "s"}, **over}, where="proxy")
+    assert field in str(e.value)
+
+
+def test_active_plan_refuses_a_run_table():
+    from archsearch.search.config import ProxyConfig
+
+    with pytest.raises(ArchsearchError, match="proxy.plan"):
+        ProxyConfig(runs="runs.csv", plan="active")
+
+
+# -- the driver, with training replaced by the known law ---------------------------------------
+
+SWEEP = {"name": "s", "params": [2e6, 4e6], "n_layers": 4, "hidden_over_sqrt_n": [0.05, 0.1, 0.2],
+         "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,
+         "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05},
+         "train": {"tokens_per_param": 20}}
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    """Training that writes run.json with the known law's loss; records what it trained."""
+    from archsearch.arch import non_embedding_params
+    from archsearch.laws import forms
+    from archsearch.laws.fit import _spec_arrays
+    from archsearch.laws.synthetic import TRUE_CHINCHILLA
+    import trainers.data
+    import trainers.loop
+
+    truth = {"a0": 1.0, "a1": 0.05, "a2": 0.005, "b0": 0.98, "b1": 0.02, "b2": 0.03}
+    trained = []
+
+    def noise(run_id):  # 1% noise, the same for a run whatever the order (noise-free, the plan stops at once)
+        import hashlib
+
+        return np.random.default_rng(int(hashlib.sha256(run_id.encode()).hexdigest()[:8], 16)).standard_normal()
+
+    class Data:
+        vocab_size = 256
+
+    def train(spec, tc, data_cfg, out_dir, progress=True, data=None):
+        tokens = trainers.loop.token_budget(spec, tc)
+        X = _spec_arrays([spec], [tokens])
+        X["Lref"] = forms.predict("chinchilla", TRUE_CHINCHILLA, X)
+        rid = trainers.loop.run_id_for(spec, tokens, tc.seed)
+        trained.append(rid)
+        rec = {"run_id": rid, "status": "ok", "spec": spec.to_dict(), "tokens": tokens, "seed": tc.seed,
+               "n_params_non_embedding": non_embedding_params(spec),
+               "final_eval_loss": float(forms.predict("conditional-multiplicative", truth, X)[0]
+                                        * math.exp(0.01 * noise(rid)))}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "run.json").write_text(json.dumps(rec))
+        return rec
+
+    monkeypatch.setattr(trainers.data, "prepare_data", lambda *a, **k: Data())
+    monkeypatch.setattr(trainers.loop, "train", train)
+    return trained
+
+
+def _one_run_budget():
+    from archsearch.arch import training_flops
+    from archsearch.configio import from_dict
+    from trainers import SweepConfig
+    from trainers.active import build_pool
+
+    return 1.01 * max(training_flops(e["spec"], e["tokens"])
+                      for e in build_pool([from_dict(SweepConfig, SWEEP)], 256) if e["level"] == 0)
+
+
+def _run(tmp_path, **active_over):
+    from archsearch.configio import from_dict
+    from archsearch.laws import FitOptions
+    from archsearch.search.config import ActiveProxyConfig
+    from trainers import SweepConfig
+    from trainers.active import run_active
+
+    sweep = from_dict(SweepConfig, SWEEP)
+    cfg = ActiveProxyConfig(**{"bootstrap": 24, "tolerance": 0.02, **active_over})
+    return run_active([sweep], "conditional-multiplicative", FitOptions(reference="best-observed", n_starts=2),
+                      cfg, tmp_path / "proxies" / "active", progress=False)
+
+
+def _events(tmp_path):
+    return [json.loads(x) for x in (tmp_path / "proxies" / "active" / "decisions.jsonl").read_text().splitlines()]
+
+
+def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
+    from archsearch.arch import training_flops
+    from archsearch.configio import from_dict
+    from trainers import SweepConfig
+    from trainers.active import build_pool
+
+    pool = build_pool([from_dict(SweepConfig, SWEEP)], 256)
+    # every small run (tiny shapes snap: the initial design takes them all), then room for one large
+    small = [training_flops(e["spec"], e["tokens"]) for e in pool if e["level"] == 0]
+    large = min(training_flops(e["spec"], e["tokens"]) for e in pool if e["level"] == 1)
+    budget = sum(small) + 3.5 * large
+    rows = _run(tmp_path, budget_flops=budget)
+    ev = _events(tmp_path)
+    props = [e for e in ev if e["event"] == "propose"]
+    assert len(props) == len(small) + 3 and len(rows) == len(props) == len(fake_training)
+    assert sum(p["flops"] for p in props) <= budget
+    assert all(p["reason"] for p in props)
+    assert all(p["reason"].startswith("initial design") for p in props[:len(small)])
+    assert props[0]["interval_before"] is None and props[-1]["interval_before"] is not None
+    assert props[-1]["reason"].startswith("largest expected shrinkage")
+    assert ev[-1]["event"] == "stop" and "budget" in ev[-1]["reason"]
+    assert any(e["event"] == "fit" and e["interval"]["half_width_hidden_over_sqrt_n"] > 0 for e in ev)
+    # the report's section and plot: each decision with its interval before and after its run
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+
+    plan = active_plan_summary(tmp_path)
+    assert plan["runs"] == len(props) and plan["grid_runs"] == len(pool)  # no run proposed twice here
+    assert plan["flops"] <= budget < plan["grid_flops"]
+    d = plan["decisions"]
+    assert d[0]["half_width_before"] is None and d[-1]["half_width_before"] is not None
+    assert all(x["half_width_after"] is not None for x in d[:-1])  # the last run's fit is the stop's
+    md = "\n".join(_active_markdown(plan))
+    assert "## Proxy plan: active" in md and "compute budget" in md and md.count("| initial design") == len(small)
+    (tmp_path / "plots").mkdir()
+    assert _active_plot(plan, tmp_path / "plots", plt) == ["plots/active_proxies.png"]
+    assert (tmp_path / "plots" / "active_proxies.png").stat().st_size > 10_000
+    # a rerun resumes: nothing is trained again, the stop is not logged twice
+    n = len(fake_training)
+    _run(tmp_path, budget_flops=budget)
+    assert len(fake_training) == n and sum(e["event"] == "stop" for e in _events(tmp_path)) == 1
+
+
+def test_driver_reproposes_a_dead_workers_run_and_skips_a_live_ones(tmp_path, fake_training):
+    from trainers.active import _Claims
+
+    # first pass: learn the order of the initial design
+    _run(tmp_path / "a", budget_flops=_one_run_budget())
+    first = [e["run_id"] for e in _events(tmp_path / "a") if e["event"] == "propose"][0]
+    fake_training.clear()
+    out = tmp_path / "b" / "proxies" / "active"
+    # a dead worker left the claim file of the first run (nobody holds its lock)
+    (out / "claims").mkdir(parents=True)
+    (out / "claims" / f"{first}.lock").write_text("otherhost:1\n")
+    _run(tmp_path / "b", budget_flops=_one_run_budget())
+    p = [e for e in _events(tmp_path / "b") if e["event"] == "propose"]
+    assert p[0]["run_id"] == first and "proposed again" in p[0]["reason"]
+    # a live worker holds the first run: this one takes another
+    import threading
+
+    fake_training.clear()
+    other = _Claims(tmp_path / "c" / "proxies" / "active")
+    other.take(first)
+    # the other worker "dies" after a while; this one waits for runs in flight before stopping
+    timer = threading.Timer(3.0, other.release, [first])
+    timer.start()
+    try:
+        _run(tmp_path / "c", budget_flops=2 * _one_run_budget(), batch_size=1)
+    finally:
+        timer.join()
+    # another run first; the first one only once its worker is gone
+    assert len(fake_training) == 2 and fake_training[0] != first and fake_training[1] == first

@@ -1,0 +1,450 @@
+"""The bad-input table: malformed, absurd and edge inputs over every subcommand and config field.
+
+Each case runs ``archsearch ARGV`` in-process in a folder holding valid fixture files and
+asserts what the README promises: exit status 2, one line on stderr that names the field,
+no traceback, within seconds (absurd sizes are refused by arithmetic, not by running out of
+time), and nothing in the folder created, changed or removed. To add a case, add a row: the
+argument list (``{d}`` is the fixture folder) and a fragment the error line must contain.
+Config cases name a fixture config and the dotted keys to change in it.
+
+``python tests/test_bad_inputs.py`` prints the count (the README's figure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+LAW = {"law": "conditional-multiplicative",
+       "coefficients": {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04},
+       "reference": {"law": "chinchilla",
+                     "coefficients": {"E": 1.8, "A": 400, "alpha": 0.34, "B": 410, "beta": 0.28}}}
+
+SWEEP = {"name": "s", "params": [100000], "n_layers": 2, "hidden_over_sqrt_n": [0.2],
+         "mlp_to_attn": [1.5], "gqa": 2, "head_dim": 32,
+         "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.15, "on_r_drift": "flag"},
+         "train": {"tokens_per_param": 1.5, "global_batch_size": 16, "lr": 3.0e-3},
+         "data": {"source": "shakespeare", "tokenizer": "bpe:2048", "seq_len": 128}}
+
+STUDY = {"name": "st", "params": 200000, "tokens": 300000, "n_layers": 2, "vocab_size": 2048,
+         "baseline": {"hidden_over_sqrt_n": 0.2, "mlp_to_attn": 3.0, "gqa": 2},
+         "search_space": {"hidden_over_sqrt_n": [0.1, 0.4], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2],
+                          "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.15, "on_r_drift": "flag"}},
+         "law": {"file": "law.json"},
+         "measure": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64},
+         "optuna": {"n_trials": 2, "enqueue_solution": 1},
+         "gqa_search": {"enabled": True, "baseline_gqa": 2}}
+
+TRAIN = {"train": {"tokens": 20000, "global_batch_size": 8, "lr": 3.0e-3},
+         "data": {"source": "shakespeare", "tokenizer": "bpe:2048", "seq_len": 64}}
+
+ARCH = ["--layers", "2", "--hidden-size", "128", "--heads", "4", "--kv-heads", "2", "--ffn", "256"]
+BUILD = ["arch", "build", "--params", "1e6", "--layers", "4", "--hidden-over-sqrt-n", "0.2",
+         "--mlp-to-attn", "2"]
+SOLVE = ["solve", "--law", "{d}/law.json", "--params", "2e5", "--tokens", "3e5", "--layers", "2"]
+FIT = ["fit", "--data", "{d}/runs.csv", "--law", "conditional-multiplicative",
+       "--reference", "best-observed", "--no-r-filter"]
+VALIDATE = ["validate", "--data", "{d}/runs.csv", "--law", "chinchilla"]
+BENCH = ["bench", "--backend", "analytic", *ARCH, "--batch-sizes", "1"]
+TRAIN_CMD = ["train", *ARCH, "--vocab-size", "2048", "--config", "{d}/train.yaml"]
+EST = ["estimate", "--arch", "llama-3.2-1b", "--tokens", "20B"]
+MEM = ["estimate", "memory", "--arch", "llama-3.2-1b"]
+
+# (case id, argv, fragment of the one error line: the field it names)
+CLI_CASES = [
+    # arch
+    ("describe-no-arch", ["arch", "describe"], "architecture"),
+    ("describe-unknown-preset", ["arch", "describe", "--preset", "nope"], "preset"),
+    ("describe-zero-heads", ["arch", "describe", "--layers", "2", "--hidden-size", "128", "--heads", "0",
+                             "--ffn", "256"], "heads"),
+    ("describe-neg-layers", ["arch", "describe", "--layers", "-2", "--hidden-size", "128", "--heads", "4",
+                             "--ffn", "256"], "layers"),
+    ("describe-arch-dir-empty", ["arch", "describe", "--arch", "{d}/adir"], "adir"),
+    ("describe-arch-broken-json", ["arch", "describe", "--arch", "{d}/broken.json"], "broken.json"),
+    ("describe-arch-list-json", ["arch", "describe", "--arch", "{d}/list.json"], "list.json"),
+    ("describe-two-sources", ["arch", "describe", "--preset", "tiny", *ARCH], "--preset"),
+    ("describe-layers-text", ["arch", "describe", "--layers", "two"], "--layers"),
+    ("build-params-inf", [*BUILD[:3], "inf", *BUILD[4:]], "--params"),
+    ("build-params-nan", [*BUILD[:3], "nan", *BUILD[4:]], "--params"),
+    ("build-params-huge", [*BUILD[:3], "1e30", *BUILD[4:]], "--params"),
+    ("build-params-neg", [*BUILD[:3], "-1e6", *BUILD[4:]], "--params"),
+    ("build-params-zero", [*BUILD[:3], "0", *BUILD[4:]], "--params"),
+    ("build-params-tiny", [*BUILD[:3], "10", *BUILD[4:]], "params"),
+    ("build-params-text", [*BUILD[:3], "lots", *BUILD[4:]], "--params"),
+    ("build-layers-zero", [*BUILD[:5], "0", *BUILD[6:]], "--layers"),
+    ("build-layers-huge", [*BUILD[:5], "100000000", *BUILD[6:]], "--layers"),
+    ("build-ratio-inf", [*BUILD[:-1], "inf"], "--mlp-to-attn"),
+    ("build-ratio-neg", [*BUILD[:-1], "-2"], "--mlp-to-attn"),
+    ("build-x1-nan", [*BUILD[:7], "nan", *BUILD[8:]], "--hidden-over-sqrt-n"),
+    ("build-x1-zero", [*BUILD[:7], "0", *BUILD[8:]], "--hidden-over-sqrt-n"),
+    ("build-gqa-zero", [*BUILD, "--gqa", "0"], "--gqa"),
+    ("build-head-dim-neg", [*BUILD, "--head-dim", "-64"], "--head-dim"),
+    ("build-vocab-zero", [*BUILD, "--vocab-size", "0"], "--vocab-size"),
+    ("build-multiple-zero", [*BUILD, "--hidden-multiple", "0"], "--hidden-multiple"),
+    ("build-tolerance-neg", [*BUILD, "--tolerance", "-0.1"], "--tolerance"),
+    ("build-out-is-file", [*BUILD, "--out", "{d}/afile.txt"], "--out"),
+    ("build-out-under-file", [*BUILD, "--out", "{d}/afile.txt/sub"], "--out"),
+    ("build-unknown-flag", [*BUILD, "--frobnicate", "3"], "unrecognized"),
+    ("build-ambiguous-flag", [*BUILD, "--hidden", "3"], "--hidden"),
+    ("arch-no-subcommand-typo", ["arch", "buidl"], "invalid choice"),
+    # fit / validate
+    ("fit-data-missing", [*FIT[:2], "{d}/nope.csv", *FIT[3:], "--out", "{d}/new.json"], "--data"),
+    ("fit-data-dir", [*FIT[:2], "{d}/adir", *FIT[3:], "--out", "{d}/new.json"], "--data"),
+    ("fit-data-empty", [*FIT[:2], "{d}/empty.csv", *FIT[3:], "--out", "{d}/new.json"], "data"),
+    ("fit-data-txt", [*FIT[:2], "{d}/afile.txt", *FIT[3:], "--out", "{d}/new.json"], "--data"),
+    ("fit-jsonl-scalar-line", [*FIT[:2], "{d}/scalar.jsonl", *FIT[3:], "--out", "{d}/new.json"],
+     "scalar.jsonl"),
+    ("fit-jsonl-broken-line", [*FIT[:2], "{d}/broken.jsonl", *FIT[3:], "--out", "{d}/new.json"],
+     "broken.jsonl"),
+    ("fit-csv-nan-loss", [*FIT[:2], "{d}/nanloss.csv", *FIT[3:], "--out", "{d}/new.json"], "loss"),
+    ("fit-out-dir", [*FIT, "--out", "{d}/adir"], "--out"),
+    ("fit-out-under-file", [*FIT, "--out", "{d}/afile.txt/law.json"], "--out"),
+    ("fit-plots-file", [*FIT, "--out", "{d}/new.json", "--plots", "{d}/afile.txt"], "--plots"),
+    ("fit-starts-zero", [*FIT, "--out", "{d}/new.json", "--starts", "0"], "--starts"),
+    ("fit-bootstrap-neg", [*FIT, "--out", "{d}/new.json", "--bootstrap", "-1"], "--bootstrap"),
+    ("fit-bootstrap-huge", [*FIT, "--out", "{d}/new.json", "--bootstrap", "1000000000"], "--bootstrap"),
+    ("fit-jobs-zero", [*FIT, "--out", "{d}/new.json", "--jobs", "0"], "--jobs"),
+    ("fit-huber-nan", [*FIT, "--out", "{d}/new.json", "--huber-delta", "nan"], "--huber-delta"),
+    ("fit-huber-neg", [*FIT, "--out", "{d}/new.json", "--huber-delta", "-1"], "--huber-delta"),
+    ("fit-r-range-reversed", [*FIT[:-1], "--out", "{d}/new.json", "--r-range", "5", "0.5"], "r_range"),
+    ("fit-size-tol-neg", [*FIT, "--out", "{d}/new.json", "--size-tolerance", "-1"], "size_tolerance"),
+    ("fit-reference-law-missing", [*FIT, "--out", "{d}/new.json", "--reference-law", "{d}/nope.json"],
+     "nope.json"),
+    ("fit-law-unknown", [*FIT[:4], "kaplan", *FIT[5:], "--out", "{d}/new.json"], "--law"),
+    ("validate-out-dir", [*VALIDATE, "--out", "{d}/adir"], "--out"),
+    ("validate-out-under-file", [*VALIDATE, "--out", "{d}/afile.txt/t.csv"], "--out"),
+    ("validate-data-dir", ["validate", "--data", "{d}/adir", "--law", "chinchilla"], "--data"),
+    # solve
+    ("solve-law-missing", [*SOLVE[:2], "{d}/nope.json", *SOLVE[3:]], "nope.json"),
+    ("solve-law-dir", [*SOLVE[:2], "{d}/adir", *SOLVE[3:]], "adir"),
+    ("solve-law-broken", [*SOLVE[:2], "{d}/broken.json", *SOLVE[3:]], "broken.json"),
+    ("solve-law-list", [*SOLVE[:2], "{d}/list.json", *SOLVE[3:]], "list.json"),
+    ("solve-law-unknown-form", [*SOLVE[:2], "{d}/badform.json", *SOLVE[3:]], "badform.json"),
+    ("solve-params-huge", [*SOLVE[:4], "1e30", *SOLVE[5:]], "--params"),
+    ("solve-params-inf", [*SOLVE[:4], "inf", *SOLVE[5:]], "--params"),
+    ("solve-params-neg", [*SOLVE[:4], "-5", *SOLVE[5:]], "--params"),
+    ("solve-tokens-nan", [*SOLVE[:6], "nan", *SOLVE[7:]], "--tokens"),
+    ("solve-tokens-zero", [*SOLVE[:6], "0", *SOLVE[7:]], "--tokens"),
+    ("solve-layers-zero", [*SOLVE[:8], "0"], "--layers"),
+    ("solve-layers-neg", [*SOLVE[:8], "-3"], "--layers"),
+    ("solve-level-2", [*SOLVE, "--level", "2"], "--level"),
+    ("solve-level-nan", [*SOLVE, "--level", "nan"], "--level"),
+    ("solve-gqa-zero", [*SOLVE, "--gqa", "0"], "--gqa"),
+    ("solve-target-neg", [*SOLVE, "--target-loss", "-1"], "--target-loss"),
+    ("solve-tolerance-neg", [*SOLVE, "--tolerance", "-1"], "--tolerance"),
+    ("solve-tp-missing", [*SOLVE, "--throughput", "{d}/nope.jsonl"], "--throughput"),
+    ("solve-tp-broken-line", [*SOLVE, "--throughput", "{d}/broken.jsonl"], "--throughput"),
+    ("solve-tp-scalar-line", [*SOLVE, "--throughput", "{d}/scalar.jsonl"], "--throughput"),
+    ("solve-tp-nan", [*SOLVE, "--throughput", "{d}/nantp.jsonl"], "--throughput"),
+    ("solve-tp-neg", [*SOLVE, "--throughput", "{d}/negtp.jsonl"], "--throughput"),
+    ("solve-tp-dir", [*SOLVE, "--throughput", "{d}/adir"], "--throughput"),
+    # bench
+    ("bench-batch-zero", [*BENCH[:-1], "0"], "batch"),
+    ("bench-batch-huge", ["bench", "--backend", "hf", *ARCH, "--batch-sizes", "100000000"], "batch"),
+    ("bench-batch-text", [*BENCH[:-1], "a,b"], "--batch-sizes"),
+    ("bench-input-neg", [*BENCH, "--input-len", "-1"], "input_len"),
+    ("bench-input-huge", ["bench", "--backend", "vllm", *ARCH, "--input-len", "10000000000"], "input_len"),
+    ("bench-output-zero", [*BENCH, "--output-len", "0"], "output_len"),
+    ("bench-repeats-zero", [*BENCH, "--repeats", "0"], "repeats"),
+    ("bench-timeout-neg", [*BENCH, "--timeout", "-5"], "timeout"),
+    ("bench-timeout-nan", [*BENCH, "--timeout", "nan"], "--timeout"),
+    ("bench-engine-arg-bad", [*BENCH, "--engine-arg", "novalue"], "--engine-arg"),
+    ("bench-device-unknown", [*BENCH, "--device-spec", "Z9000"], "device"),
+    ("bench-out-dir", [*BENCH, "--out", "{d}/adir"], "--out"),
+    ("bench-log-dir", [*BENCH, "--log", "{d}/adir"], "--log"),
+    ("bench-out-under-file", [*BENCH, "--out", "{d}/afile.txt/r.jsonl"], "--out"),
+    ("bench-model-path-missing", ["bench", "--backend", "hf", "--model-path", "{d}/nope"], "--model-path"),
+    # train / sweep
+    ("train-tokens-huge", [*TRAIN_CMD, "--tokens", "1e15"], "tokens"),
+    ("train-tokens-neg", [*TRAIN_CMD, "--tokens", "-1"], "tokens"),
+    ("train-tokens-nan", [*TRAIN_CMD, "--tokens", "nan"], "--tokens"),
+    ("train-lr-huge", [*TRAIN_CMD, "--lr", "1e300"], "lr"),
+    ("train-lr-inf", [*TRAIN_CMD, "--lr", "inf"], "--lr"),
+    ("train-batch-zero", [*TRAIN_CMD, "--global-batch-size", "0"], "global_batch_size"),
+    ("train-micro-not-divisor", [*TRAIN_CMD, "--micro-batch-size", "3"], "micro_batch_size"),
+    ("train-seq-len-one", [*TRAIN_CMD, "--seq-len", "1"], "seq_len"),
+    ("train-seq-len-huge", [*TRAIN_CMD, "--seq-len", "1000000000"], "seq_len"),
+    ("train-hparams-unknown", [*TRAIN_CMD, "--hparams", "7t"], "hparams"),
+    ("train-data-missing", [*TRAIN_CMD, "--data", "{d}/nope.txt"], "data"),
+    ("train-config-missing", [*TRAIN_CMD[:-1], "{d}/nope.yaml"], "--config"),
+    ("train-config-broken", [*TRAIN_CMD[:-1], "{d}/broken.yaml"], "broken.yaml"),
+    ("train-config-scalar-section", [*TRAIN_CMD[:-1], "{d}/train-scalar.yaml"], "train"),
+    ("train-config-unknown-section", [*TRAIN_CMD[:-1], "{d}/train-unknown.yaml"], "unknown section"),
+    ("train-out-file", [*TRAIN_CMD, "--out", "{d}/afile.txt"], "--out"),
+    ("train-run-without-launch", [*TRAIN_CMD, "--run"], "--run"),
+    ("train-launch-no-out", [*TRAIN_CMD, "--launch", "--num-processes", "2"], "--out"),
+    ("sweep-config-missing", ["sweep", "--config", "{d}/nope.yaml"], "--config"),
+    ("sweep-config-dir", ["sweep", "--config", "{d}/adir"], "--config"),
+    ("sweep-config-empty", ["sweep", "--config", "{d}/empty.yaml"], "empty.yaml"),
+    ("sweep-out-file", ["sweep", "--config", "{d}/sweep.yaml", "--out", "{d}/afile.txt"], "--out"),
+    # search
+    ("search-config-missing", ["search", "--config", "{d}/nope.yaml"], "--config"),
+    ("search-config-broken", ["search", "--config", "{d}/broken.yaml"], "broken.yaml"),
+    ("search-config-list", ["search", "--config", "{d}/list.yaml"], "list.yaml"),
+    ("search-out-file", ["search", "--config", "{d}/study.yaml", "--out", "{d}/afile.txt"], "--out"),
+    ("search-stage-unknown", ["search", "--config", "{d}/study.yaml", "--only", "train,cook"], "--only"),
+    ("search-gpus-bad", ["search", "--config", "{d}/study.yaml", "--dry-run", "--gpus", "8xZ9"], "gpus"),
+    # eval / estimate
+    ("eval-model-missing", ["eval", "--model", "{d}/nope"], "--model"),
+    ("eval-no-model", ["eval"], "--model"),
+    ("eval-limit-neg", ["eval", "--model", "smollm2-135m", "--limit", "-3"], "--limit"),
+    ("eval-batch-zero", ["eval", "--model", "smollm2-135m", "--batch-size", "0"], "--batch-size"),
+    ("eval-out-dir", ["eval", "--model", "smollm2-135m", "--out", "{d}/adir"], "--out"),
+    ("eval-task-unknown", ["eval", "--model", "{d}/adir", "--tasks", "no_such_task_xyz"], "--model"),
+    ("estimate-tokens-neg", [*EST[:-1], "-1"], "--tokens"),
+    ("estimate-tokens-inf", [*EST[:-1], "inf"], "--tokens"),
+    ("estimate-gpus-bad", [*EST, "--gpus", "0xH100"], "gpus"),
+    ("estimate-gpus-unknown", [*EST, "--gpus", "8xZ9000"], "gpus"),
+    ("estimate-mfu-2", [*EST, "--mfu", "2"], "mfu"),
+    ("estimate-mfu-nan", [*EST, "--mfu", "nan"], "--mfu"),
+    ("estimate-tp-zero", [*EST, "--tp", "0"], "tp"),
+    ("estimate-price-neg", [*EST, "--price", "-1"], "price"),
+    ("estimate-arch-missing", ["estimate", "--arch", "{d}/nope", "--tokens", "1e9"], "arch"),
+    ("estimate-law-missing", [*EST, "--law", "{d}/nope.json"], "nope.json"),
+    ("estimate-fit-out-dir", ["estimate", "fit", "--data", "{d}/runs.csv", "--out", "{d}/adir"], "--out"),
+    ("estimate-memory-batch-zero", [*MEM, "--batch", "0"], "batch"),
+    ("estimate-memory-tp-zero", [*MEM, "--tp", "0"], "tp"),
+    ("top-unknown-command", ["frobnicate"], "invalid choice"),
+]
+
+# (case id, fixture config, {dotted key: new value; None deletes the key}, fragment)
+CONFIG_CASES = [
+    ("study-name-slash", "study", {"name": "a/b"}, "name"),
+    ("study-params-nan", "study", {"params": float("nan")}, "params"),
+    ("study-params-inf", "study", {"params": float("inf")}, "params"),
+    ("study-params-huge", "study", {"params": 1e30}, "params"),
+    ("study-params-str", "study", {"params": "lots"}, "params"),
+    ("study-tokens-neg", "study", {"tokens": -1}, "tokens"),
+    ("study-layers-zero", "study", {"n_layers": 0}, "n_layers"),
+    ("study-layers-float", "study", {"n_layers": 2.5}, "n_layers"),
+    ("study-unknown-key", "study", {"n_layer": 2}, "n_layer"),
+    ("study-section-scalar", "study", {"measure": 3}, "measure"),
+    ("study-section-list", "study", {"optuna": [1, 2]}, "optuna"),
+    ("study-baseline-none", "study", {"baseline": {}}, "baseline"),
+    ("study-baseline-gqa-zero", "study", {"baseline.gqa": 0}, "baseline.gqa"),
+    ("study-target-slack", "study", {"target": {"slack": 5}}, "target.slack"),
+    ("study-target-loss-nan", "study", {"target": {"loss": float("nan")}}, "target.loss"),
+    ("study-space-reversed", "study", {"search_space.mlp_to_attn": [5.0, 0.5]}, "search_space.mlp_to_attn"),
+    ("study-space-inf", "study", {"search_space.hidden_over_sqrt_n": [0.1, float("inf")]},
+     "search_space.hidden_over_sqrt_n"),
+    ("study-space-gqa-empty", "study", {"search_space.gqa": []}, "search_space.gqa"),
+    ("study-space-gqa-neg", "study", {"search_space.gqa": [2, -1]}, "search_space.gqa"),
+    ("study-space-step-neg", "study", {"search_space.mlp_to_attn_step": -0.5}, "search_space.mlp_to_attn_step"),
+    ("study-space-head-dim-zero", "study", {"search_space.head_dim": 0}, "search_space.head_dim"),
+    ("study-space-multiple-zero", "study", {"search_space.build.hidden_multiple": 0}, "search_space.build.hidden_multiple"),
+    ("study-space-tolerance-neg", "study", {"search_space.build.tolerance": -0.1}, "search_space.build.tolerance"),
+    ("study-proxy-runs-missing", "study", {"law.file": None, "proxy.runs": "nope.csv"}, "proxy.runs"),
+    ("study-proxy-two-ways", "study", {"proxy": {"runs": "runs.csv", "sweep": SWEEP}}, "proxy"),
+    ("study-proxy-sweep-bad", "study", {"law.file": None, "proxy": {"sweep": {**SWEEP, "params": [-1]}}},
+     "proxy.sweep"),
+    ("study-proxy-sweep-inf", "study", {"law.file": None, "proxy": {"sweep": {**SWEEP, "params": [float("inf")]}}},
+     "proxy.sweep"),
+    ("study-law-form", "study", {"law.form": "chinchilla"}, "law.form"),
+    ("study-law-bootstrap-neg", "study", {"law.bootstrap": -1}, "law.bootstrap"),
+    ("study-law-file-missing", "study", {"law.file": "nope.json"}, "law.file"),
+    ("study-measure-backend", "study", {"measure.backend": "tensorrt"}, "measure.backend"),
+    ("study-measure-batch-zero", "study", {"measure.batch_sizes": [0]}, "measure.batch"),
+    ("study-measure-batch-huge", "study", {"measure.backend": "hf", "measure.batch_sizes": [10 ** 9]}, "measure.batch"),
+    ("study-measure-timeout-neg", "study", {"measure.timeout_s": -1}, "measure.timeout"),
+    ("study-optuna-trials-zero", "study", {"optuna.n_trials": 0}, "optuna.n_trials"),
+    ("study-optuna-max-trials-neg", "study", {"optuna.max_trials": -3}, "optuna.max_trials"),
+    ("study-optuna-sampler", "study", {"optuna.sampler": "grid"}, "optuna.sampler"),
+    ("study-optuna-storage-bogus", "study", {"optuna.storage": "bogus://x"}, "optuna.storage"),
+    ("study-gqa-baseline-zero", "study", {"gqa_search.baseline_gqa": 0}, "gqa_search.baseline_gqa"),
+    ("study-limits-neg", "study", {"limits": {"max_ttft_s": -1}}, "limits.max_ttft_s"),
+    ("study-eval-limit-neg", "study", {"evaluation": {"limit": -1}}, "evaluation.limit"),
+    ("study-final-tokens-neg", "study", {"final_train": {"enabled": True, "tokens": -1}}, "final_train.tokens"),
+    ("study-out-dotdot", "study", {"out": "../../escape"}, "out"),
+    ("study-top-k-zero", "study", {"top_k": 0}, "top_k"),
+    ("sweep-params-inf", "sweep", {"params": [float("inf")]}, "params"),
+    ("sweep-params-huge", "sweep", {"params": [1e30]}, "sweep.params"),
+    ("sweep-params-str", "sweep", {"params": "many"}, "params"),
+    ("sweep-layers-zero", "sweep", {"n_layers": 0}, "sweep.n_layers"),
+    ("sweep-gqa-zero", "sweep", {"gqa": 0}, "sweep.gqa"),
+    ("sweep-head-dim-neg", "sweep", {"head_dim": -32}, "sweep.head_dim"),
+    ("sweep-seeds-empty", "sweep", {"seeds": []}, "sweep.seeds"),
+    ("sweep-train-lr-nan", "sweep", {"train.lr": float("nan")}, "train.lr"),
+    ("sweep-train-unknown", "sweep", {"train.learning_rate": 1e-3}, "train.learning_rate"),
+    ("sweep-data-seq-zero", "sweep", {"data.seq_len": 0}, "data.seq_len"),
+    ("sweep-build-tolerance-neg", "sweep", {"build.tolerance": -1}, "build.tolerance"),
+    ("sweep-build-multiple-zero", "sweep", {"build.ffn_multiple": 0}, "build.ffn_multiple"),
+    ("sweep-name-slash", "sweep", {"name": "../x"}, "sweep.name"),
+    ("train-config-tokens-huge", "train", {"train.tokens": 1e15}, "tokens"),
+    ("train-warmup-neg", "train", {"train.warmup_steps": -1}, "train.warmup_steps"),
+    ("train-betas-bad", "train", {"train.betas": [0.9, 1.5]}, "train.betas"),
+    ("train-data-val-frac", "train", {"data.val_fraction": 1.5}, "data.val_fraction"),
+    ("train-section-scalar", "train", {"data": 3}, "data"),
+]
+
+CONFIG_CMDS = {"study": ["search", "--config", "{d}/case.yaml"],
+               "sweep": ["sweep", "--config", "{d}/case.yaml"],
+               "train": [*TRAIN_CMD[:-1], "{d}/case.yaml"]}
+CONFIG_BASES = {"study": STUDY, "sweep": SWEEP, "train": TRAIN}
+
+
+def _make_fixtures(d: Path) -> None:
+    from archsearch.laws.synthetic import synthetic_runs
+    from archsearch.rundata import write_runs
+
+    runs = synthetic_runs("chinchilla", {"E": 1.8, "A": 400, "alpha": 0.34, "B": 410, "beta": 0.28},
+                          sizes=(2e5, 4e5, 8e5), tokens_per_param=(10, 20))
+    write_runs(d / "runs.csv", runs)
+    (d / "law.json").write_text(json.dumps(LAW))
+    (d / "badform.json").write_text(json.dumps({**LAW, "law": "kaplan"}))
+    (d / "broken.json").write_text('{"law": "chinch')
+    (d / "list.json").write_text("[1, 2]")
+    (d / "empty.csv").write_text("")
+    (d / "empty.yaml").write_text("")
+    (d / "afile.txt").write_text("not a folder\n")
+    (d / "adir").mkdir()
+    (d / "adir" / "keep.txt").write_text("keep\n")
+    good = json.dumps(runs[0].to_row())
+    (d / "scalar.jsonl").write_text(good + "\n42\n")
+    (d / "broken.jsonl").write_text(good + '\n{"n_layers": 2, "hidd\n' + good + "\n")
+    rows = list(__import__("csv").DictReader(open(d / "runs.csv")))
+    head = ",".join(rows[0])
+    (d / "nanloss.csv").write_text(head + "\n" + ",".join("nan" if k == "loss" else v for k, v in rows[0].items()) + "\n")
+    tp = {k: runs[0].to_row()[k] for k in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn")}
+    (d / "nantp.jsonl").write_text(json.dumps({**tp, "throughput": float("nan")}) + "\n")
+    (d / "negtp.jsonl").write_text(json.dumps({**tp, "throughput": -5.0}) + "\n")
+    (d / "broken.yaml").write_text("name: [unclosed\n")
+    (d / "list.yaml").write_text("- 1\n- 2\n")
+    (d / "study.yaml").write_text(yaml.safe_dump(STUDY))
+    (d / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
+    (d / "train.yaml").write_text(yaml.safe_dump(TRAIN))
+    (d / "train-scalar.yaml").write_text("train: 5\n")
+    (d / "train-unknown.yaml").write_text("optimizer: {lr: 1}\n")
+
+
+def _apply(base: dict, changes: dict) -> dict:
+    cfg = copy.deepcopy(base)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return cfg
+
+
+def _snapshot(d: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(d.rglob("*")):
+        rel = str(p.relative_to(d))
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
+
+class _Timeout(Exception):
+    pass
+
+
+def run_case(d: Path, argv: list[str], seconds: int = 30) -> tuple[int, str, str]:
+    """archsearch ARGV in-process in folder ``d``: (exit status, stdout, stderr)."""
+    from archsearch.cli import main
+
+    def on_alarm(*_):
+        raise _Timeout(f"still running after {seconds} s: {argv}")
+
+    argv = [a.replace("{d}", str(d)) for a in argv]
+    out, err = io.StringIO(), io.StringIO()
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    cwd = os.getcwd()
+    signal.alarm(seconds)
+    try:
+        os.chdir(d)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        os.chdir(cwd)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad-inputs")
+    _make_fixtures(d)
+    return d
+
+
+def _norm(text: str) -> str:
+    """A field as a flag or as a config key: '--huber-delta' and 'huber_delta' match."""
+    return text.lower().lstrip("-").replace("-", "_")
+
+
+def _check(d: Path, argv: list[str], fragment: str) -> None:
+    before = _snapshot(d)
+    rc, _, err = run_case(d, argv)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, f"exit {rc}, stderr: {err[-2000:]}"
+    assert "Traceback" not in err, err
+    assert len(lines) == 1, f"expected one line, got: {err!r}"
+    assert _norm(fragment) in _norm(lines[0]), f"{fragment!r} not named in: {lines[0]}"
+    assert _snapshot(d) == before, "the failed command changed the folder"
+
+
+@pytest.mark.parametrize("argv,fragment", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_cli_bad_input(fixtures, argv, fragment):
+    _check(fixtures, argv, fragment)
+
+
+@pytest.mark.parametrize("kind,changes,fragment", [c[1:] for c in CONFIG_CASES],
+                         ids=[c[0] for c in CONFIG_CASES])
+def test_config_bad_input(fixtures, kind, changes, fragment):
+    case = fixtures / "case.yaml"
+    case.write_text(yaml.safe_dump(_apply(CONFIG_BASES[kind], changes)))
+    try:
+        _check(fixtures, CONFIG_CMDS[kind], fragment)
+    finally:
+        case.unlink()
+
+
+def test_table_is_unique():
+    ids = [c[0] for c in CLI_CASES] + [c[0] for c in CONFIG_CASES]
+    assert len(ids) == len(set(ids))
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        _make_fixtures(d)
+        bad = []
+        for cid, argv, frag in CLI_CASES:
+            try:
+                _check(d, argv, frag)
+            except (AssertionError, Exception) as e:  # report every case, keep going
+                bad.append((cid, str(e).splitlines()[0][:300] if str(e) else type(e).__name__))
+        for cid, kind, changes, frag in CONFIG_CASES:
+            (d / "case.yaml").write_text(yaml.safe_dump(_apply(CONFIG_BASES[kind], changes)))
+            try:
+                _check(d, CONFIG_CMDS[kind], frag)
+            except (AssertionError, Exception) as e:
+                bad.append((cid, str(e).splitlines()[0][:300] if str(e) else type(e).__name__))
+            (d / "case.yaml").unlink()
+        n = len(CLI_CASES) + len(CONFIG_CASES)
+        for cid, why in bad:
+            print(f"FAIL {cid}: {why}")
+        print(json.dumps({"inputs_tried": n, "clean_errors": n - len(bad)}))

@@ -1,0 +1,121 @@
+"""SPEC 8 max-batch and throughput laws: recovery of known constants, points from
+measurements, cost, and the estimate CLI beside the analytic answer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from archsearch.errors import ArchsearchError
+from archsearch.planning.batchlaws import (MaxBatchLaw, MaxBatchPoint, ThroughputLaw, ThroughputPoint,
+                                           estimate_from_batch_laws, fit_max_batch_law,
+                                           fit_throughput_law, load_batch_laws, max_batch_points,
+                                           read_points, throughput_points)
+from archsearch.planning.cost import Price
+
+
+def _tp_points(c2, c4, noise, rng):
+    pts = []
+    for s in (1.0, 0.25):
+        for b in (1, 2, 4, 8, 16, 32, 64):
+            y = c2 * math.log(b / s) + c4
+            pts.append(ThroughputPoint(b, s, y * (1 + noise * rng.standard_normal())))
+    return pts
+
+
+def test_throughput_law_recovers_constants():
+    rng = np.random.default_rng(0)
+    law = fit_throughput_law(_tp_points(120.0, 300.0, 0.01, rng))
+    assert law.c2 == pytest.approx(120.0, rel=0.03)
+    assert law.c4 == pytest.approx(300.0, rel=0.03)
+    assert law.c3 == 1.0 and "not identifiable" in law.notes[0]
+    assert law.loo["n"] == 14 and law.loo["mean_rel_err"] < 0.03
+    held = fit_throughput_law(_tp_points(120.0, 300.0, 0.0, rng)[:8],
+                              holdout=_tp_points(120.0, 300.0, 0.0, rng)[8:])
+    assert held.holdout["mae"] < 1e-6  # noiseless: exact extrapolation to the other sparsity
+
+
+def test_max_batch_law_recovers_constants():
+    c0, c1 = 0.8, 0.6
+    pts = [MaxBatchPoint(m, 2e9, seq, s, c0 * (m - 2e9) / (seq * ((1 - c1) + c1 * s)))
+           for m in (4e9, 8e9, 16e9) for seq in (512, 2048) for s in (1.0, 0.3)]
+    law = fit_max_batch_law(pts)
+    assert law.c0 == pytest.approx(c0, rel=1e-3) and law.c1 == pytest.approx(c1, abs=1e-3)
+    assert law.predict(8e9, 2e9, 2048, 1.0) == math.floor(law.predict_continuous(8e9, 2e9, 2048, 1.0))
+    assert law.predict_continuous(8e9, 2e9, 2048, 1.0) == pytest.approx(c0 * 6e9 / 2048, rel=1e-3)
+    assert law.loo["mean_rel_err"] < 1e-3 and not law.notes
+    dense = fit_max_batch_law([p for p in pts if p.sparsity == 1.0])
+    assert dense.c1 == 0.0 and "not identified" in dense.notes[0]
+
+
+def test_max_batch_points_read_off_measured_peaks():
+    peaks = [(1, 110.0), (2, 120.0), (4, 140.0)]
+    pts = max_batch_points(peaks, [115.0, 130.0, 500.0, 50.0], 100.0, 64, 1.0)
+    assert [p.max_batch for p in pts] == [1.5, 3.0]  # 500 and 50 lie outside: skipped
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ArchsearchError) as e:
+        fit_throughput_law([ThroughputPoint(4, 1.0, 10.0)])
+    assert e.value.field == "throughput points"
+    with pytest.raises(ArchsearchError):
+        fit_max_batch_law([MaxBatchPoint(1e9, 2e9, 8, 1.0, 1), MaxBatchPoint(3e9, 2e9, 8, 1.0, 1)])
+    with pytest.raises(ArchsearchError) as e:
+        throughput_points([{"predicted": True, "backend": "analytic", "architecture": {}, "per_batch": []}])
+    assert "prediction" in str(e.value)
+
+
+def test_cost_from_laws_prints_assumptions_and_saves(tmp_path):
+    tl = ThroughputLaw(c2=100.0, c3=1.0, c4=200.0, quantity="training tokens/s", device="cpu", n_points=5)
+    ml = MaxBatchLaw(c0=1.0, c1=0.0, device="cpu", n_points=5)
+    est = estimate_from_batch_laws(tl, ml, 1e6, 10e6, 2e6, 1000, n_devices=2, price=Price(3.0, "user"))
+    assert est.batch_size == 8000
+    thr = 100 * math.log(8000) + 200
+    assert est.throughput == pytest.approx(thr)
+    assert est.hours == pytest.approx(1e6 / (2 * thr) / 3600)
+    assert est.cost_usd == pytest.approx(est.hours * 2 * 3.0)
+    assert est.assumptions["price_source"] == "user" and "log" in est.assumptions["throughput_law"]
+    with pytest.raises(ArchsearchError) as e:
+        estimate_from_batch_laws(tl, ml, 1e6, 1e6, 2e6, 1000)
+    assert e.value.field == "gpus"
+    path = tmp_path / "laws.json"
+    path.write_text(json.dumps({"throughput": tl.to_dict(), "max_batch": ml.to_dict()}))
+    assert load_batch_laws(path) == (tl, ml)
+
+
+def _timing_rows(spec, device="cpu"):
+    from archsearch.planning.batchlaws import model_memory_bytes
+
+    base = model_memory_bytes(spec, "training tokens/s", "float32")
+    for b in (1, 2, 4, 8):
+        yield {"architecture": spec.to_dict(), "batch_size": b, "seq_len": 64, "dtype": "float32",
+               "device": device, "tokens_per_s": 500 * math.log(b) + 1000,
+               "peak_memory_bytes": base + b * 64 * 4000.0}
+
+
+def test_read_points_and_estimate_cli_side_by_side(tmp_path, capsys):
+    from archsearch.cli import main
+    from archsearch.presets import get_preset
+
+    spec = get_preset("tiny")
+    data = tmp_path / "timings.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _timing_rows(spec)))
+    quantity, tp, mb, device = read_points(data)
+    assert quantity == "training tokens/s" and device == "cpu" and len(tp) == 4 and len(mb) == 3
+    laws = tmp_path / "laws.json"
+    assert main(["estimate", "batch-laws", "--data", str(data), "--out", str(laws)]) == 0
+    capsys.readouterr()
+    assert main(["estimate", "--arch", "tiny", "--tokens", "1e6", "--gpus", "cpu", "--mfu", "0.5",
+                 "--seq-len", "64", "--batch-laws", str(laws), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["analytic_hours"] > 0 and out["batch_laws"]["hours"] > 0
+    assert out["batch_laws"]["throughput"] == pytest.approx(500 * math.log(out["batch_laws"]["batch_size"]) + 1000,
+                                                            rel=1e-6)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(data.read_text() + "".join(json.dumps(r) + "\n" for r in _timing_rows(spec, "H100")))
+    with pytest.raises(ArchsearchError) as e:
+        read_points(mixed)
+    assert "split the file" in str(e.value)

@@ -1,0 +1,62 @@
+"""archsearch.fileio: atomic writes keep the old content on failure; torn last lines are skipped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from archsearch.errors import ArchsearchError
+from archsearch.fileio import (append_line, atomic_open, atomic_write, check_output,
+                               read_jsonl_lines)
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
+    p = tmp_path / "a.json"
+    atomic_write(p, "old\n")
+    atomic_write(p, "new\n")
+    assert p.read_text() == "new\n"
+    assert [f.name for f in tmp_path.iterdir()] == ["a.json"]
+
+
+def test_failed_write_keeps_old_content(tmp_path):
+    p = tmp_path / "a.txt"
+    p.write_text("old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_open(p) as fh:
+            fh.write("half of the new")
+            raise RuntimeError("killed mid-write")
+    assert p.read_text() == "old\n"
+    assert [f.name for f in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_torn_last_line_skipped_and_healed(tmp_path, capsys):
+    p = tmp_path / "log.jsonl"
+    append_line(p, json.dumps({"key": 1}))
+    with p.open("a") as fh:
+        fh.write('{"key": 2, "resu')  # a write cut by kill -9
+    assert read_jsonl_lines(p) == [{"key": 1}]
+    assert "torn last line" in capsys.readouterr().err
+    append_line(p, json.dumps({"key": 3}))  # the next append cuts the torn tail first
+    assert read_jsonl_lines(p) == [{"key": 1}, {"key": 3}]
+    assert p.read_text().count("\n") == 2
+
+
+def test_broken_middle_line_is_an_error(tmp_path):
+    p = tmp_path / "log.jsonl"
+    p.write_text('{"a": 1}\n{broken\n{"a": 2}\n')
+    with pytest.raises(ArchsearchError, match="line 2"):
+        read_jsonl_lines(p)
+
+
+def test_check_output_kinds(tmp_path):
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ArchsearchError, match="is a folder"):
+        check_output("--out", tmp_path / "d")
+    with pytest.raises(ArchsearchError, match="is a file"):
+        check_output("--out", tmp_path / "f", "dir")
+    with pytest.raises(ArchsearchError, match="cannot be made"):
+        check_output("--out", tmp_path / "f" / "x.json")
+    check_output("--out", tmp_path / "new" / "x.json")
+    check_output("--out", tmp_path / "d", "dir")

@@ -1,0 +1,172 @@
+"""Paired, interleaved measurement (benchmarks.paired) and the decisions built on it."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from archsearch.arch import ArchSpec
+from archsearch.errors import ArchsearchError
+from benchmarks import BenchSettings
+from benchmarks.paired import PairedResult, PairedSettings, measure_paired, ratio_estimate
+
+
+def test_ratio_estimate_paired_cancels_common_drift():
+    # the load doubles halfway; every round's ratio is 0.8, so the estimate is exact
+    ref = [100.0, 100.0, 50.0, 50.0]
+    other = [80.0, 80.0, 40.0, 40.0]
+    q = ratio_estimate(ref, other)
+    assert q.ratio == pytest.approx(0.8) and q.lo == pytest.approx(0.8) and q.hi == pytest.approx(0.8)
+    assert q.slower and not q.faster
+
+
+def test_ratio_estimate_interval_matches_t_formula():
+    from scipy import stats
+
+    ref = [100.0, 110.0, 90.0, 105.0, 95.0]
+    other = [101.0, 112.0, 89.0, 108.0, 95.0]
+    logs = [math.log(o / r) for r, o in zip(ref, other)]
+    m = sum(logs) / 5
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 4)
+    h = stats.t.ppf(0.95, 4) * sd / math.sqrt(5)
+    q = ratio_estimate(ref, other, 0.9)
+    assert (q.ratio, q.lo, q.hi) == pytest.approx((math.exp(m), math.exp(m - h), math.exp(m + h)))
+    assert q.lo < 1 < q.hi and not q.faster and not q.slower  # a tie: neither significant
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"ci_rel_halfwidth": 0}, "measure.ci_rel_halfwidth"),
+    ({"ci_level": 1.2}, "measure.ci_level"),
+    ({"min_rounds": 5, "max_rounds": 3}, "measure.min_rounds"),
+])
+def test_paired_settings_errors_name_the_field(kw, field):
+    from archsearch.search.config import MeasureConfig
+
+    with pytest.raises(ArchsearchError) as e:
+        MeasureConfig(backend="hf", **kw)
+    assert e.value.field == field
+
+
+def _spec(d: int) -> ArchSpec:
+    return ArchSpec(n_layers=1, hidden_size=d, n_heads=2, n_kv_heads=2, head_dim=32, ffn=64, vocab_size=100)
+
+
+def test_measure_paired_in_a_child_sees_a_2x_difference_through_drift():
+    """Real isolated child, engines resident, alternating rounds, sequential stop."""
+    s = BenchSettings(backend="hf", batch_sizes=[2], input_len=4, output_len=16, warmup=1, timeout_s=120)
+    p = PairedSettings(level=0.9, rel_halfwidth=0.2, min_rounds=3, max_rounds=8)
+    r = measure_paired([_spec(64), _spec(128), _spec(64)], s, p, 2, backend_class="benchmarks.fakes:SleepBackend")
+    assert r.ok, r.error
+    assert 3 <= len(r.rounds) <= 8 and r.stop_reason
+    slow, same = r.estimate(1), r.estimate(2)
+    assert slow.slower and 0.4 < slow.ratio < 0.65  # hidden 128 takes twice as long
+    assert same.lo < 1 < same.hi or same.rel_halfwidth < 0.2  # A/A: no invented difference
+    back = PairedResult(**{k: v for k, v in r.to_dict().items() if k != "ratios"})
+    assert back.estimate(1) == slow
+
+
+def test_measure_paired_analytic_is_labelled_a_prediction():
+    s = BenchSettings(backend="analytic", batch_sizes=[8], input_len=16, output_len=16, device_spec="H100")
+    r = measure_paired([_spec(64), _spec(128)], s, PairedSettings(), 8)
+    assert r.ok and r.predicted and r.estimate(1).lo == r.estimate(1).hi
+
+
+class _PairedFake:
+    """A measurer whose paired comparisons give fixed ratios per GQA (first attempt) and others
+    on re-measurement; records every group it was asked for."""
+
+    note, backend = None, "fake"
+
+    def __init__(self, ratios, retry_ratios=None):
+        self.ratios, self.retry, self.calls = ratios, retry_ratios or {}, []
+
+    def compare(self, specs, attempt=0):
+        self.calls.append(([s.gqa for s in specs], attempt))
+        table = self.retry if attempt else self.ratios
+        rounds = []
+        for k in range(4):  # +-1% noise around each ratio
+            wig = 1 + 0.01 * (-1) ** k
+            rounds.append([100.0] + [100.0 * table[s.gqa] * (wig if i == len(specs) - 2 else 1)
+                                     for i, s in enumerate(specs[1:])])
+        return {"ok": True, "specs": [s.to_dict() for s in specs], "rounds": rounds, "settings": {},
+                "paired": {"level": 0.9}, "batch_size": 8}, False
+
+
+def _gqa_ctx(tmp_path, measurer, spec=None):
+    from archsearch.arch import non_embedding_params
+    from archsearch.laws import load_law
+    from archsearch.search.study import SearchContext, build_settings
+    from tests.test_search import load, study_config
+
+    cfg = load(study_config(tmp_path, **({"params": non_embedding_params(spec)} if spec else {})))
+    base = ArchSpec(n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=64, ffn=8192, vocab_size=256)
+    return SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=measurer,
+                         out=tmp_path, build=build_settings(cfg, 256), baseline=base)
+
+
+def test_gqa_stop_needs_significantly_slower_else_remeasures(tmp_path):
+    from archsearch.search.gqa import gqa_pairs, local_gqa_search
+
+    spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192, vocab_size=256)
+    ctx = _gqa_ctx(tmp_path, None, spec)
+    pairs = sorted(gqa_pairs(spec, ctx.cfg.params, ctx.build))
+    up1, up2 = [g for g in pairs if g > 4][:2]
+    down = max(g for g in pairs if g < 4)
+    # up1 looks slower than GQA 4 (x0.995) but within the noise: re-measured, still a tie, so the
+    # walk goes on; up2 and `down` are clearly slower: stop there
+    m = _PairedFake({4: 1.30, up1: 1.30 * 0.995, up2: 1.30 * 0.7, down: 1.0},
+                    retry_ratios={4: 1.30, up1: 1.30 * 0.998})
+    ctx.measurer = m
+    res = local_gqa_search(spec, ctx, baseline_gqa=4)
+    assert m.calls == [([1, 4], 0), ([1, 4, up1], 0), ([1, 4, up1], 1), ([1, 4, up2], 0), ([1, 4, down], 0)]
+    notes = {s.gqa: s.note for s in res.steps}
+    assert "re-measured" in notes[up1] and "stop" not in notes[up1]
+    assert "significantly slower" in notes[up2] and "stop" in notes[down]
+    assert res.chosen.gqa == 4 and res.chosen.ratio["significantly_faster"]
+
+
+def test_answer_keeps_the_baseline_unless_significantly_faster(tmp_path):
+    from archsearch.search.pipeline import keep_baseline_unless_faster
+
+    ctx = _gqa_ctx(tmp_path, None)
+    tie = {"spec": _spec(64).to_dict(), "ratio": {"ratio": 1.04, "lo": 0.98, "hi": 1.10,
+                                                 "significantly_faster": False}, "predicted_loss": 1.0}
+    kept = keep_baseline_unless_faster(tie, ctx.baseline, ctx)
+    assert kept["is_baseline"] and kept["spec"] == ctx.baseline.to_dict() and kept["best_candidate"] is tie
+    win = {**tie, "ratio": {**tie["ratio"], "lo": 1.01, "significantly_faster": True}}
+    assert keep_baseline_unless_faster(win, ctx.baseline, ctx) is win
+
+
+def test_calibration_recovers_known_efficiencies_and_labels_uncalibrated(tmp_path):
+    """Results made by a known calibration are fitted back; held-out shapes then match."""
+    import dataclasses
+
+    from benchmarks import measure
+    from benchmarks.calibration import Calibration, fit_calibration
+
+    truth = Calibration("dev", "vllm", "float32", 0.2, 0.05, 2e-3, peak_flops=1e12, memory_bandwidth=1e11)
+    truth.save(tmp_path / "truth.json")
+    shapes = [ArchSpec(n_layers=2, hidden_size=d, n_heads=d // 32, n_kv_heads=kv, head_dim=32, ffn=f, vocab_size=2048)
+              for d, kv, f in ((128, 4, 256), (256, 2, 512), (512, 16, 1024), (256, 8, 2048), (384, 4, 768))]
+    made = []
+    for sp in shapes:
+        s = BenchSettings(backend="analytic", batch_sizes=[4, 16], input_len=32, output_len=16, dtype="float32",
+                          device_spec="H100", engine_args={"calibration": str(tmp_path / "truth.json")})
+        r = measure(sp, s)
+        made.append(dataclasses.replace(r, predicted=False, device="dev", backend="vllm"))
+    fit = fit_calibration(made[:3], "H100")
+    fit.save(tmp_path / "fit.json")
+    for sp, r in zip(shapes[3:], made[3:]):
+        s = BenchSettings(backend="analytic", batch_sizes=[4, 16], input_len=32, output_len=16, dtype="float32",
+                          device_spec="H100", engine_args={"calibration": str(tmp_path / "fit.json")})
+        p = measure(sp, s)
+        for b in (4, 16):
+            assert p.throughput(b) == pytest.approx(r.throughput(b), rel=0.02)
+        assert p.to_dict()["settings"]["engine_args"]["calibration"]
+    plain = measure(shapes[0], BenchSettings(backend="analytic", batch_sizes=[4], device_spec="H100"))
+    assert "uncalibrated" in json.dumps(plain.to_dict())
+    with pytest.raises(ArchsearchError) as e:
+        fit_calibration(made[:1], "H100")
+    assert e.value.field == "results"
