@@ -32,13 +32,16 @@ def test_overrides_merge_then_validate(tmp_path):
     assert cfg.optuna.n_trials == 9 and cfg.params == 150_000 and cfg.search_space.gqa == [1, 2]
     with pytest.raises(ArchsearchError, match="optuna.n_trial: unknown key.*n_trials"):
         load_study_config("configs/demo-cpu.yaml", ["optuna.n_trial=9"])
+    law = tmp_path / "law.json"
+    law.write_text('{"law": "conditional-multiplicative", "coefficients": {"a0": 1, "a1": 0.1, "a2": 0.01, '
+                   '"b0": 1, "b1": 0.01, "b2": 0.01}}')
     (tmp_path / "s.yaml").write_text("name: s\nparams: 1B\ntokens: 20B\nn_layers: 16\n"
-                                     "baseline: {preset: llama-3.2-1b}\nlaw: {file: law.json}\n")
+                                     f"baseline: {{preset: llama-3.2-1b}}\nlaw: {{file: {law}}}\n")
     cfg = load_config(StudyConfig, tmp_path / "s.yaml")
     assert cfg.params == 1_000_000_000 and cfg.tokens == 2e10
     with pytest.raises(ArchsearchError, match="params"):
         from_dict(StudyConfig, {"name": "s", "params": "1Q", "tokens": 1, "n_layers": 1,
-                                "baseline": {"preset": "llama-3.2-1b"}, "law": {"file": "x"}})
+                                "baseline": {"preset": "llama-3.2-1b"}, "law": {"file": str(law)}})
 
 
 def test_json_stdout_carries_one_document(capfd):
