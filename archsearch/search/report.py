@@ -47,15 +47,21 @@ def _point(t) -> dict[str, Any]:
             "knobs": dict(t.params), "source": f"Optuna trial {t.number}"}
 
 
-def pareto_set(study) -> list[dict[str, Any]]:
-    """Feasible measured shapes not dominated in (throughput up, predicted loss down); a shape
-    proposed by several trials appears once, under its first trial."""
+def _distinct_feasible(study) -> list[dict[str, Any]]:
+    """Feasible measured shapes, each once, under its first trial."""
     pts, seen = [], set()
     for t in sorted(_complete(study), key=lambda t: t.number):
         key = t.user_attrs.get("spec_key")
         if _feasible(t) and key not in seen:
             seen.add(key)
             pts.append(_point(t))
+    return pts
+
+
+def pareto_set(study) -> list[dict[str, Any]]:
+    """Feasible measured shapes not dominated in (throughput up, predicted loss down); a shape
+    proposed by several trials appears once, under its first trial."""
+    pts = _distinct_feasible(study)
     front = [p for p in pts if not any(
         q["score"] >= p["score"] and q["predicted_loss"] <= p["predicted_loss"]
         and (q["score"] > p["score"] or q["predicted_loss"] < p["predicted_loss"]) for q in pts)]
@@ -78,12 +84,7 @@ def top_k_candidates(study, ctx, k: int) -> list[dict[str, Any]]:
     """Predict-rank-select: the k best distinct feasible shapes by a joint rank of measured
     throughput (the paired ratio estimate where there is one) and predicted loss (sum of the two
     ranks, ties by throughput). A shape proposed by several trials counts once, under its first trial."""
-    pts, seen = [], set()
-    for t in sorted(_complete(study), key=lambda t: t.number):
-        key = t.user_attrs.get("spec_key")
-        if _feasible(t) and key not in seen:
-            seen.add(key)
-            pts.append(_point(t))
+    pts = _distinct_feasible(study)
     by_t = sorted(pts, key=lambda p: -p["score"])
     by_l = sorted(pts, key=lambda p: p["predicted_loss"])
     rank = {p["trial"]: by_t.index(p) + by_l.index(p) for p in pts}
