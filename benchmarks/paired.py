@@ -222,10 +222,13 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
     if not backend.isolated:  # a prediction: deterministic, one "round" repeated
         from benchmarks.measure import measure
 
-        tp = [measure(sp, BenchSettings.from_dict({**settings.to_dict(), "batch_sizes": [batch_size]}))
-              .throughput(batch_size) for sp in specs]
+        results = [measure(sp, BenchSettings.from_dict({**settings.to_dict(), "batch_sizes": [batch_size]}))
+                   for sp in specs]
+        tp = [r.throughput(batch_size) for r in results]
         if any(t is None for t in tp):
-            res.ok, res.error = False, "the prediction failed for a shape of the group"
+            bad = next(r for r, t in zip(results, tp) if t is None)
+            why = bad.error or next((b.error for b in bad.per_batch if b.error), None) or "no throughput"
+            res.ok, res.error = False, f"the prediction failed for a shape of the group: {why}"
         else:
             res.rounds, res.predicted = [tp, tp], True
             res.stop_reason = "analytic prediction (deterministic)"

@@ -173,7 +173,10 @@ def test_two_workers_share_a_postgresql_study(tmp_path, postgres):
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read()
     study = optuna.load_study(study_name="t", storage=postgres)
-    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    from archsearch.search.study import was_measured
+
+    # measured trials (loss-infeasible ones complete unmeasured and do not count)
+    complete = [t for t in study.get_trials(states=(TrialState.COMPLETE,)) if was_measured(t)]
     assert 4 <= len({t.user_attrs["spec_key"] for t in complete}) <= 5
     assert len({t.user_attrs["worker"]["pid"] for t in study.get_trials()}) == 2  # both worked
     keys = [json.loads(x)["key"] for x in (Path(cfg["out"]) / "measurements.jsonl").read_text().splitlines()]
