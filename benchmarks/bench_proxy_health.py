@@ -29,10 +29,11 @@ TOKENS = 32 * 8 * 64
 
 
 def _cfg(name, params, lr, batch, health=None):
-    from trainers.config import DataConfig, SweepBuild, SweepConfig, TrainConfig
+    from archsearch.candidates import BuildSettings
+    from trainers.config import DataConfig, SweepConfig, TrainConfig
 
     return SweepConfig(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
-                       gqa=2, head_dim=32, build=SweepBuild(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
+                       gqa=2, head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
                        train=TrainConfig(tokens=TOKENS, global_batch_size=batch, lr=lr, eval_batches=4,
                                          eval_interval=8),
                        data=DataConfig(source="shakespeare", tokenizer="bpe:2048", seq_len=64), health=health)

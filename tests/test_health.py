@@ -89,7 +89,8 @@ def test_real_sweep_retrains_a_flagged_run_and_fits_only_compliant_runs(tmp_path
     import trainers.health as health
     from archsearch.rundata import read_runs
     from trainers import run_sweep
-    from trainers.config import DataConfig, SweepBuild, SweepConfig
+    from archsearch.candidates import BuildSettings
+    from trainers.config import DataConfig, SweepConfig
 
     # Real runs on the real corpus; the first check of the original run is forced to fail so
     # that the retraining path (halved batch, own folder, table row) runs for real, then the
@@ -99,7 +100,7 @@ def test_real_sweep_retrains_a_flagged_run_and_fits_only_compliant_runs(tmp_path
         "curve: forced by the test" if ".retune" not in rec["run_id"] else real(rec, tol)))
     cfg = SweepConfig(
         name="h", params=[3e4], n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
-        gqa=2, head_dim=32, build=SweepBuild(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
+        gqa=2, head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
         train=TrainConfig(tokens=24 * 8 * 64, global_batch_size=8, lr=3e-3, eval_batches=2, eval_interval=6),
         data=DataConfig(source="shakespeare", tokenizer="bpe:2048", seq_len=64),
         health=HealthConfig(min_batch=4, max_lr=4e-3, retries=1, tolerance=0.05))
