@@ -61,6 +61,8 @@ class StudyState:
         """Mark ``stage`` done after a run that took ``seconds``; ``extend``: this run added to
         the stage's earlier runs (a resumed search) instead of replacing them."""
         self.reload()
+        if "runs" in info:
+            raise ValueError("'runs' is the stage's provenance list; name the count otherwise")
         run = {"seconds": round(seconds, 2), **stage_provenance()}
         runs = (self.data.get(stage, {}).get("runs", []) if extend else []) + [run]
         self.data[stage] = {"status": "done", "seconds": round(sum(r["seconds"] for r in runs), 2),
@@ -546,7 +548,7 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
         records += run_sweep(sweep, out / "proxies" / sweep.name)
     write_runs(path, records)
     ok = sum(1 for r in records if r.status == "ok")
-    state.mark("proxy", time.time() - t, runs=len(records), ok=ok)
+    state.mark("proxy", time.time() - t, proxy_runs=len(records), ok=ok)
     return path
 
 
@@ -566,7 +568,7 @@ def _stage_proxy_active(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     path = _runs_path(cfg, out)
     with file_lock(out / ".stage.lock"):
         write_runs(path, records)
-        state.mark("proxy", time.time() - t, plan="active", runs=len(records),
+        state.mark("proxy", time.time() - t, plan="active", proxy_runs=len(records),
                    ok=sum(1 for r in records if r.status == "ok"))
     return path
 
