@@ -148,9 +148,10 @@ def test_infeasible_trials_complete_unmeasured_and_read_right_in_the_dashboard(t
     acc = EventAccumulator(str(cfg.out_dir() / "tracking" / "study-t"))
     acc.Reload()
     assert len(acc.Scalars("predicted_loss")) == len(study.trials)
-    assert {"output_throughput_tok_per_s", "feasible", "constraint/predicted_loss_minus_target"} \
+    # a study with a baseline compares paired: its objective is the throughput ratio
+    assert {"throughput_ratio_vs_baseline", "feasible", "constraint/predicted_loss_minus_target"} \
         <= set(acc.Tags()["scalars"])
-    assert study.metric_names == ["output_throughput_tok_per_s"]
+    assert study.metric_names == ["throughput_ratio_vs_baseline"]
     refused = [t for t in study.get_trials() if t.user_attrs.get("measured") is False]
     assert refused, "the space has infeasible shapes: some trials must have been refused for them"
     for t in refused:
@@ -168,7 +169,7 @@ def test_infeasible_trials_complete_unmeasured_and_read_right_in_the_dashboard(t
     # and so optuna-dashboard shows them: objective names, infeasible trials with their
     # constraint values, the realised shape beside the requested knobs
     detail = dashboard_study_detail(cfg.out_dir() / "optuna.db")
-    assert detail["objective_names"] == ["output_throughput_tok_per_s"]
+    assert detail["objective_names"] == ["throughput_ratio_vs_baseline"]
     trials = detail["trials"]
     attrs = [{a["key"]: a["value"] for a in t["user_attrs"]} for t in trials]
     shown = [(t, a) for t, a in zip(trials, attrs) if a.get("measured") == "False"]

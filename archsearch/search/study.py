@@ -497,8 +497,8 @@ class TrackerCallback:
         ua = t.user_attrs
         values = {"predicted_loss": ua.get("predicted_loss"), "feasible": float(trial_is_feasible(t)),
                   **{f"constraint/{k}": v for k, v in (ua.get("constraints") or {}).items()}}
-        if was_measured(t) and t.values:
-            values["output_throughput_tok_per_s"] = t.values[0]
+        if was_measured(t) and t.values:  # under the study's objective name
+            values[(study.metric_names or ["objective"])[0]] = t.values[0]
         values = {k: v for k, v in values.items() if v is not None}
         for tracker in self.trackers:
             tracker.log(values, step=t.number)
