@@ -258,7 +258,7 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     md = "\n".join(_active_markdown(plan))
     assert "## Proxy plan: active" in md and "compute budget" in md and md.count("| initial design") == len(small)
     (tmp_path / "plots").mkdir()
-    assert _active_plot(plan, tmp_path / "plots", plt) == ["plots/active_proxies.png"]
+    assert _active_plot(plan, tmp_path / "plots", plt) == ["plots/active_proxies.png", "plots/active_proxies.pdf"]
     assert (tmp_path / "plots" / "active_proxies.png").stat().st_size > 10_000
     # a rerun resumes: nothing is trained again, the stop is not logged twice
     n = len(fake_training)
