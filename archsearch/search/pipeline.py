@@ -478,7 +478,11 @@ def write_chosen(ctx, out: Path, chosen: dict[str, Any]) -> Path:
     dtype the study measured it in, and the study's tokenizer when it trained with one."""
     spec = ArchSpec.from_dict(chosen["spec"])
     stored = ctx.measurer.store.get(ctx.measurer.key(spec)) or {}
-    dtype = stored.get("dtype") or (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
+    # every measurement of a study runs at one dtype: a shape measured only paired (the baseline
+    # kept as the answer) takes it from any stored result
+    measured = [r.get("dtype") for r in ctx.measurer.store.all().values() if r.get("dtype")]
+    dtype = stored.get("dtype") or (measured[0] if measured else None) or \
+        (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
     folder = out / "chosen"
     write_hf_config(spec, folder, dtype=dtype)
     tok = study_tokenizer(out)

@@ -374,7 +374,9 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, stat
     chosen_point = None
     if chosen is not None:
         spec = ArchSpec.from_dict(chosen["spec"])
-        chosen_point = {"architecture": describe(spec), "throughput": chosen.get("throughput"),
+        # the baseline kept as the answer: its throughput is the paired mean measured above
+        tput = base_point["throughput"] if chosen.get("is_baseline") else chosen.get("throughput")
+        chosen_point = {"architecture": describe(spec), "throughput": tput,
                         "ratio": chosen.get("ratio"), "predicted_loss": chosen["predicted_loss"],
                         "predicted_loss_interval": _interval(spec, ctx),
                         "is_baseline": bool(chosen.get("is_baseline")),
@@ -483,8 +485,8 @@ def render_markdown(s: dict[str, Any]) -> str:
             q = bc.get("ratio") or {}
             lines += [
                 "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
-                f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput x{q['ratio']:.3f} "
-                f"the baseline's, {_ratio_txt(q)}, which includes 1 (a tie within the measurement's noise)."
+                f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput relative to the "
+                f"baseline {_ratio_txt(q)}, which includes 1 (a tie within the measurement's noise)."
                 if q else "", ""]
         else:
             q = ch.get("ratio")
