@@ -83,7 +83,9 @@ def main() -> int:
               "caveat": "2 shared CPU cores, other jobs running; tokens/s is the best of the repeats",
               "provenance": provenance()}
     if args.out:
-        (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        from archsearch.fileio import write_json
+
+        write_json(out / "result.json", result, default=str)
     print(json.dumps(result, default=str))
     return 0
 

@@ -78,7 +78,9 @@ def main() -> int:
                        "seconds": time.perf_counter() - t1},
               "load_avg_before": load0, "load_avg_after": os.getloadavg(), "provenance": provenance()}
     if args.out:
-        (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        from archsearch.fileio import write_json
+
+        write_json(out / "result.json", result, default=str)
     print(json.dumps(result, default=str))
     return 0
 
