@@ -106,6 +106,50 @@ def host_memory_bytes() -> float:
         return 0.0
 
 
+def measure_gpu(n: int = 8192, repeats: int = 10) -> Device:
+    """This GPU's bf16 and fp32 matmul FLOP/s and device copy bandwidth, measured with torch.
+
+    The mean of ``repeats`` timed ``n``x``n``x``n`` products on random data after three warm-ups,
+    so GPU MFU is measured against what a dense matmul reaches on this card.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ArchsearchError("device", "measure_gpu needs a CUDA GPU and none is visible",
+                              "run on a machine with a GPU, or measure the CPU (measure_cpu)")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def matmul_flops(dtype) -> float:
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        b = torch.randn(n, n, device="cuda", dtype=dtype)
+        for _ in range(3):
+            torch.mm(a, b)
+        start.record()
+        for _ in range(repeats):
+            torch.mm(a, b)
+        end.record()
+        torch.cuda.synchronize()
+        return 2 * n**3 * repeats / (start.elapsed_time(end) / 1e3)
+
+    bf16 = matmul_flops(torch.bfloat16)
+    fp32 = matmul_flops(torch.float32)  # as torch runs it by default (TF32 off unless asked)
+    x = torch.empty(2**30, device="cuda", dtype=torch.uint8)  # 1 GiB, far beyond L2
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start.record()
+    for _ in range(repeats):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    bandwidth = 2 * x.numel() * repeats / (start.elapsed_time(end) / 1e3)  # read + write
+    props = torch.cuda.get_device_properties(0)
+    return Device(name=torch.cuda.get_device_name(0), peak_flops_bf16=bf16, peak_flops_fp32=fp32,
+                  memory_bandwidth=bandwidth, memory_gib=props.total_memory / 2**30, price_per_hour=None,
+                  source=f"measured here: torch bf16 and fp32 {n}x{n}x{n} matmuls, mean of {repeats} after "
+                         f"3 warm-ups (CUDA events), and a 1 GiB device copy",
+                  measured=True)
+
+
 def measure_cpu(n: int = 1024, repeats: int = 5) -> Device:
     """This CPU's fp32 matmul FLOP/s and copy bandwidth, measured with torch (best of runs).
 

@@ -24,7 +24,7 @@ from typing import Any
 from archsearch.arch import (ArchSpec, dtype_bytes, inference_flops_per_token,
                              kv_cache_bytes_per_token, max_batch_by_kv, prefill_flops, weight_bytes)
 from archsearch.hardware import Device, detect_gpu_name, get_device
-from benchmarks.base import Backend, BatchResult, Report, resolve_dtype
+from archsearch.benchmarks.base import Backend, BatchResult, Report, resolve_dtype
 
 MEMORY_FRACTION = 0.9
 
@@ -50,7 +50,7 @@ def weights_read_per_step(spec: ArchSpec, dtype: str) -> float:
 def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, input_len: int,
                   output_len: int, calibration=None) -> BatchResult:
     """Roofline prediction for one batch size (see the module docstring). With a
-    ``benchmarks.calibration.Calibration`` the peaks are scaled by its efficiencies and every
+    ``archsearch.benchmarks.calibration.Calibration`` the peaks are scaled by its efficiencies and every
     engine step (prefill and each decode step) costs its overhead on top."""
     seq = input_len + output_len
     capacity = max_batch_by_kv(spec, device.memory_bytes, seq, dtype, MEMORY_FRACTION)
@@ -99,7 +99,7 @@ class AnalyticBackend(Backend):
         cal_path = (s.get("engine_args") or {}).get("calibration")
         cal = None
         if cal_path:
-            from benchmarks.calibration import Calibration
+            from archsearch.benchmarks.calibration import Calibration
 
             cal = Calibration.load(cal_path)
         per_batch = [predict_batch(spec, device, dtype, b, s["input_len"], s["output_len"], cal).to_dict()

@@ -6,11 +6,11 @@ importing :mod:`benchmarks` imports no engine. A backend's lifecycle:
 1. :meth:`Backend.check_available` runs in the caller's process and raises
    :class:`~archsearch.errors.MissingDependencyError` when the engine cannot run here.
 2. :meth:`Backend.run` does the measurement. For engines (``isolated = True``) it runs in a
-   child process started by :mod:`benchmarks.isolate`, one per candidate, so a crash, an
+   child process started by :mod:`archsearch.benchmarks.isolate`, one per candidate, so a crash, an
    out-of-memory or a hang ends that process only; it calls ``report(partial)`` after each
    batch size so that work done before a timeout is kept. Predictions (``analytic``) run
    in-process.
-3. :func:`benchmarks.measure.measure` turns what ``run`` returned (or how the child failed)
+3. :func:`archsearch.benchmarks.measure.measure` turns what ``run`` returned (or how the child failed)
    into a :class:`BenchResult`.
 """
 
@@ -31,10 +31,10 @@ from typing import Any, Callable, ClassVar
 from archsearch.errors import ArchsearchError, MissingDependencyError
 
 BACKENDS: dict[str, str] = {
-    "vllm": "benchmarks.vllm_backend:VLLMBackend",
-    "sglang": "benchmarks.sglang_backend:SGLangBackend",
-    "hf": "benchmarks.hf_backend:HFBackend",
-    "analytic": "benchmarks.analytic:AnalyticBackend",
+    "vllm": "archsearch.benchmarks.vllm_backend:VLLMBackend",
+    "sglang": "archsearch.benchmarks.sglang_backend:SGLangBackend",
+    "hf": "archsearch.benchmarks.hf_backend:HFBackend",
+    "analytic": "archsearch.benchmarks.analytic:AnalyticBackend",
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -260,7 +260,7 @@ def installed_version(packages: tuple[str, ...]) -> tuple[str | None, str | None
 @dataclass
 class Session:
     """A started engine for one shape: ``generate(prompts)`` runs one static batch and returns
-    the requests' ``benchmarks.loop.RequestTiming``. Kept resident by paired measurement."""
+    the requests' ``archsearch.benchmarks.loop.RequestTiming``. Kept resident by paired measurement."""
 
     generate: Callable[[list[list[int]]], list[Any]]
     vocab_size: int

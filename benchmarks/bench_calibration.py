@@ -1,12 +1,12 @@
 """Benchmark: does calibration make the roofline predict held-out shapes?
 
 For each measured backend in a ``bench --out``-style JSONL (default: the engines benchmark's
-``results/bench/engines_cpu.jsonl``), fit a calibration (``benchmarks.calibration``) on
+``results/bench/engines_cpu.jsonl``), fit a calibration (``archsearch.benchmarks.calibration``) on
 ``--n-fit`` shapes spread over the file's order and predict the others: mean absolute
 percentage error and Spearman of predicted vs measured throughput, uncalibrated and
 calibrated. Appended to ``OUT_DIR/calibration.jsonl`` with provenance.
 
-    .venv/bin/python -m benchmarks.bench_calibration [--results FILE.jsonl] [--n-fit 4]
+    .venv/bin/python -m archsearch.benchmarks.bench_calibration [--results FILE.jsonl] [--n-fit 4]
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import tempfile
 from pathlib import Path
 
 from archsearch.provenance import provenance
-from benchmarks import append_jsonl, read_jsonl
+from archsearch.benchmarks import append_jsonl, read_jsonl
 
 
 def _predict(results, cal_path: str | None, device_spec: str) -> list[float]:
     from archsearch.arch import ArchSpec
-    from benchmarks import BenchSettings, measure
+    from archsearch.benchmarks import BenchSettings, measure
 
     out = []
     for r in results:
@@ -45,7 +45,7 @@ def _metrics(pred: list[float], meas: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.calibration import fit_calibration
+    from archsearch.benchmarks.calibration import fit_calibration
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", default="results/bench/engines_cpu.jsonl")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: row[k] for k in ("backend", "n_fit", "n_held_out", "uncalibrated", "calibrated")}))
     append_jsonl(Path(args.out_dir) / "calibration.jsonl", {
         "benchmark": "roofline_calibration_held_out", "results": args.results, "rows": rows,
-        "command": " ".join([sys.executable, "-m", "benchmarks.bench_calibration", *(argv or sys.argv[1:])]),
+        "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.bench_calibration", *(argv or sys.argv[1:])]),
         "load_average_1_5_15min": list(os.getloadavg()), "provenance": provenance(device=False)})
     return 0
 

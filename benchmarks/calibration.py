@@ -1,6 +1,6 @@
 """Calibrating the analytic roofline on measured results of one (device, engine, dtype).
 
-The roofline (``benchmarks.analytic``) uses the device's peak FLOP/s and bandwidth, which no
+The roofline (``archsearch.benchmarks.analytic``) uses the device's peak FLOP/s and bandwidth, which no
 engine reaches. Calibration fits three efficiency parameters on a few measured shapes
 (``bench --out`` JSONL files): the achieved fraction of the device entry's peak compute and memory bandwidth (above 1 where
 the entry understates the device, as the CPU entry, measured by a matmul under load, can), and
@@ -9,7 +9,7 @@ throughput ratio. The file keeps the parameters, what they were fitted on, the f
 provenance; ``bench --backend analytic --calibration FILE`` and ``measure.calibration`` in a
 study use it. A prediction without one is labelled uncalibrated.
 
-    python -m benchmarks.calibration --results results/bench/x.jsonl --out calib.json
+    python -m archsearch.benchmarks.calibration --results results/bench/x.jsonl --out calib.json
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Calibration:
         p = Path(path)
         if not p.is_file():
             raise ArchsearchError("calibration", f"{str(p)!r} does not exist",
-                                  "fit one with python -m benchmarks.calibration --results FILE.jsonl --out FILE")
+                                  "fit one with python -m archsearch.benchmarks.calibration --results FILE.jsonl --out FILE")
         d = json.loads(p.read_text())
         names = set(cls.__dataclass_fields__)
         missing = {"compute_efficiency", "memory_efficiency", "step_overhead_s"} - set(d)
@@ -84,7 +84,7 @@ def fit_calibration(results, device_spec: str = "cpu") -> Calibration:
 
     from archsearch.hardware import get_device
     from archsearch.provenance import provenance
-    from benchmarks.analytic import predict_batch
+    from archsearch.benchmarks.analytic import predict_batch
 
     pts = _points(results)
     keys = {(r.device, r.backend, r.dtype) for r in results if not r.predicted}
@@ -115,7 +115,7 @@ def fit_calibration(results, device_spec: str = "cpu") -> Calibration:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks import read_jsonl
+    from archsearch.benchmarks import read_jsonl
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", action="append", required=True, help="bench --out JSONL (repeatable)")

@@ -14,8 +14,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from benchmarks.base import Backend, Report, Session
-from benchmarks.loop import RequestTiming, run_batches
+from archsearch.benchmarks.base import Backend, Report, Session
+from archsearch.benchmarks.loop import RequestTiming, run_batches
 
 
 class FakeVLLM:

@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from archsearch.arch import ArchSpec
-from benchmarks.base import Backend, Report, Session, resolve_dtype
-from benchmarks.loop import RequestTiming, process_tree_rss, run_batches
+from archsearch.benchmarks.base import Backend, Report, Session, resolve_dtype
+from archsearch.benchmarks.loop import RequestTiming, process_tree_rss, run_batches
 
 
 class HFBackend(Backend):

@@ -1,7 +1,7 @@
 """Run one backend measurement in a child process with a timeout; failures become data.
 
 Engines do not free device memory reliably and can crash or hang, so every candidate gets a
-fresh interpreter (``python -m benchmarks.isolate JOB RESULT``) in its own session (process
+fresh interpreter (``python -m archsearch.benchmarks.isolate JOB RESULT``) in its own session (process
 group). On timeout, or once it has finished, that whole group is terminated: the engine's
 own workers go with it, and nothing else of the caller's is touched. Because the child is a
 fresh ``python -m`` process, callers need no ``if __name__ == "__main__"`` guard.
@@ -95,7 +95,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
         t0 = time.perf_counter()
         with log_file.open("w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.isolate", str(job_path), str(result_path)],
+                [sys.executable, "-m", "archsearch.benchmarks.isolate", str(job_path), str(result_path)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
                 start_new_session=True)
             timed_out, rc, last = False, None, None
@@ -159,8 +159,8 @@ def _crash_reason(rc: int | None, tail: str) -> str:
 
 
 def _child_main(job_path: str, result_path: str) -> int:
-    from benchmarks.base import load_backend
-    from benchmarks.loop import describe_error
+    from archsearch.benchmarks.base import load_backend
+    from archsearch.benchmarks.loop import describe_error
 
     out = Path(result_path)
     job = json.loads(Path(job_path).read_text())

@@ -15,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from benchmarks.base import BatchResult, Report, mean, percentile, std
+from archsearch.benchmarks.base import BatchResult, Report, mean, percentile, std
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe, load_arch, write_hf_config
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
-from benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
+from archsearch.benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
 
 
 def resolve_arch(arch: ArchSpec | str | Path | None, model_path: str | Path | None) -> ArchSpec:
@@ -71,7 +71,7 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
                    "arch": spec.to_dict(), "model_dir": model_dir, "real_weights": real,
                    "settings": settings.to_dict(), "batch_sizes": group}
             if backend.isolated:
-                from benchmarks.isolate import run_isolated
+                from archsearch.benchmarks.isolate import run_isolated
 
                 out = run_isolated(job, settings.timeout_s, log_path=log_path)
                 res = out.result

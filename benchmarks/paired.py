@@ -27,7 +27,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
-from benchmarks.base import BACKENDS, BenchSettings, Report, get_backend, load_backend, mean, std
+from archsearch.benchmarks.base import BACKENDS, BenchSettings, Report, get_backend, load_backend, mean, std
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class PairedRunner:
     """Runs in the isolated child: opens every shape's engine session, then interleaved rounds."""
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
-        from benchmarks.loop import PromptSource
+        from archsearch.benchmarks.loop import PromptSource
 
         s, p = job["settings"], PairedSettings(**job["paired"])
         b = job["batch_size"]
@@ -209,7 +209,7 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
                    backend_class: str | None = None) -> PairedResult:
     """Compare ``specs`` (the first is the reference) at ``batch_size`` with paired,
     interleaved rounds in one engine process. Failures come back as ``ok=False``."""
-    from benchmarks.measure import check_lengths
+    from archsearch.benchmarks.measure import check_lengths
 
     if len(specs) < 2:
         raise ArchsearchError("specs", "paired measurement needs a reference and at least one shape")
@@ -220,7 +220,7 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
     res = PairedResult(specs=[sp.to_dict() for sp in specs], rounds=[], settings=settings.to_dict(),
                        paired=asdict(paired), batch_size=batch_size)
     if not backend.isolated:  # a prediction: deterministic, one "round" repeated
-        from benchmarks.measure import measure
+        from archsearch.benchmarks.measure import measure
 
         results = [measure(sp, BenchSettings.from_dict({**settings.to_dict(), "batch_sizes": [batch_size]}))
                    for sp in specs]
@@ -234,7 +234,7 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
             res.stop_reason = "analytic prediction (deterministic)"
         res.provenance = provenance(extra_packages=backend.packages)
         return res
-    from benchmarks.isolate import run_isolated
+    from archsearch.benchmarks.isolate import run_isolated
 
     with tempfile.TemporaryDirectory(prefix="archsearch-paired-") as tmp:
         dirs = []
@@ -242,7 +242,7 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
             d = Path(tmp) / f"m{i}"
             write_hf_config(sp, d, "float32" if settings.dtype == "auto" else settings.dtype)
             dirs.append(str(d))
-        job = {"backend": settings.backend, "backend_class": "benchmarks.paired:PairedRunner",
+        job = {"backend": settings.backend, "backend_class": "archsearch.benchmarks.paired:PairedRunner",
                "inner_backend_class": backend_class or BACKENDS[settings.backend],
                "archs": [sp.to_dict() for sp in specs], "model_dirs": dirs, "real_weights": False,
                "settings": settings.to_dict(), "paired": asdict(paired), "batch_size": batch_size}

@@ -3,7 +3,7 @@
 Same protocol as the vLLM backend: dummy weights from a ``config.json`` folder, prompts as
 ``input_ids`` (fresh random ids every call, radix/prefix cache disabled), exactly
 ``output_len`` new tokens (``ignore_eos``), ``max_running_requests`` = the largest batch
-size, one engine per candidate in its own process (:mod:`benchmarks.isolate`).
+size, one engine per candidate in its own process (:mod:`archsearch.benchmarks.isolate`).
 ``Engine.shutdown()`` ends the engine's processes, which are children of that isolated
 process only, so the caller's other processes are never touched.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.errors import MissingDependencyError
-from benchmarks.base import Backend, Report, require_module, resolve_dtype
-from benchmarks.loop import RequestTiming, run_batches
+from archsearch.benchmarks.base import Backend, Report, require_module, resolve_dtype
+from archsearch.benchmarks.loop import RequestTiming, run_batches
 
 INSTALL_FIX = "SGLang runs on a CUDA GPU only: pip install -e '.[sglang]' on a GPU machine"
 

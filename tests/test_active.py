@@ -159,8 +159,8 @@ def fake_training(monkeypatch):
     from archsearch.laws import forms
     from archsearch.laws.fit import _spec_arrays
     from archsearch.laws.synthetic import TRUE_CHINCHILLA
-    import trainers.data
-    import trainers.loop
+    import archsearch.trainers.data
+    import archsearch.trainers.loop
 
     truth = {"a0": 1.0, "a1": 0.05, "a2": 0.005, "b0": 0.98, "b1": 0.02, "b2": 0.03}
     trained = []
@@ -174,10 +174,10 @@ def fake_training(monkeypatch):
         vocab_size = 256
 
     def train(spec, tc, data_cfg, out_dir, progress=True, data=None):
-        tokens = trainers.loop.token_budget(spec, tc)
+        tokens = archsearch.trainers.loop.token_budget(spec, tc)
         X = _spec_arrays([spec], [tokens])
         X["Lref"] = forms.predict("chinchilla", TRUE_CHINCHILLA, X)
-        rid = trainers.loop.run_id_for(spec, tokens, tc.seed)
+        rid = archsearch.trainers.loop.run_id_for(spec, tokens, tc.seed)
         trained.append(rid)
         rec = {"run_id": rid, "status": "ok", "spec": spec.to_dict(), "tokens": tokens, "seed": tc.seed,
                "n_params_non_embedding": non_embedding_params(spec),
@@ -187,16 +187,16 @@ def fake_training(monkeypatch):
         (out_dir / "run.json").write_text(json.dumps(rec))
         return rec
 
-    monkeypatch.setattr(trainers.data, "prepare_data", lambda *a, **k: Data())
-    monkeypatch.setattr(trainers.loop, "train", train)
+    monkeypatch.setattr(archsearch.trainers.data, "prepare_data", lambda *a, **k: Data())
+    monkeypatch.setattr(archsearch.trainers.loop, "train", train)
     return trained
 
 
 def _one_run_budget():
     from archsearch.arch import training_flops
     from archsearch.configio import from_dict
-    from trainers import SweepConfig
-    from trainers.active import build_pool
+    from archsearch.trainers import SweepConfig
+    from archsearch.trainers.active import build_pool
 
     return 1.01 * max(training_flops(e["spec"], e["tokens"])
                       for e in build_pool([from_dict(SweepConfig, SWEEP)], 256) if e["level"] == 0)
@@ -206,8 +206,8 @@ def _run(tmp_path, **active_over):
     from archsearch.configio import from_dict
     from archsearch.laws import FitOptions
     from archsearch.search.config import ActiveProxyConfig
-    from trainers import SweepConfig
-    from trainers.active import run_active
+    from archsearch.trainers import SweepConfig
+    from archsearch.trainers.active import run_active
 
     sweep = from_dict(SweepConfig, SWEEP)
     cfg = ActiveProxyConfig(**{"bootstrap": 24, "tolerance": 0.02, **active_over})
@@ -222,8 +222,8 @@ def _events(tmp_path):
 def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     from archsearch.arch import training_flops
     from archsearch.configio import from_dict
-    from trainers import SweepConfig
-    from trainers.active import build_pool
+    from archsearch.trainers import SweepConfig
+    from archsearch.trainers.active import build_pool
 
     pool = build_pool([from_dict(SweepConfig, SWEEP)], 256)
     # every small run (tiny shapes snap: the initial design takes them all), then room for one large
@@ -267,7 +267,7 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
 
 
 def test_driver_reproposes_a_dead_workers_run_and_skips_a_live_ones(tmp_path, fake_training):
-    from trainers.active import _Claims
+    from archsearch.trainers.active import _Claims
 
     # first pass: learn the order of the initial design
     _run(tmp_path / "a", budget_flops=_one_run_budget())

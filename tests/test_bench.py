@@ -15,8 +15,8 @@ import pytest
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token, max_batch_by_kv, write_hf_config
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.hardware import Device
-from benchmarks import BACKENDS, BatchResult, BenchResult, BenchSettings, append_jsonl, measure, read_jsonl
-from benchmarks.fakes import FakeSGLang, FakeVLLM
+from archsearch.benchmarks import BACKENDS, BatchResult, BenchResult, BenchSettings, append_jsonl, measure, read_jsonl
+from archsearch.benchmarks.fakes import FakeSGLang, FakeVLLM
 
 # Three heads of 64 at width 128: attention width != hidden size and the heads do not divide it,
 # as in the method's shapes (exported as Mistral, the same math), so every backend measures one.
@@ -148,7 +148,7 @@ def _job(tmp_path, backend="vllm", batch_sizes=(1, 8), **settings):
 
 
 def _run_vllm(job, fake, on_gpu=True):
-    from benchmarks.vllm_backend import VLLMBackend
+    from archsearch.benchmarks.vllm_backend import VLLMBackend
 
     reports = []
     out = VLLMBackend().run(job, reports.append, vllm_module=fake, on_gpu=on_gpu,
@@ -205,7 +205,7 @@ def test_vllm_without_metrics_reports_no_ttft(tmp_path):
 
 
 def test_vllm_cpu_path_sizes_kv_space(tmp_path, monkeypatch):
-    from benchmarks.vllm_backend import cpu_kv_space_gib
+    from archsearch.benchmarks.vllm_backend import cpu_kv_space_gib
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     fake = FakeVLLM()
@@ -218,7 +218,7 @@ def test_vllm_cpu_path_sizes_kv_space(tmp_path, monkeypatch):
 
 
 def test_sglang_path_with_fake_engine(tmp_path):
-    from benchmarks.sglang_backend import SGLangBackend
+    from archsearch.benchmarks.sglang_backend import SGLangBackend
 
     fake = FakeSGLang(step_s=0.001)
     job = _job(tmp_path, backend="sglang", batch_sizes=(1, 4))
@@ -250,7 +250,7 @@ def test_sglang_unavailable_here_says_so():
 # -- failures in the isolated child become data ---------------------------------------------
 
 def test_timeout_keeps_finished_batches(monkeypatch, capsys):
-    monkeypatch.setitem(BACKENDS, "fake-hang", "benchmarks.fakes:HangBackend")
+    monkeypatch.setitem(BACKENDS, "fake-hang", "archsearch.benchmarks.fakes:HangBackend")
     r = measure(TINY, BenchSettings(backend="fake-hang", batch_sizes=[1, 2], input_len=4,
                                     output_len=2, repeats=1, timeout_s=8))
     assert r.batch(1).ok and r.throughput(1) > 0
@@ -262,7 +262,7 @@ def test_timeout_keeps_finished_batches(monkeypatch, capsys):
 
 
 def test_crash_is_recorded(monkeypatch):
-    monkeypatch.setitem(BACKENDS, "fake-crash", "benchmarks.fakes:CrashBackend")
+    monkeypatch.setitem(BACKENDS, "fake-crash", "archsearch.benchmarks.fakes:CrashBackend")
     r = measure(TINY, BenchSettings(backend="fake-crash", batch_sizes=[1], timeout_s=60,
                                     input_len=4, output_len=2))
     assert not r.ok and "SIGABRT" in r.error
@@ -290,7 +290,7 @@ def test_input_beyond_context():
 
 
 def test_missing_vllm_is_a_clear_error(monkeypatch):
-    import benchmarks.base as base
+    import archsearch.benchmarks.base as base
 
     real = base._find_spec
     monkeypatch.setattr(base, "_find_spec", lambda m: None if m == "vllm" else real(m))
@@ -308,7 +308,7 @@ def test_importing_benchmarks_imports_no_engine():
 # -- analytic roofline ----------------------------------------------------------------------
 
 def test_roofline_decode_is_bandwidth_bound_and_capacity_limits_batch():
-    from benchmarks.analytic import predict_batch, weights_read_per_step
+    from archsearch.benchmarks.analytic import predict_batch, weights_read_per_step
 
     dev = Device("test", peak_flops_bf16=1e30, peak_flops_fp32=1e30, memory_bandwidth=1e9,
                  memory_gib=1.0, price_per_hour=None, source="test")
@@ -380,7 +380,7 @@ def test_gpu_engines_measure_for_real(backend):
 # -- helpers of the measurement loop and the benchmark scripts ------------------------------
 
 def test_prompts_are_fresh_and_reproducible():
-    from benchmarks.loop import PromptSource
+    from archsearch.benchmarks.loop import PromptSource
 
     a, b = PromptSource(512, 16, seed=3), PromptSource(512, 16, seed=3)
     first, second = a.batch(4), a.batch(4)
@@ -391,7 +391,7 @@ def test_prompts_are_fresh_and_reproducible():
 def test_word_tokenizer_round_trips_lengths(tmp_path):
     from transformers import AutoTokenizer
 
-    from benchmarks.bench_harness_overhead import write_word_tokenizer
+    from archsearch.benchmarks.bench_harness_overhead import write_word_tokenizer
 
     write_word_tokenizer(tmp_path, 300)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

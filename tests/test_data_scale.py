@@ -8,8 +8,8 @@ import pytest
 
 from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
-from trainers.config import DataConfig, SweepConfig, TrainConfig
-from trainers.data import PreparedData, check_epochs
+from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
+from archsearch.trainers.data import PreparedData, check_epochs
 
 
 def _data(train_tokens: int, seq_len: int = 10) -> PreparedData:
@@ -32,7 +32,7 @@ def test_max_epochs_must_be_positive():
 
 
 def test_sweep_over_a_small_source_fails_before_training(tmp_path):
-    from trainers import run_sweep
+    from archsearch.trainers import run_sweep
 
     f = tmp_path / "small.txt"
     f.write_text("".join(f"line {i}: {i % 97} quick foxes jump over {i * 7} lazy dogs.\n" for i in range(800)))

@@ -44,7 +44,7 @@ def test_committed_data_equals_a_rebuild():
 
 
 def test_data_comes_from_held_out_plays_only():
-    from trainers.corpus import shakespeare_split
+    from archsearch.trainers.corpus import shakespeare_split
 
     train, val = shakespeare_split()
     manifest = json.loads((DATA / "MANIFEST.json").read_text())

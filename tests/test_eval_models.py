@@ -1,9 +1,9 @@
 """End-to-end: lm-eval on tiny real checkpoints, trained on the corpus's training side.
 
-A model trained with the project's trainer (``trainers.train``) must beat its own random
+A model trained with the project's trainer (``archsearch.trainers.train``) must beat its own random
 initialisation on the offline suite's perplexity and cloze tasks by stated margins (see the
-asserts). The random-init checkpoint is the same spec built the way ``trainers.train`` builds
-it (``trainers.build_model`` after seeding with the run's seed) and saved with the same
+asserts). The random-init checkpoint is the same spec built the way ``archsearch.trainers.train`` builds
+it (``archsearch.trainers.build_model`` after seeding with the run's seed) and saved with the same
 tokenizer. The tokenizer (bpe:512) and packed data are cached under $ARCHSEARCH_CACHE or
 ~/.cache/archsearch, so only the first session pays for them (a few seconds).
 """
@@ -20,7 +20,7 @@ pytest.importorskip("lm_eval")
 
 from archsearch.arch import ArchSpec  # noqa: E402
 from archsearch.evaluation import evaluate  # noqa: E402
-from trainers.config import DataConfig, TrainConfig  # noqa: E402
+from archsearch.trainers.config import DataConfig, TrainConfig  # noqa: E402
 
 LIMIT = 100         # documents per task: a few CPU seconds per model
 STEPS, BATCH, SEQ = 600, 16, 64   # 614k tokens, as many as the earlier test-local loop used
@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory):
 def build_checkpoints(root):
     from accelerate.utils import set_seed
 
-    from trainers import build_model, prepare_data, train
+    from archsearch.trainers import build_model, prepare_data, train
 
     data = prepare_data(DATA)
     spec = _spec(len(data.tokenizer))
@@ -91,7 +91,7 @@ def test_trained_beats_random_init(checkpoints):
     acc0, acc1 = (_metric(r, "shakespeare_nextline", "acc_norm") for r in (r0, r1))
     print(f"bits/byte {bpb0:.3f} -> {bpb1:.3f}; last-word ppl {ppl0:.3g} -> {ppl1:.3g}; "
           f"next-line acc_norm {acc0:.3f} -> {acc1:.3f}")
-    # Measured here (trainers.train, bpe:512, 600 x 16 x 64 tokens): bits/byte 4.73 -> 2.76,
+    # Measured here (archsearch.trainers.train, bpe:512, 600 x 16 x 64 tokens): bits/byte 4.73 -> 2.76,
     # last-word perplexity 1.4e9 -> 3.0e5 (the earlier test-local loop: 4.73 -> 2.81,
     # 1.5e9 -> 2.9e5). The margins leave room for other seeds and library versions while still
     # failing a model that did not learn (or an evaluation that ignores the model).

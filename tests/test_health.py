@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from trainers.config import HealthConfig, TrainConfig
-from trainers.health import (HealthMonitor, curve_violation, loss_at_tokens, retune,
+from archsearch.trainers.config import HealthConfig, TrainConfig
+from archsearch.trainers.health import (HealthMonitor, curve_violation, loss_at_tokens, retune,
                              size_violation)
 
 
@@ -73,7 +73,7 @@ def test_monitor_retrains_records_attempts_and_marks_noncompliant():
 
 def test_health_config_names_bad_fields():
     from archsearch.errors import ArchsearchError
-    from trainers.config import SweepConfig
+    from archsearch.trainers.config import SweepConfig
 
     with pytest.raises(ArchsearchError) as e:
         HealthConfig(min_batch=0)
@@ -86,11 +86,11 @@ def test_health_config_names_bad_fields():
 
 @pytest.mark.slow
 def test_real_sweep_retrains_a_flagged_run_and_fits_only_compliant_runs(tmp_path, monkeypatch):
-    import trainers.health as health
+    import archsearch.trainers.health as health
     from archsearch.rundata import read_runs
-    from trainers import run_sweep
+    from archsearch.trainers import run_sweep
     from archsearch.candidates import BuildSettings
-    from trainers.config import DataConfig, SweepConfig
+    from archsearch.trainers.config import DataConfig, SweepConfig
 
     # Real runs on the real corpus; the first check of the original run is forced to fail so
     # that the retraining path (halved batch, own folder, table row) runs for real, then the

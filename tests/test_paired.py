@@ -1,4 +1,4 @@
-"""Paired, interleaved measurement (benchmarks.paired) and the decisions built on it."""
+"""Paired, interleaved measurement (archsearch.benchmarks.paired) and the decisions built on it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError
-from benchmarks import BenchSettings
-from benchmarks.paired import PairedResult, PairedSettings, measure_paired, ratio_estimate
+from archsearch.benchmarks import BenchSettings
+from archsearch.benchmarks.paired import PairedResult, PairedSettings, measure_paired, ratio_estimate
 
 
 def test_ratio_estimate_paired_cancels_common_drift():
@@ -57,7 +57,7 @@ def test_measure_paired_in_a_child_sees_a_2x_difference_through_drift():
     """Real isolated child, engines resident, alternating rounds, sequential stop."""
     s = BenchSettings(backend="hf", batch_sizes=[2], input_len=4, output_len=16, warmup=1, timeout_s=120)
     p = PairedSettings(level=0.9, rel_halfwidth=0.2, min_rounds=3, max_rounds=8)
-    r = measure_paired([_spec(64), _spec(128), _spec(64)], s, p, 2, backend_class="benchmarks.fakes:SleepBackend")
+    r = measure_paired([_spec(64), _spec(128), _spec(64)], s, p, 2, backend_class="archsearch.benchmarks.fakes:SleepBackend")
     assert r.ok, r.error
     assert 3 <= len(r.rounds) <= 8 and r.stop_reason
     slow, same = r.estimate(1), r.estimate(2)
@@ -143,8 +143,8 @@ def test_calibration_recovers_known_efficiencies_and_labels_uncalibrated(tmp_pat
     """Results made by a known calibration are fitted back; held-out shapes then match."""
     import dataclasses
 
-    from benchmarks import measure
-    from benchmarks.calibration import Calibration, fit_calibration
+    from archsearch.benchmarks import measure
+    from archsearch.benchmarks.calibration import Calibration, fit_calibration
 
     truth = Calibration("dev", "vllm", "float32", 0.2, 0.05, 2e-3, peak_flops=1e12, memory_bandwidth=1e11)
     truth.save(tmp_path / "truth.json")

@@ -134,7 +134,7 @@ def test_tp_error_lists_valid_degrees(llama1b):
 # -- limits ----------------------------------------------------------------------------------
 
 @dataclass
-class _Batch:  # duck-typed like benchmarks.base.BatchResult
+class _Batch:  # duck-typed like archsearch.benchmarks.base.BatchResult
     batch_size: int
     ttft_mean: float | None
     tpot_mean: float | None
@@ -159,7 +159,7 @@ def test_limit_without_measurement_is_infeasible():
 
 
 def test_limits_accept_the_real_batch_result():
-    base = pytest.importorskip("benchmarks.base")
+    base = pytest.importorskip("archsearch.benchmarks.base")
     r = base.BatchResult(batch_size=64, ok=True, ttft_mean=2.0, tpot_mean=0.01, peak_memory_bytes=GIB)
     ok, why = check_limits(Limits(max_ttft_s=1.0), r, 64)
     assert not ok and "ttft_mean=2 s at batch size 64" in why

@@ -20,7 +20,7 @@ import pytest
 
 from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError
-from trainers.config import HPARAMS, DataConfig, SweepConfig, TrainConfig
+from archsearch.trainers.config import HPARAMS, DataConfig, SweepConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 # three heads of 32 at width 64: the method's kind of shape (heads do not divide the width;
@@ -76,7 +76,7 @@ def test_sweep_config_from_yaml_names_bad_keys(tmp_path):
 
 
 def test_lr_schedule_warmup_cosine_floor():
-    from trainers.loop import lr_at
+    from archsearch.trainers.loop import lr_at
 
     steps, warm, lr = 100, 10, 1e-3
     assert lr_at(0, steps, warm, lr, 0.1) == pytest.approx(1e-4)
@@ -89,7 +89,7 @@ def test_lr_schedule_warmup_cosine_floor():
 # -- data ---------------------------------------------------------------------------------------
 
 def test_packed_data_is_deterministic_exact_and_split_by_work():
-    from trainers.data import prepare_data
+    from archsearch.trainers.data import prepare_data
 
     d = prepare_data(DATA)
     assert d.vocab_size == 2048
@@ -106,7 +106,7 @@ def test_packed_data_is_deterministic_exact_and_split_by_work():
 
 
 def test_local_jsonl_source_and_text_field(tmp_path):
-    from trainers.data import prepare_data
+    from archsearch.trainers.data import prepare_data
 
     f = tmp_path / "docs.jsonl"
     f.write_text("".join(json.dumps({"body": f"document {i} says hello world " * 20}) + "\n"
@@ -124,7 +124,7 @@ def test_local_jsonl_source_and_text_field(tmp_path):
 
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory):
-    from trainers import train
+    from archsearch.trainers import train
 
     out = tmp_path_factory.mktemp("runs") / "full"
     rec = train(SPEC, TRAIN, DATA, out, progress=False)
@@ -153,7 +153,7 @@ def test_tiny_run_learns_and_writes_a_loadable_model(done_run):
 
 
 def test_finished_run_is_skipped(done_run):
-    from trainers import train
+    from archsearch.trainers import train
 
     out, rec = done_run
     before = (out / "metrics.jsonl").read_text()
@@ -165,7 +165,7 @@ def test_finished_run_is_skipped(done_run):
 
 def test_resume_after_kill_matches_uninterrupted(done_run, tmp_path):
     """Really kill (SIGKILL) a CLI run after its second checkpoint, then run it again."""
-    from trainers import train
+    from archsearch.trainers import train
 
     out = tmp_path / "killed"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -206,7 +206,7 @@ def _snapshot(out: Path) -> dict[str, bytes]:
      "train.warmup_steps"),
 ])
 def test_bad_input_is_a_clear_error_and_leaves_runs_intact(done_run, spec, tc, dc, field):
-    from trainers import train
+    from archsearch.trainers import train
 
     out, _ = done_run
     before = _snapshot(out)
@@ -230,7 +230,7 @@ def test_cli_architecture_that_does_not_build(cli, tmp_path):
 
 
 def test_divergence_stops_the_run_as_failed(tmp_path):
-    from trainers import train
+    from archsearch.trainers import train
 
     tc = TrainConfig(tokens=40 * 16 * 64, global_batch_size=16, lr=10.0, warmup_steps=1,
                      eval_batches=2)
@@ -249,7 +249,7 @@ def test_log_with_tensorboard_through_accelerate(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from trainers import train
+    from archsearch.trainers import train
 
     tc = TrainConfig(tokens=10 * 16 * 64, global_batch_size=16, lr=3e-3, eval_batches=2, log_interval=5,
                      log_with="tensorboard")
@@ -269,7 +269,7 @@ def test_log_with_tensorboard_through_accelerate(tmp_path):
 
 def test_sweep_skips_done_runs_and_records_failures(tmp_path):
     from archsearch.rundata import read_runs
-    from trainers import run_sweep
+    from archsearch.trainers import run_sweep
     from archsearch.candidates import BuildSettings
 
     cfg = SweepConfig(
@@ -318,7 +318,7 @@ def test_launch_writes_config_and_valid_multi_node_commands(cli, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_run_uses_bf16(tmp_path):
-    from trainers import train
+    from archsearch.trainers import train
 
     rec = train(SPEC, TRAIN.replace(checkpoint_interval=None), DATA, tmp_path / "gpu", progress=False)
     assert rec["status"] == "ok" and rec["dtype"] == "bfloat16" and rec["device"] != "cpu"
@@ -326,7 +326,7 @@ def test_gpu_run_uses_bf16(tmp_path):
 
 
 def test_hparams_per_level_applies_the_method_table():
-    from trainers.config import SweepConfig, TrainConfig
+    from archsearch.trainers.config import SweepConfig, TrainConfig
 
     cfg = SweepConfig(name="s", params=[8e7, 1.45e8, 2.97e8], hidden_over_sqrt_n=[0.07], mlp_to_attn=[2.0],
                       train=TrainConfig(tokens_per_param=100), hparams_per_level=["80m", "145m", "297m"])

@@ -8,22 +8,22 @@ from __future__ import annotations
 from archsearch._lazy import lazy_getattr
 
 _LAZY = {
-    "DataConfig": "trainers.config",
-    "TrainConfig": "trainers.config",
-    "SweepConfig": "trainers.config",
-    "RunConfig": "trainers.config",
-    "HPARAMS": "trainers.config",
-    "prepare_data": "trainers.data",
-    "PreparedData": "trainers.data",
-    "load_tokenizer": "trainers.tokenizer",
-    "train": "trainers.loop",
-    "build_model": "trainers.loop",
-    "match_vocab": "trainers.loop",
-    "token_budget": "trainers.loop",
-    "run_sweep": "trainers.sweep",
-    "sweep_specs": "trainers.sweep",
-    "to_run_record": "trainers.sweep",
-    "run_active": "trainers.active",
+    "DataConfig": "archsearch.trainers.config",
+    "TrainConfig": "archsearch.trainers.config",
+    "SweepConfig": "archsearch.trainers.config",
+    "RunConfig": "archsearch.trainers.config",
+    "HPARAMS": "archsearch.trainers.config",
+    "prepare_data": "archsearch.trainers.data",
+    "PreparedData": "archsearch.trainers.data",
+    "load_tokenizer": "archsearch.trainers.tokenizer",
+    "train": "archsearch.trainers.loop",
+    "build_model": "archsearch.trainers.loop",
+    "match_vocab": "archsearch.trainers.loop",
+    "token_budget": "archsearch.trainers.loop",
+    "run_sweep": "archsearch.trainers.sweep",
+    "sweep_specs": "archsearch.trainers.sweep",
+    "to_run_record": "archsearch.trainers.sweep",
+    "run_active": "archsearch.trainers.active",
 }
 
 __all__ = list(_LAZY)

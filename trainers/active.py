@@ -4,7 +4,7 @@ The pool of candidate runs is every buildable, distinct point of the study's swe
 shapes, token budgets and training settings, exactly as ``run_sweep`` would train them). Each
 worker loops: under the plan lock, read the finished runs, fit, decide (initial design, then the
 acquisition), claim the proposed runs and log the decision; then train them through
-``trainers.loop.train`` (same run folders and ids as a sweep, so a killed run resumes from its
+``archsearch.trainers.loop.train`` (same run folders and ids as a sweep, so a killed run resumes from its
 checkpoint). A claim is an ``flock`` held while training: when a worker dies the OS drops it,
 and the run is proposed again. Runs in flight are conditioned on by the acquisition, so several
 workers propose different runs.
@@ -80,8 +80,8 @@ class _Claims:
 def build_pool(sweeps: list, vocab_size: int) -> list[dict[str, Any]]:
     """Every buildable, distinct point of the sweeps: point, spec, train config, tokens, run id,
     size level (index of its N among all the sweeps' N values)."""
-    from trainers.loop import run_id_for, token_budget
-    from trainers.sweep import sweep_specs
+    from archsearch.trainers.loop import run_id_for, token_budget
+    from archsearch.trainers.sweep import sweep_specs
 
     sizes = sorted({float(n) for s in sweeps for n in s.params})
     out, seen = [], set()
@@ -119,9 +119,9 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
 
     from archsearch.laws.active import Pool, propose
     from archsearch.search.measure import file_lock
-    from trainers.data import prepare_data
-    from trainers.loop import RUN_FILE, _write_json, read_record, train
-    from trainers.sweep import _failed_record, to_run_record
+    from archsearch.trainers.data import prepare_data
+    from archsearch.trainers.loop import RUN_FILE, _write_json, read_record, train
+    from archsearch.trainers.sweep import _failed_record, to_run_record
 
     datas = {json.dumps(dataclasses.asdict(s.data), sort_keys=True, default=str) for s in sweeps}
     if len(datas) != 1:

@@ -2,7 +2,7 @@
 
 Importing this module imports no torch. Values are checked in ``__post_init__`` and errors name
 the field; what depends on the model or the data (the token budget against one batch, the
-vocabulary against the tokenizer) is checked by :func:`trainers.train` before anything is
+vocabulary against the tokenizer) is checked by :func:`archsearch.trainers.train` before anything is
 written.
 
 The method's per-size settings (SPEC section 6) are the named presets in :data:`HPARAMS`.
@@ -67,7 +67,7 @@ def default_cache_dir() -> Path:
 class DataConfig:
     """Where the text comes from, how it is tokenized and packed.
 
-    ``source``: ``"shakespeare"`` (the offline corpus, split by work, see trainers.corpus),
+    ``source``: ``"shakespeare"`` (the offline corpus, split by work, see archsearch.trainers.corpus),
     ``"hf:NAME[:CONFIG]"`` (a hub dataset, streamed), or a path / list of paths to ``.txt``
     (one document per file) or ``.jsonl`` (one document per line, in ``text_field``) files.
     ``tokenizer``: ``"bpe:VOCAB"`` (byte-level BPE trained on the training side, cached),
@@ -77,7 +77,7 @@ class DataConfig:
     source: str | list[str] = "shakespeare"
     tokenizer: str = "bpe:2048"
     seq_len: int = 128
-    val_works: list[str] | None = None  # shakespeare only; None = trainers.corpus default
+    val_works: list[str] | None = None  # shakespeare only; None = archsearch.trainers.corpus default
     val_fraction: float = 0.05  # local files: share of documents held out
     val_tokens: int = 262_144  # hub datasets: tokens of the first documents held out
     text_field: str = "text"

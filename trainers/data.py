@@ -11,7 +11,7 @@ Order: sample ``g`` (counted from the start of training) is chunk ``perm_e[g mod
 therefore a pure function of the step: resuming needs no sampler state, and every process of a
 multi-GPU job picks its slice of the same global batch.
 
-Validation sides: the offline corpus holds out whole works (trainers.corpus); local files hold
+Validation sides: the offline corpus holds out whole works (archsearch.trainers.corpus); local files hold
 out every k-th document (k = 1/val_fraction), or the tail of the token stream when there are
 fewer than k documents; hub datasets hold out their first documents up to ``val_tokens``.
 """
@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from archsearch.errors import ArchsearchError
-from trainers.config import DataConfig
-from trainers.tokenizer import _atomic_dir_write, fingerprint, load_tokenizer, separator_id
+from archsearch.trainers.config import DataConfig
+from archsearch.trainers.tokenizer import _atomic_dir_write, fingerprint, load_tokenizer, separator_id
 
 
 @dataclass
@@ -119,7 +119,7 @@ def _read_docs(files: list[Path], text_field: str) -> Iterator[str]:
 
 
 def _shakespeare(cfg: DataConfig) -> _Source:
-    from trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
+    from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
 
     val_works = tuple(cfg.val_works) if cfg.val_works is not None else DEFAULT_VAL_WORKS
     train, val = shakespeare_split(val_works)

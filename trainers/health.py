@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from trainers.config import HealthConfig, TrainConfig
+from archsearch.trainers.config import HealthConfig, TrainConfig
 
 
 def _curve(rec: dict) -> list[tuple[float, float]]:

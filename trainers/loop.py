@@ -6,7 +6,7 @@ One flat loop (nanoGPT style). What is worth knowing:
   through accelerate with fp32 master weights and optimizer state.
 * The learning rate is a pure function of the step (linear warm-up, cosine to
   ``min_lr_ratio x lr``), and the data position is a pure function of the step
-  (trainers.data), so a checkpoint holds only model, optimizer, RNG and a few counters.
+  (archsearch.trainers.data), so a checkpoint holds only model, optimizer, RNG and a few counters.
 * Gradient accumulation is done by hand: ``no_sync`` on all but the last micro-batch (no DDP
   all-reduce until the gradient is complete), each micro-loss scaled by 1/accum.
 * Weight decay applies to matrices and embeddings, not to norm weights (the usual GPT rule).
@@ -37,7 +37,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params, training_flops
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
-from trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
+from archsearch.trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -133,13 +133,13 @@ def _plan(spec: ArchSpec, tc: TrainConfig, dc: DataConfig, data, n_proc: int) ->
     if spec.vocab_size != data.vocab_size:
         raise ArchsearchError("vocab_size", f"the architecture has vocab_size={spec.vocab_size} but "
                               f"the tokenizer {dc.tokenizer!r} has {data.vocab_size} tokens",
-                              f"set vocab_size={data.vocab_size} (trainers.match_vocab, or "
+                              f"set vocab_size={data.vocab_size} (archsearch.trainers.match_vocab, or "
                               "--match-vocab on the command line) or use a matching tokenizer")
     if dc.seq_len > spec.max_position_embeddings:
         raise ArchsearchError("data.seq_len", f"{dc.seq_len} exceeds max_position_embeddings="
                               f"{spec.max_position_embeddings}", "shorten seq_len or raise the limit")
     target = token_budget(spec, tc)
-    from trainers.data import check_epochs
+    from archsearch.trainers.data import check_epochs
 
     check_epochs(data, target, dc.max_epochs, "this run")
     gbs = tc.global_batch_size
@@ -332,7 +332,7 @@ def train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir:
     A finished run (run.json status ok) is returned as is; a run with a checkpoint resumes from
     it. Bad input raises :class:`ArchsearchError` before anything is written. NaN or divergence
     ends the run with status ``failed`` and the reason. ``data`` takes an already prepared
-    :class:`trainers.data.PreparedData` for ``data_cfg`` (sweeps prepare it once).
+    :class:`archsearch.trainers.data.PreparedData` for ``data_cfg`` (sweeps prepare it once).
     """
     import torch
 
@@ -357,7 +357,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     from accelerate.utils import set_seed
 
     from archsearch.provenance import provenance
-    from trainers.data import describe_data, prepare_data
+    from archsearch.trainers.data import describe_data, prepare_data
 
     wall0 = time.perf_counter()
     cuda = torch.cuda.is_available()

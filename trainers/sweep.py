@@ -27,7 +27,7 @@ from archsearch.configio import to_dict
 from archsearch.fileio import atomic_write, write_json
 from archsearch.errors import ArchsearchError
 from archsearch.rundata import RunRecord, write_runs
-from trainers.config import SweepConfig
+from archsearch.trainers.config import SweepConfig
 
 
 def sweep_points(cfg: SweepConfig) -> Iterator[dict[str, Any]]:
@@ -93,7 +93,7 @@ def _failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason
 def _train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, progress: bool,
                    tokens: float, seed: int) -> dict:
     """Train one run (or resume/skip it); a failure is recorded in its run.json, not raised."""
-    from trainers.loop import RUN_FILE, _write_json, train
+    from archsearch.trainers.loop import RUN_FILE, _write_json, train
 
     try:
         return train(spec, tc, cfg.data, run_dir, progress=progress, data=data)
@@ -112,9 +112,9 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
     """Train every buildable grid point of ``cfg`` (see the module docstring); returns the rows
     of ``runs.csv`` (ok and failed runs; points that do not build are in failures.jsonl)."""
     from archsearch.provenance import provenance
-    from trainers.data import check_epochs, prepare_data
-    from trainers.health import HealthMonitor
-    from trainers.loop import read_record, run_id_for, token_budget
+    from archsearch.trainers.data import check_epochs, prepare_data
+    from archsearch.trainers.health import HealthMonitor
+    from archsearch.trainers.loop import read_record, run_id_for, token_budget
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

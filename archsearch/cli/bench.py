@@ -8,7 +8,7 @@ import sys
 
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
-from benchmarks.base import BACKENDS
+from archsearch.benchmarks.base import BACKENDS
 
 
 def register(sub) -> None:
@@ -33,7 +33,7 @@ def register(sub) -> None:
     p.add_argument("--device-spec", help="device table entry for --backend analytic (e.g. H200, "
                                          "A100-40GB, cpu); default: this machine")
     p.add_argument("--calibration", metavar="FILE",
-                   help="--backend analytic: a calibration file (python -m benchmarks.calibration)")
+                   help="--backend analytic: a calibration file (python -m archsearch.benchmarks.calibration)")
     p.add_argument("--timeout", type=pos_float, default=900.0, help="seconds per engine process")
     p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
@@ -64,14 +64,14 @@ def _engine_args(items: list[str]) -> dict:
 
 def _bench(args: argparse.Namespace) -> int:
     from archsearch.errors import ArchsearchError
-    from benchmarks import BenchSettings, append_jsonl, measure
+    from archsearch.benchmarks import BenchSettings, append_jsonl, measure
 
     engine_args = _engine_args(args.engine_arg)
     if args.calibration:
         if args.backend != "analytic":
             raise ArchsearchError("--calibration", "applies to --backend analytic only",
                                   "drop it, or predict with --backend analytic")
-        from benchmarks.calibration import Calibration
+        from archsearch.benchmarks.calibration import Calibration
 
         Calibration.load(args.calibration)  # a missing or broken file fails before any work
         engine_args["calibration"] = str(args.calibration)

@@ -29,7 +29,7 @@ def register(sub) -> None:
                                    "checkpoints and OUT/model (loads with from_pretrained). Runs "
                                    "again resume from the last checkpoint.")
     add_arch_args(p)
-    p.add_argument("--config", help="YAML with 'train:' and 'data:' sections (trainers.config); "
+    p.add_argument("--config", help="YAML with 'train:' and 'data:' sections (archsearch.trainers.config); "
                                     "flags and KEY.SUB=VALUE overrides override it")
     add_overrides_arg(p)
     b = p.add_argument_group("budget and optimisation")
@@ -75,7 +75,7 @@ def register(sub) -> None:
     s = sub.add_parser("sweep", help="train a grid of proxies (resumable) into a run table",
                        description="Train every (N, d/sqrt(N), r) point of a sweep config; skips "
                                    "finished runs, resumes partial ones; writes OUT/runs.csv.")
-    s.add_argument("--config", required=True, help="sweep YAML (trainers.config.SweepConfig)")
+    s.add_argument("--config", required=True, help="sweep YAML (archsearch.trainers.config.SweepConfig)")
     s.add_argument("--out", type=out_dir, help="sweep folder (default results/sweeps/NAME)")
     s.add_argument("--json", action="store_true", help="print the rows as JSON")
     s.add_argument("--no-progress", action="store_true")
@@ -86,7 +86,7 @@ def register(sub) -> None:
 def _configs(args: argparse.Namespace):
     from archsearch.configio import apply_overrides, from_dict, load_yaml
     from archsearch.errors import ArchsearchError
-    from trainers.config import DataConfig, TrainConfig, get_hparams
+    from archsearch.trainers.config import DataConfig, TrainConfig, get_hparams
 
     raw = load_yaml(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
     unknown = set(raw) - {"train", "data"}
@@ -145,8 +145,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.launch:
         return _launch(args, spec, tc, dc)
 
-    from trainers.data import prepare_data
-    from trainers.loop import check_train_budget, match_vocab, run_id_for, token_budget, train
+    from archsearch.trainers.data import prepare_data
+    from archsearch.trainers.loop import check_train_budget, match_vocab, run_id_for, token_budget, train
 
     if dc.seq_len > spec.max_position_embeddings:
         raise ArchsearchError("--seq-len", f"{dc.seq_len} exceeds the model's max_position_embeddings "
@@ -175,7 +175,7 @@ def _launch(args, spec, tc, dc) -> int:
     import subprocess
 
     from archsearch.errors import ArchsearchError
-    from trainers.launch import accelerate_config, launch_commands, write_accelerate_config
+    from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
 
     if not args.out:
         raise ArchsearchError("--out", "is required with --launch", "every process must write to the same folder")
@@ -203,8 +203,8 @@ def _launch(args, spec, tc, dc) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from archsearch.configio import load_config
-    from trainers.config import SweepConfig
-    from trainers.sweep import run_sweep
+    from archsearch.trainers.config import SweepConfig
+    from archsearch.trainers.sweep import run_sweep
 
     cfg = load_config(SweepConfig, args.config, args.overrides)
     out = Path(args.out) if args.out else Path("results/sweeps") / cfg.name

@@ -27,7 +27,7 @@ def _log(msg: str) -> None:
 def _has_record(run_dir: Path) -> bool:
     """A proxy run is finished when its ``run.json`` says ok, or failed by the loop itself (e.g.
     diverged: training it again would give the same); a run's record says running meanwhile."""
-    from trainers.loop import read_record
+    from archsearch.trainers.loop import read_record
 
     rec = read_record(run_dir)
     return rec is not None and rec.get("status") in ("ok", "failed")
@@ -36,7 +36,7 @@ def _has_record(run_dir: Path) -> bool:
 def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
     """Job: train one proxy run into ``run_dir`` (resumes from its checkpoint); with more than
     one GPU through ``accelerate launch`` of ``archsearch train`` on the same folder."""
-    from trainers.loop import train
+    from archsearch.trainers.loop import train
 
     out = Path(run_dir)
     if gpus <= 1:
@@ -45,7 +45,7 @@ def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
     import yaml
 
     from archsearch.configio import to_dict
-    from trainers.launch import accelerate_config, launch_commands, write_accelerate_config
+    from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(spec.to_dict(), indent=2))
@@ -65,9 +65,9 @@ _NOT_DETERMINING = {"train": {"log_interval", "checkpoint_interval", "keep_check
 def sweep_runs(sweep) -> list[tuple[str, object, object]]:
     """(run id, spec, train config) of every distinct run of ``sweep``, after the data check
     (the coordinator tokenizes once into the shared cache; every job then reads it from there)."""
-    from trainers.data import check_epochs, prepare_data
-    from trainers.loop import run_id_for, token_budget
-    from trainers.sweep import sweep_specs
+    from archsearch.trainers.data import check_epochs, prepare_data
+    from archsearch.trainers.loop import run_id_for, token_budget
+    from archsearch.trainers.sweep import sweep_specs
 
     budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
     data = prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
@@ -123,8 +123,8 @@ def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
 def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, TaskResult]:
     """Train every run of ``sweep`` not yet in ``out_dir/runs/`` as one job each and wait; a run
     whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on)."""
-    from trainers.loop import RUN_FILE, _write_json, token_budget
-    from trainers.sweep import _failed_record
+    from archsearch.trainers.loop import RUN_FILE, _write_json, token_budget
+    from archsearch.trainers.sweep import _failed_record
 
     tasks = []
     for run_id, spec, tc in sweep_runs(sweep):

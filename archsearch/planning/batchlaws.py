@@ -6,7 +6,7 @@
 ``sparsity`` is active / total non-embedding parameters (:func:`archsearch.arch.sparsity`,
 1.0 for a dense model). Both laws are fitted to measurements: ``bench --out`` results
 (output tokens/s and peak memory per batch size) or training-step timings (training
-tokens/s per batch, :mod:`benchmarks.bench_batch_laws`). Every fit reports its
+tokens/s per batch, :mod:`archsearch.benchmarks.bench_batch_laws`). Every fit reports its
 leave-one-out error and, when given, the error on held-out points.
 
 Identifiability, stated rather than hidden: in the throughput law ``C4 - C2*log(C3)`` is one

@@ -145,7 +145,7 @@ class ActiveProxyConfig:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """The proxy runs: reuse a run table, or train one sweep or several (``trainers.SweepConfig``
+    """The proxy runs: reuse a run table, or train one sweep or several (``archsearch.trainers.SweepConfig``
     fields each; e.g. the shape grid plus a reference sweep at other token budgets, which a
     Chinchilla reference needs). ``plan: grid`` trains every point; ``plan: active`` trains
     the points the active plan chooses (settings in ``active``)."""
@@ -217,10 +217,10 @@ class MeasureConfig:
     timeout_s: float = 1800.0
     device_spec: str | None = None  # analytic backend: which GPU to predict for
     engine_args: dict[str, Any] = field(default_factory=dict)
-    # a roofline calibration file (benchmarks.calibration) for the seed ranking's predictions
+    # a roofline calibration file (archsearch.benchmarks.calibration) for the seed ranking's predictions
     # (and the analytic backend); without one they are labelled uncalibrated
     calibration: str | None = None
-    # Paired comparison with the baseline (benchmarks.paired): engines resident in one process,
+    # Paired comparison with the baseline (archsearch.benchmarks.paired): engines resident in one process,
     # interleaved rounds at the reference batch size until every ratio's `ci_level` interval is
     # within +-ci_rel_halfwidth, or max_rounds is spent.
     ci_level: float = 0.9
@@ -236,7 +236,7 @@ class MeasureConfig:
         self.bench_settings(self.backend)  # the measurement's own checks, named under measure.
         self.paired_settings()
         if self.calibration is not None:
-            from benchmarks.calibration import Calibration
+            from archsearch.benchmarks.calibration import Calibration
 
             try:
                 Calibration.load(self.calibration)
@@ -247,8 +247,8 @@ class MeasureConfig:
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
 
     def bench_settings(self, backend: str):
-        """The ``benchmarks.BenchSettings`` this plan measures with on ``backend``."""
-        from benchmarks.base import BenchSettings
+        """The ``archsearch.benchmarks.BenchSettings`` this plan measures with on ``backend``."""
+        from archsearch.benchmarks.base import BenchSettings
 
         try:
             return BenchSettings(backend=backend, batch_sizes=list(self.batch_sizes), input_len=self.input_len,
@@ -259,8 +259,8 @@ class MeasureConfig:
             raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
 
     def paired_settings(self):
-        """The ``benchmarks.paired.PairedSettings`` of this plan."""
-        from benchmarks.paired import PairedSettings
+        """The ``archsearch.benchmarks.paired.PairedSettings`` of this plan."""
+        from archsearch.benchmarks.paired import PairedSettings
 
         names = {"level": "ci_level", "rel_halfwidth": "ci_rel_halfwidth", "min_rounds": "min_rounds",
                  "max_rounds": "max_rounds"}
@@ -290,7 +290,7 @@ class OptunaConfig:
     log_with: str | list[str] | None = None
 
     def __post_init__(self) -> None:
-        from trainers.config import TRACKERS
+        from archsearch.trainers.config import TRACKERS
 
         trackers = [self.log_with] if isinstance(self.log_with, str) else list(self.log_with or [])
         for t in trackers:
@@ -358,8 +358,8 @@ class LimitsConfig:
 class FinalTrainConfig:
     enabled: bool = False
     tokens: float | None = None  # default: the study's tokens
-    train: dict[str, Any] = field(default_factory=dict)  # trainers.TrainConfig fields
-    data: dict[str, Any] | None = None  # trainers.DataConfig fields; default: the proxy sweep's
+    train: dict[str, Any] = field(default_factory=dict)  # archsearch.trainers.TrainConfig fields
+    data: dict[str, Any] | None = None  # archsearch.trainers.DataConfig fields; default: the proxy sweep's
 
     def __post_init__(self) -> None:
         if self.tokens is not None and not self.tokens > 0:

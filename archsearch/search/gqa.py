@@ -12,7 +12,7 @@ the search walks to larger and to smaller GQA values and stops in each direction
 variant that is slower than that baseline (:func:`slower_than_baseline`).
 
 With a study baseline in the context (the pipeline always has one), every variant is measured
-paired (``benchmarks.paired``) with the study baseline and the GQA=4 variant in one engine
+paired (``archsearch.benchmarks.paired``) with the study baseline and the GQA=4 variant in one engine
 process: "slower" then means significantly slower (the ratio's interval below 1); a variant
 that looks slower without being significantly so is measured once more (fresh rounds), and
 the walk stops only if that says significantly slower. The pick is the variant with the

@@ -109,7 +109,7 @@ def throughput_at(result: dict[str, Any], batch_size: int) -> float | None:
 
 
 class Measurer:
-    """Measures shapes with the study's settings through ``benchmarks.measure``, cached."""
+    """Measures shapes with the study's settings through ``archsearch.benchmarks.measure``, cached."""
 
     def __init__(self, cfg: MeasureConfig, store: MeasurementStore):
         self.cfg = cfg
@@ -128,14 +128,14 @@ class Measurer:
 
     def measure(self, spec: ArchSpec) -> tuple[dict[str, Any], bool]:
         """(result dict, cached?). Failures are results with ok=False, never exceptions."""
-        from benchmarks import measure
+        from archsearch.benchmarks import measure
 
         return self._once(self.key(spec), lambda: measure(spec, self.settings()).to_dict())
 
     def compare(self, specs: list[ArchSpec], attempt: int = 0) -> tuple[dict[str, Any], bool]:
         """(paired result dict, cached?) of ``specs`` measured together, the first the
-        reference (``benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
-        from benchmarks.paired import measure_paired
+        reference (``archsearch.benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
+        from archsearch.benchmarks.paired import measure_paired
 
         blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
                            "attempt": attempt}, sort_keys=True)
@@ -159,8 +159,8 @@ class Measurer:
 
 
 def paired_from_dict(d: dict[str, Any]):
-    """A stored paired result back as ``benchmarks.paired.PairedResult``."""
-    from benchmarks.paired import PairedResult
+    """A stored paired result back as ``archsearch.benchmarks.paired.PairedResult``."""
+    from archsearch.benchmarks.paired import PairedResult
 
     names = set(PairedResult.__dataclass_fields__)
     return PairedResult(**{k: v for k, v in d.items() if k in names})

@@ -141,7 +141,7 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     check_baseline_size(cfg, baseline_spec(cfg))
     if not for_plan:
         from archsearch.cluster.executor import check_cluster
-        from trainers.config import check_trackers
+        from archsearch.trainers.config import check_trackers
 
         resolve_backend(cfg.measure)
         check_cluster(cfg.cluster)
@@ -187,8 +187,8 @@ def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10)
 
 
 def proxy_sweeps(cfg: StudyConfig) -> list:
-    """The study's proxy sweeps as validated ``trainers.SweepConfig`` objects."""
-    from trainers import SweepConfig
+    """The study's proxy sweeps as validated ``archsearch.trainers.SweepConfig`` objects."""
+    from archsearch.trainers import SweepConfig
 
     if cfg.proxy is None:
         return []
@@ -287,8 +287,8 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     elif cfg.proxy.runs:
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
-        from trainers import sweep_specs, token_budget
-        from trainers.loop import run_id_for
+        from archsearch.trainers import sweep_specs, token_budget
+        from archsearch.trainers.loop import run_id_for
 
         sweeps = proxy_sweeps(cfg)
         for sweep in sweeps:
@@ -531,7 +531,7 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
     if cfg.proxy.plan == "active":
         return _stage_proxy_active(cfg, out, state)
     from archsearch.rundata import write_runs
-    from trainers import run_sweep
+    from archsearch.trainers import run_sweep
 
     t = time.time()
     records = []
@@ -557,10 +557,10 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
 
 
 def _stage_proxy_active(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
-    """``proxy.plan: active``: train the runs the active plan chooses (``trainers.active``) into
+    """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active``) into
     ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
     from archsearch.rundata import write_runs
-    from trainers.active import run_active
+    from archsearch.trainers.active import run_active
 
     t = time.time()
     _log(f"active proxy plan into {out / 'proxies' / 'active'}")
@@ -679,7 +679,7 @@ def keep_baseline_unless_faster(chosen: dict[str, Any] | None, base: ArchSpec, c
 
 def final_train_configs(cfg: StudyConfig):
     """(TrainConfig, DataConfig) of the final training, validated (data: the proxies' by default)."""
-    from trainers import DataConfig, TrainConfig
+    from archsearch.trainers import DataConfig, TrainConfig
 
     sweeps = cfg.proxy.sweep_dicts() if cfg.proxy else []
     data = cfg.final_train.data or (sweeps[0][1].get("data") if sweeps else None)
@@ -695,7 +695,7 @@ def final_train_configs(cfg: StudyConfig):
 def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
     """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
     (written to ``predict_rank_select.json``, which :func:`_choose` then follows)."""
-    from trainers import train
+    from archsearch.trainers import train
 
     tc, data_cfg = final_train_configs(cfg)
     if cfg.mode != "predict-rank-select":

@@ -53,7 +53,7 @@ class SearchContext:
     measurer: Measurer
     out: Path
     build: BuildSettings = field(default_factory=BuildSettings)
-    # the shape every candidate is compared with, paired (benchmarks.paired); None: each
+    # the shape every candidate is compared with, paired (archsearch.benchmarks.paired); None: each
     # candidate is measured alone and the objective is its absolute throughput
     baseline: ArchSpec | None = None
 
@@ -430,7 +430,7 @@ def ranking_device(cfg: StudyConfig) -> str | None:
 
 def analytic_throughput_fn(ctx: SearchContext, device: str):
     """Predicted throughput at the reference batch size from ``device``'s roofline (ranking only)."""
-    from benchmarks import BenchSettings, measure
+    from archsearch.benchmarks import BenchSettings, measure
 
     m = ctx.cfg.measure
     settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
@@ -483,7 +483,7 @@ class TrackerCallback:
     def __init__(self, names: tuple[str, ...], logging_dir: Path, run_name: str):
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
-        from trainers.config import check_trackers
+        from archsearch.trainers.config import check_trackers
 
         check_trackers(names, "optuna.log_with")
         self.trackers = []
