@@ -548,7 +548,9 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
 
 
 def _save_final_model(accelerator, model, tokenizer, folder: Path, progress: bool) -> None:
-    """save_pretrained (safetensors) + tokenizer: loads with from_pretrained, evaluable by lm-eval."""
+    """save_pretrained (safetensors) + tokenizer: loads with from_pretrained, evaluable by lm-eval.
+    Not atomic, and need not be: run.json's status ``ok``, written after it, marks the model
+    complete; a kill during the save leaves the run ``running``, so it resumes and saves again."""
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         if not progress:
