@@ -10,7 +10,9 @@ search, each time detected from the study's own files; a last run finishes. The 
 ``summary.json`` must equal the uninterrupted run's except for timing and provenance; every
 proxy run is trained once (a run finished before a kill is not touched again, the half-trained
 one resumes from its checkpoint) and every measurement is stored once. ``archsearch sweep``
-(the same proxy sweep) and ``archsearch train`` (one of its shapes) are drilled the same way.
+(two points of the same sweep) and ``archsearch train`` (one of its shapes) are drilled the
+same way. The reference and those two drills run in the background while the study is drilled:
+each is one process at a time, so on two cores they would otherwise leave one idle.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -215,91 +218,48 @@ class ProxyLedger:
                 "steps_redone": self.killed_at - self.checkpoint, "steps": rec["steps"]}
 
 
-# -- the uninterrupted reference --------------------------------------------------------------
+# -- the drills that need no reference until they compare -----------------------------------
 
-@pytest.fixture(scope="module")
-def study_dir(tmp_path_factory) -> Path:
-    """A folder with ``study.yaml``, ``sweep.yaml`` and ``clean/``: the study run once, uninterrupted."""
-    root = tmp_path_factory.mktemp("drills")
-    (root / "study.yaml").write_text(yaml.safe_dump(STUDY))
-    (root / "sweep.yaml").write_text(yaml.safe_dump(SWEEP))
-    _finish(_search(root, "clean"))
-    return root
-
-
-@pytest.mark.slow
-def test_study_survives_kill_9_at_every_stage(study_dir):
-    landed, ledger = {}, None
-    for stage, cond in KILL_POINTS.items():
-        landed[stage] = _kill_on(_search(study_dir, "drilled", quiet=True),
-                                 lambda: cond(study_dir / "drilled"))
-        if stage == "proxy" and landed[stage]:
-            ledger = ProxyLedger(study_dir / "drilled" / PROXIES)
-    _finish(_search(study_dir, "drilled"))
-
-    # the long stages must have been hit; a kill that missed the short GQA stage is reported
-    assert landed["proxy"] and landed["fit"] and landed["search"], landed
-    clean = json.loads((study_dir / "clean" / "summary.json").read_text())
-    drilled = json.loads((study_dir / "drilled" / "summary.json").read_text().replace("drilled/", "clean/"))
-    assert _strip(drilled) == _strip(clean)
-    # at most one dead trial per kill during the search, and nothing else added
-    assert 0 <= drilled["trials"]["total"] - clean["trials"]["total"] <= landed["search"] + landed["gqa"]
-    keys, ref = _keys(study_dir / "drilled"), _keys(study_dir / "clean")
-    assert len(keys) == len(set(keys)), "a measurement was repeated"
-    assert set(keys) == set(ref), "a measurement was lost or added"
-    proxies = ledger.check()
-    assert _table(study_dir / "drilled" / PROXIES / "runs.csv") == _table(study_dir / "clean" / PROXIES / "runs.csv")
-    print(json.dumps({"kills": landed, "measurements": len(keys), "proxy_runs": proxies}))
-
-
-@pytest.mark.slow
-def test_sweep_survives_kill_9(study_dir):
-    """``archsearch sweep`` killed while a run trains: the resumed sweep's table equals the
-    study's uninterrupted one, each run trained once."""
+def _sweep_drill(root: Path) -> dict:
+    """``archsearch sweep`` of the proxy sweep's first two points, killed while the second
+    trains, then resumed; returns the counts and the run table."""
+    (root / "sweep.yaml").write_text(yaml.safe_dump(SWEEP_PART))
     args = ["sweep", "--config", "sweep.yaml", "--no-progress", "--out", "sweep"]
-    assert _kill_on(_cli(study_dir, *args, quiet=True), lambda: _mid_training(study_dir / "sweep")), \
+    assert _kill_on(_cli(root, *args, quiet=True), lambda: _mid_training(root / "sweep")), \
         "the sweep finished before a run was mid-training"
-    ledger = ProxyLedger(study_dir / "sweep")
-    _finish(_cli(study_dir, *args))
+    ledger = ProxyLedger(root / "sweep")
+    _finish(_cli(root, *args))
     counts = ledger.check()
-    assert _table(study_dir / "sweep" / "runs.csv") == _table(study_dir / "clean" / PROXIES / "runs.csv")
-    assert json.loads((study_dir / "sweep" / "sweep.json").read_text())["runs_ok"] == counts["runs"]
-    print(json.dumps({"sweep": counts}))
+    assert json.loads((root / "sweep" / "sweep.json").read_text())["runs_ok"] == counts["runs"]
+    return {"counts": counts, "table": _table(root / "sweep" / "runs.csv")}
 
 
-@pytest.mark.slow
-def test_training_run_survives_kill_9(study_dir):
-    """``archsearch train`` of one proxy shape, killed a few steps past a checkpoint, resumes from
-    it and ends exactly where the study's uninterrupted run of that shape ended."""
-    ref_dir = next(p for p in (study_dir / "clean" / PROXIES / "runs").iterdir()
-                   if p.name.startswith("L2-d64-h2kv1x32-f160"))
-    ref = json.loads((ref_dir / "run.json").read_text())
-    (study_dir / "train.yaml").write_text(yaml.safe_dump({"train": PROXY_TRAIN, "data": PROXY_DATA}))
-    args = ["train", "--layers", "2", "--hidden-size", "64", "--heads", "2", "--kv-heads", "1",
-            "--head-dim", "32", "--ffn", "160", "--vocab-size", "512",
-            "--config", "train.yaml", "--no-progress", "--out", "run"]
-    run = study_dir / "run"
-    assert _kill_on(_cli(study_dir, *args, quiet=True), lambda: _past_checkpoint(run)), \
+def _train_drill(root: Path) -> dict:
+    """``archsearch train`` of one proxy shape, killed a few steps past a checkpoint, then
+    resumed; returns its run.json and the counts."""
+    (root / "train.yaml").write_text(yaml.safe_dump({"train": PROXY_TRAIN, "data": PROXY_DATA}))
+    args = ["train", *TRAIN_SHAPE, "--vocab-size", "512", "--config", "train.yaml", "--no-progress", "--out", "run"]
+    run = root / "run"
+    assert _kill_on(_cli(root, *args, quiet=True), lambda: _past_checkpoint(run)), \
         "the run finished before it passed a checkpoint"
     checkpoint, killed_at = _checkpointed(run)[-1], _logged_step(run)
-    _finish(_cli(study_dir, *args))
+    _finish(_cli(root, *args))
     rec = json.loads((run / "run.json").read_text())
     assert rec["status"] == "ok" and rec["resumed_from_step"] == checkpoint
-    for k in ("steps", "tokens", "spec", "final_eval_loss", "smoothed_train_loss", "eval_history"):
-        assert rec[k] == ref[k], k
-    print(json.dumps({"train": {"resumed_from_step": checkpoint, "killed_at_step": killed_at,
-                                "steps_redone": killed_at - checkpoint, "steps": rec["steps"]}}))
+    return {"record": rec, "counts": {"resumed_from_step": checkpoint, "killed_at_step": killed_at,
+                                      "steps_redone": killed_at - checkpoint, "steps": rec["steps"]}}
 
 
-@pytest.mark.slow
-def test_study_where_every_candidate_fails_ends_with_a_message(tmp_path):
-    """Every measurement fails (a batch no device holds): failed trials with reasons, a report
-    that says so first, no traceback."""
+def _all_fail_study(root: Path) -> subprocess.CompletedProcess:
+    """A study whose every measurement fails (a batch no device holds), run to its end in ``all-fail/``."""
     from archsearch.laws.synthetic import synthetic_runs
     from archsearch.rundata import write_runs
 
+    folder = root / "all-fail"
+    folder.mkdir()
+
     coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
-    write_runs(tmp_path / "runs.csv", synthetic_runs("conditional-multiplicative", coef,
+    write_runs(folder / "runs.csv", synthetic_runs("conditional-multiplicative", coef,
                                                      sizes=(5e5, 1e6, 2e6, 4e6), tokens_per_param=(10, 20)))
     cfg = {"name": "all-fail", "params": 2e6, "tokens": 4e7, "n_layers": 4, "vocab_size": 2048,
            "baseline": {"hidden_over_sqrt_n": 0.08, "mlp_to_attn": 3.0, "gqa": 2},
@@ -312,10 +272,89 @@ def test_study_where_every_candidate_fails_ends_with_a_message(tmp_path):
                        "device_spec": "A100-40GB"},
            "optuna": {"n_trials": 2, "max_trials": 4, "enqueue_solution": 1, "seed": 0},
            "gqa_search": {"enabled": True, "baseline_gqa": 2}}
-    (tmp_path / "study.yaml").write_text(yaml.safe_dump(cfg))
-    p = subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", "study.yaml", "--out", "s"],
-                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
-                       text=True, timeout=600)
+    (folder / "study.yaml").write_text(yaml.safe_dump(cfg))
+    return subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", "study.yaml", "--out", "s"],
+                          cwd=folder, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                          text=True, timeout=600)
+
+
+# the sweep drill's points: the first two of the study's sweep (the same runs, ids and losses)
+SWEEP_PART = {**SWEEP, "hidden_over_sqrt_n": [0.1], "mlp_to_attn": [0.7, 1.5]}
+# the train drill's shape: one of the study's proxies (d=0.18 sqrt(N), r=3.5)
+TRAIN_SHAPE = ["--layers", "2", "--hidden-size", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+               "--ffn", "160"]
+
+
+@pytest.fixture(scope="module")
+def drills(tmp_path_factory):
+    """A folder with ``study.yaml`` and, run at once in the background (the drills are single
+    processes; the second core would idle): ``clean/``, the study run once, uninterrupted, which
+    every drill compares with; the sweep drill; the training-run drill."""
+    root = tmp_path_factory.mktemp("drills")
+    (root / "study.yaml").write_text(yaml.safe_dump(STUDY))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        yield root, {"clean": pool.submit(lambda: _finish(_search(root, "clean"))),
+                     "sweep": pool.submit(_sweep_drill, root), "train": pool.submit(_train_drill, root),
+                     "all-fail": pool.submit(_all_fail_study, root)}
+
+
+@pytest.mark.slow
+def test_study_survives_kill_9_at_every_stage(drills):
+    root, jobs = drills
+    landed, ledger = {}, None
+    for stage, cond in KILL_POINTS.items():
+        landed[stage] = _kill_on(_search(root, "drilled", quiet=True), lambda: cond(root / "drilled"))
+        if stage == "proxy" and landed[stage]:
+            ledger = ProxyLedger(root / "drilled" / PROXIES)
+    _finish(_search(root, "drilled"))
+    jobs["clean"].result()
+
+    # the long stages must have been hit; a kill that missed the short GQA stage is reported
+    assert landed["proxy"] and landed["fit"] and landed["search"], landed
+    clean = json.loads((root / "clean" / "summary.json").read_text())
+    drilled = json.loads((root / "drilled" / "summary.json").read_text().replace("drilled/", "clean/"))
+    assert _strip(drilled) == _strip(clean)
+    # at most one dead trial per kill during the search, and nothing else added
+    assert 0 <= drilled["trials"]["total"] - clean["trials"]["total"] <= landed["search"] + landed["gqa"]
+    keys, ref = _keys(root / "drilled"), _keys(root / "clean")
+    assert len(keys) == len(set(keys)), "a measurement was repeated"
+    assert set(keys) == set(ref), "a measurement was lost or added"
+    proxies = ledger.check()
+    assert _table(root / "drilled" / PROXIES / "runs.csv") == _table(root / "clean" / PROXIES / "runs.csv")
+    print(json.dumps({"kills": landed, "measurements": len(keys), "proxy_runs": proxies}))
+
+
+@pytest.mark.slow
+def test_sweep_survives_kill_9(drills):
+    """``archsearch sweep`` killed while a run trains: each run is trained once and the resumed
+    sweep's table equals those runs' rows in the study's uninterrupted sweep."""
+    root, jobs = drills
+    got = jobs["sweep"].result()
+    jobs["clean"].result()
+    ref = _table(root / "clean" / PROXIES / "runs.csv")
+    assert len(got["table"]) == 2 and got["table"] == {i: ref[i] for i in got["table"]}
+    print(json.dumps({"sweep": got["counts"]}))
+
+
+@pytest.mark.slow
+def test_training_run_survives_kill_9(drills):
+    """``archsearch train`` of one proxy shape, killed a few steps past a checkpoint, resumes from
+    it and ends exactly where the study's uninterrupted run of that shape ended."""
+    root, jobs = drills
+    got = jobs["train"].result()
+    jobs["clean"].result()
+    ref_dir = next((root / "clean" / PROXIES / "runs").glob("L2-d64-h2kv1x32-f160-*"))
+    ref, rec = json.loads((ref_dir / "run.json").read_text()), got["record"]
+    for k in ("steps", "tokens", "spec", "final_eval_loss", "smoothed_train_loss", "eval_history"):
+        assert rec[k] == ref[k], k
+    print(json.dumps({"train": got["counts"]}))
+
+
+@pytest.mark.slow
+def test_study_where_every_candidate_fails_ends_with_a_message(drills):
+    """Every measurement fails: failed trials with reasons, a report that says so first, no traceback."""
+    root, jobs = drills
+    p = jobs["all-fail"].result()
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     assert p.returncode == 0 and "No feasible shape was measured" in p.stdout
-    assert "predicted not to fit" in (tmp_path / "s" / "trials.csv").read_text()
+    assert "predicted not to fit" in (root / "all-fail" / "s" / "trials.csv").read_text()
