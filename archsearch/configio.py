@@ -45,6 +45,12 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        alts = [a for a in args if a is not type(None)]
+        sections = [a for a in alts if dataclasses.is_dataclass(a)]
+        # an optional setting, or a mapping for a union with one section type, is that type: its
+        # own error names the field, where "does not fit X | None" would not
+        if len(alts) == 1 or (isinstance(value, dict) and len(sections) == 1):
+            return _convert(value, alts[0] if len(alts) == 1 else sections[0], where)
         errors = []
         for a in args:
             if a is type(None):

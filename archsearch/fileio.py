@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from archsearch.errors import ArchsearchError
 
@@ -103,6 +103,19 @@ def read_jsonl_lines(path: str | Path, what: str | None = None) -> list[Any]:
             raise ArchsearchError(what or f"{p}:{i}", f"line {i} is not valid JSON ({e.msg})",
                                   "fix or delete that line") from None
     return out
+
+
+def truncate_jsonl(path: str | Path, keep: Callable[[Any], bool]) -> None:
+    """Rewrite an append-only JSONL log (atomically) without the records ``keep`` rejects, e.g.
+    the lines a killed run logged after its last checkpoint, which the resumed run logs again.
+    A torn last line goes too; a missing log is left missing."""
+    p = Path(path)
+    if not p.exists():
+        return
+    recs = read_jsonl_lines(p)
+    kept = [r for r in recs if keep(r)]
+    if len(kept) < len(recs) or not p.read_bytes().endswith(b"\n"):
+        atomic_write(p, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def read_table(path: Path, what: str) -> list[Any]:

@@ -37,9 +37,10 @@ import json
 import math
 import os
 import time
-from pathlib import Path
 
 import numpy as np
+
+from archsearch.fileio import append_line
 
 TRUE = {"a0": 2.697, "a1": 0.0974, "a2": 0.0078, "b0": 0.3870, "b1": 0.0063, "b2": 0.0065}
 CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}  # Hoffmann et al. 2022
@@ -272,10 +273,7 @@ def main() -> None:
     if "noise" in res:
         summary["median"] = {n: d["median"] for n, d in res["noise"].items()}
     print(json.dumps(summary, default=str))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as fh:
-        fh.write(json.dumps(rec, default=str) + "\n")
+    append_line(args.out, json.dumps(rec, default=str))
 
 
 if __name__ == "__main__":

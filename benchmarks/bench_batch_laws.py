@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from archsearch.fileio import atomic_write, write_json
+
 BATCHES = [1, 2, 4, 8, 16]
 SEQ = 128
 
@@ -66,7 +68,7 @@ def main() -> int:
     out = Path(args.out) if args.out else Path(os.environ.get("TMPDIR", "/tmp")) / "archsearch-batch-laws"
     out.mkdir(parents=True, exist_ok=True)
     for name, rs in (("timings.jsonl", fit_rows), ("holdout.jsonl", held_rows), ("all.jsonl", rows)):
-        (out / name).write_text("".join(json.dumps(r) + "\n" for r in rs))
+        atomic_write(out / name, "".join(json.dumps(r) + "\n" for r in rs))
     q, tp, mb, dev = read_points(out / "timings.jsonl")
     _, htp, _, _ = read_points(out / "holdout.jsonl")
     _, _, all_mb, _ = read_points(out / "all.jsonl")
@@ -74,7 +76,7 @@ def main() -> int:
     # max batch: peaks up to batch 8 give the fit points, the 8-16 bracket the held-out one
     held_mb = [p for p in all_mb if p.max_batch > BATCHES[-2]]
     ml = fit_max_batch_law(mb, dev, holdout=held_mb)
-    (out / "laws.json").write_text(json.dumps({"throughput": tl.to_dict(), "max_batch": ml.to_dict()}, indent=2) + "\n")
+    write_json(out / "laws.json", {"throughput": tl.to_dict(), "max_batch": ml.to_dict()})
     result = {"benchmark": "batch_laws", "quantity": q, "seq_len": SEQ, "batches": BATCHES,
               "holdout": f"batch {BATCHES[-1]} of each model (throughput), the 8-16 bracket (max batch)",
               "models": {s.name: {"sparsity": sparsity(s), "spec": s.to_dict()} for s in _specs()},
@@ -83,8 +85,6 @@ def main() -> int:
               "caveat": "2 shared CPU cores, other jobs running; tokens/s is the best of the repeats",
               "provenance": provenance()}
     if args.out:
-        from archsearch.fileio import write_json
-
         write_json(out / "result.json", result, default=str)
     print(json.dumps(result, default=str))
     return 0

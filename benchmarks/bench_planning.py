@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from archsearch.fileio import write_json
+
 # (n_layers, hidden, heads, kv_heads, ffn); head_dim 64, vocab 2048
 SHAPES = [(2, 64, 1, 1, 192), (2, 128, 2, 1, 384), (4, 128, 2, 1, 384), (4, 192, 3, 1, 512),
           (4, 256, 4, 2, 768), (6, 256, 4, 2, 768)]
@@ -120,7 +122,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         write_runs(out / "runs.csv", runs)
         law.save(out / "time_law.json")
-        (out / "result.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_json(out / "result.json", result, default=str)
     print(json.dumps(result, default=str))
     return 0
 

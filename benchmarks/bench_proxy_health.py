@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from archsearch.fileio import read_jsonl_lines, write_json
+
 PARAMS = [3e4, 6e4]
 START = {"lr": 3e-4, "global_batch_size": 8}
 LRS = [3e-4, 1.2e-3, 4.8e-3]  # the grid spans the retuning bounds: LR up to the ceiling
@@ -56,7 +58,7 @@ def main() -> int:
     run_sweep(_cfg("retune", PARAMS, START["lr"], START["global_batch_size"], hc), out / "retune", progress=False)
     h = json.loads((out / "retune" / "sweep.json").read_text())["health"]
     retune = {"trials": len(PARAMS) + h["retrain_attempts"], "compliant_sweep": h["non_compliant"] == 0,
-              "health": h, "attempts": [json.loads(x) for x in (out / "retune" / "health.jsonl").read_text().splitlines()],
+              "health": h, "attempts": read_jsonl_lines(out / "retune" / "health.jsonl"),
               "seconds": time.perf_counter() - t0}
     t1 = time.perf_counter()
     grid = {}
@@ -78,8 +80,6 @@ def main() -> int:
                        "seconds": time.perf_counter() - t1},
               "load_avg_before": load0, "load_avg_after": os.getloadavg(), "provenance": provenance()}
     if args.out:
-        from archsearch.fileio import write_json
-
         write_json(out / "result.json", result, default=str)
     print(json.dumps(result, default=str))
     return 0

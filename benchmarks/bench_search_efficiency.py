@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from archsearch.fileio import write_json
+
 THRESHOLD = 0.98  # "within 2% of the exhaustive best"
 
 
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     line = json.dumps(summary, default=str)
     print(line, flush=True)
-    (out / f"summary-{backend}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    write_json(out / f"summary-{backend}.json", summary, default=str)
     return 0
 
 

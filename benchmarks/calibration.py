@@ -43,8 +43,9 @@ class Calibration:
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=2, default=str))
+        from archsearch.fileio import write_json
+
+        write_json(path, asdict(self), default=str)
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
@@ -52,7 +53,13 @@ class Calibration:
         if not p.is_file():
             raise ArchsearchError("calibration", f"{str(p)!r} does not exist",
                                   "fit one with python -m archsearch.benchmarks.calibration --results FILE.jsonl --out FILE")
-        d = json.loads(p.read_text())
+        try:
+            d = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArchsearchError("calibration", f"{str(p)!r} is not valid JSON ({e})", "refit it") from None
+        if not isinstance(d, dict):
+            raise ArchsearchError("calibration", f"{str(p)!r} holds a {type(d).__name__}, not a calibration",
+                                  "refit it")
         names = set(cls.__dataclass_fields__)
         missing = {"compute_efficiency", "memory_efficiency", "step_overhead_s"} - set(d)
         if missing:

@@ -85,7 +85,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
     ``on_event(job, text)`` gets each progress event of the child (None: silent)."""
     with tempfile.TemporaryDirectory(prefix="archsearch-bench-") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job, default=str))
+        job_path.write_text(json.dumps(job, default=str))  # a private scratch folder, read once by the child
         log_file = Path(log_path) if log_path else Path(tmp) / "child.log"
         child_env = dict(os.environ)
         child_env.update(env or {})
@@ -93,7 +93,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
             [str(_REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         t0 = time.perf_counter()
-        with log_file.open("w") as log:
+        with log_file.open("w") as log:  # the child's live output, streamed: a log, not a result
             proc = subprocess.Popen(
                 [sys.executable, "-m", "archsearch.benchmarks.isolate", str(job_path), str(result_path)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,

@@ -105,6 +105,9 @@ def test_read_points_and_estimate_cli_side_by_side(tmp_path, capsys):
     data.write_text("".join(json.dumps(r) + "\n" for r in _timing_rows(spec)))
     quantity, tp, mb, device = read_points(data)
     assert quantity == "training tokens/s" and device == "cpu" and len(tp) == 4 and len(mb) == 3
+    torn = tmp_path / "torn.jsonl"  # a measurement killed mid-append: its half line is skipped
+    torn.write_text(data.read_text() + '{"architecture": {"n_lay')
+    assert read_points(torn)[1] == tp
     laws = tmp_path / "laws.json"
     assert main(["estimate", "batch-laws", "--data", str(data), "--out", str(laws)]) == 0
     capsys.readouterr()

@@ -8,7 +8,7 @@ import pytest
 
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import (append_line, atomic_open, atomic_write, check_output,
-                               read_jsonl_lines)
+                               read_jsonl_lines, truncate_jsonl)
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
@@ -40,6 +40,19 @@ def test_torn_last_line_skipped_and_healed(tmp_path, capsys):
     append_line(p, json.dumps({"key": 3}))  # the next append cuts the torn tail first
     assert read_jsonl_lines(p) == [{"key": 1}, {"key": 3}]
     assert p.read_text().count("\n") == 2
+
+
+def test_truncate_jsonl_drops_rejected_and_torn_lines(tmp_path):
+    """A resumed training run cuts its metrics log back to its checkpoint's step."""
+    p = tmp_path / "metrics.jsonl"
+    for step in (1, 2, 3):
+        append_line(p, json.dumps({"step": step}))
+    with p.open("a") as fh:
+        fh.write('{"step": 4, "lo')  # killed mid-append
+    truncate_jsonl(p, lambda rec: rec["step"] <= 2)
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    truncate_jsonl(tmp_path / "missing.jsonl", lambda rec: True)
+    assert not (tmp_path / "missing.jsonl").exists()
 
 
 def test_broken_middle_line_is_an_error(tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import append_line, read_jsonl_lines
 from archsearch.rundata import RunRecord, write_runs
 
 DECISIONS = "decisions.jsonl"
@@ -103,10 +104,7 @@ def build_pool(sweeps: list, vocab_size: int) -> list[dict[str, Any]]:
 
 
 def _append(path: Path, rec: dict) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps(rec, default=str) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    append_line(path, json.dumps(rec, default=str))
 
 
 def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
@@ -204,7 +202,7 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
                                               "expected_half_width_after") if k in pk},
                         "interval_before": interval})
             elif not pending:
-                last = [json.loads(x) for x in decisions.read_text().splitlines()] if decisions.is_file() else []
+                last = read_jsonl_lines(decisions)
                 if not last or last[-1].get("event") != "stop":
                     _append(decisions, {"event": "stop", "time": now, "worker": worker, "reason": stop,
                                         "n_runs": len(observed), "flops_spent": spent, "interval": interval,

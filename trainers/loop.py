@@ -426,10 +426,10 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     }
     if accelerator.is_main_process:
         _write_json(out_dir / RUN_FILE, record)
-    if accelerator.is_main_process:  # a line torn by a kill is cut before the resumed run appends
-        from archsearch.fileio import _heal_torn_tail
+    if accelerator.is_main_process:  # the log restarts at the checkpoint: the steps after it are redone
+        from archsearch.fileio import truncate_jsonl
 
-        _heal_torn_tail(out_dir / "metrics.jsonl")
+        truncate_jsonl(out_dir / "metrics.jsonl", lambda rec: rec.get("step", 0) <= state["step"])
     metrics = (out_dir / "metrics.jsonl").open("a") if accelerator.is_main_process else None
 
     if train_cfg.log_with:  # the run's knobs next to its curves in TensorBoard / W&B / MLflow
@@ -548,7 +548,9 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
 
 
 def _save_final_model(accelerator, model, tokenizer, folder: Path, progress: bool) -> None:
-    """save_pretrained (safetensors) + tokenizer: loads with from_pretrained, evaluable by lm-eval."""
+    """save_pretrained (safetensors) + tokenizer: loads with from_pretrained, evaluable by lm-eval.
+    Not atomic, and need not be: run.json's status ``ok``, written after it, marks the model
+    complete; a kill during the save leaves the run ``running``, so it resumes and saves again."""
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         if not progress:

@@ -170,7 +170,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
         final_records.append(rec)
         write_runs(out / "runs.csv", rows)  # after every run: a killed sweep leaves a valid table
         if health is not None:
-            (out / "health.jsonl").write_text("".join(json.dumps(a, default=str) + "\n" for a in health.attempts))
+            atomic_write(out / "health.jsonl", "".join(json.dumps(a, default=str) + "\n" for a in health.attempts))
     write_runs(out / "runs.csv", rows)
     atomic_write(out / "failures.jsonl", "".join(json.dumps(f, default=str) + "\n" for f in failures))
     ok = [r for r in rows if r.status == "ok"]

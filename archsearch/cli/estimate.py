@@ -4,11 +4,11 @@ from measured runs; ``estimate memory``: predicted peak memory and the largest b
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from archsearch.cli._common import parse_number, print_json, print_table
 from archsearch.cli._common import fraction, nonneg_float, out_file, pos_int
+from archsearch.fileio import write_json
 
 
 def register(sub) -> None:
@@ -51,7 +51,7 @@ def register(sub) -> None:
                                   "measurements: 'bench --out' results or training-step timings.")
     b.add_argument("--data", required=True, help="JSONL: bench --out results or training timings")
     b.add_argument("--holdout", help="measurements of the same kind to predict, never fitted")
-    b.add_argument("--out", required=True, metavar="LAWS.json")
+    b.add_argument("--out", required=True, type=out_file, metavar="LAWS.json")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_batch_laws)
 
@@ -142,8 +142,7 @@ def _batch_laws(args: argparse.Namespace) -> int:
     out = {"throughput": tl.to_dict(), "max_batch": ml.to_dict(), "data": args.data,
            "holdout_data": args.holdout}
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(path, out)
     if args.json:
         print_json({**out, "out": str(path)})
         return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from archsearch.cluster.executor import Task, TaskResult, run_tasks
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import atomic_write, write_json
 
 JOBS_DIR = "cluster"
 
@@ -48,8 +49,8 @@ def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
     from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(spec.to_dict(), indent=2))
-    (out / "train.yaml").write_text(yaml.safe_dump({"train": to_dict(tc), "data": to_dict(data_cfg)}))
+    write_json(out / "spec.json", spec.to_dict())
+    atomic_write(out / "train.yaml", yaml.safe_dump({"train": to_dict(tc), "data": to_dict(data_cfg)}))
     acc = write_accelerate_config(out / "accelerate_config.yaml", accelerate_config(spec, num_processes=gpus))
     cmd = launch_commands(acc, ["--arch", str(out / "spec.json"), "--config", str(out / "train.yaml"),
                                 "--out", str(out), "--no-progress"])[0]
@@ -152,7 +153,7 @@ def search_worker(cfg, out: str, marker: str) -> None:
     from archsearch.search.study import run_study
 
     run_study(search_context(cfg, Path(out)), progress=False)
-    Path(marker).write_text("done\n")
+    atomic_write(marker, "done\n")
 
 
 def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:

@@ -31,6 +31,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import atomic_write
 from archsearch.evaluation.suites import TASKS_DIR
 SEED = 7
 N_NEXTLINE = 100    # items per held-out work
@@ -179,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"differs from a rebuild: {args.out / rel}", file=sys.stderr)
         return 1 if stale else 0
     for rel in stale:
-        (args.out / rel).parent.mkdir(parents=True, exist_ok=True)
-        (args.out / rel).write_bytes(files[rel])
+        atomic_write(args.out / rel, files[rel])
     print(f"{len(files) - len(stale)} unchanged, {len(stale)} written under {args.out}")
     return 0
 

@@ -267,10 +267,12 @@ def read_points(path: str | Path) -> tuple[str, list[ThroughputPoint], list[MaxB
     :func:`max_batch_points`)."""
     from archsearch.arch import sparsity
 
-    p = Path(path)
-    try:
-        rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    except (OSError, json.JSONDecodeError) as e:
+    from archsearch.fileio import check_input_file, read_jsonl_lines
+
+    p = check_input_file(str(path), path)
+    try:  # bench --out appends: a line torn by a killed bench is skipped, with a message
+        rows = read_jsonl_lines(p, what=str(path))
+    except OSError as e:
         raise ArchsearchError(str(path), f"cannot read measurements: {e}") from None
     if not rows:
         raise ArchsearchError(str(path), "no measurements in the file")

@@ -170,6 +170,10 @@ class ProxyConfig:
         if self.plan == "active" and self.runs is not None:
             raise ArchsearchError("proxy.plan", "active chooses runs to train, but proxy.runs reuses a table",
                                   "give proxy.sweep (the pool of candidate runs) or use plan: grid")
+        if self.store is not None:
+            from archsearch.fileio import check_output
+
+            check_output("proxy.store", self.store, kind="dir")
 
     def sweep_dicts(self) -> list[tuple[str, dict[str, Any]]]:
         """(config path for errors, sweep mapping) of every sweep to train."""

@@ -12,7 +12,9 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import write_json
+from archsearch.fileio import atomic_write, write_json
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock
 
@@ -489,7 +491,11 @@ def write_chosen(ctx, out: Path, chosen: dict[str, Any]) -> Path:
     if tok is not None and not (folder / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(tok)).save_pretrained(str(folder))
+        with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=folder) as tmp:
+            AutoTokenizer.from_pretrained(str(tok)).save_pretrained(tmp)
+            # moved in with tokenizer.json last: its presence marks the tokenizer complete
+            for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer.json"):
+                os.replace(f, folder / f.name)
     return folder
 
 
@@ -590,8 +596,8 @@ def write_active_plan_report(out: Path) -> None:
     plan = active_plan_summary(out)
     (out / "plots").mkdir(parents=True, exist_ok=True)
     _active_plot(plan, out / "plots", plt)
-    (out / "proxies" / "active" / "plan.md").write_text("\n".join(_active_markdown(plan)[1:]) + "\n\n"
-                                                       "![plot](../../plots/active_proxies.png)\n")
+    atomic_write(out / "proxies" / "active" / "plan.md", "\n".join(_active_markdown(plan)[1:]) + "\n\n"
+                 "![plot](../../plots/active_proxies.png)\n")
 
 
 def fit_options(cfg: StudyConfig):
@@ -761,7 +767,7 @@ def _stage_eval(cfg: StudyConfig, out: Path) -> None:
     released = json.loads(prs.read_text()).get("released") if prs.is_file() else None
     if released and (Path(released["run_dir"]) / "eval.json").is_file():
         # predict-rank-select already evaluated every candidate on these tasks
-        (out / "eval.json").write_text((Path(released["run_dir"]) / "eval.json").read_text())
+        atomic_write(out / "eval.json", (Path(released["run_dir"]) / "eval.json").read_text())
         return
     model = Path(released["run_dir"]) / "model" if released else out / "final" / "model"
     if not model.exists():

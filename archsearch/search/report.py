@@ -275,7 +275,9 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
     path = folder / "decisions.jsonl"
     if not path.is_file():
         return None
-    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    from archsearch.fileio import read_jsonl_lines
+
+    events = read_jsonl_lines(path)  # a torn last line (a worker killed mid-append) is skipped
     fits = [e for e in events if e["event"] == "fit"]
     plan = json.loads((folder / "plan.json").read_text()) if (folder / "plan.json").is_file() else {}
 
