@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -54,3 +56,43 @@ def test_wheel_installs_only_the_archsearch_namespace(tmp_path):
                                                  + wheel.name.split("-")[1] + ".dist-info"}
     # the trainer and the measurement backends travel inside the namespace, as real files
     assert "archsearch/trainers/loop.py" in names and "archsearch/benchmarks/base.py" in names
+
+
+def test_installed_copy_runs_outside_a_repository_with_clean_output(tmp_path):
+    """A non-editable install used from a folder that is no git repository: every ``--json`` prints
+    one document on stdout and nothing on stderr (no git chatter), and provenance says git is unknown."""
+    target, work = tmp_path / "site", tmp_path / "work"
+    work.mkdir()
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.fail(f"pip install failed: {r.stderr[-2000:]}")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    commands = [["arch", "describe", "--preset", "llama-3.2-1b", "--json"],
+                ["bench", "--backend", "analytic", "--preset", "llama-3.2-1b", "--batch-sizes", "1", "--json"],
+                ["estimate", "--arch", "llama-3.2-1b", "--tokens", "1B", "--json"]]
+    for cmd in commands:
+        p = subprocess.run([sys.executable, "-m", "archsearch", *cmd], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (cmd, p.stderr)
+        assert p.stderr == "", (cmd, p.stderr)
+        doc = json.loads(p.stdout)
+        assert isinstance(doc, dict)
+    # the measurement came from the installed copy, and its provenance does not invent a revision
+    import_check = subprocess.run([sys.executable, "-c", "import archsearch.benchmarks.base as b; print(b.__file__)"],
+                                  cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert import_check.stdout.strip().startswith(str(target))
+    bench_doc = json.loads(subprocess.run([sys.executable, "-m", "archsearch", *commands[1]], cwd=work, env=env,
+                                          capture_output=True, text=True, timeout=120).stdout)
+    assert _find_key(bench_doc, "git") == [None]
+
+
+def _find_key(doc, key):
+    found = []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            found += [v] if k == key else _find_key(v, key)
+    elif isinstance(doc, list):
+        for v in doc:
+            found += _find_key(v, key)
+    return found
