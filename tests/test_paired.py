@@ -128,15 +128,18 @@ def test_gqa_stop_needs_significantly_slower_else_remeasures(tmp_path):
 
 
 def test_answer_keeps_the_baseline_unless_significantly_faster(tmp_path):
-    from archsearch.search.pipeline import keep_baseline_unless_faster
+    from dataclasses import replace
+
+    from archsearch.search.answer import Answer, keep_baseline_unless_faster
 
     ctx = _gqa_ctx(tmp_path, None)
-    tie = {"spec": _spec(64).to_dict(), "ratio": {"ratio": 1.04, "lo": 0.98, "hi": 1.10,
-                                                 "significantly_faster": False}, "predicted_loss": 1.0}
-    kept = keep_baseline_unless_faster(tie, ctx.baseline, ctx)
-    assert kept["is_baseline"] and kept["spec"] == ctx.baseline.to_dict() and kept["best_candidate"] is tie
-    win = {**tie, "ratio": {**tie["ratio"], "lo": 1.01, "significantly_faster": True}}
-    assert keep_baseline_unless_faster(win, ctx.baseline, ctx) is win
+    tie = Answer(spec=_spec(64), source="Optuna trial 3", predicted_loss=1.0, throughput=100.0,
+                 ratio={"ratio": 1.04, "lo": 0.98, "hi": 1.10, "significantly_faster": False})
+    kept = keep_baseline_unless_faster(tie, ctx)
+    assert kept.is_baseline and kept.spec == ctx.baseline and kept.best_candidate is tie
+    assert kept.summary(123.0, tmp_path / "c.json")["throughput"] == 123.0  # the baseline's paired mean
+    win = replace(tie, ratio={**tie.ratio, "lo": 1.01, "significantly_faster": True})
+    assert keep_baseline_unless_faster(win, ctx) is win
 
 
 def test_calibration_recovers_known_efficiencies_and_labels_uncalibrated(tmp_path):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 
 from archsearch.cli._common import add_overrides_arg, out_dir, print_json
-
-STAGES = ("proxy", "fit", "search", "gqa", "train", "eval", "report")
+from archsearch.search.pipeline import STAGE_NAMES as STAGES
 
 
 def _stages(text: str) -> set[str]:
@@ -51,9 +50,11 @@ def _run(args: argparse.Namespace) -> int:
     summary = pipeline.run(cfg, out, only=args.only, skip=args.skip)
     if args.json:
         print_json(summary)
-    else:
+    elif "chosen" in summary:  # the report stage ran
         print((out / "report.md").read_text())
         print(f"study folder: {out}")
+    else:
+        print(f"study folder: {out} (the report stage was not selected: no report written)")
     return 0
 
 

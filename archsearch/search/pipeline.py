@@ -1,8 +1,9 @@
 """``archsearch search``: proxy sweep -> law fit -> Optuna search -> GQA search -> chosen
 architecture -> (full training -> evaluation) -> report.
 
-Each stage writes its outputs into the study folder and marks itself done in ``state.json``;
-a rerun skips done stages and resumes the unfinished one (the sweep skips finished runs, the
+The study is a table of stages (:data:`STAGES`) driven by one loop (:func:`run`). Each stage
+writes its outputs into the study folder and marks itself done in ``state.json``, and passes its
+result to the next on a :class:`StudyRun`; a rerun skips done stages and resumes the unfinished one (the sweep skips finished runs, the
 Optuna study resumes from its storage, measurements are read back from the store). Stages can
 be skipped or run alone. Several workers may run the same config at once: the stages around
 the Optuna study run under a lock (one worker does them, the others find them done), and the
@@ -11,11 +12,14 @@ study itself is shared through its storage.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +27,9 @@ from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, write_json
+from archsearch.search.answer import Answer, decide
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock
-
-STAGES = ("proxy", "fit", "search", "gqa", "train", "eval", "report")
 
 
 def _log(msg: str) -> None:
@@ -205,7 +208,7 @@ def _planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
     """The (N, D) groups the proxy runs will have, to 2 significant digits."""
     from archsearch.rundata import read_runs
 
-    r2 = lambda v: float(f"{v:.2g}")  # noqa: E731
+    r2 = lambda v: float(f"{v:.2g}")
     if cfg.proxy.runs:
         return {(r2(r.n_params), r2(r.tokens)) for r in read_runs(cfg.proxy.runs) if r.status == "ok"}
     groups = set()
@@ -382,15 +385,45 @@ def makespan(hours: list[float], slots: int) -> float:
     return max(free)
 
 
-# -- the pipeline ------------------------------------------------------------------------------
+# -- the pipeline: a table of stages -----------------------------------------------------------
+
+@dataclass
+class StudyRun:
+    """What one run of a study passes from stage to stage: each value is computed once, by the
+    stage that owns it (or read back from the study folder when that stage is done or skipped)."""
+    cfg: StudyConfig
+    out: Path
+    state: StudyState
+    progress: bool = True
+    runs_path: Path | None = None     # proxy: the proxies' run table
+    law: Any = None                   # fit: the fitted (or given) law
+    ctx: Any = None                   # fit: the search context (law, target loss, measurer, baseline)
+    study: Any = None                 # search: the Optuna study (None until one exists)
+    best: dict[str, Any] | None = None    # search: the best feasible measured shape
+    answer: Answer | None = None      # gqa/train: the chosen shape and its evidence
+    summary: dict[str, Any] | None = None  # report
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the study. ``run(r, fresh)`` does the stage's work when ``fresh`` (selected,
+    applicable, not done) and returns what ``state.json`` records of it (None: nothing was done),
+    and otherwise reads back what an earlier run left, so later stages find it on ``r``."""
+    name: str
+    run: Callable[[StudyRun, bool], dict[str, Any] | None]
+    applies: Callable[[StudyConfig], bool] = lambda cfg: True
+    locked: Callable[[StudyConfig], bool] = lambda cfg: True  # under the folder's stage lock
+    resumes_itself: bool = False  # runs even when done (the Optuna study tops itself up)
+
 
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) the study; returns the summary."""
+    """Run (or resume) the study, stage by stage; returns the summary."""
     validate(cfg)  # before anything is written
+    selected = select_stages(cfg, out, only, skip)
     out.mkdir(parents=True, exist_ok=True)
     state = StudyState(out)
-    done = [st for st in STAGES if state.done(st)]
+    done = [st.name for st in STAGES if state.done(st.name)]
     if done:
         first = (state.data[done[0]].get("runs") or [{}])[0]
         _log(f"resuming the study in {out}: stages done {', '.join(done)}"
@@ -398,87 +431,180 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
              + "; earlier stages and measurements keep their own provenance. For a fresh study, "
                "give another folder: --out DIR")
     write_json(out / "config.json", to_dict(cfg), default=str)
+    r = StudyRun(cfg, out, state, progress)
     lock = out / ".stage.lock"
-    want = lambda st: (only is None or st in only) and st not in skip  # noqa: E731
+    for stage in STAGES:
+        locked = stage.locked(cfg)
+        with file_lock(lock) if locked else contextlib.nullcontext():
+            state.reload()
+            fresh = stage.name in selected and stage.applies(cfg) and \
+                (stage.resumes_itself or not state.done(stage.name))
+            t = time.time()
+            info = stage.run(r, fresh)
+        if fresh and info is not None:
+            with file_lock(lock) if not locked else contextlib.nullcontext():
+                state.mark(stage.name, time.time() - t, **info)
+        if stage.name == "search" and r.study is None:
+            _log("no Optuna study yet: run the search stage to measure candidates")
+            return {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
+    return r.summary if r.summary is not None else \
+        {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
 
-    if cfg.proxy is not None and cfg.proxy.plan == "active" and want("proxy") and not state.done("proxy"):
-        _stage_proxy_active(cfg, out, state)  # outside the stage lock: several workers train at once
-    with file_lock(lock):
-        state.reload()
-        runs_path = None
-        if cfg.proxy is not None:
-            runs_path = _stage_proxy(cfg, out, state) if want("proxy") or not _runs_path(cfg, out).is_file() \
-                else _runs_path(cfg, out)
-        law = _stage_fit(cfg, out, state, runs_path, force=want("fit"))
-    ctx = search_context(cfg, out, law)
-    lt, measurer = ctx.target_loss, ctx.measurer
-    if measurer.note:
-        _log(measurer.note)
-    base = ctx.baseline
-    if want("search"):
+
+def select_stages(cfg: StudyConfig, out: Path, only: set[str] | None, skip: set[str]) -> set[str]:
+    """The stages ``--only``/``--skip`` select, refused before any work when a selected stage
+    needs what a deselected one would make and the study folder does not have it."""
+    names = [st.name for st in STAGES]
+    unknown = sorted((set(only or ()) | set(skip)) - set(names))
+    if unknown:
+        raise ArchsearchError("--only/--skip", f"unknown stage(s) {unknown}", f"stages: {','.join(names)}")
+    selected = {n for n in names if (only is None or n in only) and n not in skip}
+    how = (f"--only {','.join(sorted(only))}" if only is not None else "") + \
+        (f" --skip {','.join(sorted(skip))}" if skip else "")
+    needs_law = selected & {"search", "gqa", "train", "eval", "report"}
+    if "fit" not in selected and needs_law and not cfg.law.file and not (out / "law.json").is_file():
+        raise ArchsearchError(how.strip(), f"stage(s) {','.join(sorted(needs_law))} need the law, but fit is "
+                              f"not selected and {out / 'law.json'} does not exist",
+                              "run the fit stage too, or give law.file")
+    if "fit" in selected and "proxy" not in selected and not cfg.law.file and cfg.proxy is not None \
+            and not (out / "law.json").is_file() and not _runs_path(cfg, out).is_file():
+        raise ArchsearchError(how.strip(), f"fit needs the proxies' runs, but proxy is not selected and "
+                              f"{_runs_path(cfg, out)} does not exist", "run the proxy stage too, or give proxy.runs")
+    return selected
+
+
+def _proxy(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """Train the proxies (grid or active plan) into ``proxies/``; their table is ``runs.csv``."""
+    cfg = r.cfg
+    r.runs_path = _runs_path(cfg, r.out) if cfg.proxy is not None else None
+    if not fresh:
+        return None
+    if cfg.proxy.plan == "active":
+        return _train_active_proxies(r)
+    return _train_proxy_grid(r)
+
+
+def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """Fit the law on the proxies' runs (or read ``law.file`` / the study's ``law.json``), then
+    build the search context once: the target loss and the measurer every later stage uses."""
+    from archsearch.laws import fit_law, load_law
+
+    cfg, law_path, info = r.cfg, r.out / "law.json", None
+    if cfg.law.file or not fresh:
+        r.law = load_law(cfg.law.file or law_path)
+    else:
+        from archsearch.laws.plots import write_plots
+        from archsearch.rundata import read_runs
+
+        runs = [x for x in read_runs(r.runs_path) if x.status == "ok"]
+        _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
+        r.law = fit_law(runs, cfg.law.form, fit_options(cfg))
+        r.law.save(law_path)
+        write_plots(r.law, runs, [], r.out / "plots")
+        info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
+    r.ctx = search_context(cfg, r.out, r.law)
+    if r.ctx.measurer.note:
+        _log(r.ctx.measurer.note)
+    return info
+
+
+def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """The Optuna study (it resumes from its storage; several workers may share it), then the
+    best feasible measured shape."""
+    from archsearch.search.report import chosen_from_study
+
+    cfg, ctx, info = r.cfg, r.ctx, None
+    if fresh:
         t = time.time()
-        from archsearch.search.study import run_study
-
-        _log(f"target loss {lt:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
-             f"measuring with {measurer.backend}")
+        _log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
+             f"measuring with {ctx.measurer.backend}")
         if cfg.cluster.parallel:
             from archsearch.cluster.study import run_search_workers
 
-            run_search_workers(cfg, out)
+            run_search_workers(cfg, r.out)
             study = _load_study(ctx)
         else:
-            study, recovered = run_study(ctx, progress=progress)
+            from archsearch.search.study import run_study
+
+            study, recovered = run_study(ctx, progress=r.progress)
             if recovered:
                 _log(f"recovered trials {recovered} left running by a dead process")
         _wait_for_running(study)
         new = sum(1 for tr in study.get_trials(deepcopy=False)
                   if tr.datetime_start and tr.datetime_start.timestamp() >= t)
-        if new or not state.done("search"):  # a no-op rerun adds no time and no run
-            state.mark("search", time.time() - t, extend=True)
+        if new or not r.state.done("search"):  # a no-op rerun adds no time and no run
+            info = {"extend": True}
         else:
             _log("search: the study has its trials already; nothing measured")
-    with file_lock(lock):
-        state.reload()
-        from archsearch.search.report import chosen_from_study, write_report
-
-        study = _load_study(ctx)
-        if study is None:
-            _log("no Optuna study yet: run the search stage to measure candidates")
-            return {"study": cfg.name, "stages": state.data, "target_loss": lt}
-        best = chosen_from_study(study, ctx)
-        if want("gqa") and cfg.gqa_search.enabled and best is not None and not state.done("gqa"):
-            t = time.time()
-            from archsearch.search.gqa import local_gqa_search
-
-            _log(f"local GQA search around trial {best['trial']}")
-            g = local_gqa_search(ArchSpec.from_dict(best["spec"]), ctx, cfg.gqa_search.baseline_gqa)
-            write_json(out / "gqa.json", g.to_dict(), default=str)
-            state.mark("gqa", time.time() - t)
-        chosen = keep_baseline_unless_faster(_choose(out, best), base, ctx)
-        if chosen is not None:
-            write_chosen(ctx, out, chosen)
-        if want("train") and (cfg.final_train.enabled or cfg.mode == "predict-rank-select") \
-                and chosen is not None and not state.done("train"):
-            t = time.time()
-            _stage_train(cfg, out, ctx, study, chosen)
-            state.mark("train", time.time() - t)
-            chosen = _choose(out, best)
-            write_chosen(ctx, out, chosen)
-        if want("eval") and cfg.evaluation.enabled and not state.done("eval"):
-            t = time.time()
-            _stage_eval(cfg, out)
-            state.mark("eval", time.time() - t)
-        _log("writing the report, trials.csv and plots")
-        t = time.time()
-        summary = write_report(ctx, study, chosen, base, state)
-        state.mark("report", time.time() - t)
-    return summary
+    r.study = _load_study(ctx)
+    r.best = chosen_from_study(r.study, ctx) if r.study is not None else None
+    return info
 
 
-def write_chosen(ctx, out: Path, chosen: dict[str, Any]) -> Path:
+def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """The local GQA search around the best shape (``gqa.json``), then the answer: the GQA pick
+    when it measured faster, kept only if significantly faster than the baseline."""
+    info = None
+    if fresh and r.best is not None:
+        from archsearch.search.gqa import local_gqa_search
+
+        _log(f"local GQA search around trial {r.best['trial']}")
+        g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa)
+        write_json(r.out / "gqa.json", g.to_dict(), default=str)
+        info = {}
+    r.answer = decide(r.out, r.best, r.ctx)
+    if r.answer is not None:
+        write_chosen(r.ctx, r.out, r.answer)
+    return info
+
+
+def _train(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """Train the answer (predict-rank-select: the top k, and release one)."""
+    if not fresh or r.answer is None:
+        return None
+    _stage_train(r.cfg, r.out, r.ctx, r.study, r.answer)
+    r.answer = decide(r.out, r.best, r.ctx)  # predict-rank-select released one of the trained
+    write_chosen(r.ctx, r.out, r.answer)
+    return {}
+
+
+def _eval(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    if not fresh:
+        return None
+    _stage_eval(r.cfg, r.out)
+    return {}
+
+
+def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """``report.md``, ``summary.json``, ``trials.csv`` and the plots, rewritten on every run."""
+    if not fresh:
+        return None
+    from archsearch.search.report import write_report
+
+    _log("writing the report, trials.csv and plots")
+    r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state)
+    return {}
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("proxy", _proxy, applies=lambda cfg: cfg.proxy is not None and not cfg.proxy.runs,
+          # the active plan's workers train at once; it takes the lock only to write its table
+          locked=lambda cfg: cfg.proxy is None or cfg.proxy.plan != "active"),
+    Stage("fit", _fit, applies=lambda cfg: not cfg.law.file),
+    # the Optuna study is shared through its storage by every worker, outside the lock
+    Stage("search", _search, locked=lambda cfg: False, resumes_itself=True),
+    Stage("gqa", _gqa, applies=lambda cfg: cfg.gqa_search.enabled),
+    Stage("train", _train, applies=lambda cfg: cfg.final_train.enabled or cfg.mode == "predict-rank-select"),
+    Stage("eval", _eval, applies=lambda cfg: cfg.evaluation.enabled),
+    Stage("report", _report, resumes_itself=True),
+)
+STAGE_NAMES = tuple(st.name for st in STAGES)
+
+
+def write_chosen(ctx, out: Path, answer: Answer) -> Path:
     """``chosen/``, a folder vLLM and transformers load without extra flags: the config in the
     dtype the study measured it in, and the study's tokenizer when it trained with one."""
-    spec = ArchSpec.from_dict(chosen["spec"])
+    spec = answer.spec
     stored = ctx.measurer.store.get(ctx.measurer.key(spec)) or {}
     # every measurement of a study runs at one dtype: a shape measured only paired (the baseline
     # kept as the answer) takes it from any stored result
@@ -528,18 +654,13 @@ def _runs_path(cfg: StudyConfig, out: Path) -> Path:
     return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
 
 
-def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
+def _train_proxy_grid(r: StudyRun) -> dict[str, Any]:
     """Train every proxy sweep (each resumes and skips its finished runs) into
     ``proxies/<sweep name>/`` and merge their tables into ``proxies/runs.csv``."""
-    path = _runs_path(cfg, out)
-    if cfg.proxy.runs or (state.done("proxy") and path.is_file()):
-        return path
-    if cfg.proxy.plan == "active":
-        return _stage_proxy_active(cfg, out, state)
     from archsearch.rundata import write_runs
     from archsearch.trainers import run_sweep
 
-    t = time.time()
+    cfg, out = r.cfg, r.out
     records = []
     for sweep in proxy_sweeps(cfg):
         _log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
@@ -556,31 +677,26 @@ def _stage_proxy(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
             run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name)
             sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
-    write_runs(path, records)
-    ok = sum(1 for r in records if r.status == "ok")
-    state.mark("proxy", time.time() - t, proxy_runs=len(records), ok=ok)
-    return path
+    write_runs(r.runs_path, records)
+    return {"proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
 
 
-def _stage_proxy_active(cfg: StudyConfig, out: Path, state: StudyState) -> Path:
-    """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active``) into
-    ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
+def _train_active_proxies(r: StudyRun) -> dict[str, Any]:
+    """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active``)
+    into ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
     from archsearch.rundata import write_runs
     from archsearch.trainers.active import run_active
 
-    t = time.time()
+    cfg, out = r.cfg, r.out
     _log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design
     anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
     records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
                          out / "proxies" / "active", anchor_params=anchors)
     write_active_plan_report(out)
-    path = _runs_path(cfg, out)
     with file_lock(out / ".stage.lock"):
-        write_runs(path, records)
-        state.mark("proxy", time.time() - t, plan="active", proxy_runs=len(records),
-                   ok=sum(1 for r in records if r.status == "ok"))
-    return path
+        write_runs(r.runs_path, records)
+    return {"plan": "active", "proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
 
 
 def write_active_plan_report(out: Path) -> None:
@@ -608,30 +724,6 @@ def fit_options(cfg: StudyConfig):
                       seed=cfg.optuna.seed, size_tolerance=cfg.law.size_tolerance)
 
 
-def _stage_fit(cfg: StudyConfig, out: Path, state: StudyState, runs_path: Path, force: bool):
-    from archsearch.laws import fit_law, load_law
-
-    law_path = out / "law.json"
-    if cfg.law.file:
-        return load_law(cfg.law.file)
-    if state.done("fit") and law_path.is_file():
-        return load_law(law_path)
-    if not force and law_path.is_file():
-        return load_law(law_path)
-    from archsearch.rundata import read_runs
-
-    t = time.time()
-    runs = [r for r in read_runs(runs_path) if r.status == "ok"]
-    _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
-    fit = fit_law(runs, cfg.law.form, fit_options(cfg))
-    fit.save(law_path)
-    from archsearch.laws.plots import write_plots
-
-    write_plots(fit, runs, [], out / "plots")
-    state.mark("fit", time.time() - t, law_status=fit.status, warnings=list(fit.warnings))
-    return fit
-
-
 def _load_study(ctx):
     """The stored study, or None when the search stage has not created it yet."""
 
@@ -653,36 +745,6 @@ def _wait_for_running(study, timeout_s: float = 3600) -> None:
         time.sleep(2)
 
 
-def _choose(out: Path, best: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The chosen shape: predict-rank-select's released model when that ran, else the GQA
-    search's pick when it ran and measured faster, else the study's best."""
-    prs = out / "predict_rank_select.json"
-    if prs.is_file() and json.loads(prs.read_text()).get("released"):
-        return json.loads(prs.read_text())["released"]
-    gpath = out / "gqa.json"
-    if best is not None and gpath.is_file():
-        g = json.loads(gpath.read_text())
-        c = g.get("chosen")
-        if c and c.get("ratio") and best.get("ratio") and c["ratio"]["ratio"] > best["ratio"]["ratio"]:
-            return {"source": f"GQA search (GQA={c['gqa']})", "spec": c["spec"],
-                    "throughput": c["throughput"], "ratio": c["ratio"],
-                    "predicted_loss": c["predicted_loss"], "trial": best.get("trial")}
-    return best
-
-
-def keep_baseline_unless_faster(chosen: dict[str, Any] | None, base: ArchSpec, ctx) -> dict[str, Any] | None:
-    """The answer is a new shape only if it is significantly faster than the baseline (its
-    paired ratio's interval above 1); otherwise the baseline, with the best candidate kept
-    beside it for the report. Predict-rank-select's released model is left as it is."""
-    if chosen is None or not chosen.get("ratio") or chosen["ratio"].get("significantly_faster") \
-            or chosen.get("source", "").startswith("predict-rank-select"):
-        return chosen
-    return {"source": "the baseline: no feasible shape measured significantly faster",
-            "spec": base.to_dict(), "throughput": None, "ratio": None,
-            "predicted_loss": float(ctx.law.predict(base, ctx.cfg.tokens, params=ctx.cfg.params)), "trial": None,
-            "best_candidate": chosen, "is_baseline": True}
-
-
 def final_train_configs(cfg: StudyConfig):
     """(TrainConfig, DataConfig) of the final training, validated (data: the proxies' by default)."""
     from archsearch.trainers import DataConfig, TrainConfig
@@ -698,14 +760,14 @@ def final_train_configs(cfg: StudyConfig):
     return tc, data_cfg
 
 
-def _stage_train(cfg: StudyConfig, out: Path, ctx, study, chosen: dict[str, Any]) -> None:
+def _stage_train(cfg: StudyConfig, out: Path, ctx, study, answer: Answer) -> None:
     """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
-    (written to ``predict_rank_select.json``, which :func:`_choose` then follows)."""
+    (written to ``predict_rank_select.json``, which :func:`answer.decide` then follows)."""
     from archsearch.trainers import train
 
     tc, data_cfg = final_train_configs(cfg)
     if cfg.mode != "predict-rank-select":
-        train(ArchSpec.from_dict(chosen["spec"]), tc, data_cfg, out / "final")
+        train(answer.spec, tc, data_cfg, out / "final")
         return
     from archsearch.evaluation import evaluate
     from archsearch.search.report import top_k_candidates

@@ -11,6 +11,7 @@ from archsearch.arch import ArchSpec, describe
 from archsearch.figures import log_axis, styled
 from archsearch.fileio import atomic_open, atomic_write, write_json
 from archsearch.provenance import provenance
+from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.study import storage_url
 
 
@@ -162,9 +163,9 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     if base_y:
         ax.scatter([base_point["predicted_loss"]], [base_y], marker="*", s=250, c="tab:orange",
                    label="baseline", zorder=5)
-    if chosen and not chosen.get("is_baseline"):
-        cy = chosen["ratio"]["ratio"] if paired and chosen.get("ratio") else chosen.get("throughput")
-        ax.scatter([chosen["predicted_loss"]], [cy], marker="D", s=90, c="tab:green", label="chosen", zorder=6)
+    if chosen and not chosen.is_baseline:
+        cy = chosen.ratio["ratio"] if paired and chosen.ratio else chosen.throughput
+        ax.scatter([chosen.predicted_loss], [cy], marker="D", s=90, c="tab:green", label="chosen", zorder=6)
     ax.set_xlabel("predicted loss")
     ax.set_ylabel(f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
                   else f"measured output tokens/s (batch {ctx.ref_batch})")
@@ -177,7 +178,7 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     # 2. U-curves of the law at the target budget
     marks = [("baseline", base_point["architecture"], "tab:orange")]
     if chosen:
-        marks.append(("chosen", describe(ArchSpec.from_dict(chosen["spec"])), "tab:green"))
+        marks.append(("chosen", describe(chosen.spec), "tab:green"))
     made += _ucurves(ctx, out, plt, marks)
     plan = active_plan_summary(ctx.out)
     if plan is not None:
@@ -347,14 +348,7 @@ def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     return _save(fig, out, "active_proxies", plt)
 
 
-def _interval(spec: ArchSpec, ctx) -> tuple[float, float] | None:
-    level = ctx.cfg.target.confidence
-    iv = ctx.law.predict_interval(spec, ctx.cfg.tokens, params=ctx.cfg.params,
-                                  **({"level": 2 * level - 1} if level else {}))
-    return tuple(float(v) for v in iv) if iv is not None else None
-
-
-def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, state) -> dict[str, Any]:
+def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state) -> dict[str, Any]:
     """The study folder's summary, report and plots. The baseline's throughput is the mean of
     its paired rounds across trials (it is measured beside every candidate)."""
     import statistics
@@ -371,23 +365,9 @@ def write_report(ctx, study, chosen: dict[str, Any] | None, base: ArchSpec, stat
                   "throughput_std": statistics.stdev(base_ts) if len(base_ts) > 1 else None,
                   "throughput_note": f"mean over the {len(base_ts)} paired measurements beside the candidates",
                   "predicted_loss": baseline_loss(cfg, ctx.law, base),
-                  "predicted_loss_interval": _interval(base, ctx),
+                  "predicted_loss_interval": predicted_interval(base, ctx),
                   "size_note": baseline_note(cfg, base)}
-    chosen_point = None
-    if chosen is not None:
-        spec = ArchSpec.from_dict(chosen["spec"])
-        # the baseline kept as the answer: its throughput is the paired mean measured above
-        tput = base_point["throughput"] if chosen.get("is_baseline") else chosen.get("throughput")
-        chosen_point = {"architecture": describe(spec), "throughput": tput,
-                        "ratio": chosen.get("ratio"), "predicted_loss": chosen["predicted_loss"],
-                        "predicted_loss_interval": _interval(spec, ctx),
-                        "is_baseline": bool(chosen.get("is_baseline")),
-                        "source": chosen.get("source"), "config_json": str(out / "chosen" / "config.json")}
-        if chosen.get("best_candidate"):
-            bc = chosen["best_candidate"]
-            chosen_point["best_candidate"] = {"architecture": describe(ArchSpec.from_dict(bc["spec"])),
-                                              "throughput": bc.get("throughput"), "ratio": bc.get("ratio"),
-                                              "predicted_loss": bc["predicted_loss"], "source": bc.get("source")}
+    chosen_point = chosen.summary(base_point["throughput"], out / "chosen" / "config.json") if chosen else None
     q = (chosen_point or {}).get("ratio")
     gain = q["ratio"] - 1.0 if q else (0.0 if chosen_point and chosen_point["is_baseline"] else None)
     complete = _complete(study)

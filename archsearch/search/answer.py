@@ -1,0 +1,104 @@
+"""The study's answer: the chosen architecture and the evidence for it, decided in one place
+(:func:`decide`) and rendered by the report and ``summary.json`` (:meth:`Answer.summary`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from archsearch.arch import ArchSpec, describe
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A chosen shape and why: its predicted loss (with the law's interval), its measured
+    throughput at the reference batch and its paired ratio to the baseline (with the 90% interval),
+    and where it comes from (an Optuna trial, a local GQA step, predict-rank-select's released
+    model, or the baseline kept because nothing was significantly faster)."""
+    spec: ArchSpec
+    source: str
+    predicted_loss: float
+    predicted_loss_interval: tuple[float, float] | None = None
+    throughput: float | None = None       # tokens/s; None for the kept baseline (its paired mean is reported)
+    ratio: dict[str, Any] | None = None   # paired ratio to the baseline: ratio, lo, hi, significantly_faster
+    trial: int | None = None              # the Optuna trial it came from or was built around
+    gqa: int | None = None                # the local GQA search's step, when that picked it
+    trained: dict[str, Any] | None = None  # predict-rank-select: run_dir, eval_loss, downstream accuracy
+    is_baseline: bool = False
+    best_candidate: Answer | None = None  # with the kept baseline: the best shape, not significantly faster
+
+    @property
+    def significantly_faster(self) -> bool:
+        return bool(self.ratio and self.ratio.get("significantly_faster"))
+
+    def summary(self, baseline_throughput: float | None, config_json: Path) -> dict[str, Any]:
+        """The ``chosen`` block of ``summary.json`` (the kept baseline's throughput is the mean of
+        its paired rounds, measured beside the candidates)."""
+        s = {"architecture": describe(self.spec),
+             "throughput": baseline_throughput if self.is_baseline else self.throughput,
+             "ratio": self.ratio, "predicted_loss": self.predicted_loss,
+             "predicted_loss_interval": self.predicted_loss_interval, "is_baseline": self.is_baseline,
+             "source": self.source, "trial": self.trial, "gqa_step": self.gqa,
+             "config_json": str(config_json)}
+        if self.trained is not None:
+            s["trained"] = self.trained
+        if self.best_candidate is not None:
+            b = self.best_candidate
+            s["best_candidate"] = {"architecture": describe(b.spec), "throughput": b.throughput,
+                                   "ratio": b.ratio, "predicted_loss": b.predicted_loss, "source": b.source}
+        return s
+
+
+def predicted_interval(spec: ArchSpec, ctx) -> tuple[float, float] | None:
+    """The law's bootstrap interval of the predicted loss at the study's N and D (at the chance
+    constraint's level when the target has one)."""
+    level = ctx.cfg.target.confidence
+    iv = ctx.law.predict_interval(spec, ctx.cfg.tokens, params=ctx.cfg.params,
+                                  **({"level": 2 * level - 1} if level else {}))
+    return tuple(float(v) for v in iv) if iv is not None else None
+
+
+def from_point(p: dict[str, Any], ctx) -> Answer:
+    """An answer from a measured trial point (``report.pareto_set``'s rows)."""
+    spec = ArchSpec.from_dict(p["spec"])
+    return Answer(spec=spec, source=p["source"], predicted_loss=p["predicted_loss"],
+                  predicted_loss_interval=predicted_interval(spec, ctx), throughput=p["throughput"],
+                  ratio=p.get("ratio"), trial=p.get("trial"))
+
+
+def decide(out: Path, best: dict[str, Any] | None, ctx) -> Answer | None:
+    """The chosen shape: predict-rank-select's released model when that ran; else the local GQA
+    search's pick when it measured faster than the study's best; else the study's best. A new
+    shape is the answer only if significantly faster than the baseline (its paired ratio's
+    interval above 1); otherwise the baseline, with the best candidate beside it."""
+    prs = out / "predict_rank_select.json"
+    released = json.loads(prs.read_text()).get("released") if prs.is_file() else None
+    if released:
+        a = from_point(released, ctx)
+        return Answer(**{**a.__dict__, "trained": {k: released.get(k) for k in
+                                                   ("run_dir", "eval_loss", "downstream_accuracy")}})
+    if best is None:
+        return None
+    answer = from_point(best, ctx)
+    gpath = out / "gqa.json"
+    if gpath.is_file():
+        c = json.loads(gpath.read_text()).get("chosen")
+        if c and c.get("ratio") and answer.ratio and c["ratio"]["ratio"] > answer.ratio["ratio"]:
+            spec = ArchSpec.from_dict(c["spec"])
+            answer = Answer(spec=spec, source=f"GQA search (GQA={c['gqa']})", predicted_loss=c["predicted_loss"],
+                            predicted_loss_interval=predicted_interval(spec, ctx), throughput=c["throughput"],
+                            ratio=c["ratio"], trial=best.get("trial"), gqa=c["gqa"])
+    return keep_baseline_unless_faster(answer, ctx)
+
+
+def keep_baseline_unless_faster(answer: Answer, ctx) -> Answer:
+    """``answer`` when it was measured paired and is significantly faster than the baseline (or
+    was not measured paired at all); otherwise the baseline, with ``answer`` as its best candidate."""
+    if answer.ratio is None or answer.significantly_faster:
+        return answer
+    base = ctx.baseline
+    return Answer(spec=base, source="the baseline: no feasible shape measured significantly faster",
+                  predicted_loss=float(ctx.law.predict(base, ctx.cfg.tokens, params=ctx.cfg.params)),
+                  predicted_loss_interval=predicted_interval(base, ctx), is_baseline=True, best_candidate=answer)
