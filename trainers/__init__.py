@@ -11,7 +11,6 @@ _LAZY = {
     "DataConfig": "archsearch.trainers.config",
     "TrainConfig": "archsearch.trainers.config",
     "SweepConfig": "archsearch.trainers.config",
-    "RunConfig": "archsearch.trainers.config",
     "HPARAMS": "archsearch.trainers.config",
     "prepare_data": "archsearch.trainers.data",
     "PreparedData": "archsearch.trainers.data",

@@ -194,7 +194,7 @@ class TrainConfig:
     log_with: str | list[str] | None = None
 
     def __post_init__(self) -> None:
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_ = lambda k, v: object.__setattr__(self, k, v)
         if self.hparams is not None:
             hp = get_hparams(self.hparams)
             for k in ("global_batch_size", "lr", "min_lr_ratio", "warmup_steps"):
@@ -253,7 +253,7 @@ class TrainConfig:
                                       f"{t!r} is not a supported tracker", f"use one of {sorted(TRACKERS)}")
         set_("log_with", tuple(trackers))  # hashable: sweeps key runs by their config
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -366,11 +366,3 @@ class SweepConfig:
         return self.train.replace(global_batch_size=hp.global_batch_size, lr=hp.lr,
                                   min_lr_ratio=hp.min_lr_ratio, warmup_steps=hp.warmup_steps,
                                   hparams=self.hparams_per_level[level])
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """The file given to ``archsearch train --config``: a ``train:`` and a ``data:`` section."""
-
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)

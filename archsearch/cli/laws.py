@@ -10,11 +10,11 @@ import argparse
 from archsearch.cli._common import (add_build_args, build_settings_from_args, parse_number, print_json,
                                     print_table)
 from archsearch.cli._common import fraction, level, nonneg_int, out_dir, out_file, pos_float, pos_int
+from archsearch.laws.forms import LAWS
 
 # 200 runs x 1000 resamples fit in ~14 s here: beyond 1e5 a bootstrap is hours of work that
 # moves an interval's end by less than its own Monte-Carlo error.
 MAX_BOOTSTRAP = 100_000
-LAWS = ("chinchilla", "aspect-ratio", "conditional-multiplicative", "conditional-additive")
 
 
 def _add_fit_options(p: argparse.ArgumentParser) -> None:

@@ -10,15 +10,6 @@ from pathlib import Path
 from archsearch.cli._common import add_arch_args, add_overrides_arg, parse_number, print_json, print_table
 from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file, port, pos_float, pos_int
 
-# CLI flag dest -> (config section, field)
-_TRAIN_FLAGS = {"tokens": "tokens", "tokens_per_param": "tokens_per_param",
-                "global_batch_size": "global_batch_size", "micro_batch_size": "micro_batch_size",
-                "lr": "lr", "warmup_steps": "warmup_steps", "eval_interval": "eval_interval",
-                "eval_batches": "eval_batches", "checkpoint_interval": "checkpoint_interval",
-                "seed": "seed", "dtype": "dtype", "hparams": "hparams", "cpu_threads": "cpu_threads",
-                "attn_implementation": "attn_implementation"}
-_DATA_FLAGS = {"data": "source", "tokenizer": "tokenizer", "seq_len": "seq_len",
-               "cache_dir": "cache_dir", "text_field": "text_field"}
 _LAUNCH_ONLY = {"launch", "run", "num_processes", "num_machines", "main_process_ip",
                 "main_process_port", "fsdp", "accelerate_config"}
 
@@ -84,6 +75,8 @@ def register(sub) -> None:
 
 
 def _configs(args: argparse.Namespace):
+    from dataclasses import fields
+
     from archsearch.configio import apply_overrides, from_dict, load_yaml
     from archsearch.errors import ArchsearchError
     from archsearch.trainers.config import DataConfig, TrainConfig, get_hparams
@@ -99,14 +92,16 @@ def _configs(args: argparse.Namespace):
                                   f"'{section}:' holds a mapping of fields")
     t = dict(raw.get("train") or {})
     dd = dict(raw.get("data") or {})
-    for dest, key in _TRAIN_FLAGS.items():
-        if getattr(args, dest, None) is not None:
-            t[key] = getattr(args, dest)
+    # a flag sets the config field of its name (--data names the data source)
+    for f in fields(TrainConfig):
+        if getattr(args, f.name, None) is not None:
+            t[f.name] = getattr(args, f.name)
     if args.tokens is not None:
         t.pop("tokens_per_param", None)
     if args.tokens_per_param is not None:
         t.pop("tokens", None)
-    for dest, key in _DATA_FLAGS.items():
+    data_flags = {f.name: f.name for f in fields(DataConfig) if f.name != "source"} | {"data": "source"}
+    for dest, key in data_flags.items():
         if getattr(args, dest, None) is not None:
             v = getattr(args, dest)
             dd[key] = v[0] if isinstance(v, list) and len(v) == 1 else v

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.benchmarks.base import BACKENDS
 from archsearch.candidates import BuildSettings
 from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError
 
-BACKENDS = ("vllm", "sglang", "hf", "analytic")
 LAW_FORMS = ("conditional-multiplicative", "conditional-additive")
 SAMPLERS = ("tpe", "random", "nsga2", "gp")
 
@@ -323,7 +323,7 @@ def _check_storage_url(url: str) -> None:
     if url.startswith("journal:") or url.endswith(".log"):
         from archsearch.fileio import check_output
 
-        check_output("optuna.storage", url[len("journal:"):] if url.startswith("journal:") else url)
+        check_output("optuna.storage", url.removeprefix("journal:"))
         return
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
