@@ -114,25 +114,26 @@ def seed_store(measurer, src: Path) -> tuple[int, int]:
     return copied, offered
 
 
-def measured_throughput(cfg, result: dict[str, Any]) -> float | None:
-    """Throughput at the reference batch size, None if failed or over the config's limits."""
-    from archsearch.search.measure import check_result_limits, throughput_at
+def measured_throughput(cfg, result) -> float | None:
+    """Throughput at the reference batch size of a ``BenchResult``, None if failed or over the
+    config's limits."""
+    from archsearch.search.measure import check_result_limits
 
-    tput = throughput_at(result, cfg.measure.ref_batch)
-    if not result.get("ok", False) or tput is None:
+    b = cfg.measure.ref_batch
+    tput = result.throughput(b)
+    if not result.ok or tput is None:
         return None
-    ok, _ = check_result_limits(cfg.limits, result, cfg.measure.ref_batch)
+    ok, _ = check_result_limits(cfg.limits, result.batch(b), b)
     return tput if ok else None
 
 
-def relative_noise(results: list[dict[str, Any]], batch: int) -> dict[str, Any]:
-    from archsearch.search.measure import batch_entry
-
+def relative_noise(results: list, batch: int) -> dict[str, Any]:
+    """Mean and largest relative standard deviation of the throughput over repeats, at ``batch``."""
     rel = []
     for r in results:
-        b = batch_entry(r, batch)
-        if b and b.get("ok", True) and b.get("output_throughput") and b.get("output_throughput_std") is not None:
-            rel.append(b["output_throughput_std"] / b["output_throughput"])
+        b = r.batch(batch)
+        if b and b.ok and b.output_throughput and b.output_throughput_std is not None:
+            rel.append(b.output_throughput_std / b.output_throughput)
     if not rel:
         return {"mean_rel_std": None, "max_rel_std": None, "n": 0}
     return {"mean_rel_std": statistics.fmean(rel), "max_rel_std": max(rel), "n": len(rel)}
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         if measurer.key(spec) not in measurer.store.all():
             seed_store(measurer, src)  # the study may have measured it meanwhile
         t = time.time()
-        result, cached = measurer.measure(spec)
+        m = measurer.measure(spec)
+        result, cached = m.result, m.cached
         tput = measured_throughput(cfg, result)
         _log(f"grid {i + 1}/{len(feasible)} {_shape(spec)} -> "
              f"{'failed/over limits' if tput is None else f'{tput:.1f} tok/s'}"

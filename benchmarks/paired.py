@@ -127,12 +127,21 @@ class PairedResult:
     def throughput(self, i: int) -> float | None:
         return mean(self.series(i)) if self.rounds else None
 
-    def batch_entry(self, i: int) -> dict[str, Any]:
-        """A ``BatchResult``-shaped dict for shape ``i`` (what limits and reports read)."""
+    def batch_result(self, i: int):
+        """Shape ``i``'s rounds as a ``BatchResult`` at the paired batch size (what limits read)."""
+        from archsearch.benchmarks.base import BatchResult
+
         xs = self.series(i)
-        return {"batch_size": self.batch_size, "ok": self.ok and bool(xs), "error": self.error,
-                "output_throughput": mean(xs), "output_throughput_std": std(xs),
-                "ttft_mean": self.ttft[i] if i < len(self.ttft) else None, "repeats": len(xs)}
+        return BatchResult(batch_size=self.batch_size, ok=self.ok and bool(xs), error=self.error,
+                           output_throughput=mean(xs), output_throughput_std=std(xs),
+                           ttft_mean=self.ttft[i] if i < len(self.ttft) else None,
+                           repeats=[{"output_throughput": x} for x in xs])
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PairedResult:
+        """A stored result back (``to_dict``'s derived ``ratios`` are recomputed, not read)."""
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -65,9 +65,14 @@ class SGLangBackend(Backend):
         if not _has_cuda():
             raise MissingDependencyError("sglang", "no CUDA GPU on this machine", INSTALL_FIX)
 
-    def run(self, job: dict[str, Any], report: Report, sglang_module=None,
-            device_name: str | None = None, memory_probe=None) -> dict[str, Any]:
-        """Measure in this process (the isolated child). Tests pass a fake ``sglang_module``."""
+    def __init__(self, sglang_module=None, device_name: str | None = None, memory_probe=None):
+        """The defaults measure for real. Tests give a fake ``sglang_module``, ``device_name`` and
+        ``memory_probe``."""
+        self.sglang_module, self.device_name, self.memory_probe = sglang_module, device_name, memory_probe
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        """Measure in this process (the isolated child)."""
+        sglang_module, device_name, memory_probe = self.sglang_module, self.device_name, self.memory_probe
         s = job["settings"]
         spec = ArchSpec.from_dict(job["arch"])
         dtype = resolve_dtype(s["dtype"], on_gpu=True)

@@ -111,24 +111,29 @@ class VLLMBackend(Backend):
     def check_available(self) -> None:
         require_module("vllm", "vllm", INSTALL_FIX)
 
-    def run(self, job: dict[str, Any], report: Report, vllm_module=None, on_gpu: bool | None = None,
-            device_name: str | None = None, memory_probe=None) -> dict[str, Any]:
-        """Measure in this process (the isolated child). Tests pass a fake ``vllm_module``
-        (and, for the GPU path without a GPU, ``on_gpu``, ``device_name``, ``memory_probe``)."""
-        sess = self.open(job, report, vllm_module, on_gpu, device_name, memory_probe)
+    def __init__(self, vllm_module=None, on_gpu: bool | None = None, device_name: str | None = None,
+                 memory_probe=None):
+        """The defaults measure for real. Tests give a fake ``vllm_module`` (and, for the GPU path
+        without a GPU, ``on_gpu``, ``device_name`` and ``memory_probe``)."""
+        self.vllm_module, self.on_gpu = vllm_module, on_gpu
+        self.device_name, self.memory_probe = device_name, memory_probe
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        """Measure in this process (the isolated child)."""
+        sess = self.open(job, report)
         per_batch = run_batches(sess.generate, job["batch_sizes"], job["settings"], sess.vocab_size,
                                 report=report, memory_probe=sess.memory_probe)
         return {**sess.summary(), "per_batch": per_batch}
 
-    def open(self, job: dict[str, Any], report: Report, vllm_module=None, on_gpu: bool | None = None,
-             device_name: str | None = None, memory_probe=None) -> Session:
+    def open(self, job: dict[str, Any], report: Report) -> Session:
         """Start the engine for ``job`` and return its :class:`Session` (kept resident by
         paired measurement, :mod:`archsearch.benchmarks.paired`)."""
         import torch
 
         from archsearch.provenance import cpu_name
 
-        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        on_gpu = torch.cuda.is_available() if self.on_gpu is None else self.on_gpu
+        device_name, memory_probe = self.device_name, self.memory_probe
         s = job["settings"]
         spec = ArchSpec.from_dict(job["arch"])
         dtype = resolve_dtype(s["dtype"], on_gpu)
@@ -142,7 +147,7 @@ class VLLMBackend(Backend):
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
         t0 = time.perf_counter()
-        vllm = vllm_module or importlib.import_module("vllm")
+        vllm = self.vllm_module or importlib.import_module("vllm")
         t_import = time.perf_counter() - t0
         kw = engine_kwargs(job, on_gpu, dtype)
         engine = {"kwargs": kw, "env": env,

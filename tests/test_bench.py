@@ -16,7 +16,7 @@ from archsearch.arch import ArchSpec, kv_cache_bytes_per_token, max_batch_by_kv,
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.hardware import Device
 from archsearch.benchmarks import BACKENDS, BatchResult, BenchResult, BenchSettings, append_jsonl, measure, read_jsonl
-from archsearch.benchmarks.fakes import FakeSGLang, FakeVLLM
+from tests.fakes import FakeSGLang, FakeVLLM
 
 # Three heads of 64 at width 128: attention width != hidden size and the heads do not divide it,
 # as in the method's shapes (exported as Mistral, the same math), so every backend measures one.
@@ -151,8 +151,8 @@ def _run_vllm(job, fake, on_gpu=True):
     from archsearch.benchmarks.vllm_backend import VLLMBackend
 
     reports = []
-    out = VLLMBackend().run(job, reports.append, vllm_module=fake, on_gpu=on_gpu,
-                            device_name="FAKE H200", memory_probe=lambda: 123)
+    out = VLLMBackend(vllm_module=fake, on_gpu=on_gpu, device_name="FAKE H200",
+                      memory_probe=lambda: 123).run(job, reports.append)
     return out, reports
 
 
@@ -222,8 +222,8 @@ def test_sglang_path_with_fake_engine(tmp_path):
 
     fake = FakeSGLang(step_s=0.001)
     job = _job(tmp_path, backend="sglang", batch_sizes=(1, 4))
-    out = SGLangBackend().run(job, lambda _: None, sglang_module=fake, device_name="FAKE A100",
-                              memory_probe=lambda: 7)
+    out = SGLangBackend(sglang_module=fake, device_name="FAKE A100", memory_probe=lambda: 7).run(
+        job, lambda _: None)
     kw = fake.engine_kwargs
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] is True
     assert kw["disable_radix_cache"] is True and kw["max_running_requests"] == 4
@@ -250,7 +250,7 @@ def test_sglang_unavailable_here_says_so():
 # -- failures in the isolated child become data ---------------------------------------------
 
 def test_timeout_keeps_finished_batches(monkeypatch, capsys):
-    monkeypatch.setitem(BACKENDS, "fake-hang", "archsearch.benchmarks.fakes:HangBackend")
+    monkeypatch.setitem(BACKENDS, "fake-hang", "tests.fakes:HangBackend")
     r = measure(TINY, BenchSettings(backend="fake-hang", batch_sizes=[1, 2], input_len=4,
                                     output_len=2, repeats=1, timeout_s=8))
     assert r.batch(1).ok and r.throughput(1) > 0
@@ -262,7 +262,7 @@ def test_timeout_keeps_finished_batches(monkeypatch, capsys):
 
 
 def test_crash_is_recorded(monkeypatch):
-    monkeypatch.setitem(BACKENDS, "fake-crash", "archsearch.benchmarks.fakes:CrashBackend")
+    monkeypatch.setitem(BACKENDS, "fake-crash", "tests.fakes:CrashBackend")
     r = measure(TINY, BenchSettings(backend="fake-crash", batch_sizes=[1], timeout_s=60,
                                     input_len=4, output_len=2))
     assert not r.ok and "SIGABRT" in r.error

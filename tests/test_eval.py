@@ -11,13 +11,20 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from archsearch.errors import ArchsearchError
-from archsearch.evaluation import build_offline
 from archsearch.evaluation.models import REFERENCE_MODELS, resolve_model
 from archsearch.evaluation.suites import OFFLINE_TASKS, SUITES, expand_tasks, list_tasks
+
+# the suite's builder is a repository script, not part of the installed engine
+_spec = importlib.util.spec_from_file_location(
+    "build_offline_evaltasks", Path(__file__).resolve().parents[1] / "scripts" / "build_offline_evaltasks.py")
+build_offline = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = build_offline  # its dataclasses resolve their module by name
+_spec.loader.exec_module(build_offline)
 
 DATA = build_offline.TASKS_DIR / "data"
 

@@ -57,7 +57,7 @@ def test_measure_paired_in_a_child_sees_a_2x_difference_through_drift():
     """Real isolated child, engines resident, alternating rounds, sequential stop."""
     s = BenchSettings(backend="hf", batch_sizes=[2], input_len=4, output_len=16, warmup=1, timeout_s=120)
     p = PairedSettings(level=0.9, rel_halfwidth=0.2, min_rounds=3, max_rounds=8)
-    r = measure_paired([_spec(64), _spec(128), _spec(64)], s, p, 2, backend_class="archsearch.benchmarks.fakes:SleepBackend")
+    r = measure_paired([_spec(64), _spec(128), _spec(64)], s, p, 2, backend_class="tests.fakes:SleepBackend")
     assert r.ok, r.error
     assert 3 <= len(r.rounds) <= 8 and r.stop_reason
     slow, same = r.estimate(1), r.estimate(2)
@@ -90,8 +90,11 @@ class _PairedFake:
             wig = 1 + 0.01 * (-1) ** k
             rounds.append([100.0] + [100.0 * table[s.gqa] * (wig if i == len(specs) - 2 else 1)
                                      for i, s in enumerate(specs[1:])])
-        return {"ok": True, "specs": [s.to_dict() for s in specs], "rounds": rounds, "settings": {},
-                "paired": {"level": 0.9}, "batch_size": 8}, False
+        from archsearch.benchmarks.paired import PairedResult
+        from archsearch.search.measure import Measurement
+
+        return Measurement(PairedResult(specs=[s.to_dict() for s in specs], rounds=rounds, settings={},
+                                        paired={"level": 0.9}, batch_size=8), key="k", cached=False)
 
 
 def _gqa_ctx(tmp_path, measurer, spec=None):

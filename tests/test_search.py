@@ -206,6 +206,8 @@ def test_gqa_pairs_keep_the_attention_share():
 
 def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
     from archsearch.arch import ArchSpec, non_embedding_params
+    from archsearch.benchmarks.base import BatchResult, BenchResult
+    from archsearch.search.measure import Measurement
     from archsearch.laws import load_law
     from archsearch.search.gqa import gqa_pairs, local_gqa_search
     from archsearch.search.study import SearchContext, build_settings
@@ -226,7 +228,10 @@ def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
         def measure(self, s):
             calls.append(s.gqa)
             t = 100.0 + 10 * s.gqa if s.gqa <= 9 else 50.0
-            return {"ok": True, "per_batch": [{"batch_size": 8, "ok": True, "output_throughput": t}]}, False
+            return Measurement(BenchResult(backend="fake", backend_version=None, device=None, dtype=None,
+                                           settings={}, architecture={},
+                                           per_batch=[BatchResult(batch_size=8, ok=True, output_throughput=t)]),
+                               key=f"k{s.gqa}", cached=False)
 
     ctx = SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
                         measurer=FakeMeasurer(), out=tmp_path, build=build)
@@ -532,3 +537,18 @@ def test_baseline_predicted_at_the_study_budget(tmp_path):
     assert baseline_loss(cfg, law, base) == law.predict(base, cfg.tokens, params=cfg.params)
     assert baseline_loss(cfg, law, base) != law.predict(base, cfg.tokens)
     assert "study's N" in baseline_note(cfg, base)
+
+
+def test_proxy_sweep_takes_the_study_settings_it_does_not_set(tmp_path):
+    from archsearch.search.config import load_study_config
+
+    raw = yaml.safe_load((REPO / "configs" / "demo-cpu.yaml").read_text())
+    assert "n_layers" not in raw["proxy"]["sweep"] and "build" not in raw["proxy"]["sweep"]  # stated once
+    cfg = load_study_config(REPO / "configs" / "demo-cpu.yaml")
+    sweep = cfg.proxy.sweep
+    assert sweep.n_layers == cfg.n_layers and sweep.head_dim == cfg.search_space.head_dim
+    assert sweep.build == cfg.search_space.build
+    raw["proxy"]["sweep"].update(n_layers=3, head_dim=64)  # a sweep's own values win
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    own = load_study_config(tmp_path / "s.yaml").proxy.sweep
+    assert (own.n_layers, own.head_dim) == (3, 64) and own.build == cfg.search_space.build

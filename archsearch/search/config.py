@@ -17,6 +17,8 @@ from archsearch.benchmarks.base import BACKENDS
 from archsearch.candidates import BuildSettings
 from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError
+from archsearch.planning.limits import Limits
+from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
 LAW_FORMS = ("conditional-multiplicative", "conditional-additive")
 SAMPLERS = ("tpe", "random", "nsga2", "gp")
@@ -151,8 +153,8 @@ class ProxyConfig:
     the points the active plan chooses (settings in ``active``)."""
 
     runs: str | None = None
-    sweep: dict[str, Any] | None = None
-    sweeps: list[dict[str, Any]] | None = None
+    sweep: SweepConfig | None = None
+    sweeps: list[SweepConfig] | None = None
     plan: str = "grid"
     active: ActiveProxyConfig = field(default_factory=ActiveProxyConfig)
     # a folder shared by studies: proxy runs live there keyed by what determines them, so a
@@ -165,6 +167,9 @@ class ProxyConfig:
                                   "(a sweep to train) or sweeps (a list of them)")
         if self.sweeps is not None and not self.sweeps:
             raise ArchsearchError("proxy.sweeps", "is empty")
+        names = [s.name for s in self.sweep_list()]
+        if len(set(names)) != len(names):
+            raise ArchsearchError("proxy.sweeps", f"sweep names repeat: {names}", "give each sweep its own name")
         if self.plan not in ("grid", "active"):
             raise ArchsearchError("proxy.plan", f"{self.plan!r} is unknown", "use grid or active")
         if self.plan == "active" and self.runs is not None:
@@ -175,11 +180,9 @@ class ProxyConfig:
 
             check_output("proxy.store", self.store, kind="dir")
 
-    def sweep_dicts(self) -> list[tuple[str, dict[str, Any]]]:
-        """(config path for errors, sweep mapping) of every sweep to train."""
-        if self.sweep is not None:
-            return [("proxy.sweep", self.sweep)]
-        return [(f"proxy.sweeps[{i}]", d) for i, d in enumerate(self.sweeps or [])]
+    def sweep_list(self) -> list[SweepConfig]:
+        """Every sweep to train (none when ``runs`` reuses a table)."""
+        return [self.sweep] if self.sweep is not None else list(self.sweeps or [])
 
 
 @dataclass(frozen=True)
@@ -347,27 +350,17 @@ class GQASearchConfig:
 
 
 @dataclass(frozen=True)
-class LimitsConfig:
-    max_ttft_s: float | None = None
-    max_tpot_s: float | None = None
-    max_peak_memory_gib: float | None = None
-
-    def __post_init__(self) -> None:
-        from archsearch.planning.limits import Limits
-
-        Limits(self.max_ttft_s, self.max_tpot_s, self.max_peak_memory_gib)  # its checks, named limits.*
-
-
-@dataclass(frozen=True)
 class FinalTrainConfig:
     enabled: bool = False
-    tokens: float | None = None  # default: the study's tokens
-    train: dict[str, Any] = field(default_factory=dict)  # archsearch.trainers.TrainConfig fields
-    data: dict[str, Any] | None = None  # archsearch.trainers.DataConfig fields; default: the proxy sweep's
+    tokens: float | None = None  # the budget D; default: the study's tokens
+    train: TrainConfig = field(default_factory=TrainConfig)  # the optimisation (its budget: tokens above)
+    data: DataConfig | None = None  # default: the first proxy sweep's
 
     def __post_init__(self) -> None:
         if self.tokens is not None and not self.tokens > 0:
             raise ArchsearchError("final_train.tokens", f"must be positive, got {self.tokens}")
+        if self.train.tokens is not None or self.train.tokens_per_param is not None:
+            raise ArchsearchError("final_train.train", "sets a token budget", "give it once, as final_train.tokens")
 
 
 @dataclass(frozen=True)
@@ -398,7 +391,7 @@ class StudyConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     optuna: OptunaConfig = field(default_factory=OptunaConfig)
     gqa_search: GQASearchConfig = field(default_factory=GQASearchConfig)
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    limits: Limits = field(default_factory=Limits)  # TTFT / TPOT / peak memory a candidate must meet
     mode: str = "algorithm5"  # or "predict-rank-select"
     top_k: int = 3  # predict-rank-select: distinct feasible shapes trained and evaluated
     # predict-rank-select: candidates within this (absolute) mean accuracy of the best are tied;
@@ -443,6 +436,25 @@ class StudyConfig:
 
 def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:
     """Read and validate a study YAML (+ ``key.sub=value`` overrides)."""
-    from archsearch.configio import load_config
+    from archsearch.configio import from_dict, load_yaml
 
-    return load_config(StudyConfig, path, overrides)
+    return from_dict(StudyConfig, inherit_study_settings(load_yaml(path, overrides)))
+
+
+def inherit_study_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """A proxy sweep trains shapes like the study's unless it says otherwise: where a sweep does
+    not set ``n_layers``, ``head_dim`` or ``build``, it takes the study's ``n_layers``,
+    ``search_space.head_dim`` and ``search_space.build``, so a config states each value once."""
+    proxy, space = raw.get("proxy"), raw.get("search_space")
+    if not isinstance(proxy, dict):
+        return raw
+    space = space if isinstance(space, dict) else {}
+    study = {"n_layers": raw.get("n_layers"), "head_dim": space.get("head_dim"), "build": space.get("build")}
+    sweeps = [proxy.get("sweep")] + list(proxy.get("sweeps") or []) if isinstance(proxy.get("sweeps"), list) \
+        else [proxy.get("sweep")]
+    for sweep in sweeps:
+        if isinstance(sweep, dict):
+            for key, value in study.items():
+                if value is not None and key not in sweep:
+                    sweep[key] = value
+    return raw

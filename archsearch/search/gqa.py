@@ -29,7 +29,6 @@ from typing import Any
 from archsearch.arch import ArchSpec, mlp_to_attn_ratio, non_embedding_params
 from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
-from archsearch.search.measure import paired_from_dict, throughput_at
 from archsearch.search.study import loss_bound
 
 
@@ -116,11 +115,11 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         elif ctx.baseline is not None:
             paired_visit(step, v)
         else:
-            result, cached = ctx.measurer.measure(v)
+            result = ctx.measurer.measure(v).result
             step.measured = True
-            step.throughput = throughput_at(result, ctx.ref_batch)
+            step.throughput = result.throughput(ctx.ref_batch)
             if step.throughput is None:
-                step.note = f"measurement failed: {result.get('error')}"
+                step.note = f"measurement failed: {result.error}"
         res.steps.append(step)
         if log:
             tp = f"{step.throughput:.1f} tok/s" if step.throughput is not None else "-"
@@ -132,12 +131,11 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
 
     def paired_visit(step: GQAStep, v: ArchSpec, attempt: int = 0) -> None:
         group = [ctx.baseline, v] if start is None else [ctx.baseline, start, v]
-        result, _ = ctx.measurer.compare(group, attempt=attempt)
+        pr = ctx.measurer.compare(group, attempt=attempt).result
         step.measured = True
-        if not result.get("ok"):
-            step.note = f"measurement failed: {result.get('error')}"
+        if not pr.ok:
+            step.note = f"measurement failed: {pr.error}"
             return
-        pr = paired_from_dict(result)
         last = len(group) - 1
         step.throughput = pr.throughput(last)
         step.ratio = pr.estimate(last).to_dict()

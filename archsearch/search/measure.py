@@ -14,7 +14,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -93,19 +93,13 @@ def resolve_backend(cfg: MeasureConfig) -> tuple[str, str | None]:
         "which the report then states)")
 
 
-def batch_entry(result: dict[str, Any], batch_size: int) -> dict[str, Any] | None:
-    for b in result.get("per_batch", []):
-        if b.get("batch_size") == batch_size:
-            return b
-    return None
-
-
-def throughput_at(result: dict[str, Any], batch_size: int) -> float | None:
-    """Output tokens/s at ``batch_size`` from a result dict (None if failed or absent)."""
-    b = batch_entry(result, batch_size)
-    if not b or not b.get("ok", True):
-        return None
-    return b.get("output_throughput")
+@dataclass(frozen=True)
+class Measurement:
+    """A study's measurement of one shape (``BenchResult``) or one paired group
+    (``PairedResult``), its key in the store, and whether it was read back rather than taken."""
+    result: Any
+    key: str
+    cached: bool
 
 
 class Measurer:
@@ -126,22 +120,34 @@ class Measurer:
         blob = json.dumps({"spec": spec_key(spec), "settings": settings}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def measure(self, spec: ArchSpec) -> tuple[dict[str, Any], bool]:
-        """(result dict, cached?). Failures are results with ok=False, never exceptions."""
+    def measure(self, spec: ArchSpec) -> Measurement:
+        """``spec`` measured alone (a ``BenchResult``). Failures are results with ok=False, never
+        exceptions."""
         from archsearch.benchmarks import measure
+        from archsearch.benchmarks.base import BenchResult
 
-        return self._once(self.key(spec), lambda: measure(spec, self.settings()).to_dict())
+        key = self.key(spec)
+        found, cached = self._once(key, lambda: measure(spec, self.settings()).to_dict())
+        return Measurement(BenchResult.from_dict(found), key, cached)
 
-    def compare(self, specs: list[ArchSpec], attempt: int = 0) -> tuple[dict[str, Any], bool]:
-        """(paired result dict, cached?) of ``specs`` measured together, the first the
-        reference (``archsearch.benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
-        from archsearch.benchmarks.paired import measure_paired
+    def compare(self, specs: list[ArchSpec], attempt: int = 0) -> Measurement:
+        """``specs`` measured together, the first the reference (a ``PairedResult``,
+        ``archsearch.benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
+        from archsearch.benchmarks.paired import PairedResult, measure_paired
 
         blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
                            "attempt": attempt}, sort_keys=True)
         key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        return self._once(key, lambda: measure_paired(specs, self.settings(), self.cfg.paired_settings(),
-                                                      self.cfg.ref_batch).to_dict())
+        found, cached = self._once(key, lambda: measure_paired(specs, self.settings(), self.cfg.paired_settings(),
+                                                               self.cfg.ref_batch).to_dict())
+        return Measurement(PairedResult.from_dict(found), key, cached)
+
+    def measured_dtype(self, spec: ArchSpec) -> str | None:
+        """The dtype ``spec`` was measured in; every measurement of a study runs at one dtype, so a
+        shape measured only paired (the baseline kept as the answer) takes any stored result's."""
+        stored = self.store.all()
+        own = (stored.get(self.key(spec)) or {}).get("dtype")
+        return own or next((r["dtype"] for r in stored.values() if r.get("dtype")), None)
 
     def _once(self, key: str, work) -> tuple[dict[str, Any], bool]:
         """The stored result under ``key``, else ``work()`` run under the key's lock and stored."""
@@ -158,21 +164,13 @@ class Measurer:
             return result, False
 
 
-def paired_from_dict(d: dict[str, Any]):
-    """A stored paired result back as ``archsearch.benchmarks.paired.PairedResult``."""
-    from archsearch.benchmarks.paired import PairedResult
-
-    names = set(PairedResult.__dataclass_fields__)
-    return PairedResult(**{k: v for k, v in d.items() if k in names})
-
-
-def check_result_limits(limits, result: dict[str, Any], batch_size: int) -> tuple[bool, str | None]:
-    """Apply the study's TTFT/TPOT/memory limits to one measured batch size."""
-    if not any(v is not None for v in asdict(limits).values()):
+def check_result_limits(limits, batch, batch_size: int) -> tuple[bool, str | None]:
+    """Apply the study's TTFT/TPOT/memory limits (``planning.Limits``) to one measured batch size
+    (a ``BatchResult``)."""
+    if not limits.active:
         return True, None
-    from archsearch.planning import Limits, check_limits
+    from archsearch.planning import check_limits
 
-    entry = batch_entry(result, batch_size)
-    if entry is None:
+    if batch is None:
         raise ArchsearchError("measure.reference_batch_size", f"no measurement at batch size {batch_size}")
-    return check_limits(Limits(**asdict(limits)), entry, batch_size)
+    return check_limits(limits, batch, batch_size)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe, write_hf_config
-from archsearch.configio import from_dict, to_dict
+from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, write_json
 from archsearch.search.answer import Answer, decide
@@ -80,7 +80,7 @@ class StudyState:
 def vocab_size(cfg: StudyConfig) -> int:
     """The study's vocabulary: ``vocab_size``, else that of the proxies' tokenizer where it is
     known without loading it (``bpe:N``, ``smollm2``), else a clear error (never a default)."""
-    toks = {(sw.get("data") or {}).get("tokenizer") for _, sw in (cfg.proxy.sweep_dicts() if cfg.proxy else [])}
+    toks = {sw.data.tokenizer for sw in (cfg.proxy.sweep_list() if cfg.proxy else [])}
     toks.discard(None)
     known = None
     if len(toks) == 1:
@@ -176,7 +176,7 @@ def check_later_stages(cfg: StudyConfig) -> None:
             get_device(cfg.measure.device_spec)
         except ArchsearchError as e:
             raise ArchsearchError("measure.device_spec", e.problem, e.fix) from None
-    if cfg.final_train.enabled or cfg.mode == "predict-rank-select" or cfg.final_train.train:
+    if cfg.final_train.enabled or cfg.mode == "predict-rank-select" or cfg.final_train != type(cfg.final_train)():
         final_train_configs(cfg)  # also when disabled but configured: it may be enabled later
 
 
@@ -193,15 +193,7 @@ def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10)
 
 def proxy_sweeps(cfg: StudyConfig) -> list:
     """The study's proxy sweeps as validated ``archsearch.trainers.SweepConfig`` objects."""
-    from archsearch.trainers import SweepConfig
-
-    if cfg.proxy is None:
-        return []
-    sweeps = [from_dict(SweepConfig, d, where=where) for where, d in cfg.proxy.sweep_dicts()]
-    names = [s.name for s in sweeps]
-    if len(set(names)) != len(names):
-        raise ArchsearchError("proxy.sweeps", f"sweep names repeat: {names}", "give each sweep its own name")
-    return sweeps
+    return cfg.proxy.sweep_list() if cfg.proxy is not None else []
 
 
 def _planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
@@ -605,11 +597,7 @@ def write_chosen(ctx, out: Path, answer: Answer) -> Path:
     """``chosen/``, a folder vLLM and transformers load without extra flags: the config in the
     dtype the study measured it in, and the study's tokenizer when it trained with one."""
     spec = answer.spec
-    stored = ctx.measurer.store.get(ctx.measurer.key(spec)) or {}
-    # every measurement of a study runs at one dtype: a shape measured only paired (the baseline
-    # kept as the answer) takes it from any stored result
-    measured = [r.get("dtype") for r in ctx.measurer.store.all().values() if r.get("dtype")]
-    dtype = stored.get("dtype") or (measured[0] if measured else None) or \
+    dtype = ctx.measurer.measured_dtype(spec) or \
         (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
     folder = out / "chosen"
     write_hf_config(spec, folder, dtype=dtype)
@@ -747,17 +735,16 @@ def _wait_for_running(study, timeout_s: float = 3600) -> None:
 
 def final_train_configs(cfg: StudyConfig):
     """(TrainConfig, DataConfig) of the final training, validated (data: the proxies' by default)."""
-    from archsearch.trainers import DataConfig, TrainConfig
-
-    sweeps = cfg.proxy.sweep_dicts() if cfg.proxy else []
-    data = cfg.final_train.data or (sweeps[0][1].get("data") if sweeps else None)
-    if not data:
+    sweeps = proxy_sweeps(cfg)
+    data = cfg.final_train.data or (sweeps[0].data if sweeps else None)
+    if data is None:
         raise ArchsearchError("final_train.data", "no data to train on",
                               "give final_train.data, or train proxies whose data it reuses")
-    data_cfg = from_dict(DataConfig, data, where="final_train.data")
-    tokens = cfg.final_train.tokens or cfg.tokens
-    tc = from_dict(TrainConfig, {**cfg.final_train.train, "tokens": tokens}, where="final_train.train")
-    return tc, data_cfg
+    try:
+        tc = cfg.final_train.train.replace(tokens=cfg.final_train.tokens or cfg.tokens)
+    except ArchsearchError as e:
+        raise ArchsearchError(f"final_train.{e.field}", e.problem, e.fix) from None
+    return tc, data
 
 
 def _stage_train(cfg: StudyConfig, out: Path, ctx, study, answer: Answer) -> None:

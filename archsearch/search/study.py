@@ -26,7 +26,7 @@ from archsearch.arch import ArchSpec, describe
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.search.config import StudyConfig
-from archsearch.search.measure import Measurer, check_result_limits, spec_key, throughput_at
+from archsearch.search.measure import Measurer, check_result_limits, spec_key
 
 # Constraint value of a trial whose shape could not be built (never feasible).
 UNBUILDABLE = 1e6
@@ -240,22 +240,21 @@ def objective(trial, ctx: SearchContext):
 
     if ctx.baseline is not None:
         return _paired_objective(trial, ctx, spec, loss)
-    result, cached = ctx.measurer.measure(spec)
-    trial.set_user_attr("measurement_key", result.get("measurement_key"))
-    trial.set_user_attr("measurement_cached", cached)
-    trial.set_user_attr("backend", result.get("backend"))
-    trial.set_user_attr("throughput", {str(b["batch_size"]): b.get("output_throughput")
-                                       for b in result.get("per_batch", [])})
-    trial.set_user_attr("ttft", {str(b["batch_size"]): b.get("ttft_mean")
-                                 for b in result.get("per_batch", [])})
-    tput = throughput_at(result, ctx.ref_batch)
-    if not result.get("ok", False) or tput is None:
-        reason = result.get("error") or f"no throughput at batch size {ctx.ref_batch}"
+    m = ctx.measurer.measure(spec)
+    result = m.result
+    trial.set_user_attr("measurement_key", m.key)
+    trial.set_user_attr("measurement_cached", m.cached)
+    trial.set_user_attr("backend", result.backend)
+    trial.set_user_attr("throughput", {str(b.batch_size): b.output_throughput for b in result.per_batch})
+    trial.set_user_attr("ttft", {str(b.batch_size): b.ttft_mean for b in result.per_batch})
+    tput = result.throughput(ctx.ref_batch)
+    if not result.ok or tput is None:
+        reason = result.error or f"no throughput at batch size {ctx.ref_batch}"
         trial.set_user_attr("failure_reason", reason)
         _set_constraint(trial, "limits_violated", 0.0)
         raise MeasurementFailed(reason)
     trial.set_user_attr("measured", True)
-    ok, why = check_result_limits(cfg.limits, result, ctx.ref_batch)
+    ok, why = check_result_limits(cfg.limits, result.batch(ctx.ref_batch), ctx.ref_batch)
     if not ok:
         trial.set_user_attr("limits_reason", why)
     _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
@@ -293,28 +292,26 @@ def was_measured(t) -> bool:
 def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     """Measure ``spec`` paired with the baseline; the objective is the throughput ratio's
     estimate (the geometric mean of per-round ratios), its interval kept in the user attrs."""
-    from archsearch.search.measure import paired_from_dict
-
     cfg = ctx.cfg
-    result, cached = ctx.measurer.compare([ctx.baseline, spec])
-    trial.set_user_attr("measurement_key", result.get("measurement_key"))
-    trial.set_user_attr("measurement_cached", cached)
-    trial.set_user_attr("backend", result.get("settings", {}).get("backend"))
-    if not result.get("ok"):
-        reason = result.get("error") or "the paired measurement gave fewer than two rounds"
+    m = ctx.measurer.compare([ctx.baseline, spec])
+    pr = m.result
+    trial.set_user_attr("measurement_key", m.key)
+    trial.set_user_attr("measurement_cached", m.cached)
+    trial.set_user_attr("backend", pr.settings.get("backend"))
+    if not pr.ok:
+        reason = pr.error or "the paired measurement gave fewer than two rounds"
         trial.set_user_attr("failure_reason", reason)
         _set_constraint(trial, "limits_violated", 0.0)
         raise MeasurementFailed(reason)
-    pr = paired_from_dict(result)
     est = pr.estimate(1)
-    entry = pr.batch_entry(1)
-    trial.set_user_attr("throughput", {str(ctx.ref_batch): entry["output_throughput"]})
+    batch = pr.batch_result(1)
+    trial.set_user_attr("throughput", {str(ctx.ref_batch): batch.output_throughput})
     trial.set_user_attr("baseline_throughput", pr.throughput(0))
-    trial.set_user_attr("ttft", {str(ctx.ref_batch): entry["ttft_mean"]})
+    trial.set_user_attr("ttft", {str(ctx.ref_batch): batch.ttft_mean})
     trial.set_user_attr("ratio", est.to_dict())
     trial.set_user_attr("rounds", len(pr.rounds))
     trial.set_user_attr("measured", True)
-    ok, why = check_result_limits(cfg.limits, {"per_batch": [entry]}, ctx.ref_batch)
+    ok, why = check_result_limits(cfg.limits, batch, ctx.ref_batch)
     if not ok:
         trial.set_user_attr("limits_reason", why)
     _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)

@@ -1,4 +1,4 @@
-"""Build the offline evaluation suite from the held-out plays: ``python -m archsearch.evaluation.build_offline``.
+"""Build the offline evaluation suite from the held-out plays: ``python scripts/build_offline_evaltasks.py``.
 
 Three lm-eval tasks, written as JSONL under ``archsearch/evaltasks/data/`` next to their YAML:
 
@@ -145,7 +145,7 @@ def build() -> dict[str, bytes]:
     sources = held_out_sources()
     plays = {work: parse_speeches(path.read_text(encoding="utf-8")) for work, path in sources}
     files: dict[str, bytes] = {}
-    manifest: dict = {"builder": "python -m archsearch.evaluation.build_offline", "seed": SEED,
+    manifest: dict = {"builder": "python scripts/build_offline_evaltasks.py", "seed": SEED,
                       "split": "archsearch.trainers.corpus.shakespeare_split()[1] (validation side), "
                                "modern editions only",
                       "sources": [{"work": w, "file": p.name, "sha256": _sha256(p.read_bytes())}
@@ -166,7 +166,7 @@ def build() -> dict[str, bytes]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m archsearch.evaluation.build_offline",
+    p = argparse.ArgumentParser(prog="python scripts/build_offline_evaltasks.py",
                                 description="Rebuild the offline eval data from the held-out plays.")
     p.add_argument("--out", type=Path, default=TASKS_DIR, help=f"task folder (default {TASKS_DIR})")
     p.add_argument("--check", action="store_true",
