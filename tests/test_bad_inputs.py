@@ -196,9 +196,6 @@ CLI_CASES = [
     ("search-config-list", ["search", "--config", "{d}/list.yaml"], "list.yaml"),
     ("search-out-file", ["search", "--config", "{d}/study.yaml", "--out", "{d}/afile.txt"], "--out"),
     ("search-stage-unknown", ["search", "--config", "{d}/study.yaml", "--only", "train,cook"], "--only"),
-    # a deselected stage whose output a selected one needs, and the folder does not have it
-    ("search-skip-fit-no-law", ["search", "--config", "{d}/study.yaml", "--skip", "fit"], "--skip fit"),
-    ("search-only-search-no-law", ["search", "--config", "{d}/study.yaml", "--only", "search"], "--only search"),
     ("search-gpus-bad", ["search", "--config", "{d}/study.yaml", "--dry-run", "--gpus", "8xZ9"], "gpus"),
     # eval / estimate
     ("eval-model-missing", ["eval", "--model", "{d}/nope"], "--model"),

@@ -552,3 +552,19 @@ def test_proxy_sweep_takes_the_study_settings_it_does_not_set(tmp_path):
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
     own = load_study_config(tmp_path / "s.yaml").proxy.sweep
     assert (own.n_layers, own.head_dim) == (3, 64) and own.build == cfg.search_space.build
+
+
+@pytest.mark.parametrize("flags", [["--skip", "fit"], ["--only", "search"], ["--only", "fit,search"]])
+def test_deselected_stage_whose_output_is_missing_is_refused_before_work(tmp_path, cli, flags):
+    # proxies to train and no law yet: a selected stage that needs the law (or the runs) must not
+    # quietly run the stage the flags left out
+    sweep = {"name": "p", "params": [4.0e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [1.0], "gqa": 1,
+             "train": {"tokens_per_param": 20}}
+    cfg = study_config(tmp_path, vocab_size=None, law={"file": None, "reference": "best-observed"},
+                       proxy={"sweep": sweep})
+    assert cli("search", "--config", cfg["_path"], "--dry-run").returncode == 0  # the config itself is valid
+    r = cli("search", "--config", cfg["_path"], *flags)
+    assert r.returncode == 2, r.stderr
+    needed = "law" if flags != ["--only", "fit,search"] else "runs"
+    assert " ".join(flags) in r.stderr and needed in r.stderr and "Traceback" not in r.stderr
+    assert not Path(cfg["out"]).exists()  # refused before anything was written
