@@ -133,7 +133,8 @@ def test_active_config_errors_name_the_field(over, field):
     from archsearch.search.config import ProxyConfig
 
     with pytest.raises(ArchsearchError) as e:
-        from_dict(ProxyConfig, {"sweep": {"name": "s"}, **over}, where="proxy")
+        from_dict(ProxyConfig, {"sweep": {"name": "s", "params": [1e5], "hidden_over_sqrt_n": [0.2],
+                                          "mlp_to_attn": [1.0]}, **over}, where="proxy")
     assert field in str(e.value)
 
 
