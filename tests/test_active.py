@@ -2,7 +2,7 @@
 the config, and the driver's claims (a killed worker's run is proposed again; another worker's
 run in flight is not). The driver tests replace training with the known law (the trainer
 itself is tested in test_train.py); the plan trains for real in the demo study
-(configs/demo-cpu-active.yaml) and benchmarks/bench_active_proxies.py."""
+(configs/demo-cpu-active.yaml) and benchmarks/scripts/bench_active_proxies.py."""
 
 from __future__ import annotations
 

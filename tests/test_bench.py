@@ -391,7 +391,7 @@ def test_prompts_are_fresh_and_reproducible():
 def test_word_tokenizer_round_trips_lengths(tmp_path):
     from transformers import AutoTokenizer
 
-    from archsearch.benchmarks.bench_harness_overhead import write_word_tokenizer
+    from archsearch.benchmarks.scripts.bench_harness_overhead import write_word_tokenizer
 
     write_word_tokenizer(tmp_path, 300)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

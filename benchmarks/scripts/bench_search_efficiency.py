@@ -24,9 +24,9 @@ space finds?
    separates what the law's starting points do from what the sampler does.
 4. One JSON line on stdout (also ``--out``/summary-<backend>.json).
 
-    .venv/bin/python -m archsearch.benchmarks.bench_search_efficiency --backend analytic   # seconds
-    .venv/bin/python -m archsearch.benchmarks.bench_search_efficiency --backend hf --resolution 8
-    .venv/bin/python -m archsearch.benchmarks.bench_search_efficiency --resolution 8       # vLLM-CPU
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_search_efficiency --backend analytic   # seconds
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_search_efficiency --backend hf --resolution 8
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_search_efficiency --resolution 8       # vLLM-CPU
 """
 
 from __future__ import annotations

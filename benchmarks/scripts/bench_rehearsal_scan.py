@@ -13,7 +13,7 @@ the grid (the worst drift, and how many knob points the r tolerance refused).
 It prints one JSON line (the best feasible shape of each space, the study's Optuna best and its
 final answer, and their ratios) and appends it to ``results/bench/rehearsal_scan.jsonl``.
 
-    python -m archsearch.benchmarks.bench_rehearsal_scan --config configs/paper-1b-rehearsal.yaml
+    python -m archsearch.benchmarks.scripts.bench_rehearsal_scan --config configs/paper-1b-rehearsal.yaml
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ their ratio; appended to ``OUT_DIR/harness_overhead.jsonl`` with provenance.
 ``vllm bench`` needs a tokenizer: the model folder gets a word-level tokenizer with one
 token per id ("t0".."t{V-1}"), so vLLM's decode/re-encode round trip keeps lengths exact.
 
-    .venv/bin/python -m archsearch.benchmarks.bench_harness_overhead      # ~3-5 min on 2 cores
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_harness_overhead      # ~3-5 min on 2 cores
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_ours_over_vllm_bench": batch.output_throughput / their_out,
         "engine_kwargs": kw, "dtype": dtype,
         "vllm_bench_command": ["vllm", "bench", "throughput", *cmd[3:]],
-        "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.bench_harness_overhead",
+        "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.scripts.bench_harness_overhead",
                              *(argv or sys.argv[1:])]),
         # other work on the shared cores slows engines unevenly: say how busy the machine was
         "load_average_1_5_15min": list(os.getloadavg()),

