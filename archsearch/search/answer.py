@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,13 +67,12 @@ def from_point(p: dict[str, Any], ctx) -> Answer:
                   ratio=p.get("ratio"), trial=p.get("trial"))
 
 
-def decide(out: Path, best: dict[str, Any] | None, ctx) -> Answer | None:
-    """The chosen shape: predict-rank-select's released model when that ran; else the local GQA
-    search's pick when it measured faster than the study's best; else the study's best. A new
-    shape is the answer only if significantly faster than the baseline (its paired ratio's
-    interval above 1); otherwise the baseline, with the best candidate beside it."""
-    prs = out / "predict_rank_select.json"
-    released = json.loads(prs.read_text()).get("released") if prs.is_file() else None
+def decide(best: dict[str, Any] | None, gqa: dict[str, Any] | None, prs: dict[str, Any] | None, ctx) -> Answer | None:
+    """The chosen shape: predict-rank-select's released model (``prs``) when that ran; else the
+    local GQA search's pick (``gqa``) when it measured faster than the study's best trial; else
+    that trial. A new shape is the answer only if significantly faster than the baseline (its
+    paired ratio's interval above 1); otherwise the baseline, with the best candidate beside it."""
+    released = (prs or {}).get("released")
     if released:
         a = from_point(released, ctx)
         return Answer(**{**a.__dict__, "trained": {k: released.get(k) for k in
@@ -82,14 +80,12 @@ def decide(out: Path, best: dict[str, Any] | None, ctx) -> Answer | None:
     if best is None:
         return None
     answer = from_point(best, ctx)
-    gpath = out / "gqa.json"
-    if gpath.is_file():
-        c = json.loads(gpath.read_text()).get("chosen")
-        if c and c.get("ratio") and answer.ratio and c["ratio"]["ratio"] > answer.ratio["ratio"]:
-            spec = ArchSpec.from_dict(c["spec"])
-            answer = Answer(spec=spec, source=f"GQA search (GQA={c['gqa']})", predicted_loss=c["predicted_loss"],
-                            predicted_loss_interval=predicted_interval(spec, ctx), throughput=c["throughput"],
-                            ratio=c["ratio"], trial=best.get("trial"), gqa=c["gqa"])
+    c = (gqa or {}).get("chosen")
+    if c and c.get("ratio") and answer.ratio and c["ratio"]["ratio"] > answer.ratio["ratio"]:
+        spec = ArchSpec.from_dict(c["spec"])
+        answer = Answer(spec=spec, source=f"GQA search (GQA={c['gqa']})", predicted_loss=c["predicted_loss"],
+                        predicted_loss_interval=predicted_interval(spec, ctx), throughput=c["throughput"],
+                        ratio=c["ratio"], trial=best.get("trial"), gqa=c["gqa"])
     return keep_baseline_unless_faster(answer, ctx)
 
 

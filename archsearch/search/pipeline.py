@@ -392,6 +392,8 @@ class StudyRun:
     ctx: Any = None                   # fit: the search context (law, target loss, measurer, baseline)
     study: Any = None                 # search: the Optuna study (None until one exists)
     best: dict[str, Any] | None = None    # search: the best feasible measured shape
+    gqa: dict[str, Any] | None = None     # gqa: the local GQA search (as in gqa.json)
+    prs: dict[str, Any] | None = None     # train: predict-rank-select's trained candidates and release
     answer: Answer | None = None      # gqa/train: the chosen shape and its evidence
     summary: dict[str, Any] | None = None  # report
 
@@ -544,7 +546,8 @@ def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa)
         write_json(r.out / "gqa.json", g.to_dict(), default=str)
         info = {}
-    r.answer = decide(r.out, r.best, r.ctx)
+    r.gqa = _read_json(r.out / "gqa.json")  # this run's, or an earlier run's when resuming
+    r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
     if r.answer is not None:
         write_chosen(r.ctx, r.out, r.answer)
     return info
@@ -553,17 +556,22 @@ def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 def _train(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """Train the answer (predict-rank-select: the top k, and release one)."""
     if not fresh or r.answer is None:
+        r.prs = _read_json(r.out / "predict_rank_select.json")  # an earlier run's, when resuming
+        if r.prs is not None:
+            r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
+            write_chosen(r.ctx, r.out, r.answer)
         return None
-    _stage_train(r.cfg, r.out, r.ctx, r.study, r.answer)
-    r.answer = decide(r.out, r.best, r.ctx)  # predict-rank-select released one of the trained
-    write_chosen(r.ctx, r.out, r.answer)
+    r.prs = _stage_train(r.cfg, r.out, r.ctx, r.study, r.answer)
+    if r.prs is not None:  # predict-rank-select released one of the trained candidates
+        r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
+        write_chosen(r.ctx, r.out, r.answer)
     return {}
 
 
 def _eval(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if not fresh:
         return None
-    _stage_eval(r.cfg, r.out)
+    _stage_eval(r.cfg, r.out, r.prs)
     return {}
 
 
@@ -574,7 +582,7 @@ def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     from archsearch.search.report import write_report
 
     _log("writing the report, trials.csv and plots")
-    r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state)
+    r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs)
     return {}
 
 
@@ -712,6 +720,10 @@ def fit_options(cfg: StudyConfig):
                       seed=cfg.optuna.seed, size_tolerance=cfg.law.size_tolerance)
 
 
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _load_study(ctx):
     """The stored study, or None when the search stage has not created it yet."""
 
@@ -747,15 +759,15 @@ def final_train_configs(cfg: StudyConfig):
     return tc, data
 
 
-def _stage_train(cfg: StudyConfig, out: Path, ctx, study, answer: Answer) -> None:
+def _stage_train(cfg: StudyConfig, out: Path, ctx, study, answer: Answer) -> dict[str, Any] | None:
     """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
-    (written to ``predict_rank_select.json``, which :func:`answer.decide` then follows)."""
+    (returned, and written to ``predict_rank_select.json``)."""
     from archsearch.trainers import train
 
     tc, data_cfg = final_train_configs(cfg)
     if cfg.mode != "predict-rank-select":
         train(answer.spec, tc, data_cfg, out / "final")
-        return
+        return None
     from archsearch.evaluation import evaluate
     from archsearch.search.report import top_k_candidates
 
@@ -772,10 +784,10 @@ def _stage_train(cfg: StudyConfig, out: Path, ctx, study, answer: Answer) -> Non
             row["downstream"] = {t: m.get("acc,none") for t, m in ev.get("results", {}).items()}
         results.append(row)
     released = release_best(results, ctx.target_loss, cfg.release_accuracy_tolerance)
-    write_json(out / "predict_rank_select.json",
-               {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
-                "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)},
-               default=str)
+    record = {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
+              "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)}
+    write_json(out / "predict_rank_select.json", record, default=str)
+    return json.loads(json.dumps(record, default=str))  # as a resumed run reads it back
 
 
 RELEASE_RULE = ("of the trained candidates, those whose mean downstream accuracy is within {tol} of the "
@@ -809,11 +821,10 @@ def release_best(results: list[dict[str, Any]], target_loss: float,
     return {**best, "source": f"predict-rank-select: trained candidate (trial {best['trial']}), {why}"}
 
 
-def _stage_eval(cfg: StudyConfig, out: Path) -> None:
+def _stage_eval(cfg: StudyConfig, out: Path, prs: dict[str, Any] | None) -> None:
     from archsearch.evaluation import evaluate
 
-    prs = out / "predict_rank_select.json"
-    released = json.loads(prs.read_text()).get("released") if prs.is_file() else None
+    released = (prs or {}).get("released")
     if released and (Path(released["run_dir"]) / "eval.json").is_file():
         # predict-rank-select already evaluated every candidate on these tasks
         atomic_write(out / "eval.json", (Path(released["run_dir"]) / "eval.json").read_text())

