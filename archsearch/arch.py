@@ -1,4 +1,4 @@
-"""The decoder architecture and its exact accounting (SPEC section 2).
+"""The decoder architecture and its exact accounting (docs/method.md section 2).
 
 :class:`ArchSpec` is a small frozen dataclass; everything derived from it (parameter counts,
 ratios, KV-cache bytes, FLOPs) is a pure function of it, so the same numbers are used by the
@@ -6,7 +6,7 @@ laws, the benchmarks, the trainers and the search.
 
 Conventions (stated once, used everywhere):
 
-* ``n_params_non_embedding`` is SPEC's N: the attention and MLP weight matrices only,
+* ``n_params_non_embedding`` is the method's N: the attention and MLP weight matrices only,
   ``n_layers * (2*d*dq + 2*d*dkv + 3*d*ffn)``. Norm weights and biases are counted separately
   (``norm_params``, ``bias_params``) and only the total mixes them in.
 * ``n_params_embedding`` is the input embedding plus the output head when it is not tied.
@@ -187,7 +187,7 @@ class ArchSpec:
 # -- parameter accounting (pure functions) ---------------------------------------------------
 
 def attention_params_per_layer(spec: ArchSpec) -> int:
-    """Q and O are d x dq, K and V are d x dkv (SPEC 2)."""
+    """Q and O are d x dq, K and V are d x dkv (docs/method.md section 2)."""
     return 2 * spec.hidden_size * spec.q_dim + 2 * spec.hidden_size * spec.kv_dim
 
 
@@ -219,7 +219,7 @@ def active_mlp_params_per_layer(spec: ArchSpec) -> int:
 
 
 def non_embedding_params(spec: ArchSpec) -> int:
-    """SPEC's N: weight matrices of attention and MLP, no norms, no biases."""
+    """the method's N: weight matrices of attention and MLP, no norms, no biases."""
     return spec.n_layers * (attention_params_per_layer(spec) + mlp_params_per_layer(spec))
 
 
@@ -241,7 +241,7 @@ def active_params(spec: ArchSpec) -> int:
 
 def sparsity(spec: ArchSpec) -> float:
     """Active / total non-embedding parameters: 1.0 dense, e.g. ~0.27 for Mixtral-8x7B
-    (the ``sparsity`` of the SPEC 8 batch and throughput laws)."""
+    (the ``sparsity`` of the batch and throughput laws, docs/method.md section 8)."""
     return active_non_embedding_params(spec) / non_embedding_params(spec)
 
 

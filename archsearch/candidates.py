@@ -1,7 +1,7 @@
 """Candidate construction: a few primary knobs -> one concrete, buildable :class:`ArchSpec`.
 
 The search samples (N, n_layers, d/sqrt(N), r, GQA, head_dim); :func:`build_candidate` is the
-one deterministic function that expands them (SPEC section 2):
+one deterministic function that expands them (docs/method.md section 2):
 
 1. ``hidden_size = snap(x1 * sqrt(N), hidden_multiple)``.
 2. Per layer the budget is ``N / n_layers``; attention gets the share ``1 / (1 + r)``.

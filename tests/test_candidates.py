@@ -69,7 +69,7 @@ def test_budget_unreachable():
 
 
 def test_method_shapes_heads_need_not_divide_width():
-    # SPEC 2: head_dim fixed, the head count moves to reach r, e.g. hidden 2560 with 72 heads
+    # docs/method.md section 2: head_dim fixed, the head count moves to reach r, e.g. hidden 2560 with 72 heads
     # of 64 and 18 KV heads (2560 % 72 != 0)
     c = build_candidate(1e9, 16, 2560 / math.sqrt(1e9), 1.12, gqa=4, head_dim=64)
     s = c.spec

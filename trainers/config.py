@@ -5,7 +5,7 @@ the field; what depends on the model or the data (the token budget against one b
 vocabulary against the tokenizer) is checked by :func:`archsearch.trainers.train` before anything is
 written.
 
-The method's per-size settings (SPEC section 6) are the named presets in :data:`HPARAMS`.
+The method's per-size settings (docs/method.md section 6) are the named presets in :data:`HPARAMS`.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from archsearch.errors import ArchsearchError
 
 @dataclass(frozen=True)
 class HParams:
-    """One row of the method's hyper-parameter table (SPEC 6)."""
+    """One row of the method's hyper-parameter table (docs/method.md section 6)."""
 
     global_batch_size: int  # sequences per optimizer step
     seq_len: int
     lr: float
     min_lr_ratio: float = 0.1
     warmup_steps: int = 500
-    source: str = "SPEC section 6 (the method's per-size settings)"
+    source: str = "docs/method.md section 6 (the method's per-size settings)"
 
 
-# SPEC 6: batch (sequences of 2048) 256/256/512/512/512, max LR 1.5e-3/1e-3/8e-4/6e-4/6e-4,
+# docs/method.md section 6: batch (sequences of 2048) 256/256/512/512/512, max LR 1.5e-3/1e-3/8e-4/6e-4/6e-4,
 # min LR 0.1x, AdamW (0.9, 0.95), wd 0.1, clip 1.0, cosine, 500 warm-up steps.
 HPARAMS: dict[str, HParams] = {
     "80m": HParams(256, 2048, 1.5e-3),
@@ -153,7 +153,7 @@ class TrainConfig:
     """One training run's optimisation settings.
 
     Token budget: ``tokens`` (D) or ``tokens_per_param`` (D = tokens_per_param x N, N the
-    non-embedding parameters, SPEC 2); the realised D is rounded down to whole optimizer steps
+    non-embedding parameters, docs/method.md section 2); the realised D is rounded down to whole optimizer steps
     of ``global_batch_size x seq_len`` tokens. ``hparams`` names a row of :data:`HPARAMS`: it fills
     ``global_batch_size``, ``lr``, ``min_lr_ratio`` and ``warmup_steps`` where they are left
     unset (None). ``warmup_steps`` None: min(500, 10% of the steps). ``micro_batch_size`` None:
@@ -306,7 +306,7 @@ class SweepConfig:
     data: DataConfig = field(default_factory=DataConfig)
     seeds: list[int] | None = None  # None: train.seed only
     retry_failed: bool = False  # re-train runs whose run.json says failed (e.g. after an lr change)
-    # One HPARAMS preset per N level (the method's per-size table, SPEC 6): the level's preset
+    # One HPARAMS preset per N level (the method's per-size table, docs/method.md section 6): the level's preset
     # sets global_batch_size, lr, min_lr_ratio and warmup_steps, over the values in ``train``.
     hparams_per_level: list[str] | None = None
     health: HealthConfig | None = None  # None: no ordering checks, no retuning

@@ -15,7 +15,7 @@ def register(sub) -> None:
     g = add_group(sub, "arch", "describe, build and list decoder architectures")
 
     p = g.add_parser("describe", help="parameter counts, ratios, KV bytes and FLOPs of a shape",
-                     description="Print the accounting of one architecture (SPEC section 2).")
+                     description="Print the accounting of one architecture (docs/method.md section 2).")
     add_arch_args(p)
     p.add_argument("--dtype", default="bfloat16", help="KV-cache dtype for the byte count")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")

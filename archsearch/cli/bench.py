@@ -15,7 +15,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "bench", help="measure inference throughput/TTFT of a shape (vllm, sglang, hf, analytic)",
         description="Measure output/total tokens/s, TTFT, TPOT, latency and peak memory per "
-                    "batch size, with dummy weights, one engine process per run (SPEC 5). "
+                    "batch size, with dummy weights, one engine process per run (docs/method.md section 5). "
                     "'analytic' is a roofline prediction, never a measurement.")
     p.add_argument("--backend", required=True, choices=list(BACKENDS))
     add_arch_args(p)

@@ -45,7 +45,7 @@ def register(sub) -> None:
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=_fit)
 
-    b = sp.add_parser("batch-laws", help="fit the SPEC 8 max-batch and throughput-vs-batch laws",
+    b = sp.add_parser("batch-laws", help="fit the max-batch and throughput-vs-batch laws (docs/method.md section 8)",
                       description="Fit throughput = C2*log(batch/(sparsity*C3)) + C4 and max batch = "
                                   "floor(C0*(M_gpu - M_model)/(seq_len*((1-C1) + C1*sparsity))) to "
                                   "measurements: 'bench --out' results or training-step timings.")
@@ -105,7 +105,7 @@ def _estimate(args: argparse.Namespace) -> int:
         print_table([("analytic hours", est.analytic_hours), ("fitted-law hours", fitted.hours),
                      ("fitted-law cost", fc), ("batch (max-batch law)", fitted.batch_size),
                      ("throughput (law, per device)", fitted.throughput)],
-                    title="analytic vs fitted batch/throughput laws (SPEC 8)")
+                    title="analytic vs fitted batch/throughput laws (docs/method.md section 8)")
         print_table(list(fitted.assumptions.items()), title="fitted-law assumptions")
     return 0
 

@@ -1,4 +1,4 @@
-"""``archsearch eval``: evaluate a model with lm-evaluation-harness (SPEC section 7)."""
+"""``archsearch eval``: evaluate a model with lm-evaluation-harness (docs/method.md section 7)."""
 
 from __future__ import annotations
 

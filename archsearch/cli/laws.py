@@ -1,4 +1,4 @@
-"""``archsearch fit | solve | validate``: scaling laws (SPEC section 3) and the constrained solve.
+"""``archsearch fit | solve | validate``: scaling laws (docs/method.md section 3) and the constrained solve.
 
 See docs/laws.md for the run-data and law-file formats.
 """
@@ -65,7 +65,7 @@ def _options(args: argparse.Namespace, holdout=None):
 
 def register(sub) -> None:
     p = sub.add_parser("fit", help="fit a scaling law to proxy runs",
-                       description="Fit a scaling law (SPEC 3) to proxy runs; print coefficients, "
+                       description="Fit a scaling law (docs/method.md section 3) to proxy runs; print coefficients, "
                                    "metrics and warnings; save the law as JSON.")
     _add_fit_options(p)
     p.add_argument("--holdout-size", type=parse_number, metavar="N",

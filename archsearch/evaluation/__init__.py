@@ -1,4 +1,4 @@
-"""Evaluation with lm-evaluation-harness (SPEC section 7).
+"""Evaluation with lm-evaluation-harness (docs/method.md section 7).
 
 ``evaluate(model, tasks)`` runs ``lm_eval.simple_evaluate`` on a local HF folder, a trainers
 run, or a named reference model (``smollm2-135m``), over named suites (``offline``, the

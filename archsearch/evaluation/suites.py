@@ -2,7 +2,7 @@
 
 A suite is a name for a list of lm-eval tasks. ``offline`` is built into the repo from the
 held-out plays (``archsearch/evaltasks/``) and runs without a network; the others are the
-method's zero-shot tasks (SPEC section 7), whose datasets come from the Hugging Face Hub.
+method's zero-shot tasks (docs/method.md section 7), whose datasets come from the Hugging Face Hub.
 Any other lm-eval task name is passed through and checked against lm-eval's task index.
 """
 

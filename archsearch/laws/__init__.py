@@ -1,4 +1,4 @@
-"""Scaling laws (SPEC section 3): fit, diagnose, and solve for the loss-optimal and the
+"""Scaling laws (docs/method.md section 3): fit, diagnose, and solve for the loss-optimal and the
 throughput-optimal architecture. See ``docs/laws.md`` for the law-file and run-data formats.
 
 Importing this package imports numpy only; scipy and matplotlib load when used.

@@ -2,7 +2,7 @@
 per training FLOP (issue 16). Pure math on arrays; the driver that trains is ``archsearch.trainers.active``.
 
 What the study needs from the proxies is the loss-optimal shape ``(d/sqrt(N)*, r*)`` of the
-conditional law (SPEC 3c). The law's bootstrap gives an ensemble: for every resample ``b``, the
+conditional law (docs/method.md section 3). The law's bootstrap gives an ensemble: for every resample ``b``, the
 optimum ``t_b = (log x1*, log r*)`` and the predicted log loss ``y_b(c)`` of every candidate run
 ``c``. Treating the ensemble as Gaussian (as an ensemble Kalman filter does), observing ``c``
 with log-noise variance ``s2`` lowers the variance of ``t_i`` by

@@ -1,4 +1,4 @@
-"""How good a fit is: held-out metrics, residual trends, and the validation protocols (SPEC 3d).
+"""How good a fit is: held-out metrics, residual trends, and the validation protocols (docs/method.md section 3).
 
 Protocols (each row of the table fits on some sizes and tests on one size):
 

@@ -3,7 +3,7 @@
 :func:`fit_law` is the entry point; it returns a :class:`FitResult`, plain data that saves to
 and loads from JSON (:func:`load_law` also reads a law written by hand). See ``docs/laws.md``.
 
-Fitting practice (SPEC 3d):
+Fitting practice (docs/method.md section 3):
 
 * ``huber-lbfgsb`` (default): minimise the mean Huber loss (small delta) of
   ``log L_pred - log L`` with L-BFGS-B within bounds, from ``n_starts`` seeded starts, on

@@ -1,4 +1,4 @@
-"""The four law forms (SPEC section 3): formulas, fitting parametrisations and their Jacobians.
+"""The four law forms (docs/method.md section 3): formulas, fitting parametrisations and their Jacobians.
 
 Each form has two faces:
 

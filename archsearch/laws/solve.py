@@ -1,4 +1,4 @@
-"""The loss-optimal shape and the constrained search "max efficiency s.t. loss <= L_t" (SPEC 3c, 4).
+"""The loss-optimal shape and the constrained search "max efficiency s.t. loss <= L_t" (docs/method.md sections 3 and 4).
 
 The conditional law is separable, each factor ``c0 + c1 log x + c2 / x`` has its minimum at
 ``x* = c2 / c1`` (c1, c2 > 0), and its coefficients are shared across N and D: so the

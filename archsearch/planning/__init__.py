@@ -1,4 +1,4 @@
-"""Planning: training time and cost, memory, and the serving limits of a study (SPEC 8).
+"""Planning: training time and cost, memory, and the serving limits of a study (docs/method.md section 8).
 
 Importing this package imports numpy but no torch, scipy or scikit-learn (those load when a
 law is fitted or the CPU is measured).

@@ -1,4 +1,4 @@
-"""The fitted max-batch and throughput-vs-batch laws of SPEC section 8, and the cost they give.
+"""The fitted max-batch and throughput-vs-batch laws of docs/method.md section 8, and the cost they give.
 
 * max batch: ``floor(C0 * (M_gpu - M_model) / (seq_len * ((1 - C1) + C1 * sparsity)))``
 * throughput: ``C2 * log(batch / (sparsity * C3)) + C4`` (tokens/s)

@@ -7,7 +7,7 @@ are affine in the batch size, which makes the largest batch that fits a closed f
 Inference (one forward at a time, HF/vLLM style):
 
 * ``weights``: every parameter (:func:`archsearch.arch.total_params`) at the weight dtype.
-* ``kv_cache``: ``kv_cache_bytes_per_token * batch * (input_len + output_len)`` (SPEC 2).
+* ``kv_cache``: ``kv_cache_bytes_per_token * batch * (input_len + output_len)`` (docs/method.md section 2).
 * ``activations``: the transient working set of the largest step, the prefill of
   ``batch * input_len`` tokens. Layers run one after another and free their temporaries, so
   it is one layer's peak: attention phase ``2d + 4*dq`` elements per token (residual, normed

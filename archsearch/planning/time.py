@@ -1,4 +1,4 @@
-"""Training wall time: an analytic estimate and a law fitted to measured runs (SPEC 8).
+"""Training wall time: an analytic estimate and a law fitted to measured runs (docs/method.md section 8).
 
 Analytic: ``T = C / (MFU * peak * devices)`` with ``C = 6 * N_c * D`` training FLOPs (Kaplan
 et al. 2020), where ``N_c`` is the non-embedding parameters plus the output head, the matmul

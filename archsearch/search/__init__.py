@@ -1,4 +1,4 @@
-"""The search (SPEC section 4): study config, Optuna study, local GQA search, pipeline, report."""
+"""The search (docs/method.md section 4): study config, Optuna study, local GQA search, pipeline, report."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The study config: one YAML file -> one typed, validated :class:`StudyConfig`.
 
-Everything a study needs is here (SPEC section 4): the target (N, D, layers), the baseline
+Everything a study needs is here (docs/method.md section 4): the target (N, D, layers), the baseline
 whose predicted loss sets the target loss, the search space, the proxy plan, the law, the
 measurement plan, the Optuna settings, the local GQA search, optional limits, and the
 optional full training and evaluation. Validation happens before any work starts, and errors

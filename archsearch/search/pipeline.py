@@ -803,7 +803,7 @@ def downstream_accuracy(ev: dict[str, Any]) -> float | None:
 
 def release_best(results: list[dict[str, Any]], target_loss: float,
                  accuracy_tolerance: float = 0.01) -> dict[str, Any] | None:
-    """Predict-rank-select's last step (SPEC 4): chosen by downstream accuracy and measured
+    """Predict-rank-select's last step (docs/method.md section 4): chosen by downstream accuracy and measured
     efficiency (:data:`RELEASE_RULE`)."""
     trained = [r for r in results if r.get("status") == "ok" and r.get("eval_loss") is not None]
     if not trained:

@@ -1,4 +1,4 @@
-"""Batch-law benchmark: the SPEC 8 throughput-vs-batch and max-batch laws fitted to training-step
+"""Batch-law benchmark: the throughput-vs-batch and max-batch laws (docs/method.md section 8) fitted to training-step
 timings measured here, on a dense and a mixture-of-experts tiny model (two sparsities), with
 the largest batch of each model held out (extrapolation in batch). Prints one JSON object and,
 with ``--out``, writes the timings (the format ``archsearch estimate batch-laws`` reads), the
