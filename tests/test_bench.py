@@ -113,10 +113,14 @@ def test_failure_is_recorded(backend):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_engine_measurements_agree_roughly(measured):
-    """Both real engines ran the same tiny shape: same order of magnitude of throughput."""
+    """Both real engines ran the same tiny shape in float32 on the same cores: their throughputs
+    agree within 4x either way. Measured here: vLLM / HF 0.63 at batch 2 on this 1-layer shape,
+    0.94-2.7 over the shapes of benchmarks/scripts/bench_engines_cpu.py; the bound leaves room
+    for the machine's load changing between the two measurements (up to 2x on 2 shared cores)
+    and still fails on a wrong unit, a dropped batch or a measurement of the wrong thing."""
     hf, vl = measured("hf"), measured("vllm")
     ratio = vl.throughput(2) / hf.throughput(2)
-    assert 0.05 < ratio < 20, ratio
+    assert 0.25 < ratio < 4, f"vLLM / HF throughput at batch 2: {ratio:.3f}"
 
 
 # -- vLLM specifics (real engine) -----------------------------------------------------------

@@ -510,7 +510,7 @@ def test_later_stage_names_checked_before_work(tmp_path, cli, over, field):
 
 
 def test_vocab_comes_from_the_proxies_tokenizer_never_a_default(tmp_path):
-    from archsearch.search.pipeline import vocab_size
+    from archsearch.search.checks import vocab_size
 
     sweep = {"name": "s", "params": [1e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [2.0],
              "data": {"source": "shakespeare", "tokenizer": "bpe:640"}}
@@ -528,7 +528,7 @@ def test_vocab_comes_from_the_proxies_tokenizer_never_a_default(tmp_path):
 def test_baseline_predicted_at_the_study_budget(tmp_path):
     from archsearch.arch import non_embedding_params
     from archsearch.laws import load_law
-    from archsearch.search.pipeline import baseline_loss, baseline_note, baseline_spec
+    from archsearch.search.checks import baseline_loss, baseline_note, baseline_spec
 
     cfg = load(study_config(tmp_path))
     law = load_law(tmp_path / "law.json")

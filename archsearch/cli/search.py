@@ -40,8 +40,11 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_study_config(args.config, args.overrides)
     out = cfg.out_dir(args.out)
     if args.dry_run:
-        pipeline.validate(cfg, for_plan=True)
-        plan = pipeline.plan(cfg, out, gpus=args.gpus)
+        from archsearch.search.checks import validate
+        from archsearch.search.plan import plan as study_plan
+
+        validate(cfg, for_plan=True)
+        plan = study_plan(cfg, out, gpus=args.gpus)
         if args.json:
             print_json(plan)
         else:

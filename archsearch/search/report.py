@@ -357,7 +357,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     cfg = ctx.cfg
     out = ctx.out
     b = ctx.ref_batch
-    from archsearch.search.pipeline import baseline_loss, baseline_note
+    from archsearch.search.checks import baseline_loss, baseline_note
 
     base_ts = [t.user_attrs["baseline_throughput"] for t in _complete(study)
                if t.user_attrs.get("baseline_throughput") is not None]

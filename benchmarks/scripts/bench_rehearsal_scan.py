@@ -44,7 +44,7 @@ def main() -> None:
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
     from archsearch.search.gqa import gqa_pairs
-    from archsearch.search.pipeline import target_loss, vocab_size
+    from archsearch.search.checks import target_loss, vocab_size
     from archsearch.candidates import build_candidate
     from archsearch.search.study import build_settings
     from archsearch.benchmarks.analytic import predict_batch

@@ -5,7 +5,7 @@ before its best feasible shape is within 2% of the best shape an exhaustive grid
 space finds?
 
 1. The law (``--law``) and the target loss, exactly as the pipeline computes them
-   (``archsearch.search.pipeline.target_loss``).
+   (``archsearch.search.checks.target_loss``).
 2. The exhaustive grid: ``--resolution`` log-spaced values of d/sqrt(N) and of r over the
    config's search box, times every GQA choice, each built with
    ``archsearch.search.study.expand``; identical shapes are merged, the feasible ones (predicted
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
     from archsearch.search.measure import MeasurementStore, Measurer
-    from archsearch.search.pipeline import target_loss, vocab_size
+    from archsearch.search.checks import target_loss, vocab_size
     from archsearch.search.study import build_settings, trial_is_feasible
     from optuna.trial import TrialState
 

@@ -32,7 +32,7 @@ def feasible_shapes(cfg, law, target: float, n: int = 4):
     """Distinct buildable shapes of the box grid (n x n knobs x GQA) with predicted loss <= target."""
     import numpy as np
 
-    from archsearch.search.pipeline import vocab_size
+    from archsearch.search.checks import vocab_size
     from archsearch.search.study import build_settings, expand
 
     s, build = cfg.search_space, build_settings(cfg, vocab_size(cfg))
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.laws import load_law
     from archsearch.search.config import load_study_config
     from archsearch.search.measure import resolve_backend
-    from archsearch.search.pipeline import baseline_spec, target_loss
+    from archsearch.search.checks import baseline_spec, target_loss
     from archsearch.benchmarks.paired import measure_paired
 
     cfg = load_study_config(args.config)

