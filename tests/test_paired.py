@@ -37,15 +37,16 @@ def test_ratio_estimate_interval_matches_t_formula():
 
 
 @pytest.mark.parametrize("kw, field", [
-    ({"ci_rel_halfwidth": 0}, "measure.ci_rel_halfwidth"),
-    ({"ci_level": 1.2}, "measure.ci_level"),
-    ({"min_rounds": 5, "max_rounds": 3}, "measure.min_rounds"),
+    ({"rel_halfwidth": 0}, "measure.paired.rel_halfwidth"),
+    ({"level": 1.2}, "measure.paired.level"),
+    ({"min_rounds": 5, "max_rounds": 3}, "measure.paired.min_rounds"),
 ])
 def test_paired_settings_errors_name_the_field(kw, field):
+    from archsearch.configio import from_dict
     from archsearch.search.config import MeasureConfig
 
     with pytest.raises(ArchsearchError) as e:
-        MeasureConfig(backend="hf", **kw)
+        from_dict(MeasureConfig, {"backend": "hf", "paired": kw}, "measure")
     assert e.value.field == field
 
 

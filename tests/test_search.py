@@ -282,7 +282,7 @@ def _hf_cfg(tmp_path, n_trials=5, **over):
                                            "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0,
                                            "timeout_s": 120,
                                            # durability, not precision: the fewest paired rounds
-                                           "min_rounds": 2, "max_rounds": 2},
+                                           "paired": {"min_rounds": 2, "max_rounds": 2}},
                         optuna={"n_trials": n_trials, "seed": 3, "enqueue_solution": 1},
                         gqa_search={"enabled": False}, **over)
 

@@ -9,11 +9,13 @@ name the dotted field (``search_space.gqa[1]``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archsearch.benchmarks.base import BACKENDS
+from archsearch.benchmarks.base import BACKENDS, BenchSettings
+from archsearch.benchmarks.paired import PairedSettings
 from archsearch.candidates import BuildSettings
 from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError
@@ -209,72 +211,55 @@ class LawConfig:
             raise ArchsearchError("law.size_tolerance", f"must be in (0, 1), got {self.size_tolerance}")
 
 
-@dataclass(frozen=True)
-class MeasureConfig:
+@dataclass
+class MeasureConfig(BenchSettings):
+    """The study's ``measure`` block: the :class:`BenchSettings` every measurement of the study
+    runs with (its fields, with defaults for a study at scale), the paired comparison's
+    :class:`PairedSettings` under ``paired``, and what only a study needs: a fallback engine, the
+    objective's batch size and a roofline calibration."""
+
     backend: str = "vllm"
-    # Used only where ``backend`` is not installed, and then said in the report's first line.
-    fallback_backend: str | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
-    reference_batch_size: int | None = None  # the objective's batch size; default: the largest
     input_len: int = 4096
     output_len: int = 1024
-    warmup: int = 1
     repeats: int = 5
-    dtype: str = "auto"
     timeout_s: float = 1800.0
-    device_spec: str | None = None  # analytic backend: which GPU to predict for
-    engine_args: dict[str, Any] = field(default_factory=dict)
+    # Used only where ``backend`` is not installed, and then said in the report's first line.
+    fallback_backend: str | None = None
+    reference_batch_size: int | None = None  # the objective's batch size; default: the largest
     # a roofline calibration file (archsearch.benchmarks.calibration) for the seed ranking's predictions
     # (and the analytic backend); without one they are labelled uncalibrated
     calibration: str | None = None
-    # Paired comparison with the baseline (archsearch.benchmarks.paired): engines resident in one process,
-    # interleaved rounds at the reference batch size until every ratio's `ci_level` interval is
-    # within +-ci_rel_halfwidth, or max_rounds is spent.
-    ci_level: float = 0.9
-    ci_rel_halfwidth: float = 0.03
-    min_rounds: int = 4
-    max_rounds: int = 16
+    # Paired comparison with the baseline (archsearch.benchmarks.paired): engines resident in one
+    # process, interleaved rounds at the reference batch size until every ratio's `level` interval
+    # is within +-rel_halfwidth, or max_rounds is spent.
+    paired: PairedSettings = field(default_factory=PairedSettings)
 
     def __post_init__(self) -> None:
-        for f in ("backend", "fallback_backend"):
-            v = getattr(self, f)
-            if v is not None and v not in BACKENDS:
-                raise ArchsearchError(f"measure.{f}", f"unknown backend {v!r}", f"use one of {list(BACKENDS)}")
-        self.bench_settings(self.backend)  # the measurement's own checks, named under measure.
-        self.paired_settings()
+        super().__post_init__()  # the measurement's own checks
+        if self.fallback_backend is not None and self.fallback_backend not in BACKENDS:
+            raise ArchsearchError("fallback_backend", f"unknown backend {self.fallback_backend!r}",
+                                  f"use one of {list(BACKENDS)}")
         if self.calibration is not None:
             from archsearch.benchmarks.calibration import Calibration
 
             try:
                 Calibration.load(self.calibration)
             except ArchsearchError as e:
-                raise ArchsearchError("measure.calibration", e.problem, e.fix) from None
+                raise ArchsearchError("calibration", e.problem, e.fix) from None
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
-            raise ArchsearchError("measure.reference_batch_size",
+            raise ArchsearchError("reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
 
-    def bench_settings(self, backend: str):
-        """The ``archsearch.benchmarks.BenchSettings`` this plan measures with on ``backend``."""
-        from archsearch.benchmarks.base import BenchSettings
-
+    def bench_settings(self, backend: str) -> BenchSettings:
+        """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
+        measures with may be the fallback)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(BenchSettings)}
         try:
-            return BenchSettings(backend=backend, batch_sizes=list(self.batch_sizes), input_len=self.input_len,
-                                 output_len=self.output_len, warmup=self.warmup, repeats=self.repeats,
-                                 dtype=self.dtype, timeout_s=self.timeout_s, device_spec=self.device_spec,
-                                 engine_args=dict(self.engine_args))
+            return BenchSettings(**{**own, "backend": backend, "batch_sizes": list(self.batch_sizes),
+                                    "engine_args": dict(self.engine_args)})
         except ArchsearchError as e:
             raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
-
-    def paired_settings(self):
-        """The ``archsearch.benchmarks.paired.PairedSettings`` of this plan."""
-        from archsearch.benchmarks.paired import PairedSettings
-
-        names = {"level": "ci_level", "rel_halfwidth": "ci_rel_halfwidth", "min_rounds": "min_rounds",
-                 "max_rounds": "max_rounds"}
-        try:
-            return PairedSettings(**{k: getattr(self, v) for k, v in names.items()})
-        except ArchsearchError as e:
-            raise ArchsearchError(f"measure.{names[e.field]}", e.problem, e.fix) from None
 
     @property
     def ref_batch(self) -> int:

@@ -138,7 +138,7 @@ class Measurer:
         blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
                            "attempt": attempt}, sort_keys=True)
         key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        found, cached = self._once(key, lambda: measure_paired(specs, self.settings(), self.cfg.paired_settings(),
+        found, cached = self._once(key, lambda: measure_paired(specs, self.settings(), self.cfg.paired,
                                                                self.cfg.ref_batch).to_dict())
         return Measurement(PairedResult.from_dict(found), key, cached)
 

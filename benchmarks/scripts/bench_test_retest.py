@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in (1, 2):
             rows = []
             for spec in specs:
-                r = measure_paired([base, spec], settings, cfg.measure.paired_settings(), cfg.measure.ref_batch)
+                r = measure_paired([base, spec], settings, cfg.measure.paired, cfg.measure.ref_batch)
                 q = r.estimate(1).to_dict() if r.ok else None
                 rows.append({**(q or {}), "ok": r.ok, "error": r.error, "rounds": len(r.rounds),
                              "throughput": r.throughput(1), "load_average": list(os.getloadavg())})
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = [i for i in range(len(specs)) if passes[0][i]["ok"] and passes[1][i]["ok"]]
     summary = {"benchmark": "test_retest_paired", "config": args.config, "law": args.law, "backend": backend,
                "backend_note": note, "burn_one_core": args.burn, "measure": settings.to_dict(),
-               "paired": asdict(cfg.measure.paired_settings()),
+               "paired": asdict(cfg.measure.paired),
                "shapes": [s.to_dict() for s in specs], "passes": passes,
                **agreement([passes[0][i] for i in ok], [passes[1][i] for i in ok]),
                "load_average_start_end": [load_before, list(os.getloadavg())],
