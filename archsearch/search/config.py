@@ -193,9 +193,9 @@ class LawConfig:
     reference: str = "chinchilla"
     bootstrap: int = 200
     r_range: tuple[float, float] | None = (0.5, 5.0)
-    # runs within this relative distance in N (and D) are one size; match it to the build
-    # tolerance, since snapped shapes land anywhere within it of their budget
-    size_tolerance: float = 0.05
+    # runs within this relative distance in N (and D) are one size; default: the search space's
+    # build tolerance (snapped shapes land anywhere within it of their budget), at least 5%
+    size_tolerance: float | None = None
     file: str | None = None  # a fitted or hand-written law JSON: skips the fit
 
     def __post_init__(self) -> None:
@@ -207,7 +207,7 @@ class LawConfig:
                                   "use chinchilla or best-observed")
         if self.bootstrap < 0:
             raise ArchsearchError("law.bootstrap", "must be >= 0")
-        if not 0 < self.size_tolerance < 1:
+        if self.size_tolerance is not None and not 0 < self.size_tolerance < 1:
             raise ArchsearchError("law.size_tolerance", f"must be in (0, 1), got {self.size_tolerance}")
 
 
@@ -417,6 +417,14 @@ class StudyConfig:
 
     def out_dir(self, override: str | Path | None = None) -> Path:
         return Path(override or self.out or Path("results") / self.name)
+
+    @property
+    def size_tolerance(self) -> float:
+        """How far apart in N (and D) runs may be and still be one size for the law: the law's
+        ``size_tolerance``, else the build tolerance the shapes were snapped within (>= 5%)."""
+        if self.law.size_tolerance is not None:
+            return self.law.size_tolerance
+        return max(0.05, self.search_space.build.tolerance)
 
 
 def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:

@@ -416,7 +416,7 @@ def fit_options(cfg: StudyConfig):
     from archsearch.laws import FitOptions
 
     return FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap, r_range=cfg.law.r_range,
-                      seed=cfg.optuna.seed, size_tolerance=cfg.law.size_tolerance)
+                      seed=cfg.optuna.seed, size_tolerance=cfg.size_tolerance)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
