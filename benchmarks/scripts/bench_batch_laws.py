@@ -8,7 +8,7 @@ Throughput: fp32 AdamW steps on random tokens (``planning.measure.measure_traini
 training tokens/s, best of ``--repeats`` (the machine is shared; the best is the least
 disturbed). Peak memory: one fresh subprocess per point (peak RSS above baseline).
 
-    python benchmarks/scripts/bench_batch_laws.py [--quick] [--out results/batch-laws]
+    python -m archsearch.benchmarks.scripts.bench_batch_laws [--quick] [--out results/batch-laws]
 """
 
 from __future__ import annotations

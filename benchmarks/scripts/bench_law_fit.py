@@ -4,7 +4,7 @@ Target (issue 3): under 30 s on 2 CPU cores. The runs are synthetic but real bui
 (5 sizes x 2 token budgets x 5 hidden/sqrt(N) x 4 r); the reference L_opt is a Chinchilla law
 refitted on every resample, as in a real fit. Prints one JSON line.
 
-    python benchmarks/scripts/bench_law_fit.py [--law conditional-multiplicative] [--bootstrap 1000] [--jobs 2]
+    python -m archsearch.benchmarks.scripts.bench_law_fit [--law conditional-multiplicative] [--bootstrap 1000] [--jobs 2]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ on a shared 2-core machine is noisy: the numbers are this machine's, at this loa
 Memory: fp32 CPU inference (prefill + decode) and training steps, each measured in a fresh
 subprocess (peak RSS above the pre-model baseline), beside the prediction.
 
-    python benchmarks/scripts/bench_planning.py [--quick] [--out results/planning]
+    python -m archsearch.benchmarks.scripts.bench_planning [--quick] [--out results/planning]
 """
 
 from __future__ import annotations

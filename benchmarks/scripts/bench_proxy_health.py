@@ -7,7 +7,7 @@ Retuning: one sweep with ``health`` on; trials = runs + retrain attempts. Grid: 
 grid counts as reaching a compliant sweep when some choice per level passes every check.
 Prints one JSON object; ``--out`` also writes it (with provenance) and keeps the sweeps.
 
-    python benchmarks/scripts/bench_proxy_health.py [--out results/proxy-health]
+    python -m archsearch.benchmarks.scripts.bench_proxy_health [--out results/proxy-health]
 """
 
 from __future__ import annotations
