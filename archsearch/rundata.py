@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -49,16 +50,14 @@ LOSS_KINDS = ("eval", "smoothed_train")
 
 @dataclass(frozen=True)
 class RunRecord:
+    """One proxy run: its architecture (an :class:`ArchSpec`; ``None`` for rows that give only N
+    in ``params``), its budget and loss, and where it ran. N, r and d/sqrt(N) are derived from
+    the architecture once."""
+
     tokens: float
     loss: float
-    n_layers: int | None = None
-    hidden_size: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn: int | None = None
+    arch: ArchSpec | None = None
     params: float | None = None
-    vocab_size: int | None = None
     loss_kind: str = "eval"
     seed: int | None = None
     run_id: str | None = None
@@ -83,11 +82,10 @@ class RunRecord:
                                       "drop the row or mark it status=failed")
             if not self.tokens > 0:
                 raise ArchsearchError(f"{where}.tokens", f"must be positive, got {self.tokens!r}")
-        if self.has_arch:
-            n = non_embedding_params(self.spec)  # validates the architecture columns
-            if self.params is not None and abs(self.params / n - 1) > 0.01:
+        if self.arch is not None:
+            if self.params is not None and abs(self.params / self.n_params - 1) > 0.01:
                 raise ArchsearchError(f"{where}.params", f"{self.params:.6g} disagrees with the "
-                                      f"architecture columns (N = {n})", "drop one of them")
+                                      f"architecture columns (N = {self.n_params})", "drop one of them")
         elif self.params is None:
             raise ArchsearchError(f"{where}.params", "the run has neither the architecture columns "
                                   "nor params", f"give {', '.join(ARCH_COLUMNS)}, or params (N only)")
@@ -97,51 +95,46 @@ class RunRecord:
     @property
     def has_arch(self) -> bool:
         """Whether the row gives the architecture (else only N, in ``params``)."""
-        return any(getattr(self, c) is not None for c in ARCH_COLUMNS)
+        return self.arch is not None
 
     @property
     def spec(self) -> ArchSpec:
-        if not self.has_arch:
+        if self.arch is None:
             raise ArchsearchError(f"run {self.run_id or '?'}.params", "gives N only, no architecture",
                                   f"this use needs the columns {', '.join(ARCH_COLUMNS)}")
-        missing = [c for c in ARCH_COLUMNS if getattr(self, c) is None]
-        if missing:
-            raise ArchsearchError(f"run {self.run_id or '?'}.{missing[0]}", "missing architecture column",
-                                  f"give all of {', '.join(ARCH_COLUMNS)}, or only params")
-        try:
-            return ArchSpec(n_layers=self.n_layers, hidden_size=self.hidden_size,
-                            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                            head_dim=self.head_dim, ffn=self.ffn,
-                            vocab_size=self.vocab_size or 32000)
-        except ArchsearchError as e:
-            raise ArchsearchError(f"run {self.run_id or '?'}.{e.field}", e.problem, e.fix) from None
+        return self.arch
 
-    @property
+    @cached_property
     def n_params(self) -> float:
-        return non_embedding_params(self.spec) if self.has_arch else float(self.params)
+        return non_embedding_params(self.arch) if self.arch is not None else float(self.params)
 
-    @property
+    @cached_property
     def mlp_to_attn_ratio(self) -> float:
         return mlp_to_attn_ratio(self.spec)
 
-    @property
+    @cached_property
     def hidden_over_sqrt_n(self) -> float:
         return hidden_over_sqrt_n(self.spec)
 
     def to_row(self) -> dict[str, Any]:
-        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        """The run as one flat row of the file format (the architecture as its columns)."""
+        row: dict[str, Any] = {c: None for c in ROW_COLUMNS}
+        if self.arch is not None:
+            row.update({c: getattr(self.arch, c) for c in (*ARCH_COLUMNS, "vocab_size")})
+        row.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name not in ("arch", "extra")})
         row.update(self.extra)
         return row
 
     @classmethod
     def from_arch(cls, spec: ArchSpec, tokens: float, loss: float, **kw: Any) -> "RunRecord":
-        return cls(**{c: getattr(spec, c) for c in ARCH_COLUMNS}, vocab_size=spec.vocab_size,
-                   tokens=tokens, loss=loss, **kw)
+        return cls(arch=spec, tokens=tokens, loss=loss, **kw)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(RunRecord) if f.name != "extra"}
-_INT = {"n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab_size",
-        "seed", "n_devices", "tp", "pp"}
+_FIELDS = {f.name: f for f in dataclasses.fields(RunRecord) if f.name not in ("arch", "extra")}
+# the file's columns, in order: the architecture's, then the record's own
+ROW_COLUMNS = (*ARCH_COLUMNS, "vocab_size", *_FIELDS)
+_INT = {*ARCH_COLUMNS, "vocab_size", "seed", "n_devices", "tp", "pp"}
 _FLOAT = {"tokens", "loss", "wall_time_s", "params"}
 
 
@@ -158,9 +151,10 @@ def _parse(row: dict[str, Any], where: str) -> RunRecord:
                               f"every run needs tokens, loss and either {', '.join(ARCH_COLUMNS)} "
                               "or params (N only)")
     kw: dict[str, Any] = {}
+    arch: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for k, v in row.items():
-        if k not in _FIELDS:
+        if k not in ROW_COLUMNS:
             extra[k] = v
             continue
         if v in (None, ""):
@@ -170,15 +164,22 @@ def _parse(row: dict[str, Any], where: str) -> RunRecord:
                 f = float(v)
                 if not f.is_integer():
                     raise ValueError
-                kw[k] = int(f)
+                v = int(f)
             elif k in _FLOAT:
-                kw[k] = float(v)
+                v = float(v)
             else:
-                kw[k] = str(v)
+                v = str(v)
         except (TypeError, ValueError):
             raise ArchsearchError(f"{where}.{k}", f"{v!r} is not a valid "
                                   f"{'integer' if k in _INT else 'number'}") from None
+        (arch if k in (*ARCH_COLUMNS, "vocab_size") else kw)[k] = v
     try:
+        if any(c in arch for c in ARCH_COLUMNS):
+            try:
+                # the vocabulary only sizes embeddings, which no law reads: 32000 when not given
+                kw["arch"] = ArchSpec(**{"vocab_size": 32000, **arch})
+            except ArchsearchError as e:
+                raise ArchsearchError(f"run {kw.get('run_id') or '?'}.{e.field}", e.problem, e.fix) from None
         return RunRecord(**kw, extra=extra)
     except ArchsearchError as e:
         if e.field.startswith(where):
@@ -204,7 +205,7 @@ def write_runs(path: str | Path, runs: Iterable[RunRecord]) -> Path:
     p = Path(path)
     rows = [r.to_row() for r in runs]
     if p.suffix == ".csv":
-        cols: list[str] = list(_FIELDS)
+        cols: list[str] = list(ROW_COLUMNS)
         for r in rows:
             cols += [k for k in r if k not in cols]
         with atomic_open(p, "w", newline="") as fh:
