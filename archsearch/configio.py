@@ -214,3 +214,15 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
 def load_config(cls: type[T], path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """YAML file (+ ``key.sub=value`` overrides) -> validated dataclass."""
     return from_dict(cls, load_yaml(path, overrides), where="")
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """Each field's default value (a fresh one for ``default_factory`` fields), so that a CLI
+    built on a settings type states its defaults once, in the type."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out

@@ -8,7 +8,8 @@ import sys
 
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
-from archsearch.benchmarks.base import BACKENDS
+from archsearch.benchmarks.base import BACKENDS, DTYPES, BenchSettings
+from archsearch.configio import field_defaults
 
 
 def register(sub) -> None:
@@ -17,25 +18,27 @@ def register(sub) -> None:
         description="Measure output/total tokens/s, TTFT, TPOT, latency and peak memory per "
                     "batch size, with dummy weights, one engine process per run (docs/method.md section 5). "
                     "'analytic' is a roofline prediction, never a measurement.")
+    d = field_defaults(BenchSettings)  # one declaration of the defaults: the settings type's
     p.add_argument("--backend", required=True, choices=list(BACKENDS))
     add_arch_args(p)
     p.add_argument("--config-dir", dest="arch_file", metavar="DIR",
                    help="a folder with a Hugging Face config.json (same as --arch)")
     p.add_argument("--model-path", metavar="DIR",
                    help="a folder with real weights to load instead of dummy weights")
-    p.add_argument("--batch-sizes", type=parse_int_list, default=[1, 8], help="e.g. 1,8 (default)")
-    p.add_argument("--input-len", type=pos_int, default=128)
-    p.add_argument("--output-len", type=pos_int, default=64)
-    p.add_argument("--repeats", type=pos_int, default=3)
-    p.add_argument("--warmup", type=nonneg_int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--batch-sizes", type=parse_int_list, default=d["batch_sizes"],
+                   help=f"e.g. 1,8 (default {','.join(map(str, d['batch_sizes']))})")
+    p.add_argument("--input-len", type=pos_int, default=d["input_len"])
+    p.add_argument("--output-len", type=pos_int, default=d["output_len"])
+    p.add_argument("--repeats", type=pos_int, default=d["repeats"])
+    p.add_argument("--warmup", type=nonneg_int, default=d["warmup"])
+    p.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES),
                    help="auto: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--device-spec", help="device table entry for --backend analytic (e.g. H200, "
                                          "A100-40GB, cpu); default: this machine")
     p.add_argument("--calibration", metavar="FILE",
                    help="--backend analytic: a calibration file (python -m archsearch.benchmarks.calibration)")
-    p.add_argument("--timeout", type=pos_float, default=900.0, help="seconds per engine process")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--timeout", type=pos_float, default=d["timeout_s"], help="seconds per engine process")
+    p.add_argument("--seed", type=nonneg_int, default=d["seed"])
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="extra engine keyword, value parsed as JSON when it can be "
                         "(e.g. --engine-arg enforce_eager=false); repeatable")
