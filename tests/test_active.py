@@ -296,3 +296,34 @@ def test_driver_reproposes_a_dead_workers_run_and_skips_a_live_ones(tmp_path, fa
         timer.join()
     # another run first; the first one only once its worker is gone
     assert len(fake_training) == 2 and fake_training[0] != first and fake_training[1] == first
+
+
+def test_fit_profiled_removes_the_bias_of_a_sparse_size():
+    """Level 1 has only runs far from the optimum: its best-observed L_opt is too high, and a
+    shared shape factor fitted against it is biased; with every size's L_opt fitted the optimum
+    of the (noise-free) truth comes back."""
+    from archsearch.laws import FitOptions, fit_law, forms
+    from archsearch.rundata import RunRecord
+
+    pool, loss = _pool_and_truth()
+    x1, r = pool.X["x1"], pool.X["x2"]
+    far = (pool.level == 1) & ((x1 > 0.15) | (r > 3.0))        # level 1: only the far edges
+    idx = np.flatnonzero((pool.level == 0) | far)
+    assert far.sum() >= 3
+    runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(loss[i])) for i in idx]
+    opts = FitOptions(reference="best-observed", n_starts=3)
+    truth = (0.005 / 0.05, 0.03 / 0.02)
+
+    def err(fit):
+        c = fit.coefficients
+        o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+        return max(abs(o[i] / truth[i] - 1) for i in range(2))
+
+    plain, prof = fit_law(runs, "conditional-multiplicative", opts), active.fit_profiled(runs, "conditional-multiplicative", opts)
+    assert err(plain) > 0.05            # the bias this fixes
+    assert err(prof) < 0.01
+    assert prof.reference["law"] == "best-observed" and len(prof.reference["groups"]) == 2
+    assert prof.options["reference_law"]["law"] == "best-observed"   # the options serialise
+    # with every size complete the two agree (the full grid is what the method fits)
+    full = [RunRecord.from_arch(s, tokens=float(t), loss=float(v)) for s, t, v in zip(pool.specs, pool.tokens, loss)]
+    assert err(active.fit_profiled(full, "conditional-multiplicative", opts)) < 0.01

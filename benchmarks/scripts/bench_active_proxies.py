@@ -93,16 +93,42 @@ def error(est, truth, which=(0, 1)) -> float:
     return max(abs(est[i] / truth[i] - 1.0) for i in which)
 
 
-def point_optimum(pool, idx, losses, options):
-    """Closed-form optimum of the law fitted to runs ``idx`` (None when it has none)."""
+def regret(est, coefs=TRUE) -> float:
+    """Loss consequence of an estimated optimum: the true loss of the shape (x1^, r^) over the
+    true minimum, minus 1 (the same at every N and D: the law is separable and multiplicative);
+    inf when there is no estimate."""
+    if est is None or None in est:
+        return math.inf
+    from archsearch.laws import forms
+
+    def f(c0, c1, c2, x):
+        return c0 + c1 * math.log(x) + c2 / x
+
+    o1, o2 = forms.factor_optimum(coefs["a1"], coefs["a2"]), forms.factor_optimum(coefs["b1"], coefs["b2"])
+    return (f(coefs["a0"], coefs["a1"], coefs["a2"], est[0]) * f(coefs["b0"], coefs["b1"], coefs["b2"], est[1])
+            / (f(coefs["a0"], coefs["a1"], coefs["a2"], o1) * f(coefs["b0"], coefs["b1"], coefs["b2"], o2))) - 1.0
+
+
+def regret_tolerance(bound=0.05, coefs=TRUE) -> float:
+    """The loss-equivalent of the 5% criterion: the largest regret of the four corners of the box
+    +-``bound`` around the true optimum. A point passes the loss criterion when it costs no more
+    loss than the worst point the coordinate criterion accepts."""
+    t = (coefs["a2"] / coefs["a1"], coefs["b2"] / coefs["b1"])
+    return max(regret((t[0] * (1 + s1 * bound), t[1] * (1 + s2 * bound)), coefs) for s1 in (-1, 1) for s2 in (-1, 1))
+
+
+def point_optimum(pool, idx, losses, options, profiled=False):
+    """Closed-form optimum of the law fitted to runs ``idx`` (None when it has none);
+    ``profiled``: every size's L_opt fitted (:func:`archsearch.laws.active.fit_profiled`)."""
     from archsearch.errors import ArchsearchError
     from archsearch.laws import fit_law, forms
+    from archsearch.laws.active import fit_profiled
     from archsearch.rundata import RunRecord
 
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(losses[i]))
             for i in idx]
     try:
-        c = fit_law(runs, LAW, options).coefficients
+        c = (fit_profiled if profiled else fit_law)(runs, LAW, options).coefficients
     except ArchsearchError:
         return None
     o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
@@ -116,7 +142,7 @@ def run_plan(pool, losses, options, budget, batch, initial="grid3"):
 
     observed, traj, spent = {}, [], 0.0
     while spent < budget:
-        p = propose(pool, observed, [], LAW, options, k=batch, initial=initial)
+        p = propose(pool, observed, [], LAW, options, k=batch, initial=initial, max_cost=budget - spent)
         if traj and p.interval is not None:
             traj[-1]["width"] = p.interval.width  # the interval after the previous batch
             traj[-1]["estimate"] = p.optimum
@@ -125,7 +151,8 @@ def run_plan(pool, losses, options, budget, batch, initial="grid3"):
         for pk in p.picks:
             observed[pk["index"]] = losses[pk["index"]]
             spent += float(pool.flops[pk["index"]])
-        traj.append({"runs": len(observed), "flops": spent, "width": None, "estimate": None})
+        traj.append({"runs": len(observed), "flops": spent, "width": None, "estimate": None,
+                     "levels": np.bincount(pool.level[list(observed)], minlength=int(pool.level.max()) + 1).tolist()})
     if traj and traj[-1]["estimate"] is None:
         p = propose(pool, observed, [], LAW, options, k=0, initial=initial)
         traj[-1]["width"] = p.interval.width if p.interval else None
@@ -133,32 +160,41 @@ def run_plan(pool, losses, options, budget, batch, initial="grid3"):
     return traj
 
 
-def flops_to(traj, truth, which=(0, 1), bound=0.05):
-    """FLOPs after which the plan's error stays within ``bound`` to the end (None: never)."""
-    errs = [error(t["estimate"], truth, which) for t in traj]
-    return next((traj[i]["flops"] for i in range(len(traj)) if all(e <= bound for e in errs[i:])), None)
+def _passes(est, truth, criterion, tol_regret, bound=0.05):
+    if criterion == "coordinates":
+        return error(est, truth) <= bound
+    return regret(est) <= tol_regret
 
 
-def summarise_plan(traj, truth, tol, at_flops):
-    errs = [error(t["estimate"], truth) for t in traj]
-    to5 = flops_to(traj, truth)
-    stop = next((i for i, t in enumerate(traj) if t["width"] is not None and t["width"] <= tol), None)
-    before = [i for i, t in enumerate(traj) if t["flops"] <= at_flops]
-    return {"flops_to_5pct": to5, "flops_to_5pct_x1": flops_to(traj, truth, (0,)),
-            "flops_to_5pct_r": flops_to(traj, truth, (1,)),
-            "error_end_x1": error(traj[-1]["estimate"], truth, (0,)),
-            "error_end_r": error(traj[-1]["estimate"], truth, (1,)), "runs": traj[-1]["runs"], "flops_end": traj[-1]["flops"],
-            "error_end": errs[-1],
-            "stop_flops": traj[stop]["flops"] if stop is not None else None,
-            "stop_error": errs[stop] if stop is not None else None,
-            "stop_runs": traj[stop]["runs"] if stop is not None else None,
-            "error_at_grid_level1_flops": errs[before[-1]] if before else None}
+def flops_to(traj, truth, criterion="coordinates", tol_regret=math.nan, bound=0.05):
+    """FLOPs after which the plan's estimate passes ``criterion`` and keeps passing to the end
+    (None: never)."""
+    ok = [_passes(t["estimate"], truth, criterion, tol_regret, bound) for t in traj]
+    return next((traj[i]["flops"] for i in range(len(traj)) if all(ok[i:])), None)
 
 
-def _med(vals):
-    """Median over seeds; None (never reached) counts as infinitely late; an infinite median is None."""
-    m = float(np.median([math.inf if x is None else x for x in vals]))
-    return m if math.isfinite(m) else None
+def at_flops(traj, flops):
+    """The plan's last estimate with at most ``flops`` spent (None before the first fit)."""
+    before = [t for t in traj if t["flops"] <= flops * (1 + 1e-9)]
+    return before[-1]["estimate"] if before else None
+
+
+def _stats(vals):
+    """Median over seeds with its 90% bootstrap interval and the quartiles; None (never reached)
+    counts as infinitely late, and a statistic that is infinite is written as None."""
+    v = np.array([math.inf if x is None else float(x) for x in vals])
+    rng = np.random.default_rng(0)
+    meds = np.median(v[rng.integers(0, v.size, (2000, v.size))], axis=1)
+
+    def fin(x):
+        x = float(x)
+        return x if math.isfinite(x) else None
+
+    with np.errstate(invalid="ignore"):   # quantiles between infinities
+        q = [np.quantile(meds, 0.05), np.quantile(meds, 0.95), np.quantile(v, 0.25), np.quantile(v, 0.75)]
+    return {"median": fin(np.median(v)), "median_ci90": [fin(q[0]), fin(q[1])], "quartiles": [fin(q[2]), fin(q[3])],
+            "n": int(v.size),
+            "finite": int(np.isfinite(v).sum())}
 
 
 def synthetic(args) -> dict:
@@ -170,55 +206,92 @@ def synthetic(args) -> dict:
         return pool, forms.predict(LAW, TRUE, X)
 
     pool, mean = with_truth(paper_pool())
+    coarse, cmean = with_truth(paper_pool(k=3))
     apool, amean = with_truth(paper_pool(k=args.active_resolution))
     truth = (TRUE["a2"] / TRUE["a1"], TRUE["b2"] / TRUE["b1"])
+    tol_regret = regret_tolerance()
     grid_opts = FitOptions(reference="best-observed")
     loop_opts = FitOptions(reference="best-observed", bootstrap=args.bootstrap, n_starts=3)
     grid_flops = float(pool.flops.sum())
-    level_flops = np.cumsum([pool.flops[pool.level == lv].sum() for lv in sorted(set(pool.level))])
-    out = {"pool_runs": len(pool), "active_pool_runs": len(apool), "grid_flops": grid_flops, "grid_level_flops": level_flops.tolist(),
-           "truth": {"hidden_over_sqrt_n": truth[0], "mlp_to_attn_ratio": truth[1]}, "noise": {}}
+    levels = sorted(set(pool.level))
+    level_flops = np.cumsum([pool.flops[pool.level == lv].sum() for lv in levels])
+    budget = grid_flops * args.budget_fraction
+    out = {"pool_runs": len(pool), "coarse_grid_runs": len(coarse), "active_pool_runs": len(apool),
+           "grid_flops": grid_flops, "grid_level_flops": level_flops.tolist(),
+           "coarse_grid_flops": float(coarse.flops.sum()), "active_budget_flops": budget,
+           "truth": {"hidden_over_sqrt_n": truth[0], "mlp_to_attn_ratio": truth[1]},
+           "criteria": {"coordinates": "max(|x1^/x1* - 1|, |r^/r* - 1|) <= 0.05",
+                        "loss": f"true loss of (x1^, r^) / true minimum - 1 <= {tol_regret:.3g} "
+                                "(the worst corner of the +-5% box around the optimum)"},
+           "regret_tolerance": tol_regret, "noise": {}}
     for noise in args.noise:
         rows = []
         for seed in range(args.seeds):
             t0 = time.perf_counter()
             losses = observe(pool, mean, noise, seed)
-            grid_est = [point_optimum(pool, np.flatnonzero(pool.level <= lv), losses, grid_opts)
-                        for lv in sorted(set(pool.level))]
-            grid_levels = [error(e, truth) for e in grid_est]
-            traj = run_plan(apool, observe(apool, amean, noise, seed), loop_opts, grid_flops / 3.0, args.batch)
-            row = {"seed": seed, "grid_error": grid_levels[-1], "grid_error_by_level": grid_levels,
-                   "grid_error_x1": error(grid_est[-1], truth, (0,)), "grid_error_r": error(grid_est[-1], truth, (1,)),
-                   "grid_error_x1_by_level": [error(e, truth, (0,)) for e in grid_est],
-                   **summarise_plan(traj, truth, args.tolerance, float(level_flops[0])),
-                   "seconds": round(time.perf_counter() - t0, 1)}
+            row = {"seed": seed}
+            for name, prof in (("grid", False), ("grid_profiled", True)):
+                est = [point_optimum(pool, np.flatnonzero(pool.level <= lv), losses, grid_opts, prof) for lv in levels]
+                row[name] = {"estimate_by_level": est, "error_by_level": [error(e, truth) for e in est],
+                             "regret_by_level": [regret(e) for e in est]}
+            closs = observe(coarse, cmean, noise, seed)
+            for name, prof in (("coarse_grid", False), ("coarse_grid_profiled", True)):
+                e = point_optimum(coarse, np.arange(len(coarse)), closs, grid_opts, prof)
+                row[name] = {"estimate": e, "error": error(e, truth), "regret": regret(e)}
+            traj = run_plan(apool, observe(apool, amean, noise, seed), loop_opts, budget, args.batch)
+            stop = next((t for t in traj if t["width"] is not None and t["width"] <= args.tolerance), None)
+            row["active"] = {
+                "trajectory": traj,
+                "flops_to": {c: flops_to(traj, truth, c, tol_regret) for c in ("coordinates", "loss")},
+                "at_grid_level_flops": [{"estimate": (e := at_flops(traj, f)), "error": error(e, truth),
+                                         "regret": regret(e)} for f in level_flops[:-1]],
+                "end": {"flops": traj[-1]["flops"], "runs": traj[-1]["runs"], "levels": traj[-1]["levels"],
+                        "estimate": traj[-1]["estimate"], "error": error(traj[-1]["estimate"], truth),
+                        "error_x1": error(traj[-1]["estimate"], truth, (0,)),
+                        "error_r": error(traj[-1]["estimate"], truth, (1,)),
+                        "regret": regret(traj[-1]["estimate"])},
+                "stop": None if stop is None else {"flops": stop["flops"], "runs": stop["runs"],
+                                                   "error": error(stop["estimate"], truth),
+                                                   "regret": regret(stop["estimate"])}}
+            row["seconds"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
-            print(json.dumps({"noise": noise, **row}), flush=True)
-        grid_to5 = [next((float(level_flops[i]) for i, e in enumerate(r["grid_error_by_level"]) if e <= 0.05), None)
-                    for r in rows]
-        out["noise"][str(noise)] = {
-            "seeds": rows,
-            "median": {
-                "grid_error": _med([r["grid_error"] for r in rows]),
-                "grid_by_level_flops_to_5pct": _med(grid_to5),
-                "active_flops_to_5pct": _med([r["flops_to_5pct"] for r in rows]),
-                "grid_error_x1": _med([r["grid_error_x1"] for r in rows]),
-                "grid_error_r": _med([r["grid_error_r"] for r in rows]),
-                "grid_by_level_flops_to_5pct_x1": _med([next((float(level_flops[i]) for i, e in
-                                                             enumerate(r["grid_error_x1_by_level"]) if e <= 0.05), None)
-                                                        for r in rows]),
-                "active_flops_to_5pct_x1": _med([r["flops_to_5pct_x1"] for r in rows]),
-                "active_seeds_reaching_5pct_x1": sum(r["flops_to_5pct_x1"] is not None for r in rows),
-                "active_flops_to_5pct_r": _med([r["flops_to_5pct_r"] for r in rows]),
-                "active_error_end_x1": _med([r["error_end_x1"] for r in rows]),
-                "active_error_end_r": _med([r["error_end_r"] for r in rows]),
-                "active_seeds_reaching_5pct": sum(r["flops_to_5pct"] is not None for r in rows),
-                "active_to_grid_flops_ratio": (_med([r["flops_to_5pct"] for r in rows]) or math.nan) / grid_flops,
-                "active_stop_flops": _med([r["stop_flops"] for r in rows]),
-                "active_stop_error": _med([r["stop_error"] for r in rows]),
-                "active_error_at_third_of_grid": _med([r["error_end"] for r in rows]),
-                "active_error_at_grid_level1_flops": _med([r["error_at_grid_level1_flops"] for r in rows]),
-                "grid_error_level1": _med([r["grid_error_by_level"][0] for r in rows])}}
+            a = row["active"]
+            print(json.dumps({"noise": noise, "seed": seed, "grid_error": row["grid"]["error_by_level"][-1],
+                              "grid_regret": row["grid"]["regret_by_level"][-1],
+                              "active_error": a["end"]["error"], "active_regret": a["end"]["regret"],
+                              "active_levels": a["end"]["levels"], "active_flops_to": a["flops_to"],
+                              "seconds": row["seconds"]}), flush=True)
+
+        def grid_to(r, name, c):
+            ok = [(e <= 0.05) if c == "coordinates" else (g <= tol_regret)
+                  for e, g in zip(r[name]["error_by_level"], r[name]["regret_by_level"])]
+            return next((float(level_flops[i]) for i in range(len(ok)) if ok[i]), None)
+
+        summ = {"flops_to": {}, "error_at_equal_compute": {}}
+        for c in ("coordinates", "loss"):
+            summ["flops_to"][c] = {
+                "grid_by_level": _stats([grid_to(r, "grid", c) for r in rows]),
+                "grid_profiled_by_level": _stats([grid_to(r, "grid_profiled", c) for r in rows]),
+                "active": _stats([r["active"]["flops_to"][c] for r in rows]),
+                "active_seeds_reaching": sum(r["active"]["flops_to"][c] is not None for r in rows),
+                "grid_seeds_reaching": sum(grid_to(r, "grid", c) is not None for r in rows)}
+        eq = summ["error_at_equal_compute"]
+        for key, metric in (("error", "error"), ("regret", "regret")):
+            eq[key] = {"grid_full": _stats([r["grid"][f"{metric}_by_level"][-1] for r in rows]),
+                       "grid_profiled_full": _stats([r["grid_profiled"][f"{metric}_by_level"][-1] for r in rows]),
+                       "coarse_grid_3x3": _stats([r["coarse_grid"][metric] for r in rows]),
+                       "coarse_grid_3x3_profiled": _stats([r["coarse_grid_profiled"][metric] for r in rows]),
+                       "active_at_budget": _stats([r["active"]["end"][metric] for r in rows])}
+            for i, f in enumerate(level_flops[:-1]):
+                eq[key][f"grid_levels_0-{i}"] = _stats([r["grid"][f"{metric}_by_level"][i] for r in rows])
+                eq[key][f"active_at_grid_levels_0-{i}_flops"] = _stats(
+                    [r["active"]["at_grid_level_flops"][i][metric] for r in rows])
+        eq["error_x1"] = {"active_at_budget": _stats([r["active"]["end"]["error_x1"] for r in rows])}
+        eq["error_r"] = {"active_at_budget": _stats([r["active"]["end"]["error_r"] for r in rows])}
+        summ["active_stop"] = {"flops": _stats([(r["active"]["stop"] or {}).get("flops") for r in rows]),
+                               "error": _stats([(r["active"]["stop"] or {}).get("error") for r in rows]),
+                               "seeds_stopping": sum(r["active"]["stop"] is not None for r in rows)}
+        out["noise"][str(noise)] = {"seeds": rows, "summary": summ}
     return out
 
 
@@ -243,7 +316,7 @@ def replay(args) -> dict:
         t["error_vs_all_runs"] = error(t["estimate"], ref) if ref else None
     return {"runs_file": args.runs, "pool_runs": len(pool), "grid_flops": grid_flops,
             "reference_optimum_all_runs": ref, "trajectory": traj,
-            **({"flops_to_5pct_of_all_runs_fit": summarise_plan(traj, ref, args.tolerance, 0.0)["flops_to_5pct"]}
+            **({"flops_to_5pct_of_all_runs_fit": flops_to(traj, ref)}
                if ref else {"note": "the fit on all runs has no interior optimum: no reference"})}
 
 
@@ -252,11 +325,13 @@ def main() -> None:
     ap.add_argument("--mode", choices=("synthetic", "replay"), default="synthetic")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--noise", type=float, nargs="+", default=[0.003, 0.01])
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--active-resolution", type=int, default=9,
                     help="the plan's candidates: this many d/sqrt(N) x r values per size (the grid has 5 x 5)")
     ap.add_argument("--bootstrap", type=int, default=32)
     ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--budget-fraction", type=float, default=1.0 / 3.0,
+                    help="the plan's budget as a fraction of the full grid's FLOPs")
     ap.add_argument("--runs", default="results/demo-cpu/proxies/runs.csv")
     ap.add_argument("--size-tolerance", type=float, default=0.15)
     ap.add_argument("--out", default="results/bench/active_proxies.jsonl")
@@ -271,7 +346,7 @@ def main() -> None:
            "provenance": provenance(device=False)}
     summary = {k: v for k, v in rec.items() if k not in ("noise", "trajectory", "provenance")}
     if "noise" in res:
-        summary["median"] = {n: d["median"] for n, d in res["noise"].items()}
+        summary["summary"] = {n: d["summary"] for n, d in res["noise"].items()}
     print(json.dumps(summary, default=str))
     append_line(args.out, json.dumps(rec, default=str))
 
