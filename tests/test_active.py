@@ -327,3 +327,24 @@ def test_fit_profiled_removes_the_bias_of_a_sparse_size():
     # with every size complete the two agree (the full grid is what the method fits)
     full = [RunRecord.from_arch(s, tokens=float(t), loss=float(v)) for s, t, v in zip(pool.specs, pool.tokens, loss)]
     assert err(active.fit_profiled(full, "conditional-multiplicative", opts)) < 0.01
+
+
+def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search import report
+
+    iv = {"hidden_over_sqrt_n": [0.2, 2.0], "mlp_to_attn_ratio": [15.0, 22.0], "level": 0.9, "n": 13,
+          "half_width_hidden_over_sqrt_n": 1.15, "half_width_mlp_to_attn_ratio": 0.19}
+    dec = [{"step": i + 1, "run_id": rid, "params": 1e5, "hidden_over_sqrt_n": x, "mlp_to_attn_ratio": r,
+            "flops": 1.0, "level": 0} for i, (rid, x, r) in enumerate([("a", 0.1, 1.0), ("b", 0.2, 2.0), ("a", 0.1, 1.0)])]
+    plan = {"interval_trace": [{"flops_spent": 2.0, "n_runs": 2, "interval": iv, "optimum": [0.29, 22.2]}],
+            "decisions": dec, "pool": [{"hidden_over_sqrt_n": 0.1, "mlp_to_attn_ratio": 1.0},
+                                       {"hidden_over_sqrt_n": 0.3, "mlp_to_attn_ratio": 3.0}],
+            "grid_flops": 10.0, "settings": {"tolerance": 0.05, "budget_flops": 4.0}}
+    assert [d["run_id"] for d in report._first_proposals(dec)] == ["a", "b"]   # "a" proposed again: once
+    report._active_plot(plan, tmp_path, plt)
+    assert (tmp_path / "active_proxies.png").stat().st_size > 10_000
