@@ -282,6 +282,7 @@ class Proposal:
     optimum: tuple[float, float] | None
     noise: float | None
     note: str
+    coefficients: dict[str, float] | None = None   # the fit's (None before a law is fitted)
 
 
 def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law: str, options: Any,
@@ -357,4 +358,4 @@ def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law:
                       "variance_reduction": p.variance_reduction, "score_per_flop": p.score,
                       "expected_half_width_after": p.expected_width_after} for p in picks],
                     interval, point if None not in point else None, math.sqrt(noise),
-                    f"fit on {len(idx)} runs, {keep.size} usable resamples")
+                    f"fit on {len(idx)} runs, {keep.size} usable resamples", dict(c))
