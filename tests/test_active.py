@@ -348,3 +348,20 @@ def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(t
     assert [d["run_id"] for d in report._first_proposals(dec)] == ["a", "b"]   # "a" proposed again: once
     report._active_plot(plan, tmp_path, plt)
     assert (tmp_path / "active_proxies.png").stat().st_size > 10_000
+
+
+def test_size_noise_counts_the_offset_of_each_size_and_acquire_skips_what_tells_nothing():
+    from types import SimpleNamespace
+
+    pool, _ = _pool_and_truth()
+    small = np.flatnonzero(pool.level == 0)
+    bo = SimpleNamespace(reference={"law": "best-observed"})
+    v = active.size_noise(pool, small[:3].tolist(), [int(small[3])], 1.0, bo)
+    assert np.allclose(v[pool.level == 0], 1.25)      # 4 runs there (one in flight): 1 + 1/4
+    assert np.allclose(v[pool.level == 1], 2.0)       # no run there: valued as the second of a pair
+    assert np.allclose(active.size_noise(pool, [], [], 1.0, SimpleNamespace(reference={"law": "chinchilla"})), 1.0)
+    # an observation with infinite noise, or one uncorrelated with the optimum, is never picked
+    rng = np.random.default_rng(2)
+    t = rng.standard_normal((500, 2))
+    pred = np.stack([t[:, 0] + 0.1 * rng.standard_normal(500), np.zeros(500)], axis=1)
+    assert active.acquire(t, pred, np.ones(2), np.array([np.inf, 0.01]), np.ones(2, bool), k=2) == []

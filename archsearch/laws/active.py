@@ -91,15 +91,17 @@ def expected_width(var: np.ndarray, prior_var: np.ndarray, width: float) -> floa
     return float(width * ratio.max())
 
 
-def acquire(log_optima: np.ndarray, log_pred: np.ndarray, cost: np.ndarray, noise_var: float,
+def acquire(log_optima: np.ndarray, log_pred: np.ndarray, cost: np.ndarray, noise_var: float | np.ndarray,
             available: np.ndarray, pending: Sequence[int] = (), k: int = 1,
             width: float | None = None) -> list[Pick]:
     """Greedy batch of ``k`` candidates (see the module docstring).
 
     ``log_optima``: (B, 2) bootstrap optima in logs; ``log_pred``: (B, C) log predicted loss of
-    every candidate under the same resamples; ``cost``: (C,) FLOPs; ``available``: (C,) bool,
-    candidates that may be picked; ``pending``: candidates already being trained (conditioned
-    on, never picked); ``width``: the current half-width, to report the expected one after.
+    every candidate under the same resamples; ``cost``: (C,) FLOPs; ``noise_var``: the log-noise
+    variance of an observation, one for all or (C,) per candidate (``inf``: it tells nothing);
+    ``available``: (C,) bool, candidates that may be picked; ``pending``: candidates already
+    being trained (conditioned on, never picked); ``width``: the current half-width, to report
+    the expected one after. Candidates whose expected reduction is zero are never picked.
     """
     B, C = log_pred.shape
     if log_optima.shape != (B, 2) or cost.shape != (C,) or available.shape != (C,):
@@ -114,24 +116,29 @@ def acquire(log_optima: np.ndarray, log_pred: np.ndarray, cost: np.ndarray, nois
     # both coordinates count, as the stopping rule (the worse half-width) does
     w = 1.0 / np.maximum(prior, 1e-12)
     avail = available.copy()
+    nv = np.broadcast_to(np.asarray(noise_var, float), (C,))
 
     def condition(S, j):
-        col = S[:, j].copy()
-        return S - np.outer(col, col) / (S[j, j] + noise_var)
+        if not np.isfinite(nv[j]):
+            return S                              # an observation that tells nothing
+        col = S[:, j + 2].copy()
+        return S - np.outer(col, col) / (S[j + 2, j + 2] + nv[j])
 
     for j in pending:
-        S = condition(S, 2 + j)
+        S = condition(S, j)
         avail[j] = False
     picks: list[Pick] = []
     for _ in range(k):
         if not avail.any():
             break
         cov_t = S[:2, 2:]                         # (2, C)
-        var_y = np.diag(S)[2:] + noise_var
+        var_y = np.diag(S)[2:] + nv
         red = (w[:, None] * cov_t ** 2).sum(axis=0) / var_y
         score = np.where(avail, red / cost, -np.inf)
         j = int(np.argmax(score))
-        S = condition(S, 2 + j)
+        if not red[j] > 0:
+            break                                 # nothing left that narrows the optimum
+        S = condition(S, j)
         avail[j] = False
         after = expected_width(np.diag(S)[:2], prior, width) if width is not None else float("nan")
         picks.append(Pick(j, float(red[j]), float(score[j]), after))
@@ -239,6 +246,24 @@ def _groups_in_order(groups: list[dict[str, float]], X: dict, key: np.ndarray) -
         n, d = X["N"][j], X["D"][j]
         out.append(min(groups, key=lambda g: abs(math.log(g["params"] / n)) + abs(math.log(g["tokens"] / d))))
     return out
+
+
+def size_noise(pool: "Pool", observed: Sequence[int], pending: Sequence[int], noise: float, fit) -> np.ndarray:
+    """Per candidate, the log-noise variance of what its run tells about the shape. With every
+    size's L_opt fitted (:func:`fit_profiled`), a run's loss is read against its size's offset,
+    itself the mean of that size's ``n`` runs: the observation's variance is ``noise * (1 + 1/n)``
+    (``n`` counts the runs done and in flight there, the new one not included). Alone, the first
+    run at a size tells nothing about the shape; with the second the pair tells as much as one
+    observation of variance ``2 noise``. A greedy choice that valued the first at nothing would
+    never open a size, so it is valued as the second will be (``2 noise``, optimistic for that
+    one run): the cost per FLOP still keeps the plan at the cheapest size while it has runs worth
+    training. A law with a Chinchilla reference has no per-size offset: ``noise`` for all."""
+    out = np.full(len(pool), float(noise))
+    if fit.reference is None or fit.reference.get("law") != "best-observed":
+        return out
+    counts = np.bincount(pool.level[list(observed) + list(pending)], minlength=int(pool.level.max()) + 1)
+    n = np.maximum(counts[pool.level].astype(float), 1.0)
+    return out * (1.0 + 1.0 / n)
 
 
 # -- one step of the plan: fit, interval, next runs ---------------------------------------------
@@ -352,10 +377,12 @@ def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law:
     X, L = {k2: v[idx] for k2, v in pool.X.items()}, np.array([observed[i] for i in idx])
     res = np.log(fit.predict_arrays(X)) - np.log(L)
     noise = noise_variance(res, 5, noise_floor)
-    picks = acquire(log_opt, log_pred, pool.flops, noise, available, [i for i in pending if i not in observed],
-                    k, interval.width)
+    picks = acquire(log_opt, log_pred, pool.flops, size_noise(pool, idx, pending, noise, fit), available,
+                    [i for i in pending if i not in observed], k, interval.width)
+    note = f"fit on {len(idx)} runs, {keep.size} usable resamples"
+    if not picks and available.any():
+        note += "; no remaining candidate narrows the optimum (the untrained ones are at sizes with no run)"
     return Proposal([{"index": p.index, "reason": "largest expected shrinkage of the optimum's interval per FLOP",
                       "variance_reduction": p.variance_reduction, "score_per_flop": p.score,
                       "expected_half_width_after": p.expected_width_after} for p in picks],
-                    interval, point if None not in point else None, math.sqrt(noise),
-                    f"fit on {len(idx)} runs, {keep.size} usable resamples", dict(c))
+                    interval, point if None not in point else None, math.sqrt(noise), note, dict(c))

@@ -431,6 +431,7 @@ def main() -> None:
                     help="the plan's budget as a fraction of the full grid's FLOPs")
     ap.add_argument("--runs", default="results/bench/active_proxies_demo/runs.csv")
     ap.add_argument("--size-tolerance", type=float, default=0.15)
+    ap.add_argument("--label", default="", help="a free note stored with the record (e.g. what changed)")
     ap.add_argument("--out", default="results/bench/active_proxies.jsonl")
     args = ap.parse_args()
     from archsearch.provenance import provenance
