@@ -437,11 +437,12 @@ def main() -> None:
     from archsearch.provenance import provenance
 
     load = os.getloadavg()
+    prov = provenance(device=False)   # at the start: the code that runs, not the code at the end
     t0 = time.perf_counter()
     res = synthetic(args) if args.mode == "synthetic" else replay(args)
     rec = {"benchmark": "active_proxies", "mode": args.mode, "settings": vars(args), **res,
            "seconds": round(time.perf_counter() - t0, 1), "loadavg_start": load, "loadavg_end": os.getloadavg(),
-           "provenance": provenance(device=False)}
+           "provenance": prov}
     summary = {k: v for k, v in rec.items() if k not in ("noise", "trajectory", "provenance")}
     if "noise" in res:
         summary["summary"] = {n: d["summary"] for n, d in res["noise"].items()}
