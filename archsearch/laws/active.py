@@ -215,10 +215,11 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
     from archsearch.laws.diagnostics import cluster
     from archsearch.laws.fit import fit_law, run_arrays
 
+    if options.reference != "best-observed" or options.reference_law is not None or law not in forms.CONDITIONAL:
+        return fit_law(runs, law, options)
+    final = options
+    options = dataclasses.replace(options, bootstrap=0)   # the rounds need the point fit only
     fit = fit_law(runs, law, options)
-    if options.reference != "best-observed" or options.reference_law is not None or fit.reference is None \
-            or fit.reference.get("law") != "best-observed":
-        return fit
     ok = [r for r in runs if r.status == "ok"]
     X, L = run_arrays(ok)
     if options.r_range is not None:
@@ -226,16 +227,17 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
         X, L = {k: v[keep] for k, v in X.items()}, L[keep]
     key = cluster(X["N"], options.size_tolerance) * (10 ** 6) + cluster(X["D"], options.size_tolerance)
     groups = {int(k): dict(g) for k, g in zip(np.unique(key), _groups_in_order(fit.reference["groups"], X, key))}
+    ref = None
     for _ in range(rounds):
         res = np.log(L) - np.log(fit.predict_arrays(X))
         shift = {k: float(np.mean(res[key == k])) for k in groups}
         for k, d in shift.items():
             groups[k]["loss"] *= math.exp(d)
-        ref = {"law": "best-observed", "groups": list(groups.values()), "tolerance": options.size_tolerance}
+        ref = {"law": "best-observed", "groups": [dict(g) for g in groups.values()], "tolerance": options.size_tolerance}
         fit = fit_law(runs, law, dataclasses.replace(options, reference_law=ref))
         if max(abs(d) for d in shift.values()) < tol:
             break
-    return fit
+    return fit_law(runs, law, dataclasses.replace(final, reference_law=ref)) if final.bootstrap else fit
 
 
 def _groups_in_order(groups: list[dict[str, float]], X: dict, key: np.ndarray) -> list[dict[str, float]]:
