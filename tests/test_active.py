@@ -296,3 +296,72 @@ def test_driver_reproposes_a_dead_workers_run_and_skips_a_live_ones(tmp_path, fa
         timer.join()
     # another run first; the first one only once its worker is gone
     assert len(fake_training) == 2 and fake_training[0] != first and fake_training[1] == first
+
+
+def test_fit_profiled_removes_the_bias_of_a_sparse_size():
+    """Level 1 has only runs far from the optimum: its best-observed L_opt is too high, and a
+    shared shape factor fitted against it is biased; with every size's L_opt fitted the optimum
+    of the (noise-free) truth comes back."""
+    from archsearch.laws import FitOptions, fit_law, forms
+    from archsearch.rundata import RunRecord
+
+    pool, loss = _pool_and_truth()
+    x1, r = pool.X["x1"], pool.X["x2"]
+    far = (pool.level == 1) & ((x1 > 0.15) | (r > 3.0))        # level 1: only the far edges
+    idx = np.flatnonzero((pool.level == 0) | far)
+    assert far.sum() >= 3
+    runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(loss[i])) for i in idx]
+    opts = FitOptions(reference="best-observed", n_starts=3)
+    truth = (0.005 / 0.05, 0.03 / 0.02)
+
+    def err(fit):
+        c = fit.coefficients
+        o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+        return max(abs(o[i] / truth[i] - 1) for i in range(2))
+
+    plain, prof = fit_law(runs, "conditional-multiplicative", opts), active.fit_profiled(runs, "conditional-multiplicative", opts)
+    assert err(plain) > 0.05            # the bias this fixes
+    assert err(prof) < 0.01
+    assert prof.reference["law"] == "best-observed" and len(prof.reference["groups"]) == 2
+    assert prof.options["reference_law"]["law"] == "best-observed"   # the options serialise
+    # with every size complete the two agree (the full grid is what the method fits)
+    full = [RunRecord.from_arch(s, tokens=float(t), loss=float(v)) for s, t, v in zip(pool.specs, pool.tokens, loss)]
+    assert err(active.fit_profiled(full, "conditional-multiplicative", opts)) < 0.01
+
+
+def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search import report
+
+    iv = {"hidden_over_sqrt_n": [0.2, 2.0], "mlp_to_attn_ratio": [15.0, 22.0], "level": 0.9, "n": 13,
+          "half_width_hidden_over_sqrt_n": 1.15, "half_width_mlp_to_attn_ratio": 0.19}
+    dec = [{"step": i + 1, "run_id": rid, "params": 1e5, "hidden_over_sqrt_n": x, "mlp_to_attn_ratio": r,
+            "flops": 1.0, "level": 0} for i, (rid, x, r) in enumerate([("a", 0.1, 1.0), ("b", 0.2, 2.0), ("a", 0.1, 1.0)])]
+    plan = {"interval_trace": [{"flops_spent": 2.0, "n_runs": 2, "interval": iv, "optimum": [0.29, 22.2]}],
+            "decisions": dec, "pool": [{"hidden_over_sqrt_n": 0.1, "mlp_to_attn_ratio": 1.0},
+                                       {"hidden_over_sqrt_n": 0.3, "mlp_to_attn_ratio": 3.0}],
+            "grid_flops": 10.0, "settings": {"tolerance": 0.05, "budget_flops": 4.0}}
+    assert [d["run_id"] for d in report._first_proposals(dec)] == ["a", "b"]   # "a" proposed again: once
+    report._active_plot(plan, tmp_path, plt)
+    assert (tmp_path / "active_proxies.png").stat().st_size > 10_000
+
+
+def test_size_noise_counts_the_offset_of_each_size_and_acquire_skips_what_tells_nothing():
+    from types import SimpleNamespace
+
+    pool, _ = _pool_and_truth()
+    small = np.flatnonzero(pool.level == 0)
+    bo = SimpleNamespace(reference={"law": "best-observed"})
+    v = active.size_noise(pool, small[:3].tolist(), [int(small[3])], 1.0, bo)
+    assert np.allclose(v[pool.level == 0], 1.25)      # 4 runs there (one in flight): 1 + 1/4
+    assert np.allclose(v[pool.level == 1], 2.0)       # no run there: valued as the second of a pair
+    assert np.allclose(active.size_noise(pool, [], [], 1.0, SimpleNamespace(reference={"law": "chinchilla"})), 1.0)
+    # an observation with infinite noise, or one uncorrelated with the optimum, is never picked
+    rng = np.random.default_rng(2)
+    t = rng.standard_normal((500, 2))
+    pred = np.stack([t[:, 0] + 0.1 * rng.standard_normal(500), np.zeros(500)], axis=1)
+    assert active.acquire(t, pred, np.ones(2), np.array([np.inf, 0.01]), np.ones(2, bool), k=2) == []

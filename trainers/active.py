@@ -178,7 +178,11 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
                 stop = f"the optimum's interval half-width {prop.interval.width:.4f} <= tolerance {cfg.tolerance}"
             elif not prop.picks and not pending:
                 untried = len(pool) - len(observed) - len(failed)
-                stop = (f"compute budget: no remaining run fits in the {max(left, 0.0):.3g} FLOPs left of "
+                affordable = untried and bool((pool.flops[[i for i in range(len(pool)) if i not in observed
+                                                           and i not in failed]] <= left).any())
+                stop = ("no remaining candidate narrows the optimum: " + prop.note if affordable and
+                        "narrows" in prop.note else
+                        f"compute budget: no remaining run fits in the {max(left, 0.0):.3g} FLOPs left of "
                         f"{cfg.budget_flops:.3g}" if cfg.budget_flops is not None and untried
                         else "every candidate run is trained")
             if stop is None:

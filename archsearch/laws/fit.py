@@ -306,10 +306,13 @@ def _parse_lopt(v: Any, where: str) -> dict[str, Any]:
     raise ArchsearchError(where, f"expected a loss or a list of {{params, tokens, loss}}, got {v!r}")
 
 
-def _reference_coefficients(ref: Any) -> dict[str, float] | None:
+def _reference_coefficients(ref: Any) -> dict[str, Any] | None:
+    """A given reference as written to a law file: a Chinchilla law's coefficients, or the whole
+    reference dict for the other kinds (best-observed groups, constant)."""
     if ref is None:
         return None
-    return _parse_reference(ref, "reference_law")["coefficients"]
+    parsed = _parse_reference(ref, "reference_law")
+    return parsed["coefficients"] if parsed["law"] == "chinchilla" else parsed
 
 
 def reference_loss(ref: dict[str, Any] | None, N: np.ndarray, D: np.ndarray) -> np.ndarray:

@@ -192,7 +192,14 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 
         runs = [x for x in read_runs(r.runs_path) if x.status == "ok"]
         _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
-        r.law = fit_law(runs, cfg.law.form, fit_options(cfg))
+        if cfg.proxy is not None and cfg.proxy.plan == "active":
+            # the plan trains few runs at some sizes: fit every size's L_opt, as the plan did
+            # (a best-observed L_opt biases the shape there; archsearch.laws.active.fit_profiled)
+            from archsearch.laws.active import fit_profiled
+
+            r.law = fit_profiled(runs, cfg.law.form, fit_options(cfg))
+        else:
+            r.law = fit_law(runs, cfg.law.form, fit_options(cfg))
         r.law.save(law_path)
         write_plots(r.law, runs, [], r.out / "plots")
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}

@@ -306,46 +306,117 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
 
 
 def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
-    """Interval half-widths against proxy FLOPs, and the chosen runs in the box."""
+    """Three panels: the half-widths of the optimum's interval against the share of the full
+    grid's FLOPs spent (with the tolerance and the budget); the interval itself (both
+    coordinates, shaded, against the box); the chosen runs in the box, numbered in order (a run
+    proposed again shares its point: "2,8"), with the last interval and the fitted optimum
+    (an optimum outside the box is drawn at its edge and named)."""
     import numpy as np
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a1, a3, a2) = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [1.1, 1.0, 1.2]})
     tr = plan["interval_trace"]
+    grid = plan.get("grid_flops") or 0.0
+    settings = plan.get("settings") or {}
+    unit, xlab = (grid, "share of the full grid's proxy FLOPs spent (6ND)") if grid > 0 else \
+        (1.0, "proxy training FLOPs spent (6ND)")
+    steps = np.cumsum([d["flops"] for d in _first_proposals(plan["decisions"])]) / unit
+    right = max([*steps, (settings.get("budget_flops") or 0.0) / unit, 0.0]) * 1.04 or None
     if tr:
-        f = [t["flops_spent"] for t in tr]
-        a1.plot(f, [t["interval"]["half_width_hidden_over_sqrt_n"] for t in tr], "o-", label="d/sqrt(N)*")
-        a1.plot(f, [t["interval"]["half_width_mlp_to_attn_ratio"] for t in tr], "s-", label="r*")
-    tol = (plan.get("settings") or {}).get("tolerance")
-    if tol:
-        a1.axhline(tol, ls="--", c="tab:red", label=f"tolerance {tol}")
-    a1.set_yscale("log")
-    a1.set_xlabel("proxy training FLOPs spent (6ND)")
-    a1.set_ylabel("half-width of the 90% interval (relative)")
+        f = np.array([t["flops_spent"] for t in tr]) / unit
+        a1.plot(f, [t["interval"]["half_width_hidden_over_sqrt_n"] for t in tr], "o-", c="tab:blue", label="d/sqrt(N)*")
+        a1.plot(f, [t["interval"]["half_width_mlp_to_attn_ratio"] for t in tr], "s-", c="tab:orange", label="r*")
+        first = f[0]
+    else:
+        first = None
+        a1.text(0.5, 0.5, "no interval yet (initial design only)", transform=a1.transAxes, ha="center")
+    if first is not None and first > 0:
+        a1.axvspan(0, first, color="tab:gray", alpha=0.12, label="initial design (no law yet)")
+    if settings.get("tolerance"):
+        a1.axhline(settings["tolerance"], ls="--", c="tab:red", label=f"tolerance {settings['tolerance']:g}")
+    if settings.get("budget_flops"):
+        a1.axvline(settings["budget_flops"] / unit, ls=":", c="k", label="budget")
+    a1.set_xlim(0, right)
+    log_axis(a1, "y")
+    a1.set_xlabel(xlab)
+    a1.set_ylabel("relative half-width of the 90% interval")
     a1.set_title("how the optimum's interval shrank")
-    a1.legend(fontsize=8)
+    a1.legend(fontsize=7)
+
     pool = plan["pool"]
-    a2.scatter([p["hidden_over_sqrt_n"] for p in pool], [p["mlp_to_attn_ratio"] for p in pool], s=60,
-               facecolors="none", edgecolors="tab:gray", label="grid (candidates)")
+    px = [p["hidden_over_sqrt_n"] for p in pool] or [d["hidden_over_sqrt_n"] for d in plan["decisions"]]
+    py = [p["mlp_to_attn_ratio"] for p in pool] or [d["mlp_to_attn_ratio"] for d in plan["decisions"]]
+    box = (min(px), max(px), min(py), max(py)) if px else None
+    if tr:
+        f = np.array([t["flops_spent"] for t in tr]) / unit
+        for key, c, lab in (("hidden_over_sqrt_n", "tab:blue", "d/sqrt(N)*"), ("mlp_to_attn_ratio", "tab:orange", "r*")):
+            lo = np.array([t["interval"][key][0] for t in tr])
+            hi = np.array([t["interval"][key][1] for t in tr])
+            fe, lo, hi = np.append(f, right or f[-1]), np.append(lo, lo[-1]), np.append(hi, hi[-1])  # held to the end
+            a3.fill_between(fe, lo, hi, color=c, alpha=0.25, step="post", label=f"{lab}: 90% interval")
+            opt = [t["optimum"][0 if key == "hidden_over_sqrt_n" else 1] if t.get("optimum") else np.nan for t in tr]
+            a3.plot(f, opt, "o-", c=c, ms=3, label=f"{lab}: fitted")
+        if box:
+            for lo, hi, c in ((box[0], box[1], "tab:blue"), (box[2], box[3], "tab:orange")):
+                a3.axhline(lo, c=c, lw=0.8, ls=":")
+                a3.axhline(hi, c=c, lw=0.8, ls=":")
+        log_axis(a3, "y")
+        a3.set_xlim(0, right)
+        a3.legend(fontsize=7)
+    else:
+        a3.text(0.5, 0.5, "no interval yet", transform=a3.transAxes, ha="center")
+    a3.set_xlabel(xlab)
+    a3.set_ylabel("optimum (dotted: the box's edges)")
+    a3.set_title("the interval of the optimum")
+
+    a2.scatter(px, py, s=60, facecolors="none", edgecolors="tab:gray", label="candidates")
     levels = sorted({d["level"] for d in plan["decisions"]}, key=lambda v: (v is None, v))
     colors = plt.cm.viridis(np.linspace(0.1, 0.9, max(len(levels), 1)))
     for lv, c in zip(levels, colors):   # one colour per size level (snapped shapes land near it)
         ds = [d for d in plan["decisions"] if d["level"] == lv]
-        a2.scatter([d["hidden_over_sqrt_n"] for d in ds], [d["mlp_to_attn_ratio"] for d in ds], color=c, s=30,
+        a2.scatter([d["hidden_over_sqrt_n"] for d in ds], [d["mlp_to_attn_ratio"] for d in ds], color=c, s=36,
                    label=f"chosen, N~{np.median([d['params'] for d in ds]):.3g}")
-        for d in ds:
-            a2.annotate(str(d["step"]), (d["hidden_over_sqrt_n"], d["mlp_to_attn_ratio"]), fontsize=7,
-                        xytext=(3, 3), textcoords="offset points")
-    if tr and tr[-1]["optimum"]:
-        a2.scatter([tr[-1]["optimum"][0]], [tr[-1]["optimum"][1]], marker="*", s=200, c="tab:red",
-                   label="fitted optimum")
-    a2.set_xscale("log")
-    a2.set_yscale("log")
+    at: dict[tuple, list[str]] = {}
+    for d in plan["decisions"]:
+        at.setdefault((round(d["hidden_over_sqrt_n"], 6), round(d["mlp_to_attn_ratio"], 6)), []).append(str(d["step"]))
+    for (x, y), labels in at.items():
+        a2.annotate(",".join(labels), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    if box:
+        pad = lambda lo, hi: (lo / (hi / lo) ** 0.12, hi * (hi / lo) ** 0.12)  # noqa: E731
+        xl, yl = pad(box[0], box[1]), pad(box[2], box[3])
+        a2.set_xlim(*xl)
+        a2.set_ylim(*yl)
+        if tr:
+            iv = tr[-1]["interval"]
+            (x0, x1), (y0, y1) = iv["hidden_over_sqrt_n"], iv["mlp_to_attn_ratio"]
+            cx0, cx1, cy0, cy1 = max(x0, xl[0]), min(x1, xl[1]), max(y0, yl[0]), min(y1, yl[1])
+            if cx0 < cx1 and cy0 < cy1:
+                a2.add_patch(plt.Rectangle((cx0, cy0), cx1 - cx0, cy1 - cy0, fill=True, alpha=0.12,
+                                           color="tab:red", label="last 90% interval (clipped to the view)"))
+        if tr and tr[-1]["optimum"]:
+            ox, oy = tr[-1]["optimum"]
+            inside = xl[0] <= ox <= xl[1] and yl[0] <= oy <= yl[1]
+            cx, cy = min(max(ox, xl[0]), xl[1]), min(max(oy, yl[0]), yl[1])
+            a2.scatter([cx], [cy], marker="*" if inside else "X", s=200, c="tab:red", zorder=5, clip_on=False,
+                       label="fitted optimum" if inside else
+                       f"fitted optimum outside the box: ({ox:.3g}, {oy:.3g}), drawn at its edge")
+    log_axis(a2, "x")
+    log_axis(a2, "y")
     a2.set_xlabel("d / sqrt(N)")
     a2.set_ylabel("r = MLP / attention")
-    a2.set_title("runs chosen (numbers: order)")
-    a2.legend(fontsize=7)
+    a2.set_title("runs chosen (numbers: order of the decisions)")
+    a2.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return _save(fig, out, "active_proxies", plt)
+
+
+def _first_proposals(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decisions, a run proposed again counted once (its FLOPs are spent once)."""
+    seen, out = set(), []
+    for d in decisions:
+        if d["run_id"] not in seen:
+            seen.add(d["run_id"])
+            out.append(d)
+    return out
 
 
 def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: dict[str, Any] | None = None,
