@@ -434,8 +434,8 @@ def analytic_throughput_fn(ctx: SearchContext, device: str):
                              output_len=m.output_len, warmup=0, repeats=1, device_spec=device,
                              engine_args={"calibration": m.calibration} if m.calibration else {})
 
-    def fn(spec: ArchSpec) -> float | None:
-        return measure(spec, settings).throughput(ctx.ref_batch)
+    def fn(spec: ArchSpec) -> float | None:  # at the measured scale, as the shapes are measured
+        return measure(ctx.measurer.scale(spec), settings).throughput(ctx.ref_batch)
     return fn
 
 
