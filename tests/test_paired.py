@@ -177,3 +177,67 @@ def test_calibration_recovers_known_efficiencies_and_labels_uncalibrated(tmp_pat
     with pytest.raises(ArchsearchError) as e:
         fit_calibration(made[:1], "H100")
     assert e.value.field == "results"
+
+
+def _demo_raw(**measure):
+    from archsearch.configio import load_yaml
+
+    raw = load_yaml("configs/demo-cpu.yaml")
+    raw["measure"] = {**raw["measure"], **measure}
+    return raw
+
+
+def test_measure_params_valid_only_where_feasibility_is_the_same_at_every_n():
+    from archsearch.configio import from_dict
+    from archsearch.search.config import StudyConfig, inherit_study_settings
+
+    cfg = from_dict(StudyConfig, inherit_study_settings(_demo_raw(params="4e6")))
+    assert cfg.measure.params == 4e6
+    bad = [({"law": {"form": "conditional-additive"}}, "conditional-multiplicative"),
+           ({"target": {"loss": 5.0}}, "target.slack")]
+    for change, fix in bad:
+        raw = _demo_raw(params=4e6)
+        for k, v in change.items():
+            raw[k] = {**raw[k], **v}
+        with pytest.raises(ArchsearchError) as e:
+            from_dict(StudyConfig, inherit_study_settings(raw))
+        assert e.value.field == "measure.params" and fix in (e.value.problem + (e.value.fix or ""))
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(StudyConfig, inherit_study_settings(_demo_raw(params=-1)))
+    assert e.value.field == "measure.params"
+
+
+def test_measured_shape_keeps_the_realised_ratios_at_the_measured_n():
+    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
+    from archsearch.candidates import BuildSettings, build_candidate
+    from archsearch.search.measure import measured_shape
+
+    build = BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15, on_r_drift="flag")
+    small = build_candidate(2e5, 2, 0.3, 2.0, gqa=2, head_dim=32, settings=build).spec
+    big = measured_shape(small, 8e6, 32, build)
+    assert non_embedding_params(big) == pytest.approx(8e6, rel=0.15)
+    assert hidden_over_sqrt_n(big) == pytest.approx(hidden_over_sqrt_n(small), rel=0.05)
+    assert mlp_to_attn_ratio(big) == pytest.approx(mlp_to_attn_ratio(small), rel=0.15)
+    assert big.n_heads // big.n_kv_heads == 2 and big.n_layers == 2 and big.head_dim == 32
+
+
+def test_measurer_measures_the_rescaled_shape_keyed_by_the_study_shape(tmp_path, monkeypatch):
+    from archsearch.search.config import MeasureConfig
+    from archsearch.search.measure import MeasurementStore, Measurer
+
+    seen = []
+
+    def fake_paired(specs, settings, paired, b, **kw):
+        seen.append([s.hidden_size for s in specs])
+        return PairedResult(specs=[s.to_dict() for s in specs], rounds=[[1.0, 2.0], [1.0, 2.0]], settings={},
+                            paired={"level": 0.9}, batch_size=b)
+
+    monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", fake_paired)
+    store = MeasurementStore(tmp_path / "m.jsonl")
+    double = lambda s: ArchSpec(**{**s.to_dict(), "hidden_size": 2 * s.hidden_size})  # noqa: E731
+    plain = Measurer(MeasureConfig(backend="hf", batch_sizes=[4]), store)
+    scaled = Measurer(MeasureConfig(backend="hf", batch_sizes=[4], params=4e6), store, scale=double)
+    a, b = _spec(64), _spec(128)
+    scaled.compare([a, b])
+    plain.compare([a, b])
+    assert seen == [[128, 256], [64, 128]]  # rescaled shapes measured; the settings key them apart

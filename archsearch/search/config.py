@@ -234,9 +234,24 @@ class MeasureConfig(BenchSettings):
     # process, interleaved rounds at the reference batch size until every ratio's `level` interval
     # is within +-rel_halfwidth, or max_rounds is spent.
     paired: PairedSettings = field(default_factory=PairedSettings)
+    # N of the measured shapes, when not the study's: every shape is measured rebuilt at this N with
+    # its realised d/sqrt(N), r and GQA (the law and the loss constraint stay at the study's N). Valid
+    # only where feasibility does not depend on N (multiplicative law, target relative to the
+    # baseline; StudyConfig checks it): a larger N lifts the shapes' speed differences above the noise.
+    params: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the measurement's own checks
+        if self.params is not None:
+            from archsearch.candidates import check_size
+
+            if isinstance(self.params, bool) or not isinstance(self.params, (int, float)) or not self.params > 0:
+                raise ArchsearchError("measure.params", f"must be a positive number, got {self.params!r}",
+                                      "e.g. 4e6, or leave it out to measure at the study's params")
+            try:
+                check_size(self.params)
+            except ArchsearchError as e:
+                raise ArchsearchError("measure.params", e.problem, e.fix) from None
         if self.fallback_backend is not None and self.fallback_backend not in BACKENDS:
             raise ArchsearchError("fallback_backend", f"unknown backend {self.fallback_backend!r}",
                                   f"use one of {list(BACKENDS)}")
@@ -411,6 +426,8 @@ class StudyConfig:
         if not 0 <= self.release_accuracy_tolerance < 1:
             raise ArchsearchError("release_accuracy_tolerance", f"must be in [0, 1), got "
                                   f"{self.release_accuracy_tolerance}", "e.g. 0.01: one accuracy point")
+        if self.measure.params is not None:
+            check_measured_scale(self)
         if self.proxy is None and self.law.file is None:
             raise ArchsearchError("proxy", "is required unless law.file gives a fitted law",
                                   "add proxy.sweep (train proxies) or proxy.runs (reuse a run table)")
@@ -425,6 +442,23 @@ class StudyConfig:
         if self.law.size_tolerance is not None:
             return self.law.size_tolerance
         return max(0.05, self.search_space.build.tolerance)
+
+
+def check_measured_scale(cfg: StudyConfig) -> None:
+    """``measure.params`` (N_m != N) is valid only where the feasible set of (d/sqrt(N), r, GQA) does
+    not depend on N: with the multiplicative law L = L_opt(N, D) * f(d/sqrt(N)) * g(r), a target
+    relative to the baseline's predicted loss, L <= (1 + slack) L_baseline, reduces to
+    f g <= (1 + slack) f_b g_b at every N, so the shapes feasible at N are the ones feasible at N_m
+    and their throughputs can be compared there. An absolute ``target.loss`` (or an additive law,
+    whose terms do not cancel L_opt) makes feasibility depend on N, so it is refused."""
+    if cfg.law.form != "conditional-multiplicative":
+        raise ArchsearchError("measure.params", f"needs law.form conditional-multiplicative, not {cfg.law.form!r}: "
+                              "only the multiplicative law's loss constraint is the same at every N",
+                              "drop measure.params (measure at the study's params) or use the multiplicative law")
+    if cfg.target.loss is not None:
+        raise ArchsearchError("measure.params", "cannot be used with an absolute target.loss: which shapes meet "
+                              "it depends on N, so shapes measured at another N answer a different question",
+                              "drop measure.params, or give the target as target.slack over the baseline's loss")
 
 
 def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:

@@ -102,20 +102,43 @@ class Measurement:
     cached: bool
 
 
-class Measurer:
-    """Measures shapes with the study's settings through ``archsearch.benchmarks.measure``, cached."""
+def measured_shape(spec: ArchSpec, params: float, head_dim: int, build) -> ArchSpec:
+    """``spec`` rebuilt at ``params`` non-embedding parameters with its realised d/sqrt(N), r and
+    GQA, its depth and head size (``measure.params``: the shape the law read, at the measured
+    scale). ``build`` is the study's ``BuildSettings``."""
+    from dataclasses import replace
 
-    def __init__(self, cfg: MeasureConfig, store: MeasurementStore):
+    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
+    from archsearch.candidates import build_candidate
+
+    if spec.n_experts:
+        raise ArchsearchError("measure.params", "rescaling a mixture-of-experts shape is not supported",
+                              "drop measure.params for MoE searches")
+    c = build_candidate(params, spec.n_layers, hidden_over_sqrt_n(spec), mlp_to_attn_ratio(spec),
+                        gqa=spec.n_heads // spec.n_kv_heads, head_dim=head_dim, settings=build)
+    return replace(c.spec, name=f"{spec.name or 'shape'}@N={params:.3g}")
+
+
+class Measurer:
+    """Measures shapes with the study's settings through ``archsearch.benchmarks.measure``, cached.
+
+    ``scale`` (``measure.params``): every shape is measured as ``scale(shape)``, the same ratios at
+    the measured N; results stay keyed by the study's shape."""
+
+    def __init__(self, cfg: MeasureConfig, store: MeasurementStore, scale=None):
         self.cfg = cfg
         self.store = store
         self.backend, self.note = resolve_backend(cfg)
         self.measured_now = 0  # measurements this process actually took
+        self.scale = scale or (lambda spec: spec)
 
     def settings(self):
         return self.cfg.bench_settings(self.backend)
 
     def key(self, spec: ArchSpec) -> str:
         settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("fallback_backend", "reference_batch_size")}
+        if settings.get("params") is None:  # keys of stores written before measure.params stay valid
+            settings.pop("params", None)
         settings["backend"] = self.backend
         blob = json.dumps({"spec": spec_key(spec), "settings": settings}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -127,7 +150,7 @@ class Measurer:
         from archsearch.benchmarks.base import BenchResult
 
         key = self.key(spec)
-        found, cached = self._once(key, lambda: measure(spec, self.settings()).to_dict())
+        found, cached = self._once(key, lambda: measure(self.scale(spec), self.settings()).to_dict())
         return Measurement(BenchResult.from_dict(found), key, cached)
 
     def compare(self, specs: list[ArchSpec], attempt: int = 0) -> Measurement:
@@ -138,7 +161,8 @@ class Measurer:
         blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
                            "attempt": attempt}, sort_keys=True)
         key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        found, cached = self._once(key, lambda: measure_paired(specs, self.settings(), self.cfg.paired,
+        found, cached = self._once(key, lambda: measure_paired([self.scale(s) for s in specs], self.settings(),
+                                                               self.cfg.paired,
                                                                self.cfg.ref_batch).to_dict())
         return Measurement(PairedResult.from_dict(found), key, cached)
 

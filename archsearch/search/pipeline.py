@@ -31,7 +31,7 @@ from archsearch.search.checks import (baseline_spec, check_target, proxy_sweeps,
                                       target_loss, validate, vocab_size)
 from archsearch.search.config import StudyConfig
 from archsearch.search.final import evaluate_final, train_final
-from archsearch.search.measure import MeasurementStore, Measurer, file_lock
+from archsearch.search.measure import MeasurementStore, Measurer, file_lock, measured_shape
 
 
 def _log(msg: str) -> None:
@@ -348,9 +348,15 @@ def search_context(cfg: StudyConfig, out: Path, law=None):
         law = load_law(cfg.law.file or out / "law.json")
     lt = target_loss(cfg, law)
     check_target(cfg, law, lt)
-    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
+    build = build_settings(cfg, vocab_size(cfg))
+    scale = None
+    if cfg.measure.params is not None:  # measured at N_m: the same ratios, rebuilt (measure.params)
+        from functools import partial
+
+        scale = partial(measured_shape, params=cfg.measure.params, head_dim=cfg.search_space.head_dim, build=build)
+    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"), scale=scale)
     return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                         build=build_settings(cfg, vocab_size(cfg)), baseline=baseline_spec(cfg))
+                         build=build, baseline=baseline_spec(cfg))
 
 
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:

@@ -449,6 +449,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "backend": ctx.measurer.backend,
         "calibration": (f"calibrated by {cfg.measure.calibration}" if cfg.measure.calibration else None),
         "reference_batch_size": b,
+        "measured_params": cfg.measure.params,
         "target_loss": ctx.target_loss,
         "target_source": "explicit" if cfg.target.loss is not None else
                          f"baseline predicted loss x (1 + {cfg.target.slack})",
@@ -523,6 +524,10 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("measurement_note"):
         lines.append(f"**Note: {s['measurement_note']}.**\n")
     lines.append(f"# Study {s['study']}\n")
+    if s.get("measured_params"):
+        lines.append(f"Throughput was measured with every shape rebuilt at N = {s['measured_params']:,.0f} "
+                     "non-embedding parameters (`measure.params`; same d/sqrt(N), r and GQA); the loss "
+                     "predictions and the shapes below are at the study's N.\n")
     base, ch = s["baseline"], s["chosen"]
     b = s["reference_batch_size"]
     iv = lambda p: (f" ({s['chance_constraint'] or 0.9:.0%} interval {p['predicted_loss_interval'][0]:.4f}"  # noqa: E731

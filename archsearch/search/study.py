@@ -434,8 +434,10 @@ def analytic_throughput_fn(ctx: SearchContext, device: str):
                              output_len=m.output_len, warmup=0, repeats=1, device_spec=device,
                              engine_args={"calibration": m.calibration} if m.calibration else {})
 
-    def fn(spec: ArchSpec) -> float | None:
-        return measure(spec, settings).throughput(ctx.ref_batch)
+    scale = ctx.measurer.scale if ctx.measurer is not None else (lambda spec: spec)
+
+    def fn(spec: ArchSpec) -> float | None:  # at the measured scale, as the shapes are measured
+        return measure(scale(spec), settings).throughput(ctx.ref_batch)
     return fn
 
 

@@ -43,7 +43,7 @@ def feasible_shapes(cfg, law, target: float, n: int = 4):
         except Exception:  # noqa: BLE001 - unbuildable knob points are skipped, as the study does
             continue
         key = json.dumps(spec.to_dict(), sort_keys=True)
-        if key not in seen and float(law.predict(spec, cfg.tokens)) <= target:
+        if key not in seen and float(law.predict(spec, cfg.tokens, params=cfg.params)) <= target:
             seen.add(key)
             out.append(spec)
     return out
@@ -70,12 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--law", default="results/demo-cpu/law.json", help="the study's fitted law")
     ap.add_argument("--max-shapes", type=int, default=8)
     ap.add_argument("--burn", action="store_true", help="burn one core with another process meanwhile")
+    ap.add_argument("--group", type=int, default=1,
+                    help="shapes compared with the baseline in one engine process (1: one pair each, as the "
+                         "study does; more: fewer engine starts, rounds until every ratio's interval is tight)")
     ap.add_argument("--out-dir", default="results/bench")
     args = ap.parse_args(argv)
     from archsearch.laws import load_law
     from archsearch.search.config import load_study_config
-    from archsearch.search.measure import resolve_backend
-    from archsearch.search.checks import baseline_spec, target_loss
+    from archsearch.search.measure import measured_shape, resolve_backend
+    from archsearch.search.checks import baseline_spec, target_loss, vocab_size
+    from archsearch.search.study import build_settings
     from archsearch.benchmarks.paired import measure_paired
 
     cfg = load_study_config(args.config)
@@ -83,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     target = target_loss(cfg, law)
     base = baseline_spec(cfg)
     specs = feasible_shapes(cfg, law, target)[: args.max_shapes]
+    if not specs:
+        print("no feasible shape in the box grid: nothing to compare", file=sys.stderr)
+        return 1
+    measured = lambda s: s  # noqa: E731 - measure.params: measured rebuilt at N_m, as the study does
+    if cfg.measure.params is not None:
+        build = build_settings(cfg, vocab_size(cfg))
+        measured = lambda s: measured_shape(s, cfg.measure.params, cfg.search_space.head_dim, build)  # noqa: E731
     backend, note = resolve_backend(cfg.measure)
     settings = cfg.measure.bench_settings(backend)
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.burn else None
@@ -91,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for k in (1, 2):
             rows = []
-            for spec in specs:
-                r = measure_paired([base, spec], settings, cfg.measure.paired, cfg.measure.ref_batch)
-                q = r.estimate(1).to_dict() if r.ok else None
-                rows.append({**(q or {}), "ok": r.ok, "error": r.error, "rounds": len(r.rounds),
-                             "throughput": r.throughput(1), "load_average": list(os.getloadavg())})
-                print(json.dumps({"pass": k, "hidden": spec.hidden_size, "kv": spec.n_kv_heads, "ffn": spec.ffn,
-                                  **rows[-1]}), flush=True)
+            for g in range(0, len(specs), args.group):
+                group = specs[g: g + args.group]
+                r = measure_paired([measured(x) for x in [base, *group]], settings, cfg.measure.paired,
+                                   cfg.measure.ref_batch)
+                for i, spec in enumerate(group, start=1):
+                    q = r.estimate(i).to_dict() if r.ok else None
+                    rows.append({**(q or {}), "ok": r.ok, "error": r.error, "rounds": len(r.rounds),
+                                 "throughput": r.throughput(i) if r.ok else None,
+                                 "load_average": list(os.getloadavg())})
+                    print(json.dumps({"pass": k, "hidden": spec.hidden_size, "kv": spec.n_kv_heads,
+                                      "ffn": spec.ffn, **rows[-1]}), flush=True)
             passes.append(rows)
     finally:
         if burner is not None:
@@ -105,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             burner.wait()
     ok = [i for i in range(len(specs)) if passes[0][i]["ok"] and passes[1][i]["ok"]]
     summary = {"benchmark": "test_retest_paired", "config": args.config, "law": args.law, "backend": backend,
-               "backend_note": note, "burn_one_core": args.burn, "measure": settings.to_dict(),
+               "backend_note": note, "burn_one_core": args.burn, "group": args.group,
+               "measured_params": cfg.measure.params, "measure": settings.to_dict(),
                "paired": asdict(cfg.measure.paired),
                "shapes": [s.to_dict() for s in specs], "passes": passes,
                **agreement([passes[0][i] for i in ok], [passes[1][i] for i in ok]),
