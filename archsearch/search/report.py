@@ -502,7 +502,10 @@ def _active_markdown(p: dict[str, Any]) -> list[str]:
         lines.append(f"Last interval ({iv['level']:.0%}): d/sqrt(N)* in [{iv['hidden_over_sqrt_n'][0]:.4f}, "
                      f"{iv['hidden_over_sqrt_n'][1]:.4f}], r* in [{iv['mlp_to_attn_ratio'][0]:.3f}, "
                      f"{iv['mlp_to_attn_ratio'][1]:.3f}] (half-widths {iv['half_width_hidden_over_sqrt_n']:.3f}, "
-                     f"{iv['half_width_mlp_to_attn_ratio']:.3f}).")
+                     f"{iv['half_width_mlp_to_attn_ratio']:.3f})." +
+                     ("".join(f" Pinned at the fit's bound (the optimum lies outside the data): {name}; the "
+                              "interval is no measure of precision there and the tolerance cannot stop the plan."
+                              for name, p in zip(("d/sqrt(N)*", "r*"), iv.get("pinned_at_bound") or ()) if p)))
     lines += ["Half-width: the larger relative half-width of the two, before the decision and once its "
               "run was fitted (`-`: no interval yet). Log: `proxies/active/decisions.jsonl`.", "",
               "| step | N | d/sqrt(N) | r | FLOPs | why | half-width before | after |", "|---|---|---|---|---|---|---|---|"]
