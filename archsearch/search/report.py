@@ -323,8 +323,14 @@ def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     right = max([*steps, (settings.get("budget_flops") or 0.0) / unit, 0.0]) * 1.04 or None
     if tr:
         f = np.array([t["flops_spent"] for t in tr]) / unit
-        a1.plot(f, [t["interval"]["half_width_hidden_over_sqrt_n"] for t in tr], "o-", c="tab:blue", label="d/sqrt(N)*")
-        a1.plot(f, [t["interval"]["half_width_mlp_to_attn_ratio"] for t in tr], "s-", c="tab:orange", label="r*")
+        floor = 1e-3   # a zero half-width (resamples piled on the fit's bound) is drawn here
+        for key, m, c, lab in (("half_width_hidden_over_sqrt_n", "o-", "tab:blue", "d/sqrt(N)*"),
+                               ("half_width_mlp_to_attn_ratio", "s-", "tab:orange", "r*")):
+            hw = np.array([t["interval"][key] for t in tr], float)
+            a1.plot(f, np.maximum(hw, floor), m, c=c, label=lab)
+            if (hw < floor).any():
+                a1.plot(f[hw < floor], np.full(int((hw < floor).sum()), floor), "x", c="k", ms=9,
+                        label=f"{lab}: 0 (resamples piled on the fit's bound)")
         first = f[0]
     else:
         first = None
