@@ -365,3 +365,14 @@ def test_size_noise_counts_the_offset_of_each_size_and_acquire_skips_what_tells_
     t = rng.standard_normal((500, 2))
     pred = np.stack([t[:, 0] + 0.1 * rng.standard_normal(500), np.zeros(500)], axis=1)
     assert active.acquire(t, pred, np.ones(2), np.array([np.inf, 0.01]), np.ones(2, bool), k=2) == []
+
+
+def test_an_interval_pinned_at_the_fits_bound_never_meets_the_tolerance():
+    rng = np.random.default_rng(3)
+    lo = np.stack([np.log(0.08) + 0.01 * rng.standard_normal(40), np.full(40, 3.0985)], axis=1)
+    lo[0, 1] = 2.9                                          # all resamples but one at the bound of log r*
+    iv = active.optimum_interval(lo)
+    assert iv.pinned == (False, True) and iv.half_widths[1] < 0.05
+    assert iv.width == math.inf and iv.to_dict()["pinned_at_bound"] == [False, True]
+    free = active.optimum_interval(lo[:, [0, 0]])
+    assert free.pinned == (False, False) and math.isfinite(free.width)

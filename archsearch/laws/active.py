@@ -34,6 +34,7 @@ class OptimumInterval:
     mlp_to_attn_ratio: tuple[float, float]
     level: float
     n: int                                # usable resamples (both factors U-shaped)
+    pinned: tuple[bool, bool] = (False, False)   # a quarter or more of the resamples (3+) at one extreme value
 
     @property
     def half_widths(self) -> tuple[float, float]:
@@ -42,14 +43,17 @@ class OptimumInterval:
 
     @property
     def width(self) -> float:
-        """The larger of the two half-widths: the plan stops when it is below the tolerance."""
-        return max(self.half_widths)
+        """The larger of the two half-widths: the plan stops when it is below the tolerance.
+        Infinite when a coordinate is pinned: resamples piled on one value are optima at the
+        fit's bound (outside the data), not a narrow interval."""
+        return math.inf if any(self.pinned) else max(self.half_widths)
 
     def to_dict(self) -> dict[str, Any]:
         return {"hidden_over_sqrt_n": list(self.hidden_over_sqrt_n),
                 "mlp_to_attn_ratio": list(self.mlp_to_attn_ratio), "level": self.level, "n": self.n,
                 "half_width_hidden_over_sqrt_n": self.half_widths[0],
-                "half_width_mlp_to_attn_ratio": self.half_widths[1]}
+                "half_width_mlp_to_attn_ratio": self.half_widths[1],
+                "pinned_at_bound": list(self.pinned)}
 
 
 def bootstrap_optima(coefficients: Sequence[dict[str, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -70,8 +74,12 @@ def optimum_interval(log_optima: np.ndarray, level: float = 0.9) -> OptimumInter
         raise ValueError("an interval needs at least 2 usable bootstrap resamples")
     a = (1.0 - level) / 2.0
     lo, hi = np.exp(np.quantile(log_optima, [a, 1.0 - a], axis=0))
-    return OptimumInterval((float(lo[0]), float(hi[0])), (float(lo[1]), float(hi[1])), level,
-                           int(log_optima.shape[0]))
+    # continuous resampled optima do not tie; many equal to the extreme one sit on a bound
+    ext = [max(np.sum(log_optima[:, j] == log_optima[:, j].max()), np.sum(log_optima[:, j] == log_optima[:, j].min()))
+           for j in range(2)]
+    n = log_optima.shape[0]
+    return OptimumInterval((float(lo[0]), float(hi[0])), (float(lo[1]), float(hi[1])), level, int(n),
+                           tuple(bool(e >= 3 and e >= 0.25 * n) for e in ext))
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ class Pick:
 
 def expected_width(var: np.ndarray, prior_var: np.ndarray, width: float) -> float:
     """Half-width scaled by the standard deviation ratio of the worse coordinate (Gaussian)."""
+    if not math.isfinite(width):
+        return width
     ratio = np.sqrt(np.maximum(var, 0.0) / np.maximum(prior_var, 1e-300))
     return float(width * ratio.max())
 
@@ -386,5 +396,6 @@ def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law:
         note += "; no remaining candidate narrows the optimum (the untrained ones are at sizes with no run)"
     return Proposal([{"index": p.index, "reason": "largest expected shrinkage of the optimum's interval per FLOP",
                       "variance_reduction": p.variance_reduction, "score_per_flop": p.score,
-                      "expected_half_width_after": p.expected_width_after} for p in picks],
+                      "expected_half_width_after": p.expected_width_after if math.isfinite(p.expected_width_after)
+                      else None} for p in picks],
                     interval, point if None not in point else None, math.sqrt(noise), note, dict(c))

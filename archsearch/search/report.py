@@ -323,8 +323,14 @@ def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     right = max([*steps, (settings.get("budget_flops") or 0.0) / unit, 0.0]) * 1.04 or None
     if tr:
         f = np.array([t["flops_spent"] for t in tr]) / unit
-        a1.plot(f, [t["interval"]["half_width_hidden_over_sqrt_n"] for t in tr], "o-", c="tab:blue", label="d/sqrt(N)*")
-        a1.plot(f, [t["interval"]["half_width_mlp_to_attn_ratio"] for t in tr], "s-", c="tab:orange", label="r*")
+        floor = 1e-3   # a zero half-width (resamples piled on the fit's bound) is drawn here
+        for key, m, c, lab in (("half_width_hidden_over_sqrt_n", "o-", "tab:blue", "d/sqrt(N)*"),
+                               ("half_width_mlp_to_attn_ratio", "s-", "tab:orange", "r*")):
+            hw = np.array([t["interval"][key] for t in tr], float)
+            a1.plot(f, np.maximum(hw, floor), m, c=c, label=lab)
+            if (hw < floor).any():
+                a1.plot(f[hw < floor], np.full(int((hw < floor).sum()), floor), "x", c="k", ms=9,
+                        label=f"{lab}: 0 (resamples piled on the fit's bound)")
         first = f[0]
     else:
         first = None
@@ -503,7 +509,10 @@ def _active_markdown(p: dict[str, Any]) -> list[str]:
         lines.append(f"Last interval ({iv['level']:.0%}): d/sqrt(N)* in [{iv['hidden_over_sqrt_n'][0]:.4f}, "
                      f"{iv['hidden_over_sqrt_n'][1]:.4f}], r* in [{iv['mlp_to_attn_ratio'][0]:.3f}, "
                      f"{iv['mlp_to_attn_ratio'][1]:.3f}] (half-widths {iv['half_width_hidden_over_sqrt_n']:.3f}, "
-                     f"{iv['half_width_mlp_to_attn_ratio']:.3f}).")
+                     f"{iv['half_width_mlp_to_attn_ratio']:.3f})." +
+                     ("".join(f" Pinned at the fit's bound (the optimum lies outside the data): {name}; the "
+                              "interval is no measure of precision there and the tolerance cannot stop the plan."
+                              for name, p in zip(("d/sqrt(N)*", "r*"), iv.get("pinned_at_bound") or ()) if p)))
     lines += ["Half-width: the larger relative half-width of the two, before the decision and once its "
               "run was fitted (`-`: no interval yet). Log: `proxies/active/decisions.jsonl`.", "",
               "| step | N | d/sqrt(N) | r | FLOPs | why | half-width before | after |", "|---|---|---|---|---|---|---|---|"]
