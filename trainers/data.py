@@ -387,7 +387,14 @@ def tokenize_shards(docs: Iterable[str], folder: Path, side: str, tok, sep: int,
     pool = None
     pending: dict[int, Any] = {}  # shard -> future
     t0, done_tokens = time.perf_counter(), 0
-    log = (lambda m: print(f"[data] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    last = [t0]
+
+    def log(m: str) -> None:
+        """Every shard with ``progress``; otherwise a line a minute on a long tokenisation."""
+        now = time.perf_counter()
+        if progress or now - last[0] >= 60:
+            last[0] = now
+            print(f"[data] {folder.name}: {m}", file=sys.stderr, flush=True)
 
     def settle(block_all: bool) -> None:
         nonlocal done_tokens
