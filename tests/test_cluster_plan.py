@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from archsearch.search.config import load_study_config
-from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES, ENGINE_START_S,
+from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES, ENGINE_START_S, JOB_START_S,
                                     TOKENIZE_TOKENS_PER_S_PER_PROCESS, plan, render, run_flops)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,9 +55,11 @@ def test_paper_plan_gives_every_stage_its_cost(paper):
     m = c["measure"]
     n = st["search"]["measurements_at_most"]
     assert m["measurements"] == n and m["workers"] == 8
-    low = n * (2 * ENGINE_START_S["vllm"] + 2 * (cfg.measure.warmup + cfg.measure.min_rounds) * m["batch_seconds"])
-    assert st["search"]["gpu_hours_low"] == pytest.approx(low / 3600)
-    assert st["search"]["wall_hours_low"] == pytest.approx(math.ceil(n / 8) * low / n / 3600)
+    per = 2 * ENGINE_START_S["vllm"] + 2 * (cfg.measure.warmup + cfg.measure.min_rounds) * m["batch_seconds"]
+    assert st["search"]["gpu_hours_low"] == pytest.approx((n * per + 8 * JOB_START_S) / 3600)
+    assert st["search"]["wall_hours_low"] == pytest.approx((math.ceil(n / 8) * per + JOB_START_S) / 3600)
+    # every proxy job starts before it trains, on its GPU
+    assert all(r["hours"] > JOB_START_S / 3600 for r in c["proxy_runs"])
     assert st["search"]["gpu_hours"] > st["search"]["gpu_hours_low"]
     # disk: the token shards and every run's checkpoints
     assert p["disk"]["token_shards_gb"] == pytest.approx(p["data"][0]["disk_gb"])

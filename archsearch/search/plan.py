@@ -44,6 +44,10 @@ TEXT_BYTES_PER_TOKEN = 4.0  # local files: English text, about 4 bytes a token (
 # capture CUDA graphs): assumed, the engines' start-up as measured by bench_engines_* on small
 # models is a few seconds (hf) to about a minute (vllm, sglang with graph capture)
 ENGINE_START_S = {"vllm": 60.0, "sglang": 60.0, "hf": 5.0, "analytic": 0.0}
+# seconds from a job's start to its first step: a Python process importing torch, transformers
+# and accelerate, reading its data and building its model. Assumed; the imports alone took
+# 21-23 s on this project's loaded 2-core machine (load average ~16), a few seconds on a quiet node
+JOB_START_S = 30.0
 # a checkpoint holds fp32 weights and AdamW's two fp32 moments; the released model bf16/fp32 weights
 CHECKPOINT_BYTES_PER_PARAM = 12
 MODEL_BYTES_PER_PARAM = 4
@@ -160,19 +164,21 @@ def measurement_cost(cfg: StudyConfig, device: str, n_measurements: int, n_gpus:
            for k, rounds in (("low", m.min_rounds), ("high", m.max_rounds))}
     workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
     n = n_measurements
+    job_s = JOB_START_S if cfg.cluster.parallel else 0.0
     return {"device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
             "batch_tokens": m.ref_batch * (m.input_len + m.output_len),
             "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start,
             "measurements": n, "workers": workers,
-            "gpu_hours": {k: n * v / 3600 for k, v in per.items()},
-            "wall_hours": {k: -(-n // workers) * v / 3600 for k, v in per.items()},
+            "gpu_hours": {k: (n * v + workers * job_s) / 3600 for k, v in per.items()},
+            "wall_hours": {k: (-(-n // workers) * v + job_s) / 3600 for k, v in per.items()},
             "assumptions": [
                 f"each of {n} measured shapes is paired with the baseline: 2 engine starts of {start:g} s "
                 f"({m.backend}, assumed), {m.warmup} warm-up batch(es) each, {m.min_rounds}-{m.max_rounds} "
                 f"rounds of 2 batches of {m.ref_batch} x ({m.input_len} in + {m.output_len} out) tokens",
                 f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
                 f"roofline of the baseline on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
-                f"{workers} Optuna worker(s) measure at once, one GPU each"]}
+                f"{workers} Optuna worker(s) measure at once, one GPU each"
+                + (f", each a job that starts in {JOB_START_S:g} s (assumed)" if job_s else "")]}
 
 
 def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]:
@@ -274,8 +280,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         runs = []
         for item in proxy_specs:
             e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
+            start_h = JOB_START_S / 3600 if cfg.cluster.parallel else 0.0
             runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
-                         "hours": e.hours, "gpu_hours": e.gpu_hours, "cost_usd": e.cost_usd or 0.0})
+                         "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
+                         "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus)
         try:
             meas = measurement_cost(cfg, device, n_meas, n_total)
@@ -292,7 +300,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 "a run's time is archsearch.planning.estimate_training on its job's GPUs "
                 f"(MFU {fin.assumptions['mfu']:g}: {fin.assumptions['mfu_source']})",
                 "one FLOP figure per run: 6 N_c D, N_c = non-embedding parameters + output head",
-                "queueing and job start-up are not included"]})
+                (f"every job starts in {JOB_START_S:g} s (assumed: Python with torch, transformers and "
+                 "accelerate, the data read, the model built), the GPU held meanwhile"
+                 if cfg.cluster.parallel else "inline: runs train in this process, no job start-up")
+                + "; queueing on a busy cluster is not included"]})
         by_stage = {"proxy": {"gpu_hours": p["compute"]["proxy_gpu_hours"],
                               "wall_hours": p["compute"]["proxy_wall_hours"] + data_wall,
                               "disk_gb": ckpt / 1e9}}
