@@ -257,3 +257,34 @@ def test_studies_share_proxy_runs_through_the_store(tmp_path):
     assert (b / "runs" / row_a.run_id).resolve() == done.parent.resolve()
     # a different learning rate determines a different run
     assert content_key(row_a.run_id, sweep([0.25]).train.replace(lr=1e-3), sweep([0.25]).data) != done.parent.name
+
+
+def test_proxy_jobs_on_a_streamed_source_read_the_coordinators_data(tmp_path, monkeypatch):
+    """Every job of a sweep over a hub dataset reads the data prepared up to the sweep's largest
+    budget (as an inline sweep's runs do), not a shorter prefix for its own budget."""
+    from archsearch.arch import ArchSpec
+    from archsearch.cluster import study
+    from archsearch.cluster.executor import TaskResult
+    from archsearch.trainers.config import DataConfig, TrainConfig
+
+    spec = ArchSpec(n_layers=2, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=128, vocab_size=512)
+    runs = [("a", spec, TrainConfig(tokens=1000)), ("b", spec, TrainConfig(tokens=5000))]
+    monkeypatch.setattr(study, "sweep_runs", lambda sweep: runs)
+    seen = []
+
+    def fake_run_tasks(tasks, cluster, jobs_dir):
+        seen.extend(tasks)
+        return {t.key: TaskResult(t.key, "ok", 1) for t in tasks}
+
+    monkeypatch.setattr(study, "run_tasks", fake_run_tasks)
+
+    class Sweep:
+        name = "s"
+        data = DataConfig(source="hf:org/set", tokenizer="bpe:512")
+
+    study.run_proxy_jobs(Sweep(), tmp_path, ClusterConfig(executor="local", jobs_at_once=2), tmp_path / "jobs")
+    assert [t.args[2].max_train_tokens for t in seen] == [5001, 5001]
+    Sweep.data = DataConfig(source="shakespeare", tokenizer="bpe:512")  # files are read whole anyway
+    seen.clear()
+    study.run_proxy_jobs(Sweep(), tmp_path, ClusterConfig(executor="local", jobs_at_once=2), tmp_path / "jobs")
+    assert [t.args[2].max_train_tokens for t in seen] == [None, None]

@@ -23,29 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _config(tmp_path: Path) -> Path:
-    cfg = {
-        "name": "tiny-cluster", "params": 8.0e4, "tokens": 4.0e4, "n_layers": 2, "vocab_size": 512,
-        "baseline": {"hidden_over_sqrt_n": 0.18, "mlp_to_attn": 3.0, "gqa": 2},
-        "search_space": {"hidden_over_sqrt_n": [0.1, 0.4], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2],
-                         "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2,
-                                                   "on_r_drift": "flag"}},
-        "proxy": {"sweep": {
-            "name": "tiny-proxies", "params": [8.0e4], "n_layers": 2,
-            "hidden_over_sqrt_n": [0.1, 0.18, 0.3], "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,
-            "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2, "on_r_drift": "flag"},
-            "train": {"tokens_per_param": 0.5, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 4,
-                      "cpu_threads": 1},
-            "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}},
-        "law": {"form": "conditional-multiplicative", "reference": "best-observed", "bootstrap": 20,
-                "size_tolerance": 0.35},
-        "target": {"slack": 0.02},
-        "measure": {"backend": "hf", "batch_sizes": [2], "input_len": 16, "output_len": 8, "repeats": 1,
-                    "warmup": 0, "timeout_s": 120, "engine_args": {"torch_threads": 1}},
-        "optuna": {"n_trials": 2, "seed": 0, "enqueue_solution": 2},
-        "gqa_search": {"enabled": False},
-        "cluster": {"executor": "local", "jobs_at_once": 2, "measure_workers": 2, "poll_s": 0.5},
-        "out": str(tmp_path / "study"),
-    }
+    """configs/ci-cluster.yaml with its study folder under ``tmp_path``."""
+    cfg = yaml.safe_load((REPO / "configs" / "ci-cluster.yaml").read_text())
+    cfg["out"] = str(tmp_path / "study")
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -92,3 +72,16 @@ def test_study_on_local_cluster_survives_coordinator_kill(tmp_path):
     assert set(workers) == {"search-worker-0", "search-worker-1"}
     keys = [json.loads(x)["key"] for x in (out / "measurements.jsonl").read_text().splitlines()]
     assert len(keys) == len(set(keys))
+    # the dry-run plan listed what the study then did: its stages, its proxy runs, at most its
+    # measurements (counts, not timings: bench_plan_accuracy compares the times)
+    from archsearch.search.config import load_study_config
+    from archsearch.search.plan import plan
+
+    p = plan(load_study_config(cfg), out)
+    state = json.loads((out / "state.json").read_text())
+    done = [k for k, v in state.items() if isinstance(v, dict) and v.get("status") == "done"]
+    assert sorted(s["stage"] for s in p["stages"]) == sorted(done)
+    proxy = next(s for s in p["stages"] if s["stage"] == "proxy")
+    assert proxy["runs"] == len(ledger) == len(recs)
+    search = next(s for s in p["stages"] if s["stage"] == "search")
+    assert len(keys) <= search["measurements_at_most"]

@@ -3,8 +3,10 @@
 Documents are tokenized, joined with the tokenizer's EOS between them, and cut into
 non-overlapping ``seq_len`` chunks (the last partial chunk is dropped, so token counts are
 exact: a run of S steps sees exactly ``S x global_batch x seq_len`` tokens). The token streams
-are cached on disk (``<cache_dir>/data/<key>/``) keyed by the source's content and the
-tokenizer's definition, so repeated runs and sweeps pay for tokenization once.
+are cached on disk (``<cache_dir>/data/<key>/``) as memory-mapped shards in the vocabulary's
+smallest unsigned dtype, tokenized by several processes and resumable shard by shard, keyed by
+the source's content and the tokenizer's definition, so repeated runs, sweeps and studies pay
+for tokenization once (see "tokenizing into shards" below).
 
 Order: sample ``g`` (counted from the start of training) is chunk ``perm_e[g mod n]`` of epoch
 ``e = g // n``, where ``perm_e`` is a permutation seeded by (seed, e). The data position is
@@ -19,7 +21,11 @@ fewer than k documents; hub datasets hold out their first documents up to ``val_
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -27,8 +33,9 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import atomic_write, write_json
 from archsearch.trainers.config import DataConfig
-from archsearch.trainers.tokenizer import _atomic_dir_write, fingerprint, load_tokenizer, separator_id
+from archsearch.trainers.tokenizer import fingerprint, load_tokenizer, separator_id
 
 
 @dataclass
@@ -204,7 +211,246 @@ def _chain(*its: Iterable[Any]) -> Iterator[Any]:
         yield from it
 
 
-# -- tokenizing and caching -----------------------------------------------------------------
+# -- tokenizing into shards -----------------------------------------------------------------
+#
+# A token stream is a sequence of shards ``<side>-00000.bin, <side>-00001.bin, ...``: shard i
+# holds documents ``i*K .. (i+1)*K`` of the side's document stream (K = shard_docs), each
+# followed by the separator, in the vocabulary's smallest unsigned dtype. Concatenated, the
+# shards are exactly what one process tokenizing the whole stream writes. Each shard is written
+# atomically, so a killed tokenisation resumes at the first missing shard (the documents of the
+# finished ones are read again but not tokenized); ``<side>.end.json`` marks a side whose
+# documents ran out. Shards are tokenized by ``workers`` processes.
+
+SHARD_DOCS = 16_384  # documents per shard (fineweb-edu: about 16M tokens, 32 MB in uint16)
+
+
+def token_dtype(vocab: int) -> np.dtype:
+    """The smallest unsigned integer type that holds every id of a ``vocab``-entry vocabulary."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if vocab <= np.iinfo(dt).max + 1:
+            return np.dtype(dt)
+    raise ArchsearchError("data.tokenizer", f"a vocabulary of {vocab:,} entries does not fit 32-bit ids")
+
+
+_token_dtype = token_dtype  # older name
+
+
+def default_workers() -> int:
+    """Tokenizing processes: ``$ARCHSEARCH_DATA_WORKERS``, else the usable CPUs (at most 32)."""
+    env = os.environ.get("ARCHSEARCH_DATA_WORKERS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ArchsearchError("ARCHSEARCH_DATA_WORKERS", f"must be a positive integer, got {env!r}")
+        return n
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus))
+
+
+class TokenShards:
+    """Memory-mapped token shards read as one 1-D array: ``len`` and contiguous slices (which
+    return arrays), and ``view`` for a sub-range without copying."""
+
+    def __init__(self, arrays: list[np.ndarray], start: int = 0, stop: int | None = None) -> None:
+        self.arrays = arrays
+        self.offsets = np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
+        total = int(self.offsets[-1])
+        self.start, self.stop = start, total if stop is None else stop
+        if not 0 <= self.start <= self.stop <= total:
+            raise ValueError(f"range {start}:{stop} outside 0:{total}")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.arrays[0].dtype if self.arrays else np.dtype(np.uint16)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def view(self, a: int, b: int) -> "TokenShards":
+        if not 0 <= a <= b <= len(self):
+            raise ValueError(f"view {a}:{b} outside 0:{len(self)}")
+        return TokenShards(self.arrays, self.start + a, self.start + b)
+
+    def __getitem__(self, idx: slice) -> np.ndarray:
+        if not isinstance(idx, slice) or idx.step not in (None, 1):
+            raise TypeError("token shards support contiguous slices only")
+        a, b, _ = idx.indices(len(self))
+        b = max(a, b)
+        a, b = a + self.start, b + self.start
+        first = int(np.searchsorted(self.offsets, a, side="right")) - 1
+        parts = []
+        i = max(first, 0)
+        while a < b and i < len(self.arrays):
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            if hi > a:
+                parts.append(self.arrays[i][a - lo:min(b, hi) - lo])
+                a = min(b, hi)
+            i += 1
+        if not parts:
+            return np.empty(0, self.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:]
+        return out.astype(dtype) if dtype is not None else out
+
+
+def _encode(backend, docs: list[str], sep: int, dtype: np.dtype) -> np.ndarray:
+    """Documents -> one token array, each document followed by ``sep``."""
+    parts = []
+    for i in range(0, len(docs), 256):
+        for enc in backend.encode_batch(docs[i:i + 256], add_special_tokens=False):
+            parts.append(np.asarray(enc.ids + [sep], dtype=dtype))
+    return np.concatenate(parts) if parts else np.empty(0, dtype)
+
+
+_WORKER_BACKEND = None
+
+
+def _worker_init(tokenizer_json: str) -> None:
+    global _WORKER_BACKEND
+    # one Rust thread per process: the processes are the parallelism
+    os.environ["RAYON_RS_NUM_CPUS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    _WORKER_BACKEND = Tokenizer.from_str(tokenizer_json)
+
+
+def _write_shard(path: Path, tokens: np.ndarray) -> int:
+    atomic_write(path, tokens.tobytes())
+    return len(tokens)
+
+
+def _shard_job(path: str, docs: list[str], sep: int, dtype: str) -> int:
+    return _write_shard(Path(path), _encode(_WORKER_BACKEND, docs, sep, np.dtype(dtype)))
+
+
+def shard_path(folder: Path, side: str, i: int) -> Path:
+    return folder / f"{side}-{i:05d}.bin"
+
+
+def _end_path(folder: Path, side: str) -> Path:
+    return folder / f"{side}.end.json"
+
+
+def _groups(docs: Iterable[str], k: int) -> Iterator[list[str]]:
+    it = iter(docs)
+    while True:
+        g = list(itertools.islice(it, k))
+        if not g:
+            return
+        yield g
+
+
+def tokenize_shards(docs: Iterable[str], folder: Path, side: str, tok, sep: int, dtype: np.dtype, *,
+                    shard_docs: int = SHARD_DOCS, workers: int = 1, until_tokens: int | None = None,
+                    progress: bool = False) -> list[Path]:
+    """Tokenize ``docs`` into ``folder/<side>-NNNNN.bin`` shards of ``shard_docs`` documents
+    (see the section comment), skipping shards already there, until the documents end or the
+    finished shards hold ``until_tokens``; returns the shard files in order (a contiguous run from
+    shard 0). With ``until_tokens`` up to ``workers`` shards past the bound may be tokenized
+    (they are kept for the next, larger, request)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    end = _end_path(folder, side)
+    itemsize = np.dtype(dtype).itemsize
+
+    def have(i: int) -> int | None:
+        p = shard_path(folder, side, i)
+        return p.stat().st_size // itemsize if p.is_file() else None
+
+    def prefix() -> tuple[list[Path], int]:
+        """The finished shards from 0 and their token count."""
+        paths, n, i = [], 0, 0
+        while (c := have(i)) is not None:
+            paths.append(shard_path(folder, side, i))
+            n += c
+            i += 1
+            if until_tokens is not None and n >= until_tokens:
+                break
+        return paths, n
+
+    paths, n = prefix()
+    if end.is_file():
+        n_end = json.loads(end.read_text())["shards"]
+        if len(paths) >= n_end or (until_tokens is not None and n >= until_tokens):
+            return paths[:n_end]
+    elif until_tokens is not None and n >= until_tokens:
+        return paths
+
+    pool = None
+    pending: dict[int, Any] = {}  # shard -> future
+    t0, done_tokens = time.perf_counter(), 0
+    last = [t0]
+
+    def log(m: str) -> None:
+        """Every shard with ``progress``; otherwise a line a minute on a long tokenisation."""
+        now = time.perf_counter()
+        if progress or now - last[0] >= 60:
+            last[0] = now
+            print(f"[data] {folder.name}: {m}", file=sys.stderr, flush=True)
+
+    def settle(block_all: bool) -> None:
+        nonlocal done_tokens
+        for i in sorted(pending):
+            if block_all or pending[i].done() or len(pending) > workers:
+                done_tokens += pending.pop(i).result()
+                rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
+                log(f"{side} shard {i}: written ({done_tokens:,} tokens this session, {rate:,.0f} tokens/s)")
+
+    exhausted = True
+    n_shards = 0
+    try:
+        groups = _groups(docs, shard_docs)
+        nxt = next(groups, None)
+        i = 0
+        while nxt is not None:
+            g, nxt = nxt, next(groups, None)
+            n_shards = i + 1
+            if have(i) is None:
+                if workers <= 1 or (pool is None and nxt is None):  # one process (or one shard left)
+                    done_tokens += _write_shard(shard_path(folder, side, i), _encode(tok.backend_tokenizer, g, sep, dtype))
+                    log(f"{side} shard {i}: written ({done_tokens:,} tokens this session)")
+                else:
+                    if pool is None:
+                        import multiprocessing
+                        from concurrent.futures import ProcessPoolExecutor
+
+                        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                   initializer=_worker_init,
+                                                   initargs=(tok.backend_tokenizer.to_str(),))
+                    pending[i] = pool.submit(_shard_job, str(shard_path(folder, side, i)), g, sep, dtype.name)
+                    settle(block_all=False)
+            i += 1
+            if until_tokens is not None and nxt is not None:
+                _, n = prefix()
+                if n >= until_tokens:
+                    exhausted = False
+                    break
+        settle(block_all=True)
+    finally:
+        if pool is not None:
+            for f in pending.values():
+                f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+    if exhausted:
+        write_json(end, {"shards": n_shards})
+    paths, _ = prefix()
+    return paths
+
+
+def open_shards(paths: list[Path], dtype: np.dtype | str) -> TokenShards:
+    return TokenShards([np.memmap(p, dtype=dtype, mode="r") if p.stat().st_size else np.empty(0, dtype)
+                        for p in paths])
+
+
+# -- preparing a DataConfig -----------------------------------------------------------------
 
 def _limited_text(docs: Iterable[str], max_chars: int) -> Iterator[str]:
     n = 0
@@ -215,50 +461,26 @@ def _limited_text(docs: Iterable[str], max_chars: int) -> Iterator[str]:
         n += len(d)
 
 
-def _token_dtype(vocab: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab <= 2**16 else np.dtype(np.int32)
-
-
-def _write_stream(path: Path, docs: Iterable[str], tok, sep: int, dtype: np.dtype,
-                  limit: int | None = None) -> int:
-    """Tokenize documents in batches and append them (each followed by ``sep``) to ``path``."""
-    backend = tok.backend_tokenizer
-    n = 0
-    with path.open("wb") as fh:
-        batch: list[str] = []
-
-        def flush() -> bool:
-            nonlocal n
-            for enc in backend.encode_batch(batch, add_special_tokens=False):
-                ids = np.asarray(enc.ids + [sep], dtype=dtype)
-                fh.write(ids.tobytes())
-                n += len(ids)
-                if limit is not None and n >= limit:
-                    return True
-            batch.clear()
-            return False
-
-        for d in docs:
-            batch.append(d)
-            if len(batch) >= 64 and flush():
-                return n
-        if batch:
-            flush()
-    return n
-
-
 def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
-                 progress: bool = False) -> PreparedData:
+                 progress: bool = False, *, workers: int | None = None,
+                 shard_docs: int = SHARD_DOCS) -> PreparedData:
     """Tokenizer and packed token streams for ``cfg``, from the cache when present.
 
-    ``min_train_tokens`` bounds how much of a streamed hub dataset is read (the run's budget);
-    files and the offline corpus are always read whole.
+    The streams are tokenized by ``workers`` processes (default: :func:`default_workers`) into
+    shards under ``<cache_dir>/data/<key>/``, the key covering the source's content, the
+    tokenizer's definition and the shard size: every run with the same source and tokenizer
+    reads the same shards, and a killed tokenisation resumes at the first missing shard.
+
+    ``min_train_tokens`` bounds how much of a streamed hub dataset is read (the run's budget):
+    the run reads the shortest run of shards from the first that holds it, so a larger budget
+    later tokenizes only the shards beyond; files and the offline corpus are always read whole.
     """
     srcs = cfg.sources
     hub = [s for s in srcs if s.startswith("hf:")]
     if hub and len(srcs) > 1:
         raise ArchsearchError("data.source", "a hub dataset cannot be mixed with other sources",
                               "give one hf:NAME, or only local files")
+    budget = None
     if srcs == ["shakespeare"]:
         source = _shakespeare(cfg)
     elif "shakespeare" in srcs:
@@ -269,10 +491,13 @@ def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
         if budget is None:
             raise ArchsearchError("data.max_train_tokens", "a streamed dataset needs a bound",
                                   "set data.max_train_tokens or a token budget")
-        source = _Source(key=[*key, cfg.val_tokens, int(budget)], train_docs=docs, val_docs=docs,
+        source = _Source(key=[*key, cfg.val_tokens], train_docs=docs, val_docs=docs,
                          describe={"source": hub[0], "streamed": True})
     else:
         source = _local(cfg)
+    if shard_docs < 1:
+        raise ArchsearchError("shard_docs", f"must be >= 1, got {shard_docs}")
+    workers = default_workers() if workers is None else workers
 
     cache = cfg.cache_path
     is_hub = bool(hub)
@@ -286,38 +511,52 @@ def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
     tok = load_tokenizer(cfg.tokenizer, cache, bpe_texts=bpe_text,
                          bpe_key=json.dumps([source.key, cfg.bpe_train_chars]))
     sep = separator_id(tok)
-    dtype = _token_dtype(len(tok))
-    key = hashlib.sha256(json.dumps(["packed-v1", source.key, fingerprint(tok), sep,
-                                     source.val_tail_fraction]).encode()).hexdigest()[:16]
+    dtype = token_dtype(len(tok))
+    key = hashlib.sha256(json.dumps(["packed-v2", source.key, fingerprint(tok), sep,
+                                     source.val_tail_fraction, shard_docs]).encode()).hexdigest()[:16]
     folder = cache / "data" / key
-    if not (folder / "meta.json").is_file():
-        def write(tmp: Path) -> None:
-            if is_hub:
-                stream = source.train_docs()
-                nval = _write_stream(tmp / "val.bin", stream, tok, sep, dtype, limit=cfg.val_tokens)
-                ntrain = _write_stream(tmp / "train.bin", stream, tok, sep, dtype,
-                                       limit=int(source.key[-1]))
-            elif source.val_tail_fraction is not None:
-                n = _write_stream(tmp / "all.bin", source.train_docs(), tok, sep, dtype)
-                allt = np.fromfile(tmp / "all.bin", dtype=dtype)
-                nval = max(1, int(n * source.val_tail_fraction))
-                allt[: n - nval].tofile(tmp / "train.bin")
-                allt[n - nval:].tofile(tmp / "val.bin")
-                (tmp / "all.bin").unlink()
-                ntrain = n - nval
+    meta_path = folder / "meta.json"
+    base_meta = {"dtype": dtype.name, "tokenizer": cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tok),
+                 "separator_id": sep, "shard_docs": shard_docs, **source.describe}
+    shard = dict(tok=tok, sep=sep, dtype=dtype, shard_docs=shard_docs, workers=workers, progress=progress)
+    if is_hub:
+        if not meta_path.is_file():  # the held-out head: the first documents up to val_tokens
+            stream, vals, nval = source.val_docs(), [], 0
+            for d in stream:
+                vals.append(d)
+                nval += len(tok.backend_tokenizer.encode(d, add_special_tokens=False).ids) + 1
+                if nval >= cfg.val_tokens:
+                    break
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_shard(shard_path(folder, "val", 0), _encode(tok.backend_tokenizer, vals, sep, dtype))
+            write_json(meta_path, {**base_meta, "val_docs": len(vals)})
+        meta = json.loads(meta_path.read_text())
+        train_paths = tokenize_shards(itertools.islice(source.train_docs(), meta["val_docs"], None), folder,
+                                      "train", until_tokens=int(budget), **shard)
+        train = open_shards(train_paths, meta["dtype"])
+        val = open_shards([shard_path(folder, "val", 0)], meta["dtype"])
+        meta = {**meta, "train_tokens": len(train), "val_tokens": len(val), "train_shards": len(train_paths)}
+    else:
+        if not meta_path.is_file():
+            if source.val_tail_fraction is not None:
+                alls = open_shards(tokenize_shards(source.train_docs(), folder, "all", **shard), dtype)
+                nval = max(1, int(len(alls) * source.val_tail_fraction))
+                sides = {"all": len(alls.arrays), "train_tokens": len(alls) - nval, "val_tokens": nval}
             else:
-                ntrain = _write_stream(tmp / "train.bin", source.train_docs(), tok, sep, dtype)
-                nval = _write_stream(tmp / "val.bin", source.val_docs(), tok, sep, dtype)
-            (tmp / "meta.json").write_text(json.dumps({
-                "dtype": dtype.name, "train_tokens": ntrain, "val_tokens": nval,
-                "tokenizer": cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tok),
-                "separator_id": sep, **source.describe}, indent=2))
-
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_dir_write(folder, write)
-    meta = json.loads((folder / "meta.json").read_text())
-    train = np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r")
-    val = np.memmap(folder / "val.bin", dtype=meta["dtype"], mode="r")
+                tr = tokenize_shards(source.train_docs(), folder, "train", **shard)
+                va = tokenize_shards(source.val_docs(), folder, "val", **shard)
+                sides = {"train": len(tr), "val": len(va), "train_tokens": len(open_shards(tr, dtype)),
+                         "val_tokens": len(open_shards(va, dtype))}
+            write_json(meta_path, {**base_meta, "shards": sides})
+        meta = json.loads(meta_path.read_text())
+        sides = meta["shards"]
+        if "all" in sides:
+            alls = open_shards([shard_path(folder, "all", i) for i in range(sides["all"])], meta["dtype"])
+            train, val = alls.view(0, sides["train_tokens"]), alls.view(sides["train_tokens"], len(alls))
+        else:
+            train = open_shards([shard_path(folder, "train", i) for i in range(sides["train"])], meta["dtype"])
+            val = open_shards([shard_path(folder, "val", i) for i in range(sides["val"])], meta["dtype"])
+        meta = {**meta, "train_tokens": len(train), "val_tokens": len(val)}
     data = PreparedData(tokenizer=tok, train_tokens=train, val_tokens=val, seq_len=cfg.seq_len,
                         info={**meta, "cache": str(folder), "seq_len": cfg.seq_len,
                               "vocab_size": len(tok)})

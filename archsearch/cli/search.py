@@ -62,22 +62,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print_plan(plan: dict) -> None:
-    print(f"plan for study {plan['study']} -> {plan['out']}")
-    for i, st in enumerate(plan["stages"], 1):
-        extra = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in st.items() if k not in ("stage", "action"))
-        print(f"  {i}. {st['stage']:<7} {st['action']}" + (f"  [{extra}]" if extra else ""))
-    c = plan["compute"]
-    print(f"  compute: proxies {c['proxy_train_flops']:.3g} FLOPs; final training "
-          f"{c['final_train_flops_per_model']:.3g} FLOPs per model")
-    if "final_train" in c:
-        ft = c["final_train"]
-        for r in c["proxy_runs"]:
-            print(f"    proxy {r['run']}: {r['tokens']:.3g} tokens, {r['train_flops']:.3g} FLOPs, "
-                  f"{r['hours']:.2f} h, {r['gpu_hours']:.1f} GPU-h")
-        print(f"  on {c['gpus']}: proxies {c['proxy_gpu_hours']:.1f} GPU-h, {c['proxy_wall_hours']:.2f} h wall with "
-              f"{c['proxy_jobs_at_once']} job(s) at once (${c['proxy_cost_usd']:,.0f}); final training "
-              f"{ft.get('hours', float('nan')):.1f} h, {ft.get('gpu_hours', float('nan')):.0f} GPU-h, "
-              f"${ft.get('cost_usd') or 0:,.0f}")
-        for a in c["assumptions"]:
-            print(f"  assumption: {a}")
+    from archsearch.search.plan import render
+
+    print("\n".join(render(plan)))

@@ -128,9 +128,15 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, T
     from archsearch.trainers.sweep import _failed_record
 
     tasks = []
-    for run_id, spec, tc in sweep_runs(sweep):
+    runs = sweep_runs(sweep)
+    data_cfg = sweep.data
+    if any(s.startswith("hf:") for s in data_cfg.sources) and data_cfg.max_train_tokens is None and runs:
+        # a streamed source: every job reads the data the coordinator prepared (up to the
+        # sweep's largest budget), as an inline sweep's runs do, not a prefix for its own budget
+        data_cfg = replace(data_cfg, max_train_tokens=int(max(token_budget(s, tc) for _, s, tc in runs)) + 1)
+    for run_id, spec, tc in runs:
         run_dir = out_dir / "runs" / run_id
-        tasks.append(Task(key=run_id, fn=train_proxy, args=(spec, tc, sweep.data, str(run_dir), cluster.gpus_per_job),
+        tasks.append(Task(key=run_id, fn=train_proxy, args=(spec, tc, data_cfg, str(run_dir), cluster.gpus_per_job),
                           is_done=partial(_has_record, run_dir), gpus=cluster.gpus_per_job))
     _log(f"proxy sweep {sweep.name}: {len(tasks)} runs as {cluster.executor} jobs "
          f"({cluster.jobs_at_once} at once)")

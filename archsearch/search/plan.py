@@ -12,9 +12,178 @@ from archsearch.errors import ArchsearchError
 from archsearch.search.checks import _planned_groups, baseline_spec, proxy_sweeps, vocab_size
 from archsearch.search.config import StudyConfig
 
+# -- assumptions, each printed with the plan ------------------------------------------------------
+
+# Tokenisation: tokens/s of ONE process with one tokenizer thread, measured on this project's
+# machine (a shared 2-core VM) by `python -m archsearch.benchmarks.scripts.bench_tokenize`
+# (results/bench/tokenize.jsonl, 2026-11-23: median 2.08e5, range 1.56e5-2.60e5 over 3 runs;
+# byte-level BPE, 8192 entries, on English text). A cluster node's core is assumed as fast.
+TOKENIZE_TOKENS_PER_S_PER_PROCESS = 2.0e5
+TOKENIZE_SOURCE = ("measured here by bench_tokenize (results/bench/tokenize.jsonl): one process, "
+                   "byte-level BPE 8192 on English text; assumed the same per core on the cluster, "
+                   "for the tokenizer the study names")
+# processes the coordinator tokenizes with (archsearch.trainers.data.default_workers: its CPUs,
+# at most 32): on Slurm the coordinator's node is assumed to have 32 cores; otherwise this machine's
+DATA_PROCESSES = 32
+
+
+def data_processes(cfg: StudyConfig) -> int:
+    from archsearch.trainers.data import default_workers
+
+    return DATA_PROCESSES if cfg.cluster.executor == "slurm" else default_workers()
+# Hub datasets' sizes in tokens, from their dataset cards (GPT-2 tokens; a 128K-vocabulary
+# tokenizer such as LLaMA-3's gives roughly 10-20% fewer tokens for the same text).
+KNOWN_SOURCE_TOKENS = {
+    "HuggingFaceFW/fineweb-edu:sample-10BT": 10e9,
+    "HuggingFaceFW/fineweb-edu:sample-100BT": 100e9,
+    "HuggingFaceFW/fineweb-edu:sample-350BT": 350e9,
+    "HuggingFaceFW/fineweb-edu": 1.3e12,
+}
+TEXT_BYTES_PER_TOKEN = 4.0  # local files: English text, about 4 bytes a token (an estimate)
+# seconds to start one engine on one GPU (load a random-weight model, allocate the KV cache,
+# capture CUDA graphs): assumed, the engines' start-up as measured by bench_engines_* on small
+# models is a few seconds (hf) to about a minute (vllm, sglang with graph capture)
+ENGINE_START_S = {"vllm": 60.0, "sglang": 60.0, "hf": 5.0, "analytic": 0.0}
+# seconds from a job's start to its first step: a Python process importing torch, transformers
+# and accelerate, reading its data and building its model. Assumed; the imports alone took
+# 21-23 s on this project's loaded 2-core machine (load average ~16), a few seconds on a quiet node
+JOB_START_S = 30.0
+# a checkpoint holds fp32 weights and AdamW's two fp32 moments; the released model bf16/fp32 weights
+CHECKPOINT_BYTES_PER_PARAM = 12
+MODEL_BYTES_PER_PARAM = 4
+
+
+def run_flops(spec, tokens: float) -> float:
+    """The one FLOP figure of a training run: 6 N_c D, N_c = non-embedding parameters plus the
+    output head (what estimate_training prices)."""
+    from archsearch.arch import training_flops
+
+    return training_flops(spec, tokens, include_embedding=True)
+
+
+def _source_tokens(data_cfg) -> tuple[float | None, str]:
+    """(tokens the source holds, how that is known)."""
+    srcs = data_cfg.sources
+    if srcs[0].startswith("hf:"):
+        name = srcs[0][3:]
+        n = KNOWN_SOURCE_TOKENS.get(name)
+        return n, ("its dataset card (GPT-2 tokens)" if n else "unknown: not in the plan's table of hub datasets")
+    if srcs == ["shakespeare"]:
+        try:
+            from archsearch.trainers.corpus import shakespeare_split
+
+            from archsearch.trainers.corpus import DEFAULT_VAL_WORKS
+
+            train, _ = shakespeare_split(tuple(data_cfg.val_works) if data_cfg.val_works is not None
+                                         else DEFAULT_VAL_WORKS)
+        except ArchsearchError as e:
+            return None, f"unknown ({e.problem})"
+        size = sum(f.stat().st_size for f in train)
+    else:
+        files = []
+        for s in srcs:
+            q = Path(s).expanduser()
+            files += [f for f in q.rglob("*") if f.suffix in (".txt", ".jsonl")] if q.is_dir() else ([q] if q.is_file() else [])
+        size = sum(f.stat().st_size for f in files) * (1 - data_cfg.val_fraction)
+    return size / TEXT_BYTES_PER_TOKEN, f"file bytes / {TEXT_BYTES_PER_TOKEN:g} bytes a token (estimate)"
+
+
+def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per distinct (source, tokenizer) of the proxy sweeps: the tokens the largest run needs
+    against what the source holds, the repetition that implies and whether ``data.max_epochs``
+    allows it, and the tokenisation's size, disk and time (shared by every run that uses it)."""
+    from archsearch.trainers.data import token_dtype
+
+    groups: dict[tuple, dict[str, Any]] = {}
+    for item in proxy_specs:
+        dc = item["sweep"].data
+        key = (tuple(dc.sources), dc.tokenizer)
+        g = groups.setdefault(key, {"cfg": dc, "need": 0.0, "sweeps": set(), "max_epochs": dc.max_epochs})
+        g["need"] = max(g["need"], item["tokens"])
+        g["sweeps"].add(item["sweep"].name)
+        g["max_epochs"] = min(g["max_epochs"], dc.max_epochs)
+    out = []
+    for (srcs, tokenizer), g in groups.items():
+        dc = g["cfg"]
+        available, how = _source_tokens(dc)
+        vocab = int(tokenizer[4:]) if tokenizer.startswith("bpe:") else vocab_size(cfg)
+        dtype = token_dtype(vocab)
+        hub = srcs[0].startswith("hf:")
+        # a streamed source is tokenized up to the largest budget (plus the held-out head);
+        # files are tokenized whole
+        to_tok = (g["need"] + dc.val_tokens) if hub else (available or 0.0)
+        if hub and available is not None:
+            to_tok = min(to_tok, available)
+        epochs = g["need"] / available if available else None
+        rate, procs = TOKENIZE_TOKENS_PER_S_PER_PROCESS, data_processes(cfg)
+        out.append({
+            "source": ",".join(srcs), "tokenizer": tokenizer, "sweeps": sorted(g["sweeps"]),
+            "tokens_needed": g["need"], "tokens_available": available, "available_from": how,
+            "epochs": epochs, "max_epochs": g["max_epochs"],
+            "verdict": ("unknown: the source's size is not known to the plan (checked when the data "
+                        "is prepared)" if epochs is None else
+                        f"one pass holds it ({epochs:.2f} of the source)" if epochs <= 1 else
+                        f"repeats the source {epochs:.2f} times: allowed by data.max_epochs={g['max_epochs']:g}"
+                        if epochs <= g["max_epochs"] else
+                        f"REFUSED before training: needs {epochs:.2f} passes > data.max_epochs={g['max_epochs']:g}"),
+            "tokens_to_tokenize": to_tok, "dtype": dtype.name,
+            "disk_gb": to_tok * dtype.itemsize / 1e9,
+            "cpu_hours": to_tok / rate / 3600, "wall_hours": to_tok / (rate * procs) / 3600, "processes": procs,
+        })
+    return out
+
+
+def measurement_cost(cfg: StudyConfig, device: str, n_measurements: int, n_gpus: int) -> dict[str, Any]:
+    """GPU time of the search's measurements: every measured shape is compared paired with the
+    baseline (archsearch.benchmarks.paired): both engines start, ``warmup`` batches each, then
+    ``min_rounds`` to ``max_rounds`` rounds of one batch each at the reference batch size; a
+    batch's time is the roofline's prediction for the baseline shape (all shapes have about its
+    size) on ``device``."""
+    from archsearch.benchmarks.analytic import predict_batch
+    from archsearch.benchmarks.base import resolve_dtype
+    from archsearch.hardware import get_device
+
+    m = cfg.measure
+    if m.backend == "analytic":
+        return {"device": device, "measurements": n_measurements, "workers": 1,
+                "gpu_hours": {"low": 0.0, "high": 0.0}, "wall_hours": {"low": 0.0, "high": 0.0},
+                "assumptions": ["measure.backend analytic: roofline predictions, no GPU and no engine"]}
+    dev = get_device(device)
+    dtype = resolve_dtype(m.dtype, on_gpu=dev.name != "cpu")
+    cal = None
+    if m.calibration:
+        from archsearch.benchmarks.calibration import Calibration
+
+        cal = Calibration.load(m.calibration)
+    b = predict_batch(baseline_spec(cfg), dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
+    start = ENGINE_START_S.get(m.backend, 60.0)
+    if not b.ok:
+        return {"error": b.error or "the reference batch does not fit", "batch_size": m.ref_batch}
+    t = b.e2e_latency_mean
+    per = {k: 2 * start + 2 * m.warmup * t + 2 * rounds * t
+           for k, rounds in (("low", m.min_rounds), ("high", m.max_rounds))}
+    workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
+    n = n_measurements
+    job_s = JOB_START_S if cfg.cluster.parallel else 0.0
+    return {"device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
+            "batch_tokens": m.ref_batch * (m.input_len + m.output_len),
+            "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start,
+            "measurements": n, "workers": workers,
+            "gpu_hours": {k: (n * v + workers * job_s) / 3600 for k, v in per.items()},
+            "wall_hours": {k: (-(-n // workers) * v + job_s) / 3600 for k, v in per.items()},
+            "assumptions": [
+                f"each of {n} measured shapes is paired with the baseline: 2 engine starts of {start:g} s "
+                f"({m.backend}, assumed), {m.warmup} warm-up batch(es) each, {m.min_rounds}-{m.max_rounds} "
+                f"rounds of 2 batches of {m.ref_batch} x ({m.input_len} in + {m.output_len} out) tokens",
+                f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
+                f"roofline of the baseline on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
+                f"{workers} Optuna worker(s) measure at once, one GPU each"
+                + (f", each a job that starts in {JOB_START_S:g} s (assumed)" if job_s else "")]}
+
+
 def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]:
     """What the study would do, with its compute, without doing any of it."""
-    from archsearch.arch import training_flops
+    from archsearch.arch import total_params
 
     p: dict[str, Any] = {"study": cfg.name, "out": str(out), "stages": []}
     runs_n, proxy_tokens, proxy_flops = 0, 0.0, 0.0
@@ -38,9 +207,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 tokens = token_budget(spec, tc)
                 runs_n += 1
                 proxy_tokens += tokens
-                proxy_flops += training_flops(spec, tokens)
-                proxy_specs.append({"spec": spec, "tokens": tokens, "flops": training_flops(spec, tokens),
-                                    "run": run_id_for(spec, tokens, point["seed"])})
+                proxy_flops += run_flops(spec, tokens)
+                proxy_specs.append({"spec": spec, "tokens": tokens, "flops": run_flops(spec, tokens),
+                                    "run": run_id_for(spec, tokens, point["seed"]), "sweep": sweep,
+                                    "train": tc})
         active = cfg.proxy.plan == "active"
         a = cfg.proxy.active
         p["stages"].append({"stage": "proxy", "action": (
@@ -71,7 +241,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}"})
     base = baseline_spec(cfg)
     final_tokens = cfg.final_train.tokens or cfg.tokens
-    final_flops = training_flops(base, final_tokens)
+    final_flops = run_flops(base, final_tokens)
     if cfg.final_train.enabled or cfg.mode == "predict-rank-select":
         k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
         p["stages"].append({"stage": "train", "action": f"train {k} chosen shape(s) on {final_tokens:.3g} tokens",
@@ -81,6 +251,24 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     p["stages"].append({"stage": "report", "action": "summary.json, report.md, trials.csv, plots"})
     p["baseline"] = describe(base)
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
+    p["data"] = data_needs(cfg, proxy_specs)
+    data_wall = sum(d["wall_hours"] for d in p["data"])
+    if p["data"]:  # the proxy stage prepares its data (in the coordinator) before any run trains
+        p["stages"][0].update({"data_tokens": sum(d["tokens_to_tokenize"] for d in p["data"]),
+                               "data_disk_gb": sum(d["disk_gb"] for d in p["data"]),
+                               "data_cpu_hours": sum(d["cpu_hours"] for d in p["data"]),
+                               "data_wall_hours": data_wall})
+    # disk: every proxy run's checkpoints (keep_checkpoints of them) and its released model
+    ckpt = sum(total_params(i["spec"]) * (CHECKPOINT_BYTES_PER_PARAM * i["train"].keep_checkpoints
+                                           + MODEL_BYTES_PER_PARAM) for i in proxy_specs)
+    p["disk"] = {"token_shards_gb": sum(d["disk_gb"] for d in p["data"]), "proxy_checkpoints_gb": ckpt / 1e9,
+                 "engine_models_gb": n_meas * total_params(base) * 2 / 1e9,
+                 "assumptions": [f"a checkpoint holds {CHECKPOINT_BYTES_PER_PARAM} bytes a parameter (fp32 weights "
+                                 f"and AdamW moments), keep_checkpoints of them per run, plus the released "
+                                 f"model at {MODEL_BYTES_PER_PARAM} bytes a parameter; runs in a shared "
+                                 "proxy.store are counted once for every study that links them",
+                                 "each measured shape's engine loads a bf16 model folder (2 bytes a parameter); "
+                                 "engine compile caches (vLLM's torch.compile) are not counted"]}
     if gpus:
         from archsearch.planning import estimate_training
         from archsearch.planning.time import parse_gpus
@@ -92,19 +280,98 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         runs = []
         for item in proxy_specs:
             e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
+            start_h = JOB_START_S / 3600 if cfg.cluster.parallel else 0.0
             runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
-                         "hours": e.hours, "gpu_hours": e.gpu_hours, "cost_usd": e.cost_usd or 0.0})
+                         "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
+                         "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus)
+        try:
+            meas = measurement_cost(cfg, device, n_meas, n_total)
+        except ArchsearchError as e:
+            meas = {"error": f"{e.field}: {e.problem}"}
         p["compute"].update({
             "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
             "proxy_wall_hours": makespan([r["hours"] for r in runs], slots), "proxy_jobs_at_once": slots,
             "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
+            "measure": meas,
             "assumptions": [
                 f"executor {cfg.cluster.executor}: {slots} proxy job(s) at once, {per_job} {device} each "
                 f"(of the {n_total} named); runs are placed longest first on the first free slot",
-                "a run's time is archsearch.planning.estimate_training on its job's GPUs",
-                "queueing, data preparation and job start-up are not included"]})
+                "a run's time is archsearch.planning.estimate_training on its job's GPUs "
+                f"(MFU {fin.assumptions['mfu']:g}: {fin.assumptions['mfu_source']})",
+                "one FLOP figure per run: 6 N_c D, N_c = non-embedding parameters + output head",
+                (f"every job starts in {JOB_START_S:g} s (assumed: Python with torch, transformers and "
+                 "accelerate, the data read, the model built), the GPU held meanwhile"
+                 if cfg.cluster.parallel else "inline: runs train in this process, no job start-up")
+                + "; queueing on a busy cluster is not included"]})
+        by_stage = {"proxy": {"gpu_hours": p["compute"]["proxy_gpu_hours"],
+                              "wall_hours": p["compute"]["proxy_wall_hours"] + data_wall,
+                              "disk_gb": ckpt / 1e9}}
+        if "gpu_hours" in meas:
+            by_stage["search"] = {"gpu_hours": meas["gpu_hours"]["high"], "gpu_hours_low": meas["gpu_hours"]["low"],
+                                  "wall_hours": meas["wall_hours"]["high"], "wall_hours_low": meas["wall_hours"]["low"],
+                                  "disk_gb": p["disk"]["engine_models_gb"]}
+        if any(st["stage"] == "train" for st in p["stages"]):
+            k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
+            by_stage["train"] = {"gpu_hours": k * fin.gpu_hours, "wall_hours": k * fin.hours,
+                                 "tokens": k * final_tokens}
+        for st in p["stages"]:
+            st.update({f"{k}": v for k, v in by_stage.get(st["stage"], {}).items() if k not in st})
+    p["assumptions"] = [f"data: tokenisation at {TOKENIZE_TOKENS_PER_S_PER_PROCESS:,.0f} tokens/s per process "
+                        f"({TOKENIZE_SOURCE}), {data_processes(cfg)} processes (executor {cfg.cluster.executor}: "
+                        f"{'a 32-core coordinator node, assumed' if cfg.cluster.executor == 'slurm' else 'this machine'}"
+                        "); a streamed source is tokenized up to the largest run's budget plus its held-out "
+                        "head, files whole; download time, BPE training, and shards already in the cache "
+                        "(which cost nothing) are not counted",
+                        "data: a source's size comes from its dataset card or its file bytes; every run of "
+                        "the same source and tokenizer shares one tokenisation"]
     return p
+
+
+def _g(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def render(p: dict[str, Any]) -> list[str]:
+    """The plan as lines for a person: stages with their cost, data, disk, every assumption."""
+    lines = [f"plan for study {p['study']} -> {p['out']}"]
+    for i, st in enumerate(p["stages"], 1):
+        extra = ", ".join(f"{k}={_g(v)}" for k, v in st.items() if k not in ("stage", "action"))
+        lines.append(f"  {i}. {st['stage']:<7} {st['action']}" + (f"  [{extra}]" if extra else ""))
+    for d in p.get("data", []):
+        avail = "unknown" if d["tokens_available"] is None else f"{d['tokens_available']:.3g}"
+        lines.append(f"  data {d['source']} ({d['tokenizer']}): needs {d['tokens_needed']:.3g} tokens "
+                     f"(largest run of {', '.join(d['sweeps'])}), holds {avail} ({d['available_from']}): "
+                     f"{d['verdict']}; tokenize {d['tokens_to_tokenize']:.3g} tokens as {d['dtype']}, "
+                     f"{d['disk_gb']:.3g} GB, {d['cpu_hours']:.3g} CPU-h, {d['wall_hours']:.3g} h wall")
+    c = p["compute"]
+    lines.append(f"  compute: proxies {c['proxy_train_flops']:.3g} FLOPs; final training "
+                 f"{c['final_train_flops_per_model']:.3g} FLOPs per model")
+    dk = p.get("disk")
+    if dk:
+        lines.append(f"  disk: token shards {dk['token_shards_gb']:.3g} GB, proxy checkpoints and models "
+                     f"{dk['proxy_checkpoints_gb']:.3g} GB, measured models {dk['engine_models_gb']:.3g} GB")
+    if "final_train" in c:
+        ft = c["final_train"]
+        for r in c["proxy_runs"]:
+            lines.append(f"    proxy {r['run']}: {r['tokens']:.3g} tokens, {r['train_flops']:.3g} FLOPs, "
+                         f"{r['hours']:.2f} h, {r['gpu_hours']:.1f} GPU-h")
+        lines.append(f"  on {c['gpus']}: proxies {c['proxy_gpu_hours']:.1f} GPU-h, {c['proxy_wall_hours']:.2f} h wall "
+                     f"with {c['proxy_jobs_at_once']} job(s) at once (${c['proxy_cost_usd']:,.0f}); final training "
+                     f"{ft.get('hours', float('nan')):.1f} h, {ft.get('gpu_hours', float('nan')):.0f} GPU-h, "
+                     f"${ft.get('cost_usd') or 0:,.0f}")
+        m = c.get("measure", {})
+        if "gpu_hours" in m:
+            lines.append(f"  measurements: {m['measurements']} shapes, {m['gpu_hours']['low']:.3g}-"
+                         f"{m['gpu_hours']['high']:.3g} GPU-h, {m['wall_hours']['low']:.3g}-{m['wall_hours']['high']:.3g} "
+                         f"h wall on {m['workers']} worker(s)")
+        elif m:
+            lines.append(f"  measurements: not priced ({m.get('error')})")
+        for a in c["assumptions"] + m.get("assumptions", []):
+            lines.append(f"  assumption: {a}")
+    for a in p.get("assumptions", []) + (dk or {}).get("assumptions", []):
+        lines.append(f"  assumption: {a}")
+    return lines
 
 
 def makespan(hours: list[float], slots: int) -> float:

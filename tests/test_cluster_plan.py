@@ -1,0 +1,99 @@
+"""The dry-run plan tells the whole cost (issue 17): data needed against data available with
+the repetition it implies, the tokenisation's size, disk and time, per-stage GPU-hours and wall
+time on the named cluster, measurement time, one FLOP figure per run, assumptions printed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from archsearch.search.config import load_study_config
+from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES, ENGINE_START_S, JOB_START_S,
+                                    TOKENIZE_TOKENS_PER_S_PER_PROCESS, plan, render, run_flops)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def paper():
+    cfg = load_study_config(REPO / "configs" / "paper-1b.yaml")
+    return cfg, plan(cfg, Path("unused"), gpus="8xH100")
+
+
+def test_paper_plan_checks_data_needed_against_available(paper):
+    cfg, p = paper
+    (d,) = p["data"]  # both sweeps share one source and tokenizer: one tokenisation
+    largest = max(r["tokens"] for r in p["compute"]["proxy_runs"])
+    assert d["tokens_needed"] == largest and 29e9 < largest < 30e9  # the 297M proxy at 100 N
+    assert d["tokens_available"] == 100e9 and d["epochs"] == pytest.approx(largest / 100e9)
+    assert d["verdict"].startswith("one pass holds it")
+    # a streamed source is tokenized up to the largest budget plus the held-out head, in uint32
+    # (LLaMA-3's 128,256 ids do not fit uint16)
+    dc = cfg.proxy.sweeps[0].data
+    assert d["tokens_to_tokenize"] == largest + dc.val_tokens and d["dtype"] == "uint32"
+    assert d["disk_gb"] == pytest.approx(d["tokens_to_tokenize"] * 4 / 1e9)
+    assert d["wall_hours"] == pytest.approx(d["tokens_to_tokenize"] / (TOKENIZE_TOKENS_PER_S_PER_PROCESS
+                                                                        * d["processes"]) / 3600)
+    slurm = replace(cfg, cluster=replace(cfg.cluster, executor="slurm"))
+    assert plan(slurm, Path("unused"))["data"][0]["processes"] == DATA_PROCESSES
+
+
+def test_paper_plan_gives_every_stage_its_cost(paper):
+    cfg, p = paper
+    st = {s["stage"]: s for s in p["stages"]}
+    c = p["compute"]
+    assert st["proxy"]["gpu_hours"] == pytest.approx(c["proxy_gpu_hours"])
+    assert st["proxy"]["wall_hours"] == pytest.approx(c["proxy_wall_hours"] + st["proxy"]["data_wall_hours"])
+    # one FLOP figure per run, the one its hours are priced from
+    fin = c["final_train"]["assumptions"]
+    assert fin["training_flops"] == pytest.approx(c["final_train_flops_per_model"])
+    assert st["proxy"]["train_flops"] == pytest.approx(sum(r["train_flops"] for r in c["proxy_runs"]))
+    # measurements: every shape paired with the baseline, two engine starts each at least
+    m = c["measure"]
+    n = st["search"]["measurements_at_most"]
+    assert m["measurements"] == n and m["workers"] == 8
+    per = 2 * ENGINE_START_S["vllm"] + 2 * (cfg.measure.warmup + cfg.measure.min_rounds) * m["batch_seconds"]
+    assert st["search"]["gpu_hours_low"] == pytest.approx((n * per + 8 * JOB_START_S) / 3600)
+    assert st["search"]["wall_hours_low"] == pytest.approx((math.ceil(n / 8) * per + JOB_START_S) / 3600)
+    # every proxy job starts before it trains, on its GPU
+    assert all(r["hours"] > JOB_START_S / 3600 for r in c["proxy_runs"])
+    assert st["search"]["gpu_hours"] > st["search"]["gpu_hours_low"]
+    # disk: the token shards and every run's checkpoints
+    assert p["disk"]["token_shards_gb"] == pytest.approx(p["data"][0]["disk_gb"])
+    assert p["disk"]["proxy_checkpoints_gb"] > 12 * 78e6 * 78 / 1e9 * 0.5
+    text = "\n".join(render(p))
+    for needle in ("needs 2.99e+10 tokens", "holds 1e+11", "uint32", "measurements: ", "GPU-h",
+                   "assumption: data: tokenisation at", "engine starts", "bytes a parameter"):
+        assert needle in text, needle
+    assert CHECKPOINT_BYTES_PER_PARAM == 12
+
+
+def test_run_flops_is_six_n_d_with_the_output_head():
+    from archsearch.arch import active_non_embedding_params
+    from archsearch.presets import get_preset
+
+    spec = get_preset("llama-3.2-1b")
+    n_c = active_non_embedding_params(spec) + spec.vocab_size * spec.hidden_size
+    assert run_flops(spec, 1e9) == pytest.approx(6 * n_c * 1e9)
+
+
+def test_plan_says_plainly_when_a_source_is_too_small(tmp_path):
+    """The CI study's proxies on the offline corpus: fine at its budget; at 2,000 tokens a
+    parameter they need several passes, refused unless data.max_epochs allows them."""
+    from tests.test_cluster_study import _config
+
+    cfg = load_study_config(_config(tmp_path))
+    (d,) = plan(cfg, tmp_path / "o")["data"]
+    assert d["epochs"] < 1 and d["verdict"].startswith("one pass")
+    sweep = cfg.proxy.sweep
+    big = replace(sweep, train=sweep.train.replace(tokens_per_param=2000.0))
+    cfg2 = replace(cfg, proxy=replace(cfg.proxy, sweep=big))
+    (d2,) = plan(cfg2, tmp_path / "o")["data"]
+    assert d2["epochs"] > 1 and d2["verdict"].startswith("REFUSED before training")
+    allowed = replace(big, data=replace(big.data, max_epochs=d2["epochs"] + 1))
+    cfg3 = replace(cfg2, proxy=replace(cfg2.proxy, sweep=allowed))
+    (d3,) = plan(cfg3, tmp_path / "o")["data"]
+    assert "allowed by data.max_epochs" in d3["verdict"]

@@ -1,0 +1,131 @@
+"""Sharded, parallel, resumable tokenisation (archsearch.trainers.data): the shards written by
+several processes equal one process's tokenisation token for token, a killed tokenisation
+resumes without redoing its finished shards, ids use the smallest unsigned dtype, and runs
+with the same source and tokenizer share one cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from archsearch.trainers import data as datamod
+from archsearch.trainers.config import DataConfig
+from archsearch.trainers.data import prepare_data, token_dtype
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _docs(n: int) -> list[str]:
+    return [f"doc {i}: " + " ".join(f"w{(i * 7 + j) % 53}x{j % 5}" for j in range(20 + i % 30)) for i in range(n)]
+
+
+def _jsonl(tmp_path: Path, n: int) -> Path:
+    f = tmp_path / "docs.jsonl"
+    f.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(n)))
+    return f
+
+
+def _reference(tok, docs: list[str]) -> np.ndarray:
+    """One process, one document at a time, through the tokenizer's own API."""
+    sep = tok.eos_token_id
+    return np.array([t for d in docs for t in tok(d, add_special_tokens=False)["input_ids"] + [sep]])
+
+
+def test_dtype_is_the_smallest_unsigned_type():
+    assert token_dtype(256) == np.uint8
+    assert token_dtype(257) == np.uint16
+    assert token_dtype(65_536) == np.uint16  # ids 0..65535
+    assert token_dtype(65_537) == np.uint32
+    assert token_dtype(128_256) == np.uint32
+
+
+def test_sharded_parallel_equals_single_process(tmp_path):
+    docs = _docs(400)
+    cfg = DataConfig(source=str(_jsonl(tmp_path, 400)), tokenizer="bpe:300", seq_len=16,
+                     cache_dir=str(tmp_path / "cache"))
+    d = prepare_data(cfg, workers=2, shard_docs=37)
+    assert len(d.train_tokens.arrays) > 5  # several shards, written by two processes
+    assert all(isinstance(a, np.memmap) for a in d.train_tokens.arrays)
+    k = 20  # val_fraction 0.05: every 20th document is held out
+    train_docs = [x for i, x in enumerate(docs) if i % k != k - 1]
+    val_docs = [x for i, x in enumerate(docs) if i % k == k - 1]
+    assert np.array_equal(d.train_tokens[:], _reference(d.tokenizer, train_docs))
+    assert np.array_equal(d.val_tokens[:], _reference(d.tokenizer, val_docs))
+    # on disk: uint16 (a 300-entry vocabulary), 2 bytes a token
+    files = sorted(Path(d.info["cache"]).glob("train-*.bin"))
+    assert d.info["dtype"] == "uint16" and sum(f.stat().st_size for f in files) == 2 * len(d.train_tokens)
+    # a batch drawn across shard boundaries is the same sequence as in the flat array
+    flat = d.train_tokens[:]
+    for c in (0, 5, d.n_train_seqs - 1):
+        assert np.array_equal(d.train_tokens[c * 16:(c + 1) * 16], flat[c * 16:(c + 1) * 16])
+
+
+def test_runs_with_the_same_source_and_tokenizer_share_the_cache(tmp_path):
+    f = _jsonl(tmp_path, 120)
+    a = prepare_data(DataConfig(source=str(f), tokenizer="bpe:300", seq_len=16, cache_dir=str(tmp_path / "c")),
+                     workers=1)
+    b = prepare_data(DataConfig(source=str(f), tokenizer="bpe:300", seq_len=32, max_epochs=3,
+                                cache_dir=str(tmp_path / "c")), workers=1)
+    assert a.info["cache"] == b.info["cache"]
+    assert len(list((tmp_path / "c" / "data").iterdir())) == 1
+
+
+def test_killed_tokenisation_resumes_without_redoing_shards(tmp_path, monkeypatch):
+    n = 3000
+    f = _jsonl(tmp_path, n)
+    cache = tmp_path / "cache"
+    script = (f"from archsearch.trainers.config import DataConfig\n"
+              f"from archsearch.trainers.data import prepare_data\n"
+              f"prepare_data(DataConfig(source={str(f)!r}, tokenizer='bpe:300', seq_len=16, "
+              f"cache_dir={str(cache)!r}), workers=1, shard_docs=1)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    shards: list[Path] = []
+    while time.time() < deadline and len(shards) < 20:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.01)
+        shards = list(cache.glob("data/*/train-*.bin"))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    folder = shards[0].parent
+    assert not (folder / "meta.json").exists(), "finished before the kill: make the input larger"
+    before = {p.name: p.stat().st_ino for p in folder.glob("train-*.bin")}
+    assert 20 <= len(before) < n
+    written: list[str] = []
+    real = datamod._write_shard
+    monkeypatch.setattr(datamod, "_write_shard", lambda p, t: (written.append(p.name), real(p, t))[1])
+    d = prepare_data(DataConfig(source=str(f), tokenizer="bpe:300", seq_len=16, cache_dir=str(cache)),
+                     workers=1, shard_docs=1)
+    assert not set(written) & set(before)  # no finished shard tokenized again ...
+    assert {p.name: p.stat().st_ino for p in folder.glob("train-*.bin") if p.name in before} == before
+    k, docs = 20, _docs(n)  # ... and the result is the whole stream, token for token
+    assert np.array_equal(d.train_tokens[:], _reference(d.tokenizer, [x for i, x in enumerate(docs) if i % k != k - 1]))
+
+
+def test_streamed_source_grows_its_shards_for_a_larger_budget(tmp_path, monkeypatch):
+    docs = _docs(600)
+    monkeypatch.setattr(datamod, "_hub", lambda cfg, src: (lambda: iter(docs), ["hf", "fake", "", "text"]))
+    cfg = DataConfig(source="hf:fake", tokenizer="bpe:300", seq_len=16, val_tokens=500,
+                     cache_dir=str(tmp_path / "cache"))
+    small = prepare_data(cfg, min_train_tokens=3000, workers=1, shard_docs=25)
+    assert 3000 <= len(small.train_tokens)
+    names = {p.name: p.stat().st_ino for p in Path(small.info["cache"]).glob("train-*.bin")}
+    big = prepare_data(cfg, min_train_tokens=12000, workers=2, shard_docs=25)
+    assert big.info["cache"] == small.info["cache"] and len(big.train_tokens) >= 12000
+    # the earlier shards were kept, and the small run's data is the start of the large one's
+    assert {p: i for p, i in ((p.name, p.stat().st_ino) for p in Path(big.info["cache"]).glob("train-*.bin"))
+            if p in names} == names
+    assert np.array_equal(big.train_tokens[:len(small.train_tokens)], small.train_tokens[:])
+    nval = len(small.val_tokens)
+    ref = _reference(small.tokenizer, docs)
+    assert np.array_equal(small.val_tokens[:], ref[:nval]) and nval >= 500
+    assert np.array_equal(big.train_tokens[:], ref[nval:nval + len(big.train_tokens)])
