@@ -55,7 +55,7 @@ def test_paper_plan_gives_every_stage_its_cost(paper):
     m = c["measure"]
     n = st["search"]["measurements_at_most"]
     assert m["measurements"] == n and m["workers"] == 8
-    per = 2 * ENGINE_START_S["vllm"] + 2 * (cfg.measure.warmup + cfg.measure.min_rounds) * m["batch_seconds"]
+    per = 2 * ENGINE_START_S["vllm"] + 2 * (cfg.measure.warmup + cfg.measure.paired.min_rounds) * m["batch_seconds"]
     assert st["search"]["gpu_hours_low"] == pytest.approx((n * per + 8 * JOB_START_S) / 3600)
     assert st["search"]["wall_hours_low"] == pytest.approx((math.ceil(n / 8) * per + JOB_START_S) / 3600)
     # every proxy job starts before it trains, on its GPU

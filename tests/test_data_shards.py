@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from archsearch.trainers import data as datamod
 from archsearch.trainers.config import DataConfig

@@ -161,7 +161,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_measurements: int, n_gpus:
         return {"error": b.error or "the reference batch does not fit", "batch_size": m.ref_batch}
     t = b.e2e_latency_mean
     per = {k: 2 * start + 2 * m.warmup * t + 2 * rounds * t
-           for k, rounds in (("low", m.min_rounds), ("high", m.max_rounds))}
+           for k, rounds in (("low", m.paired.min_rounds), ("high", m.paired.max_rounds))}
     workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
     n = n_measurements
     job_s = JOB_START_S if cfg.cluster.parallel else 0.0
@@ -173,7 +173,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_measurements: int, n_gpus:
             "wall_hours": {k: (-(-n // workers) * v + job_s) / 3600 for k, v in per.items()},
             "assumptions": [
                 f"each of {n} measured shapes is paired with the baseline: 2 engine starts of {start:g} s "
-                f"({m.backend}, assumed), {m.warmup} warm-up batch(es) each, {m.min_rounds}-{m.max_rounds} "
+                f"({m.backend}, assumed), {m.warmup} warm-up batch(es) each, {m.paired.min_rounds}-{m.paired.max_rounds} "
                 f"rounds of 2 batches of {m.ref_batch} x ({m.input_len} in + {m.output_len} out) tokens",
                 f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
                 f"roofline of the baseline on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
