@@ -108,17 +108,17 @@ def _plan(args: argparse.Namespace) -> int:
     plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune) for c in candidates]
     best = pl.recommend(plans)
     problems = pl.unsatisfiable(plans, limits, finetune)
-    command = None
+    command = note = None
     if best is not None:
         cand = candidates[names.index(best.name)]
-        command = pl.finetune_command(best, cand, finetune, out)
+        command, note = pl.finetune_command(best, cand, finetune, out)
     doc = {"kind": "plan", "backend": args.backend, "grid": {"batch_sizes": list(grid.batch_sizes),
            "prefill_lens": list(grid.prefill_lens), "decode_lens": list(grid.decode_lens)},
            "limits": {**limits.to_dict(), "max_finetune_hours": finetune.max_hours},
            "finetune": {"rank": lora.rank, "targets": list(lora.targets), "tokens": finetune.tokens,
                         "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device},
            "candidates": [pl.plan_to_dict(cp) for cp in plans],
-           "recommended": best.name if best else None, "finetune_command": command,
+           "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
            "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
     pl.write_json_with_provenance(out / "plan.json", doc, extra_packages=("peft",))
     png = pl.plot_tradeoff(plans, out / "plan.png")
@@ -126,7 +126,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print_json(doc)
     else:
-        _print(plans, best, command, problems, out, png)
+        _print(plans, best, command, note, problems, out, png)
     if best is None:
         raise ArchsearchError("limits", "no candidate is within every limit: " +
                               ("; ".join(problems) if problems else
@@ -139,7 +139,7 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:,.1f}"
 
 
-def _print(plans, best, command, problems, out: Path, png: Path) -> None:
+def _print(plans, best, command, note, problems, out: Path, png: Path) -> None:
     print(f"{'candidate':<20} {'params':>12} {'batch':>5} {'prefill':>7} {'decode':>6} {'TTFT ms':>9} "
           f"{'TPOT ms':>8} {'peak GiB':>8} {'out tok/s':>10}  within limits")
     for cp in plans:
@@ -162,3 +162,4 @@ def _print(plans, best, command, problems, out: Path, png: Path) -> None:
         print(f"recommended: {best.name} ({best.params:,} parameters)")
         print("fine-tune it with:")
         print("  " + shlex.join(command))
+        print(f"  ({note})")

@@ -312,14 +312,24 @@ def recommend(plans: list[CandidatePlan]) -> CandidatePlan | None:
     return max(ok, key=lambda cp: (cp.params, cp.name)) if ok else None
 
 
-def finetune_command(cp: CandidatePlan, c: Candidate, ft: FinetunePlan, out: Path) -> list[str]:
-    """The ``archsearch train`` argument list that LoRA-fine-tunes the recommended candidate."""
-    init = c.model_path or (c.name if c.source.startswith("preset") else str(Path(c.name).resolve()))
-    flag = "--init-from" if c.model_path else ("--preset" if c.source.startswith("preset") else "--arch")
-    return ["archsearch", "train", flag, init, "--lora-rank", str(ft.lora.rank),
-            "--lora-targets", ",".join(ft.lora.targets), "--tokens", f"{ft.tokens:g}",
-            "--global-batch-size", str(ft.batch_size), "--seq-len", str(ft.seq_len),
+def finetune_command(cp: CandidatePlan, c: Candidate, ft: FinetunePlan, out: Path) -> tuple[list[str], str]:
+    """The ``archsearch train`` argument list that LoRA-fine-tunes the recommended candidate, and
+    a note. A candidate with weights starts from them (``--init-from``, its tokenizer when the
+    folder has one); one without (a preset, a study's chosen/ config) needs its trained weights:
+    the command names the folder to replace."""
+    if c.model_path:
+        init, note = c.model_path, "starts from the candidate's weights; add --data for your fine-tuning corpus"
+    else:
+        init = f"WEIGHTS_OF_{Path(c.name).name.upper()}"
+        note = (f"{c.name} has no weights here ({c.source}): replace {init} by a folder with its trained "
+                "weights (save_pretrained), and add --data for your fine-tuning corpus")
+    cmd = ["archsearch", "train", "--init-from", init]
+    if c.model_path and (Path(c.model_path) / "tokenizer.json").is_file():
+        cmd += ["--tokenizer", c.model_path]
+    cmd += ["--lora-rank", str(ft.lora.rank), "--lora-targets", ",".join(ft.lora.targets),
+            "--tokens", f"{ft.tokens:g}", "--global-batch-size", str(ft.batch_size), "--seq-len", str(ft.seq_len),
             "--out", str(out / "finetune" / Path(cp.name).name)]
+    return cmd, note
 
 
 def plan_to_dict(cp: CandidatePlan) -> dict[str, Any]:
