@@ -77,7 +77,8 @@ def _plan(args: argparse.Namespace) -> int:
     finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size,
                                seq_len=args.finetune_seq_len, max_hours=args.max_finetune_hours,
                                device=args.finetune_device, mfu=args.mfu)
-    dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
+    # a lower bound of the weights' memory: "auto" is bfloat16 on a GPU, float32 on CPU
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     if limits.max_peak_memory_gib is not None:
         least = min(weight_bytes(c.spec, dtype) / 2**30 for c in candidates)
         if least > limits.max_peak_memory_gib:
