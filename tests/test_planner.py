@@ -44,6 +44,7 @@ def test_lora_step_flops_is_four_n_plus_six_adapters():
 def test_candidates_resolve_presets_folders_and_study_chosen(tmp_path):
     spec = get_preset("tiny")
     write_hf_config(spec, tmp_path / "study" / "chosen")
+    (tmp_path / "study" / "config.json").write_text("{}")  # the study's own config, not a model
     write_hf_config(spec, tmp_path / "hf")
     assert pl.resolve_candidate("tiny").source == "preset tiny"
     assert pl.resolve_candidate(str(tmp_path / "study")).source.startswith("study chosen/")

@@ -52,7 +52,8 @@ def resolve_candidate(text: str) -> Candidate:
     if text.lower() in PRESETS:
         return Candidate(text, load_arch(text.lower()), f"preset {text.lower()}")
     p = Path(text).expanduser()
-    for folder, kind in ((p, "folder"), (p / "chosen", "study chosen/"), (p / "model", "trainers run model/")):
+    # a study folder has its own config.json (the study's): its chosen/ comes first
+    for folder, kind in ((p / "chosen", "study chosen/"), (p / "model", "trainers run model/"), (p, "folder")):
         if (folder / "config.json").is_file():
             real = any((folder / w).is_file() for w in _WEIGHT_FILES)
             return Candidate(text, load_arch(folder), f"{kind} {folder.resolve()}",

@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.planning.planner import predict_lora_step_time
     from archsearch.provenance import provenance
 
+    load0 = os.getloadavg()
     configs = CONFIGS[:1] if args.quick else CONFIGS
     repeats = 1 if args.quick else args.repeats
     rows = []
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(runs {', '.join(f'{v / 2**20:,.0f}' for v in peaks)}) vs {pred_peak / 2**20:,.0f} MiB predicted "
               f"-> ratio {row['peak_ratio_measured_over_predicted']:.2f}; loss {runs[0]['losses'][0]:.3f} -> "
               f"{runs[0]['losses'][-1]:.3f}")
-    doc = {"benchmark": "lora_step", "rows": rows, "provenance": provenance(extra_packages=("peft", "gguf"))}
+    doc = {"benchmark": "lora_step", "rows": rows, "load_avg_before": load0, "load_avg_after": os.getloadavg(),
+           "cpu_count": os.cpu_count(), "provenance": provenance(extra_packages=("peft", "gguf"))}
     print(json.dumps(doc, default=str))
     if args.out:
         from archsearch.fileio import append_line
