@@ -122,7 +122,7 @@ def _plan(args: argparse.Namespace) -> int:
            "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
            "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
     pl.write_json_with_provenance(out / "plan.json", doc, extra_packages=("peft",))
-    png = pl.plot_tradeoff(plans, out / "plan.png")
+    png = pl.plot_tradeoff(plans, out / "plan.png", limits)
     doc["figure"] = str(png)
     if args.json:
         print_json(doc)

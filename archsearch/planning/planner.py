@@ -339,9 +339,9 @@ def plan_to_dict(cp: CandidatePlan) -> dict[str, Any]:
     return d
 
 
-def plot_tradeoff(plans: list[CandidatePlan], png: Path) -> Path:
+def plot_tradeoff(plans: list[CandidatePlan], png: Path, limits: Limits | None = None) -> Path:
     """Time per output token and time to first token against peak memory, every grid point of
-    every candidate; points within the limits filled, others hollow."""
+    every candidate; points within the limits filled, others hollow; the limits dashed."""
     from archsearch import figures
 
     @figures.styled
@@ -364,6 +364,12 @@ def plot_tradeoff(plans: list[CandidatePlan], png: Path) -> Path:
             ax.ticklabel_format(axis="x", useOffset=False, style="plain")
             ax.set_ylabel(what)
             figures.log_axis(ax, "y")
+        if limits is not None:
+            for ax, lim in zip(axes, (limits.max_tpot_s, limits.max_ttft_s)):
+                if lim is not None:
+                    ax.axhline(lim * 1e3, color="grey", ls="--", lw=1)
+                if limits.max_peak_memory_gib is not None:
+                    ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1)
         axes[0].legend(loc="best")
         fig.suptitle("planner: measured grid (marker size = batch size)")
         return figures.save(fig, png)
