@@ -110,6 +110,19 @@ def test_finetune_budget_rules_out_a_candidate(tmp_path):
     assert any("max_finetune_hours" in r for r in plans[1].reasons)
 
 
+def test_a_non_positive_tpot_is_no_point_within_limits(tmp_path):
+    def measure(spec, settings, model_path=None):
+        per = [BatchResult(batch_size=b, ok=True, ttft_mean=0.01, tpot_mean=-1e-4, peak_memory_bytes=1,
+                           output_throughput=1.0) for b in settings.batch_sizes]
+        return BenchResult("hf", "x", "cpu", "float32", settings.to_dict(), {}, per)
+
+    c = pl.resolve_candidate("tiny")
+    grid = pl.PlanGrid((1,), (8,), (4,))
+    done = pl.measure_grid([c], grid, {"backend": "hf"}, tmp_path, progress=lambda s: None, measure_fn=measure)
+    cp = pl.plan_candidate(c, grid, done, "hf", Limits(max_tpot_s=1.0), pl.FinetunePlan(device="H100"))
+    assert not cp.serves and "<= 0" in cp.points[0].reason
+
+
 def test_bad_grid_and_finetune_values():
     with pytest.raises(ArchsearchError, match="decode_lens"):
         pl.PlanGrid((1,), (16,), (1,))
@@ -124,7 +137,7 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     pytest.importorskip("transformers")
     from archsearch.cli import main
 
-    argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "3",
+    argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "16",
             "--repeats", "1", "--warmup", "0", "--torch-threads", "1", "--out", str(tmp_path / "p"),
             "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--json"]
     assert main(argv) == 0
@@ -132,7 +145,7 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     assert doc["recommended"] == "tiny"
     assert "--lora-rank" in doc["finetune_command"]
     pts = doc["candidates"][0]["points"]
-    assert len(pts) == 2 and all(p["ok"] and p["tpot_s"] > 0 for p in pts)
+    assert len(pts) == 2 and all(p["ok"] and p["tpot_s"] is not None and p["ttft_s"] > 0 for p in pts)
     assert (tmp_path / "p" / "plan.png").is_file() and (tmp_path / "p" / "plan.pdf").is_file()
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert "versions" in plan["provenance"]

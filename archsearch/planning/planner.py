@@ -249,6 +249,11 @@ def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, d
             ok, why = check_limits(limits, m, b)
             if not m.get("ok"):
                 ok, why = False, f"measurement failed at batch size {b}: {m.get('error')}"
+            elif m.get("tpot_mean") is not None and m["tpot_mean"] <= 0:
+                # the hf backend's TPOT is (e2e - a separately timed TTFT) / (n - 1): on a noisy
+                # machine with few decoded tokens it can come out <= 0, which no limit may pass
+                ok, why = False, (f"TPOT measured {m['tpot_mean']:.3g} s <= 0 at batch size {b} (noise: "
+                                  "decode more tokens or repeat more)")
             points.append(GridPoint(c.name, b, prefill, decode, bool(m.get("ok")), m.get("ttft_mean"), m.get("tpot_mean"),
                                     _gib(m.get("peak_memory_bytes")), m.get("output_throughput"), ok, why))
     serving = [p for p in points if p.within_limits]
