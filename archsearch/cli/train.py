@@ -139,6 +139,8 @@ def _train(args: argparse.Namespace) -> int:
     from archsearch.cli._common import arch_from_args
     from archsearch.errors import ArchsearchError
 
+    if args.lora_targets and not args.lora_rank:
+        raise ArchsearchError("--lora-targets", "is given without --lora-rank", "add --lora-rank R (e.g. 8)")
     given = args.preset or args.arch_file or args.n_layers is not None
     if args.init_from and not given:
         args.arch_file = args.init_from  # the weights' own architecture
