@@ -344,6 +344,7 @@ def test_lora_finetune_from_a_trained_model(done_run, cli, tmp_path):
     import torch
     from safetensors.torch import load_file
 
+    pytest.importorskip("peft")
     src, base = done_run
     out = tmp_path / "lora"
     flags = ["--tokens", str(20 * 8 * 64), "--global-batch-size", "8", "--lr", "1e-3", "--seq-len", "64",

@@ -210,6 +210,13 @@ class TrainConfig:
                 LoraSettings(rank=self.lora_rank, targets=self.lora_targets)
             except ArchsearchError as e:
                 raise ArchsearchError(f"train.{e.field.replace('lora.', 'lora_')}", e.problem, e.fix) from None
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                from archsearch.errors import MissingDependencyError
+
+                raise MissingDependencyError("train.lora_rank", "LoRA fine-tuning needs the peft package, "
+                                             "which is not installed", "pip install 'archsearch[lora]'")
         if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
             raise ArchsearchError("train.init_from", f"{self.init_from!r} has no config.json",
                                   "give a folder written by save_pretrained (config.json + weights)")
