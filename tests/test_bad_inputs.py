@@ -58,6 +58,7 @@ SOLVE = ["solve", "--law", "{d}/law.json", "--params", "2e5", "--tokens", "3e5",
 FIT = ["fit", "--data", "{d}/runs.csv", "--law", "conditional-multiplicative",
        "--reference", "best-observed", "--no-r-filter"]
 VALIDATE = ["validate", "--data", "{d}/runs.csv", "--law", "chinchilla"]
+PLAN = ["plan", "--candidates", "tiny", "--out", "{d}/po"]
 BENCH = ["bench", "--backend", "analytic", *ARCH, "--batch-sizes", "1"]
 TRAIN_CMD = ["train", *ARCH, "--vocab-size", "2048", "--config", "{d}/train.yaml"]
 EST = ["estimate", "--arch", "llama-3.2-1b", "--tokens", "20B"]
@@ -232,6 +233,20 @@ CLI_CASES = [
     ("bench-calibration-broken", [*BENCH, "--calibration", "{d}/broken.json"], "calibration"),
     ("bench-calibration-list", [*BENCH, "--calibration", "{d}/list.json"], "calibration"),
     ("estimate-batch-laws-missing", [*EST, "--batch-laws", "{d}/nope.json"], "batch"),
+    # plan (limits: negative, NaN, unsatisfiable before any measurement)
+    ("plan-tpot-negative", [*PLAN, "--max-tpot-s", "-1"], "--max-tpot-s"),
+    ("plan-ttft-nan", [*PLAN, "--max-ttft-s", "nan"], "--max-ttft-s"),
+    ("plan-memory-zero", [*PLAN, "--max-peak-memory-gib", "0"], "--max-peak-memory-gib"),
+    ("plan-memory-unsatisfiable", [*PLAN, "--max-peak-memory-gib", "1e-9"], "weights alone take"),
+    ("plan-finetune-unsatisfiable", [*PLAN, "--max-finetune-hours", "1e-12"], "fastest predicted"),
+    ("plan-finetune-hours-inf", [*PLAN, "--max-finetune-hours", "inf"], "--max-finetune-hours"),
+    ("plan-backend-analytic", ["plan", "--candidates", "tiny", "--out", "{d}/po", "--backend", "analytic"], "--backend"),
+    ("plan-candidate-missing", ["plan", "--candidates", "{d}/nope", "--out", "{d}/po"], "--candidates"),
+    ("plan-lora-target-unknown", [*PLAN, "--lora-targets", "lm_head"], "lora.targets"),
+    ("plan-decode-one", [*PLAN, "--decode-lens", "1"], "decode_lens"),
+    ("train-lora-targets-alone", ["train", *ARCH, "--tokens", "1e4", "--lora-targets", "q_proj"], "--lora-targets"),
+    ("train-lora-rank-zero", ["train", *ARCH, "--tokens", "1e4", "--lora-rank", "0"], "--lora-rank"),
+    ("train-init-from-missing", ["train", "--init-from", "{d}/nope", "--tokens", "1e4"], "nope"),
     ("estimate-batch-laws-broken", [*EST, "--batch-laws", "{d}/broken.json"], "batch"),
     ("batch-laws-data-missing", ["estimate", "batch-laws", "--data", "{d}/nope.jsonl", "--out", "{d}/l.json"],
      "nope.jsonl"),

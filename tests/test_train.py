@@ -336,3 +336,40 @@ def test_hparams_per_level_applies_the_method_table():
     with pytest.raises(ArchsearchError, match="hparams_per_level"):
         SweepConfig(name="s", params=[8e7, 1.45e8], hidden_over_sqrt_n=[0.07], mlp_to_attn=[2.0],
                     train=TrainConfig(tokens_per_param=100), hparams_per_level=["80m"])
+
+
+def test_lora_finetune_from_a_trained_model(done_run, cli, tmp_path):
+    """--init-from + --lora-rank: peft adapters on the attention only, the rest frozen; the
+    saved model is the merged one and the adapter is kept beside it."""
+    import torch
+    from safetensors.torch import load_file
+
+    pytest.importorskip("peft")
+    src, base = done_run
+    out = tmp_path / "lora"
+    flags = ["--tokens", str(20 * 8 * 64), "--global-batch-size", "8", "--lr", "1e-3", "--seq-len", "64",
+             "--data", "shakespeare", "--tokenizer", "bpe:2048", "--eval-batches", "4"]
+    r = cli("train", "--init-from", str(src / "model"), "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
+            *flags, "--out", str(out), "--no-progress", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["status"] == "ok" and rec["init_from"] == str(src / "model")
+    # rank 4 on q (64 -> 96) and v (64 -> 32) in 2 layers: 2 * 4 * ((64 + 96) + (64 + 32))
+    assert rec["lora"]["trainable_params"] == 2 * 4 * (160 + 96)
+    # it starts from the trained weights: far below a fresh model's loss (ln 2048 = 7.6)
+    assert rec["final_eval_loss"] < base["final_eval_loss"] + 0.3
+    assert (out / "model" / "adapter" / "adapter_config.json").is_file()
+    before, after = load_file(src / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    mlp = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(before[mlp], after[mlp])  # frozen
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(before[q], after[q])  # adapters merged in
+
+
+def test_lora_flags_are_checked():
+    with pytest.raises(ArchsearchError, match="train.lora_targets"):
+        TrainConfig(tokens=1e4, lora_rank=4, lora_targets="lm_head")
+    with pytest.raises(ArchsearchError, match="train.lora_rank"):
+        TrainConfig(tokens=1e4, lora_rank=0)
+    with pytest.raises(ArchsearchError, match="train.init_from"):
+        TrainConfig(tokens=1e4, init_from="/nonexistent")

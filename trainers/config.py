@@ -192,9 +192,34 @@ class TrainConfig:
     # Run tracking through accelerate's trackers, besides metrics.jsonl (always written, local,
     # no account): "tensorboard" (local files under OUT/tracking), "wandb", "mlflow", or a list.
     log_with: str | list[str] | None = None
+    # Fine-tuning: start from the weights of a Hugging Face folder (its config must be the spec's);
+    # with lora_rank, train LoRA adapters on lora_targets only (peft), the weights frozen.
+    init_from: str | None = None
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)
+        if isinstance(self.lora_targets, str):
+            set_("lora_targets", tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()))
+        set_("lora_targets", tuple(self.lora_targets))
+        if self.lora_rank is not None:
+            from archsearch.planning.lora import LoraSettings
+
+            try:
+                LoraSettings(rank=self.lora_rank, targets=self.lora_targets)
+            except ArchsearchError as e:
+                raise ArchsearchError(f"train.{e.field.replace('lora.', 'lora_')}", e.problem, e.fix) from None
+            import importlib.util
+
+            if importlib.util.find_spec("peft") is None:
+                from archsearch.errors import MissingDependencyError
+
+                raise MissingDependencyError("train.lora_rank", "LoRA fine-tuning needs the peft package, "
+                                             "which is not installed", "pip install 'archsearch[lora]'")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise ArchsearchError("train.init_from", f"{self.init_from!r} has no config.json",
+                                  "give a folder written by save_pretrained (config.json + weights)")
         if self.hparams is not None:
             hp = get_hparams(self.hparams)
             for k in ("global_batch_size", "lr", "min_lr_ratio", "warmup_steps"):

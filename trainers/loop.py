@@ -206,6 +206,38 @@ def build_model(spec: ArchSpec, attn_implementation: str = "sdpa"):
     return model
 
 
+def _load_pretrained(model, folder: str) -> None:
+    """Copy a Hugging Face folder's weights into ``model`` (built from the same spec): every
+    tensor must be there with its shape, or this is an error, not a partial load."""
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ArchsearchError("train.init_from", f"{folder} does not match the architecture: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}",
+                              "train the architecture of that folder (--arch FOLDER or no architecture flags)")
+
+
+def apply_lora(model, spec: ArchSpec, rank: int, targets: tuple[str, ...]):
+    """Wrap ``model`` with peft LoRA adapters (``r=rank``, ``lora_alpha=2 r``, no dropout) on
+    ``targets``; every other weight is frozen. Returns (model, record); the record's trainable
+    count is peft's, checked against :func:`archsearch.planning.lora.lora_params`."""
+    from peft import LoraConfig, get_peft_model
+
+    from archsearch.planning.lora import LoraSettings, lora_params
+
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                             target_modules=list(targets), bias="none"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    predicted = lora_params(spec, LoraSettings(rank, tuple(targets)))
+    if trainable != predicted:
+        raise RuntimeError(f"peft made {trainable} trainable parameters, the accounting says {predicted}")
+    return model, {"rank": rank, "alpha": 2 * rank, "targets": list(targets), "trainable_params": trainable,
+                   "library": "peft"}
+
+
 def cpu_threads_for(spec: ArchSpec, tc: TrainConfig) -> int:
     """Intra-op threads on CPU (see TrainConfig.cpu_threads)."""
     import torch
@@ -387,10 +419,16 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     ckpts = _checkpoints(out_dir)
     set_seed(train_cfg.seed)
     model = build_model(spec, attn)
+    if train_cfg.init_from:
+        _load_pretrained(model, train_cfg.init_from)
+    lora_info = None
+    if train_cfg.lora_rank:
+        model, lora_info = apply_lora(model, spec, train_cfg.lora_rank, train_cfg.lora_targets)
     if ckpts:  # full weights go in before wrapping, which works for DDP and FSDP alike
         _load_model_weights(model, ckpts[-1])
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": train_cfg.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
@@ -407,6 +445,11 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     base_wall = state["wall_time_s"]
 
     flops_tok = train_flops_per_token(spec, seq_len)
+    if lora_info is not None:  # forward + backward to the activations (4 N), adapters trained (6 per param)
+        from archsearch.planning.planner import lora_step_flops
+        from archsearch.planning.lora import LoraSettings
+
+        flops_tok = lora_step_flops(spec, LoraSettings(train_cfg.lora_rank, train_cfg.lora_targets), 1)
     peak, device_name, peak_source = _device_peak(accelerator, precision)
     record: dict[str, Any] = {
         "run_id": out_dir.name, "status": "running", "reason": None,
@@ -422,6 +465,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         "peak_flops_per_device": peak, "peak_source": peak_source,
         "train_config": to_dict(train_cfg), "data_config": to_dict(data_cfg),
         "data": describe_data(data), "resumed_from_step": resumed_from,
+        "init_from": train_cfg.init_from, "lora": lora_info,
         "provenance": provenance(extra_packages=("tokenizers", "safetensors")),
     }
     if accelerator.is_main_process:
@@ -558,6 +602,10 @@ def _save_final_model(accelerator, model, tokenizer, folder: Path, progress: boo
 
             hf_logging.disable_progress_bar()
         unwrapped = accelerator.unwrap_model(model)
+        if hasattr(unwrapped, "merge_and_unload"):  # LoRA: the adapters alone, then merged weights
+            unwrapped.save_pretrained(str(folder / "adapter"), safe_serialization=True)
+            unwrapped = unwrapped.merge_and_unload()
+            state = None
         unwrapped.config.use_cache = True
         unwrapped.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(str(folder))

@@ -39,6 +39,12 @@ def register(sub) -> None:
     b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     b.add_argument("--attn-implementation", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     b.add_argument("--cpu-threads", type=pos_int)
+    ft = p.add_argument_group("fine-tuning (LoRA with peft)")
+    ft.add_argument("--init-from", metavar="DIR", help="start from this Hugging Face folder's weights "
+                                                        "(its config is the architecture unless one is given)")
+    ft.add_argument("--lora-rank", type=pos_int, help="train LoRA adapters of this rank only (weights frozen)")
+    ft.add_argument("--lora-targets", help="comma-separated modules for the adapters "
+                                           "(default q_proj,k_proj,v_proj,o_proj)")
     d = p.add_argument_group("data")
     d.add_argument("--data", nargs="+", help="shakespeare | hf:NAME[:CONFIG] | .txt/.jsonl paths")
     d.add_argument("--tokenizer", help="bpe:VOCAB | smollm2 | an HF tokenizer name or folder")
@@ -133,6 +139,11 @@ def _train(args: argparse.Namespace) -> int:
     from archsearch.cli._common import arch_from_args
     from archsearch.errors import ArchsearchError
 
+    if args.lora_targets and not args.lora_rank:
+        raise ArchsearchError("--lora-targets", "is given without --lora-rank", "add --lora-rank R (e.g. 8)")
+    given = args.preset or args.arch_file or args.n_layers is not None
+    if args.init_from and not given:
+        args.arch_file = args.init_from  # the weights' own architecture
     spec = arch_from_args(args)
     tc, dc = _configs(args)
     if args.run and not args.launch:

@@ -1,6 +1,14 @@
 """Proxy-health benchmark: trials (trainings) needed to reach a compliant sweep by
 scaling-law-guided retuning versus a full learning-rate x batch-size grid, at demo scale on
-the real corpus (two N levels, one shape family, a deliberately low starting learning rate).
+the real corpus (two N levels, one shape family).
+
+``--start violating`` (the default) starts the sweep where it breaks the size ordering: the
+smaller level at a good point of the grid (lr 4.8e-3, batch 4), the larger one at a
+too-small learning rate and a too-large batch (lr 3e-4, batch 8), so the larger model ends
+above the smaller one and retuning has to act (halve the batch, then double the LR). The
+per-level start is this benchmark's own (a SweepConfig whose ``train_for`` returns it);
+the sweeps otherwise take one ``train`` for all levels. ``--start compliant``: both levels at
+lr 3e-4, batch 8 (the earlier run, where no retuning was needed).
 
 Retuning: one sweep with ``health`` on; trials = runs + retrain attempts. Grid: every
 (lr, batch) of the same bounds trained at every level; trials = grid size x levels, and the
@@ -13,6 +21,7 @@ Prints one JSON object; ``--out`` also writes it (with provenance) and keeps the
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -30,11 +39,26 @@ BATCHES = [8, 4]               # and batch down to the floor
 TOKENS = 32 * 8 * 64
 
 
-def _cfg(name, params, lr, batch, health=None):
+VIOLATING = [{"lr": 4.8e-3, "global_batch_size": 4}, {"lr": 3e-4, "global_batch_size": 8}]
+
+
+def _cfg(name, params, lr, batch, health=None, per_level=None):
+    import dataclasses
+
     from archsearch.candidates import BuildSettings
     from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
-    return SweepConfig(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
+    cls = SweepConfig
+    if per_level is not None:
+        @dataclasses.dataclass(frozen=True)
+        class PerLevelStart(SweepConfig):  # this benchmark's starting point per N level
+            start: tuple = ()
+
+            def train_for(self, level: int) -> TrainConfig:
+                return self.train.replace(**self.start[level])
+
+        cls = functools.partial(PerLevelStart, start=tuple(per_level))
+    return cls(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
                        gqa=2, head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
                        train=TrainConfig(tokens=TOKENS, global_batch_size=batch, lr=lr, eval_batches=4,
                                          eval_interval=8),
@@ -44,6 +68,8 @@ def _cfg(name, params, lr, batch, health=None):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tolerance", type=float, default=0.02)
+    ap.add_argument("--start", choices=["violating", "compliant"], default="violating")
+    ap.add_argument("--retries", type=int, default=6, help="retune attempts per run")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -54,8 +80,10 @@ def main() -> int:
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="proxy-health-"))
     load0, t0 = os.getloadavg(), time.perf_counter()
-    hc = HealthConfig(min_batch=min(BATCHES), max_lr=max(LRS), retries=4, tolerance=args.tolerance)
-    run_sweep(_cfg("retune", PARAMS, START["lr"], START["global_batch_size"], hc), out / "retune", progress=False)
+    hc = HealthConfig(min_batch=min(BATCHES), max_lr=max(LRS), retries=args.retries, tolerance=args.tolerance)
+    per_level = VIOLATING if args.start == "violating" else None
+    run_sweep(_cfg("retune", PARAMS, START["lr"], START["global_batch_size"], hc, per_level), out / "retune",
+              progress=False)
     h = json.loads((out / "retune" / "sweep.json").read_text())["health"]
     retune = {"trials": len(PARAMS) + h["retrain_attempts"], "compliant_sweep": h["non_compliant"] == 0,
               "health": h, "attempts": read_jsonl_lines(out / "retune" / "health.jsonl"),
@@ -72,7 +100,8 @@ def main() -> int:
                 if all(grid[(*c, lv)]["status"] == "ok" and curve_violation(grid[(*c, lv)], args.tolerance) is None
                        for c, lv in ((c0, 0), (c1, 1)))
                 and size_violation(grid[(*c0, 0)], grid[(*c1, 1)], args.tolerance) is None]
-    result = {"benchmark": "proxy_health", "levels": PARAMS, "start": START, "tokens": TOKENS,
+    result = {"benchmark": "proxy_health", "levels": PARAMS, "start": per_level or START, "start_kind": args.start,
+              "retries": args.retries, "tokens": TOKENS,
               "tolerance": args.tolerance, "retune": retune,
               "grid": {"lrs": LRS, "batches": BATCHES, "trials": len(grid),
                        "compliant_sweep": bool(ok_pairs), "compliant_choices": len(ok_pairs),

@@ -1,0 +1,166 @@
+"""``archsearch plan``: which candidate model to serve and LoRA-fine-tune under limits
+(docs/method.md section 8, the constraint-driven planner)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from archsearch.cli._common import nonneg_int, out_dir, parse_int_list, parse_number, pos_float, pos_int, print_json
+from archsearch.benchmarks.base import DTYPES, BenchSettings
+from archsearch.configio import field_defaults
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="pick the largest model within serving and LoRA fine-tuning limits (measured)",
+        description="Measure each candidate with a real engine on a grid of batch size x prefill x "
+                    "decode length, predict its LoRA fine-tune (adapter parameters, step memory and "
+                    "time), keep those within every limit and recommend the largest; writes OUT/plan.json, "
+                    "OUT/plan.png/.pdf and OUT/measurements.jsonl (resumable).")
+    d = field_defaults(BenchSettings)
+    p.add_argument("--candidates", nargs="+", required=True, metavar="MODEL",
+                   help="preset names, Hugging Face folders (config.json, weights optional), study folders (chosen/)")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm", "sglang"],
+                   help="the engine that measures (a real engine: the planner never predicts serving speed)")
+    p.add_argument("--out", type=out_dir, required=True, help="output folder (measurements resume from it)")
+    g = p.add_argument_group("grid")
+    g.add_argument("--batch-sizes", type=parse_int_list, default=[1, 4])
+    g.add_argument("--prefill-lens", type=parse_int_list, default=[128], help="prompt lengths, e.g. 128,512")
+    g.add_argument("--decode-lens", type=parse_int_list, default=[32], help="output lengths, e.g. 32,128")
+    g.add_argument("--repeats", type=pos_int, default=d["repeats"])
+    g.add_argument("--warmup", type=nonneg_int, default=d["warmup"])
+    g.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
+    g.add_argument("--timeout", type=pos_float, default=d["timeout_s"], help="seconds per engine process")
+    g.add_argument("--torch-threads", type=pos_int, help="hf backend: torch threads (recorded)")
+    lim = p.add_argument_group("limits (each optional)")
+    lim.add_argument("--max-tpot-s", type=pos_float, help="time per output token, seconds")
+    lim.add_argument("--max-ttft-s", type=pos_float, help="time to first token, seconds")
+    lim.add_argument("--max-peak-memory-gib", type=pos_float, help="peak memory, serving and the LoRA step")
+    lim.add_argument("--max-finetune-hours", type=pos_float, help="predicted LoRA fine-tuning wall time")
+    ft = p.add_argument_group("LoRA fine-tune to plan")
+    ft.add_argument("--lora-rank", type=pos_int, default=8)
+    ft.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                    help="comma-separated module names (q_proj..o_proj, gate_proj, up_proj, down_proj)")
+    ft.add_argument("--finetune-tokens", type=parse_number, default=1e6)
+    ft.add_argument("--finetune-batch-size", type=pos_int, default=8)
+    ft.add_argument("--finetune-seq-len", type=pos_int, default=512)
+    ft.add_argument("--finetune-device", default=None,
+                    help="device table entry the fine-tune runs on (default: this machine)")
+    ft.add_argument("--mfu", type=pos_float, help="model FLOP utilisation for the step time (default: planning's)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from archsearch.arch import weight_bytes
+    from archsearch.errors import ArchsearchError
+    from archsearch.planning import planner as pl
+    from archsearch.planning.limits import Limits
+    from archsearch.planning.lora import LoraSettings
+
+    # every check is arithmetic and happens before anything is measured or written
+    lora = LoraSettings(rank=args.lora_rank, targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    if not (args.finetune_tokens > 0):
+        raise ArchsearchError("--finetune-tokens", f"must be positive, got {args.finetune_tokens!r}")
+    limits = Limits(max_ttft_s=args.max_ttft_s, max_tpot_s=args.max_tpot_s, max_peak_memory_gib=args.max_peak_memory_gib)
+    grid = pl.PlanGrid(tuple(args.batch_sizes), tuple(args.prefill_lens), tuple(args.decode_lens))
+    candidates = [pl.resolve_candidate(c) for c in args.candidates]
+    names = [c.name for c in candidates]
+    if len(set(names)) != len(names):
+        raise ArchsearchError("--candidates", f"a candidate is named twice in {names}")
+    if args.finetune_device is None:
+        from archsearch.hardware import local_device_name
+
+        args.finetune_device = local_device_name() or "cpu"
+    finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size,
+                               seq_len=args.finetune_seq_len, max_hours=args.max_finetune_hours,
+                               device=args.finetune_device, mfu=args.mfu)
+    # a lower bound of the weights' memory: "auto" is bfloat16 on a GPU, float32 on CPU
+    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    if limits.max_peak_memory_gib is not None:
+        least = min(weight_bytes(c.spec, dtype) / 2**30 for c in candidates)
+        if least > limits.max_peak_memory_gib:
+            raise ArchsearchError("--max-peak-memory-gib", f"{limits.max_peak_memory_gib:g} GiB is unsatisfiable: the "
+                                  f"smallest candidate's weights alone take {least:.4g} GiB at {dtype}",
+                                  "raise the limit or add a smaller candidate")
+    for c in candidates:  # adapters on these targets must be accountable before measuring
+        pl.lora_params(c.spec, lora)
+    if finetune.max_hours is not None:
+        fastest = min((pl.predict_lora_step_time(c.spec, lora, finetune.batch_size, finetune.seq_len,
+                                                 finetune.device, finetune.mfu)["step_s"] * finetune.steps / 3600, c.name)
+                      for c in candidates)
+        if fastest[0] > finetune.max_hours:
+            raise ArchsearchError("--max-finetune-hours", f"{finetune.max_hours:g} h is unsatisfiable: the fastest "
+                                  f"predicted LoRA fine-tune is {fastest[0]:.4g} h ({fastest[1]}, {finetune.steps} steps)",
+                                  "raise the budget, or plan fewer --finetune-tokens")
+    engine_args = {"torch_threads": args.torch_threads} if args.torch_threads else {}
+    settings_kw = {"backend": args.backend, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
+                   "timeout_s": args.timeout, "engine_args": engine_args}
+    BenchSettings(**settings_kw, batch_sizes=list(grid.batch_sizes), input_len=max(grid.prefill_lens),
+                  output_len=max(grid.decode_lens))  # bad grid/settings fail here, before any work
+    from archsearch.benchmarks.base import get_backend
+
+    get_backend(args.backend).check_available()
+
+    out = Path(args.out)
+    measured = pl.measure_grid(candidates, grid, settings_kw, out)
+    plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune) for c in candidates]
+    best = pl.recommend(plans)
+    problems = pl.unsatisfiable(plans, limits, finetune)
+    command = note = None
+    if best is not None:
+        cand = candidates[names.index(best.name)]
+        command, note = pl.finetune_command(best, cand, finetune, out)
+    doc = {"kind": "plan", "backend": args.backend, "grid": {"batch_sizes": list(grid.batch_sizes),
+           "prefill_lens": list(grid.prefill_lens), "decode_lens": list(grid.decode_lens)},
+           "limits": {**limits.to_dict(), "max_finetune_hours": finetune.max_hours},
+           "finetune": {"rank": lora.rank, "targets": list(lora.targets), "tokens": finetune.tokens,
+                        "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device},
+           "candidates": [pl.plan_to_dict(cp) for cp in plans],
+           "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
+           "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
+    pl.write_json_with_provenance(out / "plan.json", doc, extra_packages=("peft",))
+    png = pl.plot_tradeoff(plans, out / "plan.png", limits)
+    doc["figure"] = str(png)
+    if args.json:
+        print_json(doc)
+    else:
+        _print(plans, best, command, note, problems, out, png)
+    if best is None:
+        raise ArchsearchError("limits", "no candidate is within every limit: " +
+                              ("; ".join(problems) if problems else
+                               "; ".join(f"{cp.name}: {', '.join(cp.reasons)}" for cp in plans)),
+                              f"see {out / 'plan.json'}")
+    return 0
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:,.1f}"
+
+
+def _print(plans, best, command, note, problems, out: Path, png: Path) -> None:
+    print(f"{'candidate':<20} {'params':>12} {'batch':>5} {'prefill':>7} {'decode':>6} {'TTFT ms':>9} "
+          f"{'TPOT ms':>8} {'peak GiB':>8} {'out tok/s':>10}  within limits")
+    for cp in plans:
+        for p in cp.points:
+            mem = "-" if p.peak_memory_gib is None else f"{p.peak_memory_gib:.2f}"
+            tput = "-" if p.output_throughput is None else f"{p.output_throughput:,.1f}"
+            print(f"{cp.name[:20]:<20} {cp.params:>12,} {p.batch_size:>5} {p.prefill:>7} {p.decode:>6} "
+                  f"{_ms(p.ttft_s):>9} {_ms(p.tpot_s):>8} {mem:>8} {tput:>10}  "
+                  f"{'yes' if p.within_limits else 'no: ' + p.reason}")
+    print()
+    print(f"{'candidate':<20} {'LoRA params':>12} {'step mem GiB':>12} {'step s (pred)':>13} {'hours (pred)':>12}  verdict")
+    for cp in plans:
+        lo = cp.lora
+        print(f"{cp.name[:20]:<20} {lo['trainable_params']:>12,} {lo['peak_memory_gib']:>12.3f} {lo['step_s']:>13.4g} "
+              f"{lo['hours']:>12.4g}  {'within every limit' if cp.feasible else '; '.join(cp.reasons)}")
+    for line in problems:
+        print(f"unsatisfiable: {line}")
+    print(f"plan written to {out / 'plan.json'}, figure {png} (+ .pdf), measurements {out / 'measurements.jsonl'}")
+    if best is not None:
+        print(f"recommended: {best.name} ({best.params:,} parameters)")
+        print("fine-tune it with:")
+        print("  " + shlex.join(command))
+        print(f"  ({note})")

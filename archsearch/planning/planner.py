@@ -1,0 +1,393 @@
+"""The constraint-driven model and LoRA planner (docs/method.md section 8): which of a user's
+candidate models to serve and fine-tune, under limits on time per output token, time to first
+token, peak memory and a fine-tuning time budget.
+
+1. Each candidate (a preset name, a local Hugging Face folder, a study folder's ``chosen/``) is
+   measured with a real engine through :func:`archsearch.benchmarks.measure` on a grid of batch
+   size x prefill length x decode length. Every (prefill, decode) pair is one engine run over
+   the grid's batch sizes; its result is appended to ``OUT/measurements.jsonl`` with
+   provenance, and a point already there is not measured again (resume).
+2. A grid point is within the serving limits when :func:`archsearch.planning.limits.check_limits`
+   says so; a candidate serves when at least one point is (its best point: most output tokens/s).
+3. LoRA fine-tuning per candidate is predicted, not measured: trainable adapter parameters and
+   step memory from :mod:`archsearch.planning.lora`, time per step from
+   :func:`predict_lora_step_time` (checked against peft by ``bench_lora_step``).
+4. The recommendation is the largest candidate (total parameters) within every limit. A limit
+   no candidate meets is an error naming the limit and the best value any candidate reached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from archsearch.arch import ArchSpec, load_arch
+from archsearch.errors import ArchsearchError
+from archsearch.planning.limits import Limits, check_limits
+from archsearch.planning.lora import LoraSettings, lora_params, predict_lora_memory
+
+MEASUREMENTS = "measurements.jsonl"
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A model to plan for: ``spec`` for accounting; ``model_path`` when it has real weights
+    (a folder with a config and weights), else it is measured with dummy weights (same speed)."""
+
+    name: str
+    spec: ArchSpec
+    source: str
+    model_path: str | None = None
+
+
+def resolve_candidate(text: str) -> Candidate:
+    """A preset name, a Hugging Face folder (config.json, weights optional), or a study folder
+    whose ``chosen/`` holds one."""
+    from archsearch.presets import PRESETS
+
+    if text.lower() in PRESETS:
+        return Candidate(text, load_arch(text.lower()), f"preset {text.lower()}")
+    p = Path(text).expanduser()
+    # a study folder has its own config.json (the study's): its chosen/ comes first
+    for folder, kind in ((p / "chosen", "study chosen/"), (p / "model", "trainers run model/"), (p, "folder")):
+        if (folder / "config.json").is_file():
+            real = any((folder / w).is_file() for w in _WEIGHT_FILES)
+            return Candidate(text, load_arch(folder), f"{kind} {folder.resolve()}",
+                             str(folder.resolve()) if real else None)
+    raise ArchsearchError("--candidates", f"{text!r} is neither a preset, nor a folder with config.json, "
+                          "nor a study folder with chosen/config.json",
+                          "give preset names (archsearch arch list) or model folders")
+
+
+@dataclass(frozen=True)
+class PlanGrid:
+    """The measured grid: every batch size at every prefill x decode length."""
+
+    batch_sizes: tuple[int, ...] = (1, 4)
+    prefill_lens: tuple[int, ...] = (128,)
+    decode_lens: tuple[int, ...] = (32,)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_sizes", "prefill_lens", "decode_lens"):
+            v = tuple(getattr(self, name))
+            object.__setattr__(self, name, v)
+            if not v or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+                raise ArchsearchError(f"grid.{name}", f"must be positive integers, got {list(v)!r}")
+            if len(set(v)) != len(v):
+                raise ArchsearchError(f"grid.{name}", f"repeated value in {list(v)}")
+        if min(self.decode_lens) < 2:
+            raise ArchsearchError("grid.decode_lens", "time per output token needs at least 2 decoded tokens")
+
+    def lengths(self) -> list[tuple[int, int]]:
+        return [(p, d) for p in self.prefill_lens for d in self.decode_lens]
+
+
+@dataclass(frozen=True)
+class FinetunePlan:
+    """The LoRA fine-tune every candidate is planned for, and its time budget (None: no limit)."""
+
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    tokens: float = 1e6
+    batch_size: int = 8
+    seq_len: int = 512
+    max_hours: float | None = None
+    device: str = "cpu"
+    mfu: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "batch_size", "seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ArchsearchError(f"finetune.{name}", f"must be a positive number, got {v!r}")
+        if self.max_hours is not None and (isinstance(self.max_hours, bool) or not isinstance(self.max_hours, (int, float))
+                                           or not math.isfinite(self.max_hours) or self.max_hours <= 0):
+            raise ArchsearchError("limits.max_finetune_hours", f"must be a positive number of hours, got {self.max_hours!r}")
+        if self.mfu is not None and not (0 < self.mfu <= 1):
+            raise ArchsearchError("finetune.mfu", f"must be in (0, 1], got {self.mfu!r}")
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
+
+
+def lora_step_flops(spec: ArchSpec, lora: LoraSettings, tokens: int) -> float:
+    """FLOPs of one LoRA step on ``tokens`` tokens: the forward (2 N) and the backward to the
+    activations only (2 N, the frozen weights get no gradient) through the compute parameters,
+    plus full training (6 per parameter) of the adapters. Attention's sequence-quadratic part
+    is left out, as in 6 N D."""
+    from archsearch.planning.time import compute_params
+
+    return float(tokens) * (4.0 * compute_params(spec) + 6.0 * lora_params(spec, lora))
+
+
+def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
+                           device: str = "cpu", mfu: float | None = None,
+                           dtype: str = "float32") -> dict[str, Any]:
+    """Seconds per LoRA step: :func:`lora_step_flops` / (MFU x the device's peak FLOP/s), the
+    peak from :mod:`archsearch.hardware` (measured matmul FLOP/s for ``cpu``), MFU the
+    planning default unless given. Every number used is returned beside the answer."""
+    from archsearch.hardware import get_device
+    from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
+
+    dev = get_device(device)
+    peak = dev.peak_flops(dtype)
+    used_mfu, mfu_source = (mfu, "given") if mfu is not None else (DEFAULT_MFU, DEFAULT_MFU_SOURCE)
+    flops = lora_step_flops(spec, lora, batch_size * seq_len)
+    return {"step_s": flops / (used_mfu * peak), "flops_per_step": flops, "peak_flops": peak,
+            "peak_source": dev.source, "mfu": used_mfu, "mfu_source": mfu_source, "device": dev.name,
+            "formula": "tokens x (4 N_compute + 6 N_adapters) / (MFU x peak)"}
+
+
+# -- measuring the grid ------------------------------------------------------------------------
+
+def _key(candidate: Candidate, backend: str, prefill: int, decode: int) -> str:
+    return f"{candidate.name}|{backend}|{prefill}|{decode}"
+
+
+def load_measured(out: Path) -> dict[str, dict[int, dict]]:
+    """key -> batch size -> the BatchResult dict of every grid point measured so far (resume)."""
+    from archsearch.fileio import read_jsonl_lines
+
+    path = out / MEASUREMENTS
+    done: dict[str, dict[int, dict]] = {}
+    if path.is_file():
+        for rec in read_jsonl_lines(path, "planner measurements"):
+            done.setdefault(rec["plan_key"], {}).update({b["batch_size"]: {**b, "_record": rec["record_id"]}
+                                                         for b in rec["per_batch"]})
+    return done
+
+
+def measure_grid(candidates: list[Candidate], grid: PlanGrid, settings_kw: dict[str, Any], out: Path,
+                 progress: Callable[[str], None] = print, measure_fn: Callable | None = None) -> dict[str, dict[int, dict]]:
+    """Measure every candidate at every grid point not already in ``OUT/measurements.jsonl``."""
+    from archsearch.benchmarks import BenchSettings, append_jsonl
+    from archsearch.benchmarks.measure import measure
+
+    measure_fn = measure_fn or measure
+    done = load_measured(out)
+    backend = settings_kw["backend"]
+    todo = []
+    for c in candidates:
+        for prefill, decode in grid.lengths():
+            key = _key(c, backend, prefill, decode)
+            missing = [b for b in grid.batch_sizes if b not in done.get(key, {})]
+            if missing:
+                todo.append((c, prefill, decode, key, missing))
+    skipped = len(candidates) * len(grid.lengths()) * len(grid.batch_sizes) - sum(len(t[4]) for t in todo)
+    if skipped:
+        progress(f"plan: {skipped} grid point(s) already measured in {out / MEASUREMENTS}, not measured again")
+    for i, (c, prefill, decode, key, missing) in enumerate(todo, 1):
+        progress(f"plan: [{i}/{len(todo)}] {c.name}: batch {missing} x prefill {prefill} x decode {decode} on {backend}")
+        settings = BenchSettings(**{**settings_kw, "batch_sizes": missing, "input_len": prefill, "output_len": decode})
+        spec = c.spec
+        if c.model_path is None and spec.max_position_embeddings < prefill + decode:
+            spec = spec.replace(max_position_embeddings=prefill + decode)  # dummy weights: size the context
+        result = measure_fn(None if c.model_path else spec, settings, model_path=c.model_path)
+        record_id = f"{key}|{len(done.get(key, {}))}"
+        rec = {**result.to_dict(), "plan_key": key, "record_id": record_id, "candidate": c.name,
+               "candidate_source": c.source}
+        append_jsonl(out / MEASUREMENTS, rec)
+        done.setdefault(key, {}).update({b["batch_size"]: {**b, "_record": record_id} for b in rec["per_batch"]})
+    return done
+
+
+# -- deciding ----------------------------------------------------------------------------------
+
+@dataclass
+class GridPoint:
+    candidate: str
+    batch_size: int
+    prefill: int
+    decode: int
+    ok: bool
+    ttft_s: float | None
+    tpot_s: float | None
+    peak_memory_gib: float | None
+    output_throughput: float | None
+    within_limits: bool
+    reason: str
+
+
+@dataclass
+class CandidatePlan:
+    name: str
+    source: str
+    params: int
+    active_params: int
+    points: list[GridPoint]
+    lora: dict[str, Any]
+    serves: bool
+    finetunes: bool
+    best_point: GridPoint | None
+    reasons: list[str]
+
+    @property
+    def feasible(self) -> bool:
+        return self.serves and self.finetunes
+
+
+def _gib(v: Any) -> float | None:
+    return None if v is None else float(v) / 2**30
+
+
+def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, dict]], backend: str,
+                   limits: Limits, ft: FinetunePlan) -> CandidatePlan:
+    from archsearch.arch import active_params, total_params
+
+    points = []
+    for prefill, decode in grid.lengths():
+        row = measured.get(_key(c, backend, prefill, decode), {})
+        for b in grid.batch_sizes:
+            m = row.get(b)
+            if m is None:
+                raise ArchsearchError("plan", f"{c.name} has no measurement at batch {b}, prefill {prefill}, "
+                                      f"decode {decode}", "run the plan again to measure it")
+            ok, why = check_limits(limits, m, b)
+            if not m.get("ok"):
+                ok, why = False, f"measurement failed at batch size {b}: {m.get('error')}"
+            elif m.get("tpot_mean") is not None and m["tpot_mean"] <= 0:
+                # the hf backend's TPOT is (e2e - a separately timed TTFT) / (n - 1): on a noisy
+                # machine with few decoded tokens it can come out <= 0, which no limit may pass
+                ok, why = False, (f"TPOT measured {m['tpot_mean']:.3g} s <= 0 at batch size {b} (noise: "
+                                  "decode more tokens or repeat more)")
+            points.append(GridPoint(c.name, b, prefill, decode, bool(m.get("ok")), m.get("ttft_mean"), m.get("tpot_mean"),
+                                    _gib(m.get("peak_memory_bytes")), m.get("output_throughput"), ok, why))
+    serving = [p for p in points if p.within_limits]
+    best = max(serving, key=lambda p: p.output_throughput or 0.0) if serving else None
+    reasons = [] if serving else ["no grid point within the serving limits"]
+    mem = predict_lora_memory(c.spec, ft.lora, ft.batch_size, ft.seq_len)
+    step = predict_lora_step_time(c.spec, ft.lora, ft.batch_size, ft.seq_len, ft.device, ft.mfu)
+    hours = step["step_s"] * ft.steps / 3600
+    lora = {"trainable_params": mem["trainable_params"], "rank": ft.lora.rank, "targets": list(ft.lora.targets),
+            "peak_memory_gib": mem["total"] / 2**30, "memory_bytes": {k: v for k, v in mem.items()
+                                                                       if k not in ("trainable_params", "ffn_width_for_activations")},
+            "step_s": step["step_s"], "steps": ft.steps, "hours": hours, "step_time": step,
+            "batch_size": ft.batch_size, "seq_len": ft.seq_len, "tokens": ft.tokens, "predicted": True}
+    finetunes = True
+    if ft.max_hours is not None and hours > ft.max_hours:
+        finetunes = False
+        reasons.append(f"max_finetune_hours={ft.max_hours:g} h exceeded: predicted {hours:.4g} h")
+    if limits.max_peak_memory_gib is not None and lora["peak_memory_gib"] > limits.max_peak_memory_gib:
+        finetunes = False
+        reasons.append(f"max_peak_memory_gib={limits.max_peak_memory_gib:g} GiB exceeded by the LoRA step: "
+                       f"predicted {lora['peak_memory_gib']:.4g} GiB")
+    return CandidatePlan(c.name, c.source, total_params(c.spec), active_params(c.spec), points, lora,
+                         bool(serving), finetunes, best, reasons)
+
+
+# limit field -> (GridPoint attribute or the LoRA prediction, unit)
+_LIMIT_VALUES = {"max_ttft_s": ("ttft_s", "s"), "max_tpot_s": ("tpot_s", "s"),
+                 "max_peak_memory_gib": ("peak_memory_gib", "GiB")}
+
+
+def unsatisfiable(plans: list[CandidatePlan], limits: Limits, ft: FinetunePlan) -> list[str]:
+    """One line per limit that no candidate meets anywhere, with the best value reached."""
+    lines = []
+    for name, (attr, unit) in _LIMIT_VALUES.items():
+        limit = getattr(limits, name)
+        if limit is None:
+            continue
+        vals = [(getattr(p, attr), p) for cp in plans for p in cp.points if p.ok and getattr(p, attr) is not None]
+        if not vals:
+            lines.append(f"limits.{name}={limit:g} {unit}: no candidate measured it")
+            continue
+        best, at = min(vals, key=lambda v: v[0])
+        if best > limit:
+            lines.append(f"limits.{name}={limit:g} {unit} is unsatisfiable: the best any candidate reached is "
+                         f"{best:.4g} {unit} ({at.candidate}, batch {at.batch_size}, prefill {at.prefill}, decode {at.decode})")
+    if limits.max_peak_memory_gib is not None:
+        best = min(plans, key=lambda cp: cp.lora["peak_memory_gib"])
+        if best.lora["peak_memory_gib"] > limits.max_peak_memory_gib:
+            lines.append(f"limits.max_peak_memory_gib={limits.max_peak_memory_gib:g} GiB is unsatisfiable for the "
+                         f"LoRA fine-tune: the smallest predicted step memory is {best.lora['peak_memory_gib']:.4g} GiB ({best.name})")
+    if ft.max_hours is not None:
+        best = min(plans, key=lambda cp: cp.lora["hours"])
+        if best.lora["hours"] > ft.max_hours:
+            lines.append(f"limits.max_finetune_hours={ft.max_hours:g} h is unsatisfiable: the fastest predicted "
+                         f"fine-tune is {best.lora['hours']:.4g} h ({best.name}, {ft.steps} steps)")
+    return lines
+
+
+def recommend(plans: list[CandidatePlan]) -> CandidatePlan | None:
+    """The largest candidate (total parameters) within every limit; None when none is."""
+    ok = [cp for cp in plans if cp.feasible]
+    return max(ok, key=lambda cp: (cp.params, cp.name)) if ok else None
+
+
+def finetune_command(cp: CandidatePlan, c: Candidate, ft: FinetunePlan, out: Path) -> tuple[list[str], str]:
+    """The ``archsearch train`` argument list that LoRA-fine-tunes the recommended candidate, and
+    a note. A candidate with weights starts from them (``--init-from``, its tokenizer when the
+    folder has one); one without (a preset, a study's chosen/ config) needs its trained weights:
+    the command names the folder to replace."""
+    if c.model_path:
+        init, note = c.model_path, "starts from the candidate's weights; add --data for your fine-tuning corpus"
+    else:
+        init = f"WEIGHTS_OF_{Path(c.name).name.upper()}"
+        note = (f"{c.name} has no weights here ({c.source}): replace {init} by a folder with its trained "
+                "weights (save_pretrained), and add --data for your fine-tuning corpus")
+    cmd = ["archsearch", "train", "--init-from", init]
+    if c.model_path and (Path(c.model_path) / "tokenizer.json").is_file():
+        cmd += ["--tokenizer", c.model_path]
+    cmd += ["--lora-rank", str(ft.lora.rank), "--lora-targets", ",".join(ft.lora.targets),
+            "--tokens", f"{ft.tokens:g}", "--global-batch-size", str(ft.batch_size), "--seq-len", str(ft.seq_len),
+            "--out", str(out / "finetune" / Path(cp.name).name)]
+    return cmd, note
+
+
+def plan_to_dict(cp: CandidatePlan) -> dict[str, Any]:
+    d = asdict(cp)
+    d["feasible"] = cp.feasible
+    return d
+
+
+def plot_tradeoff(plans: list[CandidatePlan], png: Path, limits: Limits | None = None) -> Path:
+    """Time per output token and time to first token against peak memory, every grid point of
+    every candidate; points within the limits filled, others hollow; the limits dashed."""
+    from archsearch import figures
+
+    @figures.styled
+    def draw() -> Path:
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for i, cp in enumerate(plans):
+            color = f"C{i % 10}"
+            for ax, attr in zip(axes, ("tpot_s", "ttft_s")):
+                pts = [p for p in cp.points if p.ok and getattr(p, attr) and p.peak_memory_gib]
+                for inside in (True, False):
+                    sel = [p for p in pts if p.within_limits == inside]
+                    if sel:
+                        ax.scatter([p.peak_memory_gib for p in sel], [getattr(p, attr) * 1e3 for p in sel],
+                                   s=[16 + 6 * p.batch_size for p in sel], facecolors=color if inside else "none",
+                                   edgecolors=color, label=f"{cp.name}{'' if inside else ' (outside limits)'}")
+        for ax, what in zip(axes, ("time per output token (ms)", "time to first token (ms)")):
+            ax.set_xlabel("peak memory (GiB)")
+            ax.ticklabel_format(axis="x", useOffset=False, style="plain")
+            ax.set_ylabel(what)
+            figures.log_axis(ax, "y")
+        if limits is not None:
+            for ax, lim in zip(axes, (limits.max_tpot_s, limits.max_ttft_s)):
+                if lim is not None:
+                    ax.axhline(lim * 1e3, color="grey", ls="--", lw=1)
+                if limits.max_peak_memory_gib is not None:
+                    ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1)
+        axes[0].legend(loc="best")
+        fig.suptitle("planner: measured grid (marker size = batch size)")
+        return figures.save(fig, png)
+
+    return draw()
+
+
+def write_json_with_provenance(path: Path, obj: dict[str, Any], extra_packages=()) -> Path:
+    from archsearch.fileio import write_json
+    from archsearch.provenance import provenance
+
+    return write_json(path, {**obj, "provenance": provenance(extra_packages=extra_packages)})
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, default=str)

@@ -1,0 +1,154 @@
+"""The constraint-driven planner (archsearch.planning.planner, ``archsearch plan``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from archsearch.arch import write_hf_config
+from archsearch.benchmarks.base import BatchResult, BenchResult
+from archsearch.errors import ArchsearchError
+from archsearch.planning import planner as pl
+from archsearch.planning.limits import Limits
+from archsearch.planning.lora import LoraSettings, lora_params
+from archsearch.presets import get_preset
+
+
+def _fake_measure(calls: list, tpot_per_param: float = 1e-8):
+    """A stand-in engine: TPOT grows with parameters and batch, memory with parameters."""
+    def measure(spec, settings, model_path=None):
+        from archsearch.arch import total_params
+
+        calls.append((spec.name if spec else model_path, tuple(settings.batch_sizes), settings.input_len, settings.output_len))
+        n = total_params(spec)
+        per = [BatchResult(batch_size=b, ok=True, ttft_mean=n * 1e-9 * settings.input_len * b,
+                           tpot_mean=n * tpot_per_param * (1 + 0.1 * b), peak_memory_bytes=n * 4 * 2,
+                           output_throughput=b / (n * tpot_per_param)) for b in settings.batch_sizes]
+        return BenchResult("hf", "x", "cpu: test", "float32", settings.to_dict(), {}, per)
+    return measure
+
+
+def test_lora_step_flops_is_four_n_plus_six_adapters():
+    from archsearch.planning.time import compute_params
+
+    spec = get_preset("smollm2-135m")
+    lora = LoraSettings(rank=8)
+    assert pl.lora_step_flops(spec, lora, 1000) == 1000 * (4 * compute_params(spec) + 6 * lora_params(spec, lora))
+    t = pl.predict_lora_step_time(spec, lora, 2, 128, device="H100", mfu=0.5)
+    assert t["step_s"] == pytest.approx(t["flops_per_step"] / (0.5 * t["peak_flops"]))
+
+
+def test_candidates_resolve_presets_folders_and_study_chosen(tmp_path):
+    spec = get_preset("tiny")
+    write_hf_config(spec, tmp_path / "study" / "chosen")
+    (tmp_path / "study" / "config.json").write_text("{}")  # the study's own config, not a model
+    write_hf_config(spec, tmp_path / "hf")
+    assert pl.resolve_candidate("tiny").source == "preset tiny"
+    assert pl.resolve_candidate(str(tmp_path / "study")).source.startswith("study chosen/")
+    c = pl.resolve_candidate(str(tmp_path / "hf"))
+    assert c.model_path is None  # a config without weights is measured with dummy weights
+    with pytest.raises(ArchsearchError, match="--candidates"):
+        pl.resolve_candidate(str(tmp_path / "nothing"))
+
+
+def test_grid_is_measured_once_and_resumes(tmp_path):
+    cands = [pl.resolve_candidate("tiny"), pl.resolve_candidate("smollm2-135m")]
+    grid = pl.PlanGrid((1, 2), (16,), (4, 8))
+    calls: list = []
+    kw = {"backend": "hf", "repeats": 1}
+    pl.measure_grid(cands, grid, kw, tmp_path, progress=lambda s: None, measure_fn=_fake_measure(calls))
+    assert len(calls) == 4  # 2 candidates x 2 (prefill, decode) pairs, each over both batch sizes
+    calls.clear()
+    pl.measure_grid(cands, grid, kw, tmp_path, progress=lambda s: None, measure_fn=_fake_measure(calls))
+    assert calls == []  # every point is already in measurements.jsonl
+    bigger = pl.PlanGrid((1, 2, 4), (16,), (4, 8))
+    done = pl.measure_grid(cands, bigger, kw, tmp_path, progress=lambda s: None, measure_fn=_fake_measure(calls))
+    assert sorted(c[1] for c in calls) == [(4,)] * 4  # only the new batch size
+    recs = [json.loads(l) for l in (tmp_path / pl.MEASUREMENTS).read_text().splitlines()]
+    assert all(r["provenance"] == {} or "versions" in r["provenance"] for r in recs)
+    assert set(done[pl._key(cands[0], "hf", 16, 4)]) == {1, 2, 4}
+
+
+def _plans(tmp_path, limits, ft=None):
+    cands = [pl.resolve_candidate("tiny"), pl.resolve_candidate("smollm2-135m")]
+    grid = pl.PlanGrid((1, 4), (16,), (4,))
+    done = pl.measure_grid(cands, grid, {"backend": "hf"}, tmp_path, progress=lambda s: None,
+                           measure_fn=_fake_measure([]))
+    ft = ft or pl.FinetunePlan(tokens=1e4, seq_len=64, device="H100")
+    return [pl.plan_candidate(c, grid, done, "hf", limits, ft) for c in cands], ft
+
+
+def test_recommends_the_largest_within_limits(tmp_path):
+    plans, ft = _plans(tmp_path, Limits())
+    assert pl.recommend(plans).name == "smollm2-135m"
+    # a TPOT limit between the two models' TPOT leaves only the small one
+    tiny_tpot = min(p.tpot_s for p in plans[0].points)
+    big_tpot = min(p.tpot_s for p in plans[1].points)
+    plans, ft = _plans(tmp_path, Limits(max_tpot_s=(tiny_tpot + big_tpot) / 2))
+    best = pl.recommend(plans)
+    assert best.name == "tiny" and not plans[1].serves
+    assert plans[0].best_point.batch_size == 4  # the most tokens/s among points within limits
+
+
+def test_unsatisfiable_limit_names_the_limit_and_best_value(tmp_path):
+    plans, ft = _plans(tmp_path, Limits(max_tpot_s=1e-12))
+    assert pl.recommend(plans) is None
+    (line,) = pl.unsatisfiable(plans, Limits(max_tpot_s=1e-12), ft)
+    best = min(p.tpot_s for cp in plans for p in cp.points)
+    assert "max_tpot_s" in line and f"{best:.4g}" in line and "tiny" in line
+
+
+def test_finetune_budget_rules_out_a_candidate(tmp_path):
+    plans, _ = _plans(tmp_path, Limits())
+    hours = sorted(cp.lora["hours"] for cp in plans)
+    ft = pl.FinetunePlan(tokens=1e4, seq_len=64, device="H100", max_hours=(hours[0] + hours[1]) / 2)
+    plans, ft = _plans(tmp_path, Limits(), ft)
+    assert pl.recommend(plans).name == "tiny"
+    assert any("max_finetune_hours" in r for r in plans[1].reasons)
+
+
+def test_a_non_positive_tpot_is_no_point_within_limits(tmp_path):
+    def measure(spec, settings, model_path=None):
+        per = [BatchResult(batch_size=b, ok=True, ttft_mean=0.01, tpot_mean=-1e-4, peak_memory_bytes=1,
+                           output_throughput=1.0) for b in settings.batch_sizes]
+        return BenchResult("hf", "x", "cpu", "float32", settings.to_dict(), {}, per)
+
+    c = pl.resolve_candidate("tiny")
+    grid = pl.PlanGrid((1,), (8,), (4,))
+    done = pl.measure_grid([c], grid, {"backend": "hf"}, tmp_path, progress=lambda s: None, measure_fn=measure)
+    cp = pl.plan_candidate(c, grid, done, "hf", Limits(max_tpot_s=1.0), pl.FinetunePlan(device="H100"))
+    assert not cp.serves and "<= 0" in cp.points[0].reason
+
+
+def test_bad_grid_and_finetune_values():
+    with pytest.raises(ArchsearchError, match="decode_lens"):
+        pl.PlanGrid((1,), (16,), (1,))
+    with pytest.raises(ArchsearchError, match="batch_sizes"):
+        pl.PlanGrid((0,), (16,), (4,))
+    with pytest.raises(ArchsearchError, match="max_finetune_hours"):
+        pl.FinetunePlan(max_hours=float("nan"))
+
+
+def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
+    """A real engine (transformers) on a tiny grid; the second run measures nothing."""
+    pytest.importorskip("transformers")
+    from archsearch.cli import main
+
+    argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "16",
+            "--repeats", "1", "--warmup", "0", "--torch-threads", "1", "--out", str(tmp_path / "p"),
+            "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["recommended"] == "tiny"
+    assert "--lora-rank" in doc["finetune_command"]
+    pts = doc["candidates"][0]["points"]
+    assert len(pts) == 2 and all(p["ok"] and p["tpot_s"] is not None and p["ttft_s"] > 0 for p in pts)
+    assert (tmp_path / "p" / "plan.png").is_file() and (tmp_path / "p" / "plan.pdf").is_file()
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert "versions" in plan["provenance"]
+    n = len((tmp_path / "p" / pl.MEASUREMENTS).read_text().splitlines())
+    assert main(argv) == 0
+    assert len((tmp_path / "p" / pl.MEASUREMENTS).read_text().splitlines()) == n
