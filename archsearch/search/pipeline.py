@@ -31,7 +31,7 @@ from archsearch.search.checks import (baseline_spec, check_target, proxy_sweeps,
                                       target_loss, validate, vocab_size)
 from archsearch.search.config import StudyConfig
 from archsearch.search.final import evaluate_final, train_final
-from archsearch.search.measure import MeasurementStore, Measurer, file_lock, measured_shape
+from archsearch.search.measure import MeasurementStore, Measurer, file_lock
 
 
 def _log(msg: str) -> None:
@@ -340,7 +340,7 @@ def study_tokenizer(out: Path) -> Path | None:
 def search_context(cfg: StudyConfig, out: Path, law=None):
     """The search's context (law, target loss, measurer on the study's store); the law is read
     from the study folder (or ``law.file``) when not given, as a measurement worker does."""
-    from archsearch.search.study import SearchContext, build_settings
+    from archsearch.search.study import SearchContext, build_settings, measure_scale
 
     if law is None:
         from archsearch.laws import load_law
@@ -349,12 +349,7 @@ def search_context(cfg: StudyConfig, out: Path, law=None):
     lt = target_loss(cfg, law)
     check_target(cfg, law, lt)
     build = build_settings(cfg, vocab_size(cfg))
-    scale = None
-    if cfg.measure.params is not None:  # measured at N_m: the same ratios, rebuilt (measure.params)
-        from functools import partial
-
-        scale = partial(measured_shape, params=cfg.measure.params, head_dim=cfg.search_space.head_dim, build=build)
-    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"), scale=scale)
+    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"), scale=measure_scale(cfg, build))
     return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
                          build=build, baseline=baseline_spec(cfg))
 

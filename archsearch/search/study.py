@@ -79,6 +79,18 @@ def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int
                            head_dim=cfg.search_space.head_dim, settings=build).spec
 
 
+def measure_scale(cfg: StudyConfig, build: BuildSettings):
+    """``measure.params``: the function from a study shape to the shape measured (the same realised
+    ratios rebuilt at N_m); None where shapes are measured as built."""
+    if cfg.measure.params is None:
+        return None
+    from functools import partial
+
+    from archsearch.search.measure import measured_shape
+
+    return partial(measured_shape, params=cfg.measure.params, head_dim=cfg.search_space.head_dim, build=build)
+
+
 def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
     """Predicted loss (and bootstrap interval) of a shape's ratios at the study's N and D: every
     shape, candidate or baseline, is compared at one budget (snapping moves each one's own N)."""
@@ -434,7 +446,7 @@ def analytic_throughput_fn(ctx: SearchContext, device: str):
                              output_len=m.output_len, warmup=0, repeats=1, device_spec=device,
                              engine_args={"calibration": m.calibration} if m.calibration else {})
 
-    scale = ctx.measurer.scale if ctx.measurer is not None else (lambda spec: spec)
+    scale = measure_scale(ctx.cfg, ctx.build) or (lambda spec: spec)
 
     def fn(spec: ArchSpec) -> float | None:  # at the measured scale, as the shapes are measured
         return measure(scale(spec), settings).throughput(ctx.ref_batch)
