@@ -413,3 +413,45 @@ def test_cli_shape_from_flags_sized_for_its_lengths(cli):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["ok"] and d["architecture"]["max_position_embeddings"] >= 5120 and d["architecture"]["n_heads"] == 72
+
+
+def test_sigterm_stops_the_engine_process_too(tmp_path):
+    """``timeout`` or ``kill`` on a measuring command leaves no engine process behind: SIGTERM
+    unwinds like Ctrl-C, and the isolated child (its own session) is stopped on the way out."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the child's job folder, to find it by
+    parent = subprocess.Popen([sys.executable, "-m", "archsearch", "bench", "--backend", "hf", "--layers", "2",
+                               "--hidden-size", "128", "--heads", "4", "--kv-heads", "2", "--ffn", "256",
+                               "--batch-sizes", "1", "--repeats", "1000", "--timeout", "600"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+    def children():
+        pids = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    cmd = open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace")
+                except OSError:
+                    continue
+                if "archsearch.benchmarks.isolate" in cmd and str(tmp_path) in cmd:
+                    pids.append(int(d))
+        return pids
+
+    t = time.time()
+    while not children() and time.time() - t < 120 and parent.poll() is None:
+        time.sleep(0.2)
+    started = children()
+    assert started, f"no engine process appeared: {parent.poll()} {parent.stderr.read() if parent.poll() is not None else ''}"
+    parent.send_signal(signal.SIGTERM)
+    _, err = parent.communicate(timeout=60)
+    assert parent.returncode == 128 + signal.SIGTERM, err
+    assert "terminated" in err and "Traceback" not in err
+    t = time.time()
+    while children() and time.time() - t < 10:
+        time.sleep(0.2)
+    assert not children(), "the engine process outlived its parent"

@@ -57,6 +57,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``timeout``, ``kill``, a scheduler's preemption), raised where the process is, so
+    it unwinds like Ctrl-C: cleanup runs (engine processes, which live in their own session, are
+    stopped rather than orphaned; training saves what it saves on an interrupt)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate_like_interrupt() -> None:
+    import signal
+
+    def raise_terminated(signum, frame):
+        raise Terminated(signum)
+
+    try:
+        signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread (main() called from a thread): leave it as it is
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -66,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from archsearch.cli._common import json_stdout
 
+    _terminate_like_interrupt()
     try:
         with json_stdout(bool(getattr(args, "json", False))):
             return int(args.func(args) or 0)
@@ -78,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"archsearch: error: {where}: {e.strerror or e} (check the path and its permissions)",
               file=sys.stderr)
         return 2
+    except Terminated as e:
+        print(f"archsearch: terminated (signal {e.signum}); run the same command again to resume",
+              file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
