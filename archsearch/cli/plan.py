@@ -121,7 +121,10 @@ def _plan(args: argparse.Namespace) -> int:
            "candidates": [pl.plan_to_dict(cp) for cp in plans],
            "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
            "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
-    pl.write_json_with_provenance(out / "plan.json", doc, extra_packages=("peft",))
+    from archsearch.fileio import write_json
+    from archsearch.provenance import provenance
+
+    write_json(out / "plan.json", {**doc, "provenance": provenance(extra_packages=("peft",))})
     png = pl.plot_tradeoff(plans, out / "plan.png", limits)
     doc["figure"] = str(png)
     if args.json:

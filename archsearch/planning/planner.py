@@ -18,7 +18,6 @@ token, peak memory and a fine-tuning time budget.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -380,14 +379,3 @@ def plot_tradeoff(plans: list[CandidatePlan], png: Path, limits: Limits | None =
         return figures.save(fig, png)
 
     return draw()
-
-
-def write_json_with_provenance(path: Path, obj: dict[str, Any], extra_packages=()) -> Path:
-    from archsearch.fileio import write_json
-    from archsearch.provenance import provenance
-
-    return write_json(path, {**obj, "provenance": provenance(extra_packages=extra_packages)})
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, default=str)
