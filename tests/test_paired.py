@@ -297,15 +297,16 @@ def test_test_retest_statistics_account_for_the_second_pass_noise():
 
 
 def test_calibration_chooses_the_model_variant_by_leave_one_shape_out_error(tmp_path):
-    """Engine data made by an additive (compute + memory) step with a per-sequence overhead: the
-    fit picks that variant on the fitted shapes alone and predicts held-out shapes closely,
+    """Engine data made by an additive (compute + memory) step with per-sequence and per-head
+    overheads: the fit picks that variant on the fitted shapes alone and predicts held-out shapes closely,
     where the roofline's max() form cannot."""
     import dataclasses
 
     from archsearch.benchmarks import measure
     from archsearch.benchmarks.calibration import Calibration, fit_calibration
 
-    truth = Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 2e-4, "sum", peak_flops=1e12, memory_bandwidth=1e11)
+    truth = Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 2e-4, 5e-6, 0.0, "sum", peak_flops=1e12,
+                        memory_bandwidth=1e11)
     truth.save(tmp_path / "truth.json")
 
     def run(sp, cal):
@@ -319,14 +320,14 @@ def test_calibration_chooses_the_model_variant_by_leave_one_shape_out_error(tmp_
     made = [dataclasses.replace(run(sp, tmp_path / "truth.json"), predicted=False, device="dev", backend="vllm")
             for sp in shapes]
     fit = fit_calibration(made[:4], "H100")
-    assert fit.fit["variant"] == "sum+seq" and fit.combine == "sum" and fit.seq_overhead_s > 0
+    assert fit.fit["variant"] == "sum+seq+head" and fit.combine == "sum" and fit.head_overhead_s > 0
     scores = fit.fit["leave_one_shape_out_mape"]
-    assert scores["sum+seq"] < 0.01 < scores["max"]
+    assert scores["sum+seq+head"] < 0.01 < min(scores["max"], scores["sum"])
     fit.save(tmp_path / "fit.json")
     for sp, r in zip(shapes[4:], made[4:]):
         p = run(sp, tmp_path / "fit.json")
         for b in (4, 32):
             assert p.throughput(b) == pytest.approx(r.throughput(b), rel=0.02)
     with pytest.raises(ArchsearchError) as e:
-        Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 0.0, "mean")
+        Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 0.0, 0.0, 0.0, "mean")
     assert e.value.field == "calibration.combine"
