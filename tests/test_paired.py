@@ -331,3 +331,25 @@ def test_calibration_chooses_the_model_variant_by_leave_one_shape_out_error(tmp_
     with pytest.raises(ArchsearchError) as e:
         Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 0.0, 0.0, 0.0, "mean")
     assert e.value.field == "calibration.combine"
+
+
+def test_a_trial_proposing_the_baseline_is_not_measured(tmp_path):
+    """Its ratio to itself is 1 by definition; it does not count as a measured shape."""
+    import optuna
+
+    from archsearch.search.study import _paired_objective, was_measured
+
+    class NoMeasure:
+        def compare(self, specs, attempt=0):
+            raise AssertionError("the baseline was measured against itself")
+
+    ctx = _gqa_ctx(tmp_path, NoMeasure())
+    study = optuna.create_study(direction="maximize")
+    trial = study.ask()
+    assert _paired_objective(trial, ctx, ctx.baseline, 5.0) == 1.0
+    study.tell(trial, 1.0)
+    t = study.trials[0]
+    assert t.user_attrs["is_baseline"] and not was_measured(t)
+    other = ArchSpec(**{**ctx.baseline.to_dict(), "n_kv_heads": 8})
+    with pytest.raises(AssertionError):
+        _paired_objective(study.ask(), ctx, other, 5.0)
