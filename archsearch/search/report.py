@@ -211,17 +211,22 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
             seen.add(key)
             shapes.append(p)
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(shapes) + 1.5))
-    labels = [f"#{p['trial']} d{p['spec']['hidden_size']} kv{p['spec']['n_kv_heads']} ffn{p['spec']['ffn']}"
-              + ("" if p["feasible"] else " (infeasible)") for p in shapes]
+    chosen_spec = json.dumps(chosen.spec.to_dict(), sort_keys=True) if chosen and chosen.spec else None
+    labels = [f"#{p['trial']} d{p['spec']['hidden_size']} h{p['spec']['n_heads']}/{p['spec']['n_kv_heads']} "
+              f"ffn{p['spec']['ffn']}" + ("" if p["feasible"] else " (infeasible)")
+              + (" (chosen)" if json.dumps(p["spec"], sort_keys=True) == chosen_spec else "") for p in shapes]
     r = [p["ratio"]["ratio"] for p in shapes]
     err = [[p["ratio"]["ratio"] - p["ratio"]["lo"] for p in shapes], [p["ratio"]["hi"] - p["ratio"]["ratio"] for p in shapes]]
     colors = ["tab:green" if p["ratio"]["significantly_faster"] else
               "tab:red" if p["ratio"]["significantly_slower"] else "tab:gray" for p in shapes]
-    ax.barh(range(len(shapes)), r, xerr=err, color=colors, capsize=3, alpha=0.8)
-    ax.axvline(1.0, c="k", lw=1)
+    # points with intervals on an axis around 1 (bars from 0 would hide differences of a few %)
+    for i, (x, lo, hi, c) in enumerate(zip(r, err[0], err[1], colors)):
+        ax.errorbar(x, i, xerr=[[lo], [hi]], fmt="o", color=c, capsize=4, ms=7)
+    ax.axvline(1.0, c="k", lw=1, label="baseline")
+    ax.margins(x=0.15)
     ax.set_yticks(range(len(shapes)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval); green: significantly faster")
+    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval); green: significantly faster,\nred: significantly slower, grey: tied with the baseline", fontsize=9)
     fig.tight_layout()
     return _save(fig, out, "throughput", plt)
 
