@@ -568,3 +568,21 @@ def test_deselected_stage_whose_output_is_missing_is_refused_before_work(tmp_pat
     needed = "law" if flags != ["--only", "fit,search"] else "runs"
     assert " ".join(flags) in r.stderr and needed in r.stderr and "Traceback" not in r.stderr
     assert not Path(cfg["out"]).exists()  # refused before anything was written
+
+
+def test_law_block_is_the_fits_options_with_the_study_defaults(tmp_path):
+    from archsearch.laws import FitOptions
+    from archsearch.search.config import LawConfig
+
+    cfg = load(study_config(tmp_path, law={"file": None, "reference": "best-observed", "n_starts": 4},
+                            proxy={"runs": str(tmp_path / "runs.csv")}))
+    opts = cfg.fit_options()
+    assert type(opts) is FitOptions and isinstance(cfg.law, FitOptions)
+    # the block's own values, the study's seed and build tolerance (>= 5%) where it leaves them out
+    assert (opts.reference, opts.n_starts, opts.bootstrap, opts.seed, opts.size_tolerance) == \
+        ("best-observed", 4, 200, 1, 0.05)
+    given = LawConfig(seed=7, size_tolerance=0.2).fit_options(seed=1, size_tolerance=0.05)
+    assert (given.seed, given.size_tolerance) == (7, 0.2)
+    with pytest.raises(ArchsearchError) as e:  # built directly, too, the error names law.<field>
+        LawConfig(max_iter=0)
+    assert e.value.field == "law.max_iter"

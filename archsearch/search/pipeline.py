@@ -197,9 +197,9 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             # (a best-observed L_opt biases the shape there; archsearch.laws.active.fit_profiled)
             from archsearch.laws.active import fit_profiled
 
-            r.law = fit_profiled(runs, cfg.law.form, fit_options(cfg))
+            r.law = fit_profiled(runs, cfg.law.form, cfg.fit_options())
         else:
-            r.law = fit_law(runs, cfg.law.form, fit_options(cfg))
+            r.law = fit_law(runs, cfg.law.form, cfg.fit_options())
         r.law.save(law_path)
         write_plots(r.law, runs, [], r.out / "plots")
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
@@ -395,7 +395,7 @@ def _train_active_proxies(r: StudyRun) -> dict[str, Any]:
     _log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design
     anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
-    records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
+    records = run_active(proxy_sweeps(cfg), cfg.law.form, cfg.fit_options(), cfg.proxy.active,
                          out / "proxies" / "active", anchor_params=anchors)
     write_active_plan_report(out)
     with file_lock(out / ".stage.lock"):
@@ -418,14 +418,6 @@ def write_active_plan_report(out: Path) -> None:
     _active_plot(plan, out / "plots", plt)
     atomic_write(out / "proxies" / "active" / "plan.md", "\n".join(_active_markdown(plan)[1:]) + "\n\n"
                  "![plot](../../plots/active_proxies.png)\n")
-
-
-def fit_options(cfg: StudyConfig):
-    """The study's law-fit options (the final fit, and the active plan's loop with fewer resamples)."""
-    from archsearch.laws import FitOptions
-
-    return FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap, r_range=cfg.law.r_range,
-                      seed=cfg.optuna.seed, size_tolerance=cfg.size_tolerance)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
