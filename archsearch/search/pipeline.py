@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import ArchSpec, write_hf_config
+from archsearch.arch import ArchSpec
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
 from archsearch.search import log
-from archsearch.search.answer import Answer, decide
+from archsearch.search.answer import Answer, decide, write_chosen
 from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
 from archsearch.search.config import StudyConfig
 from archsearch.search.final import evaluate_final, train_final
@@ -250,9 +248,7 @@ def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         write_json(r.out / "gqa.json", g.to_dict(), default=str)
         info = {}
     r.gqa = _read_json(r.out / "gqa.json")  # this run's, or an earlier run's when resuming
-    r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
-    if r.answer is not None:
-        write_chosen(r.ctx, r.out, r.answer)
+    _decide(r)
     return info
 
 
@@ -261,14 +257,19 @@ def _train(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if not fresh or r.answer is None:
         r.prs = _read_json(r.out / "predict_rank_select.json")  # an earlier run's, when resuming
         if r.prs is not None:
-            r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
-            write_chosen(r.ctx, r.out, r.answer)
+            _decide(r)
         return None
     r.prs = train_final(r.cfg, r.out, r.ctx, r.study, r.answer)
     if r.prs is not None:  # predict-rank-select released one of the trained candidates
-        r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
-        write_chosen(r.ctx, r.out, r.answer)
+        _decide(r)
     return {}
+
+
+def _decide(r: StudyRun) -> None:
+    """The answer from what the stages so far found, and its ``chosen/`` folder."""
+    r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
+    if r.answer is not None:
+        write_chosen(r.ctx, r.out, r.answer)
 
 
 def _eval(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
@@ -302,35 +303,6 @@ STAGES: tuple[Stage, ...] = (
     Stage("report", _report, resumes_itself=True),
 )
 STAGE_NAMES = tuple(st.name for st in STAGES)
-
-
-def write_chosen(ctx, out: Path, answer: Answer) -> Path:
-    """``chosen/``, a folder vLLM and transformers load without extra flags: the config in the
-    dtype the study measured it in, and the study's tokenizer when it trained with one."""
-    spec = answer.spec
-    dtype = ctx.measurer.measured_dtype(spec) or \
-        (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
-    folder = out / "chosen"
-    write_hf_config(spec, folder, dtype=dtype)
-    tok = study_tokenizer(out)
-    if tok is not None and not (folder / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=folder) as tmp:
-            AutoTokenizer.from_pretrained(str(tok)).save_pretrained(tmp)
-            # moved in with tokenizer.json last: its presence marks the tokenizer complete
-            for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer.json"):
-                os.replace(f, folder / f.name)
-    return folder
-
-
-def study_tokenizer(out: Path) -> Path | None:
-    """A model folder of this study with a saved tokenizer (final model, else a proxy run)."""
-    for pattern in ("final/model", "final/candidate-*/model", "proxies/*/runs/*/model"):
-        for folder in sorted(out.glob(pattern)):
-            if (folder / "tokenizer.json").is_file():
-                return folder
-    return None
 
 
 def search_context(cfg: StudyConfig, out: Path, law=None):

@@ -254,25 +254,33 @@ def objective(trial, ctx: SearchContext):
         return _paired_objective(trial, ctx, spec, loss)
     m = ctx.measurer.measure(spec)
     result = m.result
-    trial.set_user_attr("measurement_key", m.key)
-    trial.set_user_attr("measurement_cached", m.cached)
-    trial.set_user_attr("backend", result.backend)
     trial.set_user_attr("throughput", {str(b.batch_size): b.output_throughput for b in result.per_batch})
     trial.set_user_attr("ttft", {str(b.batch_size): b.ttft_mean for b in result.per_batch})
     tput = result.throughput(ctx.ref_batch)
-    if not result.ok or tput is None:
-        reason = result.error or f"no throughput at batch size {ctx.ref_batch}"
-        trial.set_user_attr("failure_reason", reason)
+    _stored(trial, m, result.backend, None if result.ok and tput is not None else
+            result.error or f"no throughput at batch size {ctx.ref_batch}")
+    return _measured(trial, ctx, result.batch(ctx.ref_batch), tput, loss)
+
+
+def _stored(trial, m, backend: str | None, failure: str | None) -> None:
+    """Record where a trial's measurement is stored; a failed one fails the trial."""
+    trial.set_user_attr("measurement_key", m.key)
+    trial.set_user_attr("measurement_cached", m.cached)
+    trial.set_user_attr("backend", backend)
+    if failure is not None:
+        trial.set_user_attr("failure_reason", failure)
         _set_constraint(trial, "limits_violated", 0.0)
-        raise MeasurementFailed(reason)
+        raise MeasurementFailed(failure)
+
+
+def _measured(trial, ctx: SearchContext, batch, value: float, loss: float):
+    """A measured trial's limits (on its reference batch, a constraint) and objective value(s)."""
     trial.set_user_attr("measured", True)
-    ok, why = check_result_limits(cfg.limits, result.batch(ctx.ref_batch), ctx.ref_batch)
+    ok, why = check_result_limits(ctx.cfg.limits, batch, ctx.ref_batch)
     if not ok:
         trial.set_user_attr("limits_reason", why)
     _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
-    if cfg.optuna.objective == "pareto":
-        return tput, loss
-    return tput
+    return (value, loss) if ctx.cfg.optuna.objective == "pareto" else value
 
 
 # Objective names, as Optuna's dashboard and ``study.trials_dataframe()`` show them.
@@ -304,17 +312,10 @@ def was_measured(t) -> bool:
 def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     """Measure ``spec`` paired with the baseline; the objective is the throughput ratio's
     estimate (the geometric mean of per-round ratios), its interval kept in the user attrs."""
-    cfg = ctx.cfg
     m = ctx.measurer.compare([ctx.baseline, spec])
     pr = m.result
-    trial.set_user_attr("measurement_key", m.key)
-    trial.set_user_attr("measurement_cached", m.cached)
-    trial.set_user_attr("backend", pr.settings.get("backend"))
-    if not pr.ok:
-        reason = pr.error or "the paired measurement gave fewer than two rounds"
-        trial.set_user_attr("failure_reason", reason)
-        _set_constraint(trial, "limits_violated", 0.0)
-        raise MeasurementFailed(reason)
+    _stored(trial, m, pr.settings.get("backend"),
+            None if pr.ok else pr.error or "the paired measurement gave fewer than two rounds")
     est = pr.estimate(1)
     batch = pr.batch_result(1)
     trial.set_user_attr("throughput", {str(ctx.ref_batch): batch.output_throughput})
@@ -322,14 +323,7 @@ def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     trial.set_user_attr("ttft", {str(ctx.ref_batch): batch.ttft_mean})
     trial.set_user_attr("ratio", est.to_dict())
     trial.set_user_attr("rounds", len(pr.rounds))
-    trial.set_user_attr("measured", True)
-    ok, why = check_result_limits(cfg.limits, batch, ctx.ref_batch)
-    if not ok:
-        trial.set_user_attr("limits_reason", why)
-    _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
-    if cfg.optuna.objective == "pareto":
-        return est.ratio, loss
-    return est.ratio
+    return _measured(trial, ctx, batch, est.ratio, loss)
 
 
 def trial_is_feasible(t) -> bool:
