@@ -63,7 +63,9 @@ def test_measure_paired_in_a_child_sees_a_2x_difference_through_drift():
     assert 3 <= len(r.rounds) <= 8 and r.stop_reason
     slow, same = r.estimate(1), r.estimate(2)
     assert slow.slower and 0.4 < slow.ratio < 0.65  # hidden 128 takes twice as long
-    assert same.lo < 1 < same.hi or same.rel_halfwidth < 0.2  # A/A: no invented difference
+    # A/A: no invented difference (the rounds stop once the interval is within +-20%, so its width
+    # alone proves nothing); 16 runs here: ratio 0.87-1.04, interval always around 1
+    assert not same.faster and not same.slower and 0.75 < same.ratio < 1.33, same
     back = PairedResult(**{k: v for k, v in r.to_dict().items() if k != "ratios"})
     assert back.estimate(1) == slow
 
