@@ -586,3 +586,21 @@ def test_law_block_is_the_fits_options_with_the_study_defaults(tmp_path):
     with pytest.raises(ArchsearchError) as e:  # built directly, too, the error names law.<field>
         LawConfig(max_iter=0)
     assert e.value.field == "law.max_iter"
+
+
+def test_a_trial_orphaned_before_its_worker_named_itself_is_recovered(tmp_path):
+    # a kill between Optuna creating a trial and the objective's first line leaves a RUNNING
+    # trial with no worker: the next start fails it (a live worker's trial keeps running)
+    import optuna
+
+    from archsearch.search.study import recover_stale_trials
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'o.db'}")
+    study = optuna.create_study(study_name="s", storage=storage)
+    orphan, live = study.ask(), study.ask()
+    live.set_user_attr("worker", {"host": __import__("platform").node(), "pid": os.getpid()})
+    t = time.time()
+    assert recover_stale_trials(study, storage, grace_s=0.5) == [orphan.number]
+    assert time.time() - t >= 0.3  # it waited for a live worker's first line before judging
+    states = {tr.number: tr.state.name for tr in study.get_trials()}
+    assert states == {orphan.number: "FAIL", live.number: "RUNNING"}

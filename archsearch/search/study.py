@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,14 +178,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def recover_stale_trials(study, storage) -> list[int]:
-    """Fail trials left RUNNING by a dead process on this host and enqueue their parameters."""
+def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
+    """Fail trials left RUNNING by a dead process on this host and enqueue their parameters.
+
+    A worker names itself on a trial in the objective's first line; a trial with no worker is a
+    live worker's only for the instant between Optuna creating it and that line, so one still
+    without a worker ``grace_s`` after it started belongs to a process killed in that instant."""
     from optuna.trial import TrialState
 
+    def running():
+        return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+
+    def age(t) -> float:
+        return time.time() - t.datetime_start.timestamp() if t.datetime_start else grace_s
+
+    youngest = min((age(t) for t in running() if not t.user_attrs.get("worker")), default=grace_s)
+    if youngest < grace_s:
+        time.sleep(grace_s - youngest)
     recovered = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    for t in running():
         w = t.user_attrs.get("worker") or {}
-        if w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"])):
+        dead = w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"]))
+        if dead or (not w and age(t) >= grace_s):
             storage.set_trial_user_attr(t._trial_id, "failure_reason",
                                         "its worker process died; parameters enqueued again")
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
