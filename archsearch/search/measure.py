@@ -216,7 +216,11 @@ class Measurer:
         if len(todo) < 2:
             return 0
         group_key = self.pair_key([ref, *todo])
-        with self.store.claim(group_key):  # a second worker waits, then finds the pairs stored
+        with self.store.claim(group_key), contextlib.ExitStack() as held:
+            # every pair's own lock too (in one order): another worker's trial comparing one of
+            # these shapes alone waits, then reads the pair back instead of measuring it again
+            for key in sorted({self.pair_key([ref, s]) for s in todo}):
+                held.enter_context(self.store.claim(key))
             todo = missing()
             if len(todo) < 2:
                 return 0
