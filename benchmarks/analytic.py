@@ -51,8 +51,8 @@ def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, i
                   output_len: int, calibration=None) -> BatchResult:
     """Roofline prediction for one batch size (see the module docstring). With a
     ``archsearch.benchmarks.calibration.Calibration`` the peaks are scaled by its efficiencies, every
-    engine step (prefill and each decode step) costs its overhead (fixed plus per sequence) on
-    top, and compute and memory time add instead of overlapping where the fit chose that."""
+    engine step (prefill and each decode step) costs its overhead (fixed, per sequence, and per
+    sequence x layer x query or KV head) on top, and compute and memory time add instead of overlapping where the fit chose that."""
     seq = input_len + output_len
     capacity = max_batch_by_kv(spec, device.memory_bytes, seq, dtype, MEMORY_FRACTION)
     if batch_size > capacity:
@@ -64,7 +64,9 @@ def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, i
     if calibration is not None:
         peak = (calibration.peak_flops or peak) * calibration.compute_efficiency
         bw = (calibration.memory_bandwidth or bw) * calibration.memory_efficiency
-        overhead = calibration.step_overhead_s + calibration.seq_overhead_s * batch_size
+        overhead = (calibration.step_overhead_s + calibration.seq_overhead_s * batch_size
+                    + calibration.head_overhead_s * batch_size * spec.n_layers * spec.n_heads
+                    + calibration.kv_head_overhead_s * batch_size * spec.n_layers * spec.n_kv_heads)
         if calibration.combine == "sum":  # compute and memory traffic do not overlap
             bound = lambda a, b: a + b  # noqa: E731
     w = weights_read_per_step(spec, dtype)
@@ -113,7 +115,9 @@ class AnalyticBackend(Backend):
                   "calibration": ({"file": str(cal_path), "compute_efficiency": cal.compute_efficiency,
                                    "memory_efficiency": cal.memory_efficiency,
                                    "step_overhead_s": cal.step_overhead_s,
-                                   "seq_overhead_s": cal.seq_overhead_s, "combine": cal.combine,
+                                   "seq_overhead_s": cal.seq_overhead_s,
+                                   "head_overhead_s": cal.head_overhead_s,
+                                   "kv_head_overhead_s": cal.kv_head_overhead_s, "combine": cal.combine,
                                    "engine": cal.engine}
                                   if cal else "uncalibrated: peak device figures, an optimistic bound")}
         return {"device": device.name, "dtype": dtype, "engine": engine, "timing": {},

@@ -6,10 +6,12 @@ engine reaches. Calibration fits a few efficiency parameters on a few measured s
 memory bandwidth (above 1 where the entry understates the device, as the CPU entry, measured
 by a matmul under load, can), a fixed overhead per engine step (scheduling, Python) and, when
 the results hold two or more batch sizes, an overhead per sequence and step (sampling, input
-preparation: what makes a CPU engine's step grow with the batch beyond its FLOPs), by least
-squares on the log throughput ratio. Two ways of combining compute and memory time are fitted:
-``max`` (they overlap, the roofline's assumption, right on GPUs) and ``sum`` (they do not, as
-in eager CPU kernels); with or without the per-sequence term. The variant kept is the one
+preparation: what makes a CPU engine's step grow with the batch beyond its FLOPs) and one per
+sequence, layer and query head, or KV head (a CPU engine's attention kernel works head by head,
+or KV head by KV head, so a shape with many narrow heads is slower than its FLOPs say), by
+least squares on the log throughput ratio. Two ways of combining compute and memory time are fitted: ``max`` (they overlap, the
+roofline's assumption, right on GPUs) and ``sum`` (they do not, as in eager CPU kernels); each
+without the overhead terms, with the per-sequence one, and with it and one of the per-head ones. The variant kept is the one
 with the smallest leave-one-shape-out error on the fitted shapes (each shape predicted by a
 fit on the others), so the choice never sees held-out data; every variant's error is kept in
 the file. The file keeps the parameters, what they were fitted on, the fit's error and
@@ -43,6 +45,8 @@ class Calibration:
     memory_efficiency: float
     step_overhead_s: float
     seq_overhead_s: float = 0.0  # per sequence of the batch, per engine step
+    head_overhead_s: float = 0.0  # per sequence x layer x query head, per engine step
+    kv_head_overhead_s: float = 0.0  # per sequence x layer x KV head, per engine step
     combine: str = "max"         # compute and memory time: "max" (overlap) or "sum"
     # the device figures the efficiencies multiply, fixed at fit time (the CPU entry is
     # measured afresh each run and moves with the load; a calibration must not)
@@ -97,7 +101,10 @@ def _points(results) -> list[tuple[Any, int, int, int, float]]:
     return pts
 
 
-def _fit_variant(pts, dev, dtype: str, combine: str, per_seq: bool):
+TERMS = {"": (), "+seq": ("seq",), "+seq+head": ("seq", "head"), "+seq+kvhead": ("seq", "kvhead")}  # overhead terms of each variant
+
+
+def _fit_variant(pts, dev, dtype: str, combine: str, terms: tuple[str, ...]):
     """Least squares on log throughput for one model variant: (parameters, predict(pts))."""
     import numpy as np
     from scipy.optimize import least_squares
@@ -107,23 +114,23 @@ def _fit_variant(pts, dev, dtype: str, combine: str, per_seq: bool):
     peak, bw = dev.peak_flops(dtype), dev.memory_bandwidth
 
     def cal(theta) -> Calibration:
-        seq = math.exp(theta[3]) if per_seq else 0.0
+        extra = dict(zip(terms, (math.exp(v) for v in theta[3:])))
         return Calibration("", "", dtype, math.exp(theta[0]), math.exp(theta[1]), math.exp(theta[2]),
-                           seq, combine, peak, bw)
+                           extra.get("seq", 0.0), extra.get("head", 0.0), extra.get("kvhead", 0.0), combine, peak, bw)
 
     def predict(theta, on) -> np.ndarray:
         c = cal(theta)
         return np.array([predict_batch(s, dev, dtype, b, i, o, c).output_throughput for s, b, i, o, _ in on])
 
     measured = np.array([p[-1] for p in pts])
-    x0 = [math.log(0.3), math.log(0.3), math.log(1e-3)] + ([math.log(1e-4)] if per_seq else [])
-    lo = [math.log(1e-4)] * 2 + [math.log(1e-7)] + ([math.log(1e-8)] if per_seq else [])
-    hi = [math.log(100.0)] * 2 + [0.0] + ([math.log(0.1)] if per_seq else [])
+    x0 = [math.log(0.3), math.log(0.3), math.log(1e-3)] + [math.log(1e-5)] * len(terms)
+    lo = [math.log(1e-4)] * 2 + [math.log(1e-7)] + [math.log(1e-10)] * len(terms)
+    hi = [math.log(100.0)] * 2 + [0.0] + [math.log(0.1)] * len(terms)
     res = least_squares(lambda th: np.log(predict(th, pts) / measured), x0=x0, bounds=(lo, hi))
     return cal(res.x), lambda on: predict(res.x, on)
 
 
-def _loso_error(pts, dev, dtype: str, combine: str, per_seq: bool) -> float | None:
+def _loso_error(pts, dev, dtype: str, combine: str, terms: tuple[str, ...]) -> float | None:
     """Mean absolute relative error of each fitted shape predicted by a fit on the other shapes."""
     keys = sorted({id(p[0]) for p in pts})
     if len(keys) < 3:
@@ -132,7 +139,7 @@ def _loso_error(pts, dev, dtype: str, combine: str, per_seq: bool) -> float | No
     for k in keys:
         train = [p for p in pts if id(p[0]) != k]
         test = [p for p in pts if id(p[0]) == k]
-        _, predict = _fit_variant(train, dev, dtype, combine, per_seq)
+        _, predict = _fit_variant(train, dev, dtype, combine, terms)
         errs += [abs(q / p[-1] - 1) for q, p in zip(predict(test), test)]
     return sum(errs) / len(errs)
 
@@ -155,21 +162,24 @@ def fit_calibration(results, device_spec: str = "cpu") -> Calibration:
                               "calibrate on one (device, engine, dtype) at a time")
     device, engine, dtype = next(iter(keys))
     dev = get_device(device_spec)
-    two_batches = len({p[1] for p in pts}) >= 2
-    variants = [(c, q) for c in ("max", "sum") for q in ((False, True) if two_batches else (False,))]
-    scores = {f"{c}{'+seq' if q else ''}": _loso_error(pts, dev, dtype, c, q) for c, q in variants}
+    # the per-sequence terms need two batch sizes to be told from the fixed overhead
+    names = list(TERMS) if len({p[1] for p in pts}) >= 2 else [""]
+    variants = {f"{c}{t}": (c, TERMS[t]) for c in ("max", "sum") for t in names}
+    scores = {name: _loso_error(pts, dev, dtype, *v) for name, v in variants.items()}
     if all(v is not None for v in scores.values()):
-        combine, per_seq = min(variants, key=lambda v: scores[f"{v[0]}{'+seq' if v[1] else ''}"])
+        variant = min(scores, key=lambda k: scores[k])
     else:  # too few shapes to cross-validate: the roofline's own form
-        combine, per_seq = "max", False
-    cal, predict = _fit_variant(pts, dev, dtype, combine, per_seq)
+        variant = "max"
+    combine, terms = variants[variant]
+    cal, predict = _fit_variant(pts, dev, dtype, combine, terms)
     measured = np.array([p[-1] for p in pts])
     return Calibration(device, engine, dtype, cal.compute_efficiency, cal.memory_efficiency, cal.step_overhead_s,
-                       cal.seq_overhead_s, combine, cal.peak_flops, cal.memory_bandwidth,
+                       cal.seq_overhead_s, cal.head_overhead_s, cal.kv_head_overhead_s, combine, cal.peak_flops,
+                       cal.memory_bandwidth,
                        fit={"n_batches": len(pts), "device_spec": device_spec,
                             "mape_on_fitted": float(np.mean(np.abs(predict(pts) / measured - 1))),
                             "leave_one_shape_out_mape": scores,
-                            "variant": f"{combine}{'+seq' if per_seq else ''}",
+                            "variant": variant,
                             "shapes": sorted({s.name or str(s.hidden_size) for s, *_ in pts})},
                        provenance=provenance(device=False))
 

@@ -347,3 +347,62 @@ def test_test_retest_statistics_account_for_the_second_pass_noise():
     # |log ratio| 0.00995 and 0.03 are within 1.645 * 0.0283 = 0.0465; log(1.3/1.2) = 0.08 is not
     assert out["agree_within_combined_interval"] == pytest.approx(2 / 3)
     assert out["spearman"] == pytest.approx(1.0) and out["pairwise_order_agreement"] == 1.0
+
+
+def test_calibration_chooses_the_model_variant_by_leave_one_shape_out_error(tmp_path):
+    """Engine data made by an additive (compute + memory) step with per-sequence and per-head
+    overheads: the fit picks that variant on the fitted shapes alone and predicts held-out shapes closely,
+    where the roofline's max() form cannot."""
+    import dataclasses
+
+    from archsearch.benchmarks import measure
+    from archsearch.benchmarks.calibration import Calibration, fit_calibration
+
+    truth = Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 2e-4, 5e-6, 0.0, "sum", peak_flops=1e12,
+                        memory_bandwidth=1e11)
+    truth.save(tmp_path / "truth.json")
+
+    def run(sp, cal):
+        s = BenchSettings(backend="analytic", batch_sizes=[4, 32], input_len=32, output_len=16, dtype="float32",
+                          device_spec="H100", engine_args={"calibration": str(cal)})
+        return measure(sp, s)
+
+    shapes = [ArchSpec(n_layers=4, hidden_size=d, n_heads=d // 64, n_kv_heads=kv, head_dim=64, ffn=f, vocab_size=32000)
+              for d, kv, f in ((1024, 16, 2048), (1024, 2, 8192), (4096, 64, 2048), (4096, 8, 8192),
+                               (2048, 8, 4096), (3072, 12, 3072))]
+    made = [dataclasses.replace(run(sp, tmp_path / "truth.json"), predicted=False, device="dev", backend="vllm")
+            for sp in shapes]
+    fit = fit_calibration(made[:4], "H100")
+    assert fit.fit["variant"] == "sum+seq+head" and fit.combine == "sum" and fit.head_overhead_s > 0
+    scores = fit.fit["leave_one_shape_out_mape"]
+    assert scores["sum+seq+head"] < 0.01 < min(scores["max"], scores["sum"])
+    fit.save(tmp_path / "fit.json")
+    for sp, r in zip(shapes[4:], made[4:]):
+        p = run(sp, tmp_path / "fit.json")
+        for b in (4, 32):
+            assert p.throughput(b) == pytest.approx(r.throughput(b), rel=0.02)
+    with pytest.raises(ArchsearchError) as e:
+        Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 0.0, 0.0, 0.0, "mean")
+    assert e.value.field == "calibration.combine"
+
+
+def test_a_trial_proposing_the_baseline_is_not_measured(tmp_path):
+    """Its ratio to itself is 1 by definition; it does not count as a measured shape."""
+    import optuna
+
+    from archsearch.search.study import _paired_objective, was_measured
+
+    class NoMeasure:
+        def compare(self, specs, attempt=0):
+            raise AssertionError("the baseline was measured against itself")
+
+    ctx = _gqa_ctx(tmp_path, NoMeasure())
+    study = optuna.create_study(direction="maximize")
+    trial = study.ask()
+    assert _paired_objective(trial, ctx, ctx.baseline, 5.0) == 1.0
+    study.tell(trial, 1.0)
+    t = study.trials[0]
+    assert t.user_attrs["is_baseline"] and not was_measured(t)
+    other = ArchSpec(**{**ctx.baseline.to_dict(), "n_kv_heads": 8})
+    with pytest.raises(AssertionError):
+        _paired_objective(study.ask(), ctx, other, 5.0)

@@ -115,7 +115,8 @@ def write_trials_csv(study, path: Path) -> None:
             **{f"ttft_s_b{b}": v for b, v in (ua.get("ttft") or {}).items()},
             "measurement_cached": ua.get("measurement_cached"),
             "reason": ua.get("failure_reason") or ua.get("pruned_reason") or ua.get("infeasible_reason")
-            or ua.get("limits_reason"),
+            or ua.get("limits_reason") or ("the baseline itself: ratio 1 by definition, not measured"
+                                            if ua.get("is_baseline") else None),
             "retry_of": ua.get("retry_of"),
         })
     cols: list[str] = []

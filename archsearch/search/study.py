@@ -328,6 +328,12 @@ def was_measured(t) -> bool:
 def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     """Measure ``spec`` paired with the baseline; the objective is the throughput ratio's
     estimate (the geometric mean of per-round ratios), its interval kept in the user attrs."""
+    cfg = ctx.cfg
+    if spec == ctx.baseline:  # its ratio to itself is 1 by definition: measuring it would measure noise
+        trial.set_user_attr("measured", False)
+        trial.set_user_attr("is_baseline", True)
+        _set_constraint(trial, "limits_violated", 0.0)
+        return (1.0, loss) if cfg.optuna.objective == "pareto" else 1.0
     m = ctx.measurer.compare([ctx.baseline, spec])
     pr = m.result
     _stored(trial, m, pr.settings.get("backend"),
@@ -478,7 +484,9 @@ def _progress_callback(n_trials: int):
                  f"ffn={spec.get('ffn')}" if spec else f"knobs {t.params}")
         pl = ua.get("predicted_loss")
         pred = f" pred.loss {pl:.4f}" if pl is not None else ""
-        if t.state == TrialState.COMPLETE and not was_measured(t):
+        if t.state == TrialState.COMPLETE and ua.get("is_baseline"):
+            what = "the baseline itself: x1 by definition, not measured"
+        elif t.state == TrialState.COMPLETE and not was_measured(t):
             what = f"infeasible: {ua.get('infeasible_reason')}"
         elif t.state == TrialState.COMPLETE and ua.get("ratio"):
             q = ua["ratio"]

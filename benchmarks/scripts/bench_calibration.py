@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                "calibrated": _metrics(pooled["calibrated"], pooled["measured"]),
                "per_batch": per_batch,
                "calibration": {k: getattr(cal, k) for k in ("compute_efficiency", "memory_efficiency",
-                                                            "step_overhead_s", "seq_overhead_s", "combine")}
+                                                            "step_overhead_s", "seq_overhead_s", "head_overhead_s",
+                                                            "kv_head_overhead_s", "combine")}
                | {"fit": cal.fit}}
         rows.append(row)
         print(json.dumps({"backend": backend, "n_fit": len(fit_on), "n_held_out": len(held),
