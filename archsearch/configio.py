@@ -216,6 +216,17 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] | tuple[str
     return from_dict(cls, load_yaml(path, overrides), where="")
 
 
+def base_view(obj: Any, base: type[T], where: str, **changes: Any) -> T:
+    """``obj``, a settings type that extends ``base`` with fields of its own, as a plain ``base``:
+    its ``base`` fields (with ``changes``), validated by ``base``; an error names ``where.<field>``."""
+    own = {f.name: getattr(obj, f.name) for f in dataclasses.fields(base) if f.init}
+    try:
+        return base(**{**own, **changes})
+    except ArchsearchError as e:
+        field = e.field if e.field.startswith(f"{where}.") else f"{where}.{e.field}"
+        raise ArchsearchError(field, e.problem, e.fix) from None
+
+
 def field_defaults(cls: type) -> dict[str, Any]:
     """Each field's default value (a fresh one for ``default_factory`` fields), so that a CLI
     built on a settings type states its defaults once, in the type."""

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Self
 
 from archsearch.errors import ArchsearchError, MissingDependencyError
 
@@ -42,8 +42,21 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 Report = Callable[[dict], None]
 
 
+class PlainData:
+    """A dataclass stored as JSON: ``to_dict`` and ``from_dict``, which ignores keys that are not
+    fields (a record written by another version of the project loads)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
 @dataclass
-class BenchSettings:
+class BenchSettings(PlainData):
     """What to measure. ``dtype="auto"`` is float32 on CPU (no native bf16 here) and bfloat16
     on a GPU. ``timeout_s`` bounds one engine process (start plus every batch size it runs).
     ``device_spec`` names the device table entry the analytic backend predicts for (default:
@@ -100,14 +113,6 @@ class BenchSettings:
         if not isinstance(self.engine_args, dict):
             raise ArchsearchError("engine_args", "must be a dict of engine keyword arguments")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BenchSettings":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
 
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:
     """``auto`` is bfloat16 on a GPU and float32 on CPU (bf16 has no native support there)."""
@@ -117,7 +122,7 @@ def resolve_dtype(dtype: str, on_gpu: bool) -> str:
 
 
 @dataclass
-class BatchResult:
+class BatchResult(PlainData):
     """One batch size. Throughputs are tokens/s (mean and sample std over repeats); times in
     seconds; ``repeats`` holds the raw per-repeat numbers."""
 
@@ -140,14 +145,6 @@ class BatchResult:
     @classmethod
     def failed(cls, batch_size: int, error: str) -> "BatchResult":
         return cls(batch_size=batch_size, ok=False, error=error)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BatchResult":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass

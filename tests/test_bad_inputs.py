@@ -295,6 +295,11 @@ CONFIG_CASES = [
     ("study-law-form", "study", {"law.form": "chinchilla"}, "law.form"),
     ("study-law-bootstrap-neg", "study", {"law.bootstrap": -1}, "law.bootstrap"),
     ("study-law-file-missing", "study", {"law.file": "nope.json"}, "law.file"),
+    # the law block is the fit's FitOptions: their checks name the field under law.
+    ("study-law-r-range", "study", {"law.r_range": [5.0, 0.5]}, "law.r_range"),
+    ("study-law-size-tol", "study", {"law.size_tolerance": 1.5}, "law.size_tolerance"),
+    ("study-law-starts-zero", "study", {"law.n_starts": 0}, "law.n_starts"),
+    ("study-law-reference-law", "study", {"law.reference_law": {"law": "kaplan"}}, "law.reference_law"),
     ("study-measure-backend", "study", {"measure.backend": "tensorrt"}, "measure.backend"),
     ("study-measure-batch-zero", "study", {"measure.batch_sizes": [0]}, "measure.batch"),
     ("study-measure-batch-huge", "study", {"measure.backend": "hf", "measure.batch_sizes": [10 ** 9]}, "measure.batch"),

@@ -40,10 +40,10 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "archsearch.evaluation": (set(), set()),
     "archsearch.evaluation.suites": (set(), set()),
     # the study's schema nests the types it configures: build settings, measurement settings,
-    # limits, sweeps/training, cluster
-    "archsearch.search.config": ({"benchmarks", "planning", "trainers", "cluster"}, {"numpy"}),
-    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster"}, {"numpy"}),
-    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "figures"}, {"numpy"}),
+    # limits, sweeps/training, cluster, the law fit's options
+    "archsearch.search.config": ({"benchmarks", "planning", "trainers", "cluster", "laws"}, {"numpy"}),
+    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster", "laws"}, {"numpy"}),
+    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "laws", "figures"}, {"numpy"}),
 }
 
 _PROBE = """

@@ -568,3 +568,39 @@ def test_deselected_stage_whose_output_is_missing_is_refused_before_work(tmp_pat
     needed = "law" if flags != ["--only", "fit,search"] else "runs"
     assert " ".join(flags) in r.stderr and needed in r.stderr and "Traceback" not in r.stderr
     assert not Path(cfg["out"]).exists()  # refused before anything was written
+
+
+def test_law_block_is_the_fits_options_with_the_study_defaults(tmp_path):
+    from archsearch.laws import FitOptions
+    from archsearch.search.config import LawConfig
+
+    cfg = load(study_config(tmp_path, law={"file": None, "reference": "best-observed", "n_starts": 4},
+                            proxy={"runs": str(tmp_path / "runs.csv")}))
+    opts = cfg.fit_options()
+    assert type(opts) is FitOptions and isinstance(cfg.law, FitOptions)
+    # the block's own values, the study's seed and build tolerance (>= 5%) where it leaves them out
+    assert (opts.reference, opts.n_starts, opts.bootstrap, opts.seed, opts.size_tolerance) == \
+        ("best-observed", 4, 200, 1, 0.05)
+    given = LawConfig(seed=7, size_tolerance=0.2).fit_options(seed=1, size_tolerance=0.05)
+    assert (given.seed, given.size_tolerance) == (7, 0.2)
+    with pytest.raises(ArchsearchError) as e:  # built directly, too, the error names law.<field>
+        LawConfig(max_iter=0)
+    assert e.value.field == "law.max_iter"
+
+
+def test_a_trial_orphaned_before_its_worker_named_itself_is_recovered(tmp_path):
+    # a kill between Optuna creating a trial and the objective's first line leaves a RUNNING
+    # trial with no worker: the next start fails it (a live worker's trial keeps running)
+    import optuna
+
+    from archsearch.search.study import recover_stale_trials
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'o.db'}")
+    study = optuna.create_study(study_name="s", storage=storage)
+    orphan, live = study.ask(), study.ask()
+    live.set_user_attr("worker", {"host": __import__("platform").node(), "pid": os.getpid()})
+    t = time.time()
+    assert recover_stale_trials(study, storage, grace_s=0.5) == [orphan.number]
+    assert time.time() - t >= 0.3  # it waited for a live worker's first line before judging
+    states = {tr.number: tr.state.name for tr in study.get_trials()}
+    assert states == {orphan.number: "FAIL", live.number: "RUNNING"}

@@ -10,6 +10,8 @@ import argparse
 from archsearch.cli._common import (add_build_args, build_settings_from_args, parse_number, print_json,
                                     print_table)
 from archsearch.cli._common import fraction, level, nonneg_int, out_dir, out_file, pos_float, pos_int
+from archsearch.configio import field_defaults
+from archsearch.laws.fit import METHODS, REFERENCES, FitOptions
 from archsearch.laws.forms import LAWS
 
 # 200 runs x 1000 resamples fit in ~14 s here: beyond 1e5 a bootstrap is hours of work that
@@ -18,39 +20,37 @@ MAX_BOOTSTRAP = 100_000
 
 
 def _add_fit_options(p: argparse.ArgumentParser) -> None:
+    d = field_defaults(FitOptions)  # one declaration of the defaults: the options type's
     p.add_argument("--data", required=True, metavar="RUNS", help="proxy runs (.csv or .jsonl; docs/laws.md)")
     p.add_argument("--law", required=True, choices=LAWS)
     g = p.add_argument_group("fitting")
-    g.add_argument("--method", choices=["huber-lbfgsb", "lm"], default="huber-lbfgsb",
+    g.add_argument("--method", choices=METHODS, default=d["method"],
                    help="robust log-space Huber + multi-start L-BFGS-B (default), or "
                         "Levenberg-Marquardt on the loss (paper parity)")
-    g.add_argument("--huber-delta", type=pos_float, default=1e-3)
-    g.add_argument("--starts", type=pos_int, default=10, help="multi-start count (default 10)")
-    g.add_argument("--seed", type=nonneg_int, default=0)
-    g.add_argument("--bootstrap", type=nonneg_int, default=0, metavar="N",
+    g.add_argument("--huber-delta", type=pos_float, default=d["huber_delta"])
+    g.add_argument("--starts", type=pos_int, default=d["n_starts"], help="multi-start count (default %(default)s)")
+    g.add_argument("--seed", type=nonneg_int, default=d["seed"])
+    g.add_argument("--bootstrap", type=nonneg_int, default=d["bootstrap"], metavar="N",
                    help="bootstrap resamples for intervals (0 = none; 1000 is a good value)")
-    g.add_argument("--jobs", type=pos_int, default=1, help="processes for the bootstrap")
-    g.add_argument("--r-range", type=pos_float, nargs=2, default=(0.5, 5.0), metavar=("LOW", "HIGH"),
-                   help="keep runs with r = mlp/attn params in [LOW, HIGH] (default 0.5 5)")
+    g.add_argument("--jobs", type=pos_int, default=d["n_jobs"], help="processes for the bootstrap")
+    g.add_argument("--r-range", type=pos_float, nargs=2, default=d["r_range"], metavar=("LOW", "HIGH"),
+                   help="keep runs with r = mlp/attn params in [LOW, HIGH] (default %(default)s)")
     g.add_argument("--no-r-filter", action="store_true", help="keep every run whatever its r")
-    g.add_argument("--reference", choices=["chinchilla", "best-observed"], default="chinchilla",
+    g.add_argument("--reference", choices=REFERENCES, default=d["reference"],
                    help="L_opt of the conditional laws: a Chinchilla law fitted on the best run of "
                         "each (N, D), or those best losses as they are (predicts only at observed N, D)")
     g.add_argument("--reference-law", metavar="LAW.json",
                    help="a fitted chinchilla law file to use as L_opt instead of fitting one")
     g.add_argument("--free-exponents", action="store_true",
                    help="aspect-ratio law: fit alpha, beta, gamma separately (default: tied)")
-    g.add_argument("--size-tolerance", type=fraction, default=0.05,
-                   help="runs within this relative distance in N (and D) are one size (default 0.05)")
+    g.add_argument("--size-tolerance", type=fraction, default=d["size_tolerance"],
+                   help="runs within this relative distance in N (and D) are one size (default %(default)s)")
 
 
 def _options(args: argparse.Namespace, holdout=None):
-    from archsearch.laws import FitOptions, load_law
-
     from archsearch.errors import ArchsearchError
+    from archsearch.laws import load_law
 
-    if not args.no_r_filter and not 0 <= args.r_range[0] < args.r_range[1]:
-        raise ArchsearchError("--r-range", f"{list(args.r_range)} is empty", "give LOW HIGH with 0 <= LOW < HIGH")
     if args.bootstrap > MAX_BOOTSTRAP:
         raise ArchsearchError("--bootstrap", f"{args.bootstrap} resamples would take hours and narrow "
                               "no interval further", f"give at most {MAX_BOOTSTRAP} (1000 is a good value)")

@@ -86,6 +86,7 @@ class FitOptions:
             raise ArchsearchError("size_tolerance", f"must be in (0, 1), got {self.size_tolerance}")
         if self.holdout_size is not None and not self.holdout_size > 0:
             raise ArchsearchError("holdout_size", f"must be positive, got {self.holdout_size}")
+        _parse_reference(self.reference_law, "reference_law")  # a malformed one fails here, not mid-fit
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-__all__ = ["StudyConfig", "load_study_config", "run", "plan", "local_gqa_search"]
+__all__ = ["StudyConfig", "load_study_config", "run", "local_gqa_search", "log"]
+
+
+def log(msg: str) -> None:
+    """A progress line of the study, on stderr."""
+    import sys
+
+    print(f"[search] {msg}", file=sys.stderr, flush=True)
 
 
 def __getattr__(name: str):
     if name in ("StudyConfig", "load_study_config"):
         from archsearch.search import config
         return getattr(config, name)
-    if name in ("run", "plan"):
-        from archsearch.search import pipeline
-        return getattr(pipeline, name)
+    if name == "run":
+        from archsearch.search.pipeline import run
+        return run
     if name == "local_gqa_search":
         from archsearch.search.gqa import local_gqa_search
         return local_gqa_search

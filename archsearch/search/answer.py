@@ -1,13 +1,16 @@
 """The study's answer: the chosen architecture and the evidence for it, decided in one place
-(:func:`decide`) and rendered by the report and ``summary.json`` (:meth:`Answer.summary`)."""
+(:func:`decide`), rendered by the report and ``summary.json`` (:meth:`Answer.summary`) and
+written as a loadable model folder, ``chosen/`` (:func:`write_chosen`)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import ArchSpec, describe
+from archsearch.arch import ArchSpec, describe, write_hf_config
 
 
 @dataclass(frozen=True)
@@ -98,3 +101,32 @@ def keep_baseline_unless_faster(answer: Answer, ctx) -> Answer:
     return Answer(spec=base, source="the baseline: no feasible shape measured significantly faster",
                   predicted_loss=float(ctx.law.predict(base, ctx.cfg.tokens, params=ctx.cfg.params)),
                   predicted_loss_interval=predicted_interval(base, ctx), is_baseline=True, best_candidate=answer)
+
+
+def write_chosen(ctx, out: Path, answer: Answer) -> Path:
+    """``chosen/``, a folder vLLM and transformers load without extra flags: the config in the
+    dtype the study measured it in, and the study's tokenizer when it trained with one."""
+    spec = answer.spec
+    dtype = ctx.measurer.measured_dtype(spec) or \
+        (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
+    folder = out / "chosen"
+    write_hf_config(spec, folder, dtype=dtype)
+    tok = study_tokenizer(out)
+    if tok is not None and not (folder / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=folder) as tmp:
+            AutoTokenizer.from_pretrained(str(tok)).save_pretrained(tmp)
+            # moved in with tokenizer.json last: its presence marks the tokenizer complete
+            for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer.json"):
+                os.replace(f, folder / f.name)
+    return folder
+
+
+def study_tokenizer(out: Path) -> Path | None:
+    """A model folder of this study with a saved tokenizer (final model, else a proxy run)."""
+    for pattern in ("final/model", "final/candidate-*/model", "proxies/*/runs/*/model"):
+        for folder in sorted(out.glob(pattern)):
+            if (folder / "tokenizer.json").is_file():
+                return folder
+    return None

@@ -157,7 +157,7 @@ def check_reference_data(cfg: StudyConfig) -> None:
             "add a sweep at other token budgets under proxy.sweeps, or use reference: best-observed "
             "with the target N among the proxy sizes")
     if cfg.law.reference == "best-observed":
-        tol = cfg.size_tolerance
+        tol = cfg.fit_options().size_tolerance
         near = [g for g in groups if abs(g[0] / cfg.params - 1) <= tol and abs(g[1] / cfg.tokens - 1) <= tol]
         if not near:
             raise ArchsearchError(

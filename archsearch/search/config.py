@@ -9,7 +9,6 @@ name the dotted field (``search_space.gqa[1]``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,9 @@ from archsearch.benchmarks.base import BACKENDS, BenchSettings
 from archsearch.benchmarks.paired import PairedSettings
 from archsearch.candidates import BuildSettings
 from archsearch.cluster.config import ClusterConfig
+from archsearch.configio import base_view
 from archsearch.errors import ArchsearchError
+from archsearch.laws.fit import FitOptions
 from archsearch.planning.limits import Limits
 from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
@@ -188,27 +189,30 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
-class LawConfig:
-    form: str = "conditional-multiplicative"
-    reference: str = "chinchilla"
+class LawConfig(FitOptions):
+    """The study's ``law`` block: the :class:`~archsearch.laws.FitOptions` of the study's fit (its
+    fields, with defaults for a study), the law's ``form``, and a law ``file`` that skips the fit."""
+
     bootstrap: int = 200
-    r_range: tuple[float, float] | None = (0.5, 5.0)
+    seed: int | None = None  # default: optuna.seed
     # runs within this relative distance in N (and D) are one size; default: the search space's
     # build tolerance (snapped shapes land anywhere within it of their budget), at least 5%
     size_tolerance: float | None = None
+    form: str = "conditional-multiplicative"
     file: str | None = None  # a fitted or hand-written law JSON: skips the fit
 
     def __post_init__(self) -> None:
         if self.form not in LAW_FORMS:
             raise ArchsearchError("law.form", f"{self.form!r} is not a conditional law",
                                   f"use one of {list(LAW_FORMS)}")
-        if self.reference not in ("chinchilla", "best-observed"):
-            raise ArchsearchError("law.reference", f"{self.reference!r} is unknown",
-                                  "use chinchilla or best-observed")
-        if self.bootstrap < 0:
-            raise ArchsearchError("law.bootstrap", "must be >= 0")
-        if self.size_tolerance is not None and not 0 < self.size_tolerance < 1:
-            raise ArchsearchError("law.size_tolerance", f"must be in (0, 1), got {self.size_tolerance}")
+        self.fit_options(seed=0, size_tolerance=0.05)  # the fit's own checks
+
+    def fit_options(self, seed: int, size_tolerance: float) -> FitOptions:
+        """The plain :class:`FitOptions` of this block; ``seed`` and ``size_tolerance`` are the
+        study's defaults, used where the block leaves them out."""
+        return base_view(self, FitOptions, "law",
+                         seed=seed if self.seed is None else self.seed,
+                         size_tolerance=size_tolerance if self.size_tolerance is None else self.size_tolerance)
 
 
 @dataclass
@@ -269,12 +273,8 @@ class MeasureConfig(BenchSettings):
     def bench_settings(self, backend: str) -> BenchSettings:
         """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
         measures with may be the fallback)."""
-        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(BenchSettings)}
-        try:
-            return BenchSettings(**{**own, "backend": backend, "batch_sizes": list(self.batch_sizes),
-                                    "engine_args": dict(self.engine_args)})
-        except ArchsearchError as e:
-            raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
+        return base_view(self, BenchSettings, "measure", backend=backend, batch_sizes=list(self.batch_sizes),
+                         engine_args=dict(self.engine_args))
 
     @property
     def ref_batch(self) -> int:
@@ -437,13 +437,13 @@ class StudyConfig:
     def out_dir(self, override: str | Path | None = None) -> Path:
         return Path(override or self.out or Path("results") / self.name)
 
-    @property
-    def size_tolerance(self) -> float:
-        """How far apart in N (and D) runs may be and still be one size for the law: the law's
-        ``size_tolerance``, else the build tolerance the shapes were snapped within (>= 5%)."""
-        if self.law.size_tolerance is not None:
-            return self.law.size_tolerance
-        return max(0.05, self.search_space.build.tolerance)
+    def fit_options(self) -> FitOptions:
+        """The study's law-fit options (the final fit, and the active plan's loop with fewer
+        resamples): the ``law`` block, its seed defaulting to ``optuna.seed`` and its size tolerance
+        (how far apart in N and D runs may be and still be one size) to the build tolerance the
+        shapes were snapped within (at least 5%)."""
+        return self.law.fit_options(seed=self.optuna.seed,
+                                    size_tolerance=max(0.05, self.search_space.build.tolerance))
 
 
 def check_measured_scale(cfg: StudyConfig) -> None:

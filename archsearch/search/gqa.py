@@ -48,16 +48,6 @@ def gqa_pairs(spec: ArchSpec, params: float, build: BuildSettings) -> dict[int, 
     return out
 
 
-def gqa_variant(spec: ArchSpec, gqa: int, params: float, build: BuildSettings) -> ArchSpec:
-    """The variant of ``spec`` at ``gqa`` (see :func:`gqa_pairs`), or a clear error."""
-    pairs = gqa_pairs(spec, params, build)
-    if gqa not in pairs:
-        raise ArchsearchError("gqa", f"GQA {gqa} keeps no head pair within the budget and r tolerances "
-                              f"(head total {spec.n_heads + spec.n_kv_heads})",
-                              f"reachable GQA values: {sorted(pairs)}")
-    return pairs[gqa]
-
-
 def slower_than_baseline(step: "GQAStep", base: "GQAStep") -> bool:
     """Whether a variant did worse than the baseline GQA variant (the early-stop rule): measured
     paired with it, significantly slower; measured alone, a lower throughput."""

@@ -1,7 +1,8 @@
 """Measuring candidates for a study, once each.
 
 Every measurement a study takes goes through :class:`Measurer`, which keys it by the shape
-and the measurement settings and keeps it in ``measurements.jsonl`` in the study folder.
+and the measurement settings (:func:`key_settings`) and keeps it in ``measurements.jsonl`` in
+the study folder.
 A shape that was measured before (by an earlier trial, a crashed run, or another worker) is
 read back, not measured again: that is what makes a killed study resume without repeating
 work, and what keeps two workers from measuring the same shape twice.
@@ -14,11 +15,12 @@ import fcntl
 import hashlib
 import importlib.util
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec
+from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines
 from archsearch.search.config import MeasureConfig
@@ -93,6 +95,41 @@ def resolve_backend(cfg: MeasureConfig) -> tuple[str, str | None]:
         "which the report then states)")
 
 
+# The key's settings carry the names they had in the first keyed layout (a flat measure block,
+# before the paired comparison's settings nested under measure.paired).
+_KEY_NAMES = {"level": "ci_level", "rel_halfwidth": "ci_rel_halfwidth"}
+_FIRST_KEYED = frozenset({"backend", "batch_sizes", "input_len", "output_len", "warmup", "repeats", "dtype",
+                          "timeout_s", "device_spec", "engine_args", "calibration", "ci_level",
+                          "ci_rel_halfwidth", "min_rounds", "max_rounds"})
+# choose among engines or measured batch sizes; they change no measurement
+_NOT_KEYED = frozenset({"fallback_backend", "reference_batch_size"})
+
+
+def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
+    """The settings a measurement is keyed by in the store: every leaf setting of the ``measure``
+    block (the :class:`BenchSettings`, the calibration, ``measure.params`` and the paired
+    comparison's settings, which a paired measurement's key builds on) by its name, wherever it
+    nests, with ``backend`` the engine that measures (after any fallback). Not keyed:
+    ``fallback_backend`` and ``reference_batch_size``. Names are those of the first keyed layout
+    (``paired.level`` is ``ci_level``, ``paired.rel_halfwidth`` ``ci_rel_halfwidth``), and a
+    setting added since enters only away from its default, so re-nesting the schema or adding a
+    setting never re-keys a store written before."""
+    def leaves(obj: Any) -> dict[str, tuple[Any, Any]]:
+        out, defaults = {}, field_defaults(type(obj))
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            for name, leaf in (leaves(value) if is_dataclass(value) else
+                               {_KEY_NAMES.get(f.name, f.name): (value, defaults.get(f.name, MISSING))}).items():
+                if name in out:
+                    raise ValueError(f"two measure settings are named {name!r}: the key needs one name a setting")
+                out[name] = leaf
+        return out
+
+    keyed = {name: value for name, (value, default) in leaves(cfg).items()
+             if name not in _NOT_KEYED and (name in _FIRST_KEYED or value != default)}
+    return {**keyed, "backend": backend}
+
+
 @dataclass(frozen=True)
 class Measurement:
     """A study's measurement of one shape (``BenchResult``) or one paired group
@@ -137,11 +174,9 @@ class Measurer:
         return self.cfg.bench_settings(self.backend)
 
     def key(self, spec: ArchSpec) -> str:
-        settings = {k: v for k, v in asdict(self.cfg).items() if k not in ("fallback_backend", "reference_batch_size")}
-        if settings.get("params") is None:  # keys of stores written before measure.params stay valid
-            settings.pop("params", None)
-        settings["backend"] = self.backend
-        blob = json.dumps({"spec": spec_key(spec), "settings": settings}, sort_keys=True, default=str)
+        """``spec``'s key in the store: its shape and the settings that change its measurement."""
+        blob = json.dumps({"spec": spec_key(spec), "settings": key_settings(self.cfg, self.backend)},
+                          sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def measure(self, spec: ArchSpec) -> Measurement:
@@ -155,6 +190,8 @@ class Measurer:
         return Measurement(BenchResult.from_dict(found), key, cached)
 
     def pair_key(self, specs: list[ArchSpec], attempt: int = 0) -> str:
+        """The key of ``specs`` measured together (the first the reference), ``attempt`` > 0 a
+        fresh re-measurement."""
         blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
                            "attempt": attempt}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -179,7 +216,11 @@ class Measurer:
         if len(todo) < 2:
             return 0
         group_key = self.pair_key([ref, *todo])
-        with self.store.claim(group_key):  # a second worker waits, then finds the pairs stored
+        with self.store.claim(group_key), contextlib.ExitStack() as held:
+            # every pair's own lock too (in one order): another worker's trial comparing one of
+            # these shapes alone waits, then reads the pair back instead of measuring it again
+            for key in sorted({self.pair_key([ref, s]) for s in todo}):
+                held.enter_context(self.store.claim(key))
             todo = missing()
             if len(todo) < 2:
                 return 0

@@ -3,9 +3,11 @@ architecture -> (full training -> evaluation) -> report.
 
 The study is a table of stages (:data:`STAGES`) driven by one loop (:func:`run`). Each stage
 writes its outputs into the study folder and marks itself done in ``state.json``, and passes its
-result to the next on a :class:`StudyRun`; a rerun skips done stages and resumes the unfinished one (the sweep skips finished runs, the
-Optuna study resumes from its storage, measurements are read back from the store). Stages can
-be skipped or run alone. Several workers may run the same config at once: the stages around
+result to the next on a :class:`StudyRun`; a rerun skips done stages and resumes the unfinished
+one (the sweep skips finished runs, the Optuna study resumes from its storage, measurements are
+read back from the store). The stages' work lives in their own modules (proxy training in
+:mod:`~archsearch.search.proxies`, the Optuna study in :mod:`~archsearch.search.study`, ...).
+Stages can be skipped or run alone. Several workers may run the same config at once: the stages around
 the Optuna study run under a lock (one worker does them, the others find them done), and the
 study itself is shared through its storage.
 """
@@ -14,30 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import ArchSpec, write_hf_config
+from archsearch.arch import ArchSpec
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import atomic_write, write_json
-from archsearch.search.answer import Answer, decide
-from archsearch.search.checks import (baseline_spec, check_target, proxy_sweeps,
-                                      target_loss, validate, vocab_size)
+from archsearch.fileio import write_json
+from archsearch.search import log
+from archsearch.search.answer import Answer, decide, write_chosen
+from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
 from archsearch.search.config import StudyConfig
 from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock
-
-
-def _log(msg: str) -> None:
-    import sys
-
-    print(f"[search] {msg}", file=sys.stderr, flush=True)
+from archsearch.search.proxies import train_active_proxies, train_proxy_grid
 
 
 def stage_provenance() -> dict[str, Any]:
@@ -120,10 +115,10 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     done = [st.name for st in STAGES if state.done(st.name)]
     if done:
         first = (state.data[done[0]].get("runs") or [{}])[0]
-        _log(f"resuming the study in {out}: stages done {', '.join(done)}"
-             + (f" (first run {first['time_utc']} on {first['host']})" if first else "")
-             + "; earlier stages and measurements keep their own provenance. For a fresh study, "
-               "give another folder: --out DIR")
+        log(f"resuming the study in {out}: stages done {', '.join(done)}"
+            + (f" (first run {first['time_utc']} on {first['host']})" if first else "")
+            + "; earlier stages and measurements keep their own provenance. For a fresh study, "
+              "give another folder: --out DIR")
     write_json(out / "config.json", to_dict(cfg), default=str)
     r = StudyRun(cfg, out, state, progress)
     lock = out / ".stage.lock"
@@ -139,7 +134,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             with file_lock(lock) if not locked else contextlib.nullcontext():
                 state.mark(stage.name, time.time() - t, **info)
         if stage.name == "search" and r.study is None:
-            _log("no Optuna study yet: run the search stage to measure candidates")
+            log("no Optuna study yet: run the search stage to measure candidates")
             return {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
     return r.summary if r.summary is not None else \
         {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
@@ -173,9 +168,8 @@ def _proxy(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     r.runs_path = _runs_path(cfg, r.out) if cfg.proxy is not None else None
     if not fresh:
         return None
-    if cfg.proxy.plan == "active":
-        return _train_active_proxies(r)
-    return _train_proxy_grid(r)
+    train = train_active_proxies if cfg.proxy.plan == "active" else train_proxy_grid
+    return train(cfg, r.out, r.runs_path)
 
 
 def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
@@ -191,21 +185,21 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         from archsearch.rundata import read_runs
 
         runs = [x for x in read_runs(r.runs_path) if x.status == "ok"]
-        _log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
+        log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
         if cfg.proxy is not None and cfg.proxy.plan == "active":
             # the plan trains few runs at some sizes: fit every size's L_opt, as the plan did
             # (a best-observed L_opt biases the shape there; archsearch.laws.active.fit_profiled)
             from archsearch.laws.active import fit_profiled
 
-            r.law = fit_profiled(runs, cfg.law.form, fit_options(cfg))
+            r.law = fit_profiled(runs, cfg.law.form, cfg.fit_options())
         else:
-            r.law = fit_law(runs, cfg.law.form, fit_options(cfg))
+            r.law = fit_law(runs, cfg.law.form, cfg.fit_options())
         r.law.save(law_path)
         write_plots(r.law, runs, [], r.out / "plots")
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
     r.ctx = search_context(cfg, r.out, r.law)
     if r.ctx.measurer.note:
-        _log(r.ctx.measurer.note)
+        log(r.ctx.measurer.note)
     return info
 
 
@@ -217,8 +211,8 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     cfg, ctx, info = r.cfg, r.ctx, None
     if fresh:
         t = time.time()
-        _log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
-             f"measuring with {ctx.measurer.backend}")
+        log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
+            f"measuring with {ctx.measurer.backend}")
         if cfg.cluster.parallel:
             from archsearch.cluster.study import run_search_workers
 
@@ -229,14 +223,14 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 
             study, recovered = run_study(ctx, progress=r.progress)
             if recovered:
-                _log(f"recovered trials {recovered} left running by a dead process")
+                log(f"recovered trials {recovered} left running by a dead process")
         _wait_for_running(study)
         new = sum(1 for tr in study.get_trials(deepcopy=False)
                   if tr.datetime_start and tr.datetime_start.timestamp() >= t)
         if new or not r.state.done("search"):  # a no-op rerun adds no time and no run
             info = {"extend": True}
         else:
-            _log("search: the study has its trials already; nothing measured")
+            log("search: the study has its trials already; nothing measured")
     r.study = _load_study(ctx)
     r.best = chosen_from_study(r.study, ctx) if r.study is not None else None
     return info
@@ -249,14 +243,12 @@ def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if fresh and r.best is not None:
         from archsearch.search.gqa import local_gqa_search
 
-        _log(f"local GQA search around trial {r.best['trial']}")
+        log(f"local GQA search around trial {r.best['trial']}")
         g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa)
         write_json(r.out / "gqa.json", g.to_dict(), default=str)
         info = {}
     r.gqa = _read_json(r.out / "gqa.json")  # this run's, or an earlier run's when resuming
-    r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
-    if r.answer is not None:
-        write_chosen(r.ctx, r.out, r.answer)
+    _decide(r)
     return info
 
 
@@ -265,14 +257,19 @@ def _train(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if not fresh or r.answer is None:
         r.prs = _read_json(r.out / "predict_rank_select.json")  # an earlier run's, when resuming
         if r.prs is not None:
-            r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
-            write_chosen(r.ctx, r.out, r.answer)
+            _decide(r)
         return None
     r.prs = train_final(r.cfg, r.out, r.ctx, r.study, r.answer)
     if r.prs is not None:  # predict-rank-select released one of the trained candidates
-        r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
-        write_chosen(r.ctx, r.out, r.answer)
+        _decide(r)
     return {}
+
+
+def _decide(r: StudyRun) -> None:
+    """The answer from what the stages so far found, and its ``chosen/`` folder."""
+    r.answer = decide(r.best, r.gqa, r.prs, r.ctx)
+    if r.answer is not None:
+        write_chosen(r.ctx, r.out, r.answer)
 
 
 def _eval(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
@@ -288,7 +285,7 @@ def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         return None
     from archsearch.search.report import write_report
 
-    _log("writing the report, trials.csv and plots")
+    log("writing the report, trials.csv and plots")
     r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs)
     return {}
 
@@ -306,35 +303,6 @@ STAGES: tuple[Stage, ...] = (
     Stage("report", _report, resumes_itself=True),
 )
 STAGE_NAMES = tuple(st.name for st in STAGES)
-
-
-def write_chosen(ctx, out: Path, answer: Answer) -> Path:
-    """``chosen/``, a folder vLLM and transformers load without extra flags: the config in the
-    dtype the study measured it in, and the study's tokenizer when it trained with one."""
-    spec = answer.spec
-    dtype = ctx.measurer.measured_dtype(spec) or \
-        (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
-    folder = out / "chosen"
-    write_hf_config(spec, folder, dtype=dtype)
-    tok = study_tokenizer(out)
-    if tok is not None and not (folder / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=folder) as tmp:
-            AutoTokenizer.from_pretrained(str(tok)).save_pretrained(tmp)
-            # moved in with tokenizer.json last: its presence marks the tokenizer complete
-            for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer.json"):
-                os.replace(f, folder / f.name)
-    return folder
-
-
-def study_tokenizer(out: Path) -> Path | None:
-    """A model folder of this study with a saved tokenizer (final model, else a proxy run)."""
-    for pattern in ("final/model", "final/candidate-*/model", "proxies/*/runs/*/model"):
-        for folder in sorted(out.glob(pattern)):
-            if (folder / "tokenizer.json").is_file():
-                return folder
-    return None
 
 
 def search_context(cfg: StudyConfig, out: Path, law=None):
@@ -356,76 +324,6 @@ def search_context(cfg: StudyConfig, out: Path, law=None):
 
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:
     return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
-
-
-def _train_proxy_grid(r: StudyRun) -> dict[str, Any]:
-    """Train every proxy sweep (each resumes and skips its finished runs) into
-    ``proxies/<sweep name>/`` and merge their tables into ``proxies/runs.csv``."""
-    from archsearch.rundata import write_runs
-    from archsearch.trainers import run_sweep
-
-    cfg, out = r.cfg, r.out
-    records = []
-    for sweep in proxy_sweeps(cfg):
-        _log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
-        if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
-            from archsearch.cluster.study import link_shared_runs
-
-            reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
-            _log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
-        if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
-            from dataclasses import replace
-
-            from archsearch.cluster.study import JOBS_DIR, run_proxy_jobs
-
-            run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name)
-            sweep = replace(sweep, retry_failed=False)
-        records += run_sweep(sweep, out / "proxies" / sweep.name)
-    write_runs(r.runs_path, records)
-    return {"proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
-
-
-def _train_active_proxies(r: StudyRun) -> dict[str, Any]:
-    """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active``)
-    into ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
-    from archsearch.rundata import write_runs
-    from archsearch.trainers.active import run_active
-
-    cfg, out = r.cfg, r.out
-    _log(f"active proxy plan into {out / 'proxies' / 'active'}")
-    # a best-observed L_opt exists only at a trained size: the target size joins the initial design
-    anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
-    records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
-                         out / "proxies" / "active", anchor_params=anchors)
-    write_active_plan_report(out)
-    with file_lock(out / ".stage.lock"):
-        write_runs(r.runs_path, records)
-    return {"plan": "active", "proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
-
-
-def write_active_plan_report(out: Path) -> None:
-    """The plan's section and plot on their own (``proxies/active/plan.md``, ``plots/active_proxies.png``),
-    readable before the search stage; the study's report repeats them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
-
-    plan = active_plan_summary(out)
-    (out / "plots").mkdir(parents=True, exist_ok=True)
-    _active_plot(plan, out / "plots", plt)
-    atomic_write(out / "proxies" / "active" / "plan.md", "\n".join(_active_markdown(plan)[1:]) + "\n\n"
-                 "![plot](../../plots/active_proxies.png)\n")
-
-
-def fit_options(cfg: StudyConfig):
-    """The study's law-fit options (the final fit, and the active plan's loop with fewer resamples)."""
-    from archsearch.laws import FitOptions
-
-    return FitOptions(reference=cfg.law.reference, bootstrap=cfg.law.bootstrap, r_range=cfg.law.r_range,
-                      seed=cfg.optuna.seed, size_tolerance=cfg.size_tolerance)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
+from archsearch.search import log
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import Measurer, check_result_limits, spec_key
 
@@ -177,14 +179,28 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def recover_stale_trials(study, storage) -> list[int]:
-    """Fail trials left RUNNING by a dead process on this host and enqueue their parameters."""
+def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
+    """Fail trials left RUNNING by a dead process on this host and enqueue their parameters.
+
+    A worker names itself on a trial in the objective's first line; a trial with no worker is a
+    live worker's only for the instant between Optuna creating it and that line, so one still
+    without a worker ``grace_s`` after it started belongs to a process killed in that instant."""
     from optuna.trial import TrialState
 
+    def running():
+        return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+
+    def age(t) -> float:
+        return time.time() - t.datetime_start.timestamp() if t.datetime_start else grace_s
+
+    youngest = min((age(t) for t in running() if not t.user_attrs.get("worker")), default=grace_s)
+    if youngest < grace_s:
+        time.sleep(grace_s - youngest)
     recovered = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    for t in running():
         w = t.user_attrs.get("worker") or {}
-        if w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"])):
+        dead = w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"]))
+        if dead or (not w and age(t) >= grace_s):
             storage.set_trial_user_attr(t._trial_id, "failure_reason",
                                         "its worker process died; parameters enqueued again")
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
@@ -254,25 +270,33 @@ def objective(trial, ctx: SearchContext):
         return _paired_objective(trial, ctx, spec, loss)
     m = ctx.measurer.measure(spec)
     result = m.result
-    trial.set_user_attr("measurement_key", m.key)
-    trial.set_user_attr("measurement_cached", m.cached)
-    trial.set_user_attr("backend", result.backend)
     trial.set_user_attr("throughput", {str(b.batch_size): b.output_throughput for b in result.per_batch})
     trial.set_user_attr("ttft", {str(b.batch_size): b.ttft_mean for b in result.per_batch})
     tput = result.throughput(ctx.ref_batch)
-    if not result.ok or tput is None:
-        reason = result.error or f"no throughput at batch size {ctx.ref_batch}"
-        trial.set_user_attr("failure_reason", reason)
+    _stored(trial, m, result.backend, None if result.ok and tput is not None else
+            result.error or f"no throughput at batch size {ctx.ref_batch}")
+    return _measured(trial, ctx, result.batch(ctx.ref_batch), tput, loss)
+
+
+def _stored(trial, m, backend: str | None, failure: str | None) -> None:
+    """Record where a trial's measurement is stored; a failed one fails the trial."""
+    trial.set_user_attr("measurement_key", m.key)
+    trial.set_user_attr("measurement_cached", m.cached)
+    trial.set_user_attr("backend", backend)
+    if failure is not None:
+        trial.set_user_attr("failure_reason", failure)
         _set_constraint(trial, "limits_violated", 0.0)
-        raise MeasurementFailed(reason)
+        raise MeasurementFailed(failure)
+
+
+def _measured(trial, ctx: SearchContext, batch, value: float, loss: float):
+    """A measured trial's limits (on its reference batch, a constraint) and objective value(s)."""
     trial.set_user_attr("measured", True)
-    ok, why = check_result_limits(cfg.limits, result.batch(ctx.ref_batch), ctx.ref_batch)
+    ok, why = check_result_limits(ctx.cfg.limits, batch, ctx.ref_batch)
     if not ok:
         trial.set_user_attr("limits_reason", why)
     _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
-    if cfg.optuna.objective == "pareto":
-        return tput, loss
-    return tput
+    return (value, loss) if ctx.cfg.optuna.objective == "pareto" else value
 
 
 # Objective names, as Optuna's dashboard and ``study.trials_dataframe()`` show them.
@@ -312,14 +336,8 @@ def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
         return (1.0, loss) if cfg.optuna.objective == "pareto" else 1.0
     m = ctx.measurer.compare([ctx.baseline, spec])
     pr = m.result
-    trial.set_user_attr("measurement_key", m.key)
-    trial.set_user_attr("measurement_cached", m.cached)
-    trial.set_user_attr("backend", pr.settings.get("backend"))
-    if not pr.ok:
-        reason = pr.error or "the paired measurement gave fewer than two rounds"
-        trial.set_user_attr("failure_reason", reason)
-        _set_constraint(trial, "limits_violated", 0.0)
-        raise MeasurementFailed(reason)
+    _stored(trial, m, pr.settings.get("backend"),
+            None if pr.ok else pr.error or "the paired measurement gave fewer than two rounds")
     est = pr.estimate(1)
     batch = pr.batch_result(1)
     trial.set_user_attr("throughput", {str(ctx.ref_batch): batch.output_throughput})
@@ -329,14 +347,7 @@ def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     trial.set_user_attr("rounds", len(pr.rounds))
     if pr.timing.get("group_size"):
         trial.set_user_attr("group_size", pr.timing["group_size"])
-    trial.set_user_attr("measured", True)
-    ok, why = check_result_limits(cfg.limits, batch, ctx.ref_batch)
-    if not ok:
-        trial.set_user_attr("limits_reason", why)
-    _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
-    if cfg.optuna.objective == "pareto":
-        return est.ratio, loss
-    return est.ratio
+    return _measured(trial, ctx, batch, est.ratio, loss)
 
 
 def trial_is_feasible(t) -> bool:
@@ -568,10 +579,7 @@ def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> 
     if len(specs) < 2:
         return 0
     if progress:
-        import sys
-
-        print(f"[search] comparing the {len(specs)} feasible seed shapes with the baseline in one engine "
-              "process", file=sys.stderr, flush=True)
+        log(f"comparing the {len(specs)} feasible seed shapes with the baseline in one engine process")
     return ctx.measurer.compare_together(ctx.baseline, specs)
 
 

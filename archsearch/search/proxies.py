@@ -1,0 +1,74 @@
+"""The study's proxy stage: train the proxy sweeps (every grid point, or the runs the active plan
+chooses) into the study's ``proxies/`` folder and merge their tables into ``proxies/runs.csv``,
+the table the fit stage reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from archsearch.fileio import atomic_write
+from archsearch.search import log
+from archsearch.search.checks import proxy_sweeps
+from archsearch.search.config import StudyConfig
+from archsearch.search.measure import file_lock
+
+
+def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
+    """Train every proxy sweep (each resumes and skips its finished runs) into
+    ``proxies/<sweep name>/`` and merge their tables into ``proxies/runs.csv``."""
+    from archsearch.rundata import write_runs
+    from archsearch.trainers import run_sweep
+
+    records = []
+    for sweep in proxy_sweeps(cfg):
+        log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
+        if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
+            from archsearch.cluster.study import link_shared_runs
+
+            reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
+            log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
+        if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
+            from dataclasses import replace
+
+            from archsearch.cluster.study import JOBS_DIR, run_proxy_jobs
+
+            run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name)
+            sweep = replace(sweep, retry_failed=False)
+        records += run_sweep(sweep, out / "proxies" / sweep.name)
+    write_runs(runs_path, records)
+    return {"proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
+
+
+def train_active_proxies(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
+    """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active``)
+    into ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
+    from archsearch.rundata import write_runs
+    from archsearch.trainers.active import run_active
+
+    log(f"active proxy plan into {out / 'proxies' / 'active'}")
+    # a best-observed L_opt exists only at a trained size: the target size joins the initial design
+    anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
+    records = run_active(proxy_sweeps(cfg), cfg.law.form, cfg.fit_options(), cfg.proxy.active,
+                         out / "proxies" / "active", anchor_params=anchors)
+    write_active_plan_report(out)
+    with file_lock(out / ".stage.lock"):
+        write_runs(runs_path, records)
+    return {"plan": "active", "proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
+
+
+def write_active_plan_report(out: Path) -> None:
+    """The plan's section and plot on their own (``proxies/active/plan.md``, ``plots/active_proxies.png``),
+    readable before the search stage; the study's report repeats them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+
+    plan = active_plan_summary(out)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    _active_plot(plan, out / "plots", plt)
+    atomic_write(out / "proxies" / "active" / "plan.md", "\n".join(_active_markdown(plan)[1:]) + "\n\n"
+                 "![plot](../../plots/active_proxies.png)\n")
