@@ -35,8 +35,41 @@ def test_lora_step_flops_is_four_n_plus_six_adapters():
     spec = get_preset("smollm2-135m")
     lora = LoraSettings(rank=8)
     assert pl.lora_step_flops(spec, lora, 1000) == 1000 * (4 * compute_params(spec) + 6 * lora_params(spec, lora))
+    # with the sequence length: attention's score and value matmuls, 6 L S dq per token (as full training)
+    assert pl.lora_step_flops(spec, lora, 1000, 128) == pytest.approx(
+        pl.lora_step_flops(spec, lora, 1000) + 1000 * 6 * spec.n_layers * 128 * spec.q_dim)
     t = pl.predict_lora_step_time(spec, lora, 2, 128, device="H100", mfu=0.5)
     assert t["step_s"] == pytest.approx(t["flops_per_step"] / (0.5 * t["peak_flops"]))
+    assert t["calibrated"] is False and t["method"].startswith("uncalibrated")
+
+
+def test_calibrated_step_time_scales_by_flops_and_checks_the_device(tmp_path):
+    spec, big = get_preset("smollm2-135m"), get_preset("smollm2-360m")
+    lora, lora_all = LoraSettings(rank=8), LoraSettings(16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"))
+    cal = pl.LoraCalibration.from_step(spec, lora, 2, 128, step_s=2.0, device="cpu", measured={"model": "m"},
+                                       provenance={"time_utc": "2026-01-01T00:00:00+00:00"})
+    assert cal.achieved_flops == pytest.approx(pl.lora_step_flops(spec, lora, 256, 128) / 2.0)
+    # the calibration configuration is predicted exactly; others by their FLOPs
+    assert pl.predict_lora_step_time(spec, lora, 2, 128, "cpu", calibration=cal)["step_s"] == pytest.approx(2.0)
+    t = pl.predict_lora_step_time(big, lora_all, 4, 256, "cpu", calibration=cal)
+    assert t["calibrated"] is True and "calibrated: " in t["method"] and "2026-01-01" in t["method"]
+    assert t["step_s"] == pytest.approx(2.0 * pl.lora_step_flops(big, lora_all, 1024, 256)
+                                        / pl.lora_step_flops(spec, lora, 256, 128))
+    back = pl.LoraCalibration.load(cal.save(tmp_path / "cal.json"))
+    assert back == cal
+    with pytest.raises(ArchsearchError) as e:  # a CPU calibration does not predict a GPU
+        pl.predict_lora_step_time(spec, lora, 2, 128, "H100", calibration=cal)
+    assert e.value.field == "--lora-calibration"
+    with pytest.raises(ArchsearchError) as e:
+        pl.predict_lora_step_time(spec, lora, 2, 128, "cpu", mfu=0.3, calibration=cal)
+    assert e.value.field == "--mfu"
+    (tmp_path / "bad.json").write_text('{"kind": "plan"}')
+    with pytest.raises(ArchsearchError) as e:
+        pl.LoraCalibration.load(tmp_path / "bad.json")
+    assert "not a LoRA calibration" in str(e.value)
+    with pytest.raises(ArchsearchError) as e:
+        pl.LoraCalibration(achieved_flops=-1.0, device="cpu", step_s=1.0, flops_per_step=1.0, measured={})
+    assert e.value.field == "lora_calibration.achieved_flops"
 
 
 def test_candidates_resolve_presets_folders_and_study_chosen(tmp_path):
