@@ -170,10 +170,13 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
 
     argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "16",
             "--repeats", "1", "--warmup", "0", "--torch-threads", "1", "--out", str(tmp_path / "p"),
-            "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--json"]
+            "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--calibrate-lora", "--json"]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["recommended"] == "tiny"
+    # the LoRA step time is calibrated on a real peft step measured here, and says so
+    assert doc["finetune"]["step_time"].startswith("calibrated: ") and doc["finetune"]["calibration"]["step_s"] > 0
+    assert doc["candidates"][0]["lora"]["time_calibrated"] is True
     assert "--lora-rank" in doc["finetune_command"]
     pts = doc["candidates"][0]["points"]
     assert len(pts) == 2 and all(p["ok"] and p["tpot_s"] is not None and p["ttft_s"] > 0 for p in pts)
@@ -183,3 +186,25 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     n = len((tmp_path / "p" / pl.MEASUREMENTS).read_text().splitlines())
     assert main(argv) == 0
     assert len((tmp_path / "p" / pl.MEASUREMENTS).read_text().splitlines()) == n
+
+
+def test_calibrate_lora_measures_the_smallest_candidate_once_and_resumes(tmp_path):
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return {"weights": "random", "threads": kw["threads"], "step_wall_s": [3.0, 1.0, 2.0], "step_cpu_s": [4.0] * 3}
+
+    cands = [pl.resolve_candidate("smollm2-135m"), pl.resolve_candidate("tiny")]
+    ft = pl.FinetunePlan(seq_len=512, device="cpu")
+    cal = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
+    assert calls[0]["spec"] == cands[1].spec and calls[0]["batch_size"] == 1 and calls[0]["seq_len"] == 256
+    assert cal.step_s == 2.0 and cal.measured["model"].startswith("tiny") and "time_utc" in cal.provenance
+    again = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
+    assert again == cal and len(calls) == 1  # read back from OUT/lora_calibration.json, not measured again
+    plans_ft = pl.FinetunePlan(seq_len=256, batch_size=1, device="cpu", calibration=cal)
+    cp = pl.plan_candidate(cands[1], pl.PlanGrid((1,), (8,), (4,)),
+                           {pl._key(cands[1], "hf", 8, 4): {1: {"ok": True, "ttft_mean": 0.1, "tpot_mean": 0.01,
+                                                                 "peak_memory_bytes": 1, "output_throughput": 1.0}}},
+                           "hf", Limits(), plans_ft)
+    assert cp.lora["time_calibrated"] and cp.lora["step_s"] == pytest.approx(2.0)

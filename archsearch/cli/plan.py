@@ -48,7 +48,15 @@ def register(sub) -> None:
     ft.add_argument("--finetune-seq-len", type=pos_int, default=512)
     ft.add_argument("--finetune-device", default=None,
                     help="device table entry the fine-tune runs on (default: this machine)")
-    ft.add_argument("--mfu", type=pos_float, help="model FLOP utilisation for the step time (default: planning's)")
+    ft.add_argument("--mfu", type=pos_float, help="model FLOP utilisation for the step time (uncalibrated; "
+                    "default: planning's assumed 0.40)")
+    cal = ft.add_mutually_exclusive_group()
+    cal.add_argument("--lora-calibration", metavar="JSON",
+                     help="achieved FLOP/s of a real LoRA step on the fine-tuning device (bench_lora_step's "
+                          "calibration-cpu.json, or an earlier plan's lora_calibration.json): calibrates the step time")
+    cal.add_argument("--calibrate-lora", action="store_true",
+                     help="measure one short real LoRA step (peft) of the smallest candidate on this machine "
+                          "first and calibrate every candidate's step time on it (OUT/lora_calibration.json, reused)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.set_defaults(func=_plan)
 
@@ -74,9 +82,23 @@ def _plan(args: argparse.Namespace) -> int:
         from archsearch.hardware import local_device_name
 
         args.finetune_device = local_device_name() or "cpu"
+    calibration = None
+    if args.lora_calibration or args.calibrate_lora:
+        if args.mfu is not None:
+            raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
+    if args.lora_calibration:
+        calibration = pl.LoraCalibration.load(args.lora_calibration)
+        pl.predict_lora_step_time(candidates[0].spec, lora, 1, 8, args.finetune_device, calibration=calibration)
+    if args.calibrate_lora:
+        from archsearch.hardware import local_device_name
+
+        here = local_device_name()
+        if here is None or pl._device_key(args.finetune_device) != pl._device_key(here):
+            raise ArchsearchError("--calibrate-lora", f"this machine is {here}, the fine-tune is planned on "
+                                  f"{args.finetune_device}", "calibrate on that device and pass --lora-calibration")
     finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size,
                                seq_len=args.finetune_seq_len, max_hours=args.max_finetune_hours,
-                               device=args.finetune_device, mfu=args.mfu)
+                               device=args.finetune_device, mfu=args.mfu, calibration=calibration)
     # a lower bound of the weights' memory: "auto" is bfloat16 on a GPU, float32 on CPU
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     if limits.max_peak_memory_gib is not None:
@@ -87,14 +109,6 @@ def _plan(args: argparse.Namespace) -> int:
                                   "raise the limit or add a smaller candidate")
     for c in candidates:  # adapters on these targets must be accountable before measuring
         pl.lora_params(c.spec, lora)
-    if finetune.max_hours is not None:
-        fastest = min((pl.predict_lora_step_time(c.spec, lora, finetune.batch_size, finetune.seq_len,
-                                                 finetune.device, finetune.mfu)["step_s"] * finetune.steps / 3600, c.name)
-                      for c in candidates)
-        if fastest[0] > finetune.max_hours:
-            raise ArchsearchError("--max-finetune-hours", f"{finetune.max_hours:g} h is unsatisfiable: the fastest "
-                                  f"predicted LoRA fine-tune is {fastest[0]:.4g} h ({fastest[1]}, {finetune.steps} steps)",
-                                  "raise the budget, or plan fewer --finetune-tokens")
     engine_args = {"torch_threads": args.torch_threads} if args.torch_threads else {}
     settings_kw = {"backend": args.backend, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
                    "timeout_s": args.timeout, "engine_args": engine_args}
@@ -103,8 +117,20 @@ def _plan(args: argparse.Namespace) -> int:
     from archsearch.benchmarks.base import get_backend
 
     get_backend(args.backend).check_available()
-
     out = Path(args.out)
+    if args.calibrate_lora:  # the one measurement the fine-tune budget check below needs
+        calibration = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)
+        finetune = pl.FinetunePlan(**{**{f: getattr(finetune, f) for f in finetune.__dataclass_fields__},
+                                      "calibration": calibration})
+    if finetune.max_hours is not None:
+        fastest = min((pl.predict_lora_step_time(c.spec, lora, finetune.batch_size, finetune.seq_len,
+                                                 finetune.device, finetune.mfu, calibration=finetune.calibration
+                                                 )["step_s"] * finetune.steps / 3600, c.name)
+                      for c in candidates)
+        if fastest[0] > finetune.max_hours:
+            raise ArchsearchError("--max-finetune-hours", f"{finetune.max_hours:g} h is unsatisfiable: the fastest "
+                                  f"predicted LoRA fine-tune is {fastest[0]:.4g} h ({fastest[1]}, {finetune.steps} steps)",
+                                  "raise the budget, or plan fewer --finetune-tokens")
     measured = pl.measure_grid(candidates, grid, settings_kw, out)
     plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune) for c in candidates]
     best = pl.recommend(plans)
@@ -117,7 +143,10 @@ def _plan(args: argparse.Namespace) -> int:
            "prefill_lens": list(grid.prefill_lens), "decode_lens": list(grid.decode_lens)},
            "limits": {**limits.to_dict(), "max_finetune_hours": finetune.max_hours},
            "finetune": {"rank": lora.rank, "targets": list(lora.targets), "tokens": finetune.tokens,
-                        "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device},
+                        "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device,
+                        "step_time": (finetune.calibration.describe() if finetune.calibration else
+                                      "uncalibrated: MFU x peak (pass --calibrate-lora or --lora-calibration)"),
+                        "calibration": finetune.calibration.to_dict() if finetune.calibration else None},
            "candidates": [pl.plan_to_dict(cp) for cp in plans],
            "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
            "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
@@ -131,6 +160,7 @@ def _plan(args: argparse.Namespace) -> int:
         print_json(doc)
     else:
         _print(plans, best, command, note, problems, out, png)
+        print(f"LoRA step time: {doc['finetune']['step_time']}")
     if best is None:
         raise ArchsearchError("limits", "no candidate is within every limit: " +
                               ("; ".join(problems) if problems else

@@ -21,6 +21,7 @@ token, peak memory and a fine-tuning time budget.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -240,6 +241,43 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
                       f"{peak / 1e12:.3g} TFLOP/s ({dev.source})",
             "peak_flops": peak, "peak_source": dev.source, "mfu": used_mfu, "mfu_source": mfu_source,
             "device": dev.name, "formula": LORA_STEP_FORMULA + " / (MFU x peak)"}
+
+
+CALIBRATION = "lora_calibration.json"
+
+
+def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, threads: int | None = None,
+                   progress: Callable[[str], None] = print, measure_fn: Callable | None = None) -> LoraCalibration:
+    """One short real LoRA fine-tune (peft, :func:`archsearch.planning.measure.measure_lora_step`)
+    of the smallest candidate, random weights (the same speed), batch 1 x min(seq_len, 256), on
+    this machine; its achieved FLOP/s, saved to ``OUT/lora_calibration.json`` and reused from
+    there when the plan is run again (resume)."""
+    from archsearch.provenance import provenance
+
+    path = out / CALIBRATION
+    if path.is_file():
+        cal = LoraCalibration.load(path, "--calibrate-lora")
+        progress(f"plan: LoRA step time calibrated by {path} (measured before; delete it to measure again)")
+        return cal
+    if measure_fn is None:
+        from archsearch.planning.measure import measure_lora_step as measure_fn
+    smallest = min(candidates, key=lambda c: (lora_step_flops(c.spec, ft.lora, 1), c.name))
+    seq = min(ft.seq_len, 256)
+    threads = threads or os.cpu_count() or 1
+    progress(f"plan: calibrating the LoRA step time: one short real LoRA fine-tune of {smallest.name} "
+             f"(rank {ft.lora.rank}, batch 1 x {seq}, {threads} threads)")
+    r = measure_fn(spec=smallest.spec, rank=ft.lora.rank, targets=ft.lora.targets, batch_size=1, seq_len=seq,
+                   steps=2, threads=threads)
+    import statistics
+
+    measured = {"model": f"{smallest.name}: {r['weights']}", "threads": r["threads"], "steps_timed": len(r["step_wall_s"]),
+                "step_wall_s": r["step_wall_s"], "step_cpu_s": r["step_cpu_s"]}
+    prov = provenance(extra_packages=("peft",))
+    cal = LoraCalibration.from_step(smallest.spec, ft.lora, 1, seq, statistics.median(r["step_wall_s"]), ft.device,
+                                    measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions", "device", "command")})
+    cal.save(path)
+    progress(f"plan: {cal.describe()} -> {path}")
+    return cal
 
 
 # -- measuring the grid ------------------------------------------------------------------------
