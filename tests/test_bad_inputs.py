@@ -244,6 +244,7 @@ CLI_CASES = [
     ("plan-candidate-missing", ["plan", "--candidates", "{d}/nope", "--out", "{d}/po"], "--candidates"),
     ("plan-lora-target-unknown", [*PLAN, "--lora-targets", "lm_head"], "lora.targets"),
     ("plan-decode-one", [*PLAN, "--decode-lens", "1"], "decode_lens"),
+    ("plan-torch-threads-vllm", [*PLAN, "--backend", "vllm", "--torch-threads", "1"], "--torch-threads"),
     ("plan-lora-calibration-missing", [*PLAN, "--lora-calibration", "{d}/nope.json"], "--lora-calibration"),
     ("plan-calibrate-lora-other-device", [*PLAN, "--calibrate-lora", "--finetune-device", "H100"], "--calibrate-lora"),
     ("plan-calibrate-lora-and-mfu", [*PLAN, "--calibrate-lora", "--mfu", "0.3"], "--mfu"),

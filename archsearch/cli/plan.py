@@ -109,6 +109,9 @@ def _plan(args: argparse.Namespace) -> int:
                                   "raise the limit or add a smaller candidate")
     for c in candidates:  # adapters on these targets must be accountable before measuring
         pl.lora_params(c.spec, lora)
+    if args.torch_threads and args.backend != "hf":
+        raise ArchsearchError("--torch-threads", f"sets the hf backend's torch threads, not {args.backend}'s",
+                              "leave it out with --backend " + args.backend)
     engine_args = {"torch_threads": args.torch_threads} if args.torch_threads else {}
     settings_kw = {"backend": args.backend, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
                    "timeout_s": args.timeout, "engine_args": engine_args}
