@@ -83,9 +83,8 @@ def _plan(args: argparse.Namespace) -> int:
 
         args.finetune_device = local_device_name() or "cpu"
     calibration = None
-    if args.lora_calibration or args.calibrate_lora:
-        if args.mfu is not None:
-            raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
+    if (args.lora_calibration or args.calibrate_lora) and args.mfu is not None:
+        raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
     if args.lora_calibration:
         calibration = pl.LoraCalibration.load(args.lora_calibration)
         pl.predict_lora_step_time(candidates[0].spec, lora, 1, 8, args.finetune_device, calibration=calibration)

@@ -99,7 +99,7 @@ class FinetunePlan:
     max_hours: float | None = None
     device: str = "cpu"
     mfu: float | None = None
-    calibration: "LoraCalibration | None" = None
+    calibration: LoraCalibration | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens", "batch_size", "seq_len"):
@@ -159,7 +159,7 @@ class LoraCalibration:
     @classmethod
     def from_step(cls, spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int, step_s: float,
                   device: str, measured: dict[str, Any], provenance: dict[str, Any] | None = None,
-                  clock: str = "wall") -> "LoraCalibration":
+                  clock: str = "wall") -> LoraCalibration:
         flops = lora_step_flops(spec, lora, batch_size * seq_len, seq_len)
         return cls(flops / step_s, device, step_s, flops,
                    {**measured, "rank": lora.rank, "targets": list(lora.targets), "batch_size": batch_size,
@@ -183,7 +183,7 @@ class LoraCalibration:
         return Path(path)
 
     @classmethod
-    def load(cls, path: str | Path, field_name: str = "--lora-calibration") -> "LoraCalibration":
+    def load(cls, path: str | Path, field_name: str = "--lora-calibration") -> LoraCalibration:
         import json
 
         p = Path(path)
