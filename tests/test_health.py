@@ -84,6 +84,18 @@ def test_health_config_names_bad_fields():
     assert e.value.field == "sweep.health.max_lr"
 
 
+def test_proxies_health_sums_the_sweeps_counts(tmp_path):
+    from archsearch.trainers.health import proxies_health
+
+    assert proxies_health(tmp_path) is None
+    h = {"compliant": 3, "retuned": 1, "compliant_after_retune": 1, "non_compliant": 1, "retrain_attempts": 2}
+    for name, health in (("a", h), ("b", {**h, "retuned": 2}), ("c", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text(json.dumps({"name": name, "health": health}))
+    s = proxies_health(tmp_path)
+    assert s["sweeps"] == ["a", "b"] and s["retuned"] == 3 and s["non_compliant"] == 2 and s["compliant"] == 6
+
+
 def test_per_level_start_is_config_within_the_bounds(tmp_path):
     """health.start_batch / start_lr: one value or one per N level, read from YAML, applied by
     train_for, checked against the level's bounds before anything trains."""
