@@ -175,8 +175,11 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["recommended"] == "tiny"
     # the LoRA step time is calibrated on a real peft step measured here, and says so
-    assert doc["finetune"]["step_time"].startswith("calibrated: ") and doc["finetune"]["calibration"]["step_s"] > 0
-    assert doc["candidates"][0]["lora"]["time_calibrated"] is True
+    lo = doc["candidates"][0]["lora"]
+    assert doc["finetune"]["step_time"].startswith("calibrated on each candidate")
+    assert lo["time_calibrated"] is True and lo["time_method"].startswith("calibrated: ")
+    assert lo["step_time"]["calibration"]["measured"]["model"].startswith("tiny")
+    assert (tmp_path / "p" / pl.CALIBRATIONS / "tiny.json").is_file()
     assert "--lora-rank" in doc["finetune_command"]
     pts = doc["candidates"][0]["points"]
     assert len(pts) == 2 and all(p["ok"] and p["tpot_s"] is not None and p["ttft_s"] > 0 for p in pts)
@@ -188,23 +191,36 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     assert len((tmp_path / "p" / pl.MEASUREMENTS).read_text().splitlines()) == n
 
 
-def test_calibrate_lora_measures_the_smallest_candidate_once_and_resumes(tmp_path):
+def test_calibrate_lora_measures_each_candidate_once_and_resumes(tmp_path):
     calls = []
 
     def fake(**kw):
         calls.append(kw)
+        if kw["spec"].name == "smollm2-135m":
+            raise RuntimeError("LoRA step measurement failed (-9): killed")
         return {"weights": "random", "threads": kw["threads"], "step_wall_s": [3.0, 1.0, 2.0], "step_cpu_s": [4.0] * 3}
 
     cands = [pl.resolve_candidate("smollm2-135m"), pl.resolve_candidate("tiny")]
     ft = pl.FinetunePlan(seq_len=512, device="cpu")
-    cal = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
-    assert calls[0]["spec"] == cands[1].spec and calls[0]["batch_size"] == 1 and calls[0]["seq_len"] == 256
+    cals = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
+    assert [c["spec"] for c in calls] == [cands[0].spec, cands[1].spec]
+    assert calls[1]["batch_size"] == 1 and calls[1]["seq_len"] == 128
+    assert isinstance(cals["smollm2-135m"], str) and "killed" in cals["smollm2-135m"]  # said, not hidden
+    cal = cals["tiny"]
     assert cal.step_s == 2.0 and cal.measured["model"].startswith("tiny") and "time_utc" in cal.provenance
+    calls.clear()
     again = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
-    assert again == cal and len(calls) == 1  # read back from OUT/lora_calibration.json, not measured again
-    plans_ft = pl.FinetunePlan(seq_len=256, batch_size=1, device="cpu", calibration=cal)
-    cp = pl.plan_candidate(cands[1], pl.PlanGrid((1,), (8,), (4,)),
-                           {pl._key(cands[1], "hf", 8, 4): {1: {"ok": True, "ttft_mean": 0.1, "tpot_mean": 0.01,
-                                                                 "peak_memory_bytes": 1, "output_throughput": 1.0}}},
-                           "hf", Limits(), plans_ft)
+    assert again["tiny"] == cal and [c["spec"].name for c in calls] == ["smollm2-135m"]  # tiny read back
+    # another rank is another calibration
+    other = pl.calibrate_lora(cands[1:], pl.FinetunePlan(lora=LoraSettings(rank=4), device="cpu"), tmp_path,
+                              threads=1, progress=lambda s: None, measure_fn=fake)
+    assert other["tiny"].measured["rank"] == 4
+    grid = pl.PlanGrid((1,), (8,), (4,))
+    m = {1: {"ok": True, "ttft_mean": 0.1, "tpot_mean": 0.01, "peak_memory_bytes": 1, "output_throughput": 1.0}}
+    plans_ft = pl.FinetunePlan(seq_len=128, batch_size=1, device="H100")
+    cp = pl.plan_candidate(cands[1], grid, {pl._key(cands[1], "hf", 8, 4): m}, "hf", Limits(),
+                           pl.FinetunePlan(seq_len=128, batch_size=1, device="cpu"), cal)
     assert cp.lora["time_calibrated"] and cp.lora["step_s"] == pytest.approx(2.0)
+    cp = pl.plan_candidate(cands[0], grid, {pl._key(cands[0], "hf", 8, 4): m}, "hf", Limits(), plans_ft,
+                           cals["smollm2-135m"])
+    assert not cp.lora["time_calibrated"] and "uncalibrated" in cp.lora["time_method"] and "killed" in cp.lora["time_method"]

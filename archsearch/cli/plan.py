@@ -55,8 +55,8 @@ def register(sub) -> None:
                      help="achieved FLOP/s of a real LoRA step on the fine-tuning device (bench_lora_step's "
                           "calibration-cpu.json, or an earlier plan's lora_calibration.json): calibrates the step time")
     cal.add_argument("--calibrate-lora", action="store_true",
-                     help="measure one short real LoRA step (peft) of the smallest candidate on this machine "
-                          "first and calibrate every candidate's step time on it (OUT/lora_calibration.json, reused)")
+                     help="measure one short real LoRA step (peft) of each candidate on this machine first and "
+                          "calibrate its step time on it (OUT/lora_calibration/<candidate>.json, reused)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.set_defaults(func=_plan)
 
@@ -120,21 +120,21 @@ def _plan(args: argparse.Namespace) -> int:
 
     get_backend(args.backend).check_available()
     out = Path(args.out)
-    if args.calibrate_lora:  # the one measurement the fine-tune budget check below needs
-        calibration = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)
-        finetune = pl.FinetunePlan(**{**{f: getattr(finetune, f) for f in finetune.__dataclass_fields__},
-                                      "calibration": calibration})
+    # per candidate: its own calibration (--calibrate-lora), else the given one, else none
+    cals: dict[str, pl.LoraCalibration | str | None] = {c.name: None for c in candidates}
+    if args.calibrate_lora:  # the measurements the fine-tune budget check below needs
+        cals = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)
     if finetune.max_hours is not None:
-        fastest = min((pl.predict_lora_step_time(c.spec, lora, finetune.batch_size, finetune.seq_len,
-                                                 finetune.device, finetune.mfu, calibration=finetune.calibration
-                                                 )["step_s"] * finetune.steps / 3600, c.name)
-                      for c in candidates)
+        fastest = min((pl.predict_lora_step_time(
+            c.spec, lora, finetune.batch_size, finetune.seq_len, finetune.device, finetune.mfu,
+            calibration=cals[c.name] if isinstance(cals[c.name], pl.LoraCalibration) else finetune.calibration,
+        )["step_s"] * finetune.steps / 3600, c.name) for c in candidates)
         if fastest[0] > finetune.max_hours:
             raise ArchsearchError("--max-finetune-hours", f"{finetune.max_hours:g} h is unsatisfiable: the fastest "
                                   f"predicted LoRA fine-tune is {fastest[0]:.4g} h ({fastest[1]}, {finetune.steps} steps)",
                                   "raise the budget, or plan fewer --finetune-tokens")
     measured = pl.measure_grid(candidates, grid, settings_kw, out)
-    plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune) for c in candidates]
+    plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune, cals[c.name]) for c in candidates]
     best = pl.recommend(plans)
     problems = pl.unsatisfiable(plans, limits, finetune)
     command = note = None
@@ -146,8 +146,9 @@ def _plan(args: argparse.Namespace) -> int:
            "limits": {**limits.to_dict(), "max_finetune_hours": finetune.max_hours},
            "finetune": {"rank": lora.rank, "targets": list(lora.targets), "tokens": finetune.tokens,
                         "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device,
-                        "step_time": (finetune.calibration.describe() if finetune.calibration else
-                                      "uncalibrated: MFU x peak (pass --calibrate-lora or --lora-calibration)"),
+                        "step_time": ("calibrated on each candidate's own real LoRA step (--calibrate-lora)"
+                                      if args.calibrate_lora else finetune.calibration.describe() if finetune.calibration
+                                      else "uncalibrated: MFU x peak (pass --calibrate-lora or --lora-calibration)"),
                         "calibration": finetune.calibration.to_dict() if finetune.calibration else None},
            "candidates": [pl.plan_to_dict(cp) for cp in plans],
            "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
@@ -191,6 +192,8 @@ def _print(plans, best, command, note, problems, out: Path, png: Path) -> None:
         lo = cp.lora
         print(f"{cp.name[:20]:<20} {lo['trainable_params']:>12,} {lo['peak_memory_gib']:>12.3f} {lo['step_s']:>13.4g} "
               f"{lo['hours']:>12.4g}  {'within every limit' if cp.feasible else '; '.join(cp.reasons)}")
+    for cp in plans:
+        print(f"  {cp.name}: LoRA step time {cp.lora['time_method']}")
     for line in problems:
         print(f"unsatisfiable: {line}")
     print(f"plan written to {out / 'plan.json'}, figure {png} (+ .pdf), measurements {out / 'measurements.jsonl'}")

@@ -243,41 +243,59 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
             "device": dev.name, "formula": LORA_STEP_FORMULA + " / (MFU x peak)"}
 
 
-CALIBRATION = "lora_calibration.json"
+CALIBRATIONS = "lora_calibration"
 
 
 def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, threads: int | None = None,
-                   progress: Callable[[str], None] = print, measure_fn: Callable | None = None) -> LoraCalibration:
-    """One short real LoRA fine-tune (peft, :func:`archsearch.planning.measure.measure_lora_step`)
-    of the smallest candidate, random weights (the same speed), batch 1 x min(seq_len, 256), on
-    this machine; its achieved FLOP/s, saved to ``OUT/lora_calibration.json`` and reused from
-    there when the plan is run again (resume)."""
-    from archsearch.provenance import provenance
-
-    path = out / CALIBRATION
-    if path.is_file():
-        cal = LoraCalibration.load(path, "--calibrate-lora")
-        progress(f"plan: LoRA step time calibrated by {path} (measured before; delete it to measure again)")
-        return cal
-    if measure_fn is None:
-        from archsearch.planning.measure import measure_lora_step as measure_fn
-    smallest = min(candidates, key=lambda c: (lora_step_flops(c.spec, ft.lora, 1), c.name))
-    seq = min(ft.seq_len, 256)
-    threads = threads or os.cpu_count() or 1
-    progress(f"plan: calibrating the LoRA step time: one short real LoRA fine-tune of {smallest.name} "
-             f"(rank {ft.lora.rank}, batch 1 x {seq}, {threads} threads)")
-    r = measure_fn(spec=smallest.spec, rank=ft.lora.rank, targets=ft.lora.targets, batch_size=1, seq_len=seq,
-                   steps=2, threads=threads)
+                   progress: Callable[[str], None] = print,
+                   measure_fn: Callable | None = None) -> dict[str, LoraCalibration | str]:
+    """Each candidate's own LoRA step calibration: one short real LoRA fine-tune (peft,
+    :func:`archsearch.planning.measure.measure_lora_step`; random weights of its shape, the same
+    speed) at batch 1 x min(seq_len, 128), one warm-up and two timed steps, on this machine.
+    A small model reaches a far lower FLOP/s than a large one, so each candidate is calibrated
+    on itself, not on another. Saved as ``OUT/lora_calibration/<candidate>.json`` and reused
+    when the plan is run again (resume). A candidate whose measurement fails maps to the
+    reason (its time stays uncalibrated, and says why)."""
+    import re
     import statistics
 
-    measured = {"model": f"{smallest.name}: {r['weights']}", "threads": r["threads"], "steps_timed": len(r["step_wall_s"]),
-                "step_wall_s": r["step_wall_s"], "step_cpu_s": r["step_cpu_s"]}
-    prov = provenance(extra_packages=("peft",))
-    cal = LoraCalibration.from_step(smallest.spec, ft.lora, 1, seq, statistics.median(r["step_wall_s"]), ft.device,
-                                    measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions", "device", "command")})
-    cal.save(path)
-    progress(f"plan: {cal.describe()} -> {path}")
-    return cal
+    from archsearch.provenance import provenance
+
+    folder = out / CALIBRATIONS
+    if measure_fn is None:
+        from archsearch.planning.measure import measure_lora_step as measure_fn
+    seq = min(ft.seq_len, 128)
+    threads = threads or os.cpu_count() or 1
+    result: dict[str, LoraCalibration | str] = {}
+    for i, c in enumerate(candidates, 1):
+        path = folder / (re.sub(r"[^A-Za-z0-9._-]+", "_", c.name).strip("_") + ".json")
+        if path.is_file():
+            cal = LoraCalibration.load(path, "--calibrate-lora")
+            m = cal.measured
+            if (m.get("rank"), tuple(m.get("targets", ())), _device_key(cal.device)) == (
+                    ft.lora.rank, tuple(ft.lora.targets), _device_key(ft.device)):
+                result[c.name] = cal
+                progress(f"plan: [{i}/{len(candidates)}] {c.name}: LoRA step calibration read from {path}")
+                continue
+        progress(f"plan: [{i}/{len(candidates)}] {c.name}: calibrating the LoRA step time (a real peft step, "
+                 f"rank {ft.lora.rank}, batch 1 x {seq}, {threads} threads)")
+        try:
+            r = measure_fn(spec=c.spec, rank=ft.lora.rank, targets=ft.lora.targets, batch_size=1, seq_len=seq,
+                           steps=2, threads=threads)
+        except (RuntimeError, OSError, ArchsearchError) as e:  # e.g. out of memory: said, not hidden
+            result[c.name] = f"calibration measurement failed: {str(e).strip().splitlines()[-1][:300]}"
+            progress(f"plan: {c.name}: {result[c.name]}")
+            continue
+        measured = {"model": f"{c.name}: {r['weights']}", "threads": r["threads"],
+                    "steps_timed": len(r["step_wall_s"]), "step_wall_s": r["step_wall_s"], "step_cpu_s": r["step_cpu_s"]}
+        prov = provenance(extra_packages=("peft",))
+        cal = LoraCalibration.from_step(c.spec, ft.lora, 1, seq, statistics.median(r["step_wall_s"]), ft.device,
+                                        measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions",
+                                                                        "device", "command")})
+        cal.save(path)
+        result[c.name] = cal
+        progress(f"plan: {c.name}: {cal.describe()}")
+    return result
 
 
 # -- measuring the grid ------------------------------------------------------------------------
@@ -373,7 +391,9 @@ def _gib(v: Any) -> float | None:
 
 
 def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, dict]], backend: str,
-                   limits: Limits, ft: FinetunePlan) -> CandidatePlan:
+                   limits: Limits, ft: FinetunePlan, calibration: LoraCalibration | str | None = None) -> CandidatePlan:
+    """``calibration``: this candidate's own (:func:`calibrate_lora`; a string: why it failed),
+    else ``ft.calibration``, else the step time is uncalibrated."""
     from archsearch.arch import active_params, total_params
 
     points = []
@@ -398,8 +418,10 @@ def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, d
     best = max(serving, key=lambda p: p.output_throughput or 0.0) if serving else None
     reasons = [] if serving else ["no grid point within the serving limits"]
     mem = predict_lora_memory(c.spec, ft.lora, ft.batch_size, ft.seq_len)
-    step = predict_lora_step_time(c.spec, ft.lora, ft.batch_size, ft.seq_len, ft.device, ft.mfu,
-                                  calibration=ft.calibration)
+    cal = calibration if isinstance(calibration, LoraCalibration) else ft.calibration
+    step = predict_lora_step_time(c.spec, ft.lora, ft.batch_size, ft.seq_len, ft.device, ft.mfu, calibration=cal)
+    if isinstance(calibration, str):
+        step["method"] += f" ({calibration})"
     hours = step["step_s"] * ft.steps / 3600
     lora = {"trainable_params": mem["trainable_params"], "rank": ft.lora.rank, "targets": list(ft.lora.targets),
             "peak_memory_gib": mem["total"] / 2**30, "memory_bytes": {k: v for k, v in mem.items()
