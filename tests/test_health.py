@@ -84,6 +84,56 @@ def test_health_config_names_bad_fields():
     assert e.value.field == "sweep.health.max_lr"
 
 
+def test_proxies_health_sums_the_sweeps_counts(tmp_path):
+    from archsearch.trainers.health import proxies_health
+
+    assert proxies_health(tmp_path) is None
+    h = {"compliant": 3, "retuned": 1, "compliant_after_retune": 1, "non_compliant": 1, "retrain_attempts": 2}
+    for name, health in (("a", h), ("b", {**h, "retuned": 2}), ("c", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text(json.dumps({"name": name, "health": health}))
+    s = proxies_health(tmp_path)
+    assert s["sweeps"] == ["a", "b"] and s["retuned"] == 3 and s["non_compliant"] == 2 and s["compliant"] == 6
+
+
+def test_per_level_start_is_config_within_the_bounds(tmp_path):
+    """health.start_batch / start_lr: one value or one per N level, read from YAML, applied by
+    train_for, checked against the level's bounds before anything trains."""
+    import yaml
+
+    from archsearch.configio import load_config
+    from archsearch.errors import ArchsearchError
+    from archsearch.trainers.config import SweepConfig
+
+    base = {"name": "s", "params": [3e4, 6e4], "n_layers": 2, "hidden_over_sqrt_n": [0.25], "mlp_to_attn": [1.0],
+            "gqa": 2, "head_dim": 32, "train": {"tokens": 4096, "global_batch_size": 8, "lr": 3e-4, "micro_batch_size": 8},
+            "health": {"min_batch": [4, 2], "max_lr": [4.8e-3, 4.8e-3], "start_batch": [4, 8],
+                       "start_lr": [4.8e-3, 3e-4]}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(base))
+    cfg = load_config(SweepConfig, tmp_path / "s.yaml")
+    t0, t1 = cfg.train_for(0), cfg.train_for(1)
+    assert (t0.global_batch_size, t0.lr, t0.micro_batch_size) == (4, 4.8e-3, None)  # 8 no longer divides 4
+    assert (t1.global_batch_size, t1.lr, t1.micro_batch_size) == (8, 3e-4, 8)
+    # one value for every level; no start: the sweep's train as before
+    one = SweepConfig(**{**cfg.__dict__, "health": HealthConfig(start_lr=1e-3)})
+    assert one.train_for(1).lr == 1e-3 and one.train_for(1).global_batch_size == 8
+    assert SweepConfig(**{**cfg.__dict__, "health": HealthConfig()}).train_for(0) == cfg.train
+    # retuning starts from the configured start: level 1 halves 8 -> 4 first
+    assert retune(t1, cfg.health, 1)[1] == "global batch 8 -> 4"
+    for health, field in ((HealthConfig(min_batch=[4, 16], start_batch=[4, 8]), "sweep.health.start_batch"),
+                          (HealthConfig(max_lr=[1e-2, 1e-4], start_lr=3e-4), "sweep.health.start_lr"),
+                          (HealthConfig(start_lr=[1e-3]), "sweep.health.start_lr")):
+        with pytest.raises(ArchsearchError) as e:
+            SweepConfig(**{**cfg.__dict__, "health": health})
+        assert e.value.field == field, health
+    with pytest.raises(ArchsearchError) as e:
+        HealthConfig(start_batch=[4, 0])
+    assert e.value.field == "sweep.health.start_batch"
+    with pytest.raises(ArchsearchError) as e:  # two places for one thing
+        SweepConfig(**{**cfg.__dict__, "hparams_per_level": ["80m", "145m"]})
+    assert e.value.field == "sweep.health.start_lr"
+
+
 @pytest.mark.slow
 def test_real_sweep_retrains_a_flagged_run_and_fits_only_compliant_runs(tmp_path, monkeypatch):
     import archsearch.trainers.health as health

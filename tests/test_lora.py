@@ -38,3 +38,22 @@ def test_lora_memory_terms_and_bad_settings():
     with pytest.raises(ArchsearchError) as e:
         LoraSettings(targets=("qkv",))
     assert e.value.field == "lora.targets"
+
+
+def test_measured_lora_step_runs_peft_and_reports_time_and_peak():
+    """A real (tiny, random-weight) LoRA step in a fresh process: peft's adapters, timed steps, a
+    loss and a peak; a spec and a model together are refused before anything runs."""
+    pytest.importorskip("peft")
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("peak RSS via Linux /proc")
+    from archsearch.planning.measure import measure_lora_step
+
+    spec = ArchSpec(n_layers=2, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=128, vocab_size=256)
+    r = measure_lora_step(spec=spec, rank=4, targets=("q_proj", "v_proj"), batch_size=2, seq_len=32, steps=2)
+    assert r["trainable_params"] == lora_params(spec, LoraSettings(4, ("q_proj", "v_proj")))
+    assert len(r["step_wall_s"]) == len(r["step_cpu_s"]) == 2 and min(r["step_wall_s"]) > 0
+    assert len(r["losses"]) == 3 and r["peak_above_model_bytes"] > 0
+    with pytest.raises(ArchsearchError):
+        measure_lora_step(model="smollm2-135m", spec=spec, rank=4, targets=("q_proj",), batch_size=1, seq_len=8)

@@ -35,8 +35,41 @@ def test_lora_step_flops_is_four_n_plus_six_adapters():
     spec = get_preset("smollm2-135m")
     lora = LoraSettings(rank=8)
     assert pl.lora_step_flops(spec, lora, 1000) == 1000 * (4 * compute_params(spec) + 6 * lora_params(spec, lora))
+    # with the sequence length: attention's score and value matmuls, 6 L S dq per token (as full training)
+    assert pl.lora_step_flops(spec, lora, 1000, 128) == pytest.approx(
+        pl.lora_step_flops(spec, lora, 1000) + 1000 * 6 * spec.n_layers * 128 * spec.q_dim)
     t = pl.predict_lora_step_time(spec, lora, 2, 128, device="H100", mfu=0.5)
     assert t["step_s"] == pytest.approx(t["flops_per_step"] / (0.5 * t["peak_flops"]))
+    assert t["calibrated"] is False and t["method"].startswith("uncalibrated")
+
+
+def test_calibrated_step_time_scales_by_flops_and_checks_the_device(tmp_path):
+    spec, big = get_preset("smollm2-135m"), get_preset("smollm2-360m")
+    lora, lora_all = LoraSettings(rank=8), LoraSettings(16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"))
+    cal = pl.LoraCalibration.from_step(spec, lora, 2, 128, step_s=2.0, device="cpu", measured={"model": "m"},
+                                       provenance={"time_utc": "2026-01-01T00:00:00+00:00"})
+    assert cal.achieved_flops == pytest.approx(pl.lora_step_flops(spec, lora, 256, 128) / 2.0)
+    # the calibration configuration is predicted exactly; others by their FLOPs
+    assert pl.predict_lora_step_time(spec, lora, 2, 128, "cpu", calibration=cal)["step_s"] == pytest.approx(2.0)
+    t = pl.predict_lora_step_time(big, lora_all, 4, 256, "cpu", calibration=cal)
+    assert t["calibrated"] is True and "calibrated: " in t["method"] and "2026-01-01" in t["method"]
+    assert t["step_s"] == pytest.approx(2.0 * pl.lora_step_flops(big, lora_all, 1024, 256)
+                                        / pl.lora_step_flops(spec, lora, 256, 128))
+    back = pl.LoraCalibration.load(cal.save(tmp_path / "cal.json"))
+    assert back == cal
+    with pytest.raises(ArchsearchError) as e:  # a CPU calibration does not predict a GPU
+        pl.predict_lora_step_time(spec, lora, 2, 128, "H100", calibration=cal)
+    assert e.value.field == "--lora-calibration"
+    with pytest.raises(ArchsearchError) as e:
+        pl.predict_lora_step_time(spec, lora, 2, 128, "cpu", mfu=0.3, calibration=cal)
+    assert e.value.field == "--mfu"
+    (tmp_path / "bad.json").write_text('{"kind": "plan"}')
+    with pytest.raises(ArchsearchError) as e:
+        pl.LoraCalibration.load(tmp_path / "bad.json")
+    assert "not a LoRA calibration" in str(e.value)
+    with pytest.raises(ArchsearchError) as e:
+        pl.LoraCalibration(achieved_flops=-1.0, device="cpu", step_s=1.0, flops_per_step=1.0, measured={})
+    assert e.value.field == "lora_calibration.achieved_flops"
 
 
 def test_candidates_resolve_presets_folders_and_study_chosen(tmp_path):
@@ -137,10 +170,16 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
 
     argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "16",
             "--repeats", "1", "--warmup", "0", "--torch-threads", "1", "--out", str(tmp_path / "p"),
-            "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--json"]
+            "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--calibrate-lora", "--json"]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["recommended"] == "tiny"
+    # the LoRA step time is calibrated on a real peft step measured here, and says so
+    lo = doc["candidates"][0]["lora"]
+    assert doc["finetune"]["step_time"].startswith("calibrated on each candidate")
+    assert lo["time_calibrated"] is True and lo["time_method"].startswith("calibrated: ")
+    assert lo["step_time"]["calibration"]["measured"]["model"].startswith("tiny")
+    assert (tmp_path / "p" / pl.CALIBRATIONS / "tiny.json").is_file()
     assert "--lora-rank" in doc["finetune_command"]
     pts = doc["candidates"][0]["points"]
     assert len(pts) == 2 and all(p["ok"] and p["tpot_s"] is not None and p["ttft_s"] > 0 for p in pts)
@@ -150,3 +189,38 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     n = len((tmp_path / "p" / pl.MEASUREMENTS).read_text().splitlines())
     assert main(argv) == 0
     assert len((tmp_path / "p" / pl.MEASUREMENTS).read_text().splitlines()) == n
+
+
+def test_calibrate_lora_measures_each_candidate_once_and_resumes(tmp_path):
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        if kw["spec"].name == "smollm2-135m":
+            raise RuntimeError("LoRA step measurement failed (-9): killed")
+        return {"weights": "random", "threads": kw["threads"], "step_wall_s": [3.0, 1.0, 2.0], "step_cpu_s": [4.0] * 3}
+
+    cands = [pl.resolve_candidate("smollm2-135m"), pl.resolve_candidate("tiny")]
+    ft = pl.FinetunePlan(seq_len=512, device="cpu")
+    cals = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
+    assert [c["spec"] for c in calls] == [cands[0].spec, cands[1].spec]
+    assert calls[1]["batch_size"] == 1 and calls[1]["seq_len"] == 128
+    assert isinstance(cals["smollm2-135m"], str) and "killed" in cals["smollm2-135m"]  # said, not hidden
+    cal = cals["tiny"]
+    assert cal.step_s == 2.0 and cal.measured["model"].startswith("tiny") and "time_utc" in cal.provenance
+    calls.clear()
+    again = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
+    assert again["tiny"] == cal and [c["spec"].name for c in calls] == ["smollm2-135m"]  # tiny read back
+    # another rank is another calibration
+    other = pl.calibrate_lora(cands[1:], pl.FinetunePlan(lora=LoraSettings(rank=4), device="cpu"), tmp_path,
+                              threads=1, progress=lambda s: None, measure_fn=fake)
+    assert other["tiny"].measured["rank"] == 4
+    grid = pl.PlanGrid((1,), (8,), (4,))
+    m = {1: {"ok": True, "ttft_mean": 0.1, "tpot_mean": 0.01, "peak_memory_bytes": 1, "output_throughput": 1.0}}
+    plans_ft = pl.FinetunePlan(seq_len=128, batch_size=1, device="H100")
+    cp = pl.plan_candidate(cands[1], grid, {pl._key(cands[1], "hf", 8, 4): m}, "hf", Limits(),
+                           pl.FinetunePlan(seq_len=128, batch_size=1, device="cpu"), cal)
+    assert cp.lora["time_calibrated"] and cp.lora["step_s"] == pytest.approx(2.0)
+    cp = pl.plan_candidate(cands[0], grid, {pl._key(cands[0], "hf", 8, 4): m}, "hf", Limits(), plans_ft,
+                           cals["smollm2-135m"])
+    assert not cp.lora["time_calibrated"] and "uncalibrated" in cp.lora["time_method"] and "killed" in cp.lora["time_method"]

@@ -11,6 +11,7 @@ The method's per-size settings (docs/method.md section 6) are the named presets 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -288,20 +289,33 @@ class HealthConfig:
     that breaks one is retrained. ``min_batch`` / ``max_lr``: the floor of the halved global
     batch and the ceiling of the doubled LR, one value or one per N level; ``retries``: the
     retraining budget per run; ``tolerance``: loss slack (nats) before an ordering counts as
-    broken, so that eval noise alone does not trigger a retrain."""
+    broken, so that eval noise alone does not trigger a retrain. ``start_batch`` / ``start_lr``:
+    the global batch and LR each N level starts from (one value or one per N level; None: the
+    sweep's ``train``, or its level's ``hparams_per_level`` preset); a start must lie within
+    its level's bounds (batch >= ``min_batch``, LR <= ``max_lr``)."""
 
     min_batch: int | list[int] = 4
     max_lr: float | list[float] = 1e-2
     retries: int = 2
     tolerance: float = 0.01
+    start_batch: int | list[int] | None = None
+    start_lr: float | list[float] | None = None
 
     def __post_init__(self) -> None:
-        for k, ok in (("min_batch", lambda v: isinstance(v, int) and v >= 1),
-                      ("max_lr", lambda v: isinstance(v, (int, float)) and v > 0)):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+        def is_pos(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+        for k, ok, what in (("min_batch", is_int, "integers >= 1"), ("max_lr", is_pos, "positive numbers"),
+                            ("start_batch", is_int, "integers >= 1"), ("start_lr", is_pos, "positive numbers")):
             vals = getattr(self, k)
-            if not all(ok(v) for v in (vals if isinstance(vals, list) else [vals])):
+            if vals is None and k.startswith("start_"):
+                continue
+            if not all(ok(v) for v in (vals if isinstance(vals, list) else [vals])) or vals == []:
                 raise ArchsearchError(f"sweep.health.{k}", f"invalid value {vals!r}",
-                                      "min_batch: integers >= 1; max_lr: positive numbers")
+                                      f"{k}: {what}, one value or a list with one per N level")
         if not (isinstance(self.retries, int) and self.retries >= 0):
             raise ArchsearchError("sweep.health.retries", f"must be an integer >= 0, got {self.retries!r}")
         if not self.tolerance >= 0:
@@ -310,6 +324,18 @@ class HealthConfig:
     def bound(self, name: str, level: int):
         v = getattr(self, name)
         return v[level] if isinstance(v, list) else v
+
+    def start_for(self, tc: TrainConfig, level: int) -> TrainConfig:
+        """``tc`` with this level's starting batch and LR (where configured)."""
+        changes: dict[str, Any] = {}
+        if self.start_batch is not None:
+            b = self.bound("start_batch", level)
+            changes["global_batch_size"] = b
+            if tc.micro_batch_size and b % tc.micro_batch_size:
+                changes["micro_batch_size"] = None  # as retune(): a micro-batch that no longer divides
+        if self.start_lr is not None:
+            changes["lr"] = float(self.bound("start_lr", level))
+        return tc.replace(**changes) if changes else tc
 
 
 @dataclass(frozen=True)
@@ -374,19 +400,36 @@ class SweepConfig:
             for name in self.hparams_per_level:
                 get_hparams(name)
         if self.health is not None:
-            for k in ("min_batch", "max_lr"):
-                v = getattr(self.health, k)
+            h = self.health
+            for k in ("min_batch", "max_lr", "start_batch", "start_lr"):
+                v = getattr(h, k)
                 if isinstance(v, list) and len(v) != len(self.params):
                     raise ArchsearchError(f"sweep.health.{k}", f"{len(v)} values for {len(self.params)} "
                                           "N levels", "give one value, or one per N level")
+            if self.hparams_per_level is not None and (h.start_batch is not None or h.start_lr is not None):
+                raise ArchsearchError("sweep.health.start_lr" if h.start_lr is not None else "sweep.health.start_batch",
+                                      "hparams_per_level already sets every level's batch and LR",
+                                      "give the per-level start in one place: health.start_* or hparams_per_level")
+            for level in range(len(self.params)):
+                tc = self.train_for(level)
+                if tc.global_batch_size < h.bound("min_batch", level):
+                    raise ArchsearchError("sweep.health.start_batch" if h.start_batch is not None else "sweep.health.min_batch",
+                                          f"N level {level} starts at global batch {tc.global_batch_size}, below its "
+                                          f"floor min_batch={h.bound('min_batch', level)}",
+                                          "start at or above the floor, or lower min_batch")
+                if tc.lr > h.bound("max_lr", level) * (1 + 1e-9):
+                    raise ArchsearchError("sweep.health.start_lr" if h.start_lr is not None else "sweep.health.max_lr",
+                                          f"N level {level} starts at LR {tc.lr:g}, above its ceiling "
+                                          f"max_lr={h.bound('max_lr', level):g}", "start at or below the ceiling, or raise max_lr")
 
     def layers_for(self, level: int) -> int:
         return self.n_layers[level] if isinstance(self.n_layers, list) else self.n_layers
 
     def train_for(self, level: int) -> TrainConfig:
-        """The training config of N level ``level`` (its hparams preset applied, if any)."""
+        """The training config of N level ``level``: its hparams preset applied, if any, or the
+        health section's per-level start (``health.start_batch`` / ``start_lr``), if any."""
         if self.hparams_per_level is None:
-            return self.train
+            return self.health.start_for(self.train, level) if self.health is not None else self.train
         hp = get_hparams(self.hparams_per_level[level])
         return self.train.replace(global_batch_size=hp.global_batch_size, lr=hp.lr,
                                   min_lr_ratio=hp.min_lr_ratio, warmup_steps=hp.warmup_steps,

@@ -145,3 +145,26 @@ class HealthMonitor:
                 "compliant_after_retune": sum(r["compliant"] and r["retune_attempts"] > 0 for r in done),
                 "non_compliant": sum(not r["compliant"] for r in done),
                 "retrain_attempts": sum(r.get("retune_attempts", 0) for r in done)}
+
+
+def proxies_health(proxies_dir) -> dict[str, Any] | None:
+    """The proxy-health counts of every sweep under a study's ``proxies/`` folder (each
+    ``<sweep>/sweep.json``'s ``health``), summed, with the sweeps named; None when no sweep
+    there ran with ``health`` on. For the study's report: how many runs were retuned and how
+    many were left out of the law fit as non-compliant."""
+    import json
+    from pathlib import Path
+
+    total: dict[str, Any] | None = None
+    for p in sorted(Path(proxies_dir).glob("*/sweep.json")):
+        try:
+            h = json.loads(p.read_text()).get("health")
+        except (OSError, ValueError):
+            continue
+        if not h:
+            continue
+        total = total or {"sweeps": []}
+        total["sweeps"].append(p.parent.name)
+        for k, v in h.items():
+            total[k] = total.get(k, 0) + v
+    return total

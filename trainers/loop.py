@@ -445,11 +445,11 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     base_wall = state["wall_time_s"]
 
     flops_tok = train_flops_per_token(spec, seq_len)
-    if lora_info is not None:  # forward + backward to the activations (4 N), adapters trained (6 per param)
+    if lora_info is not None:  # forward + backward to the activations (4 N), adapters (6 per param), attention
         from archsearch.planning.planner import lora_step_flops
         from archsearch.planning.lora import LoraSettings
 
-        flops_tok = lora_step_flops(spec, LoraSettings(train_cfg.lora_rank, train_cfg.lora_targets), 1)
+        flops_tok = lora_step_flops(spec, LoraSettings(train_cfg.lora_rank, train_cfg.lora_targets), 1, seq_len)
     peak, device_name, peak_source = _device_peak(accelerator, precision)
     record: dict[str, Any] = {
         "run_id": out_dir.name, "status": "running", "reason": None,

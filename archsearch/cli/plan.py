@@ -48,7 +48,15 @@ def register(sub) -> None:
     ft.add_argument("--finetune-seq-len", type=pos_int, default=512)
     ft.add_argument("--finetune-device", default=None,
                     help="device table entry the fine-tune runs on (default: this machine)")
-    ft.add_argument("--mfu", type=pos_float, help="model FLOP utilisation for the step time (default: planning's)")
+    ft.add_argument("--mfu", type=pos_float, help="model FLOP utilisation for the step time (uncalibrated; "
+                    "default: planning's assumed 0.40)")
+    cal = ft.add_mutually_exclusive_group()
+    cal.add_argument("--lora-calibration", metavar="JSON",
+                     help="achieved FLOP/s of a real LoRA step on the fine-tuning device (bench_lora_step's "
+                          "calibration-cpu.json, or an earlier plan's lora_calibration.json): calibrates the step time")
+    cal.add_argument("--calibrate-lora", action="store_true",
+                     help="measure one short real LoRA step (peft) of each candidate on this machine first and "
+                          "calibrate its step time on it (OUT/lora_calibration/<candidate>.json, reused)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON document")
     p.set_defaults(func=_plan)
 
@@ -74,9 +82,22 @@ def _plan(args: argparse.Namespace) -> int:
         from archsearch.hardware import local_device_name
 
         args.finetune_device = local_device_name() or "cpu"
+    calibration = None
+    if (args.lora_calibration or args.calibrate_lora) and args.mfu is not None:
+        raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
+    if args.lora_calibration:
+        calibration = pl.LoraCalibration.load(args.lora_calibration)
+        pl.predict_lora_step_time(candidates[0].spec, lora, 1, 8, args.finetune_device, calibration=calibration)
+    if args.calibrate_lora:
+        from archsearch.hardware import local_device_name
+
+        here = local_device_name()
+        if here is None or pl._device_key(args.finetune_device) != pl._device_key(here):
+            raise ArchsearchError("--calibrate-lora", f"this machine is {here}, the fine-tune is planned on "
+                                  f"{args.finetune_device}", "calibrate on that device and pass --lora-calibration")
     finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size,
                                seq_len=args.finetune_seq_len, max_hours=args.max_finetune_hours,
-                               device=args.finetune_device, mfu=args.mfu)
+                               device=args.finetune_device, mfu=args.mfu, calibration=calibration)
     # a lower bound of the weights' memory: "auto" is bfloat16 on a GPU, float32 on CPU
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     if limits.max_peak_memory_gib is not None:
@@ -87,14 +108,9 @@ def _plan(args: argparse.Namespace) -> int:
                                   "raise the limit or add a smaller candidate")
     for c in candidates:  # adapters on these targets must be accountable before measuring
         pl.lora_params(c.spec, lora)
-    if finetune.max_hours is not None:
-        fastest = min((pl.predict_lora_step_time(c.spec, lora, finetune.batch_size, finetune.seq_len,
-                                                 finetune.device, finetune.mfu)["step_s"] * finetune.steps / 3600, c.name)
-                      for c in candidates)
-        if fastest[0] > finetune.max_hours:
-            raise ArchsearchError("--max-finetune-hours", f"{finetune.max_hours:g} h is unsatisfiable: the fastest "
-                                  f"predicted LoRA fine-tune is {fastest[0]:.4g} h ({fastest[1]}, {finetune.steps} steps)",
-                                  "raise the budget, or plan fewer --finetune-tokens")
+    if args.torch_threads and args.backend != "hf":
+        raise ArchsearchError("--torch-threads", f"sets the hf backend's torch threads, not {args.backend}'s",
+                              "leave it out with --backend " + args.backend)
     engine_args = {"torch_threads": args.torch_threads} if args.torch_threads else {}
     settings_kw = {"backend": args.backend, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
                    "timeout_s": args.timeout, "engine_args": engine_args}
@@ -103,10 +119,22 @@ def _plan(args: argparse.Namespace) -> int:
     from archsearch.benchmarks.base import get_backend
 
     get_backend(args.backend).check_available()
-
     out = Path(args.out)
+    # per candidate: its own calibration (--calibrate-lora), else the given one, else none
+    cals: dict[str, pl.LoraCalibration | str | None] = {c.name: None for c in candidates}
+    if args.calibrate_lora:  # the measurements the fine-tune budget check below needs
+        cals = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)
+    if finetune.max_hours is not None:
+        fastest = min((pl.predict_lora_step_time(
+            c.spec, lora, finetune.batch_size, finetune.seq_len, finetune.device, finetune.mfu,
+            calibration=cals[c.name] if isinstance(cals[c.name], pl.LoraCalibration) else finetune.calibration,
+        )["step_s"] * finetune.steps / 3600, c.name) for c in candidates)
+        if fastest[0] > finetune.max_hours:
+            raise ArchsearchError("--max-finetune-hours", f"{finetune.max_hours:g} h is unsatisfiable: the fastest "
+                                  f"predicted LoRA fine-tune is {fastest[0]:.4g} h ({fastest[1]}, {finetune.steps} steps)",
+                                  "raise the budget, or plan fewer --finetune-tokens")
     measured = pl.measure_grid(candidates, grid, settings_kw, out)
-    plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune) for c in candidates]
+    plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune, cals[c.name]) for c in candidates]
     best = pl.recommend(plans)
     problems = pl.unsatisfiable(plans, limits, finetune)
     command = note = None
@@ -117,7 +145,11 @@ def _plan(args: argparse.Namespace) -> int:
            "prefill_lens": list(grid.prefill_lens), "decode_lens": list(grid.decode_lens)},
            "limits": {**limits.to_dict(), "max_finetune_hours": finetune.max_hours},
            "finetune": {"rank": lora.rank, "targets": list(lora.targets), "tokens": finetune.tokens,
-                        "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device},
+                        "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device,
+                        "step_time": ("calibrated on each candidate's own real LoRA step (--calibrate-lora)"
+                                      if args.calibrate_lora else finetune.calibration.describe() if finetune.calibration
+                                      else "uncalibrated: MFU x peak (pass --calibrate-lora or --lora-calibration)"),
+                        "calibration": finetune.calibration.to_dict() if finetune.calibration else None},
            "candidates": [pl.plan_to_dict(cp) for cp in plans],
            "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
            "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
@@ -131,6 +163,7 @@ def _plan(args: argparse.Namespace) -> int:
         print_json(doc)
     else:
         _print(plans, best, command, note, problems, out, png)
+        print(f"LoRA step time: {doc['finetune']['step_time']}")
     if best is None:
         raise ArchsearchError("limits", "no candidate is within every limit: " +
                               ("; ".join(problems) if problems else
@@ -159,6 +192,8 @@ def _print(plans, best, command, note, problems, out: Path, png: Path) -> None:
         lo = cp.lora
         print(f"{cp.name[:20]:<20} {lo['trainable_params']:>12,} {lo['peak_memory_gib']:>12.3f} {lo['step_s']:>13.4g} "
               f"{lo['hours']:>12.4g}  {'within every limit' if cp.feasible else '; '.join(cp.reasons)}")
+    for cp in plans:
+        print(f"  {cp.name}: LoRA step time {cp.lora['time_method']}")
     for line in problems:
         print(f"unsatisfiable: {line}")
     print(f"plan written to {out / 'plan.json'}, figure {png} (+ .pdf), measurements {out / 'measurements.jsonl'}")

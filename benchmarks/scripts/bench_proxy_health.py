@@ -6,9 +6,9 @@ the real corpus (two N levels, one shape family).
 smaller level at a good point of the grid (lr 4.8e-3, batch 4), the larger one at a
 too-small learning rate and a too-large batch (lr 3e-4, batch 8), so the larger model ends
 above the smaller one and retuning has to act (halve the batch, then double the LR). The
-per-level start is this benchmark's own (a SweepConfig whose ``train_for`` returns it);
-the sweeps otherwise take one ``train`` for all levels. ``--start compliant``: both levels at
-lr 3e-4, batch 8 (the earlier run, where no retuning was needed).
+per-level start is sweep config (``health.start_lr`` / ``health.start_batch``, one value per N
+level, within the level's bounds). ``--start compliant``: both levels at lr 3e-4, batch 8
+(the earlier run, where no retuning was needed).
 
 Retuning: one sweep with ``health`` on; trials = runs + retrain attempts. Grid: every
 (lr, batch) of the same bounds trained at every level; trials = grid size x levels, and the
@@ -21,7 +21,6 @@ Prints one JSON object; ``--out`` also writes it (with provenance) and keeps the
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import os
@@ -42,23 +41,11 @@ TOKENS = 32 * 8 * 64
 VIOLATING = [{"lr": 4.8e-3, "global_batch_size": 4}, {"lr": 3e-4, "global_batch_size": 8}]
 
 
-def _cfg(name, params, lr, batch, health=None, per_level=None):
-    import dataclasses
-
+def _cfg(name, params, lr, batch, health=None):
     from archsearch.candidates import BuildSettings
     from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
-    cls = SweepConfig
-    if per_level is not None:
-        @dataclasses.dataclass(frozen=True)
-        class PerLevelStart(SweepConfig):  # this benchmark's starting point per N level
-            start: tuple = ()
-
-            def train_for(self, level: int) -> TrainConfig:
-                return self.train.replace(**self.start[level])
-
-        cls = functools.partial(PerLevelStart, start=tuple(per_level))
-    return cls(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
+    return SweepConfig(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
                        gqa=2, head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
                        train=TrainConfig(tokens=TOKENS, global_batch_size=batch, lr=lr, eval_batches=4,
                                          eval_interval=8),
@@ -80,9 +67,11 @@ def main() -> int:
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="proxy-health-"))
     load0, t0 = os.getloadavg(), time.perf_counter()
-    hc = HealthConfig(min_batch=min(BATCHES), max_lr=max(LRS), retries=args.retries, tolerance=args.tolerance)
     per_level = VIOLATING if args.start == "violating" else None
-    run_sweep(_cfg("retune", PARAMS, START["lr"], START["global_batch_size"], hc, per_level), out / "retune",
+    start = ({"start_lr": [v["lr"] for v in per_level], "start_batch": [v["global_batch_size"] for v in per_level]}
+             if per_level else {})
+    hc = HealthConfig(min_batch=min(BATCHES), max_lr=max(LRS), retries=args.retries, tolerance=args.tolerance, **start)
+    run_sweep(_cfg("retune", PARAMS, START["lr"], START["global_batch_size"], hc), out / "retune",
               progress=False)
     h = json.loads((out / "retune" / "sweep.json").read_text())["health"]
     retune = {"trials": len(PARAMS) + h["retrain_attempts"], "compliant_sweep": h["non_compliant"] == 0,
