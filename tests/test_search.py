@@ -74,6 +74,9 @@ def test_study_end_to_end_analytic(tmp_path):
 
     cfg = load(study_config(tmp_path))
     out = cfg.out_dir()
+    # a proxy sweep (trained elsewhere) whose health checks retuned runs: the report says how many
+    (out / "proxies" / "sw").mkdir(parents=True)
+    (out / "proxies" / "sw" / "sweep.json").write_text(json.dumps({"health": {"retuned": 3, "non_compliant": 1}}))
     summary = pipeline.run(cfg, out)
     # the study folder a person reads
     for f in ("summary.json", "report.md", "trials.csv", "chosen/config.json", "optuna.db", "config.json",
@@ -95,6 +98,7 @@ def test_study_end_to_end_analytic(tmp_path):
     AutoConfig.from_pretrained(out / "chosen")
     report = (out / "report.md").read_text()
     assert "Answer" in report and "target" in report
+    assert "proxy health (sw): 3 runs retuned, 1 non-compliant" in report and s["proxy_health"]["retuned"] == 3
     assert summary["chosen"]["throughput"] >= max(p["throughput"] for p in s["pareto"]) - 1e-9
     # measurements are taken once per distinct shape
     keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]

@@ -202,6 +202,13 @@ def _save(fig, out: Path, name: str, plt) -> list[str]:
     return [f"plots/{name}.png", f"plots/{name}.pdf"]
 
 
+def _proxy_health(out: Path) -> dict[str, Any] | None:
+    """How many proxy runs the sweeps' health checks retuned or left out (None: checks off)."""
+    from archsearch.trainers.health import proxies_health
+
+    return proxies_health(out / "proxies")
+
+
 def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
     """Every measured shape's throughput ratio to the baseline with its interval, best first."""
     shapes, seen = [], set()
@@ -474,6 +481,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "trials": {"total": len(study.trials), "complete": len(complete),
                    "distinct_shapes": len({t.user_attrs.get("spec_key") for t in complete}),
                    "feasible": sum(1 for t in complete if _feasible(t))},
+        "proxy_health": _proxy_health(out),
         "law": {"file": str(out / "law.json") if (out / "law.json").is_file() else cfg.law.file,
                 "form": cfg.law.form, "status": getattr(ctx.law, "status", None),
                 "warnings": list(getattr(ctx.law, "warnings", []) or []),
@@ -621,6 +629,10 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += _active_markdown(s["proxy_plan"])
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
+    h = s.get("proxy_health")
+    if h:
+        lines.append(f"- proxy health ({', '.join(h['sweeps'])}): {h.get('retuned', 0)} runs retuned, "
+                     f"{h.get('non_compliant', 0)} non-compliant and left out of the fit")
     for part, vals in (law.get("metrics") or {}).items():
         if isinstance(vals, dict) and vals:
             lines.append(f"- {part}: " + ", ".join(f"{k} {v:.4g}" for k, v in vals.items()
