@@ -29,6 +29,22 @@ def test_acquire_picks_the_informative_run_and_its_reduction_is_the_gaussian_one
     assert picks[0].variance_reduction == pytest.approx(1 / 1.02, rel=0.08)
 
 
+def test_acquire_log_weights_serve_the_coordinate_known_worse():
+    """log x1* known to 1%, log r* to 10%: a run that pins x1* down removes all of its (small)
+    variance, one that halves r*'s variance removes 50 times more in log units. The default
+    weights (log units, as the stopping rule reads the half-widths) take the second; the
+    ``relative`` weights (the same fraction off each) the first."""
+    rng = np.random.default_rng(2)
+    B = 4000
+    t = rng.standard_normal((B, 2)) * np.array([0.01, 0.1])
+    pred = np.stack([t[:, 0], t[:, 1] + 0.1 * rng.standard_normal(B)], axis=1)
+    avail = np.ones(2, bool)
+    assert active.acquire(t, pred, np.ones(2), 1e-8, avail)[0].index == 1
+    assert active.acquire(t, pred, np.ones(2), 1e-8, avail, weights="relative")[0].index == 0
+    with pytest.raises(ValueError, match="weights"):
+        active.acquire(t, pred, np.ones(2), 1e-8, avail, weights="max")
+
+
 def test_acquire_weighs_cost_and_conditions_on_runs_in_flight():
     rng = np.random.default_rng(1)
     B = 2000
@@ -327,6 +343,29 @@ def test_fit_profiled_removes_the_bias_of_a_sparse_size():
     # with every size complete the two agree (the full grid is what the method fits)
     full = [RunRecord.from_arch(s, tokens=float(t), loss=float(v)) for s, t, v in zip(pool.specs, pool.tokens, loss)]
     assert err(active.fit_profiled(full, "conditional-multiplicative", opts)) < 0.01
+
+
+def test_fit_profiled_scales_the_huber_delta_to_the_noise():
+    """With log-noise sigma the Huber delta becomes about 1.345 sigma (least squares in the body
+    of the noise, linear beyond it); noise-free data keep the configured delta."""
+    from archsearch.laws import FitOptions
+    from archsearch.rundata import RunRecord
+
+    pool, loss = _pool_and_truth()
+    opts = FitOptions(reference="best-observed", n_starts=3)
+    sigma = 0.01
+    noisy = loss * np.exp(sigma * np.random.default_rng(3).standard_normal(loss.size))
+
+    def runs(v):
+        return [RunRecord.from_arch(s, tokens=float(t), loss=float(x)) for s, t, x in zip(pool.specs, pool.tokens, v)]
+
+    fit = active.fit_profiled(runs(noisy), "conditional-multiplicative", opts)
+    assert 0.5 * active.HUBER_K * sigma < fit.options["huber_delta"] < 2.0 * active.HUBER_K * sigma
+    assert active.fit_profiled(runs(noisy), "conditional-multiplicative", opts,
+                               scale_huber=False).options["huber_delta"] == opts.huber_delta
+    assert active.fit_profiled(runs(loss), "conditional-multiplicative", opts).options["huber_delta"] == opts.huber_delta
+    assert active.robust_scale(np.array([0.0, 0.0, 0.0, 1.0, -1.0])) == 0.0   # MAD: two outliers of five
+    assert active.robust_scale(np.array([])) == 0.0
 
 
 def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(tmp_path):

@@ -151,6 +151,30 @@ def regret_tolerance(bound=0.05, coefs=TRUE) -> float:
     return max(regret((t[0] * (1 + s1 * bound), t[1] * (1 + s2 * bound)), coefs) for s1 in (-1, 1) for s2 in (-1, 1))
 
 
+def cramer_rao_sd(pool, idx, noise, coefs=TRUE) -> tuple[float, float]:
+    """The information limit of a design: the standard deviations of log d/sqrt(N)* and log r*
+    that an efficient unbiased estimator reaches (Cramer-Rao, to first order) from runs ``idx``
+    with log-noise ``noise``, every size's L_opt a free offset (as :func:`fit_profiled` fits it).
+    The law ``log L = c_size + log(1 + a h(x1 / x1*)) + log(1 + b h(r / r*))``, ``h(t) = log t +
+    1/t - 1``, is the multiplicative law re-parametrised; its Jacobian at the truth gives the
+    Fisher information. No design, plan or fit does better than this on average."""
+    from archsearch.laws import forms
+
+    fa = coefs["a0"] + coefs["a1"] * (1 + math.log(coefs["a2"] / coefs["a1"]))
+    fb = coefs["b0"] + coefs["b1"] * (1 + math.log(coefs["b2"] / coefs["b1"]))
+    a, u1 = coefs["a1"] / fa, math.log(coefs["a2"] / coefs["a1"])
+    b, u2 = coefs["b1"] / fb, math.log(coefs["b2"] / coefs["b1"])
+    idx = np.asarray(idx, int)
+    h1, dh1 = forms._h(np.log(pool.X["x1"][idx]), u1)
+    h2, dh2 = forms._h(np.log(pool.X["x2"][idx]), u2)
+    F, G = 1 + a * h1, 1 + b * h2
+    lev = pool.level[idx]
+    J = np.stack([h1 / F, a * dh1 / F, h2 / G, b * dh2 / G] + [(lev == g).astype(float) for g in np.unique(lev)],
+                 axis=1)
+    C = noise ** 2 * np.linalg.pinv(J.T @ J)
+    return math.sqrt(C[1, 1]), math.sqrt(C[3, 3])
+
+
 def point_optimum(pool, idx, losses, options, profiled=False, box=None, coefficients=False):
     """(closed-form optimum, optimum within the box) of the law fitted to runs ``idx`` (None
     when there is none);
@@ -171,7 +195,8 @@ def point_optimum(pool, idx, losses, options, profiled=False, box=None, coeffici
     return (*out, c) if coefficients else out
 
 
-def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_options=None, box=(BOX_X1, BOX_R)):
+def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_options=None, box=(BOX_X1, BOX_R),
+             weights="log"):
     """Trajectory of the active plan: after each batch, the runs, the FLOPs spent and the plan's
     interval half-width (None before a fit has one), and the estimate the study would take from
     those runs: the law refitted on them with ``estimate_options`` (the fit stage's settings, as
@@ -180,9 +205,11 @@ def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_opt
 
     observed, traj, spent = {}, [], 0.0
     while spent < budget:
-        p = propose(pool, observed, [], LAW, options, k=batch, initial=initial, max_cost=budget - spent)
+        p = propose(pool, observed, [], LAW, options, k=batch, initial=initial, max_cost=budget - spent,
+                    weights=weights)
         if traj and p.interval is not None:
             traj[-1]["width"] = p.interval.width  # the interval after the previous batch
+            traj[-1]["interval"] = [list(p.interval.hidden_over_sqrt_n), list(p.interval.mlp_to_attn_ratio)]
         if not p.picks:
             break
         for pk in p.picks:
@@ -241,6 +268,40 @@ def _stats(vals):
             "finite": int(np.isfinite(v).sum())}
 
 
+def other_weights(w):
+    from archsearch.laws.active import WEIGHTS
+
+    return next(x for x in WEIGHTS if x != w)
+
+
+def plan_record(apool, losses, loop_opts, budget, args, grid_opts, weights, truth, tol_regret, tol_regrets,
+                level_flops, noise) -> dict:
+    """The plan's trajectory in one synthetic world and what it reached (see the module docstring)."""
+    bounds = tuple(tol_regrets)
+    traj = run_plan(apool, losses, loop_opts, budget, args.batch, estimate_options=grid_opts, weights=weights)
+    stop = next((t for t in traj if t["width"] is not None and t["width"] <= args.tolerance), None)
+    return {
+        "weights": weights,
+        "trajectory": traj,
+        "flops_to": {c: flops_to(traj, truth, c, tol_regret) for c in ("coordinates", "loss")},
+        "flops_to_by_bound": {f"{c}@{b:g}": flops_to(traj, truth, c, tol_regrets[b], b)
+                              for c in ("coordinates", "loss") for b in bounds},
+        "cramer_rao_sd_end": cramer_rao_sd(apool, traj[-1]["observed"], noise),
+        "interval_end": next((t.get("interval") for t in reversed(traj) if t.get("interval")), None),
+        "at_grid_level_flops": [{"estimate": (t := at_flops(traj, f))["estimate"],
+                                 "error": error(t["estimate"], truth), "regret": regret(t["box_estimate"])}
+                                for f in level_flops[:-1]],
+        "end": {"flops": traj[-1]["flops"], "runs": traj[-1]["runs"], "levels": traj[-1]["levels"],
+                "estimate": traj[-1]["estimate"], "box_estimate": traj[-1]["box_estimate"],
+                "error": error(traj[-1]["estimate"], truth),
+                "error_x1": error(traj[-1]["estimate"], truth, (0,)),
+                "error_r": error(traj[-1]["estimate"], truth, (1,)),
+                "regret": regret(traj[-1]["box_estimate"])},
+        "stop": None if stop is None else {"flops": stop["flops"], "runs": stop["runs"],
+                                           "error": error(stop["estimate"], truth),
+                                           "regret": regret(stop["box_estimate"])}}
+
+
 def synthetic(args) -> dict:
     from archsearch.laws import FitOptions, forms
 
@@ -254,8 +315,11 @@ def synthetic(args) -> dict:
     apool, amean = with_truth(paper_pool(k=args.active_resolution))
     truth = (TRUE["a2"] / TRUE["a1"], TRUE["b2"] / TRUE["b1"])
     tol_regret = regret_tolerance()
-    grid_opts = FitOptions(reference="best-observed")
-    loop_opts = FitOptions(reference="best-observed", bootstrap=args.bootstrap, n_starts=3)
+    rr = None if args.r_range is None else tuple(args.r_range)
+    grid_opts = FitOptions(reference="best-observed", r_range=rr)
+    loop_opts = FitOptions(reference="best-observed", bootstrap=args.bootstrap, n_starts=3, r_range=rr)
+    bounds = (0.05, 0.10, 0.20)
+    tol_regrets = {b: regret_tolerance(b) for b in bounds}
     grid_flops = float(pool.flops.sum())
     levels = sorted(set(pool.level))
     level_flops = np.cumsum([pool.flops[pool.level == lv].sum() for lv in levels])
@@ -268,8 +332,14 @@ def synthetic(args) -> dict:
                         "loss": f"true loss of (x1^, r^) / true minimum - 1 <= {tol_regret:.3g} "
                                 "(the worst corner of the +-5% box around the optimum), (x1^, r^) the fitted "
                                 "law's optimum within the proxy box, as the search enqueues it"},
-           "regret_tolerance": tol_regret, "noise": {}}
+           "regret_tolerance": tol_regret, "regret_tolerance_by_bound": {f"{b:g}": v for b, v in tol_regrets.items()},
+           "r_range": rr, "noise": {}}
     for noise in args.noise:
+        keep_all = np.ones(len(pool), bool) if rr is None else (pool.X["x2"] >= rr[0]) & (pool.X["x2"] <= rr[1])
+        ckeep = np.ones(len(coarse), bool) if rr is None else (coarse.X["x2"] >= rr[0]) & (coarse.X["x2"] <= rr[1])
+        info = {"full_grid": cramer_rao_sd(pool, np.flatnonzero(keep_all), noise),
+                "full_grid_levels_0-0": cramer_rao_sd(pool, np.flatnonzero(keep_all & (pool.level == 0)), noise),
+                "coarse_grid_3x3": cramer_rao_sd(coarse, np.flatnonzero(ckeep), noise)}
         rows = []
         for seed in range(args.seeds):
             t0 = time.perf_counter()
@@ -284,39 +354,50 @@ def synthetic(args) -> dict:
             for name, prof in (("coarse_grid", False), ("coarse_grid_profiled", True)):
                 e, eb = point_optimum(coarse, np.arange(len(coarse)), closs, grid_opts, prof)
                 row[name] = {"estimate": e, "box_estimate": eb, "error": error(e, truth), "regret": regret(eb)}
-            traj = run_plan(apool, observe(apool, amean, noise, seed), loop_opts, budget, args.batch,
-                            estimate_options=grid_opts)
-            stop = next((t for t in traj if t["width"] is not None and t["width"] <= args.tolerance), None)
-            row["active"] = {
-                "trajectory": traj,
-                "flops_to": {c: flops_to(traj, truth, c, tol_regret) for c in ("coordinates", "loss")},
-                "at_grid_level_flops": [{"estimate": (t := at_flops(traj, f))["estimate"],
-                                         "error": error(t["estimate"], truth), "regret": regret(t["box_estimate"])}
-                                        for f in level_flops[:-1]],
-                "end": {"flops": traj[-1]["flops"], "runs": traj[-1]["runs"], "levels": traj[-1]["levels"],
-                        "estimate": traj[-1]["estimate"], "box_estimate": traj[-1]["box_estimate"],
-                        "error": error(traj[-1]["estimate"], truth),
-                        "error_x1": error(traj[-1]["estimate"], truth, (0,)),
-                        "error_r": error(traj[-1]["estimate"], truth, (1,)),
-                        "regret": regret(traj[-1]["box_estimate"])},
-                "stop": None if stop is None else {"flops": stop["flops"], "runs": stop["runs"],
-                                                   "error": error(stop["estimate"], truth),
-                                                   "regret": regret(stop["box_estimate"])}}
+            for name, weights in (("active", args.weights),) + (
+                    (("active_other_weights", other_weights(args.weights)),) if args.compare_weights else ()):
+                row[name] = plan_record(apool, observe(apool, amean, noise, seed), loop_opts, budget, args,
+                                        grid_opts, weights, truth, tol_regret, tol_regrets, level_flops, noise)
             row["seconds"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             a = row["active"]
             print(json.dumps({"noise": noise, "seed": seed, "grid_error": row["grid"]["error_by_level"][-1],
                               "grid_regret": row["grid"]["regret_by_level"][-1],
+                              "grid_profiled_error": row["grid_profiled"]["error_by_level"][-1],
                               "active_error": a["end"]["error"], "active_regret": a["end"]["regret"],
+                              **({"active_other_weights_error": row["active_other_weights"]["end"]["error"]}
+                                 if args.compare_weights else {}),
                               "active_levels": a["end"]["levels"], "active_flops_to": a["flops_to"],
                               "seconds": row["seconds"]}), flush=True)
 
-        def grid_to(r, name, c):
-            ok = [(e <= 0.05) if c == "coordinates" else (g <= tol_regret)
+
+        def grid_to(r, name, c, bound=0.05):
+            ok = [(e <= bound) if c == "coordinates" else (g <= tol_regrets[bound])
                   for e, g in zip(r[name]["error_by_level"], r[name]["regret_by_level"])]
             return next((float(level_flops[i]) for i in range(len(ok)) if ok[i]), None)
 
-        summ = {"flops_to": {}, "error_at_equal_compute": {}}
+        def covered(r):
+            """Whether the plan's last 90% interval holds the true optimum (both coordinates)."""
+            iv = r["active"]["interval_end"]
+            return None if iv is None else bool(iv[0][0] <= truth[0] <= iv[0][1] and iv[1][0] <= truth[1] <= iv[1][1])
+
+        cov = [covered(r) for r in rows]
+        summ = {"flops_to": {}, "error_at_equal_compute": {},
+                "information_limit": {
+                    "what": "Cramer-Rao standard deviation of (log d/sqrt(N)*, log r*) at this noise: no "
+                            "estimator from these runs does better on average (every size's L_opt free)",
+                    **{k: list(v) for k, v in info.items()},
+                    "active_end_design_median": np.median([r["active"]["cramer_rao_sd_end"] for r in rows],
+                                                          axis=0).tolist()},
+                "active_interval_coverage": {"level": 0.9, "covered": sum(c is True for c in cov),
+                                             "with_interval": sum(c is not None for c in cov)},
+                "flops_to_by_bound": {}}
+        for c in ("coordinates", "loss"):
+            for b in bounds:
+                summ["flops_to_by_bound"][f"{c}@{b:g}"] = {
+                    "grid_by_level": _stats([grid_to(r, "grid", c, b) for r in rows]),
+                    "grid_profiled_by_level": _stats([grid_to(r, "grid_profiled", c, b) for r in rows]),
+                    "active": _stats([r["active"]["flops_to_by_bound"][f"{c}@{b:g}"] for r in rows])}
         for c in ("coordinates", "loss"):
             summ["flops_to"][c] = {
                 "grid_by_level": _stats([grid_to(r, "grid", c) for r in rows]),
@@ -337,6 +418,21 @@ def synthetic(args) -> dict:
                     [r["active"]["at_grid_level_flops"][i][metric] for r in rows])
         eq["error_x1"] = {"active_at_budget": _stats([r["active"]["end"]["error_x1"] for r in rows])}
         eq["error_r"] = {"active_at_budget": _stats([r["active"]["end"]["error_r"] for r in rows])}
+        if args.compare_weights:
+            o = [r["active_other_weights"] for r in rows]
+            a = [r["active"] for r in rows]
+            summ["other_weights"] = {
+                "weights": o[0]["weights"],
+                "error_at_budget": _stats([x["end"]["error"] for x in o]),
+                "regret_at_budget": _stats([x["end"]["regret"] for x in o]),
+                "paired_error_difference": _stats([x["end"]["error"] - y["end"]["error"] for x, y in zip(a, o)]),
+                "paired_log_cramer_rao_ratio": _stats([math.log(max(x["cramer_rao_sd_end"]) / max(y["cramer_rao_sd_end"]))
+                                                       for x, y in zip(a, o)]),
+                "what": "paired over seeds (same draws): this arm's weights minus the other's; the Cramer-Rao ratio "
+                        "compares the designs' information (larger sd of the two coordinates), free of the fit's luck",
+                "cramer_rao_sd_end_median": np.median([x["cramer_rao_sd_end"] for x in o], axis=0).tolist(),
+                "flops_to_by_bound": {k: _stats([x["flops_to_by_bound"][k] for x in o])
+                                      for k in o[0]["flops_to_by_bound"]}}
         summ["active_stop"] = {"flops": _stats([(r["active"]["stop"] or {}).get("flops") for r in rows]),
                                "error": _stats([(r["active"]["stop"] or {}).get("error") for r in rows]),
                                "seeds_stopping": sum(r["active"]["stop"] is not None for r in rows)}
@@ -431,6 +527,14 @@ def main() -> None:
                     help="the plan's budget as a fraction of the full grid's FLOPs")
     ap.add_argument("--runs", default="results/bench/active_proxies_demo/runs.csv")
     ap.add_argument("--size-tolerance", type=float, default=0.15)
+    ap.add_argument("--r-range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="synthetic arm: keep only runs with r in [LO, HI] in every fit (the method's "
+                         "filter, 0.5 5); default none: the generated law holds at every r, and the box's "
+                         "snapped edge shapes (r 0.47-0.49 and 5.1-5.5, 12 of the grid's 59 runs) would be "
+                         "paid for and then dropped")
+    ap.add_argument("--weights", default="log", help="the plan's acquisition weights (archsearch.laws.active.acquire)")
+    ap.add_argument("--compare-weights", action="store_true",
+                    help="synthetic arm: also run the plan with the other weights on the same draws")
     ap.add_argument("--label", default="", help="a free note stored with the record (e.g. what changed)")
     ap.add_argument("--out", default="results/bench/active_proxies.jsonl")
     args = ap.parse_args()
