@@ -464,6 +464,12 @@ def replay(args) -> dict:
     box = ((min(x1s), max(x1s)), (min(rs), max(rs)))
     ref_box = box_optimum(rc, *box)
     ref_closed = (forms.factor_optimum(rc["a1"], rc["a2"]), forms.factor_optimum(rc["b1"], rc["b2"]))
+    ref_closed = None if None in ref_closed else ref_closed
+    interior = ref_closed is not None and all(lo < v < hi for v, (lo, hi) in zip(ref_closed, box))
+
+    def err_ref(est):
+        """Coordinate error against the reference's optimum; None when that is not inside the box."""
+        return error(est, ref_closed) if interior else None
 
     def reg(est):
         """Loss of ``est`` over the loss of the reference's own box optimum, both under the reference law."""
@@ -475,7 +481,7 @@ def replay(args) -> dict:
 
     out = {"runs_file": args.runs, "runs": len(runs), "seeds": seeds, "box": box,
            "reference": {"fit": "every run of every seed, every size's L_opt fitted", "coefficients": rc,
-                         "closed_form_optimum": None if None in ref_closed else ref_closed,
+                         "closed_form_optimum": ref_closed,
                          "box_optimum": ref_box, "status": ref_fit.status, "warnings": ref_fit.warnings},
            "per_seed": []}
     for seed in seeds:
@@ -489,7 +495,10 @@ def replay(args) -> dict:
         gfit = {}
         for name, fn in (("grid", fit_law), ("grid_profiled", fit_profiled)):
             c = fn(rr, LAW, opts).coefficients
-            gfit[name] = {"box_optimum": box_optimum(c, *box), "regret": reg(box_optimum(c, *box))}
+            closed = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+            gfit[name] = {"box_optimum": box_optimum(c, *box), "regret": reg(box_optimum(c, *box)),
+                          "closed_form_optimum": None if None in closed else closed,
+                          "error_vs_reference": err_ref(None if None in closed else closed)}
         traj = run_plan(pool, losses, loop_opts, grid_flops, args.batch, estimate_options=opts, box=box)
         for t in traj:   # every budget at once
             t["regret_vs_reference"] = reg(t["box_estimate"])
@@ -498,11 +507,32 @@ def replay(args) -> dict:
             t = at_flops(traj, frac * grid_flops)
             at[f"{frac:.3g}"] = {"runs": t.get("runs", 0), "flops": t.get("flops", 0.0),
                                  "box_optimum": t.get("box_estimate"), "regret": t.get("regret_vs_reference", math.inf),
+                                 "closed_form_optimum": t.get("estimate"),
+                                 "error_vs_reference": err_ref(t.get("estimate")),
                                  "note": None if t.get("box_estimate") else "no law fitted yet (initial design)"}
         out["per_seed"].append({"seed": seed, "pool_runs": len(pool), "grid_flops": grid_flops, **gfit,
                                 "active_at_grid_share": at, "active_trajectory": traj})
         print(json.dumps({"seed": seed, "grid": gfit, "active_at_grid_share": at}, default=str), flush=True)
+    ps = out["per_seed"]
+    out["summary"] = {
+        "what": "medians over seeds [min, max]: regret = loss of the estimate's optimum within the box over the "
+                "reference's, under the reference law; error_vs_reference = max relative error of the closed-form "
+                "optimum against the reference's closed-form optimum (None when that is not interior)",
+        "reference_interior": interior,
+        **{f"{name}_{m}": _range([p[name][m] for p in ps]) for name in ("grid", "grid_profiled")
+           for m in ("regret", "error_vs_reference")},
+        **{f"active_at_{k}_{m}": _range([p["active_at_grid_share"][k][m] for p in ps])
+           for k in ps[0]["active_at_grid_share"] for m in ("regret", "error_vs_reference")}}
     return out
+
+
+def _range(vals):
+    """Median and range of a few seeds' values (inf: no estimate)."""
+    if all(x is None for x in vals):
+        return None
+    v = [math.inf if x is None else float(x) for x in vals]
+    fin = lambda x: x if math.isfinite(x) else None  # noqa: E731
+    return {"median": fin(float(np.median(v))), "range": [fin(min(v)), fin(max(v))], "values": [fin(x) for x in v]}
 
 
 REPLAY_FRACTIONS = (1 / 3, 1 / 2, 2 / 3, 1.0)
