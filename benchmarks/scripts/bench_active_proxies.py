@@ -45,6 +45,7 @@ Appends one JSON line per arm to ``results/bench/active_proxies.jsonl`` with pro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -175,7 +176,7 @@ def cramer_rao_sd(pool, idx, noise, coefs=TRUE) -> tuple[float, float]:
     return math.sqrt(C[1, 1]), math.sqrt(C[3, 3])
 
 
-def point_optimum(pool, idx, losses, options, profiled=False, box=None, coefficients=False):
+def point_optimum(pool, idx, losses, options, profiled=False, box=None, coefficients=False, scale_huber=True):
     """(closed-form optimum, optimum within the box) of the law fitted to runs ``idx`` (None
     when there is none);
     ``profiled``: every size's L_opt fitted (:func:`archsearch.laws.active.fit_profiled`)."""
@@ -187,7 +188,7 @@ def point_optimum(pool, idx, losses, options, profiled=False, box=None, coeffici
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(losses[i]))
             for i in idx]
     try:
-        c = (fit_profiled if profiled else fit_law)(runs, LAW, options).coefficients
+        c = (fit_profiled(runs, LAW, options, scale_huber=scale_huber) if profiled else fit_law(runs, LAW, options)).coefficients
     except ArchsearchError:
         return (None, None, None) if coefficients else (None, None)
     o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
@@ -350,6 +351,13 @@ def synthetic(args) -> dict:
                 row[name] = {"estimate_by_level": [e[0] for e in est], "box_estimate_by_level": [e[1] for e in est],
                              "error_by_level": [error(e[0], truth) for e in est],
                              "regret_by_level": [regret(e[1]) for e in est]}
+            # the full grid under other estimators, to separate the estimator from the design: the
+            # plan's fit with the fixed delta, and least squares (a delta far above the noise)
+            full = np.arange(len(pool))
+            for name, o, sc in (("grid_profiled_fixed_delta", grid_opts, False),
+                                ("grid_least_squares", dataclasses.replace(grid_opts, huber_delta=1.0), False)):
+                e = point_optimum(pool, full, losses, o, True, scale_huber=sc)
+                row[name] = {"estimate": e[0], "error": error(e[0], truth), "regret": regret(e[1])}
             closs = observe(coarse, cmean, noise, seed)
             for name, prof in (("coarse_grid", False), ("coarse_grid_profiled", True)):
                 e, eb = point_optimum(coarse, np.arange(len(coarse)), closs, grid_opts, prof)
@@ -409,6 +417,8 @@ def synthetic(args) -> dict:
         for key, metric in (("error", "error"), ("regret", "regret")):
             eq[key] = {"grid_full": _stats([r["grid"][f"{metric}_by_level"][-1] for r in rows]),
                        "grid_profiled_full": _stats([r["grid_profiled"][f"{metric}_by_level"][-1] for r in rows]),
+                       "grid_profiled_fixed_delta_full": _stats([r["grid_profiled_fixed_delta"][metric] for r in rows]),
+                       "grid_least_squares_full": _stats([r["grid_least_squares"][metric] for r in rows]),
                        "coarse_grid_3x3": _stats([r["coarse_grid"][metric] for r in rows]),
                        "coarse_grid_3x3_profiled": _stats([r["coarse_grid_profiled"][metric] for r in rows]),
                        "active_at_budget": _stats([r["active"]["end"][metric] for r in rows])}
