@@ -415,3 +415,35 @@ def test_an_interval_pinned_at_the_fits_bound_never_meets_the_tolerance():
     assert iv.width == math.inf and iv.to_dict()["pinned_at_bound"] == [False, True]
     free = active.optimum_interval(lo[:, [0, 0]])
     assert free.pinned == (False, False) and math.isfinite(free.width)
+
+
+def test_cramer_rao_sd_of_the_benchmark_agrees_with_the_delta_method_on_the_raw_coefficients():
+    """The information limit the benchmark reports (re-parametrised law, optimum as a parameter)
+    equals the delta method on the law's own coefficients (a0..b2 and one offset per size,
+    Jacobian by finite differences of forms.predict): two routes to the same Fisher information.
+    It scales with the noise and grows when runs are taken away."""
+    from archsearch.benchmarks.scripts import bench_active_proxies as B
+    from archsearch.laws import forms
+
+    pool = B.paper_pool(k=3)
+    idx = np.arange(len(pool))
+    sd = B.cramer_rao_sd(pool, idx, 0.01)
+    names = ("a0", "a1", "a2", "b0", "b1", "b2")
+    base = np.array([B.TRUE[n] for n in names])
+    X = dict(pool.X, Lref=np.ones(len(pool)))
+    lev = pool.level
+
+    def logpred(p):
+        c = dict(zip(names, p[:6]))
+        return np.log(forms.predict(B.LAW, c, X)) + p[6:][lev]
+
+    p0 = np.r_[base, np.zeros(int(lev.max()) + 1)]
+    J = np.stack([(logpred(p0 + e) - logpred(p0 - e)) / (2 * e.sum())
+                  for e in np.eye(p0.size) * np.maximum(np.abs(p0), 1e-3) * 1e-6], axis=1)
+    C = 0.01 ** 2 * np.linalg.pinv(J.T @ J, rcond=1e-10)
+    g1 = np.zeros(p0.size); g1[1], g1[2] = -1 / base[1], 1 / base[2]   # log(a2/a1)
+    g2 = np.zeros(p0.size); g2[4], g2[5] = -1 / base[4], 1 / base[5]   # log(b2/b1)
+    assert sd[0] == pytest.approx(math.sqrt(g1 @ C @ g1), rel=1e-3)
+    assert sd[1] == pytest.approx(math.sqrt(g2 @ C @ g2), rel=1e-3)
+    assert B.cramer_rao_sd(pool, idx, 0.003)[0] == pytest.approx(0.3 * sd[0])
+    assert B.cramer_rao_sd(pool, idx[pool.level[idx] == 0], 0.01)[0] > sd[0]
