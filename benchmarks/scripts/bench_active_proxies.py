@@ -541,7 +541,7 @@ def _range(vals):
     if all(x is None for x in vals):
         return None
     v = [math.inf if x is None else float(x) for x in vals]
-    fin = lambda x: x if math.isfinite(x) else None  # noqa: E731
+    fin = lambda x: x if math.isfinite(x) else None
     return {"median": fin(float(np.median(v))), "range": [fin(min(v)), fin(max(v))], "values": [fin(x) for x in v]}
 
 
