@@ -29,6 +29,22 @@ def test_acquire_picks_the_informative_run_and_its_reduction_is_the_gaussian_one
     assert picks[0].variance_reduction == pytest.approx(1 / 1.02, rel=0.08)
 
 
+def test_acquire_log_weights_serve_the_coordinate_known_worse():
+    """log x1* known to 1%, log r* to 10%: a run that pins x1* down removes all of its (small)
+    variance, one that halves r*'s variance removes 50 times more in log units. The default
+    weights (log units, as the stopping rule reads the half-widths) take the second; the
+    ``relative`` weights (the same fraction off each) the first."""
+    rng = np.random.default_rng(2)
+    B = 4000
+    t = rng.standard_normal((B, 2)) * np.array([0.01, 0.1])
+    pred = np.stack([t[:, 0], t[:, 1] + 0.1 * rng.standard_normal(B)], axis=1)
+    avail = np.ones(2, bool)
+    assert active.acquire(t, pred, np.ones(2), 1e-8, avail)[0].index == 1
+    assert active.acquire(t, pred, np.ones(2), 1e-8, avail, weights="relative")[0].index == 0
+    with pytest.raises(ValueError, match="weights"):
+        active.acquire(t, pred, np.ones(2), 1e-8, avail, weights="max")
+
+
 def test_acquire_weighs_cost_and_conditions_on_runs_in_flight():
     rng = np.random.default_rng(1)
     B = 2000
@@ -329,6 +345,29 @@ def test_fit_profiled_removes_the_bias_of_a_sparse_size():
     assert err(active.fit_profiled(full, "conditional-multiplicative", opts)) < 0.01
 
 
+def test_fit_profiled_scales_the_huber_delta_to_the_noise():
+    """With log-noise sigma the Huber delta becomes about 1.345 sigma (least squares in the body
+    of the noise, linear beyond it); noise-free data keep the configured delta."""
+    from archsearch.laws import FitOptions
+    from archsearch.rundata import RunRecord
+
+    pool, loss = _pool_and_truth()
+    opts = FitOptions(reference="best-observed", n_starts=3)
+    sigma = 0.01
+    noisy = loss * np.exp(sigma * np.random.default_rng(3).standard_normal(loss.size))
+
+    def runs(v):
+        return [RunRecord.from_arch(s, tokens=float(t), loss=float(x)) for s, t, x in zip(pool.specs, pool.tokens, v)]
+
+    fit = active.fit_profiled(runs(noisy), "conditional-multiplicative", opts)
+    assert 0.5 * active.HUBER_K * sigma < fit.options["huber_delta"] < 2.0 * active.HUBER_K * sigma
+    assert active.fit_profiled(runs(noisy), "conditional-multiplicative", opts,
+                               scale_huber=False).options["huber_delta"] == opts.huber_delta
+    assert active.fit_profiled(runs(loss), "conditional-multiplicative", opts).options["huber_delta"] == opts.huber_delta
+    assert active.robust_scale(np.array([0.0, 0.0, 0.0, 1.0, -1.0])) == 0.0   # MAD: two outliers of five
+    assert active.robust_scale(np.array([])) == 0.0
+
+
 def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(tmp_path):
     import matplotlib
 
@@ -376,3 +415,35 @@ def test_an_interval_pinned_at_the_fits_bound_never_meets_the_tolerance():
     assert iv.width == math.inf and iv.to_dict()["pinned_at_bound"] == [False, True]
     free = active.optimum_interval(lo[:, [0, 0]])
     assert free.pinned == (False, False) and math.isfinite(free.width)
+
+
+def test_cramer_rao_sd_of_the_benchmark_agrees_with_the_delta_method_on_the_raw_coefficients():
+    """The information limit the benchmark reports (re-parametrised law, optimum as a parameter)
+    equals the delta method on the law's own coefficients (a0..b2 and one offset per size,
+    Jacobian by finite differences of forms.predict): two routes to the same Fisher information.
+    It scales with the noise and grows when runs are taken away."""
+    from archsearch.benchmarks.scripts import bench_active_proxies as B
+    from archsearch.laws import forms
+
+    pool = B.paper_pool(k=3)
+    idx = np.arange(len(pool))
+    sd = B.cramer_rao_sd(pool, idx, 0.01)
+    names = ("a0", "a1", "a2", "b0", "b1", "b2")
+    base = np.array([B.TRUE[n] for n in names])
+    X = dict(pool.X, Lref=np.ones(len(pool)))
+    lev = pool.level
+
+    def logpred(p):
+        c = dict(zip(names, p[:6]))
+        return np.log(forms.predict(B.LAW, c, X)) + p[6:][lev]
+
+    p0 = np.r_[base, np.zeros(int(lev.max()) + 1)]
+    J = np.stack([(logpred(p0 + e) - logpred(p0 - e)) / (2 * e.sum())
+                  for e in np.eye(p0.size) * np.maximum(np.abs(p0), 1e-3) * 1e-6], axis=1)
+    C = 0.01 ** 2 * np.linalg.pinv(J.T @ J, rcond=1e-10)
+    g1 = np.zeros(p0.size); g1[1], g1[2] = -1 / base[1], 1 / base[2]   # log(a2/a1)
+    g2 = np.zeros(p0.size); g2[4], g2[5] = -1 / base[4], 1 / base[5]   # log(b2/b1)
+    assert sd[0] == pytest.approx(math.sqrt(g1 @ C @ g1), rel=1e-3)
+    assert sd[1] == pytest.approx(math.sqrt(g2 @ C @ g2), rel=1e-3)
+    assert B.cramer_rao_sd(pool, idx, 0.003)[0] == pytest.approx(0.3 * sd[0])
+    assert B.cramer_rao_sd(pool, idx[pool.level[idx] == 0], 0.01)[0] > sd[0]

@@ -101,9 +101,12 @@ def expected_width(var: np.ndarray, prior_var: np.ndarray, width: float) -> floa
     return float(width * ratio.max())
 
 
+WEIGHTS = ("log", "relative")
+
+
 def acquire(log_optima: np.ndarray, log_pred: np.ndarray, cost: np.ndarray, noise_var: float | np.ndarray,
             available: np.ndarray, pending: Sequence[int] = (), k: int = 1,
-            width: float | None = None) -> list[Pick]:
+            width: float | None = None, weights: str = "log") -> list[Pick]:
     """Greedy batch of ``k`` candidates (see the module docstring).
 
     ``log_optima``: (B, 2) bootstrap optima in logs; ``log_pred``: (B, C) log predicted loss of
@@ -112,7 +115,15 @@ def acquire(log_optima: np.ndarray, log_pred: np.ndarray, cost: np.ndarray, nois
     ``available``: (C,) bool, candidates that may be picked; ``pending``: candidates already
     being trained (conditioned on, never picked); ``width``: the current half-width, to report
     the expected one after. Candidates whose expected reduction is zero are never picked.
+    ``weights``: how the two coordinates' variance reductions add up. ``log`` (default): as they
+    are; both are variances of logs, i.e. of relative errors, in the same units as the stopping
+    rule (the larger half-width) and the benchmark's error (the larger relative error), so the
+    coordinate that is known worse gains most from a run. ``relative``: each divided by its
+    current variance (the same fraction off both), which spends runs on the coordinate that is
+    already known better.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     B, C = log_pred.shape
     if log_optima.shape != (B, 2) or cost.shape != (C,) or available.shape != (C,):
         raise ValueError("shapes of log_optima, log_pred, cost, available do not match")
@@ -122,9 +133,7 @@ def acquire(log_optima: np.ndarray, log_pred: np.ndarray, cost: np.ndarray, nois
     Z = Z - Z.mean(axis=0)
     S = Z.T @ Z / (B - 1)                         # joint covariance: 2 targets, then C candidates
     prior = np.diag(S)[:2].copy()
-    # the targets' units differ in spread, not in meaning: weigh each by its prior variance so
-    # both coordinates count, as the stopping rule (the worse half-width) does
-    w = 1.0 / np.maximum(prior, 1e-12)
+    w = 1.0 / np.maximum(prior, 1e-12) if weights == "relative" else np.ones(2)
     avail = available.copy()
     nv = np.broadcast_to(np.asarray(noise_var, float), (C,))
 
@@ -204,7 +213,18 @@ def initial_design(levels: np.ndarray, x1: np.ndarray, r: np.ndarray, kind: str)
 
 # -- the plan's fit: L_opt of every size as a fitted offset --------------------------------------
 
-def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: float = 1e-5):
+HUBER_K = 1.345   # Huber's tuning constant: 95% of least squares' efficiency under Gaussian noise
+
+
+def robust_scale(log_residuals: np.ndarray) -> float:
+    """Standard deviation of the log residuals, estimated robustly (1.4826 x their median
+    absolute deviation from the median), so that a few bad runs do not inflate it."""
+    r = np.asarray(log_residuals, float)
+    return float(1.4826 * np.median(np.abs(r - np.median(r)))) if r.size else 0.0
+
+
+def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: float = 1e-5,
+                 scale_huber: bool = True):
     """The conditional law with a best-observed reference whose L_opt per (N, D) group is fitted,
     not read off the group's best run.
 
@@ -219,6 +239,15 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
     ``log L = log f_a(x1) + log f_b(r) + c_group``. A group with one run then carries no
     information about the shape (its offset is free), which is the truth of that design.
     Resamples of the bootstrap keep the final offsets (their spread is left out of the interval).
+
+    ``scale_huber``: the Huber loss's delta (``options.huber_delta``, 1e-3 in log units by
+    default) is raised to ``1.345 x`` the robust scale of the log residuals once the offsets are fitted
+    (:func:`robust_scale`), never lowered. A delta far below the noise turns the Huber loss into
+    least absolute deviations, which for Gaussian noise needs about 1.6 times the runs for the
+    same precision; in the synthetic benchmark at 1% noise it made the full grid's optimum
+    markedly worse (docs/method.md section 3 has the figures).
+    1.345 sigma is Huber's constant: 95% of least squares' efficiency when the noise is
+    Gaussian, and runs beyond it still count linearly, not quadratically.
     """
     import dataclasses
 
@@ -237,16 +266,27 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
         X, L = {k: v[keep] for k, v in X.items()}, L[keep]
     key = cluster(X["N"], options.size_tolerance) * (10 ** 6) + cluster(X["D"], options.size_tolerance)
     groups = {int(k): dict(g) for k, g in zip(np.unique(key), _groups_in_order(fit.reference["groups"], X, key))}
-    ref = None
-    for _ in range(rounds):
-        res = np.log(L) - np.log(fit.predict_arrays(X))
-        shift = {k: float(np.mean(res[key == k])) for k in groups}
-        for k, d in shift.items():
-            groups[k]["loss"] *= math.exp(d)
-        ref = {"law": "best-observed", "groups": [dict(g) for g in groups.values()], "tolerance": options.size_tolerance}
-        fit = fit_law(runs, law, dataclasses.replace(options, reference_law=ref))
-        if max(abs(d) for d in shift.values()) < tol:
-            break
+
+    def profile(fit, options):
+        ref = None
+        for _ in range(rounds):
+            res = np.log(L) - np.log(fit.predict_arrays(X))
+            shift = {k: float(np.mean(res[key == k])) for k in groups}
+            for k, d in shift.items():
+                groups[k]["loss"] *= math.exp(d)
+            ref = {"law": "best-observed", "groups": [dict(g) for g in groups.values()], "tolerance": options.size_tolerance}
+            fit = fit_law(runs, law, dataclasses.replace(options, reference_law=ref))
+            if max(abs(d) for d in shift.values()) < tol:
+                break
+        return fit, ref
+
+    fit, ref = profile(fit, options)
+    if scale_huber:   # the scale of the residuals once every size's offset is fitted
+        delta = HUBER_K * robust_scale(np.log(L) - np.log(fit.predict_arrays(X)))
+        if delta > options.huber_delta:
+            options = dataclasses.replace(options, huber_delta=delta)
+            final = dataclasses.replace(final, huber_delta=delta)
+            fit, ref = profile(fit_law(runs, law, dataclasses.replace(options, reference_law=ref)), options)
     return fit_law(runs, law, dataclasses.replace(final, reference_law=ref)) if final.bootstrap else fit
 
 
@@ -325,13 +365,13 @@ class Proposal:
 def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law: str, options: Any,
             k: int = 1, initial: str = "grid3", noise_floor: float = 0.002,
             level: float = 0.9, min_resamples: int = 10, exclude: Sequence[int] = (),
-            max_cost: float = math.inf, anchors: Sequence[int] = ()) -> Proposal:
+            max_cost: float = math.inf, anchors: Sequence[int] = (), weights: str = "log") -> Proposal:
     """The next ``k`` runs given the finished ones (``observed``: pool index -> loss), those in
     flight (``pending``) and those never to propose (``exclude``, e.g. failed); runs dearer
     than ``max_cost`` FLOPs (what is left of a budget) are not proposed. ``anchors``: size levels
     whose box centre joins the initial design (a best-observed L_opt needs a run at the target
     size). ``options``: the :class:`~archsearch.laws.fit.FitOptions` of the fit,
-    with the (small) bootstrap the ensemble needs."""
+    with the (small) bootstrap the ensemble needs. ``weights``: see :func:`acquire`."""
     from archsearch.errors import ArchsearchError
     from archsearch.rundata import RunRecord
 
@@ -390,7 +430,7 @@ def propose(pool: Pool, observed: dict[int, float], pending: Sequence[int], law:
     res = np.log(fit.predict_arrays(X)) - np.log(L)
     noise = noise_variance(res, 5, noise_floor)
     picks = acquire(log_opt, log_pred, pool.flops, size_noise(pool, idx, pending, noise, fit), available,
-                    [i for i in pending if i not in observed], k, interval.width)
+                    [i for i in pending if i not in observed], k, interval.width, weights)
     note = f"fit on {len(idx)} runs, {keep.size} usable resamples"
     if not picks and available.any():
         note += "; no remaining candidate narrows the optimum (the untrained ones are at sizes with no run)"

@@ -45,6 +45,7 @@ Appends one JSON line per arm to ``results/bench/active_proxies.jsonl`` with pro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -151,7 +152,31 @@ def regret_tolerance(bound=0.05, coefs=TRUE) -> float:
     return max(regret((t[0] * (1 + s1 * bound), t[1] * (1 + s2 * bound)), coefs) for s1 in (-1, 1) for s2 in (-1, 1))
 
 
-def point_optimum(pool, idx, losses, options, profiled=False, box=None, coefficients=False):
+def cramer_rao_sd(pool, idx, noise, coefs=TRUE) -> tuple[float, float]:
+    """The information limit of a design: the standard deviations of log d/sqrt(N)* and log r*
+    that an efficient unbiased estimator reaches (Cramer-Rao, to first order) from runs ``idx``
+    with log-noise ``noise``, every size's L_opt a free offset (as :func:`fit_profiled` fits it).
+    The law ``log L = c_size + log(1 + a h(x1 / x1*)) + log(1 + b h(r / r*))``, ``h(t) = log t +
+    1/t - 1``, is the multiplicative law re-parametrised; its Jacobian at the truth gives the
+    Fisher information. No design, plan or fit does better than this on average."""
+    from archsearch.laws import forms
+
+    fa = coefs["a0"] + coefs["a1"] * (1 + math.log(coefs["a2"] / coefs["a1"]))
+    fb = coefs["b0"] + coefs["b1"] * (1 + math.log(coefs["b2"] / coefs["b1"]))
+    a, u1 = coefs["a1"] / fa, math.log(coefs["a2"] / coefs["a1"])
+    b, u2 = coefs["b1"] / fb, math.log(coefs["b2"] / coefs["b1"])
+    idx = np.asarray(idx, int)
+    h1, dh1 = forms._h(np.log(pool.X["x1"][idx]), u1)
+    h2, dh2 = forms._h(np.log(pool.X["x2"][idx]), u2)
+    F, G = 1 + a * h1, 1 + b * h2
+    lev = pool.level[idx]
+    J = np.stack([h1 / F, a * dh1 / F, h2 / G, b * dh2 / G] + [(lev == g).astype(float) for g in np.unique(lev)],
+                 axis=1)
+    C = noise ** 2 * np.linalg.pinv(J.T @ J)
+    return math.sqrt(C[1, 1]), math.sqrt(C[3, 3])
+
+
+def point_optimum(pool, idx, losses, options, profiled=False, box=None, coefficients=False, scale_huber=True):
     """(closed-form optimum, optimum within the box) of the law fitted to runs ``idx`` (None
     when there is none);
     ``profiled``: every size's L_opt fitted (:func:`archsearch.laws.active.fit_profiled`)."""
@@ -163,7 +188,7 @@ def point_optimum(pool, idx, losses, options, profiled=False, box=None, coeffici
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(losses[i]))
             for i in idx]
     try:
-        c = (fit_profiled if profiled else fit_law)(runs, LAW, options).coefficients
+        c = (fit_profiled(runs, LAW, options, scale_huber=scale_huber) if profiled else fit_law(runs, LAW, options)).coefficients
     except ArchsearchError:
         return (None, None, None) if coefficients else (None, None)
     o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
@@ -171,7 +196,8 @@ def point_optimum(pool, idx, losses, options, profiled=False, box=None, coeffici
     return (*out, c) if coefficients else out
 
 
-def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_options=None, box=(BOX_X1, BOX_R)):
+def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_options=None, box=(BOX_X1, BOX_R),
+             weights="log"):
     """Trajectory of the active plan: after each batch, the runs, the FLOPs spent and the plan's
     interval half-width (None before a fit has one), and the estimate the study would take from
     those runs: the law refitted on them with ``estimate_options`` (the fit stage's settings, as
@@ -180,9 +206,11 @@ def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_opt
 
     observed, traj, spent = {}, [], 0.0
     while spent < budget:
-        p = propose(pool, observed, [], LAW, options, k=batch, initial=initial, max_cost=budget - spent)
+        p = propose(pool, observed, [], LAW, options, k=batch, initial=initial, max_cost=budget - spent,
+                    weights=weights)
         if traj and p.interval is not None:
             traj[-1]["width"] = p.interval.width  # the interval after the previous batch
+            traj[-1]["interval"] = [list(p.interval.hidden_over_sqrt_n), list(p.interval.mlp_to_attn_ratio)]
         if not p.picks:
             break
         for pk in p.picks:
@@ -241,6 +269,40 @@ def _stats(vals):
             "finite": int(np.isfinite(v).sum())}
 
 
+def other_weights(w):
+    from archsearch.laws.active import WEIGHTS
+
+    return next(x for x in WEIGHTS if x != w)
+
+
+def plan_record(apool, losses, loop_opts, budget, args, grid_opts, weights, truth, tol_regret, tol_regrets,
+                level_flops, noise) -> dict:
+    """The plan's trajectory in one synthetic world and what it reached (see the module docstring)."""
+    bounds = tuple(tol_regrets)
+    traj = run_plan(apool, losses, loop_opts, budget, args.batch, estimate_options=grid_opts, weights=weights)
+    stop = next((t for t in traj if t["width"] is not None and t["width"] <= args.tolerance), None)
+    return {
+        "weights": weights,
+        "trajectory": traj,
+        "flops_to": {c: flops_to(traj, truth, c, tol_regret) for c in ("coordinates", "loss")},
+        "flops_to_by_bound": {f"{c}@{b:g}": flops_to(traj, truth, c, tol_regrets[b], b)
+                              for c in ("coordinates", "loss") for b in bounds},
+        "cramer_rao_sd_end": cramer_rao_sd(apool, traj[-1]["observed"], noise),
+        "interval_end": next((t.get("interval") for t in reversed(traj) if t.get("interval")), None),
+        "at_grid_level_flops": [{"estimate": (t := at_flops(traj, f))["estimate"],
+                                 "error": error(t["estimate"], truth), "regret": regret(t["box_estimate"])}
+                                for f in level_flops[:-1]],
+        "end": {"flops": traj[-1]["flops"], "runs": traj[-1]["runs"], "levels": traj[-1]["levels"],
+                "estimate": traj[-1]["estimate"], "box_estimate": traj[-1]["box_estimate"],
+                "error": error(traj[-1]["estimate"], truth),
+                "error_x1": error(traj[-1]["estimate"], truth, (0,)),
+                "error_r": error(traj[-1]["estimate"], truth, (1,)),
+                "regret": regret(traj[-1]["box_estimate"])},
+        "stop": None if stop is None else {"flops": stop["flops"], "runs": stop["runs"],
+                                           "error": error(stop["estimate"], truth),
+                                           "regret": regret(stop["box_estimate"])}}
+
+
 def synthetic(args) -> dict:
     from archsearch.laws import FitOptions, forms
 
@@ -254,8 +316,11 @@ def synthetic(args) -> dict:
     apool, amean = with_truth(paper_pool(k=args.active_resolution))
     truth = (TRUE["a2"] / TRUE["a1"], TRUE["b2"] / TRUE["b1"])
     tol_regret = regret_tolerance()
-    grid_opts = FitOptions(reference="best-observed")
-    loop_opts = FitOptions(reference="best-observed", bootstrap=args.bootstrap, n_starts=3)
+    rr = None if args.r_range is None else tuple(args.r_range)
+    grid_opts = FitOptions(reference="best-observed", r_range=rr)
+    loop_opts = FitOptions(reference="best-observed", bootstrap=args.bootstrap, n_starts=3, r_range=rr)
+    bounds = (0.05, 0.10, 0.20)
+    tol_regrets = {b: regret_tolerance(b) for b in bounds}
     grid_flops = float(pool.flops.sum())
     levels = sorted(set(pool.level))
     level_flops = np.cumsum([pool.flops[pool.level == lv].sum() for lv in levels])
@@ -268,8 +333,14 @@ def synthetic(args) -> dict:
                         "loss": f"true loss of (x1^, r^) / true minimum - 1 <= {tol_regret:.3g} "
                                 "(the worst corner of the +-5% box around the optimum), (x1^, r^) the fitted "
                                 "law's optimum within the proxy box, as the search enqueues it"},
-           "regret_tolerance": tol_regret, "noise": {}}
+           "regret_tolerance": tol_regret, "regret_tolerance_by_bound": {f"{b:g}": v for b, v in tol_regrets.items()},
+           "r_range": rr, "noise": {}}
     for noise in args.noise:
+        keep_all = np.ones(len(pool), bool) if rr is None else (pool.X["x2"] >= rr[0]) & (pool.X["x2"] <= rr[1])
+        ckeep = np.ones(len(coarse), bool) if rr is None else (coarse.X["x2"] >= rr[0]) & (coarse.X["x2"] <= rr[1])
+        info = {"full_grid": cramer_rao_sd(pool, np.flatnonzero(keep_all), noise),
+                "full_grid_levels_0-0": cramer_rao_sd(pool, np.flatnonzero(keep_all & (pool.level == 0)), noise),
+                "coarse_grid_3x3": cramer_rao_sd(coarse, np.flatnonzero(ckeep), noise)}
         rows = []
         for seed in range(args.seeds):
             t0 = time.perf_counter()
@@ -280,43 +351,61 @@ def synthetic(args) -> dict:
                 row[name] = {"estimate_by_level": [e[0] for e in est], "box_estimate_by_level": [e[1] for e in est],
                              "error_by_level": [error(e[0], truth) for e in est],
                              "regret_by_level": [regret(e[1]) for e in est]}
+            # the full grid under other estimators, to separate the estimator from the design: the
+            # plan's fit with the fixed delta, and least squares (a delta far above the noise)
+            full = np.arange(len(pool))
+            for name, o, sc in (("grid_profiled_fixed_delta", grid_opts, False),
+                                ("grid_least_squares", dataclasses.replace(grid_opts, huber_delta=1.0), False)):
+                e = point_optimum(pool, full, losses, o, True, scale_huber=sc)
+                row[name] = {"estimate": e[0], "error": error(e[0], truth), "regret": regret(e[1])}
             closs = observe(coarse, cmean, noise, seed)
             for name, prof in (("coarse_grid", False), ("coarse_grid_profiled", True)):
                 e, eb = point_optimum(coarse, np.arange(len(coarse)), closs, grid_opts, prof)
                 row[name] = {"estimate": e, "box_estimate": eb, "error": error(e, truth), "regret": regret(eb)}
-            traj = run_plan(apool, observe(apool, amean, noise, seed), loop_opts, budget, args.batch,
-                            estimate_options=grid_opts)
-            stop = next((t for t in traj if t["width"] is not None and t["width"] <= args.tolerance), None)
-            row["active"] = {
-                "trajectory": traj,
-                "flops_to": {c: flops_to(traj, truth, c, tol_regret) for c in ("coordinates", "loss")},
-                "at_grid_level_flops": [{"estimate": (t := at_flops(traj, f))["estimate"],
-                                         "error": error(t["estimate"], truth), "regret": regret(t["box_estimate"])}
-                                        for f in level_flops[:-1]],
-                "end": {"flops": traj[-1]["flops"], "runs": traj[-1]["runs"], "levels": traj[-1]["levels"],
-                        "estimate": traj[-1]["estimate"], "box_estimate": traj[-1]["box_estimate"],
-                        "error": error(traj[-1]["estimate"], truth),
-                        "error_x1": error(traj[-1]["estimate"], truth, (0,)),
-                        "error_r": error(traj[-1]["estimate"], truth, (1,)),
-                        "regret": regret(traj[-1]["box_estimate"])},
-                "stop": None if stop is None else {"flops": stop["flops"], "runs": stop["runs"],
-                                                   "error": error(stop["estimate"], truth),
-                                                   "regret": regret(stop["box_estimate"])}}
+            for name, weights in (("active", args.weights),) + (
+                    (("active_other_weights", other_weights(args.weights)),) if args.compare_weights else ()):
+                row[name] = plan_record(apool, observe(apool, amean, noise, seed), loop_opts, budget, args,
+                                        grid_opts, weights, truth, tol_regret, tol_regrets, level_flops, noise)
             row["seconds"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             a = row["active"]
             print(json.dumps({"noise": noise, "seed": seed, "grid_error": row["grid"]["error_by_level"][-1],
                               "grid_regret": row["grid"]["regret_by_level"][-1],
+                              "grid_profiled_error": row["grid_profiled"]["error_by_level"][-1],
                               "active_error": a["end"]["error"], "active_regret": a["end"]["regret"],
+                              **({"active_other_weights_error": row["active_other_weights"]["end"]["error"]}
+                                 if args.compare_weights else {}),
                               "active_levels": a["end"]["levels"], "active_flops_to": a["flops_to"],
                               "seconds": row["seconds"]}), flush=True)
 
-        def grid_to(r, name, c):
-            ok = [(e <= 0.05) if c == "coordinates" else (g <= tol_regret)
+
+        def grid_to(r, name, c, bound=0.05):
+            ok = [(e <= bound) if c == "coordinates" else (g <= tol_regrets[bound])
                   for e, g in zip(r[name]["error_by_level"], r[name]["regret_by_level"])]
             return next((float(level_flops[i]) for i in range(len(ok)) if ok[i]), None)
 
-        summ = {"flops_to": {}, "error_at_equal_compute": {}}
+        def covered(r):
+            """Whether the plan's last 90% interval holds the true optimum (both coordinates)."""
+            iv = r["active"]["interval_end"]
+            return None if iv is None else bool(iv[0][0] <= truth[0] <= iv[0][1] and iv[1][0] <= truth[1] <= iv[1][1])
+
+        cov = [covered(r) for r in rows]
+        summ = {"flops_to": {}, "error_at_equal_compute": {},
+                "information_limit": {
+                    "what": "Cramer-Rao standard deviation of (log d/sqrt(N)*, log r*) at this noise: no "
+                            "estimator from these runs does better on average (every size's L_opt free)",
+                    **{k: list(v) for k, v in info.items()},
+                    "active_end_design_median": np.median([r["active"]["cramer_rao_sd_end"] for r in rows],
+                                                          axis=0).tolist()},
+                "active_interval_coverage": {"level": 0.9, "covered": sum(c is True for c in cov),
+                                             "with_interval": sum(c is not None for c in cov)},
+                "flops_to_by_bound": {}}
+        for c in ("coordinates", "loss"):
+            for b in bounds:
+                summ["flops_to_by_bound"][f"{c}@{b:g}"] = {
+                    "grid_by_level": _stats([grid_to(r, "grid", c, b) for r in rows]),
+                    "grid_profiled_by_level": _stats([grid_to(r, "grid_profiled", c, b) for r in rows]),
+                    "active": _stats([r["active"]["flops_to_by_bound"][f"{c}@{b:g}"] for r in rows])}
         for c in ("coordinates", "loss"):
             summ["flops_to"][c] = {
                 "grid_by_level": _stats([grid_to(r, "grid", c) for r in rows]),
@@ -328,6 +417,8 @@ def synthetic(args) -> dict:
         for key, metric in (("error", "error"), ("regret", "regret")):
             eq[key] = {"grid_full": _stats([r["grid"][f"{metric}_by_level"][-1] for r in rows]),
                        "grid_profiled_full": _stats([r["grid_profiled"][f"{metric}_by_level"][-1] for r in rows]),
+                       "grid_profiled_fixed_delta_full": _stats([r["grid_profiled_fixed_delta"][metric] for r in rows]),
+                       "grid_least_squares_full": _stats([r["grid_least_squares"][metric] for r in rows]),
                        "coarse_grid_3x3": _stats([r["coarse_grid"][metric] for r in rows]),
                        "coarse_grid_3x3_profiled": _stats([r["coarse_grid_profiled"][metric] for r in rows]),
                        "active_at_budget": _stats([r["active"]["end"][metric] for r in rows])}
@@ -337,6 +428,21 @@ def synthetic(args) -> dict:
                     [r["active"]["at_grid_level_flops"][i][metric] for r in rows])
         eq["error_x1"] = {"active_at_budget": _stats([r["active"]["end"]["error_x1"] for r in rows])}
         eq["error_r"] = {"active_at_budget": _stats([r["active"]["end"]["error_r"] for r in rows])}
+        if args.compare_weights:
+            o = [r["active_other_weights"] for r in rows]
+            a = [r["active"] for r in rows]
+            summ["other_weights"] = {
+                "weights": o[0]["weights"],
+                "error_at_budget": _stats([x["end"]["error"] for x in o]),
+                "regret_at_budget": _stats([x["end"]["regret"] for x in o]),
+                "paired_error_difference": _stats([x["end"]["error"] - y["end"]["error"] for x, y in zip(a, o)]),
+                "paired_log_cramer_rao_ratio": _stats([math.log(max(x["cramer_rao_sd_end"]) / max(y["cramer_rao_sd_end"]))
+                                                       for x, y in zip(a, o)]),
+                "what": "paired over seeds (same draws): this arm's weights minus the other's; the Cramer-Rao ratio "
+                        "compares the designs' information (larger sd of the two coordinates), free of the fit's luck",
+                "cramer_rao_sd_end_median": np.median([x["cramer_rao_sd_end"] for x in o], axis=0).tolist(),
+                "flops_to_by_bound": {k: _stats([x["flops_to_by_bound"][k] for x in o])
+                                      for k in o[0]["flops_to_by_bound"]}}
         summ["active_stop"] = {"flops": _stats([(r["active"]["stop"] or {}).get("flops") for r in rows]),
                                "error": _stats([(r["active"]["stop"] or {}).get("error") for r in rows]),
                                "seeds_stopping": sum(r["active"]["stop"] is not None for r in rows)}
@@ -368,6 +474,12 @@ def replay(args) -> dict:
     box = ((min(x1s), max(x1s)), (min(rs), max(rs)))
     ref_box = box_optimum(rc, *box)
     ref_closed = (forms.factor_optimum(rc["a1"], rc["a2"]), forms.factor_optimum(rc["b1"], rc["b2"]))
+    ref_closed = None if None in ref_closed else ref_closed
+    interior = ref_closed is not None and all(lo < v < hi for v, (lo, hi) in zip(ref_closed, box))
+
+    def err_ref(est):
+        """Coordinate error against the reference's optimum; None when that is not inside the box."""
+        return error(est, ref_closed) if interior else None
 
     def reg(est):
         """Loss of ``est`` over the loss of the reference's own box optimum, both under the reference law."""
@@ -379,7 +491,7 @@ def replay(args) -> dict:
 
     out = {"runs_file": args.runs, "runs": len(runs), "seeds": seeds, "box": box,
            "reference": {"fit": "every run of every seed, every size's L_opt fitted", "coefficients": rc,
-                         "closed_form_optimum": None if None in ref_closed else ref_closed,
+                         "closed_form_optimum": ref_closed,
                          "box_optimum": ref_box, "status": ref_fit.status, "warnings": ref_fit.warnings},
            "per_seed": []}
     for seed in seeds:
@@ -393,7 +505,10 @@ def replay(args) -> dict:
         gfit = {}
         for name, fn in (("grid", fit_law), ("grid_profiled", fit_profiled)):
             c = fn(rr, LAW, opts).coefficients
-            gfit[name] = {"box_optimum": box_optimum(c, *box), "regret": reg(box_optimum(c, *box))}
+            closed = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+            gfit[name] = {"box_optimum": box_optimum(c, *box), "regret": reg(box_optimum(c, *box)),
+                          "closed_form_optimum": None if None in closed else closed,
+                          "error_vs_reference": err_ref(None if None in closed else closed)}
         traj = run_plan(pool, losses, loop_opts, grid_flops, args.batch, estimate_options=opts, box=box)
         for t in traj:   # every budget at once
             t["regret_vs_reference"] = reg(t["box_estimate"])
@@ -402,11 +517,32 @@ def replay(args) -> dict:
             t = at_flops(traj, frac * grid_flops)
             at[f"{frac:.3g}"] = {"runs": t.get("runs", 0), "flops": t.get("flops", 0.0),
                                  "box_optimum": t.get("box_estimate"), "regret": t.get("regret_vs_reference", math.inf),
+                                 "closed_form_optimum": t.get("estimate"),
+                                 "error_vs_reference": err_ref(t.get("estimate")),
                                  "note": None if t.get("box_estimate") else "no law fitted yet (initial design)"}
         out["per_seed"].append({"seed": seed, "pool_runs": len(pool), "grid_flops": grid_flops, **gfit,
                                 "active_at_grid_share": at, "active_trajectory": traj})
         print(json.dumps({"seed": seed, "grid": gfit, "active_at_grid_share": at}, default=str), flush=True)
+    ps = out["per_seed"]
+    out["summary"] = {
+        "what": "medians over seeds [min, max]: regret = loss of the estimate's optimum within the box over the "
+                "reference's, under the reference law; error_vs_reference = max relative error of the closed-form "
+                "optimum against the reference's closed-form optimum (None when that is not interior)",
+        "reference_interior": interior,
+        **{f"{name}_{m}": _range([p[name][m] for p in ps]) for name in ("grid", "grid_profiled")
+           for m in ("regret", "error_vs_reference")},
+        **{f"active_at_{k}_{m}": _range([p["active_at_grid_share"][k][m] for p in ps])
+           for k in ps[0]["active_at_grid_share"] for m in ("regret", "error_vs_reference")}}
     return out
+
+
+def _range(vals):
+    """Median and range of a few seeds' values (inf: no estimate)."""
+    if all(x is None for x in vals):
+        return None
+    v = [math.inf if x is None else float(x) for x in vals]
+    fin = lambda x: x if math.isfinite(x) else None
+    return {"median": fin(float(np.median(v))), "range": [fin(min(v)), fin(max(v))], "values": [fin(x) for x in v]}
 
 
 REPLAY_FRACTIONS = (1 / 3, 1 / 2, 2 / 3, 1.0)
@@ -431,6 +567,14 @@ def main() -> None:
                     help="the plan's budget as a fraction of the full grid's FLOPs")
     ap.add_argument("--runs", default="results/bench/active_proxies_demo/runs.csv")
     ap.add_argument("--size-tolerance", type=float, default=0.15)
+    ap.add_argument("--r-range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="synthetic arm: keep only runs with r in [LO, HI] in every fit (the method's "
+                         "filter, 0.5 5); default none: the generated law holds at every r, and the box's "
+                         "snapped edge shapes (r 0.47-0.49 and 5.1-5.5, 12 of the grid's 59 runs) would be "
+                         "paid for and then dropped")
+    ap.add_argument("--weights", default="log", help="the plan's acquisition weights (archsearch.laws.active.acquire)")
+    ap.add_argument("--compare-weights", action="store_true",
+                    help="synthetic arm: also run the plan with the other weights on the same draws")
     ap.add_argument("--label", default="", help="a free note stored with the record (e.g. what changed)")
     ap.add_argument("--out", default="results/bench/active_proxies.jsonl")
     args = ap.parse_args()
