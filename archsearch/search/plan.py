@@ -285,6 +285,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus)
+        if cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
+            from archsearch.search.checks import check_reference_batch
+
+            p["reference_batch"] = check_reference_batch(cfg, device)
         try:
             meas = measurement_cost(cfg, device, n_meas, n_total)
         except ArchsearchError as e:
