@@ -60,7 +60,14 @@ def measured_baseline(cfg: StudyConfig) -> ArchSpec:
 
     base = baseline_spec(cfg)
     scale = measure_scale(cfg, build_settings(cfg, vocab_size(cfg)))
-    return scale(base) if scale is not None else base
+    if scale is None:
+        return base
+    try:
+        return scale(base)
+    except ArchsearchError as e:
+        raise ArchsearchError("measure.params", f"the baseline cannot be rebuilt at {cfg.measure.params:.4g} "
+                              f"(every comparison measures it there): {e.field}: {e.problem}",
+                              e.fix or "choose another measure.params") from None
 
 
 def measuring_device(cfg: StudyConfig) -> str | None:
@@ -184,6 +191,7 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     if cfg.proxy and not cfg.law.file:
         check_reference_data(cfg)
     check_later_stages(cfg)
+    measured_baseline(cfg)  # every comparison measures the baseline, rebuilt at measure.params where set
     # the plan checks the device it is priced on (--gpus) itself
     check_reference_batch(cfg, cfg.measure.device_spec if for_plan else measuring_device(cfg))
 
