@@ -160,9 +160,13 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, T
 def search_worker(cfg, out: str, marker: str) -> None:
     """Job: one Optuna worker on the study's shared storage, measuring on this job's device
     until the study has its ``n_trials`` shapes (the workers share the count); then ``marker``."""
+    from archsearch.hardware import local_device_name
+    from archsearch.search.checks import check_reference_batch
     from archsearch.search.pipeline import search_context
     from archsearch.search.study import run_study
 
+    # on Slurm the coordinator cannot know the jobs' GPUs: each worker checks its own before measuring
+    check_reference_batch(cfg, cfg.measure.device_spec or local_device_name())
     run_study(search_context(cfg, Path(out)), progress=False)
     atomic_write(marker, "done\n")
 
