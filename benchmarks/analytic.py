@@ -50,8 +50,9 @@ def weights_read_per_step(spec: ArchSpec, dtype: str) -> float:
 def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, input_len: int,
                   output_len: int, calibration=None) -> BatchResult:
     """Roofline prediction for one batch size (see the module docstring). With a
-    ``archsearch.benchmarks.calibration.Calibration`` the peaks are scaled by its efficiencies and every
-    engine step (prefill and each decode step) costs its overhead on top."""
+    ``archsearch.benchmarks.calibration.Calibration`` the peaks are scaled by its efficiencies, every
+    engine step (prefill and each decode step) costs its overhead (fixed plus per sequence) on
+    top, and compute and memory time add instead of overlapping where the fit chose that."""
     seq = input_len + output_len
     capacity = max_batch_by_kv(spec, device.memory_bytes, seq, dtype, MEMORY_FRACTION)
     if batch_size > capacity:
@@ -59,20 +60,22 @@ def predict_batch(spec: ArchSpec, device: Device, dtype: str, batch_size: int, i
             batch_size, f"predicted not to fit: {device.name} holds the KV cache of at most "
                         f"{capacity} sequences of {seq} tokens beside the weights ({dtype})")
     peak, bw = device.peak_flops(dtype), device.memory_bandwidth
-    overhead = 0.0
+    overhead, bound = 0.0, max
     if calibration is not None:
         peak = (calibration.peak_flops or peak) * calibration.compute_efficiency
         bw = (calibration.memory_bandwidth or bw) * calibration.memory_efficiency
-        overhead = calibration.step_overhead_s
+        overhead = calibration.step_overhead_s + calibration.seq_overhead_s * batch_size
+        if calibration.combine == "sum":  # compute and memory traffic do not overlap
+            bound = lambda a, b: a + b  # noqa: E731
     w = weights_read_per_step(spec, dtype)
     kv = kv_cache_bytes_per_token(spec, dtype)
     head = 2 * spec.hidden_size * spec.vocab_size
-    ttft = overhead + max(batch_size * (prefill_flops(spec, input_len) + head) / peak,
-                          (w + batch_size * input_len * kv) / bw)
+    ttft = overhead + bound(batch_size * (prefill_flops(spec, input_len) + head) / peak,
+                            (w + batch_size * input_len * kv) / bw)
     decode = 0.0
     for t in range(input_len + 1, input_len + output_len):
-        decode += overhead + max(batch_size * inference_flops_per_token(spec, t, include_head=True) / peak,
-                                 (w + batch_size * t * kv) / bw)
+        decode += overhead + bound(batch_size * inference_flops_per_token(spec, t, include_head=True) / peak,
+                                   (w + batch_size * t * kv) / bw)
     e2e = ttft + decode
     return BatchResult(
         batch_size=batch_size, ok=True,
@@ -109,7 +112,9 @@ class AnalyticBackend(Backend):
                   "peak_flops_used": device.peak_flops(dtype),
                   "calibration": ({"file": str(cal_path), "compute_efficiency": cal.compute_efficiency,
                                    "memory_efficiency": cal.memory_efficiency,
-                                   "step_overhead_s": cal.step_overhead_s, "engine": cal.engine}
+                                   "step_overhead_s": cal.step_overhead_s,
+                                   "seq_overhead_s": cal.seq_overhead_s, "combine": cal.combine,
+                                   "engine": cal.engine}
                                   if cal else "uncalibrated: peak device figures, an optimistic bound")}
         return {"device": device.name, "dtype": dtype, "engine": engine, "timing": {},
                 "per_batch": per_batch}

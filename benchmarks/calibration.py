@@ -1,11 +1,18 @@
 """Calibrating the analytic roofline on measured results of one (device, engine, dtype).
 
 The roofline (``archsearch.benchmarks.analytic``) uses the device's peak FLOP/s and bandwidth, which no
-engine reaches. Calibration fits three efficiency parameters on a few measured shapes
-(``bench --out`` JSONL files): the achieved fraction of the device entry's peak compute and memory bandwidth (above 1 where
-the entry understates the device, as the CPU entry, measured by a matmul under load, can), and
-a fixed overhead per engine step (scheduling, sampling, Python), by least squares on the log
-throughput ratio. The file keeps the parameters, what they were fitted on, the fit's error and
+engine reaches. Calibration fits a few efficiency parameters on a few measured shapes
+(``bench --out`` JSONL files): the achieved fraction of the device entry's peak compute and
+memory bandwidth (above 1 where the entry understates the device, as the CPU entry, measured
+by a matmul under load, can), a fixed overhead per engine step (scheduling, Python) and, when
+the results hold two or more batch sizes, an overhead per sequence and step (sampling, input
+preparation: what makes a CPU engine's step grow with the batch beyond its FLOPs), by least
+squares on the log throughput ratio. Two ways of combining compute and memory time are fitted:
+``max`` (they overlap, the roofline's assumption, right on GPUs) and ``sum`` (they do not, as
+in eager CPU kernels); with or without the per-sequence term. The variant kept is the one
+with the smallest leave-one-shape-out error on the fitted shapes (each shape predicted by a
+fit on the others), so the choice never sees held-out data; every variant's error is kept in
+the file. The file keeps the parameters, what they were fitted on, the fit's error and
 provenance; ``bench --backend analytic --calibration FILE`` and ``measure.calibration`` in a
 study use it. A prediction without one is labelled uncalibrated.
 
@@ -35,12 +42,18 @@ class Calibration:
     compute_efficiency: float
     memory_efficiency: float
     step_overhead_s: float
+    seq_overhead_s: float = 0.0  # per sequence of the batch, per engine step
+    combine: str = "max"         # compute and memory time: "max" (overlap) or "sum"
     # the device figures the efficiencies multiply, fixed at fit time (the CPU entry is
     # measured afresh each run and moves with the load; a calibration must not)
     peak_flops: float | None = None
     memory_bandwidth: float | None = None
     fit: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.combine not in ("max", "sum"):
+            raise ArchsearchError("calibration.combine", f"{self.combine!r} is unknown", "use max or sum (or refit)")
 
     def save(self, path: str | Path) -> None:
         from archsearch.fileio import write_json
@@ -84,14 +97,53 @@ def _points(results) -> list[tuple[Any, int, int, int, float]]:
     return pts
 
 
-def fit_calibration(results, device_spec: str = "cpu") -> Calibration:
-    """Fit the three parameters on measured ``BenchResult``s of one device/engine/dtype."""
+def _fit_variant(pts, dev, dtype: str, combine: str, per_seq: bool):
+    """Least squares on log throughput for one model variant: (parameters, predict(pts))."""
     import numpy as np
     from scipy.optimize import least_squares
 
+    from archsearch.benchmarks.analytic import predict_batch
+
+    peak, bw = dev.peak_flops(dtype), dev.memory_bandwidth
+
+    def cal(theta) -> Calibration:
+        seq = math.exp(theta[3]) if per_seq else 0.0
+        return Calibration("", "", dtype, math.exp(theta[0]), math.exp(theta[1]), math.exp(theta[2]),
+                           seq, combine, peak, bw)
+
+    def predict(theta, on) -> np.ndarray:
+        c = cal(theta)
+        return np.array([predict_batch(s, dev, dtype, b, i, o, c).output_throughput for s, b, i, o, _ in on])
+
+    measured = np.array([p[-1] for p in pts])
+    x0 = [math.log(0.3), math.log(0.3), math.log(1e-3)] + ([math.log(1e-4)] if per_seq else [])
+    lo = [math.log(1e-4)] * 2 + [math.log(1e-7)] + ([math.log(1e-8)] if per_seq else [])
+    hi = [math.log(100.0)] * 2 + [0.0] + ([math.log(0.1)] if per_seq else [])
+    res = least_squares(lambda th: np.log(predict(th, pts) / measured), x0=x0, bounds=(lo, hi))
+    return cal(res.x), lambda on: predict(res.x, on)
+
+
+def _loso_error(pts, dev, dtype: str, combine: str, per_seq: bool) -> float | None:
+    """Mean absolute relative error of each fitted shape predicted by a fit on the other shapes."""
+    keys = sorted({id(p[0]) for p in pts})
+    if len(keys) < 3:
+        return None
+    errs = []
+    for k in keys:
+        train = [p for p in pts if id(p[0]) != k]
+        test = [p for p in pts if id(p[0]) == k]
+        _, predict = _fit_variant(train, dev, dtype, combine, per_seq)
+        errs += [abs(q / p[-1] - 1) for q, p in zip(predict(test), test)]
+    return sum(errs) / len(errs)
+
+
+def fit_calibration(results, device_spec: str = "cpu") -> Calibration:
+    """Fit the parameters on measured ``BenchResult``s of one device/engine/dtype, choosing the
+    model variant by leave-one-shape-out error on these results (module docstring)."""
+    import numpy as np
+
     from archsearch.hardware import get_device
     from archsearch.provenance import provenance
-    from archsearch.benchmarks.analytic import predict_batch
 
     pts = _points(results)
     keys = {(r.device, r.backend, r.dtype) for r in results if not r.predicted}
@@ -103,20 +155,21 @@ def fit_calibration(results, device_spec: str = "cpu") -> Calibration:
                               "calibrate on one (device, engine, dtype) at a time")
     device, engine, dtype = next(iter(keys))
     dev = get_device(device_spec)
-    peak, bw = dev.peak_flops(dtype), dev.memory_bandwidth
-
-    def predicted(theta) -> np.ndarray:
-        c = Calibration(device, engine, dtype, math.exp(theta[0]), math.exp(theta[1]), math.exp(theta[2]),
-                        peak, bw)
-        return np.array([predict_batch(s, dev, dtype, b, i, o, c).output_throughput for s, b, i, o, _ in pts])
-
+    two_batches = len({p[1] for p in pts}) >= 2
+    variants = [(c, q) for c in ("max", "sum") for q in ((False, True) if two_batches else (False,))]
+    scores = {f"{c}{'+seq' if q else ''}": _loso_error(pts, dev, dtype, c, q) for c, q in variants}
+    if all(v is not None for v in scores.values()):
+        combine, per_seq = min(variants, key=lambda v: scores[f"{v[0]}{'+seq' if v[1] else ''}"])
+    else:  # too few shapes to cross-validate: the roofline's own form
+        combine, per_seq = "max", False
+    cal, predict = _fit_variant(pts, dev, dtype, combine, per_seq)
     measured = np.array([p[-1] for p in pts])
-    res = least_squares(lambda th: np.log(predicted(th) / measured), x0=[math.log(0.3), math.log(0.3), math.log(1e-3)],
-                        bounds=([math.log(1e-4)] * 2 + [math.log(1e-7)], [math.log(100.0)] * 2 + [0.0]))
-    pred = predicted(res.x)
-    return Calibration(device, engine, dtype, *(float(math.exp(v)) for v in res.x), peak, bw,
+    return Calibration(device, engine, dtype, cal.compute_efficiency, cal.memory_efficiency, cal.step_overhead_s,
+                       cal.seq_overhead_s, combine, cal.peak_flops, cal.memory_bandwidth,
                        fit={"n_batches": len(pts), "device_spec": device_spec,
-                            "mape_on_fitted": float(np.mean(np.abs(pred / measured - 1))),
+                            "mape_on_fitted": float(np.mean(np.abs(predict(pts) / measured - 1))),
+                            "leave_one_shape_out_mape": scores,
+                            "variant": f"{combine}{'+seq' if per_seq else ''}",
                             "shapes": sorted({s.name or str(s.hidden_size) for s, *_ in pts})},
                        provenance=provenance(device=False))
 

@@ -124,6 +124,19 @@ class PairedResult:
         """Shape ``i`` over shape ``ref`` (any two shapes of the group are paired)."""
         return ratio_estimate(self.series(ref), self.series(i), self.paired["level"])
 
+    def pair(self, i: int) -> PairedResult:
+        """The reference and shape ``i`` alone: their columns of every round (paired data, as
+        if the two had been compared by themselves, with the group's stopping rule)."""
+        from dataclasses import replace
+
+        pick = lambda xs: [xs[0], xs[i]] if len(xs) > i else xs  # noqa: E731
+        return replace(self, specs=pick(self.specs), rounds=[pick(r) for r in self.rounds], ttft=pick(self.ttft),
+                       engines=pick(self.engines),
+                       timing={**self.timing, "engine_start_s": pick(self.timing.get("engine_start_s") or []),
+                               "group_size": len(self.specs)},
+                       provenance={**self.provenance,
+                                   "architectures": pick(self.provenance.get("architectures") or [])})
+
     def throughput(self, i: int) -> float | None:
         return mean(self.series(i)) if self.rounds else None
 

@@ -241,3 +241,92 @@ def test_measurer_measures_the_rescaled_shape_keyed_by_the_study_shape(tmp_path,
     scaled.compare([a, b])
     plain.compare([a, b])
     assert seen == [[128, 256], [64, 128]]  # rescaled shapes measured; the settings key them apart
+
+
+def test_compare_together_measures_missing_pairs_in_one_group_and_stores_each_pair(tmp_path, monkeypatch):
+    from archsearch.search.config import MeasureConfig
+    from archsearch.search.measure import MeasurementStore, Measurer
+
+    calls, fail = [], []
+
+    def fake_paired(specs, settings, paired, b, **kw):
+        calls.append([s.hidden_size for s in specs])
+        rounds = [[100.0] + [100.0 * (1 + i / 10) + k for i in range(1, len(specs))] for k in range(3)]
+        return PairedResult(specs=[s.to_dict() for s in specs], rounds=rounds if not fail else [], settings={},
+                            paired={"level": 0.9}, batch_size=b, ok=not fail, ttft=[0.1 * i for i in range(len(specs))],
+                            timing={"engine_start_s": [1.0] * len(specs)})
+
+    monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", fake_paired)
+    store = MeasurementStore(tmp_path / "m.jsonl")
+    m = Measurer(MeasureConfig(backend="hf", batch_sizes=[4]), store)
+    ref, b, c, d = _spec(32), _spec(64), _spec(96), _spec(128)
+    assert m.compare_together(ref, [b, c]) == 2 and calls == [[32, 64, 96]]
+    got = m.compare([ref, c])
+    assert calls == [[32, 64, 96]] and not got.cached  # read back, but taken by this process
+    assert got.result.rounds == [[100.0, 120.0 + k] for k in range(3)] and got.result.ttft == [0.0, 0.2]
+    assert got.result.timing["group_size"] == 3 and store.get(got.key)["group"]["size"] == 3
+    again = Measurer(MeasureConfig(backend="hf", batch_sizes=[4]), store)
+    assert again.compare([ref, b]).cached and again.compare_together(ref, [b, c]) == 0
+    assert again.compare_together(ref, [b, d]) == 0 and calls == [[32, 64, 96]]  # one missing: its trial measures it
+    fail.append(True)
+    e = _spec(160)
+    assert again.compare_together(ref, [d, e]) == 0 and store.get(again.pair_key([ref, d])) is None
+
+
+def test_test_retest_statistics_account_for_the_second_pass_noise():
+    """Equal errors: a calibrated 90% interval holds the other pass's ratio ~75% of the time
+    (not 90%); two passes differing by more than their combined error count as disagreeing."""
+    import math
+
+    from scipy import stats
+
+    from archsearch.benchmarks.scripts.bench_test_retest import agreement
+
+    def est(ratio, se, n=10, level=0.9):
+        h = stats.t.ppf(0.5 + level / 2, n - 1) * se
+        return {"ratio": ratio, "lo": ratio * math.exp(-h), "hi": ratio * math.exp(h), "level": level, "n": n}
+
+    a = [est(1.0, 0.02), est(1.1, 0.02), est(1.2, 0.02)]
+    b = [est(1.01, 0.02), est(1.1 * math.exp(0.03), 0.02), est(1.3, 0.02)]
+    out = agreement(a, b)
+    assert out["expected_coverage_if_calibrated"] == pytest.approx(2 * stats.norm.cdf(1.6449 / math.sqrt(2)) - 1, abs=1e-3)
+    assert out["expected_coverage_if_calibrated"] == pytest.approx(0.755, abs=0.005)
+    # |log ratio| 0.00995 and 0.03 are within 1.645 * 0.0283 = 0.0465; log(1.3/1.2) = 0.08 is not
+    assert out["agree_within_combined_interval"] == pytest.approx(2 / 3)
+    assert out["spearman"] == pytest.approx(1.0) and out["pairwise_order_agreement"] == 1.0
+
+
+def test_calibration_chooses_the_model_variant_by_leave_one_shape_out_error(tmp_path):
+    """Engine data made by an additive (compute + memory) step with a per-sequence overhead: the
+    fit picks that variant on the fitted shapes alone and predicts held-out shapes closely,
+    where the roofline's max() form cannot."""
+    import dataclasses
+
+    from archsearch.benchmarks import measure
+    from archsearch.benchmarks.calibration import Calibration, fit_calibration
+
+    truth = Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 2e-4, "sum", peak_flops=1e12, memory_bandwidth=1e11)
+    truth.save(tmp_path / "truth.json")
+
+    def run(sp, cal):
+        s = BenchSettings(backend="analytic", batch_sizes=[4, 32], input_len=32, output_len=16, dtype="float32",
+                          device_spec="H100", engine_args={"calibration": str(cal)})
+        return measure(sp, s)
+
+    shapes = [ArchSpec(n_layers=4, hidden_size=d, n_heads=d // 64, n_kv_heads=kv, head_dim=64, ffn=f, vocab_size=32000)
+              for d, kv, f in ((1024, 16, 2048), (1024, 2, 8192), (4096, 64, 2048), (4096, 8, 8192),
+                               (2048, 8, 4096), (3072, 12, 3072))]
+    made = [dataclasses.replace(run(sp, tmp_path / "truth.json"), predicted=False, device="dev", backend="vllm")
+            for sp in shapes]
+    fit = fit_calibration(made[:4], "H100")
+    assert fit.fit["variant"] == "sum+seq" and fit.combine == "sum" and fit.seq_overhead_s > 0
+    scores = fit.fit["leave_one_shape_out_mape"]
+    assert scores["sum+seq"] < 0.01 < scores["max"]
+    fit.save(tmp_path / "fit.json")
+    for sp, r in zip(shapes[4:], made[4:]):
+        p = run(sp, tmp_path / "fit.json")
+        for b in (4, 32):
+            assert p.throughput(b) == pytest.approx(r.throughput(b), rel=0.02)
+    with pytest.raises(ArchsearchError) as e:
+        Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 0.0, "mean")
+    assert e.value.field == "calibration.combine"

@@ -153,6 +153,8 @@ class FitResult:
             return None
         names = bs["names"]
         refs = bs.get("reference")
+        if not refs and self.law in CONDITIONAL and "Lref" not in X:  # one L_opt for every resample
+            X = {**X, "Lref": reference_loss(self.reference, X["N"], X["D"])}
         out = []
         for i, row in enumerate(bs["coefficients"]):
             ref = self.reference
@@ -329,17 +331,19 @@ def reference_loss(ref: dict[str, Any] | None, N: np.ndarray, D: np.ndarray) -> 
     gN = np.array([g["params"] for g in ref["groups"]])
     gD = np.array([g["tokens"] for g in ref["groups"]])
     gL = np.array([g["loss"] for g in ref["groups"]])
-    out = np.empty(np.shape(N), dtype=float)
-    for i, (n, d) in enumerate(zip(np.ravel(N), np.ravel(D))):
-        ok = (np.abs(np.log(gN / n)) <= math.log1p(tol)) & (np.abs(np.log(gD / d)) <= math.log1p(tol))
-        if not ok.any():
-            raise ArchsearchError(
-                "reference", f"best-observed L_opt has no run near N={n:.4g}, D={d:.4g} (observed: "
-                + ", ".join(f"N={a:.3g}/D={b:.3g}" for a, b in zip(gN, gD)) + ")",
-                "fit with reference=chinchilla or give the law a Chinchilla reference "
-                "(--reference-law / FitResult.with_reference)")
-        j = np.flatnonzero(ok)
-        out.flat[i] = gL[j[np.argmin(np.abs(np.log(gN[j] / n)) + np.abs(np.log(gD[j] / d)))]]
+    n, d = np.ravel(N).astype(float)[:, None], np.ravel(D).astype(float)[:, None]  # points x groups
+    dn, dd = np.abs(np.log(gN[None, :] / n)), np.abs(np.log(gD[None, :] / d))
+    ok = (dn <= math.log1p(tol)) & (dd <= math.log1p(tol))
+    missing = np.flatnonzero(~ok.any(axis=1))
+    if missing.size:
+        i = missing[0]
+        raise ArchsearchError(
+            "reference", f"best-observed L_opt has no run near N={n[i, 0]:.4g}, D={d[i, 0]:.4g} (observed: "
+            + ", ".join(f"N={a:.3g}/D={b:.3g}" for a, b in zip(gN, gD)) + ")",
+            "fit with reference=chinchilla or give the law a Chinchilla reference "
+            "(--reference-law / FitResult.with_reference)")
+    nearest = np.argmin(np.where(ok, dn + dd, np.inf), axis=1)  # the closest group within tolerance
+    out = gL[nearest].reshape(np.shape(N)).astype(float)
     return out
 
 

@@ -292,6 +292,8 @@ class OptunaConfig:
     # seed the study with this many shapes from the law's solution (the loss optimum first, then
     # the feasible shapes a roofline ranks fastest); 0: the sampler starts on its own
     enqueue_solution: int = 3
+    # paired studies: compare the feasible seeds with the baseline in one engine process first
+    seeds_together: bool = True
     measure_infeasible: bool = False  # measure candidates that break the loss constraint too
     # report each trial to accelerate's trackers, as train.log_with: tensorboard, wandb, mlflow
     log_with: str | list[str] | None = None

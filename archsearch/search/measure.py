@@ -130,6 +130,7 @@ class Measurer:
         self.store = store
         self.backend, self.note = resolve_backend(cfg)
         self.measured_now = 0  # measurements this process actually took
+        self._taken: set[str] = set()  # keys this process stored (read back later: not "cached")
         self.scale = scale or (lambda spec: spec)
 
     def settings(self):
@@ -153,18 +154,51 @@ class Measurer:
         found, cached = self._once(key, lambda: measure(self.scale(spec), self.settings()).to_dict())
         return Measurement(BenchResult.from_dict(found), key, cached)
 
+    def pair_key(self, specs: list[ArchSpec], attempt: int = 0) -> str:
+        blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
+                           "attempt": attempt}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
     def compare(self, specs: list[ArchSpec], attempt: int = 0) -> Measurement:
         """``specs`` measured together, the first the reference (a ``PairedResult``,
         ``archsearch.benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
-        from archsearch.benchmarks.paired import PairedResult, measure_paired
+        from archsearch.benchmarks.paired import PairedResult
 
-        blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
-                           "attempt": attempt}, sort_keys=True)
-        key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        found, cached = self._once(key, lambda: measure_paired([self.scale(s) for s in specs], self.settings(),
-                                                               self.cfg.paired,
-                                                               self.cfg.ref_batch).to_dict())
+        key = self.pair_key(specs, attempt)
+        found, cached = self._once(key, lambda: self._paired(specs).to_dict())
         return Measurement(PairedResult.from_dict(found), key, cached)
+
+    def compare_together(self, ref: ArchSpec, specs: list[ArchSpec]) -> int:
+        """Compare every shape of ``specs`` whose pair with ``ref`` is not stored yet with ``ref``
+        in ONE engine process (one start of ``ref``'s engine and of the engine library for all),
+        and store each pair's rounds under the key ``compare([ref, s])`` reads. Returns how many
+        pairs were measured; fewer than two missing, or a failed group, measure nothing (each
+        shape is then compared alone when its trial asks)."""
+        missing = lambda: [s for s in specs if self.store.get(self.pair_key([ref, s])) is None]  # noqa: E731
+        todo = missing()
+        if len(todo) < 2:
+            return 0
+        group_key = self.pair_key([ref, *todo])
+        with self.store.claim(group_key):  # a second worker waits, then finds the pairs stored
+            todo = missing()
+            if len(todo) < 2:
+                return 0
+            result = self._paired([ref, *todo])
+            if not result.ok:
+                return 0
+            for i, s in enumerate(todo, start=1):
+                key = self.pair_key([ref, s])
+                d = result.pair(i).to_dict()
+                d["measurement_key"], d["group"] = key, {"key": group_key, "size": len(todo) + 1}
+                self.store.put(key, d)
+                self._taken.add(key)
+            self.measured_now += 1
+        return len(todo)
+
+    def _paired(self, specs: list[ArchSpec]):
+        from archsearch.benchmarks.paired import measure_paired
+
+        return measure_paired([self.scale(s) for s in specs], self.settings(), self.cfg.paired, self.cfg.ref_batch)
 
     def measured_dtype(self, spec: ArchSpec) -> str | None:
         """The dtype ``spec`` was measured in; every measurement of a study runs at one dtype, so a
@@ -177,13 +211,14 @@ class Measurer:
         """The stored result under ``key``, else ``work()`` run under the key's lock and stored."""
         found = self.store.get(key)
         if found is not None:
-            return found, True
+            return found, key not in self._taken
         with self.store.claim(key) as found:
             if found is not None:
                 return found, True
             result = work()
             result["measurement_key"] = key
             self.store.put(key, result)
+            self._taken.add(key)
             self.measured_now += 1
             return result, False
 

@@ -322,6 +322,8 @@ def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     trial.set_user_attr("ttft", {str(ctx.ref_batch): batch.ttft_mean})
     trial.set_user_attr("ratio", est.to_dict())
     trial.set_user_attr("rounds", len(pr.rounds))
+    if pr.timing.get("group_size"):
+        trial.set_user_attr("group_size", pr.timing["group_size"])
     trial.set_user_attr("measured", True)
     ok, why = check_result_limits(cfg.limits, batch, ctx.ref_batch)
     if not ok:
@@ -471,7 +473,8 @@ def _progress_callback(n_trials: int):
         elif t.state == TrialState.COMPLETE and ua.get("ratio"):
             q = ua["ratio"]
             what = (f"x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}] vs baseline "
-                    f"({ua['rounds']} paired rounds){' (cached)' if ua.get('measurement_cached') else ''}")
+                    f"({ua['rounds']} paired rounds{', with the seed group' if ua.get('group_size') else ''})"
+                    f"{' (cached)' if ua.get('measurement_cached') else ''}")
             if ua.get("limits_reason"):
                 what += f"; infeasible: {ua['limits_reason']}"
         elif t.state == TrialState.COMPLETE:
@@ -539,6 +542,32 @@ class DistinctShapesCallback:
             study.stop()
 
 
+def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> int:
+    """The enqueued seed shapes (waiting trials) that the loss constraint admits, compared with
+    the baseline in one engine process before their trials run (``Measurer.compare_together``):
+    each trial then reads its pair, measured in the same time window as the other seeds', at the
+    cost of one engine library import and one baseline engine start for all of them."""
+    from optuna.trial import TrialState
+
+    specs: list[ArchSpec] = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        p = t.system_attrs.get("fixed_params", t.params)  # what enqueue_trial fixed
+        try:
+            spec = expand(ctx.cfg, ctx.build, float(p["hidden_over_sqrt_n"]), float(p["mlp_to_attn"]), int(p["gqa"]))
+        except (ArchsearchError, KeyError):
+            continue  # its trial reports why
+        if spec not in specs and spec != ctx.baseline and loss_bound(ctx, spec) <= ctx.target_loss:
+            specs.append(spec)
+    if len(specs) < 2:
+        return 0
+    if progress:
+        import sys
+
+        print(f"[search] comparing the {len(specs)} feasible seed shapes with the baseline in one engine "
+              "process", file=sys.stderr, flush=True)
+    return ctx.measurer.compare_together(ctx.baseline, specs)
+
+
 def run_study(ctx: SearchContext, progress: bool = True):
     """Create or resume the study and run it until ``n_trials`` trials have completed."""
     import optuna
@@ -562,6 +591,8 @@ def run_study(ctx: SearchContext, progress: bool = True):
         raise ArchsearchError("target", f"the stored study was run with target loss "
                               f"{study.user_attrs['target_loss']:.6g}, this config gives "
                               f"{ctx.target_loss:.6g}", "use a new study name or folder")
+    if ctx.baseline is not None and cfg.optuna.seeds_together:
+        measure_seeds_together(ctx, study, progress)
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
     left = max_trials - len(study.get_trials(deepcopy=False))
     if distinct_measured(study) < cfg.optuna.n_trials and left > 0:

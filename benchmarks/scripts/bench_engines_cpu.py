@@ -27,12 +27,18 @@ from archsearch.benchmarks import BenchSettings, append_jsonl, measure, read_jso
 # (d/sqrt(N), r, GQA): hidden size from narrow to wide, MLP-heavy to attention-heavy, MHA to GQA
 SHAPES = [(0.10, 1.0, 1), (0.10, 1.0, 4), (0.10, 4.0, 1), (0.10, 2.5, 4),
           (0.15, 1.0, 1), (0.15, 2.5, 4), (0.15, 4.0, 2), (0.22, 1.0, 1), (0.22, 2.5, 1)]
+# the calibration benchmark's 4 x 3 grid (d/sqrt(N) x r), GQA cycling 1, 2, 4 across it: the four
+# corners calibrate, the eight others are held out (bench_calibration)
+CALIBRATION_SHAPES = [(x1, r, (1, 2, 4)[(i + j) % 3]) for i, x1 in enumerate((0.08, 0.12, 0.18, 0.26))
+                      for j, r in enumerate((1.0, 2.5, 5.0))]
+GRIDS = {"engines": SHAPES, "calibration": CALIBRATION_SHAPES}
 
 
-def shapes(budget: float, layers: int) -> list:
-    bs = BuildSettings(vocab_size=2048, max_position_embeddings=512, tolerance=0.05)
+def shapes(budget: float, layers: int, grid: str = "engines") -> list:
+    bs = BuildSettings(vocab_size=2048, max_position_embeddings=512, tolerance=0.05,
+                       on_r_drift="error" if grid == "engines" else "flag")  # the realised r is what is measured
     out = []
-    for x1, r, g in SHAPES:
+    for x1, r, g in GRIDS[grid]:
         spec = build_candidate(budget, layers, x1, r, gqa=g, head_dim=64, settings=bs).spec
         out.append(spec.replace(name=f"N{budget:.0e}-x{x1}-r{r}-g{g}"))
     return out
@@ -48,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=float, default=16e6, help="non-embedding parameters")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=8, help="batch size of the rank comparison")
+    ap.add_argument("--batch-sizes", default=None,
+                    help="comma-separated batch sizes each engine measures (default: --batch-size)")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="engines",
+                    help="engines: 9 shapes; calibration: 12 (the calibration benchmark's data)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -61,14 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from scipy.stats import spearmanr
 
-    out = Path(args.out_dir) / "engines_cpu.jsonl"
+    out = Path(args.out_dir) / ("engines_cpu.jsonl" if args.grid == "engines" else f"{args.grid}_data.jsonl")
     done = read_jsonl(out) if out.exists() and not args.fresh else []
-    specs = shapes(args.budget, args.layers)
+    specs = shapes(args.budget, args.layers, args.grid)
+    sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [args.batch_size]
+    if args.batch_size not in sizes:
+        ap.error(f"--batch-size {args.batch_size} must be one of --batch-sizes {sizes}")
     backends = args.backends.split(",")
     tput: dict[str, list[float | None]] = {b: [] for b in backends}
     for backend in backends:
         for spec in specs:
-            s = BenchSettings(backend=backend, batch_sizes=[args.batch_size], input_len=args.input_len,
+            s = BenchSettings(backend=backend, batch_sizes=sizes, input_len=args.input_len,
                               output_len=args.output_len, warmup=1, repeats=args.repeats,
                               device_spec="cpu" if backend == "analytic" else None,
                               engine_args={"torch_threads": args.threads} if backend == "hf" else {},
@@ -93,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "benchmark": "engines_cpu_rank_agreement",
         "budget_non_embedding": args.budget, "layers": args.layers, "batch_size": args.batch_size,
+        "grid": args.grid, "data": str(out),
         "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
         "hf_torch_threads": args.threads,
         "shapes": [{k: describe(s)[k] for k in ("name", "hidden_size", "n_heads", "n_kv_heads", "ffn",
