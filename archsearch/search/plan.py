@@ -141,12 +141,19 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict
 
 
 def search_comparisons(cfg: StudyConfig) -> dict[str, int]:
-    """Paired comparisons the search stage takes (each of the baseline and one shape): ``n_trials``
-    distinct shapes, and up to one more per extra worker (the workers share the count, so a
-    trial a worker started before the count was reached still finishes). A failed measurement
-    costs another trial, up to ``optuna.max_trials``: not counted."""
+    """The search stage's comparisons, as the study takes them. With ``optuna.seeds_together``
+    (a paired study's default) the seed shapes (``enqueue_solution`` of them, when at least two)
+    are first compared with the baseline in one group, in one engine process; the other workers
+    wait for it. Then pairs (the baseline and one shape) up to ``n_trials`` distinct shapes, and up
+    to one more per extra worker (the workers share the count, so a trial a worker started before
+    the count was reached still finishes). Seeds the law finds infeasible are not measured, and a
+    failed measurement costs another trial, up to ``optuna.max_trials``: neither is counted."""
     workers = cfg.cluster.measure_workers if cfg.cluster.parallel else 1
-    return {"low": cfg.optuna.n_trials, "high": cfg.optuna.n_trials + max(0, workers - 1)}
+    seeds = min(cfg.optuna.enqueue_solution, cfg.optuna.n_trials) if cfg.optuna.seeds_together else 0
+    seeds = seeds if seeds >= 2 else 0
+    pairs = cfg.optuna.n_trials - seeds
+    return {"seed_group": seeds, "low": pairs, "high": pairs + max(0, workers - 1),
+            "shapes_low": cfg.optuna.n_trials, "shapes_high": cfg.optuna.n_trials + max(0, workers - 1)}
 
 
 def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
@@ -224,23 +231,30 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int) -> dict[str, An
         return ENGINE_PROCESS_START_S + k * start + k * m.warmup * t + rounds * k * t
 
     per = {"low": comparison_s(2, lo_r), "high": comparison_s(2, hi_r)}
+    k0 = n["seed_group"]
+    group = {"low": comparison_s(k0 + 1, lo_r), "high": comparison_s(k0 + 1, hi_r)} if k0 else {"low": 0.0, "high": 0.0}
     workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
     job_s = JOB_START_S if cfg.cluster.parallel else 0.0
-    nw = {k: -(-n[k] // workers) for k in n}  # comparisons of the busiest worker
+    nw = {k: -(-n[k] // workers) for k in ("low", "high")}  # pairs of the busiest worker
     out: dict[str, Any] = {
         "device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
         "batch_tokens": m.ref_batch * (m.input_len + m.output_len), "measured_params": m.params,
         "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start,
-        "engine_process_start_s": ENGINE_PROCESS_START_S, "comparison_s": per,
-        "measurements": n["high"], "measurements_low": n["low"], "workers": workers,
-        "gpu_hours": {k: (n[k] * v + workers * job_s) / 3600 for k, v in per.items()},
-        "wall_hours": {k: (nw[k] * v + job_s) / 3600 for k, v in per.items()},
+        "engine_process_start_s": ENGINE_PROCESS_START_S, "comparison_s": per, "seed_group_s": group,
+        "seed_group": k0, "pairs": {"low": n["low"], "high": n["high"]},
+        "measurements": n["shapes_high"], "measurements_low": n["shapes_low"], "workers": workers,
+        # every worker's GPU is held from its job's start, also while it waits for the seed group
+        "gpu_hours": {k: (workers * (job_s + group[k]) + n[k] * per[k]) / 3600 for k in per},
+        "wall_hours": {k: (job_s + group[k] + nw[k] * per[k]) / 3600 for k in per},
         "assumptions": [
-            f"search: {n['low']}" + (f"-{n['high']}" if n["high"] > n["low"] else "") + " paired comparisons "
-            f"({cfg.optuna.n_trials} trials" + (f", and up to {n['high'] - n['low']} started by the other workers "
-                                               "before the count was reached" if n["high"] > n["low"] else "")
-            + "; failed measurements, which cost further trials, are not counted), each of the baseline and "
-            f"one shape; the busiest worker takes {nw['low']}" + (f"-{nw['high']}" if nw["high"] > nw["low"] else ""),
+            (f"search: the {k0} seed shapes compared with the baseline in one group of {k0 + 1} "
+             f"(optuna.seeds_together{'; the other workers wait' if workers > 1 else ''}), then " if k0 else "search: ")
+            + f"{n['low']}" + (f"-{n['high']}" if n["high"] > n["low"] else "") + " paired comparisons of the "
+            f"baseline and one shape ({cfg.optuna.n_trials} measured shapes in all"
+            + (f", and up to {n['high'] - n['low']} more started by the other workers before the count was reached"
+               if n["high"] > n["low"] else "")
+            + "; seeds the law finds infeasible and failed measurements are not counted); the busiest worker "
+            f"takes {nw['low']}" + (f"-{nw['high']}" if nw["high"] > nw["low"] else "") + " pair(s)",
             f"a comparison of k shapes: one isolated engine process ({ENGINE_PROCESS_START_S:g} s, assumed: "
             f"Python, torch and the engine imported), k engine starts of {start:g} s ({m.backend}, assumed), "
             f"{m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
@@ -320,7 +334,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                         **({"engine_note": engine_note} if engine_note else {}),
                         "batch_sizes": cfg.measure.batch_sizes,
                         "input_len": cfg.measure.input_len, "output_len": cfg.measure.output_len,
-                        "measurements_at_most": n_meas["high"]})
+                        "measurements_at_most": n_meas["shapes_high"]})
     if cfg.gqa_search.enabled:
         p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}",
                             "gqa_values": gqa_n["variants"], "comparisons_at_most": len(gqa_n["high"])})
@@ -457,8 +471,9 @@ def render(p: dict[str, Any]) -> list[str]:
                      f"${ft.get('cost_usd') or 0:,.0f}")
         m = c.get("measure", {})
         if "gpu_hours" in m:
-            lines.append(f"  measurements: search {m['measurements_low']}-{m['measurements']} paired comparisons, "
-                         f"{m['gpu_hours']['low']:.3g}-"
+            lines.append(f"  measurements: search {m['measurements_low']}-{m['measurements']} shapes ("
+                         + (f"a seed group of {m['seed_group'] + 1}, then " if m["seed_group"] else "")
+                         + f"{m['pairs']['low']}-{m['pairs']['high']} pairs), {m['gpu_hours']['low']:.3g}-"
                          f"{m['gpu_hours']['high']:.3g} GPU-h, {m['wall_hours']['low']:.3g}-{m['wall_hours']['high']:.3g} "
                          f"h wall on {m['workers']} worker(s)")
             if "gqa" in m:
