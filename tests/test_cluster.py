@@ -259,9 +259,10 @@ def test_studies_share_proxy_runs_through_the_store(tmp_path):
     assert content_key(row_a.run_id, sweep([0.25]).train.replace(lr=1e-3), sweep([0.25]).data) != done.parent.name
 
 
-def test_proxy_jobs_on_a_streamed_source_read_the_coordinators_data(tmp_path, monkeypatch):
-    """Every job of a sweep over a hub dataset reads the data prepared up to the sweep's largest
-    budget (as an inline sweep's runs do), not a shorter prefix for its own budget."""
+def test_proxy_jobs_on_a_streamed_source_read_their_own_prefix(tmp_path, monkeypatch):
+    """Every job of a sweep over a hub dataset gets the sweep's data config as it is (no bound
+    of the sweep's largest run), so it reads the prefix of the coordinator's shards for its own
+    budget, as an inline sweep's runs do (archsearch.trainers.data.PreparedData.for_budget)."""
     from archsearch.arch import ArchSpec
     from archsearch.cluster import study
     from archsearch.cluster.executor import TaskResult
@@ -283,8 +284,5 @@ def test_proxy_jobs_on_a_streamed_source_read_the_coordinators_data(tmp_path, mo
         data = DataConfig(source="hf:org/set", tokenizer="bpe:512")
 
     study.run_proxy_jobs(Sweep(), tmp_path, ClusterConfig(executor="local", jobs_at_once=2), tmp_path / "jobs")
-    assert [t.args[2].max_train_tokens for t in seen] == [5001, 5001]
-    Sweep.data = DataConfig(source="shakespeare", tokenizer="bpe:512")  # files are read whole anyway
-    seen.clear()
-    study.run_proxy_jobs(Sweep(), tmp_path, ClusterConfig(executor="local", jobs_at_once=2), tmp_path / "jobs")
+    assert [t.args[2] for t in seen] == [Sweep.data, Sweep.data]
     assert [t.args[2].max_train_tokens for t in seen] == [None, None]

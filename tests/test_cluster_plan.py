@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from archsearch.search.config import load_study_config
-from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES, ENGINE_START_S, JOB_START_S,
+from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES, ENGINE_PROCESS_START_S,
+                                    ENGINE_START_S, JOB_START_S,
                                     TOKENIZE_TOKENS_PER_S_PER_PROCESS, plan, render, run_flops)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,13 +52,24 @@ def test_paper_plan_gives_every_stage_its_cost(paper):
     fin = c["final_train"]["assumptions"]
     assert fin["training_flops"] == pytest.approx(c["final_train_flops_per_model"])
     assert st["proxy"]["train_flops"] == pytest.approx(sum(r["train_flops"] for r in c["proxy_runs"]))
-    # measurements: every shape paired with the baseline, two engine starts each at least
+    # measurements: the 5 seeds with the baseline in one engine process (a group of 6), then
+    # every other shape paired with the baseline, two engine starts; 8 workers share the count
     m = c["measure"]
-    n = st["search"]["measurements_at_most"]
-    assert m["measurements"] == n and m["workers"] == 8
-    per = 2 * ENGINE_START_S["vllm"] + 2 * (cfg.measure.warmup + cfg.measure.paired.min_rounds) * m["batch_seconds"]
-    assert st["search"]["gpu_hours_low"] == pytest.approx((n * per + 8 * JOB_START_S) / 3600)
-    assert st["search"]["wall_hours_low"] == pytest.approx((math.ceil(n / 8) * per + JOB_START_S) / 3600)
+    n, seeds = cfg.optuna.n_trials, cfg.optuna.enqueue_solution
+    assert st["search"]["measurements_at_most"] == m["measurements"] == n + 7 and m["workers"] == 8
+    assert m["seed_group"] == seeds == 5 and m["pairs"] == {"low": n - seeds, "high": n - seeds + 7}
+    w, r = cfg.measure.warmup, cfg.measure.paired.min_rounds
+    one = lambda k, r: ENGINE_PROCESS_START_S + k * ENGINE_START_S["vllm"] + k * (w + r) * m["batch_seconds"]
+    group, per = one(seeds + 1, r), one(2, r)
+    assert st["search"]["gpu_hours_low"] == pytest.approx((8 * (JOB_START_S + group) + (n - seeds) * per) / 3600)
+    assert st["search"]["wall_hours_low"] == pytest.approx(
+        (JOB_START_S + group + math.ceil((n - seeds) / 8) * per) / 3600)
+    # the GQA search, in the coordinator: first comparison of 2 shapes, then of 3, one after another
+    g = m["gqa"]
+    assert st["gqa"]["comparisons_at_most"] == len(g["high"]) == 1 + 2 * (g["variants"] - 1) and g["variants"] > 2
+    hi = cfg.measure.paired.max_rounds
+    assert st["gqa"]["wall_hours"] == pytest.approx((one(2, hi) + (len(g["high"]) - 1) * one(3, hi)) / 3600)
+    assert st["gqa"]["gpu_hours"] == st["gqa"]["wall_hours"] and st["gqa"]["wall_hours_low"] < st["gqa"]["wall_hours"]
     # every proxy job starts before it trains, on its GPU
     assert all(r["hours"] > JOB_START_S / 3600 for r in c["proxy_runs"])
     assert st["search"]["gpu_hours"] > st["search"]["gpu_hours_low"]
@@ -65,7 +77,9 @@ def test_paper_plan_gives_every_stage_its_cost(paper):
     assert p["disk"]["token_shards_gb"] == pytest.approx(p["data"][0]["disk_gb"])
     assert p["disk"]["proxy_checkpoints_gb"] > 12 * 78e6 * 78 / 1e9 * 0.5
     text = "\n".join(render(p))
-    for needle in ("needs 2.99e+10 tokens", "holds 1e+11", "uint32", "measurements: ", "GPU-h",
+    for needle in ("needs 2.99e+10 tokens", "holds 1e+11", "uint32",
+                   "measurements: search 40-47 shapes (a seed group of 6, then 35-42 pairs)",
+                   "GQA search 3-", "GPU-h",
                    "assumption: data: tokenisation at", "engine starts", "bytes a parameter"):
         assert needle in text, needle
     assert CHECKPOINT_BYTES_PER_PARAM == 12
@@ -97,3 +111,26 @@ def test_plan_says_plainly_when_a_source_is_too_small(tmp_path):
     cfg3 = replace(cfg2, proxy=replace(cfg2.proxy, sweep=allowed))
     (d3,) = plan(cfg3, tmp_path / "o")["data"]
     assert "allowed by data.max_epochs" in d3["verdict"]
+
+
+def test_plan_prices_measurements_at_the_measured_scale(paper):
+    """measure.params: the shapes are measured rebuilt at N_m, so the batch the plan prices is the
+    rebuilt baseline's (a smaller N_m: a shorter batch), and measured shapes take no disk."""
+    cfg, p = paper
+    small = replace(cfg, measure=replace(cfg.measure, params=2e8))
+    q = plan(small, Path("unused"), gpus="8xH100")
+    m, m0 = q["compute"]["measure"], p["compute"]["measure"]
+    assert m["measured_params"] == 2e8 and m["batch_seconds"] < m0["batch_seconds"] / 2
+    assert any("rebuilt at measure.params = 2e+08" in a for a in m["assumptions"])
+    assert p["disk"]["engine_models_gb"] == 0.0
+    # a measured scale the baseline cannot be rebuilt at is refused before any work, naming the field
+    from archsearch.errors import ArchsearchError
+
+    with pytest.raises(ArchsearchError) as e:
+        plan(replace(cfg, measure=replace(cfg.measure, params=1e8)), Path("unused"), gpus="8xH100")
+    assert e.value.field == "measure.params" and "baseline cannot be rebuilt" in e.value.problem
+
+    # without seeds_together every shape is a pair
+    apart = plan(replace(cfg, optuna=replace(cfg.optuna, seeds_together=False)), Path("unused"), gpus="8xH100")
+    ma = apart["compute"]["measure"]
+    assert ma["seed_group"] == 0 and ma["pairs"] == {"low": 40, "high": 47}

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from archsearch.trainers import data as datamod
 from archsearch.trainers.config import DataConfig
@@ -128,3 +129,52 @@ def test_streamed_source_grows_its_shards_for_a_larger_budget(tmp_path, monkeypa
     ref = _reference(small.tokenizer, docs)
     assert np.array_equal(small.val_tokens[:], ref[:nval]) and nval >= 500
     assert np.array_equal(big.train_tokens[:], ref[nval:nval + len(big.train_tokens)])
+
+
+def _fake_hub(tmp_path, monkeypatch, n_docs: int = 600):
+    docs = _docs(n_docs)
+    monkeypatch.setattr(datamod, "_hub", lambda cfg, src: (lambda: iter(docs), ["hf", "fake", "", "text"]))
+    return DataConfig(source="hf:fake", tokenizer="bpe:300", seq_len=16, val_tokens=500,
+                      cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_run_reads_the_prefix_for_its_own_budget_whatever_the_data_was_prepared_for(tmp_path, monkeypatch):
+    """Shards shared by runs of different budgets grow, and each run reads exactly the prefix its
+    own budget gives: a sweep (or a study sharing a proxy store) whose largest run is larger
+    does not change a smaller run's sequences."""
+    cfg = _fake_hub(tmp_path, monkeypatch)
+    big = prepare_data(cfg, min_train_tokens=12000, workers=1, shard_docs=25)
+    alone = prepare_data(cfg, min_train_tokens=3001, workers=1, shard_docs=25)  # the same cache
+    assert alone.info["cache"] == big.info["cache"] and len(alone.train_tokens) < len(big.train_tokens)
+    mine = big.for_budget(3001)
+    assert len(mine.train_tokens) == len(alone.train_tokens) == mine.info["train_tokens"]
+    assert np.array_equal(mine.train_tokens[:], alone.train_tokens[:])
+    # the sequences a run draws (a permutation over its data) are those it draws alone
+    assert np.array_equal(mine.train_batch(0, 40, seed=3), alone.train_batch(0, 40, seed=3))
+    assert not np.array_equal(big.train_batch(0, 40, seed=3), alone.train_batch(0, 40, seed=3))
+    assert big.for_budget(10**9) is big  # beyond what is there: all of it (the epoch check refuses)
+    # files are read whole: the budget does not select a prefix
+    f = _jsonl(tmp_path, 200)
+    whole = prepare_data(DataConfig(source=str(f), tokenizer="bpe:300", seq_len=16, cache_dir=str(tmp_path / "c2")),
+                         workers=1, shard_docs=25)
+    assert whole.for_budget(100) is whole
+
+
+def test_training_reads_its_own_prefix_from_data_prepared_for_a_larger_run(tmp_path, monkeypatch):
+    from archsearch.arch import ArchSpec
+    from archsearch.trainers.config import TrainConfig
+    from archsearch.trainers.loop import train
+
+    cfg = _fake_hub(tmp_path, monkeypatch)
+    spec = ArchSpec(n_layers=1, hidden_size=32, n_heads=1, n_kv_heads=1, head_dim=32, ffn=64, vocab_size=300)
+    tc = TrainConfig(tokens=12 * 8 * 16, global_batch_size=8, lr=3e-3, eval_batches=2, log_interval=4,
+                     checkpoint_interval=100)
+    big = prepare_data(cfg, min_train_tokens=12000, workers=1, shard_docs=25)
+    a = train(spec, tc, cfg, tmp_path / "a", progress=False, data=big)  # as in a sweep with a larger run
+    # the run alone: what the loop prepares for its budget (here with the test's small shards)
+    alone = prepare_data(cfg, min_train_tokens=int(tc.tokens) + 1, workers=1, shard_docs=25)
+    assert len(alone.train_tokens) < len(big.train_tokens)
+    b = train(spec, tc, cfg, tmp_path / "b", progress=False, data=alone)
+    assert a["status"] == b["status"] == "ok"
+    assert a["data"]["train_tokens"] == b["data"]["train_tokens"] < len(big.train_tokens)
+    assert a["final_eval_loss"] == pytest.approx(b["final_eval_loss"], rel=1e-6)

@@ -79,6 +79,22 @@ class PreparedData:
             out[i] = self.train_tokens[c * s:(c + 1) * s]
         return out
 
+    def for_budget(self, min_train_tokens: int) -> "PreparedData":
+        """The data a run whose bound is ``min_train_tokens`` reads: from a streamed source, the
+        shortest run of shards from the first that holds the bound, which is what
+        :func:`prepare_data` gives that bound alone, however far the shards were tokenized for
+        larger runs; so a run's sequences depend on its own budget, not on the largest run of the
+        sweep or study that prepared the data. Files and the offline corpus are read whole."""
+        t = self.train_tokens
+        if not self.info.get("streamed") or not isinstance(t, TokenShards) or t.start != 0:
+            return self
+        k = int(np.searchsorted(t.offsets[1:], min_train_tokens, side="left")) + 1
+        if k >= len(t.arrays):
+            return self
+        train = TokenShards(t.arrays[:k])
+        return PreparedData(tokenizer=self.tokenizer, train_tokens=train, val_tokens=self.val_tokens,
+                            seq_len=self.seq_len, info={**self.info, "train_tokens": len(train), "train_shards": k})
+
     def val_batch(self, start: int, count: int) -> np.ndarray:
         """Validation sequences ``start .. start+count`` in corpus order (fixed across runs)."""
         s = self.seq_len

@@ -403,11 +403,15 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     if not cuda:
         threads = cpu_threads_for(spec, train_cfg)
         torch.set_num_threads(threads)
+    bound = int(token_budget(spec, train_cfg)) + 1
     if data is None:
         with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read
-            data = prepare_data(data_cfg, min_train_tokens=int(token_budget(spec, train_cfg)) + 1)
+            data = prepare_data(data_cfg, min_train_tokens=bound)
     elif data.seq_len != data_cfg.seq_len:
         raise ArchsearchError("data.seq_len", "the prepared data was packed for another seq_len")
+    # a streamed source: the run reads the prefix for its own budget, whatever bound the data
+    # was prepared for (a sweep prepares it for its largest run)
+    data = data.for_budget(data_cfg.max_train_tokens or bound)
     plan = _plan(spec, train_cfg, data_cfg, data, n_proc)
     attn = _resolve_attn(train_cfg, cuda)
     steps, mbs, accum = plan["steps"], plan["micro_batch_size"], plan["grad_accum"]

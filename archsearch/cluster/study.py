@@ -94,6 +94,13 @@ def content_key(run_id: str, tc, data_cfg) -> str:
 
     what = {"train": {k: v for k, v in to_dict(tc).items() if k not in _NOT_DETERMINING["train"]},
             "data": {k: v for k, v in to_dict(data_cfg).items() if k not in _NOT_DETERMINING["data"]}}
+    if any(s.startswith("hf:") for s in data_cfg.sources):
+        # a streamed source: the run reads the shortest run of shards holding its own budget
+        # (its D is in the run id), so the shard size determines its sequences too; runs trained
+        # before this, on the prefix of their sweep's largest budget, have other keys
+        from archsearch.trainers.data import SHARD_DOCS
+
+        what["data_prefix"] = {"read": "own budget", "shard_docs": SHARD_DOCS}
     return f"{run_id}-{hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]}"
 
 
@@ -128,12 +135,10 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, T
     from archsearch.trainers.sweep import _failed_record
 
     tasks = []
-    runs = sweep_runs(sweep)
+    runs = sweep_runs(sweep)  # the coordinator has tokenized up to the sweep's largest budget
+    # every job reads the prefix of those shards for its own budget (a streamed source), as an
+    # inline sweep's runs do: a run's data does not depend on the sweep it is part of
     data_cfg = sweep.data
-    if any(s.startswith("hf:") for s in data_cfg.sources) and data_cfg.max_train_tokens is None and runs:
-        # a streamed source: every job reads the data the coordinator prepared (up to the
-        # sweep's largest budget), as an inline sweep's runs do, not a prefix for its own budget
-        data_cfg = replace(data_cfg, max_train_tokens=int(max(token_budget(s, tc) for _, s, tc in runs)) + 1)
     for run_id, spec, tc in runs:
         run_dir = out_dir / "runs" / run_id
         tasks.append(Task(key=run_id, fn=train_proxy, args=(spec, tc, data_cfg, str(run_dir), cluster.gpus_per_job),
@@ -155,9 +160,13 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, T
 def search_worker(cfg, out: str, marker: str) -> None:
     """Job: one Optuna worker on the study's shared storage, measuring on this job's device
     until the study has its ``n_trials`` shapes (the workers share the count); then ``marker``."""
+    from archsearch.hardware import local_device_name
+    from archsearch.search.checks import check_reference_batch
     from archsearch.search.pipeline import search_context
     from archsearch.search.study import run_study
 
+    # on Slurm the coordinator cannot know the jobs' GPUs: each worker checks its own before measuring
+    check_reference_batch(cfg, cfg.measure.device_spec or local_device_name())
     run_study(search_context(cfg, Path(out)), progress=False)
     atomic_write(marker, "done\n")
 

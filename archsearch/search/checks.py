@@ -52,6 +52,100 @@ def baseline_spec(cfg: StudyConfig) -> ArchSpec:
                            settings=build_settings(cfg, vocab_size(cfg)), name="baseline").spec
 
 
+# -- the reference batch against the measuring device's memory --------------------------------
+
+def measured_baseline(cfg: StudyConfig) -> ArchSpec:
+    """The baseline as the study measures it: rebuilt at ``measure.params`` where that is set."""
+    from archsearch.search.study import build_settings, measure_scale
+
+    base = baseline_spec(cfg)
+    scale = measure_scale(cfg, build_settings(cfg, vocab_size(cfg)))
+    if scale is None:
+        return base
+    try:
+        return scale(base)
+    except ArchsearchError as e:
+        raise ArchsearchError("measure.params", f"the baseline cannot be rebuilt at {cfg.measure.params:.4g} "
+                              f"(every comparison measures it there): {e.field}: {e.problem}",
+                              e.fix or "choose another measure.params") from None
+
+
+def measuring_device(cfg: StudyConfig) -> str | None:
+    """The device the study's measurements run on, where it is known before any work:
+    ``measure.device_spec``, else this machine's first GPU (or ``cpu``) for inline and local
+    executors; None on Slurm without ``device_spec`` (the jobs' GPUs are not known here) and for
+    a GPU the device table does not know."""
+    if cfg.measure.device_spec:
+        return cfg.measure.device_spec
+    if cfg.cluster.executor == "slurm":
+        return None
+    from archsearch.hardware import local_device_name
+
+    return local_device_name()
+
+
+def reference_batch_fit(cfg: StudyConfig, device: str) -> dict:
+    """How many sequences of ``input_len + output_len`` tokens the measured baseline's KV cache
+    holds on ``device`` beside its weights, in the engine's share of the device memory: the
+    accounting the analytic backend and the plan price with (``archsearch.arch.max_batch_by_kv``;
+    vLLM's ``gpu_memory_utilization`` or SGLang's ``mem_fraction_static`` from ``engine_args``,
+    else 0.9; ``kv_cache_dtype`` from ``engine_args``, else the weights' dtype). Activations, CUDA
+    graphs and allocator slack are not counted, so the capacity is an upper bound. ``cpu`` is
+    this machine's memory."""
+    from archsearch.arch import kv_cache_bytes_per_token, max_batch_by_kv, weight_bytes
+    from archsearch.benchmarks.analytic import MEMORY_FRACTION
+    from archsearch.benchmarks.base import resolve_dtype
+    from archsearch.hardware import get_device, host_memory_bytes
+
+    m = cfg.measure
+    on_gpu = device.lower() != "cpu"
+    if on_gpu:
+        dev = get_device(device)
+        name, memory = dev.name, dev.memory_bytes
+    else:  # get_device("cpu") would time a matmul: only the memory is needed
+        name, memory = "cpu", host_memory_bytes()
+    dtype = resolve_dtype(m.dtype, on_gpu)
+    kv_dtype = m.engine_args.get("kv_cache_dtype") or "auto"
+    kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
+    fraction = float(m.engine_args.get("gpu_memory_utilization") or m.engine_args.get("mem_fraction_static")
+                     or MEMORY_FRACTION)
+    spec = measured_baseline(cfg)
+    seq = m.input_len + m.output_len
+    return {"device": name, "memory_gib": memory / 2**30, "memory_fraction": fraction, "dtype": dtype,
+            "kv_dtype": kv_dtype, "baseline": spec.name or "baseline", "seq_len": seq,
+            "weights_gib": weight_bytes(spec, dtype) / 2**30,
+            "kv_gib_per_sequence": kv_cache_bytes_per_token(spec, kv_dtype) * seq / 2**30,
+            "reference_batch": m.ref_batch,
+            "capacity": max_batch_by_kv(spec, memory, seq, dtype, fraction, kv_dtype)}
+
+
+def check_reference_batch(cfg: StudyConfig, device: str | None) -> dict | None:
+    """Refuse a reference batch whose KV cache cannot fit on the measuring device (every paired
+    comparison runs the baseline at that batch: an engine that cannot hold it queues or preempts
+    sequences, and the figure is then not the batch's), with the numbers and the largest batch
+    that fits. Returns the fit, or None where the device is not known before the work."""
+    if device is None:
+        return None
+    f = reference_batch_fit(cfg, device)
+    b, cap = f["reference_batch"], f["capacity"]
+    if b <= cap:
+        return f
+    m = cfg.measure
+    fitting = [x for x in m.batch_sizes if x <= cap]
+    field = "measure.reference_batch_size" if m.reference_batch_size is not None else "measure.batch_sizes"
+    what = "" if m.reference_batch_size is not None else " (the largest of measure.batch_sizes)"
+    fix = (f"set measure.reference_batch_size: {max(fitting)}, the largest of batch_sizes that fits" if fitting
+           else f"put a batch size of at most {cap} in measure.batch_sizes") + \
+        (f" (or add one up to {cap} to batch_sizes and make it the reference)" if fitting and max(fitting) < cap
+         else "") + ", or measure on a GPU with more memory (measure.device_spec)"
+    raise ArchsearchError(
+        field, f"the reference batch{what} of {b} sequences of {m.input_len} + {m.output_len} tokens does not "
+        f"fit on {f['device']}: its {f['kv_dtype']} KV cache for the baseline {f['baseline']} takes "
+        f"{b * f['kv_gib_per_sequence']:.1f} GiB ({f['kv_gib_per_sequence']:.3f} GiB a sequence), and "
+        f"{f['memory_fraction']:.0%} of the device's {f['memory_gib']:.1f} GiB beside the "
+        f"{f['weights_gib']:.1f} GiB of weights holds {cap} sequences", fix)
+
+
 # -- validation before any work ----------------------------------------------------------------
 
 def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
@@ -97,6 +191,9 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     if cfg.proxy and not cfg.law.file:
         check_reference_data(cfg)
     check_later_stages(cfg)
+    measured_baseline(cfg)  # every comparison measures the baseline, rebuilt at measure.params where set
+    # the plan checks the device it is priced on (--gpus) itself
+    check_reference_batch(cfg, cfg.measure.device_spec if for_plan else measuring_device(cfg))
 
 
 def check_later_stages(cfg: StudyConfig) -> None:

