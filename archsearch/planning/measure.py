@@ -270,11 +270,17 @@ def measure_lora_schedule(models: dict[str, dict[str, Any]], schedule: list[dict
     spec dict}`` (random weights). For ratios between neighbouring entries on a machine whose
     speed drifts; peak memory needs one process per configuration (:func:`measure_lora_step`)."""
     job = {"kind": "lora_schedule", "models": models, "schedule": schedule, "steps": steps, "threads": threads}
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
+    return _run_lora_child(job, timeout, "LoRA schedule measurement")
+
+
+def _run_lora_child(job: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+    """``job`` run by this module in a fresh subprocess (``threads`` OpenMP threads); its last
+    stdout line is the result."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(job["threads"]))
     p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", json.dumps(job)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode != 0:
-        raise RuntimeError(f"LoRA schedule measurement failed ({p.returncode}): {p.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed ({p.returncode}): {p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -294,12 +300,7 @@ def measure_lora_step(*, model: str | None = None, spec: ArchSpec | None = None,
         raise ArchsearchError("steps", f"must be >= 1, got {steps}")
     job = {"kind": "lora", "model": model, "spec": None if spec is None else spec.to_dict(), "rank": rank,
            "targets": list(targets), "batch": batch_size, "seq_len": seq_len, "steps": steps, "threads": threads}
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
-    p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", json.dumps(job)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"LoRA step measurement failed ({p.returncode}): {p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return _run_lora_child(job, timeout, "LoRA step measurement")
 
 
 if __name__ == "__main__":
