@@ -211,7 +211,12 @@ class Measurer:
         and store each pair's rounds under the key ``compare([ref, s])`` reads. Returns how many
         pairs were measured; fewer than two missing, or a failed group, measure nothing (each
         shape is then compared alone when its trial asks)."""
-        missing = lambda: [s for s in specs if self.store.get(self.pair_key([ref, s])) is None]  # noqa: E731
+        keys = {id(s): self.pair_key([ref, s]) for s in specs}
+
+        def missing() -> list[ArchSpec]:
+            stored = self.store.all()  # one read of the store, not one per shape
+            return [s for s in specs if keys[id(s)] not in stored]
+
         todo = missing()
         if len(todo) < 2:
             return 0
@@ -219,7 +224,7 @@ class Measurer:
         with self.store.claim(group_key), contextlib.ExitStack() as held:
             # every pair's own lock too (in one order): another worker's trial comparing one of
             # these shapes alone waits, then reads the pair back instead of measuring it again
-            for key in sorted({self.pair_key([ref, s]) for s in todo}):
+            for key in sorted({keys[id(s)] for s in todo}):
                 held.enter_context(self.store.claim(key))
             todo = missing()
             if len(todo) < 2:
@@ -228,7 +233,7 @@ class Measurer:
             if not result.ok:
                 return 0
             for i, s in enumerate(todo, start=1):
-                key = self.pair_key([ref, s])
+                key = keys[id(s)]
                 d = result.pair(i).to_dict()
                 d["measurement_key"], d["group"] = key, {"key": group_key, "size": len(todo) + 1}
                 self.store.put(key, d)
