@@ -11,6 +11,15 @@ logs. Rounds go on until every ratio's interval half-width (relative) is under
 ``rel_halfwidth`` or ``max_rounds`` is spent (sequential stopping; the stopping rule makes
 the nominal level slightly optimistic, which the test-retest benchmark checks).
 
+Rounds average out what changes from round to round, not what belongs to an engine instance:
+two engines of the same model in one process differ by a few percent for as long as they
+live (memory placement, thread affinity), so every ratio also carries its two engines'
+instance effects. With ``twin`` a second engine of the reference joins every group (the last
+shape): ratios are then taken over the two reference engines' geometric mean, and the twin's
+ratio to the reference measures the instance spread. Pooled over groups
+(:func:`instance_variance`), it widens every interval by the variance no number of rounds
+removes (method section 5).
+
 Only engines that run isolated (vLLM, SGLang, transformers) are measured this way; the
 analytic roofline is deterministic and its ratio has a zero-width interval.
 """
@@ -39,6 +48,7 @@ class PairedSettings:
     rel_halfwidth: float = 0.03
     min_rounds: int = 4
     max_rounds: int = 16
+    twin: bool = False  # a second engine of the reference in every group (module docstring)
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.level < 1:
@@ -80,9 +90,12 @@ class RatioEstimate:
         return {**asdict(self), "significantly_faster": self.faster, "significantly_slower": self.slower}
 
 
-def ratio_estimate(ref: list[float], other: list[float], level: float = 0.9) -> RatioEstimate:
+def ratio_estimate(ref: list[float], other: list[float], level: float = 0.9,
+                   extra_var: float = 0.0) -> RatioEstimate:
     """Paired ratio of ``other`` over ``ref`` (same-round throughputs) with a t interval on
-    the per-round log ratios. Identical pairs give a zero-width interval."""
+    the per-round log ratios, widened by ``extra_var`` (a variance of the log ratio that the
+    rounds do not see: the engines' instance effects). Identical pairs give a zero-width
+    interval."""
     from scipy import stats
 
     if len(ref) != len(other) or not ref:
@@ -92,8 +105,29 @@ def ratio_estimate(ref: list[float], other: list[float], level: float = 0.9) -> 
     if len(logs) < 2:
         return RatioEstimate(math.exp(m), 0.0, math.inf, level, len(logs))
     sd = math.sqrt(sum((x - m) ** 2 for x in logs) / (len(logs) - 1))
-    h = stats.t.ppf(0.5 + level / 2, len(logs) - 1) * sd / math.sqrt(len(logs))
+    h = stats.t.ppf(0.5 + level / 2, len(logs) - 1) * math.sqrt(sd ** 2 / len(logs) + extra_var)
     return RatioEstimate(math.exp(m), math.exp(m - h), math.exp(m + h), level, len(logs))
+
+
+def _log_mean_and_var(ref: list[float], other: list[float]) -> tuple[float, float]:
+    """Mean of the per-round log ratios and its squared standard error."""
+    logs = [math.log(o / r) for r, o in zip(ref, other)]
+    m = sum(logs) / len(logs)
+    return m, sum((x - m) ** 2 for x in logs) / (len(logs) - 1) / len(logs)
+
+
+def instance_variance(results: list[PairedResult]) -> tuple[float, int]:
+    """(variance of one engine instance's log-throughput effect, groups it rests on), pooled
+    over the twin groups among ``results``: each twin's mean log ratio to its reference ``d``
+    has variance ``2 s2 + se2``, so ``s2 = mean(d^2 - se2) / 2`` (moments, floored at 0)."""
+    parts = []
+    for r in results:
+        if r.ok and r.twin and len(r.rounds) >= 2:
+            d, se2 = _log_mean_and_var(r.series(0), r.series(len(r.specs) - 1))
+            parts.append(d * d - se2)
+    if not parts:
+        return 0.0, 0
+    return max(0.0, sum(parts) / len(parts) / 2), len(parts)
 
 
 @dataclass
@@ -117,19 +151,37 @@ class PairedResult:
     provenance: dict[str, Any] = field(default_factory=dict)
     predicted: bool = False
 
+    @property
+    def twin(self) -> bool:
+        """The group's last shape is a second engine of the reference (``PairedSettings.twin``)."""
+        return bool(self.paired.get("twin")) and len(self.specs) >= 3
+
     def series(self, i: int) -> list[float]:
         return [r[i] for r in self.rounds]
 
-    def estimate(self, i: int, ref: int = 0) -> RatioEstimate:
-        """Shape ``i`` over shape ``ref`` (any two shapes of the group are paired)."""
-        return ratio_estimate(self.series(ref), self.series(i), self.paired["level"])
+    def ref_series(self) -> list[float]:
+        """The reference's throughput per round: with a twin, the two reference engines'
+        geometric mean."""
+        if not self.twin:
+            return self.series(0)
+        return [math.sqrt(r[0] * r[-1]) for r in self.rounds]
+
+    def estimate(self, i: int, ref: int = 0, instance_var: float = 0.0) -> RatioEstimate:
+        """Shape ``i`` over shape ``ref`` (any two shapes of the group are paired; ``ref`` 0 is
+        the reference, over both its engines with a twin). ``instance_var``
+        (:func:`instance_variance`) widens the interval by both sides' engine-instance effects."""
+        if ref == 0:
+            return ratio_estimate(self.ref_series(), self.series(i), self.paired["level"],
+                                  instance_var * (1 + (0.5 if self.twin else 1.0)))
+        return ratio_estimate(self.series(ref), self.series(i), self.paired["level"], 2 * instance_var)
 
     def pair(self, i: int) -> PairedResult:
-        """The reference and shape ``i`` alone: their columns of every round (paired data, as
-        if the two had been compared by themselves, with the group's stopping rule)."""
+        """The reference and shape ``i`` alone (and the twin): their columns of every round
+        (paired data, as if compared by themselves, with the group's stopping rule)."""
         from dataclasses import replace
 
-        pick = lambda xs: [xs[0], xs[i]] if len(xs) > i else xs  # noqa: E731
+        cols = [0, i, len(self.specs) - 1] if self.twin else [0, i]
+        pick = lambda xs: [xs[c] for c in cols] if len(xs) == len(self.specs) else xs  # noqa: E731
         return replace(self, specs=pick(self.specs), rounds=[pick(r) for r in self.rounds], ttft=pick(self.ttft),
                        engines=pick(self.engines),
                        timing={**self.timing, "engine_start_s": pick(self.timing.get("engine_start_s") or []),
@@ -166,8 +218,10 @@ class PairedResult:
 def _stop(rounds: list[list[float]], p: PairedSettings) -> str | None:
     n = len(rounds)
     if n >= p.min_rounds:
-        worst = max(ratio_estimate([r[0] for r in rounds], [r[i] for r in rounds], p.level).rel_halfwidth
-                    for i in range(1, len(rounds[0])))
+        shapes = len(rounds[0]) - (1 if p.twin else 0)
+        ref = [math.sqrt(r[0] * r[-1]) if p.twin else r[0] for r in rounds]
+        worst = max(ratio_estimate(ref, [r[i] for r in rounds], p.level).rel_halfwidth
+                    for i in range(1, shapes))
         if worst <= p.rel_halfwidth:
             return f"every {p.level:.0%} interval within +-{p.rel_halfwidth:.1%} after {n} rounds"
     if n >= p.max_rounds:
@@ -235,6 +289,8 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
 
     if len(specs) < 2:
         raise ArchsearchError("specs", "paired measurement needs a reference and at least one shape")
+    if paired.twin:
+        specs = [*specs, specs[0]]
     for sp in specs:
         check_lengths(sp, settings)
     backend = get_backend(settings.backend)

@@ -76,6 +76,57 @@ def test_measure_paired_analytic_is_labelled_a_prediction():
     assert r.ok and r.predicted and r.estimate(1).lo == r.estimate(1).hi
 
 
+def _twin_result(rounds):
+    """A stored group: reference, one shape, the reference's twin (last)."""
+    return PairedResult(specs=[_spec(64).to_dict(), _spec(128).to_dict(), _spec(64).to_dict()], rounds=rounds,
+                        settings={}, paired={"level": 0.9, "twin": True}, batch_size=2)
+
+
+def test_twin_reference_is_the_two_engines_geometric_mean_and_widens_by_instance_variance():
+    from archsearch.benchmarks.paired import instance_variance
+
+    # the twin runs 4% faster than the reference engine in every round (an instance effect)
+    rounds = [[100.0 * w, 90.0 * w, 104.0 * w] for w in (1.0, 1.02, 0.98, 1.01, 0.99)]
+    r = _twin_result(rounds)
+    assert r.twin and r.ref_series()[0] == pytest.approx(math.sqrt(100 * 104))
+    q = r.estimate(1)
+    assert q.ratio == pytest.approx(90 / math.sqrt(100 * 104))  # the rounds' drift cancels exactly
+    assert q.lo == pytest.approx(q.hi)  # no round-to-round spread: nothing but the instance term widens it
+    iv, n = instance_variance([r])
+    assert n == 1 and iv == pytest.approx(math.log(1.04) ** 2 / 2)  # d^2 - se^2 (se 0), halved
+    wide = r.estimate(1, instance_var=iv)
+    # candidate's own instance (iv) + the mean of two reference instances (iv / 2)
+    from scipy import stats
+
+    h = stats.t.ppf(0.95, 4) * math.sqrt(1.5 * iv)
+    assert (wide.lo, wide.hi) == pytest.approx((q.ratio * math.exp(-h), q.ratio * math.exp(h)))
+    # a group without a twin pools nothing; the pair keeps the twin's column
+    plain = PairedResult(specs=r.specs[:2], rounds=[x[:2] for x in rounds], settings={}, paired={"level": 0.9},
+                         batch_size=2)
+    assert instance_variance([plain]) == (0.0, 0) and not plain.twin
+    assert r.pair(1).rounds == rounds and r.pair(1).twin
+
+
+def test_instance_variance_subtracts_the_rounds_own_error():
+    from archsearch.benchmarks.paired import instance_variance
+
+    # twin and reference differ only by round noise (alternating +-3%): the mean log ratio is ~0,
+    # its own squared error exceeds it, so the estimate floors at 0 instead of inventing a spread
+    rounds = [[100.0, 90.0, 100.0 * (1.03 if k % 2 else 0.97)] for k in range(6)]
+    assert instance_variance([_twin_result(rounds)])[0] == 0.0
+
+
+def test_measure_paired_with_twin_measures_the_reference_twice():
+    s = BenchSettings(backend="hf", batch_sizes=[2], input_len=4, output_len=16, warmup=1, timeout_s=120)
+    p = PairedSettings(level=0.9, rel_halfwidth=0.2, min_rounds=3, max_rounds=6, twin=True)
+    r = measure_paired([_spec(64), _spec(128)], s, p, 2, backend_class="tests.fakes:SleepBackend")
+    assert r.ok, r.error
+    assert r.twin and len(r.specs) == 3 and r.specs[2] == r.specs[0] and all(len(x) == 3 for x in r.rounds)
+    twin = r.estimate(2)
+    assert not twin.faster and not twin.slower, twin  # the reference's twin is not a different speed
+    assert r.estimate(1).slower
+
+
 class _PairedFake:
     """A measurer whose paired comparisons give fixed ratios per GQA (first attempt) and others
     on re-measurement; records every group it was asked for."""
@@ -84,6 +135,9 @@ class _PairedFake:
 
     def __init__(self, ratios, retry_ratios=None):
         self.ratios, self.retry, self.calls = ratios, retry_ratios or {}, []
+
+    def instance_var(self):
+        return 0.0
 
     def compare(self, specs, attempt=0):
         self.calls.append(([s.gqa for s in specs], attempt))
@@ -406,3 +460,23 @@ def test_a_trial_proposing_the_baseline_is_not_measured(tmp_path):
     other = ArchSpec(**{**ctx.baseline.to_dict(), "n_kv_heads": 8})
     with pytest.raises(AssertionError):
         _paired_objective(study.ask(), ctx, other, 5.0)
+
+
+def test_measurer_pools_instance_variance_once_per_group(tmp_path):
+    from archsearch.benchmarks.paired import instance_variance
+    from archsearch.configio import from_dict
+    from archsearch.search.config import MeasureConfig
+    from archsearch.search.measure import MeasurementStore, Measurer
+
+    cfg = from_dict(MeasureConfig, {"backend": "hf", "paired": {"twin": True}}, "measure")
+    store = MeasurementStore(tmp_path / "measurements.jsonl")
+    group = _twin_result([[100.0, 90.0, 106.0], [101.0, 91.0, 107.0], [99.0, 90.0, 105.0]])
+    alone = _twin_result([[100.0, 90.0, 98.0], [101.0, 91.0, 99.0], [99.0, 90.0, 97.5]])
+    for key in ("pair-a", "pair-b"):  # one group of three stored as two pairs
+        store.put(key, {**group.pair(1).to_dict(), "group": {"key": "g1", "size": 3}})
+    store.put("pair-c", alone.to_dict())
+    m = Measurer(cfg, store)
+    assert m.instance_var() == pytest.approx(instance_variance([group.pair(1), alone])[0])
+    assert m.instance_var() != pytest.approx(instance_variance([group.pair(1), group.pair(1), alone])[0])
+    off = Measurer(from_dict(MeasureConfig, {"backend": "hf"}, "measure"), store)
+    assert off.instance_var() == 0.0  # without twins in the settings, no widening

@@ -126,11 +126,12 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         if not pr.ok:
             step.note = f"measurement failed: {pr.error}"
             return
-        last = len(group) - 1
+        last = len(group) - 1  # the twin, when measured, comes after it
         step.throughput = pr.throughput(last)
-        step.ratio = pr.estimate(last).to_dict()
+        iv = ctx.measurer.instance_var()
+        step.ratio = pr.estimate(last, instance_var=iv).to_dict()
         if start is not None:
-            step.ratio_vs_start = pr.estimate(last, ref=1).to_dict()
+            step.ratio_vs_start = pr.estimate(last, ref=1, instance_var=iv).to_dict()
 
     start: ArchSpec | None = None
     base = visit(g0)

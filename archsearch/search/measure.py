@@ -241,6 +241,19 @@ class Measurer:
             self.measured_now += 1
         return len(todo)
 
+    def instance_var(self) -> float:
+        """The engine-instance variance pooled over every twin group in the store so far
+        (``measure.paired.twin``; 0 without twins): a group stored as several pairs counts once."""
+        from archsearch.benchmarks.paired import PairedResult, instance_variance
+
+        if not self.cfg.paired.twin:
+            return 0.0
+        groups: dict[str, PairedResult] = {}
+        for key, d in self.store.all().items():
+            if "rounds" in d and (d.get("paired") or {}).get("twin"):
+                groups.setdefault((d.get("group") or {}).get("key", key), PairedResult.from_dict(d))
+        return instance_variance(list(groups.values()))[0]
+
     def _paired(self, specs: list[ArchSpec]):
         from archsearch.benchmarks.paired import measure_paired
 

@@ -338,13 +338,16 @@ def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     pr = m.result
     _stored(trial, m, pr.settings.get("backend"),
             None if pr.ok else pr.error or "the paired measurement gave fewer than two rounds")
-    est = pr.estimate(1)
+    iv = ctx.measurer.instance_var()
+    est = pr.estimate(1, instance_var=iv)
     batch = pr.batch_result(1)
     trial.set_user_attr("throughput", {str(ctx.ref_batch): batch.output_throughput})
     trial.set_user_attr("baseline_throughput", pr.throughput(0))
     trial.set_user_attr("ttft", {str(ctx.ref_batch): batch.ttft_mean})
     trial.set_user_attr("ratio", est.to_dict())
     trial.set_user_attr("rounds", len(pr.rounds))
+    if pr.twin:
+        trial.set_user_attr("instance_sd", iv ** 0.5)
     if pr.timing.get("group_size"):
         trial.set_user_attr("group_size", pr.timing["group_size"])
     return _measured(trial, ctx, batch, est.ratio, loss)

@@ -27,7 +27,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from archsearch.provenance import provenance
@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=1,
                     help="shapes compared with the baseline in one engine process (1: one pair each, as the "
                          "study does; more: fewer engine starts, rounds until every ratio's interval is tight)")
+    ap.add_argument("--twin", action="store_true",
+                    help="a second engine of the baseline in every group (measure.paired.twin): ratios over the "
+                         "two baseline engines, intervals widened by the engine-instance spread pooled over the "
+                         "pass's groups")
     ap.add_argument("--out-dir", default="results/bench")
     args = ap.parse_args(argv)
     from archsearch.laws import load_law
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.search.measure import measured_shape, resolve_backend
     from archsearch.search.checks import baseline_spec, target_loss, vocab_size
     from archsearch.search.study import build_settings
-    from archsearch.benchmarks.paired import measure_paired
+    from archsearch.benchmarks.paired import instance_variance, measure_paired
 
     cfg = load_study_config(args.config)
     law = load_law(args.law)
@@ -133,18 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     settings = cfg.measure.bench_settings(backend)
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.burn else None
     load_before = list(os.getloadavg())
-    passes, groups = [], []
+    paired = replace(cfg.measure.paired, twin=True) if args.twin else cfg.measure.paired
+    passes, groups, instance = [], [], []
     try:
         for k in (1, 2):
-            rows = []
+            measured_groups = []
             for g in range(0, len(specs), args.group):
                 group = specs[g: g + args.group]
-                r = measure_paired([measured(x) for x in [base, *group]], settings, cfg.measure.paired,
-                                   cfg.measure.ref_batch)
+                r = measure_paired([measured(x) for x in [base, *group]], settings, paired, cfg.measure.ref_batch)
+                measured_groups.append((group, r))
                 groups.append({"pass": k, "shapes": [specs.index(x) for x in group], "rounds": r.rounds,
-                               "stop_reason": r.stop_reason, "engine_start_s": r.timing.get("engine_start_s")})
+                               "stop_reason": r.stop_reason, "engine_start_s": r.timing.get("engine_start_s"),
+                               "twin_ratio": r.estimate(len(r.specs) - 1).to_dict() if r.ok and r.twin else None})
+            # the engine-instance variance of this pass, pooled over its groups' twins (0 without)
+            iv, n_twins = instance_variance([r for _, r in measured_groups])
+            instance.append({"pass": k, "variance": iv, "sd": iv ** 0.5, "groups": n_twins})
+            rows = []
+            for group, r in measured_groups:
                 for i, spec in enumerate(group, start=1):
-                    q = r.estimate(i).to_dict() if r.ok else None
+                    q = r.estimate(i, instance_var=iv).to_dict() if r.ok else None
                     rows.append({**(q or {}), "ok": r.ok, "error": r.error, "rounds": len(r.rounds),
                                  "throughput": r.throughput(i) if r.ok else None,
                                  "load_average": list(os.getloadavg())})
@@ -159,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"benchmark": "test_retest_paired", "config": args.config, "law": args.law, "backend": backend,
                "backend_note": note, "burn_one_core": args.burn, "group": args.group,
                "measured_params": cfg.measure.params, "measure": settings.to_dict(),
-               "paired": asdict(cfg.measure.paired),
+               "paired": asdict(paired), "instance_variance": instance,
                "shapes": [s.to_dict() for s in specs], "passes": passes, "groups": groups,
                **agreement([passes[0][i] for i in ok], [passes[1][i] for i in ok]),
                "load_average_start_end": [load_before, list(os.getloadavg())],
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "coverage_of_pass2_in_pass1_interval", "expected_coverage_if_calibrated",
                                               "agree_within_combined_interval", "nominal_level", "n_shapes",
                                               "spread_max_over_min_ratio", "mean_rel_halfwidth",
-                                              "load_average_start_end")}))
+                                              "instance_variance", "load_average_start_end")}))
     return 0
 
 
