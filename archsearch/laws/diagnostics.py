@@ -105,7 +105,7 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: "FitO
     """
     import dataclasses
 
-    from archsearch.laws.fit import FitOptions, _fit_split
+    from archsearch.laws.fit import FitOptions, fit_split
 
     opts = options or FitOptions()
     for p in protocols:
@@ -137,7 +137,7 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: "FitO
                 "train_sizes": [sizes[j] for j in train_k], "n_train": len(train),
                 "n_test": len(test), "reference_at_test": None, "error": None}
             try:
-                fit = _fit_split(train, test, law, opts)
+                fit = fit_split(train, test, law, opts)
             except ArchsearchError as e:
                 row["error"] = str(e)
                 rows.append(row)

@@ -183,7 +183,7 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     made += _ucurves(ctx, out, plt, marks)
     plan = active_plan_summary(ctx.out)
     if plan is not None:
-        made += _active_plot(plan, out, plt)
+        made += active_plot(plan, out, plt)
     return made
 
 
@@ -318,7 +318,7 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
             "pool": pool, "folder": str(folder)}
 
 
-def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
+def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     """Three panels: the half-widths of the optimum's interval against the share of the full
     grid's FLOPs spent (with the tolerance and the budget); the interval itself (both
     coordinates, shaded, against the box); the chosen runs in the box, numbered in order (a run
@@ -512,7 +512,7 @@ def _arch_line(a: dict[str, Any]) -> str:
             f"r = {a['mlp_to_attn_ratio']:.2f}, d/sqrt(N) = {a['hidden_over_sqrt_n']:.4f}")
 
 
-def _active_markdown(p: dict[str, Any]) -> list[str]:
+def active_markdown(p: dict[str, Any]) -> list[str]:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     stop = p.get("stop") or {}
     iv = stop.get("interval") or (p["interval_trace"][-1]["interval"] if p["interval_trace"] else None)
@@ -626,7 +626,7 @@ def render_markdown(s: dict[str, Any]) -> str:
                          f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
                          f"{'**yes**' if c['trial'] == rel else ''} |")
     if s.get("proxy_plan"):
-        lines += _active_markdown(s["proxy_plan"])
+        lines += active_markdown(s["proxy_plan"])
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     h = s.get("proxy_health")
