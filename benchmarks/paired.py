@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe, write_hf_config
+from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
-from archsearch.benchmarks.base import (BACKENDS, BenchSettings, PlainData, Report, get_backend, load_backend,
-                                        mean, std)
+from archsearch.benchmarks.base import BACKENDS, BenchSettings, Report, get_backend, load_backend, mean, std
 
 
 @dataclass(frozen=True)

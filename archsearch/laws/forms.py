@@ -335,10 +335,6 @@ def get_form(law: str, tie_exponents: bool = True) -> Form:
 # Chinchilla / aspect-ratio: the same theta (positive scales as logs), residuals in loss units.
 # Conditional: the raw coefficients (multiplicative with b0 = 1), so nothing forces a U shape.
 
-LM_NAMES = {"conditional-multiplicative": ("a0", "a1", "a2", "b1", "b2"),
-            "conditional-additive": ("a0", "a1", "a2", "b1", "b2")}
-
-
 def lm_model(law: str, p: np.ndarray, X: Data) -> tuple[np.ndarray, np.ndarray]:
     """Loss and Jacobian in the LM parametrisation of a conditional law."""
     a0, a1, a2, b1, b2 = p

@@ -232,7 +232,7 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         else:
             log("search: the study has its trials already; nothing measured")
     r.study = load_study(ctx)
-    r.best = chosen_from_study(r.study, ctx) if r.study is not None else None
+    r.best = chosen_from_study(r.study) if r.study is not None else None
     return info
 
 
