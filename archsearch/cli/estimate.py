@@ -51,7 +51,7 @@ def register(sub) -> None:
                                   "floor(C0*(M_gpu - M_model)/(seq_len*((1-C1) + C1*sparsity))) to "
                                   "measurements: 'bench --out' results or training-step timings.")
     b.add_argument("--data", required=True, help="JSONL: bench --out results or training timings")
-    b.add_argument("--holdout", help="measurements of the same kind to predict, never fitted")
+    b.add_argument("--holdout", help="measurements of the same kind and device to predict, never fitted")
     b.add_argument("--out", required=True, type=out_file, metavar="LAWS.json")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_batch_laws)

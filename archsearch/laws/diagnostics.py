@@ -2,7 +2,7 @@
 
 Protocols (each row of the table fits on some sizes and tests on one size):
 
-* ``progressive``: fit on every size below k, test on size k (the paper's protocol).
+* ``progressive``: fit on every size below k, test on size k (the method's protocol, docs/method.md section 3).
 * ``previous-size``: fit only on the size just below k, test on size k.
 * ``leave-one-size-out``: fit on every other size, test on size k.
 
