@@ -183,6 +183,12 @@ class ArchSpec:
 
         return from_dict(cls, data, where="architecture")
 
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> "ArchSpec":
+        """From a stored architecture (:func:`describe`'s dict): its derived keys are skipped."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls.from_dict({k: v for k, v in data.items() if k in names})
+
 
 # -- parameter accounting (pure functions) ---------------------------------------------------
 
@@ -519,5 +525,4 @@ def load_arch(source: str | Path) -> ArchSpec:
         data = data["architecture"]
     if "model_type" in data:
         return from_hf_config(data, name=data.get("_name_or_path") or None)
-    fields = {f.name for f in dataclasses.fields(ArchSpec)}
-    return ArchSpec.from_dict({k: v for k, v in data.items() if k in fields})
+    return ArchSpec.from_record(data)

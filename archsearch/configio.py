@@ -15,7 +15,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, Self, TypeVar, Union, get_args, get_origin
 
 from archsearch.errors import ArchsearchError
 
@@ -158,6 +158,19 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         if where and not e.field.startswith(where):
             raise ArchsearchError(f"{where}.{e.field}", e.problem, e.fix) from None
         raise
+
+
+class PlainData:
+    """A dataclass stored as JSON (a record, not a config): ``to_dict`` and a lenient ``from_dict``
+    that ignores keys that are not fields, so a record written by another version loads."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def to_dict(obj: Any) -> Any:

@@ -69,6 +69,11 @@ def get_device(name: str) -> Device:
     return GPUS[key]
 
 
+def device_key(name: str) -> str:
+    """The device table's name for ``name`` (``cpu`` as is: no peak measurement just to compare names)."""
+    return "cpu" if name.lower() == "cpu" else get_device(name).name
+
+
 def detect_gpu_name(cuda_name: str) -> str | None:
     """Map ``torch.cuda.get_device_name()`` (e.g. 'NVIDIA H100 80GB HBM3') to a table entry."""
     n = cuda_name.upper()

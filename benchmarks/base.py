@@ -16,7 +16,6 @@ importing :mod:`benchmarks` imports no engine. A backend's lifecycle:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -26,8 +25,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Self
+from typing import Any, Callable, ClassVar
 
+from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError, MissingDependencyError
 
 BACKENDS: dict[str, str] = {
@@ -40,19 +40,6 @@ BACKENDS: dict[str, str] = {
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 Report = Callable[[dict], None]
-
-
-class PlainData:
-    """A dataclass stored as JSON: ``to_dict`` and ``from_dict``, which ignores keys that are not
-    fields (a record written by another version of the project loads)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Self:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass

@@ -41,12 +41,6 @@ class Outcome:
     log_tail: str = ""
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    from archsearch.fileio import write_json
-
-    write_json(path, obj, default=str)  # atomic: the parent never reads half a file
-
-
 def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM then SIGKILL the child's process group (the child and its engine workers)."""
     pgid = proc.pid  # start_new_session: the child leads its own group
@@ -161,6 +155,7 @@ def _crash_reason(rc: int | None, tail: str) -> str:
 def _child_main(job_path: str, result_path: str) -> int:
     from archsearch.benchmarks.base import load_backend
     from archsearch.benchmarks.loop import describe_error
+    from archsearch.fileio import write_json  # atomic: the parent never reads half a file
 
     out = Path(result_path)
     job = json.loads(Path(job_path).read_text())
@@ -168,15 +163,15 @@ def _child_main(job_path: str, result_path: str) -> int:
 
     def report(partial: dict) -> None:
         state.update(partial)
-        _write_json(out, {"status": "running", **state})
+        write_json(out, {"status": "running", **state}, default=str)
 
     try:
         summary = load_backend(job["backend_class"]).run(job, report)
     except BaseException as e:  # noqa: BLE001 - reported to the parent as data
         traceback.print_exc()
-        _write_json(out, {"status": "error", **state, "error": describe_error(e)})
+        write_json(out, {"status": "error", **state, "error": describe_error(e)}, default=str)
         return 1
-    _write_json(out, {"status": "done", **state, **summary})
+    write_json(out, {"status": "done", **state, **summary}, default=str)
     return 0
 
 

@@ -71,6 +71,14 @@ def process_tree_rss() -> int:
     return total
 
 
+def cuda_memory_in_use() -> int:
+    """Bytes in use on the current CUDA device, by every process (``torch.cuda.mem_get_info``)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def run_batches(generate: Generate, batch_sizes: list[int], settings: dict, vocab_size: int,
                 report: Report | None = None, memory_probe: Callable[[], int] | None = None,
                 ttft_probe: Callable[[list[list[int]]], float] | None = None) -> list[dict]:

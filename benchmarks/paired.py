@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe, write_hf_config
+from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
 from archsearch.benchmarks.base import BACKENDS, BenchSettings, Report, get_backend, load_backend, mean, std
@@ -131,9 +132,10 @@ def instance_variance(results: list[PairedResult]) -> tuple[float, int]:
 
 
 @dataclass
-class PairedResult:
+class PairedResult(PlainData):
     """Per-round output throughputs (rounds x shapes, shape 0 the reference) and what the
-    child recorded. ``ok`` is False when fewer than two rounds finished."""
+    child recorded. ``ok`` is False when fewer than two rounds finished. Stored as JSON with
+    the derived ``ratios`` beside it (recomputed on load, not read)."""
 
     specs: list[dict[str, Any]]
     rounds: list[list[float]]
@@ -202,14 +204,8 @@ class PairedResult:
                            ttft_mean=self.ttft[i] if i < len(self.ttft) else None,
                            repeats=[{"output_throughput": x} for x in xs])
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PairedResult:
-        """A stored result back (``to_dict``'s derived ``ratios`` are recomputed, not read)."""
-        names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in names})
-
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = super().to_dict()
         if self.ok:
             d["ratios"] = [self.estimate(i).to_dict() for i in range(len(self.specs))]
         return d

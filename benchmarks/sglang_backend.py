@@ -24,7 +24,7 @@ from typing import Any
 from archsearch.arch import ArchSpec
 from archsearch.errors import MissingDependencyError
 from archsearch.benchmarks.base import Backend, Report, require_module, resolve_dtype
-from archsearch.benchmarks.loop import RequestTiming, run_batches
+from archsearch.benchmarks.loop import RequestTiming, cuda_memory_in_use, run_batches
 
 INSTALL_FIX = "SGLang runs on a CUDA GPU only: pip install -e '.[sglang]' on a GPU machine"
 
@@ -79,14 +79,11 @@ class SGLangBackend(Backend):
         t0 = time.perf_counter()
         sgl = sglang_module or importlib.import_module("sglang")
         t_import = time.perf_counter() - t0
-        if device_name is None or memory_probe is None:
+        if device_name is None:
             import torch
 
-            device_name = device_name or torch.cuda.get_device_name(0)
-
-            def memory_probe() -> int:
-                free, total = torch.cuda.mem_get_info()
-                return total - free
+            device_name = torch.cuda.get_device_name(0)
+        memory_probe = memory_probe or cuda_memory_in_use
         kw = engine_kwargs(job, dtype)
         engine = {"kwargs": kw,
                   "ttft_method": "one-token generation of a fresh batch of the same shape, timed",

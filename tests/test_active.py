@@ -174,7 +174,7 @@ def fake_training(monkeypatch):
     """Training that writes run.json with the known law's loss; records what it trained."""
     from archsearch.arch import non_embedding_params
     from archsearch.laws import forms
-    from archsearch.laws.fit import _spec_arrays
+    from archsearch.laws.fit import spec_arrays
     from archsearch.laws.synthetic import TRUE_CHINCHILLA
     import archsearch.trainers.data
     import archsearch.trainers.loop
@@ -192,7 +192,7 @@ def fake_training(monkeypatch):
 
     def train(spec, tc, data_cfg, out_dir, progress=True, data=None):
         tokens = archsearch.trainers.loop.token_budget(spec, tc)
-        X = _spec_arrays([spec], [tokens])
+        X = spec_arrays([spec], [tokens])
         X["Lref"] = forms.predict("chinchilla", TRUE_CHINCHILLA, X)
         rid = archsearch.trainers.loop.run_id_for(spec, tokens, tc.seed)
         trained.append(rid)
@@ -264,7 +264,7 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+    from archsearch.search.report import active_markdown, active_plot, active_plan_summary
 
     plan = active_plan_summary(tmp_path)
     assert plan["runs"] == len(props) and plan["grid_runs"] == len(pool)  # no run proposed twice here
@@ -272,10 +272,10 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     d = plan["decisions"]
     assert d[0]["half_width_before"] is None and d[-1]["half_width_before"] is not None
     assert all(x["half_width_after"] is not None for x in d[:-1])  # the last run's fit is the stop's
-    md = "\n".join(_active_markdown(plan))
+    md = "\n".join(active_markdown(plan))
     assert "## Proxy plan: active" in md and "compute budget" in md and md.count("| initial design") == len(small)
     (tmp_path / "plots").mkdir()
-    assert _active_plot(plan, tmp_path / "plots", plt) == ["plots/active_proxies.png", "plots/active_proxies.pdf"]
+    assert active_plot(plan, tmp_path / "plots", plt) == ["plots/active_proxies.png", "plots/active_proxies.pdf"]
     assert (tmp_path / "plots" / "active_proxies.png").stat().st_size > 10_000
     # a rerun resumes: nothing is trained again, the stop is not logged twice
     n = len(fake_training)
@@ -385,7 +385,7 @@ def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(t
                                        {"hidden_over_sqrt_n": 0.3, "mlp_to_attn_ratio": 3.0}],
             "grid_flops": 10.0, "settings": {"tolerance": 0.05, "budget_flops": 4.0}}
     assert [d["run_id"] for d in report._first_proposals(dec)] == ["a", "b"]   # "a" proposed again: once
-    report._active_plot(plan, tmp_path, plt)
+    report.active_plot(plan, tmp_path, plt)
     assert (tmp_path / "active_proxies.png").stat().st_size > 10_000
 
 

@@ -122,3 +122,8 @@ def test_read_points_and_estimate_cli_side_by_side(tmp_path, capsys):
     with pytest.raises(ArchsearchError) as e:
         read_points(mixed)
     assert "split the file" in str(e.value)
+    other = tmp_path / "h100.jsonl"  # a holdout from another device predicts nothing about this one
+    other.write_text("".join(json.dumps(r) + "\n" for r in _timing_rows(spec, "H100")))
+    assert main(["estimate", "batch-laws", "--data", str(data), "--holdout", str(other), "--out",
+                 str(tmp_path / "l2.json")]) == 2
+    assert "--holdout" in capsys.readouterr().err and not (tmp_path / "l2.json").exists()

@@ -28,4 +28,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-__getattr__ = lazy_getattr('trainers', _LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -248,9 +248,6 @@ def token_dtype(vocab: int) -> np.dtype:
     raise ArchsearchError("data.tokenizer", f"a vocabulary of {vocab:,} entries does not fit 32-bit ids")
 
 
-_token_dtype = token_dtype  # older name
-
-
 def default_workers() -> int:
     """Tokenizing processes: ``$ARCHSEARCH_DATA_WORKERS``, else the usable CPUs (at most 32)."""
     env = os.environ.get("ARCHSEARCH_DATA_WORKERS")

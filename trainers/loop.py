@@ -37,6 +37,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params, training_flops
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import write_json
 from archsearch.trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
 
 RUN_FILE = "run.json"
@@ -112,8 +113,7 @@ def run_id_for(spec: ArchSpec, tokens: float, seed: int) -> str:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    from archsearch.fileio import write_json
-
+    # still imported by two files: see PENDING in tests/test_imports.py; write_json is the public name
     write_json(path, obj, default=str)
 
 
@@ -301,7 +301,7 @@ def _save_checkpoint(accelerator, model, optimizer, out_dir: Path, step: int, st
         save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(tmp))
         accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _write_json(tmp / "state.json", {"step": step, **state})  # written last: marks complete
+        write_json(tmp / "state.json", {"step": step, **state}, default=str)  # written last: marks complete
         tmp.rename(final)
         for old in _checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -473,7 +473,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         "provenance": provenance(extra_packages=("tokenizers", "safetensors")),
     }
     if accelerator.is_main_process:
-        _write_json(out_dir / RUN_FILE, record)
+        write_json(out_dir / RUN_FILE, record, default=str)
     if accelerator.is_main_process:  # the log restarts at the checkpoint: the steps after it are redone
         from archsearch.fileio import truncate_jsonl
 
@@ -590,7 +590,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     if train_cfg.log_with:
         accelerator.end_training()
     if accelerator.is_main_process:
-        _write_json(out_dir / RUN_FILE, record)
+        write_json(out_dir / RUN_FILE, record, default=str)
     accelerator.wait_for_everyone()
     return record
 

@@ -82,7 +82,8 @@ def to_run_record(rec: dict, point: dict | None = None) -> RunRecord:
         n_devices=rec.get("n_devices"), device=rec.get("device"), extra=extra)
 
 
-def _failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason: str) -> dict:
+def failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason: str) -> dict:
+    """The ``run.json`` of a run that failed: its spec, budget and reason, with provenance."""
     from archsearch.provenance import provenance
 
     return {"run_id": run_id, "status": "failed", "reason": reason, "spec": spec.to_dict(),
@@ -90,10 +91,13 @@ def _failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason
             "final_eval_loss": None, "provenance": provenance(device=False)}
 
 
+_failed_record = failed_record  # old name, still used: see PENDING in tests/test_imports.py
+
+
 def _train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, progress: bool,
                    tokens: float, seed: int) -> dict:
     """Train one run (or resume/skip it); a failure is recorded in its run.json, not raised."""
-    from archsearch.trainers.loop import RUN_FILE, _write_json, train
+    from archsearch.trainers.loop import RUN_FILE, train
 
     try:
         return train(spec, tc, cfg.data, run_dir, progress=progress, data=data)
@@ -102,9 +106,9 @@ def _train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, pr
     except Exception as e:  # record it and go on: one bad point must not stop the sweep
         reason = (str(e) if isinstance(e, ArchsearchError)
                   else f"{type(e).__name__}: {e} | {traceback.format_exc(limit=3)}")
-        rec = _failed_record(spec, run_dir.name, tokens, seed, reason)
+        rec = failed_record(spec, run_dir.name, tokens, seed, reason)
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(run_dir / RUN_FILE, rec)
+        write_json(run_dir / RUN_FILE, rec, default=str)
         return rec
 
 

@@ -96,7 +96,7 @@ def parse_int_list(text: str) -> list[int]:
     return vals
 
 
-def add_arch_args(p: argparse.ArgumentParser, required: bool = False) -> None:
+def add_arch_args(p: argparse.ArgumentParser) -> None:
     """The architecture flags of ``arch describe``: a preset, a config dir, or the fields."""
     g = p.add_argument_group("architecture (a preset, a config folder, or the fields)")
     g.add_argument("--preset", help="a named preset (archsearch arch list)")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from archsearch.cli._common import parse_number, print_json, print_table
 from archsearch.cli._common import fraction, nonneg_float, out_file, pos_int
+from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
 
 
@@ -50,7 +51,7 @@ def register(sub) -> None:
                                   "floor(C0*(M_gpu - M_model)/(seq_len*((1-C1) + C1*sparsity))) to "
                                   "measurements: 'bench --out' results or training-step timings.")
     b.add_argument("--data", required=True, help="JSONL: bench --out results or training timings")
-    b.add_argument("--holdout", help="measurements of the same kind to predict, never fitted")
+    b.add_argument("--holdout", help="measurements of the same kind and device to predict, never fitted")
     b.add_argument("--out", required=True, type=out_file, metavar="LAWS.json")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_batch_laws)
@@ -72,8 +73,6 @@ def register(sub) -> None:
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
-    from archsearch.errors import ArchsearchError
-
     for n in names:
         if getattr(args, n) is None:
             raise ArchsearchError(f"--{n}", "is required", "e.g. archsearch estimate --arch llama-3.2-1b "
@@ -113,7 +112,6 @@ def _estimate(args: argparse.Namespace) -> int:
 def _fitted_beside(args: argparse.Namespace, est):
     """The batch/throughput-law answer for the same run (training tokens/s laws only)."""
     from archsearch.arch import load_arch, sparsity
-    from archsearch.errors import ArchsearchError
     from archsearch.planning import parse_gpus, resolve_price
     from archsearch.planning.batchlaws import estimate_from_batch_laws, load_batch_laws, model_memory_bytes
 
@@ -136,7 +134,10 @@ def _batch_laws(args: argparse.Namespace) -> int:
     from archsearch.planning.batchlaws import fit_max_batch_law, fit_throughput_law, read_points
 
     quantity, tp, mb, device = read_points(args.data)
-    hq, htp, hmb, _ = read_points(args.holdout) if args.holdout else (quantity, [], [], None)
+    hq, htp, hmb, hdev = read_points(args.holdout) if args.holdout else (quantity, [], [], device)
+    if (hq, hdev) != (quantity, device):
+        raise ArchsearchError("--holdout", f"holds {hq} on {hdev}, --data holds {quantity} on {device}",
+                              "give held-out measurements of the same kind and device")
     tl = fit_throughput_law(tp, quantity, device, holdout=htp)
     ml = fit_max_batch_law(mb, device, holdout=hmb)
     out = {"throughput": tl.to_dict(), "max_batch": ml.to_dict(), "data": args.data,

@@ -89,10 +89,10 @@ def _plan(args: argparse.Namespace) -> int:
         calibration = pl.LoraCalibration.load(args.lora_calibration)
         pl.predict_lora_step_time(candidates[0].spec, lora, 1, 8, args.finetune_device, calibration=calibration)
     if args.calibrate_lora:
-        from archsearch.hardware import local_device_name
+        from archsearch.hardware import device_key, local_device_name
 
         here = local_device_name()
-        if here is None or pl._device_key(args.finetune_device) != pl._device_key(here):
+        if here is None or device_key(args.finetune_device) != device_key(here):
             raise ArchsearchError("--calibrate-lora", f"this machine is {here}, the fine-tune is planned on "
                                   f"{args.finetune_device}", "calibrate on that device and pass --lora-calibration")
     finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size,

@@ -25,4 +25,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-__getattr__ = lazy_getattr('archsearch.evaluation', _LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -2,7 +2,7 @@
 
 Protocols (each row of the table fits on some sizes and tests on one size):
 
-* ``progressive``: fit on every size below k, test on size k (the paper's protocol).
+* ``progressive``: fit on every size below k, test on size k (the method's protocol, docs/method.md section 3).
 * ``previous-size``: fit only on the size just below k, test on size k.
 * ``leave-one-size-out``: fit on every other size, test on size k.
 
@@ -105,7 +105,7 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: "FitO
     """
     import dataclasses
 
-    from archsearch.laws.fit import FitOptions, _fit_split
+    from archsearch.laws.fit import FitOptions, fit_split
 
     opts = options or FitOptions()
     for p in protocols:
@@ -137,7 +137,7 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: "FitO
                 "train_sizes": [sizes[j] for j in train_k], "n_train": len(train),
                 "n_test": len(test), "reference_at_test": None, "error": None}
             try:
-                fit = _fit_split(train, test, law, opts)
+                fit = fit_split(train, test, law, opts)
             except ArchsearchError as e:
                 row["error"] = str(e)
                 rows.append(row)

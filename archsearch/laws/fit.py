@@ -124,7 +124,7 @@ class FitResult:
     def predict(self, spec: "ArchSpec", tokens: float, params: float | None = None) -> float:
         """Predicted loss of ``spec`` trained on ``tokens`` tokens. With ``params``, the shape's
         ratios (d/sqrt(N), r, R) at that N instead of its own: two shapes compared at one budget."""
-        return float(self.predict_arrays(_spec_arrays([spec], [tokens], params))[0])
+        return float(self.predict_arrays(spec_arrays([spec], [tokens], params))[0])
 
     def predict_arrays(self, X: forms.Data, coefficients: dict[str, float] | None = None,
                        reference: dict[str, Any] | None = None) -> np.ndarray:
@@ -141,10 +141,10 @@ class FitResult:
     def predict_interval(self, spec: "ArchSpec", tokens: float, level: float = 0.9,
                          params: float | None = None) -> tuple[float, float] | None:
         """Bootstrap interval of the predicted (mean) loss; None when fitted without bootstrap."""
-        samples = self.bootstrap_predictions(_spec_arrays([spec], [tokens], params))
+        samples = self.bootstrap_predictions(spec_arrays([spec], [tokens], params))
         if samples is None:
             return None
-        lo, hi = _quantiles(samples[:, 0], level)
+        lo, hi = quantiles(samples[:, 0], level)
         return float(lo), float(hi)
 
     def bootstrap_predictions(self, X: forms.Data) -> np.ndarray | None:
@@ -350,8 +350,10 @@ def reference_loss(ref: dict[str, Any] | None, N: np.ndarray, D: np.ndarray) -> 
 
 # -- arrays from runs -------------------------------------------------------------------------
 
-def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float],
-                 params: float | None = None) -> forms.Data:
+def spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float],
+                params: float | None = None) -> forms.Data:
+    """A law's inputs (N, D, hidden/sqrt(N), r, hidden/layers) for architectures trained on
+    ``tokens``; ``params`` fixes N for all of them (the solver's iso-parameter slices)."""
     from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
 
     n = [float(params) if params is not None else non_embedding_params(s) for s in specs]
@@ -362,10 +364,13 @@ def _spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float],
             "R": np.array([s.hidden_size / s.n_layers for s in specs], dtype=float)}
 
 
+_spec_arrays = spec_arrays  # old name, still used: see PENDING in tests/test_imports.py
+
+
 def run_arrays(runs: Sequence["RunRecord"]) -> tuple[forms.Data, np.ndarray]:
     """(inputs, losses) of runs; N, r and hidden/sqrt(N) are derived from the architecture."""
     if all(r.has_arch for r in runs):
-        X = _spec_arrays([r.spec for r in runs], [r.tokens for r in runs])
+        X = spec_arrays([r.spec for r in runs], [r.tokens for r in runs])
     else:  # N-only rows (Chinchilla): the shape variables are unknown
         nan = np.full(len(runs), np.nan)
         X = {"N": np.array([r.n_params for r in runs], dtype=float),
@@ -645,7 +650,7 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
                               "fit the chinchilla law on them, or give the columns n_layers, hidden_size, "
                               "n_heads, n_kv_heads, head_dim, ffn")
     fit_runs, test = split_holdout(ok, opts.holdout_size, opts.size_tolerance)
-    return _fit_split(fit_runs, test, law, opts, n_failed=len(runs) - len(ok))
+    return fit_split(fit_runs, test, law, opts, n_failed=len(runs) - len(ok))
 
 
 def split_holdout(runs: Sequence["RunRecord"], holdout_size: float | None,
@@ -695,7 +700,7 @@ def _r_filter(runs, opts, role):
     return keep, dropped
 
 
-def _fit_split(fit_runs, test_runs, law: str, opts: FitOptions, n_failed: int = 0) -> FitResult:
+def fit_split(fit_runs, test_runs, law: str, opts: FitOptions, n_failed: int = 0) -> FitResult:
     """Fit on ``fit_runs``; metrics on ``fit_runs`` and (if any) the held-out ``test_runs``."""
     with _one_blas_thread():
         return _fit_split_inner(fit_runs, test_runs, law, opts, n_failed)
@@ -837,7 +842,8 @@ def _drop_reference_samples(boot):
     return {k: v for k, v in boot.items() if k not in ("reference", "reference_names")}
 
 
-def _quantiles(samples: np.ndarray, level: float) -> tuple[float, float]:
+def quantiles(samples: np.ndarray, level: float) -> tuple[float, float]:
+    """The central ``level`` interval of bootstrap ``samples``."""
     if not 0 < level < 1:
         raise ArchsearchError("level", f"must be in (0, 1), got {level}")
     a = (1.0 - level) / 2.0

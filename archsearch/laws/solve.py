@@ -49,7 +49,7 @@ class Optimum:
 
 def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) -> Optimum:
     """Closed-form optimum (x1* = a2/a1, r* = b2/b1) of a conditional law, with bootstrap intervals."""
-    from archsearch.laws.fit import _quantiles
+    from archsearch.laws.fit import quantiles
 
     if fit.law not in CONDITIONAL:
         raise ArchsearchError("law", f"{fit.law} has no closed-form optimum in (hidden/sqrt(N), r)",
@@ -91,10 +91,10 @@ def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) 
                 sl.append(_optimum_loss(fit.law, cb, o1, o2, ref, params, tokens))
         if s1:
             interval = {"level": level, "n": len(s1),
-                        "hidden_over_sqrt_n": list(_quantiles(np.array(s1), level)),
-                        "mlp_to_attn_ratio": list(_quantiles(np.array(s2), level))}
+                        "hidden_over_sqrt_n": list(quantiles(np.array(s1), level)),
+                        "mlp_to_attn_ratio": list(quantiles(np.array(s2), level))}
             if sl:
-                interval["loss"] = list(_quantiles(np.array(sl), level))
+                interval["loss"] = list(quantiles(np.array(sl), level))
     return Optimum(x1, x2, float(params), float(tokens), loss, interval, note)
 
 
@@ -292,13 +292,13 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
 
 def _predict_specs(fit, specs, tokens, can_predict, params) -> list[float]:
     """Losses of the shapes' ratios at the budget ``params`` (snapping moves each one's own N)."""
-    from archsearch.laws.fit import _spec_arrays
+    from archsearch.laws.fit import spec_arrays
 
     if not specs:
         return []
     if not can_predict:
         return [None] * len(specs)
-    return [float(v) for v in fit.predict_arrays(_spec_arrays(specs, [tokens] * len(specs), params))]
+    return [float(v) for v in fit.predict_arrays(spec_arrays(specs, [tokens] * len(specs), params))]
 
 
 def pareto_front(points: Sequence[SolvePoint]) -> list[SolvePoint]:

@@ -34,7 +34,7 @@ def synthetic_runs(law: str, coefficients: dict[str, float], sizes: Sequence[flo
     that do not build within the 2% budget tolerance are skipped."""
     from archsearch.candidates import BuildSettings, build_candidate
     from archsearch.laws import forms
-    from archsearch.laws.fit import _spec_arrays
+    from archsearch.laws.fit import spec_arrays
 
     if law not in forms.LAWS:
         raise ArchsearchError("law", f"unknown law {law!r}", f"use one of {list(forms.LAWS)}")
@@ -55,7 +55,7 @@ def synthetic_runs(law: str, coefficients: dict[str, float], sizes: Sequence[flo
                     tokens.append(k * n)
     if not specs:
         raise ArchsearchError("sizes", "no shape of the grid builds", "use larger sizes")
-    X = _spec_arrays(specs, tokens)
+    X = spec_arrays(specs, tokens)
     if law in forms.CONDITIONAL:
         X["Lref"] = forms.predict("chinchilla", reference or TRUE_CHINCHILLA, X)
     loss = forms.predict(law, coefficients, X) * np.exp(noise * rng.standard_normal(len(specs)))

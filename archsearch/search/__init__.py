@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["StudyConfig", "load_study_config", "run", "local_gqa_search", "log"]
+from archsearch._lazy import lazy_getattr
+
+_LAZY = {"StudyConfig": "archsearch.search.config", "load_study_config": "archsearch.search.config",
+         "run": "archsearch.search.pipeline", "local_gqa_search": "archsearch.search.gqa"}
+__all__ = [*_LAZY, "log"]
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def log(msg: str) -> None:
@@ -10,16 +15,3 @@ def log(msg: str) -> None:
     import sys
 
     print(f"[search] {msg}", file=sys.stderr, flush=True)
-
-
-def __getattr__(name: str):
-    if name in ("StudyConfig", "load_study_config"):
-        from archsearch.search import config
-        return getattr(config, name)
-    if name == "run":
-        from archsearch.search.pipeline import run
-        return run
-    if name == "local_gqa_search":
-        from archsearch.search.gqa import local_gqa_search
-        return local_gqa_search
-    raise AttributeError(name)

@@ -229,7 +229,7 @@ def proxy_sweeps(cfg: StudyConfig) -> list:
     return cfg.proxy.sweep_list() if cfg.proxy is not None else []
 
 
-def _planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
+def planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
     """The (N, D) groups the proxy runs will have, to 2 significant digits."""
     from archsearch.rundata import read_runs
 
@@ -244,9 +244,12 @@ def _planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
     return groups
 
 
+_planned_groups = planned_groups  # old name, still used: see PENDING in tests/test_imports.py
+
+
 def check_reference_data(cfg: StudyConfig) -> None:
     """Fail before any training if the proxies cannot support the chosen reference L_opt."""
-    groups = _planned_groups(cfg)
+    groups = planned_groups(cfg)
     if cfg.law.reference == "chinchilla" and len(groups) < 5:
         raise ArchsearchError(
             "law.reference", f"a Chinchilla reference needs proxy runs at >= 5 distinct (N, D); the "

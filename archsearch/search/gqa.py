@@ -1,4 +1,4 @@
-"""Local GQA search (Algorithm 5, step 3).
+"""Local GQA search (docs/method.md section 4, stage 4: gqa).
 
 GQA has no smooth relation to loss, so it is not in the law: it is searched locally around the
 chosen shape. With N, the width and r fixed, GQA trades query heads against KV heads while the

@@ -65,10 +65,10 @@ def write_active_plan_report(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from archsearch.search.report import _active_markdown, _active_plot, active_plan_summary
+    from archsearch.search.report import active_markdown, active_plot, active_plan_summary
 
     plan = active_plan_summary(out)
     (out / "plots").mkdir(parents=True, exist_ok=True)
-    _active_plot(plan, out / "plots", plt)
-    atomic_write(out / "proxies" / "active" / "plan.md", "\n".join(_active_markdown(plan)[1:]) + "\n\n"
+    active_plot(plan, out / "plots", plt)
+    atomic_write(out / "proxies" / "active" / "plan.md", "\n".join(active_markdown(plan)[1:]) + "\n\n"
                  "![plot](../../plots/active_proxies.png)\n")

@@ -8,18 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
-from archsearch.figures import log_axis, styled
+from archsearch.figures import log_axis, save, styled
 from archsearch.fileio import atomic_open, atomic_write, write_json
 from archsearch.provenance import provenance
 from archsearch.search.answer import Answer, predicted_interval
-from archsearch.search.study import storage_url
+from archsearch.search.study import storage_url, trial_is_feasible, was_measured
 
 
 def _complete(study):
     """Completed trials with a measurement (loss-infeasible ones complete unmeasured)."""
     from optuna.trial import TrialState
-
-    from archsearch.search.study import was_measured
 
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if was_measured(t)]
 
@@ -31,12 +29,6 @@ def _throughput(t) -> float:
     if t.user_attrs.get("ratio") and tp:
         return float(next(iter(tp.values())))
     return float(t.values[0])
-
-
-def _feasible(t) -> bool:
-    from archsearch.search.study import trial_is_feasible
-
-    return trial_is_feasible(t)
 
 
 def _point(t) -> dict[str, Any]:
@@ -53,7 +45,7 @@ def _distinct_feasible(study) -> list[dict[str, Any]]:
     pts, seen = [], set()
     for t in sorted(_complete(study), key=lambda t: t.number):
         key = t.user_attrs.get("spec_key")
-        if _feasible(t) and key not in seen:
+        if trial_is_feasible(t) and key not in seen:
             seen.add(key)
             pts.append(_point(t))
     return pts
@@ -75,7 +67,7 @@ def tied_with(best: dict[str, Any], p: dict[str, Any]) -> bool:
     return bool(a and b) and a["lo"] <= b["hi"] and b["lo"] <= a["hi"]
 
 
-def chosen_from_study(study, ctx) -> dict[str, Any] | None:
+def chosen_from_study(study) -> dict[str, Any] | None:
     """The feasible trial with the highest throughput estimate (paired ratio to the baseline)."""
     front = pareto_set(study)
     return front[0] if front else None
@@ -106,7 +98,7 @@ def write_trials_csv(study, path: Path) -> None:
             "predicted_loss": ua.get("predicted_loss"),
             "predicted_loss_lo": (ua.get("predicted_loss_interval") or [None, None])[0],
             "predicted_loss_hi": (ua.get("predicted_loss_interval") or [None, None])[1],
-            "feasible": _feasible(t) if t.state.name == "COMPLETE" else ua.get("feasible_loss"),
+            "feasible": trial_is_feasible(t) if t.state.name == "COMPLETE" else ua.get("feasible_loss"),
             "objective": t.values[0] if t.values and ua.get("measured") is not False else None,
             **{f"ratio_{k}": (ua.get("ratio") or {}).get(k) for k in ("ratio", "lo", "hi", "significantly_faster")},
             "paired_rounds": ua.get("rounds"),
@@ -136,7 +128,7 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     made = []
     # 1. Pareto frontier: throughput (ratio to the baseline, paired, with its interval) vs
     # predicted loss, the front as a step line, points tied with the best ringed
-    pts = [_point(t) | {"feasible": _feasible(t)} for t in _complete(study)]
+    pts = [_point(t) | {"feasible": trial_is_feasible(t)} for t in _complete(study)]
     paired = any(p["ratio"] for p in pts)
     y = (lambda p: p["ratio"]["ratio"]) if paired else (lambda p: p["throughput"])  # noqa: E731
     front = pareto_set(study)
@@ -183,7 +175,7 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     made += _ucurves(ctx, out, plt, marks)
     plan = active_plan_summary(ctx.out)
     if plan is not None:
-        made += _active_plot(plan, out, plt)
+        made += active_plot(plan, out, plt)
     return made
 
 
@@ -193,20 +185,9 @@ def _level(pts) -> str:
 
 
 def _save(fig, out: Path, name: str, plt) -> list[str]:
-    """PNG for the report, PDF for print (each written atomically)."""
-    with atomic_open(out / f"{name}.png", "wb") as fh:
-        fig.savefig(fh, format="png", dpi=120)
-    with atomic_open(out / f"{name}.pdf", "wb") as fh:
-        fig.savefig(fh, format="pdf")
-    plt.close(fig)
+    """PNG for the report, PDF for print (:func:`archsearch.figures.save`): their paths in the study folder."""
+    save(fig, out / f"{name}.png", dpi=120)
     return [f"plots/{name}.png", f"plots/{name}.pdf"]
-
-
-def _proxy_health(out: Path) -> dict[str, Any] | None:
-    """How many proxy runs the sweeps' health checks retuned or left out (None: checks off)."""
-    from archsearch.trainers.health import proxies_health
-
-    return proxies_health(out / "proxies")
 
 
 def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
@@ -318,7 +299,7 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
             "pool": pool, "folder": str(folder)}
 
 
-def _active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
+def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     """Three panels: the half-widths of the optimum's interval against the share of the full
     grid's FLOPs spent (with the tolerance and the budget); the interval itself (both
     coordinates, shaded, against the box); the chosen runs in the box, numbered in order (a run
@@ -444,6 +425,8 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     its paired rounds across trials (it is measured beside every candidate)."""
     import statistics
 
+    from archsearch.trainers.health import proxies_health
+
     cfg = ctx.cfg
     out = ctx.out
     b = ctx.ref_batch
@@ -480,8 +463,8 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "pareto": pareto_set(study),
         "trials": {"total": len(study.trials), "complete": len(complete),
                    "distinct_shapes": len({t.user_attrs.get("spec_key") for t in complete}),
-                   "feasible": sum(1 for t in complete if _feasible(t))},
-        "proxy_health": _proxy_health(out),
+                   "feasible": sum(1 for t in complete if trial_is_feasible(t))},
+        "proxy_health": proxies_health(out / "proxies"),  # runs retuned or left out (None: checks off)
         "law": {"file": str(out / "law.json") if (out / "law.json").is_file() else cfg.law.file,
                 "form": cfg.law.form, "status": getattr(ctx.law, "status", None),
                 "warnings": list(getattr(ctx.law, "warnings", []) or []),
@@ -512,7 +495,7 @@ def _arch_line(a: dict[str, Any]) -> str:
             f"r = {a['mlp_to_attn_ratio']:.2f}, d/sqrt(N) = {a['hidden_over_sqrt_n']:.4f}")
 
 
-def _active_markdown(p: dict[str, Any]) -> list[str]:
+def active_markdown(p: dict[str, Any]) -> list[str]:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     stop = p.get("stop") or {}
     iv = stop.get("interval") or (p["interval_trace"][-1]["interval"] if p["interval_trace"] else None)
@@ -626,7 +609,7 @@ def render_markdown(s: dict[str, Any]) -> str:
                          f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
                          f"{'**yes**' if c['trial'] == rel else ''} |")
     if s.get("proxy_plan"):
-        lines += _active_markdown(s["proxy_plan"])
+        lines += active_markdown(s["proxy_plan"])
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
     h = s.get("proxy_health")

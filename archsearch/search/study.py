@@ -413,7 +413,7 @@ def scan_law(ctx: SearchContext, throughput_fn=None):
 def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     """The law's solution as starting points: the loss-optimal shape (closed form when the law
     has an interior optimum, else the scan's lowest loss), then the feasible shapes the law and
-    an analytic throughput predictor rank highest (Algorithm 5, step 2)."""
+    an analytic throughput predictor rank highest (docs/method.md section 4, stage 3: search)."""
     cfg = ctx.cfg
     if cfg.optuna.enqueue_solution <= 0:  # the sampler starts on its own
         return []

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from archsearch.benchmarks.scripts import emit
 from archsearch.fileio import atomic_write, write_json
 
 BATCHES = [1, 2, 4, 8, 16]
@@ -84,10 +85,7 @@ def main() -> int:
               "rows": rows, "load_avg_before": load0, "load_avg_after": os.getloadavg(),
               "caveat": "2 shared CPU cores, other jobs running; tokens/s is the best of the repeats",
               "provenance": provenance()}
-    if args.out:
-        write_json(out / "result.json", result, default=str)
-    print(json.dumps(result, default=str))
-    return 0
+    return emit(result, out if args.out else None)
 
 
 if __name__ == "__main__":

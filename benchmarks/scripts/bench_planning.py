@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
-from archsearch.fileio import write_json
+from archsearch.benchmarks.scripts import emit
 
 # (n_layers, hidden, heads, kv_heads, ffn); head_dim 64, vocab 2048
 SHAPES = [(2, 64, 1, 1, 192), (2, 128, 2, 1, 384), (4, 128, 2, 1, 384), (4, 192, 3, 1, 512),
@@ -122,9 +121,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         write_runs(out / "runs.csv", runs)
         law.save(out / "time_law.json")
-        write_json(out / "result.json", result, default=str)
-    print(json.dumps(result, default=str))
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

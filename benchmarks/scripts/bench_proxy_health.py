@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from archsearch.fileio import read_jsonl_lines, write_json
+from archsearch.benchmarks.scripts import emit
+from archsearch.fileio import read_jsonl_lines
 
 PARAMS = [3e4, 6e4]
 START = {"lr": 3e-4, "global_batch_size": 8}
@@ -97,10 +98,7 @@ def main() -> int:
                        "losses": {f"lr{k[0]:g}-b{k[1]}-L{k[2]}": v.get("final_eval_loss") for k, v in grid.items()},
                        "seconds": time.perf_counter() - t1},
               "load_avg_before": load0, "load_avg_after": os.getloadavg(), "provenance": provenance()}
-    if args.out:
-        write_json(out / "result.json", result, default=str)
-    print(json.dumps(result, default=str))
-    return 0
+    return emit(result, out if args.out else None)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,6 @@ def seed_store(measurer, src: Path) -> tuple[int, int]:
 
     if not src.is_file() or src.resolve() == measurer.store.path.resolve():
         return 0, 0
-    fields = {f.name for f in dataclasses.fields(ArchSpec)}
     mine = measurer.store.all()
     copied = offered = 0
     for key, result in MeasurementStore(src).all().items():
@@ -105,7 +104,7 @@ def seed_store(measurer, src: Path) -> tuple[int, int]:
         if key in mine or not isinstance(result.get("architecture"), dict):
             continue
         try:
-            spec = ArchSpec.from_dict({k: v for k, v in result["architecture"].items() if k in fields})
+            spec = ArchSpec.from_record(result["architecture"])
         except Exception:  # noqa: BLE001 - a record we cannot read is simply not reused
             continue
         if measurer.key(spec) == key:
