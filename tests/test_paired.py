@@ -480,3 +480,31 @@ def test_measurer_pools_instance_variance_once_per_group(tmp_path):
     assert m.instance_var() != pytest.approx(instance_variance([group.pair(1), group.pair(1), alone])[0])
     off = Measurer(from_dict(MeasureConfig, {"backend": "hf"}, "measure"), store)
     assert off.instance_var() == 0.0  # without twins in the settings, no widening
+
+
+def test_calibration_fit_set_is_chosen_from_features_and_separates_r_from_gqa():
+    """In the calibration grid the box corners pair r = 1 with GQA 1 and r = 5 with GQA 4, so a fit
+    on them cannot tell the two apart; the D-optimal four span all three knobs independently."""
+    import math
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
+    from archsearch.benchmarks.scripts.bench_calibration import corners, d_optimal
+    from archsearch.benchmarks.scripts.bench_engines_cpu import shapes
+
+    results = [SimpleNamespace(architecture=s.to_dict()) for s in shapes(16e6, 4, "calibration")]
+
+    def design(rs):
+        from archsearch.benchmarks.scripts.bench_calibration import _spec
+
+        X = np.array([[1.0, math.log(hidden_over_sqrt_n(_spec(q))), math.log(mlp_to_attn_ratio(_spec(q))),
+                       math.log(_spec(q).n_heads // _spec(q).n_kv_heads)] for q in rs])
+        return np.corrcoef(X[:, 2], X[:, 3])[0, 1], np.linalg.det(X.T @ X)
+
+    corr, det = design(corners(results))
+    assert corr > 0.99  # log r and log GQA move together at the corners (measured 0.999)
+    picked = d_optimal(results)
+    corr_d, det_d = design(picked)
+    assert len(picked) == 4 and abs(corr_d) < 0.5 and det_d > 1000 * det  # measured 0.07, 7.5 vs 0.001

@@ -27,8 +27,8 @@ from archsearch.benchmarks import BenchSettings, append_jsonl, measure, read_jso
 # (d/sqrt(N), r, GQA): hidden size from narrow to wide, MLP-heavy to attention-heavy, MHA to GQA
 SHAPES = [(0.10, 1.0, 1), (0.10, 1.0, 4), (0.10, 4.0, 1), (0.10, 2.5, 4),
           (0.15, 1.0, 1), (0.15, 2.5, 4), (0.15, 4.0, 2), (0.22, 1.0, 1), (0.22, 2.5, 1)]
-# the calibration benchmark's 4 x 3 grid (d/sqrt(N) x r), GQA cycling 1, 2, 4 across it: the four
-# corners calibrate, the eight others are held out (bench_calibration)
+# the calibration benchmark's 4 x 3 grid (d/sqrt(N) x r), GQA cycling 1, 2, 4 across it: four shapes
+# chosen D-optimally calibrate, the eight others are held out (bench_calibration)
 CALIBRATION_SHAPES = [(x1, r, (1, 2, 4)[(i + j) % 3]) for i, x1 in enumerate((0.08, 0.12, 0.18, 0.26))
                       for j, r in enumerate((1.0, 2.5, 5.0))]
 GRIDS = {"engines": SHAPES, "calibration": CALIBRATION_SHAPES}
