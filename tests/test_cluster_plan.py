@@ -224,3 +224,31 @@ def test_a_bad_profile_is_a_clear_error(tmp_path, paper, content, needle, capsys
                "--dry-run", "--gpus", "8xH100", "--profile", str(bad)])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_prices_only_the_proxy_runs_not_yet_trained(tmp_path):
+    """A run another study trained into the shared store (or this study folder, resumed) costs
+    nothing: the plan lists it as already trained and prices the rest."""
+    from archsearch.cluster.study import content_key
+    from archsearch.search.checks import proxy_sweeps
+    from archsearch.trainers import sweep_specs, token_budget
+    from archsearch.trainers.loop import run_id_for
+
+    cfg = load_study_config(REPO / "configs" / "ci-cluster.yaml")
+    cfg = replace(cfg, proxy=replace(cfg.proxy, store=str(tmp_path / "store")))
+    before = plan(cfg, tmp_path / "study", gpus="2xcpu")
+    (sweep,) = proxy_sweeps(cfg)
+    point, spec, _ = next(x for x in sweep_specs(sweep, 512) if x[1] is not None)
+    tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
+    run = run_id_for(spec, token_budget(spec, tc), point["seed"])
+    done = tmp_path / "store" / content_key(run, tc, sweep.data)
+    done.mkdir(parents=True)
+    (done / "run.json").write_text('{"status": "ok"}')
+    after = plan(cfg, tmp_path / "study", gpus="2xcpu")
+    st = after["stages"][0]
+    assert st["runs"] == before["stages"][0]["runs"] and st["runs_already_trained"] == 1
+    assert "1 in the store" in st["action"]
+    r = next(r for r in after["compute"]["proxy_runs"] if r["run"] == run)
+    assert r["already_trained"] == "store" and r["gpu_hours"] == 0.0
+    assert after["compute"]["proxy_gpu_hours"] < before["compute"]["proxy_gpu_hours"]
+    assert "already trained (in the shared store)" in "\n".join(render(after))

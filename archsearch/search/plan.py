@@ -315,13 +315,29 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                 proxy_specs.append({"spec": spec, "tokens": tokens, "flops": run_flops(spec, tokens),
                                     "run": run_id_for(spec, tokens, point["seed"]), "sweep": sweep,
                                     "train": tc})
+        # runs already trained cost nothing: in the shared store (another study trained them) or in
+        # this study folder (a resumed study)
+        from archsearch.cluster.study import _has_record, content_key
+
+        for item in proxy_specs:
+            own = out / "proxies" / item["sweep"].name / "runs" / item["run"]
+            shared = (Path(cfg.proxy.store).expanduser() / content_key(item["run"], item["train"], item["sweep"].data)
+                      if cfg.proxy.store else None)
+            item["done"] = ("store" if shared is not None and _has_record(shared) else
+                            "study" if _has_record(own) else None)
+        n_done = sum(1 for i in proxy_specs if i["done"])
         active = cfg.proxy.plan == "active"
         a = cfg.proxy.active
         p["stages"].append({"stage": "proxy", "action": (
                             f"active plan over the grid of {len(sweeps)} sweep(s) (at most the runs and FLOPs "
                             f"below; stops at interval half-width {a.tolerance} or budget {a.budget_flops}): "
                             if active else f"train {len(sweeps)} proxy sweep(s): ")
-                            + ", ".join(s.name for s in sweeps), "runs": runs_n,
+                            + ", ".join(s.name for s in sweeps)
+                            + (f" ({n_done} of the runs already trained: "
+                               f"{sum(1 for i in proxy_specs if i['done'] == 'store')} in the store {cfg.proxy.store}, "
+                               f"{sum(1 for i in proxy_specs if i['done'] == 'study')} in this study folder; "
+                               "they cost nothing below)" if n_done else ""), "runs": runs_n,
+                            "runs_already_trained": n_done,
                             "tokens": proxy_tokens, "train_flops": proxy_flops,
                             "nd_groups": len(_planned_groups(cfg))})
     p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.reference}, "
@@ -389,6 +405,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
         for item in proxy_specs:
             e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
             start_h = (su.s("job_start_s") + su.s("job_end_s")) / 3600 if cfg.cluster.parallel else 0.0
+            if item["done"]:  # already trained: listed, not priced
+                runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
+                             "hours": 0.0, "gpu_hours": 0.0, "cost_usd": 0.0, "already_trained": item["done"]})
+                continue
             runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
@@ -404,7 +424,8 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
         p["compute"].update({
             "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
             "proxy_wall_hours": makespan([r["hours"] for r in runs], slots)
-            + (su.s("proxy_lead_s") / 3600 if cfg.cluster.parallel and runs else 0.0), "proxy_jobs_at_once": slots,
+            + (su.s("proxy_lead_s") / 3600 if cfg.cluster.parallel and any(r["hours"] for r in runs) else 0.0),
+            "proxy_jobs_at_once": slots,
             "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
             "measure": meas,
             "assumptions": [
@@ -485,7 +506,8 @@ def render(p: dict[str, Any]) -> list[str]:
         ft = c["final_train"]
         for r in c["proxy_runs"]:
             lines.append(f"    proxy {r['run']}: {r['tokens']:.3g} tokens, {r['train_flops']:.3g} FLOPs, "
-                         f"{r['hours']:.2f} h, {r['gpu_hours']:.1f} GPU-h")
+                         + (f"already trained ({'in the shared store' if r['already_trained'] == 'store' else 'in this study folder'})"
+                            if r.get("already_trained") else f"{r['hours']:.2f} h, {r['gpu_hours']:.1f} GPU-h"))
         lines.append(f"  on {c['gpus']}: proxies {c['proxy_gpu_hours']:.1f} GPU-h, {c['proxy_wall_hours']:.2f} h wall "
                      f"with {c['proxy_jobs_at_once']} job(s) at once (${c['proxy_cost_usd']:,.0f}); final training "
                      f"{ft.get('hours', float('nan')):.1f} h, {ft.get('gpu_hours', float('nan')):.0f} GPU-h, "
