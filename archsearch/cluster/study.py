@@ -134,17 +134,14 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
     whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on).
     ``study``: the study folder, whose ``startups.json`` gets the jobs' measured start-ups."""
     from archsearch.cluster import startup
-    from archsearch.trainers.data import prepare_data
     from archsearch.trainers.loop import RUN_FILE, _write_json, token_budget
-    from archsearch.trainers.sweep import _failed_record, sweep_specs
+    from archsearch.trainers.sweep import _failed_record
 
     t_enter = time.time()
-    # tokenisation first, timed apart: the plan prices it as data preparation, not as start-up
-    budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
-    prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
-    prep_s = time.time() - t_enter
     tasks = []
     runs = sweep_runs(sweep)  # the coordinator has tokenized up to the sweep's largest budget
+    # timed apart: the plan prices the tokenisation as data preparation, not as start-up
+    prep_s = time.time() - t_enter
     # every job reads the prefix of those shards for its own budget (a streamed source), as an
     # inline sweep's runs do: a run's data does not depend on the sweep it is part of
     data_cfg = sweep.data
