@@ -286,3 +286,35 @@ def test_proxy_jobs_on_a_streamed_source_read_their_own_prefix(tmp_path, monkeyp
     study.run_proxy_jobs(Sweep(), tmp_path, ClusterConfig(executor="local", jobs_at_once=2), tmp_path / "jobs")
     assert [t.args[2] for t in seen] == [Sweep.data, Sweep.data]
     assert [t.args[2].max_train_tokens for t in seen] == [None, None]
+
+
+def test_multi_gpu_proxy_job_trains_through_accelerate_launch(tmp_path, monkeypatch):
+    """gpus_per_job > 1: the job writes the run's spec, its train/data config and an accelerate
+    config for that many processes into the run folder, and runs `accelerate launch -m archsearch
+    train` on them; the configs read back as the run's own (what the launched processes train)."""
+    import yaml
+
+    import archsearch.cluster.study as cs
+    from archsearch.configio import from_dict
+    from archsearch.search.checks import proxy_sweeps
+    from archsearch.search.config import load_study_config
+    from archsearch.trainers import sweep_specs
+    from archsearch.trainers.config import DataConfig, TrainConfig
+
+    cfg = load_study_config(Path(__file__).resolve().parent.parent / "configs" / "ci-cluster.yaml")
+    (sweep,) = proxy_sweeps(cfg)
+    point, spec, _ = next(x for x in sweep_specs(sweep, 512) if x[1] is not None)
+    tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
+    ran = []
+    monkeypatch.setattr(cs.subprocess, "run", lambda cmd, check: ran.append(cmd))
+    run_dir = tmp_path / "runs" / "r"
+    cs.train_proxy(spec, tc, sweep.data, str(run_dir), 4)
+    (cmd,) = ran
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--config_file") + 1] == str(run_dir / "accelerate_config.yaml")
+    assert cmd[cmd.index("archsearch") + 1] == "train" and cmd[cmd.index("--out") + 1] == str(run_dir)
+    assert yaml.safe_load((run_dir / "accelerate_config.yaml").read_text())["num_processes"] == 4
+    back = yaml.safe_load((run_dir / "train.yaml").read_text())
+    assert from_dict(TrainConfig, back["train"], "train") == tc
+    assert from_dict(DataConfig, back["data"], "data") == sweep.data
+    assert json.loads((run_dir / "spec.json").read_text()) == spec.to_dict()

@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 
 from archsearch.search.config import load_study_config
-from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES, ENGINE_PROCESS_START_S,
-                                    ENGINE_START_S, JOB_START_S,
+from archsearch.cluster.startup import FIGURES
+from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES,
                                     TOKENIZE_TOKENS_PER_S_PER_PROCESS, plan, render, run_flops)
+
+# the defaults a plan uses where nothing was measured (no profile, no study record)
+JOB_START_S, WORKER_START_S = FIGURES["job_start_s"][0], FIGURES["worker_start_s"][0]
+ENGINE_PROCESS_START_S, ENGINE_START_S = FIGURES["engine_process_start_s"][0], {"vllm": FIGURES["engine_start_s.vllm"][0]}
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,9 +65,9 @@ def test_paper_plan_gives_every_stage_its_cost(paper):
     w, r = cfg.measure.warmup, cfg.measure.paired.min_rounds
     one = lambda k, r: ENGINE_PROCESS_START_S + k * ENGINE_START_S["vllm"] + k * (w + r) * m["batch_seconds"]
     group, per = one(seeds + 1, r), one(2, r)
-    assert st["search"]["gpu_hours_low"] == pytest.approx((8 * (JOB_START_S + group) + (n - seeds) * per) / 3600)
+    assert st["search"]["gpu_hours_low"] == pytest.approx((8 * (WORKER_START_S + group) + (n - seeds) * per) / 3600)
     assert st["search"]["wall_hours_low"] == pytest.approx(
-        (JOB_START_S + group + math.ceil((n - seeds) / 8) * per) / 3600)
+        (WORKER_START_S + group + math.ceil((n - seeds) / 8) * per) / 3600)
     # the GQA search, in the coordinator: first comparison of 2 shapes, then of 3, one after another
     g = m["gqa"]
     assert st["gqa"]["comparisons_at_most"] == len(g["high"]) == 1 + 2 * (g["variants"] - 1) and g["variants"] > 2
@@ -134,3 +138,117 @@ def test_plan_prices_measurements_at_the_measured_scale(paper):
     apart = plan(replace(cfg, optuna=replace(cfg.optuna, seeds_together=False)), Path("unused"), gpus="8xH100")
     ma = apart["compute"]["measure"]
     assert ma["seed_group"] == 0 and ma["pairs"] == {"low": 40, "high": 47}
+
+
+# -- start-ups: measured per machine, read from a profile or the study's own record ----------------
+
+def _study_record(folder: Path, job_start: list[float], proc: list[float]) -> Path:
+    """A study folder's startups.json as cluster/study.py writes it (two coordinator runs)."""
+    from archsearch.fileio import write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    where = {"time_utc": "2026-11-23T16:00:00+00:00", "host": "node7", "git": "x", "device": "H100", "command": "c"}
+    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
+        {"stage": "proxy", "executor": "slurm", **where,
+         "samples": {"job_start_s": job_start, "job_end_s": [2.0] * len(job_start), "proxy_lead_s": [4.0]}},
+        {"stage": "search", "executor": "slurm", **where,
+         "samples": {"worker_start_s": [9.0], "engine_process_start_s": proc, "engine_start_s.vllm": [40.0, 44.0],
+                     "engine_first_start_s.vllm": [50.0]}}]})
+    return folder
+
+
+def test_a_machine_profile_prices_the_start_ups_and_says_where_they_were_measured(tmp_path, paper):
+    from archsearch.cli import main
+    from archsearch.cluster.startup import load_profile
+
+    cfg, p0 = paper
+    _study_record(tmp_path / "a", [10.0, 12.0, 14.0], [6.0])
+    _study_record(tmp_path / "b", [20.0], [8.0, 10.0])
+    prof = tmp_path / "prof" / "h100.json"
+    assert main(["profile", "--study", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(prof)]) == 0
+    figs = load_profile(prof)
+    assert figs["job_start_s"].value == 13.0 and figs["job_start_s"].n == 4  # pooled median
+    assert (figs["job_start_s"].low, figs["job_start_s"].high) == (10.0, 20.0)
+    assert figs["engine_process_start_s"].value == 8.0 and figs["engine_start_s.vllm"].value == 42.0
+
+    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
+    c, c0 = p["compute"], p0["compute"]
+    # each proxy job pays the measured start and end instead of the default 30 s
+    for r, r0 in zip(c["proxy_runs"], c0["proxy_runs"]):
+        assert r["hours"] - r0["hours"] == pytest.approx((13.0 + 2.0 - JOB_START_S) / 3600)
+    m, m0 = c["measure"], c0["measure"]
+    assert m["engine_process_start_s"] == 8.0 and m["engine_start_s"] == 42.0 and m["engine_first_start_s"] == 50.0
+    assert m["comparison_s"]["low"] - m0["comparison_s"]["low"] == pytest.approx(
+        (8.0 - ENGINE_PROCESS_START_S) + (50.0 - ENGINE_START_S["vllm"]) + (42.0 - ENGINE_START_S["vllm"]))
+    text = "\n".join(render(p))
+    assert f"machine profile {prof}" in text and "measured: median of 4, 10-20, on node7 (slurm executor, H100)" in text
+    assert "worker_end_s" not in p["startups"]["figures"] or \
+        p["startups"]["figures"]["worker_end_s"]["source"] == "default"
+    assert "(default: not measured)" in text  # worker_end_s, search_lead_s were not measured
+    # cluster.profile names the same profile
+    q = plan(replace(cfg, cluster=replace(cfg.cluster, profile=str(prof))), tmp_path / "fresh", gpus="8xH100")
+    assert q["compute"]["proxy_wall_hours"] == pytest.approx(c["proxy_wall_hours"])
+
+
+def test_a_study_s_own_record_wins_over_the_profile(tmp_path, paper):
+    from archsearch.cluster.startup import build_profile
+    from archsearch.fileio import write_json
+
+    cfg, _ = paper
+    write_json(tmp_path / "prof.json", build_profile([_study_record(tmp_path / "a", [10.0], [6.0])]))
+    own = _study_record(tmp_path / "study", [50.0], [6.0])  # the study folder the plan is for
+    p = plan(cfg, own, gpus="8xH100", profile=tmp_path / "prof.json")
+    f = p["startups"]["figures"]["job_start_s"]
+    assert f["value"] == 50.0 and f["origin"] == str(own / "startups.json")
+    assert p["startups"]["study_record"] == str(own / "startups.json")
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("not json", "not JSON"),
+    ('{"figures": {}}', "not a machine profile"),
+    ('{"kind": "archsearch machine profile", "figures": {"job_start": {"value": 1, "n": 1}}}', "unknown figure 'job_start'"),
+    ('{"kind": "archsearch machine profile", "figures": {"job_start_s": {"value": -3, "n": 1}}}', "finite number of seconds >= 0"),
+    ('{"kind": "archsearch machine profile", "figures": {"job_start_s": {"value": 3, "n": 0}}}', "n must be a count"),
+])
+def test_a_bad_profile_is_a_clear_error(tmp_path, paper, content, needle, capsys):
+    from archsearch.cli import main
+    from archsearch.errors import ArchsearchError
+
+    cfg, _ = paper
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(ArchsearchError) as e:
+        plan(cfg, tmp_path / "o", gpus="8xH100", profile=bad)
+    assert e.value.field == "profile" and needle in e.value.problem
+    rc = main(["search", "--config", str(REPO / "configs" / "paper-1b.yaml"), "--out", str(tmp_path / "o"),
+               "--dry-run", "--gpus", "8xH100", "--profile", str(bad)])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_prices_only_the_proxy_runs_not_yet_trained(tmp_path):
+    """A run another study trained into the shared store (or this study folder, resumed) costs
+    nothing: the plan lists it as already trained and prices the rest."""
+    from archsearch.cluster.study import content_key
+    from archsearch.search.checks import proxy_sweeps
+    from archsearch.trainers import sweep_specs, token_budget
+    from archsearch.trainers.loop import run_id_for
+
+    cfg = load_study_config(REPO / "configs" / "ci-cluster.yaml")
+    cfg = replace(cfg, proxy=replace(cfg.proxy, store=str(tmp_path / "store")))
+    before = plan(cfg, tmp_path / "study", gpus="2xcpu")
+    (sweep,) = proxy_sweeps(cfg)
+    point, spec, _ = next(x for x in sweep_specs(sweep, 512) if x[1] is not None)
+    tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
+    run = run_id_for(spec, token_budget(spec, tc), point["seed"])
+    done = tmp_path / "store" / content_key(run, tc, sweep.data)
+    done.mkdir(parents=True)
+    (done / "run.json").write_text('{"status": "ok"}')
+    after = plan(cfg, tmp_path / "study", gpus="2xcpu")
+    st = after["stages"][0]
+    assert st["runs"] == before["stages"][0]["runs"] and st["runs_already_trained"] == 1
+    assert "1 in the store" in st["action"]
+    r = next(r for r in after["compute"]["proxy_runs"] if r["run"] == run)
+    assert r["already_trained"] == "store" and r["gpu_hours"] == 0.0
+    assert after["compute"]["proxy_gpu_hours"] < before["compute"]["proxy_gpu_hours"]
+    assert "already trained (in the shared store)" in "\n".join(render(after))

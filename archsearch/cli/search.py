@@ -26,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--out", type=out_dir, help="study folder (default: results/<name>)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its compute; run nothing")
     p.add_argument("--gpus", help="price the plan on these GPUs, e.g. 8xH100 (with --dry-run)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="machine profile of measured start-ups for the plan (archsearch profile; default: "
+                        "cluster.profile; the study folder's own startups.json wins)")
     p.add_argument("--only", type=_stages, help=f"run only these stages ({','.join(STAGES)})")
     p.add_argument("--skip", type=_stages, default=set(), help="skip these stages")
     p.add_argument("--json", action="store_true", help="print the plan / summary as JSON")
@@ -44,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
         from archsearch.search.plan import plan as study_plan
 
         validate(cfg, for_plan=True)
-        plan = study_plan(cfg, out, gpus=args.gpus)
+        plan = study_plan(cfg, out, gpus=args.gpus, profile=args.profile)
         if args.json:
             print_json(plan)
         else:

@@ -21,7 +21,8 @@ class ClusterConfig:
     A proxy run with ``gpus_per_job > 1`` trains through ``accelerate launch`` inside its job.
     ``measure_workers`` Optuna workers (one engine each, sharing the study's storage) run the
     search stage as jobs. A job that ends without its result is submitted again up to
-    ``max_retries`` times."""
+    ``max_retries`` times. ``profile``: a machine profile of measured start-ups (jobs, engine
+    processes, engines; ``archsearch profile``) that ``--dry-run`` prices the plan with."""
 
     executor: str = "inline"
     jobs_at_once: int = 1
@@ -31,6 +32,7 @@ class ClusterConfig:
     poll_s: float = 5.0
     timeout_min: float = 24 * 60.0
     slurm: dict[str, Any] = field(default_factory=dict)
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:

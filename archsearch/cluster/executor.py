@@ -48,6 +48,10 @@ class TaskResult:
     status: str  # "ok" or "failed"
     attempts: int  # submissions over every coordinator run
     reason: str | None = None
+    # the last job's submission, and when this coordinator saw it end (None where it did not see
+    # it run: done before this coordinator started, or inline)
+    submitted: float | None = None
+    ended: float | None = None
 
 
 class Ledger:
@@ -97,6 +101,11 @@ def check_cluster(cfg: ClusterConfig) -> None:
                               "lower gpus_per_job (0 on a machine without GPUs) or run where the GPUs are")
 
 
+# squeue states of a job that has ended (squeue lists them for MinJobAge after the end)
+SLURM_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+               "OUT_OF_MEMORY", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+
+
 class _Backend:
     """A submitit executor plus what the ledger needs to find its jobs again."""
 
@@ -105,6 +114,7 @@ class _Backend:
         import submitit
 
         self.cfg, self.folder, self.submitit = cfg, folder, submitit
+        self._squeue: tuple[float, set[str]] | None = None
         if cfg.executor == "local":
             self.ex = submitit.LocalExecutor(folder=folder / "%j")
             self.ex.update_parameters(timeout_min=cfg.timeout_min)
@@ -135,10 +145,32 @@ class _Backend:
                             "started": psutil.Process(int(job.job_id)).create_time()})
         return entries
 
+    def _queued(self) -> set[str] | None:
+        """Ids of this user's Slurm jobs (array tasks one by one) queued or running, from one
+        ``squeue`` call per poll (not one per job); None where squeue fails."""
+        now = time.time()
+        if self._squeue is not None and now - self._squeue[0] < self.cfg.poll_s / 2:
+            return self._squeue[1]
+        import getpass
+
+        r = subprocess.run(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i %T"],
+                           capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            return None
+        ids = {f[0] for f in (line.split() for line in r.stdout.splitlines()) if len(f) == 2 and f[1] not in SLURM_ENDED}
+        self._squeue = (now, ids)
+        return ids
+
     def alive(self, entry: dict[str, Any]) -> bool:
         """Is this submission still queued or running (in this or an earlier coordinator)?"""
         if self.cfg.executor == "slurm":
-            return not self.submitit.SlurmJob(self.folder / "%j", entry["job_id"]).done(force_check=True)
+            job = self.submitit.SlurmJob(self.folder / "%j", entry["job_id"])
+            if job.paths.result_pickle.exists():
+                return False
+            # squeue, not sacct: a cluster without accounting storage (slurmdbd) has no sacct,
+            # and submitit would then never see a job that died without its result as ended
+            queued = self._queued()
+            return entry["job_id"] in queued if queued is not None else not job.done(force_check=True)
         import psutil
 
         try:
@@ -197,7 +229,7 @@ def run_tasks(tasks: list[Task], cfg: ClusterConfig, folder: Path,
             del running[key]
             n = len(ledger.attempts(key))
             if by_key[key].is_done():
-                results[key] = TaskResult(key, "ok", n)
+                results[key] = TaskResult(key, "ok", n, submitted=entry.get("submitted"), ended=time.time())
                 log(f"[cluster] {key}: done (job {entry['job_id']})")
             elif n > cfg.max_retries:
                 results[key] = TaskResult(key, "failed", n, backend.reason(entry))
@@ -211,6 +243,9 @@ def run_tasks(tasks: list[Task], cfg: ClusterConfig, folder: Path,
         batch = []
         while waiting and (cfg.executor == "slurm" or len(running) + len(batch) < cfg.jobs_at_once):
             t = waiting[0]
+            if cfg.executor == "slurm":  # Slurm allocates each job its GPUs (gpus_per_node)
+                batch.append((waiting.pop(0), []))
+                continue
             if t.gpus > len(free):
                 break
             batch.append((waiting.pop(0), free[:t.gpus]))

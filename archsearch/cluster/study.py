@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -128,14 +129,19 @@ def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
     return reused
 
 
-def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, TaskResult]:
+def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | None = None) -> dict[str, TaskResult]:
     """Train every run of ``sweep`` not yet in ``out_dir/runs/`` as one job each and wait; a run
-    whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on)."""
+    whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on).
+    ``study``: the study folder, whose ``startups.json`` gets the jobs' measured start-ups."""
+    from archsearch.cluster import startup
     from archsearch.trainers.loop import RUN_FILE, _write_json, token_budget
     from archsearch.trainers.sweep import _failed_record
 
+    t_enter = time.time()
     tasks = []
     runs = sweep_runs(sweep)  # the coordinator has tokenized up to the sweep's largest budget
+    # timed apart: the plan prices the tokenisation as data preparation, not as start-up
+    prep_s = time.time() - t_enter
     # every job reads the prefix of those shards for its own budget (a streamed source), as an
     # inline sweep's runs do: a run's data does not depend on the sweep it is part of
     data_cfg = sweep.data
@@ -146,6 +152,13 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path) -> dict[str, T
     _log(f"proxy sweep {sweep.name}: {len(tasks)} runs as {cluster.executor} jobs "
          f"({cluster.jobs_at_once} at once)")
     results = run_tasks(tasks, cluster, jobs_dir)
+    if study is not None:
+        # this coordinator's own submissions (not the jobs it adopted from an earlier one)
+        subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
+        lead = min(subs) - t_enter - prep_s if subs else None
+        startup.record(study, "proxy", cluster.executor,
+                       startup.proxy_samples(results, {t.key: Path(t.args[3]) for t in tasks}, lead),
+                       data_prep_s=round(prep_s, 3))
     for t in tasks:
         r = results[t.key]
         if r.status == "failed":
@@ -177,6 +190,7 @@ def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
     from archsearch.search.pipeline import search_context
     from archsearch.search.study import distinct_measured
 
+    t_enter = time.time()
     ctx = search_context(cfg, out)
     inline = replace(cfg, cluster=replace(cfg.cluster, executor="inline", jobs_at_once=1, measure_workers=1))
     gpus = min(1, cfg.cluster.gpus_per_job)
@@ -195,4 +209,12 @@ def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
         tasks.append(Task(key=f"search-worker-{i}", fn=search_worker, args=(inline, str(out), str(marker)),
                           is_done=lambda m=marker: m.is_file() or study_done(), gpus=gpus))
     _log(f"search: {len(tasks)} Optuna workers as {cfg.cluster.executor} jobs")
-    return run_tasks(tasks, cfg.cluster, folder)
+    results = run_tasks(tasks, cfg.cluster, folder)
+    from archsearch.cluster import startup
+    from archsearch.search.pipeline import _load_study
+
+    subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
+    startup.record(out, "search", cfg.cluster.executor,
+                   startup.search_samples(results, _load_study(ctx), out / "measurements.jsonl", cfg.measure.backend,
+                                          min(subs) - t_enter if subs else None, since=t_enter))
+    return results

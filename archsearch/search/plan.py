@@ -4,6 +4,7 @@ any of it."""
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +43,9 @@ KNOWN_SOURCE_TOKENS = {
     "HuggingFaceFW/fineweb-edu": 1.3e12,
 }
 TEXT_BYTES_PER_TOKEN = 4.0  # local files: English text, about 4 bytes a token (an estimate)
-# seconds to start one engine on one GPU (load a random-weight model, allocate the KV cache,
-# capture CUDA graphs): assumed, the engines' start-up as measured by bench_engines_* on small
-# models is a few seconds (hf) to about a minute (vllm, sglang with graph capture)
-ENGINE_START_S = {"vllm": 60.0, "sglang": 60.0, "hf": 5.0, "analytic": 0.0}
-# seconds from a job's start to its first step: a Python process importing torch, transformers
-# and accelerate, reading its data and building its model. Assumed; the imports alone took
-# 21-23 s on this project's loaded 2-core machine (load average ~16), a few seconds on a quiet node
-JOB_START_S = 30.0
-# seconds for the isolated process a paired comparison runs in (archsearch.benchmarks.isolate): Python,
-# torch and the engine imported, before any engine starts. Assumed; in the CPU demo's recorded
-# comparisons (results/demo-cpu-active/measurements.jsonl, vLLM-CPU on the loaded 2-core machine) the
-# wall time less engine starts and timed rounds was 14-25 s, warm-up batches included
-ENGINE_PROCESS_START_S = 20.0
+# start-ups (a job's, an engine process's, an engine's, the coordinator's): measured per machine or
+# cluster and read from the study folder's startups.json or a machine profile, else defaults; see
+# archsearch/cluster/startup.py
 # a checkpoint holds fp32 weights and AdamW's two fp32 moments; the released model bf16/fp32 weights
 CHECKPOINT_BYTES_PER_PARAM = 12
 MODEL_BYTES_PER_PARAM = 4
@@ -191,7 +182,7 @@ def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
             "low": [2] + [3] * (int(up > 0) + int(down > 0)), "high": [2] + [3] * (2 * (up + down))}
 
 
-def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int) -> dict[str, Any]:
+def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) -> dict[str, Any]:
     """GPU time of the measurements, as the study takes them (archsearch.benchmarks.paired): each
     comparison of k shapes starts one isolated engine process, k engines in it, ``warmup``
     batches each, then ``min_rounds`` to ``max_rounds`` rounds of k batches at the reference batch
@@ -221,31 +212,36 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int) -> dict[str, An
         cal = Calibration.load(m.calibration)
     spec = measured_baseline(cfg)
     b = predict_batch(spec, dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
-    start = ENGINE_START_S.get(m.backend, 60.0)
+    su = startups or StartupProfile()
+    start = su.s(f"engine_start_s.{m.backend}")
+    first = su.s(f"engine_first_start_s.{m.backend}")
+    proc_s = su.s("engine_process_start_s")
     if not b.ok:
         return {"error": b.error or "the reference batch does not fit", "batch_size": m.ref_batch}
     t = b.e2e_latency_mean
     lo_r, hi_r = m.paired.min_rounds, m.paired.max_rounds
 
     def comparison_s(k: int, rounds: int) -> float:
-        return ENGINE_PROCESS_START_S + k * start + k * m.warmup * t + rounds * k * t
+        return proc_s + first + (k - 1) * start + k * m.warmup * t + rounds * k * t
 
     per = {"low": comparison_s(2, lo_r), "high": comparison_s(2, hi_r)}
     k0 = n["seed_group"]
     group = {"low": comparison_s(k0 + 1, lo_r), "high": comparison_s(k0 + 1, hi_r)} if k0 else {"low": 0.0, "high": 0.0}
     workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
-    job_s = JOB_START_S if cfg.cluster.parallel else 0.0
+    job_s = su.s("worker_start_s") if cfg.cluster.parallel else 0.0
+    # the coordinator before the workers' submission, and after the last trial until it sees them end
+    around_s = su.s("search_lead_s") + su.s("worker_end_s") if cfg.cluster.parallel else 0.0
     nw = {k: -(-n[k] // workers) for k in ("low", "high")}  # pairs of the busiest worker
     out: dict[str, Any] = {
         "device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
         "batch_tokens": m.ref_batch * (m.input_len + m.output_len), "measured_params": m.params,
-        "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start,
-        "engine_process_start_s": ENGINE_PROCESS_START_S, "comparison_s": per, "seed_group_s": group,
+        "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start, "engine_first_start_s": first,
+        "engine_process_start_s": proc_s, "comparison_s": per, "seed_group_s": group,
         "seed_group": k0, "pairs": {"low": n["low"], "high": n["high"]},
         "measurements": n["shapes_high"], "measurements_low": n["shapes_low"], "workers": workers,
         # every worker's GPU is held from its job's start, also while it waits for the seed group
         "gpu_hours": {k: (workers * (job_s + group[k]) + n[k] * per[k]) / 3600 for k in per},
-        "wall_hours": {k: (job_s + group[k] + nw[k] * per[k]) / 3600 for k in per},
+        "wall_hours": {k: (around_s + job_s + group[k] + nw[k] * per[k]) / 3600 for k in per},
         "assumptions": [
             (f"search: the {k0} seed shapes compared with the baseline in one group of {k0 + 1} "
              f"(optuna.seeds_together{'; the other workers wait' if workers > 1 else ''}), then " if k0 else "search: ")
@@ -255,15 +251,19 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int) -> dict[str, An
                if n["high"] > n["low"] else "")
             + "; seeds the law finds infeasible and failed measurements are not counted); the busiest worker "
             f"takes {nw['low']}" + (f"-{nw['high']}" if nw["high"] > nw["low"] else "") + " pair(s)",
-            f"a comparison of k shapes: one isolated engine process ({ENGINE_PROCESS_START_S:g} s, assumed: "
-            f"Python, torch and the engine imported), k engine starts of {start:g} s ({m.backend}, assumed), "
-            f"{m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
+            f"a comparison of k shapes: one isolated engine process (Python, torch and the engine imported: "
+            f"{su.get('engine_process_start_s').label()}), k engine starts ({m.backend}: the first in the process "
+            f"{su.get('engine_first_start_s.' + m.backend).label()}, each next "
+            f"{su.get('engine_start_s.' + m.backend).label()}), {m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
             f"({m.input_len} in + {m.output_len} out) tokens",
             f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
             f"roofline of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
             + f" on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
             f"{workers} Optuna worker(s) measure at once, one GPU each"
-            + (f", each a job that starts in {JOB_START_S:g} s (assumed)" if job_s else "")]}
+            + (f", each a job whose first trial starts {su.get('worker_start_s').label()} after its submission; "
+               f"the coordinator's {su.get('search_lead_s').label()} before submitting them and "
+               f"{su.get('worker_end_s').label()} after the last trial until it sees them end"
+               if cfg.cluster.parallel else "")]}
     if gqa:
         secs = {k: sum(comparison_s(g, r) for g in gqa[k]) for k, r in (("low", lo_r), ("high", hi_r))}
         out["gqa"] = {**gqa, "comparisons": {"low": len(gqa["low"]), "high": len(gqa["high"])},
@@ -278,11 +278,18 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int) -> dict[str, An
     return out
 
 
-def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]:
-    """What the study would do, with its compute, without doing any of it."""
+def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Path | None = None) -> dict[str, Any]:
+    """What the study would do, with its compute, without doing any of it. ``profile``: a machine
+    profile of start-ups (default ``cluster.profile``); the study folder's own record wins."""
     from archsearch.arch import total_params
+    from archsearch.cluster import startup
 
     p: dict[str, Any] = {"study": cfg.name, "out": str(out), "stages": []}
+    profile = profile or cfg.cluster.profile
+    su = startup.resolve(out, profile)
+    p["startups"] = {"profile": str(profile) if profile else None,
+                     "study_record": str(out / startup.STARTUPS_FILE) if (out / startup.STARTUPS_FILE).is_file() else None,
+                     "figures": {k: asdict(su.get(k)) for k in startup.FIGURES}}
     runs_n, proxy_tokens, proxy_flops = 0, 0.0, 0.0
     proxy_specs = []
     if cfg.proxy is None:
@@ -308,13 +315,29 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 proxy_specs.append({"spec": spec, "tokens": tokens, "flops": run_flops(spec, tokens),
                                     "run": run_id_for(spec, tokens, point["seed"]), "sweep": sweep,
                                     "train": tc})
+        # runs already trained cost nothing: in the shared store (another study trained them) or in
+        # this study folder (a resumed study)
+        from archsearch.cluster.study import _has_record, content_key
+
+        for item in proxy_specs:
+            own = out / "proxies" / item["sweep"].name / "runs" / item["run"]
+            shared = (Path(cfg.proxy.store).expanduser() / content_key(item["run"], item["train"], item["sweep"].data)
+                      if cfg.proxy.store else None)
+            item["done"] = ("store" if shared is not None and _has_record(shared) else
+                            "study" if _has_record(own) else None)
+        n_done = sum(1 for i in proxy_specs if i["done"])
         active = cfg.proxy.plan == "active"
         a = cfg.proxy.active
         p["stages"].append({"stage": "proxy", "action": (
                             f"active plan over the grid of {len(sweeps)} sweep(s) (at most the runs and FLOPs "
                             f"below; stops at interval half-width {a.tolerance} or budget {a.budget_flops}): "
                             if active else f"train {len(sweeps)} proxy sweep(s): ")
-                            + ", ".join(s.name for s in sweeps), "runs": runs_n,
+                            + ", ".join(s.name for s in sweeps)
+                            + (f" ({n_done} of the runs already trained: "
+                               f"{sum(1 for i in proxy_specs if i['done'] == 'store')} in the store {cfg.proxy.store}, "
+                               f"{sum(1 for i in proxy_specs if i['done'] == 'study')} in this study folder; "
+                               "they cost nothing below)" if n_done else ""), "runs": runs_n,
+                            "runs_already_trained": n_done,
                             "tokens": proxy_tokens, "train_flops": proxy_flops,
                             "nd_groups": len(_planned_groups(cfg))})
     p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.reference}, "
@@ -381,7 +404,11 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
         runs = []
         for item in proxy_specs:
             e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
-            start_h = JOB_START_S / 3600 if cfg.cluster.parallel else 0.0
+            start_h = (su.s("job_start_s") + su.s("job_end_s")) / 3600 if cfg.cluster.parallel else 0.0
+            if item["done"]:  # already trained: listed, not priced
+                runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
+                             "hours": 0.0, "gpu_hours": 0.0, "cost_usd": 0.0, "already_trained": item["done"]})
+                continue
             runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
@@ -391,12 +418,14 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
 
             p["reference_batch"] = check_reference_batch(cfg, device)
         try:
-            meas = measurement_cost(cfg, device, n_total)
+            meas = measurement_cost(cfg, device, n_total, su)
         except ArchsearchError as e:
             meas = {"error": f"{e.field}: {e.problem}"}
         p["compute"].update({
             "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
-            "proxy_wall_hours": makespan([r["hours"] for r in runs], slots), "proxy_jobs_at_once": slots,
+            "proxy_wall_hours": makespan([r["hours"] for r in runs], slots)
+            + (su.s("proxy_lead_s") / 3600 if cfg.cluster.parallel and any(r["hours"] for r in runs) else 0.0),
+            "proxy_jobs_at_once": slots,
             "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
             "measure": meas,
             "assumptions": [
@@ -405,8 +434,11 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None) -> dict[str, Any]
                 "a run's time is archsearch.planning.estimate_training on its job's GPUs "
                 f"(MFU {fin.assumptions['mfu']:g}: {fin.assumptions['mfu_source']})",
                 "one FLOP figure per run: 6 N_c D, N_c = non-embedding parameters + output head",
-                (f"every job starts in {JOB_START_S:g} s (assumed: Python with torch, transformers and "
-                 "accelerate, the data read, the model built), the GPU held meanwhile"
+                (f"every proxy job reaches its first step {su.get('job_start_s').label()} after its submission "
+                 f"(Python with torch, transformers and accelerate, the data read, the model built) and "
+                 f"spends {su.get('job_end_s').label()} outside its steps after that (evaluations, saving, exit, "
+                 f"polling), the GPU held meanwhile; the coordinator spends {su.get('proxy_lead_s').label()} "
+                 "before its first submission"
                  if cfg.cluster.parallel else "inline: runs train in this process, no job start-up")
                 + "; queueing on a busy cluster is not included"]})
         by_stage = {"proxy": {"gpu_hours": p["compute"]["proxy_gpu_hours"],
@@ -443,7 +475,17 @@ def _g(x: Any) -> str:
 
 def render(p: dict[str, Any]) -> list[str]:
     """The plan as lines for a person: stages with their cost, data, disk, every assumption."""
+    from archsearch.cluster.startup import DEFAULTS_NOTE
+
     lines = [f"plan for study {p['study']} -> {p['out']}"]
+    su = p.get("startups")
+    if su:
+        measured = sorted(k for k, f in su["figures"].items() if f["source"] == "measured")
+        lines.append("  start-ups: " + "; ".join(
+            [f"machine profile {su['profile']}" if su["profile"] else "no machine profile (cluster.profile / --profile)"]
+            + ([f"this study's own record {su['study_record']}"] if su["study_record"] else [])
+            + [f"measured: {', '.join(measured)}" if measured else "none measured: every start-up is a default"]
+            + ([f"defaults: {DEFAULTS_NOTE}"] if len(measured) < len(su["figures"]) else [])))
     for i, st in enumerate(p["stages"], 1):
         extra = ", ".join(f"{k}={_g(v)}" for k, v in st.items() if k not in ("stage", "action"))
         lines.append(f"  {i}. {st['stage']:<7} {st['action']}" + (f"  [{extra}]" if extra else ""))
@@ -464,7 +506,8 @@ def render(p: dict[str, Any]) -> list[str]:
         ft = c["final_train"]
         for r in c["proxy_runs"]:
             lines.append(f"    proxy {r['run']}: {r['tokens']:.3g} tokens, {r['train_flops']:.3g} FLOPs, "
-                         f"{r['hours']:.2f} h, {r['gpu_hours']:.1f} GPU-h")
+                         + (f"already trained ({'in the shared store' if r['already_trained'] == 'store' else 'in this study folder'})"
+                            if r.get("already_trained") else f"{r['hours']:.2f} h, {r['gpu_hours']:.1f} GPU-h"))
         lines.append(f"  on {c['gpus']}: proxies {c['proxy_gpu_hours']:.1f} GPU-h, {c['proxy_wall_hours']:.2f} h wall "
                      f"with {c['proxy_jobs_at_once']} job(s) at once (${c['proxy_cost_usd']:,.0f}); final training "
                      f"{ft.get('hours', float('nan')):.1f} h, {ft.get('gpu_hours', float('nan')):.0f} GPU-h, "

@@ -1,0 +1,304 @@
+"""Start-ups: the seconds a study spends around its work, measured where it runs.
+
+The plan (``archsearch search --dry-run``, archsearch/search/plan.py) prices a stage's wall time as
+its work (training FLOPs at the planner's MFU, measurement batches at the roofline) plus the
+start-ups around it. Those depend on the machine or cluster (process spawn, imports, the
+scheduler, the engine), so they are measured, not assumed:
+
+- a study that runs its stages as jobs (``cluster.executor: local | slurm``) records its own in
+  ``<study>/startups.json`` (per coordinator run, with where and when): per proxy job the seconds
+  from its submission to its first training step (``job_start_s``: spawn, imports, accelerate,
+  data, model) and its other non-step seconds until the coordinator saw it end (``job_end_s``:
+  evaluations, saving, exit, polling); for the search stage the seconds from the workers'
+  submission to their first trial (``worker_start_s``) and from the last trial's end to the last
+  worker seen ended (``worker_end_s``); per paired comparison the isolated engine process's
+  seconds outside its engines' starts and its timed rounds (``engine_process_start_s``) and the
+  first engine's start (``engine_first_start_s.<backend>``: it also pays the engine's one-time
+  imports) and each next engine's (``engine_start_s.<backend>``); and the coordinator's own seconds
+  before its first submission (``proxy_lead_s``, tokenisation excluded; ``search_lead_s``);
+- ``archsearch profile --study DIR [DIR ...] --out FILE`` gathers those records into a machine
+  profile (median, range and count of each figure, where and when measured) that names a
+  machine or cluster; ``cluster.profile`` in a study config or ``--profile FILE`` gives it to the plan;
+- the plan uses, per figure, the study folder's own record (a resumed or repeated plan), else the
+  profile, else a default, and prints each as measured (where, when) or default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from archsearch.errors import ArchsearchError
+
+STARTUPS_FILE = "startups.json"
+PROFILE_KIND = "archsearch machine profile"
+
+# figure -> (default seconds, what it is); a default is printed as such with the plan
+FIGURES: dict[str, tuple[float, str]] = {
+    "job_start_s": (30.0, "a proxy job's seconds from submission to its first training step (spawn, "
+                          "Python with torch/transformers/accelerate, data, model)"),
+    "job_end_s": (0.0, "a proxy job's non-step seconds after its first step until the coordinator "
+                       "sees it end (evaluations, saving, exit, polling)"),
+    "proxy_lead_s": (0.0, "the coordinator's seconds in the proxy stage before its first submission, "
+                          "tokenisation excluded"),
+    "worker_start_s": (30.0, "a search worker job's seconds from submission to its first trial"),
+    "worker_end_s": (0.0, "the search stage's seconds from its last trial's end until the coordinator "
+                          "sees the last worker end"),
+    "search_lead_s": (0.0, "the coordinator's seconds in the search stage before it submits the workers"),
+    "engine_process_start_s": (20.0, "a paired comparison's isolated engine process: its seconds outside "
+                                     "its engines' starts and its timed rounds (Python, torch and the "
+                                     "engine imported, warm-up batches)"),
+    "engine_start_s.vllm": (60.0, "one vLLM engine's start (model built, KV cache, CUDA graphs)"),
+    "engine_start_s.sglang": (60.0, "one SGLang engine's start"),
+    "engine_start_s.hf": (5.0, "one transformers engine's start"),
+    "engine_start_s.analytic": (0.0, "no engine"),
+}
+# the first engine of a process also pays what the engine imports and sets up once (for hf the
+# torch/transformers imports: seconds, while the next engines start in milliseconds); its default
+# is the engine's start
+for _k, (_v, _w) in list(FIGURES.items()):
+    if _k.startswith("engine_start_s."):
+        FIGURES["engine_first_start_s." + _k.split(".", 1)[1]] = (_v, _w.replace("one ", "the first ", 1)
+                                                                  + ", the first in its process")
+ENGINE_PREFIXES = ("engine_start_s.", "engine_first_start_s.")
+# where the defaults come from (printed with them)
+DEFAULTS_NOTE = ("a default, never measured here (job 30 s and engine process 20 s were read off this "
+                 "project's loaded 2-core machine; engine starts from bench_engines_* on small models)")
+
+
+@dataclass(frozen=True)
+class Startup:
+    """One start-up figure and where it comes from: ``source`` is ``measured`` (median of ``n``
+    samples, ``low``-``high``, on ``where`` at ``when``, read from ``origin``) or ``default``."""
+
+    name: str
+    value: float
+    source: str = "default"
+    n: int = 0
+    low: float | None = None
+    high: float | None = None
+    where: str | None = None
+    when: str | None = None
+    origin: str | None = None
+
+    def label(self) -> str:
+        if self.source == "default":
+            return f"{self.value:g} s (default: not measured)"
+        rng = f", {self.low:.3g}-{self.high:.3g}" if self.n > 1 else ""
+        return (f"{self.value:.3g} s (measured: median of {self.n}{rng}, on {self.where} at {self.when}; "
+                f"from {self.origin})")
+
+
+@dataclass(frozen=True)
+class StartupProfile:
+    """Every start-up figure the plan uses, each measured or default."""
+
+    figures: dict[str, Startup] = field(default_factory=dict)
+
+    def get(self, name: str) -> Startup:
+        if name in self.figures:
+            return self.figures[name]
+        if name.startswith(ENGINE_PREFIXES) and name not in FIGURES:
+            return Startup(name, 60.0)  # an engine with no default of its own: priced like vLLM
+        return Startup(name, FIGURES[name][0])
+
+    def s(self, name: str) -> float:
+        return self.get(name).value
+
+    def measured(self) -> list[str]:
+        return [k for k, v in self.figures.items() if v.source == "measured"]
+
+
+# -- what a study records ------------------------------------------------------------------------
+
+def _where() -> dict[str, Any]:
+    from archsearch.search.pipeline import stage_provenance
+
+    return stage_provenance()
+
+
+def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]], **info: Any) -> None:
+    """Append this coordinator run's samples for ``stage`` to ``<out>/startups.json`` (``info``:
+    other seconds of the run worth comparing with the plan, e.g. ``data_prep_s``)."""
+    from archsearch.fileio import write_json
+
+    samples = {k: [round(float(x), 3) for x in v if x is not None and math.isfinite(x)] for k, v in samples.items()}
+    samples = {k: v for k, v in samples.items() if v}
+    if not samples and not info:
+        return
+    for k in samples:
+        if k not in FIGURES and not k.startswith(ENGINE_PREFIXES):
+            raise ValueError(f"unknown start-up figure {k!r}")
+    path = Path(out) / STARTUPS_FILE
+    data = json.loads(path.read_text()) if path.is_file() else {"kind": "archsearch study start-ups", "runs": []}
+    data["runs"].append({"stage": stage, "executor": executor, **_where(), **info, "samples": samples})
+    write_json(path, data)
+
+
+def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None) -> dict[str, list[float]]:
+    """Per proxy job this coordinator saw run from its first session to its end (one attempt,
+    not a resumed run): submission to first step, and its other non-step seconds."""
+    from archsearch.trainers.loop import read_record
+
+    start, end = [], []
+    for key, r in results.items():
+        if r.status != "ok" or r.submitted is None or r.ended is None or r.attempts != 1:
+            continue
+        rec = read_record(run_dirs[key]) or {}
+        first, train_s = rec.get("first_step_unix"), rec.get("train_time_s")
+        if first is None or train_s is None or rec.get("sessions") != 1:
+            continue
+        start.append(first - r.submitted)
+        end.append(r.ended - first - train_s)
+    return {"job_start_s": start, "job_end_s": end, "proxy_lead_s": [lead_s] if lead_s is not None else []}
+
+
+def search_samples(results: dict, study, measurements: Path, backend: str, lead_s: float | None,
+                   since: float = 0.0) -> dict[str, list[float]]:
+    """The search workers' start (submission to the first trial they started) and end (last
+    trial's end to the last worker seen ended), and each paired comparison's engine process and
+    engine starts (from its measurement record's timing) that ran after the workers' submission;
+    only workers this coordinator submitted (at or after ``since``) count."""
+    import datetime as dt
+
+    subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= since]
+    ends = [r.ended for r in results.values() if r.ended is not None and r.submitted is not None
+            and r.submitted >= since]
+    out: dict[str, list[float]] = {"search_lead_s": [lead_s] if lead_s is not None else []}
+    if not subs:
+        return out
+    t0 = min(subs)
+    trials = [t for t in (study.get_trials(deepcopy=False) if study is not None else [])
+              if t.datetime_start and t.datetime_start.timestamp() >= t0]
+    if trials:
+        out["worker_start_s"] = [min(t.datetime_start.timestamp() for t in trials) - t0]
+        done = [t.datetime_complete.timestamp() for t in trials if t.datetime_complete]
+        if done and ends:
+            out["worker_end_s"] = [max(ends) - max(done)]
+    # one record per measured pair; a group of k shapes measured in one process (optuna.seeds_together)
+    # is written as k-1 pair records sharing its timing (group_size k): counted once, its engines'
+    # starts the baseline's and each shape's
+    groups: dict[tuple, list[dict]] = {}
+    if measurements.is_file():
+        for line in measurements.read_text().splitlines():
+            try:
+                res = json.loads(line).get("result") or {}
+            except json.JSONDecodeError:
+                continue
+            tm, when = res.get("timing") or {}, (res.get("provenance") or {}).get("time_utc")
+            starts = tm.get("engine_start_s") or []
+            if not res.get("ok") or not when or not starts or None in starts or tm.get("wall_s") is None \
+                    or tm.get("rounds_s") is None:
+                continue
+            if dt.datetime.fromisoformat(when).timestamp() + 1 < t0 + tm["wall_s"]:  # an earlier run's
+                continue
+            groups.setdefault((when, tm["wall_s"], tm["rounds_s"], tm.get("group_size")), []).append(tm)
+    proc, first, nxt = [], [], []
+    for (_, wall, rounds, _k), tms in groups.items():
+        starts = [tms[0]["engine_start_s"][0]] + [x for tm in tms for x in tm["engine_start_s"][1:]]
+        proc.append(wall - sum(starts) - rounds)
+        first.append(starts[0])
+        nxt += starts[1:]
+    out["engine_process_start_s"] = proc
+    out[f"engine_first_start_s.{backend}"] = first
+    out[f"engine_start_s.{backend}"] = nxt
+    return out
+
+
+# -- reading them back -----------------------------------------------------------------------------
+
+def _bad(path: Path, problem: str) -> ArchsearchError:
+    return ArchsearchError("profile", f"{path}: {problem}",
+                           "write it with `archsearch profile --study DIR --out FILE`, or leave it out to use "
+                           "the defaults")
+
+
+def _summarise(name: str, values: list[float], where: str, when: str, origin: str) -> Startup:
+    return Startup(name, statistics.median(values), "measured", len(values), min(values), max(values),
+                   where, when, origin)
+
+
+def study_startups(out: Path) -> dict[str, Startup]:
+    """The figures a study folder recorded (all its coordinator runs together)."""
+    path = Path(out) / STARTUPS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        runs = data["runs"]
+        pooled: dict[str, list[float]] = {}
+        where: dict[str, tuple[str, str]] = {}
+        for r in runs:
+            for k, v in r["samples"].items():
+                pooled.setdefault(k, []).extend(float(x) for x in v)
+                where[k] = (f"{r.get('host')} ({r.get('executor')} executor, {r.get('device')})", r.get("time_utc"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _bad(path, f"not a study's start-up record ({type(e).__name__}: {e})") from e
+    return {k: _summarise(k, v, *where[k], str(path)) for k, v in pooled.items() if v}
+
+
+def build_profile(studies: list[Path]) -> dict[str, Any]:
+    """A machine profile from the start-ups recorded by ``studies`` (pooled per figure)."""
+    from archsearch.provenance import provenance
+
+    pooled: dict[str, list[float]] = {}
+    where: dict[str, set[str]] = {}
+    when: dict[str, list[str]] = {}
+    for s in studies:
+        path = Path(s) / STARTUPS_FILE
+        if not path.is_file():
+            raise ArchsearchError("--study", f"{s} has no {STARTUPS_FILE}",
+                                  "run a study there with cluster.executor local or slurm first")
+        study_startups(s)  # validates
+        for r in json.loads(path.read_text())["runs"]:
+            for k, v in r["samples"].items():
+                pooled.setdefault(k, []).extend(float(x) for x in v)
+                where.setdefault(k, set()).add(f"{r.get('host')} ({r.get('executor')} executor, {r.get('device')})")
+                when.setdefault(k, []).append(r.get("time_utc"))
+    figures = {}
+    for k, v in pooled.items():
+        ts = sorted(t for t in when[k] if t)
+        figures[k] = {"value": statistics.median(v), "n": len(v), "low": min(v), "high": max(v),
+                      "samples": v, "where": "; ".join(sorted(where[k])),
+                      "when": ts[0] if len(ts) < 2 or ts[0] == ts[-1] else f"{ts[0]} to {ts[-1]}"}
+    return {"kind": PROFILE_KIND, "studies": [str(s) for s in studies], "figures": figures,
+            "provenance": provenance()}
+
+
+def load_profile(path: Path) -> dict[str, Startup]:
+    """A machine profile's figures; a file that is not one is a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise _bad(path, "no such file")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise _bad(path, f"not JSON ({e})") from e
+    if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND or not isinstance(data.get("figures"), dict):
+        raise _bad(path, f"not a machine profile (expected an object with kind {PROFILE_KIND!r} and figures)")
+    out = {}
+    for k, f in data["figures"].items():
+        if k not in FIGURES and not k.startswith(ENGINE_PREFIXES):
+            raise _bad(path, f"unknown figure {k!r} (known: {', '.join(FIGURES)})")
+        if not isinstance(f, dict):
+            raise _bad(path, f"figure {k!r} is not an object")
+        v, n = f.get("value"), f.get("n")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise _bad(path, f"figure {k!r}: value must be a finite number of seconds >= 0, got {v!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _bad(path, f"figure {k!r}: n must be a count >= 1, got {n!r}")
+        out[k] = Startup(k, float(v), "measured", n, f.get("low"), f.get("high"), f.get("where"), f.get("when"),
+                         str(path))
+    return out
+
+
+def resolve(out: Path | None, profile: str | Path | None) -> StartupProfile:
+    """Per figure: the study folder's own record, else the profile's, else the default."""
+    figs = load_profile(Path(profile).expanduser()) if profile else {}
+    if out is not None:
+        figs.update(study_startups(out))
+    return StartupProfile(figs)
