@@ -485,89 +485,116 @@ def synthetic(args) -> dict:
 
 
 def replay(args) -> dict:
-    """The plan on real trained proxies: each proposal reads the run's real loss.
+    """The plan on real trained proxies, pool-based: the candidates are the grid's runs, and when
+    the plan picks one it reads that run's real loss (``--runs``: one or more run tables, each
+    one box; a table with several seeds of every shape gives one world per seed).
 
-    The table may hold several seeds of every shape (``seed`` column): each seed is one world,
-    as a seed of the synthetic arm is. There is no ground truth: the reference is the law fitted
-    on every run of every seed (the most data there is), its optimum within the box, and the
-    regret of an estimate is judged by that law's loss. Per seed, the grid (every run of that
-    seed) and the plan (at a third, half, two thirds and all of the grid's FLOPs) are fitted on
-    that seed's runs alone."""
+    There is no ground truth. The reference answer of a world is the full grid's fit (every run
+    of that seed, every size's L_opt fitted: what the plan fits), and its optimum *within the
+    box* (what the search enqueues; the closed-form optimum is reported too, with whether it
+    lies outside the box). Reported per world: the FLOPs after which the plan's box optimum stays
+    within 5% / 10% of the reference's in both coordinates; at a third, half and two thirds of
+    the grid's FLOPs the plan's error against it, and the same for the grid's own design at equal
+    compute (the smallest size's full grid, the method's first step); the regret of each under
+    the law fitted on every run of every seed of the table (the most data there is)."""
     from archsearch.laws import FitOptions, fit_law, forms
     from archsearch.laws.active import Pool, fit_profiled
+    from archsearch.laws.diagnostics import cluster
     from archsearch.rundata import read_runs
 
-    runs = [r for r in read_runs(args.runs) if r.status == "ok"]
-    seeds = sorted({r.seed for r in runs})
+    def closed(c):
+        o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+        return None if None in o else o
+
+    def outside(o, box):
+        return None if o is None else [not (lo <= v <= hi) for v, (lo, hi) in zip(o, box)]
+
+    def reg(c, est):
+        """Loss of ``est`` over the loss of ``c``'s own box optimum, both under the law ``c``."""
+        if est is None:
+            return None
+        f = lambda c0, c1, c2, x: c0 + c1 * math.log(x) + c2 / x  # noqa: E731
+        val = lambda e: f(c["a0"], c["a1"], c["a2"], e[0]) * f(c["b0"], c["b1"], c["b2"], e[1])  # noqa: E731
+        return val(est) / val(box_optimum(c, *box)) - 1.0
+
     opts = FitOptions(reference="best-observed", size_tolerance=args.size_tolerance, r_range=None)
     loop_opts = FitOptions(reference="best-observed", size_tolerance=args.size_tolerance, r_range=None,
                            bootstrap=args.bootstrap, n_starts=3)
-    ref_fit = fit_profiled(runs, LAW, opts)
-    rc = ref_fit.coefficients
-    x1s, rs = [r.hidden_over_sqrt_n for r in runs], [r.mlp_to_attn_ratio for r in runs]
-    box = ((min(x1s), max(x1s)), (min(rs), max(rs)))
-    ref_box = box_optimum(rc, *box)
-    ref_closed = (forms.factor_optimum(rc["a1"], rc["a2"]), forms.factor_optimum(rc["b1"], rc["b2"]))
-    ref_closed = None if None in ref_closed else ref_closed
-    interior = ref_closed is not None and all(lo < v < hi for v, (lo, hi) in zip(ref_closed, box))
+    tables = []
+    for path in args.runs:
+        runs = [r for r in read_runs(path) if r.status == "ok"]
+        x1s, rs = [r.hidden_over_sqrt_n for r in runs], [r.mlp_to_attn_ratio for r in runs]
+        box = ((min(x1s), max(x1s)), (min(rs), max(rs)))
+        all_fit = fit_profiled(runs, LAW, opts)
+        ac = all_fit.coefficients
+        table = {"runs_file": path, "runs": len(runs), "seeds": sorted({r.seed for r in runs}), "box": box,
+                 "all_seeds_fit": {"coefficients": ac, "closed_form_optimum": closed(ac),
+                                   "closed_form_outside_box": outside(closed(ac), box),
+                                   "box_optimum": box_optimum(ac, *box), "warnings": all_fit.warnings},
+                 "worlds": []}
+        for seed in table["seeds"]:
+            rr = [r for r in runs if r.seed == seed]
+            lev = cluster(np.array([r.n_params for r in rr]), args.size_tolerance).tolist()   # as the fit groups sizes
+            pool = Pool.of([r.spec for r in rr], [r.tokens for r in rr], lev)
+            losses = np.array([r.loss for r in rr])
+            grid_flops = float(pool.flops.sum())
+            gfit = fit_profiled(rr, LAW, opts)
+            gc = gfit.coefficients
+            ref = box_optimum(gc, *box)
+            small = [r for r, lv in zip(rr, lev) if lv == 0]
+            sc = fit_profiled(small, LAW, opts).coefficients
+            grid_small = {"runs": len(small), "flops_share": float(pool.flops[np.array(lev) == 0].sum()) / grid_flops,
+                          "box_optimum": box_optimum(sc, *box), "error": error(box_optimum(sc, *box), ref),
+                          "regret_all_seeds_law": reg(ac, box_optimum(sc, *box))}
+            plain = fit_law(rr, LAW, opts).coefficients
+            traj = run_plan(pool, losses, loop_opts, grid_flops, args.batch, estimate_options=opts, box=box)
+            for t in traj:
+                t["error_vs_grid"] = error(t["box_estimate"], ref)
+                t["regret_all_seeds_law"] = reg(ac, t["box_estimate"])
+                t["flops_share"] = t["flops"] / grid_flops
+                t["closed_form_outside_box"] = outside(t["estimate"], box)
 
-    def err_ref(est):
-        """Coordinate error against the reference's optimum; None when that is not inside the box."""
-        return error(est, ref_closed) if interior else None
+            def to(bound):
+                ok = [t["error_vs_grid"] <= bound for t in traj]
+                hit = next((i for i in range(len(traj)) if all(ok[i:])), None)
+                return None if hit is None else {"flops_share": traj[hit]["flops_share"], "runs": traj[hit]["runs"]}
 
-    def reg(est):
-        """Loss of ``est`` over the loss of the reference's own box optimum, both under the reference law."""
-        if est is None:
-            return math.inf
-        f = lambda c0, c1, c2, x: c0 + c1 * math.log(x) + c2 / x  # noqa: E731
-        val = lambda e: f(rc["a0"], rc["a1"], rc["a2"], e[0]) * f(rc["b0"], rc["b1"], rc["b2"], e[1])  # noqa: E731
-        return val(est) / val(ref_box) - 1.0
-
-    out = {"runs_file": args.runs, "runs": len(runs), "seeds": seeds, "box": box,
-           "reference": {"fit": "every run of every seed, every size's L_opt fitted", "coefficients": rc,
-                         "closed_form_optimum": ref_closed,
-                         "box_optimum": ref_box, "status": ref_fit.status, "warnings": ref_fit.warnings},
-           "per_seed": []}
-    for seed in seeds:
-        rr = [r for r in runs if r.seed == seed]
-        from archsearch.laws.diagnostics import cluster
-
-        lev = cluster(np.array([r.n_params for r in rr]), args.size_tolerance).tolist()   # as the fit groups sizes
-        pool = Pool.of([r.spec for r in rr], [r.tokens for r in rr], lev)
-        losses = np.array([r.loss for r in rr])
-        grid_flops = float(pool.flops.sum())
-        gfit = {}
-        for name, fn in (("grid", fit_law), ("grid_profiled", fit_profiled)):
-            c = fn(rr, LAW, opts).coefficients
-            closed = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
-            gfit[name] = {"box_optimum": box_optimum(c, *box), "regret": reg(box_optimum(c, *box)),
-                          "closed_form_optimum": None if None in closed else closed,
-                          "error_vs_reference": err_ref(None if None in closed else closed)}
-        traj = run_plan(pool, losses, loop_opts, grid_flops, args.batch, estimate_options=opts, box=box)
-        for t in traj:   # every budget at once
-            t["regret_vs_reference"] = reg(t["box_estimate"])
-        at = {}
-        for frac in REPLAY_FRACTIONS:
-            t = at_flops(traj, frac * grid_flops)
-            at[f"{frac:.3g}"] = {"runs": t.get("runs", 0), "flops": t.get("flops", 0.0),
-                                 "box_optimum": t.get("box_estimate"), "regret": t.get("regret_vs_reference", math.inf),
-                                 "closed_form_optimum": t.get("estimate"),
-                                 "error_vs_reference": err_ref(t.get("estimate")),
-                                 "note": None if t.get("box_estimate") else "no law fitted yet (initial design)"}
-        out["per_seed"].append({"seed": seed, "pool_runs": len(pool), "grid_flops": grid_flops, **gfit,
-                                "active_at_grid_share": at, "active_trajectory": traj})
-        print(json.dumps({"seed": seed, "grid": gfit, "active_at_grid_share": at}, default=str), flush=True)
-    ps = out["per_seed"]
-    out["summary"] = {
-        "what": "medians over seeds [min, max]: regret = loss of the estimate's optimum within the box over the "
-                "reference's, under the reference law; error_vs_reference = max relative error of the closed-form "
-                "optimum against the reference's closed-form optimum (None when that is not interior)",
-        "reference_interior": interior,
-        **{f"{name}_{m}": _range([p[name][m] for p in ps]) for name in ("grid", "grid_profiled")
-           for m in ("regret", "error_vs_reference")},
-        **{f"active_at_{k}_{m}": _range([p["active_at_grid_share"][k][m] for p in ps])
-           for k in ps[0]["active_at_grid_share"] for m in ("regret", "error_vs_reference")}}
-    return out
+            at = {}
+            for frac in REPLAY_FRACTIONS:
+                t = at_flops(traj, frac * grid_flops)
+                at[f"{frac:.3g}"] = {"runs": t.get("runs", 0), "flops_share": t.get("flops", 0.0) / grid_flops,
+                                     "box_optimum": t.get("box_estimate"), "error_vs_grid": t.get("error_vs_grid"),
+                                     "regret_all_seeds_law": t.get("regret_all_seeds_law"),
+                                     "interval": t.get("interval"), "width": t.get("width"),
+                                     "note": None if t.get("box_estimate") else "no law fitted yet (initial design)"}
+            w = {"seed": seed, "pool_runs": len(pool), "grid_flops": grid_flops,
+                 "grid": {"box_optimum": ref, "closed_form_optimum": closed(gc),
+                          "closed_form_outside_box": outside(closed(gc), box),
+                          "fit_bound_warnings": [x for x in gfit.warnings if "bound" in x],
+                          "regret_all_seeds_law": reg(ac, ref),
+                          "best_observed_fit_box_optimum": box_optimum(plain, *box)},
+                 "grid_smallest_size": grid_small,
+                 "active_flops_to_within": {"0.05": to(0.05), "0.1": to(0.10)},
+                 "active_at_grid_share": at, "active_trajectory": traj}
+            table["worlds"].append(w)
+            print(json.dumps({"runs_file": path, "seed": seed, "grid_box_optimum": ref,
+                              "grid_closed_form": closed(gc), "flops_to": w["active_flops_to_within"],
+                              "grid_smallest_size": grid_small,
+                              "active_at": {k: (v["runs"], v["box_optimum"], v["error_vs_grid"]) for k, v in at.items()}},
+                             default=str), flush=True)
+        ws = table["worlds"]
+        table["summary"] = {
+            "what": "medians over worlds [min, max]; error = larger relative error of the box optimum against the "
+                    "world's full grid's box optimum; flops shares of the full grid",
+            **{f"active_flops_share_to_within_{b}": _range([(w["active_flops_to_within"][b] or {}).get("flops_share")
+                                                            for w in ws]) for b in ("0.05", "0.1")},
+            **{f"active_error_at_{k}": _range([w["active_at_grid_share"][k]["error_vs_grid"] for w in ws])
+               for k in ws[0]["active_at_grid_share"]},
+            "grid_smallest_size_error": _range([w["grid_smallest_size"]["error"] for w in ws]),
+            "grid_smallest_size_flops_share": _range([w["grid_smallest_size"]["flops_share"] for w in ws]),
+            "grid_closed_form_outside_box": [w["grid"]["closed_form_outside_box"] for w in ws]}
+        tables.append(table)
+    return {"tables": tables}
 
 
 def _range(vals):
@@ -669,7 +696,8 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--budget-fraction", type=float, default=1.0 / 3.0,
                     help="the plan's budget as a fraction of the full grid's FLOPs")
-    ap.add_argument("--runs", default="results/bench/active_proxies_demo/runs.csv")
+    ap.add_argument("--runs", nargs="+", default=["results/bench/active_proxies_demo/runs.csv",
+                                                  "results/bench/active_proxies_interior/runs.csv"])
     ap.add_argument("--size-tolerance", type=float, default=0.15)
     ap.add_argument("--r-range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
                     help="synthetic arm: keep only runs with r in [LO, HI] in every fit (the method's "
