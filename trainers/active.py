@@ -167,7 +167,10 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
                            anchors=anchors)
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             interval = prop.interval.to_dict() if prop.interval else None
-            if prop.interval is not None:
+            past = read_jsonl_lines(decisions) if decisions.is_file() else []
+            runs_now = sorted(pool_entries[i]["run_id"] for i in observed)
+            last_fit = next((e for e in reversed(past) if e.get("event") == "fit"), None)
+            if prop.interval is not None and (last_fit is None or last_fit.get("runs") != runs_now):
                 _append(decisions, {"event": "fit", "time": now, "worker": worker, "n_runs": len(observed),
                                     "runs": sorted(pool_entries[i]["run_id"] for i in observed),
                                     "flops_spent": float(sum(pool.flops[i] for i in observed)),
@@ -207,7 +210,7 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
                         "interval_before": interval})
             elif not pending:
                 last = read_jsonl_lines(decisions)
-                if not last or last[-1].get("event") != "stop":
+                if not any(e.get("event") == "stop" and e.get("n_runs") == len(observed) for e in last):
                     _append(decisions, {"event": "stop", "time": now, "worker": worker, "reason": stop,
                                         "n_runs": len(observed), "flops_spent": spent, "interval": interval,
                                         "optimum": prop.optimum})

@@ -121,8 +121,8 @@ class ActiveProxyConfig:
     tolerance: float = 0.05             # relative half-width of the optimum's interval (both coordinates)
     budget_flops: float | None = None   # proxy training FLOPs (6ND); None: the pool is the limit
     batch_size: int = 1                 # runs proposed at once (one per worker)
-    bootstrap: int = 32                 # resamples of the fit inside the loop (the final fit uses law.bootstrap)
-    level: float = 0.9                  # interval level
+    bootstrap: int = 200                # replicates of the parametric bootstrap inside the loop (the final fit uses law.bootstrap)
+    level: float = 0.9                  # joint level of the optimum's interval (both coordinates together)
     noise_floor: float = 0.002          # smallest log-noise of one run the acquisition assumes
 
     def __post_init__(self) -> None:

@@ -299,15 +299,39 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
             "pool": pool, "folder": str(folder)}
 
 
+def _interval_label(iv: dict[str, Any] | None) -> str:
+    """``90% joint`` (both coordinates together) or ``90%`` (each coordinate, older logs)."""
+    if not iv:
+        return "90%"
+    return f"{iv['level']:.0%} joint" if iv.get("method") == "simultaneous" else f"{iv['level']:.0%}"
+
+
+def _reason_kind(reason: str | None) -> str:
+    r = reason or ""
+    if r.startswith("initial design"):
+        return "initial design"
+    if r.startswith("space-filling"):
+        return "space-filling (no law yet)"
+    return "acquisition: most shrinkage per FLOP"
+
+
 def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
-    """Three panels: the half-widths of the optimum's interval against the share of the full
-    grid's FLOPs spent (with the tolerance and the budget); the interval itself (both
-    coordinates, shaded, against the box); the chosen runs in the box, numbered in order (a run
-    proposed again shares its point: "2,8"), with the last interval and the fitted optimum
-    (an optimum outside the box is drawn at its edge and named)."""
+    """Three panels, each readable alone: (1) the half-width of the optimum's interval, one line
+    per coordinate, against the share of the full grid's FLOPs spent, with the tolerance, the
+    budget, and a coordinate pinned at the fit's bound drawn as a triangle at the top ("no
+    interval": the optimum lies outside the data); (2) the interval itself, one row per
+    coordinate (they have different scales), with the box's range shaded and the fitted optimum;
+    (3) the chosen runs in the box, coloured by why they were chosen, shaped by size, numbered in
+    order (a run proposed again shares its point: "2,8"), with the last interval and the fitted
+    optimum (one outside the box drawn at its edge and named)."""
     import numpy as np
 
-    fig, (a1, a3, a2) = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [1.1, 1.0, 1.2]})
+    fig = plt.figure(figsize=(17, 6.6))
+    gs = fig.add_gridspec(2, 3, width_ratios=[1.1, 1.0, 1.25], hspace=0.12, wspace=0.3)
+    a1 = fig.add_subplot(gs[:, 0])
+    a3x = fig.add_subplot(gs[0, 1])
+    a3r = fig.add_subplot(gs[1, 1], sharex=a3x)
+    a2 = fig.add_subplot(gs[:, 2])
     tr = plan["interval_trace"]
     grid = plan.get("grid_flops") or 0.0
     settings = plan.get("settings") or {}
@@ -315,16 +339,25 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
         (1.0, "proxy training FLOPs spent (6ND)")
     steps = np.cumsum([d["flops"] for d in _first_proposals(plan["decisions"])]) / unit
     right = max([*steps, (settings.get("budget_flops") or 0.0) / unit, 0.0]) * 1.04 or None
+    lab_iv = _interval_label(tr[-1]["interval"] if tr else None)
+    coords = (("hidden_over_sqrt_n", "d/sqrt(N)*", "tab:blue", "o-"), ("mlp_to_attn_ratio", "r*", "tab:orange", "s-"))
     if tr:
         f = np.array([t["flops_spent"] for t in tr]) / unit
-        floor = 1e-3   # a zero half-width (resamples piled on the fit's bound) is drawn here
-        for key, m, c, lab in (("half_width_hidden_over_sqrt_n", "o-", "tab:blue", "d/sqrt(N)*"),
-                               ("half_width_mlp_to_attn_ratio", "s-", "tab:orange", "r*")):
-            hw = np.array([t["interval"][key] for t in tr], float)
-            a1.plot(f, np.maximum(hw, floor), m, c=c, label=lab)
-            if (hw < floor).any():
-                a1.plot(f[hw < floor], np.full(int((hw < floor).sum()), floor), "x", c="k", ms=9,
-                        label=f"{lab}: 0 (resamples piled on the fit's bound)")
+        hws = {key: np.array([t["interval"][f"half_width_{key}"] for t in tr], float) for key, *_ in coords}
+        # pinned: flagged, or (older logs) a width of zero: every resample piled on the fit's bound
+        pins = {key: np.array([bool((t["interval"].get("pinned_at_bound") or [False, False])[j])
+                               or t["interval"][f"half_width_{key}"] < 1e-4 for t in tr])
+                for j, (key, *_) in enumerate(coords)}
+        finite = np.concatenate([hws[k][~pins[k] & (hws[k] > 0)] for k in hws])
+        top = max([1.0, *finite, settings.get("tolerance") or 0.0]) * 2.0
+        bottom = min([*finite, settings.get("tolerance") or 1.0, 1.0]) / 2.0
+        for key, lab, c, m in coords:
+            ok = ~pins[key]
+            a1.plot(f[ok], hws[key][ok], m, c=c, label=f"{lab}")
+            if pins[key].any():
+                a1.plot(f[pins[key]], np.full(int(pins[key].sum()), top * 0.8), "^", c=c, ms=10, mec="k",
+                        label=f"{lab}: pinned at the fit's bound (optimum outside the data: no interval)")
+        a1.set_ylim(bottom, top)
         first = f[0]
     else:
         first = None
@@ -332,54 +365,66 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     if first is not None and first > 0:
         a1.axvspan(0, first, color="tab:gray", alpha=0.12, label="initial design (no law yet)")
     if settings.get("tolerance"):
-        a1.axhline(settings["tolerance"], ls="--", c="tab:red", label=f"tolerance {settings['tolerance']:g}")
+        a1.axhline(settings["tolerance"], ls="--", c="tab:red", label=f"tolerance {settings['tolerance']:g}: stop below")
     if settings.get("budget_flops"):
         a1.axvline(settings["budget_flops"] / unit, ls=":", c="k", label="budget")
     a1.set_xlim(0, right)
     log_axis(a1, "y")
     a1.set_xlabel(xlab)
-    a1.set_ylabel("relative half-width of the 90% interval")
+    a1.set_ylabel(f"relative half-width of the {lab_iv} interval")
     a1.set_title("how the optimum's interval shrank")
-    a1.legend(fontsize=7)
+    a1.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
 
     pool = plan["pool"]
     px = [p["hidden_over_sqrt_n"] for p in pool] or [d["hidden_over_sqrt_n"] for d in plan["decisions"]]
     py = [p["mlp_to_attn_ratio"] for p in pool] or [d["mlp_to_attn_ratio"] for d in plan["decisions"]]
     box = (min(px), max(px), min(py), max(py)) if px else None
-    if tr:
-        f = np.array([t["flops_spent"] for t in tr]) / unit
-        for key, c, lab in (("hidden_over_sqrt_n", "tab:blue", "d/sqrt(N)*"), ("mlp_to_attn_ratio", "tab:orange", "r*")):
+    if not tr:
+        pins = {key: np.array([], bool) for key, *_ in coords}
+    for j, (ax, (key, lab, c, _)) in enumerate(zip((a3x, a3r), coords)):
+        if tr:
+            f = np.array([t["flops_spent"] for t in tr]) / unit
             lo = np.array([t["interval"][key][0] for t in tr])
             hi = np.array([t["interval"][key][1] for t in tr])
             fe, lo, hi = np.append(f, right or f[-1]), np.append(lo, lo[-1]), np.append(hi, hi[-1])  # held to the end
-            a3.fill_between(fe, lo, hi, color=c, alpha=0.25, step="post", label=f"{lab}: 90% interval")
-            opt = [t["optimum"][0 if key == "hidden_over_sqrt_n" else 1] if t.get("optimum") else np.nan for t in tr]
-            a3.plot(f, opt, "o-", c=c, ms=3, label=f"{lab}: fitted")
-        if box:
-            for lo, hi, c in ((box[0], box[1], "tab:blue"), (box[2], box[3], "tab:orange")):
-                a3.axhline(lo, c=c, lw=0.8, ls=":")
-                a3.axhline(hi, c=c, lw=0.8, ls=":")
-        log_axis(a3, "y")
-        a3.set_xlim(0, right)
-        a3.legend(fontsize=7)
-    else:
-        a3.text(0.5, 0.5, "no interval yet", transform=a3.transAxes, ha="center")
-    a3.set_xlabel(xlab)
-    a3.set_ylabel("optimum (dotted: the box's edges)")
-    a3.set_title("the interval of the optimum")
+            ax.fill_between(fe, lo, hi, color=c, alpha=0.3, step="post", label=f"{lab_iv} interval")
+            opt = np.array([t["optimum"][j] if t.get("optimum") else np.nan for t in tr], float)
+            ax.plot(f, opt, "o-", c=c, ms=4, label="fitted optimum")
+            vals = [*lo, *hi, *opt[np.isfinite(opt)]]
+            if box:
+                ax.axhspan(box[2 * j], box[2 * j + 1], color="tab:green", alpha=0.1, label="the box's range")
+                vals += [box[2 * j], box[2 * j + 1]]
+            ax.set_ylim(min(vals) / 1.4, max(vals) * 1.4)
+            if pins[key][-1]:
+                ax.text(0.02, 0.9, "last interval pinned at the fit's bound:\nthe optimum lies outside the data",
+                        transform=ax.transAxes, fontsize=8, va="top", color=c)
+            log_axis(ax, "y")
+            ax.set_xlim(0, right)
+            ax.legend(fontsize=7, loc="lower left")
+        else:
+            ax.text(0.5, 0.5, "no interval yet", transform=ax.transAxes, ha="center")
+        ax.set_ylabel(lab)
+    a3x.set_title("the interval of the optimum, per coordinate")
+    a3x.tick_params(labelbottom=False)
+    a3r.set_xlabel(xlab)
 
-    a2.scatter(px, py, s=60, facecolors="none", edgecolors="tab:gray", label="candidates")
+    a2.scatter(px, py, s=70, facecolors="none", edgecolors="tab:gray", label="candidates (the grid)")
+    kinds = {"initial design": "tab:gray", "space-filling (no law yet)": "tab:purple",
+             "acquisition: most shrinkage per FLOP": "tab:red"}
     levels = sorted({d["level"] for d in plan["decisions"]}, key=lambda v: (v is None, v))
-    colors = plt.cm.viridis(np.linspace(0.1, 0.9, max(len(levels), 1)))
-    for lv, c in zip(levels, colors):   # one colour per size level (snapped shapes land near it)
-        ds = [d for d in plan["decisions"] if d["level"] == lv]
-        a2.scatter([d["hidden_over_sqrt_n"] for d in ds], [d["mlp_to_attn_ratio"] for d in ds], color=c, s=36,
-                   label=f"chosen, N~{np.median([d['params'] for d in ds]):.3g}")
+    markers = dict(zip(levels, "os^Dv<>p"))
+    for lv in levels:
+        for kind, c in kinds.items():
+            ds = [d for d in plan["decisions"] if d["level"] == lv and _reason_kind(d.get("reason")) == kind]
+            if ds:
+                a2.scatter([d["hidden_over_sqrt_n"] for d in ds], [d["mlp_to_attn_ratio"] for d in ds], color=c,
+                           marker=markers[lv], s=46, edgecolors="k", linewidths=0.5,
+                           label=f"{kind}, N~{np.median([d['params'] for d in ds]):.3g}")
     at: dict[tuple, list[str]] = {}
     for d in plan["decisions"]:
         at.setdefault((round(d["hidden_over_sqrt_n"], 6), round(d["mlp_to_attn_ratio"], 6)), []).append(str(d["step"]))
     for (x, y), labels in at.items():
-        a2.annotate(",".join(labels), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        a2.annotate(",".join(labels), (x, y), fontsize=8, xytext=(5, 4), textcoords="offset points")
     if box:
         pad = lambda lo, hi: (lo / (hi / lo) ** 0.12, hi * (hi / lo) ** 0.12)  # noqa: E731
         xl, yl = pad(box[0], box[1]), pad(box[2], box[3])
@@ -391,21 +436,21 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
             cx0, cx1, cy0, cy1 = max(x0, xl[0]), min(x1, xl[1]), max(y0, yl[0]), min(y1, yl[1])
             if cx0 < cx1 and cy0 < cy1:
                 a2.add_patch(plt.Rectangle((cx0, cy0), cx1 - cx0, cy1 - cy0, fill=True, alpha=0.12,
-                                           color="tab:red", label="last 90% interval (clipped to the view)"))
+                                           color="tab:red", label=f"last {lab_iv} interval (clipped to the view)"))
         if tr and tr[-1]["optimum"]:
             ox, oy = tr[-1]["optimum"]
             inside = xl[0] <= ox <= xl[1] and yl[0] <= oy <= yl[1]
             cx, cy = min(max(ox, xl[0]), xl[1]), min(max(oy, yl[0]), yl[1])
-            a2.scatter([cx], [cy], marker="*" if inside else "X", s=200, c="tab:red", zorder=5, clip_on=False,
-                       label="fitted optimum" if inside else
-                       f"fitted optimum outside the box: ({ox:.3g}, {oy:.3g}), drawn at its edge")
+            a2.scatter([cx], [cy], marker="*" if inside else "X", s=220, c="gold", edgecolors="k", zorder=5,
+                       clip_on=False, label="fitted optimum" if inside else
+                       f"fitted optimum ({ox:.3g}, {oy:.3g}): outside the box, drawn at its edge")
     log_axis(a2, "x")
     log_axis(a2, "y")
     a2.set_xlabel("d / sqrt(N)")
     a2.set_ylabel("r = MLP / attention")
-    a2.set_title("runs chosen (numbers: order of the decisions)")
-    a2.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    a2.set_title("runs chosen: colour = why, shape = size, number = order")
+    a2.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
+    fig.subplots_adjust(left=0.05, right=0.985, bottom=0.30, top=0.93)
     return _save(fig, out, "active_proxies", plt)
 
 
@@ -503,10 +548,12 @@ def active_markdown(p: dict[str, Any]) -> list[str]:
              f"{p['runs']} runs ({len(p['decisions'])} decisions) of the grid's {p['grid_runs']}, {p['flops']:.3g} of its {p['grid_flops']:.3g} "
              f"training FLOPs ({p['flops'] / p['grid_flops']:.0%}). Stopped: {stop.get('reason', 'not yet')}."]
     if iv:
-        lines.append(f"Last interval ({iv['level']:.0%}): d/sqrt(N)* in [{iv['hidden_over_sqrt_n'][0]:.4f}, "
+        pin = iv.get("pinned_at_bound") or [False, False]
+        hw = [("pinned at the fit's bound" if pin[j] or iv[k] < 1e-4 else f"{iv[k]:.3f}") for j, k in
+              enumerate(("half_width_hidden_over_sqrt_n", "half_width_mlp_to_attn_ratio"))]
+        lines.append(f"Last interval ({_interval_label(iv)}): d/sqrt(N)* in [{iv['hidden_over_sqrt_n'][0]:.4f}, "
                      f"{iv['hidden_over_sqrt_n'][1]:.4f}], r* in [{iv['mlp_to_attn_ratio'][0]:.3f}, "
-                     f"{iv['mlp_to_attn_ratio'][1]:.3f}] (half-widths {iv['half_width_hidden_over_sqrt_n']:.3f}, "
-                     f"{iv['half_width_mlp_to_attn_ratio']:.3f})." +
+                     f"{iv['mlp_to_attn_ratio'][1]:.3f}] (half-widths {hw[0]}, {hw[1]})." +
                      ("".join(f" Pinned at the fit's bound (the optimum lies outside the data): {name}; the "
                               "interval is no measure of precision there and the tolerance cannot stop the plan."
                               for name, p in zip(("d/sqrt(N)*", "r*"), iv.get("pinned_at_bound") or ()) if p)))

@@ -17,7 +17,7 @@ the true law times exp(noise z); grid and plan see the same draw for the same ru
   (``--active-resolution`` 9 x 9; the plan is not bound to the grid's points), grid3 initial
   design at the smallest size, then the acquisition, batches of ``--batch``, up to
   ``--budget-fraction`` (a third) of the grid's FLOPs. Inside the loop the law is fitted with
-  ``--bootstrap`` (32) resamples and 3 starts instead of 200 / 10, to keep the benchmark cheap.
+  ``--bootstrap`` (200) replicates of its parametric bootstrap and 3 starts instead of 10.
 
 Two criteria (docs/method.md section 3, "What the proxies must deliver"), both reported:
 * coordinates (the issue's wording): max(|x1^/x1* - 1|, |r^/r* - 1|) <= 5%, on the fit's
@@ -58,6 +58,7 @@ from archsearch.fileio import append_line
 TRUE = {"a0": 2.697, "a1": 0.0974, "a2": 0.0078, "b0": 0.3870, "b1": 0.0063, "b2": 0.0065}
 CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}  # Hoffmann et al. 2022
 LAW = "conditional-multiplicative"
+LEVEL = 0.9   # the plan's interval level (archsearch.laws.active.propose's default): both coordinates together
 
 
 BOX_X1, BOX_R = (0.04, 0.16), (0.5, 5.0)
@@ -222,6 +223,11 @@ def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_opt
             break
         traj.append({"runs": len(observed), "flops": spent, "width": None, "observed": sorted(observed),
                      "levels": np.bincount(pool.level[list(observed)], minlength=int(pool.level.max()) + 1).tolist()})
+    if traj and traj[-1]["width"] is None:   # the budget is spent: the interval of the last design
+        p = propose(pool, observed, [], LAW, options, k=batch, initial=initial, max_cost=0.0, weights=weights)
+        if p.interval is not None:
+            traj[-1]["width"] = p.interval.width
+            traj[-1]["interval"] = [list(p.interval.hidden_over_sqrt_n), list(p.interval.mlp_to_attn_ratio)]
     eopts = estimate_options or options
     for t in traj:
         t["estimate"], t["box_estimate"], t["coefficients"] = (
@@ -269,6 +275,32 @@ def _stats(vals):
             "finite": int(np.isfinite(v).sum())}
 
 
+def covered(interval, truth) -> dict[str, bool] | None:
+    """Whether the interval ([lo, hi] of d/sqrt(N)*, [lo, hi] of r*) holds the true optimum: in
+    each coordinate and in both together (None: no interval)."""
+    if interval is None:
+        return None
+    c = [bool(lo <= t <= hi) for (lo, hi), t in zip(interval, truth)]
+    return {"hidden_over_sqrt_n": c[0], "mlp_to_attn_ratio": c[1], "both": c[0] and c[1]}
+
+
+def coverage(flags, level) -> dict:
+    """Share of seeds whose interval held the truth, with its Wilson 95% interval, per
+    coordinate and jointly; ``level`` is the nominal joint level (each coordinate's is its square
+    root for a simultaneous interval)."""
+    from scipy.stats import binomtest
+
+    flags = [f for f in flags if f is not None]
+    out = {"nominal_joint": level, "nominal_each": math.sqrt(level), "with_interval": len(flags)}
+    for k in ("both", "hidden_over_sqrt_n", "mlp_to_attn_ratio"):
+        hit = sum(f[k] for f in flags)
+        ci = binomtest(hit, len(flags)).proportion_ci(0.95, "wilson") if flags else None
+        out[k] = {"covered": hit, "share": hit / len(flags) if flags else None,
+                  "wilson95": [float(ci.low), float(ci.high)] if ci else None}
+    out["nominal_inside_wilson"] = bool(flags) and out["both"]["wilson95"][0] <= level <= out["both"]["wilson95"][1]
+    return out
+
+
 def other_weights(w):
     from archsearch.laws.active import WEIGHTS
 
@@ -288,7 +320,9 @@ def plan_record(apool, losses, loop_opts, budget, args, grid_opts, weights, trut
         "flops_to_by_bound": {f"{c}@{b:g}": flops_to(traj, truth, c, tol_regrets[b], b)
                               for c in ("coordinates", "loss") for b in bounds},
         "cramer_rao_sd_end": cramer_rao_sd(apool, traj[-1]["observed"], noise),
-        "interval_end": next((t.get("interval") for t in reversed(traj) if t.get("interval")), None),
+        "interval_end": traj[-1].get("interval"),
+        "covered_end": covered(traj[-1].get("interval"), truth),
+        "covered_at_stop": None if stop is None else covered(stop.get("interval"), truth),
         "at_grid_level_flops": [{"estimate": (t := at_flops(traj, f))["estimate"],
                                  "error": error(t["estimate"], truth), "regret": regret(t["box_estimate"])}
                                 for f in level_flops[:-1]],
@@ -384,12 +418,6 @@ def synthetic(args) -> dict:
                   for e, g in zip(r[name]["error_by_level"], r[name]["regret_by_level"])]
             return next((float(level_flops[i]) for i in range(len(ok)) if ok[i]), None)
 
-        def covered(r):
-            """Whether the plan's last 90% interval holds the true optimum (both coordinates)."""
-            iv = r["active"]["interval_end"]
-            return None if iv is None else bool(iv[0][0] <= truth[0] <= iv[0][1] and iv[1][0] <= truth[1] <= iv[1][1])
-
-        cov = [covered(r) for r in rows]
         summ = {"flops_to": {}, "error_at_equal_compute": {},
                 "information_limit": {
                     "what": "Cramer-Rao standard deviation of (log d/sqrt(N)*, log r*) at this noise: no "
@@ -397,8 +425,14 @@ def synthetic(args) -> dict:
                     **{k: list(v) for k, v in info.items()},
                     "active_end_design_median": np.median([r["active"]["cramer_rao_sd_end"] for r in rows],
                                                           axis=0).tolist()},
-                "active_interval_coverage": {"level": 0.9, "covered": sum(c is True for c in cov),
-                                             "with_interval": sum(c is not None for c in cov)},
+                "active_interval_coverage": {
+                    "what": "whether the plan's interval of the optimum holds the truth: at the end of the budget "
+                            "(every seed) and where the tolerance stop would have fired (seeds that reach it; "
+                            "chosen for being narrow, so optional stopping may lower it)",
+                    "method": "parametric bootstrap of the plan's law, every size's L_opt refitted per replicate "
+                              "(archsearch.laws.active.offset_bootstrap); simultaneous percentile interval (Sidak)",
+                    "end": coverage([r["active"]["covered_end"] for r in rows], LEVEL),
+                    "at_stop": coverage([r["active"]["covered_at_stop"] for r in rows], LEVEL)},
                 "flops_to_by_bound": {}}
         for c in ("coordinates", "loss"):
             for b in bounds:
@@ -451,89 +485,116 @@ def synthetic(args) -> dict:
 
 
 def replay(args) -> dict:
-    """The plan on real trained proxies: each proposal reads the run's real loss.
+    """The plan on real trained proxies, pool-based: the candidates are the grid's runs, and when
+    the plan picks one it reads that run's real loss (``--runs``: one or more run tables, each
+    one box; a table with several seeds of every shape gives one world per seed).
 
-    The table may hold several seeds of every shape (``seed`` column): each seed is one world,
-    as a seed of the synthetic arm is. There is no ground truth: the reference is the law fitted
-    on every run of every seed (the most data there is), its optimum within the box, and the
-    regret of an estimate is judged by that law's loss. Per seed, the grid (every run of that
-    seed) and the plan (at a third, half, two thirds and all of the grid's FLOPs) are fitted on
-    that seed's runs alone."""
+    There is no ground truth. The reference answer of a world is the full grid's fit (every run
+    of that seed, every size's L_opt fitted: what the plan fits), and its optimum *within the
+    box* (what the search enqueues; the closed-form optimum is reported too, with whether it
+    lies outside the box). Reported per world: the FLOPs after which the plan's box optimum stays
+    within 5% / 10% of the reference's in both coordinates; at a third, half and two thirds of
+    the grid's FLOPs the plan's error against it, and the same for the grid's own design at equal
+    compute (the smallest size's full grid, the method's first step); the regret of each under
+    the law fitted on every run of every seed of the table (the most data there is)."""
     from archsearch.laws import FitOptions, fit_law, forms
     from archsearch.laws.active import Pool, fit_profiled
+    from archsearch.laws.diagnostics import cluster
     from archsearch.rundata import read_runs
 
-    runs = [r for r in read_runs(args.runs) if r.status == "ok"]
-    seeds = sorted({r.seed for r in runs})
+    def closed(c):
+        o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+        return None if None in o else o
+
+    def outside(o, box):
+        return None if o is None else [not (lo <= v <= hi) for v, (lo, hi) in zip(o, box)]
+
+    def reg(c, est):
+        """Loss of ``est`` over the loss of ``c``'s own box optimum, both under the law ``c``."""
+        if est is None:
+            return None
+        f = lambda c0, c1, c2, x: c0 + c1 * math.log(x) + c2 / x  # noqa: E731
+        val = lambda e: f(c["a0"], c["a1"], c["a2"], e[0]) * f(c["b0"], c["b1"], c["b2"], e[1])  # noqa: E731
+        return val(est) / val(box_optimum(c, *box)) - 1.0
+
     opts = FitOptions(reference="best-observed", size_tolerance=args.size_tolerance, r_range=None)
     loop_opts = FitOptions(reference="best-observed", size_tolerance=args.size_tolerance, r_range=None,
                            bootstrap=args.bootstrap, n_starts=3)
-    ref_fit = fit_profiled(runs, LAW, opts)
-    rc = ref_fit.coefficients
-    x1s, rs = [r.hidden_over_sqrt_n for r in runs], [r.mlp_to_attn_ratio for r in runs]
-    box = ((min(x1s), max(x1s)), (min(rs), max(rs)))
-    ref_box = box_optimum(rc, *box)
-    ref_closed = (forms.factor_optimum(rc["a1"], rc["a2"]), forms.factor_optimum(rc["b1"], rc["b2"]))
-    ref_closed = None if None in ref_closed else ref_closed
-    interior = ref_closed is not None and all(lo < v < hi for v, (lo, hi) in zip(ref_closed, box))
+    tables = []
+    for path in args.runs:
+        runs = [r for r in read_runs(path) if r.status == "ok"]
+        x1s, rs = [r.hidden_over_sqrt_n for r in runs], [r.mlp_to_attn_ratio for r in runs]
+        box = ((min(x1s), max(x1s)), (min(rs), max(rs)))
+        all_fit = fit_profiled(runs, LAW, opts)
+        ac = all_fit.coefficients
+        table = {"runs_file": path, "runs": len(runs), "seeds": sorted({r.seed for r in runs}), "box": box,
+                 "all_seeds_fit": {"coefficients": ac, "closed_form_optimum": closed(ac),
+                                   "closed_form_outside_box": outside(closed(ac), box),
+                                   "box_optimum": box_optimum(ac, *box), "warnings": all_fit.warnings},
+                 "worlds": []}
+        for seed in table["seeds"]:
+            rr = [r for r in runs if r.seed == seed]
+            lev = cluster(np.array([r.n_params for r in rr]), args.size_tolerance).tolist()   # as the fit groups sizes
+            pool = Pool.of([r.spec for r in rr], [r.tokens for r in rr], lev)
+            losses = np.array([r.loss for r in rr])
+            grid_flops = float(pool.flops.sum())
+            gfit = fit_profiled(rr, LAW, opts)
+            gc = gfit.coefficients
+            ref = box_optimum(gc, *box)
+            small = [r for r, lv in zip(rr, lev) if lv == 0]
+            sc = fit_profiled(small, LAW, opts).coefficients
+            grid_small = {"runs": len(small), "flops_share": float(pool.flops[np.array(lev) == 0].sum()) / grid_flops,
+                          "box_optimum": box_optimum(sc, *box), "error": error(box_optimum(sc, *box), ref),
+                          "regret_all_seeds_law": reg(ac, box_optimum(sc, *box))}
+            plain = fit_law(rr, LAW, opts).coefficients
+            traj = run_plan(pool, losses, loop_opts, grid_flops, args.batch, estimate_options=opts, box=box)
+            for t in traj:
+                t["error_vs_grid"] = error(t["box_estimate"], ref)
+                t["regret_all_seeds_law"] = reg(ac, t["box_estimate"])
+                t["flops_share"] = t["flops"] / grid_flops
+                t["closed_form_outside_box"] = outside(t["estimate"], box)
 
-    def err_ref(est):
-        """Coordinate error against the reference's optimum; None when that is not inside the box."""
-        return error(est, ref_closed) if interior else None
+            def to(bound):
+                ok = [t["error_vs_grid"] <= bound for t in traj]
+                hit = next((i for i in range(len(traj)) if all(ok[i:])), None)
+                return None if hit is None else {"flops_share": traj[hit]["flops_share"], "runs": traj[hit]["runs"]}
 
-    def reg(est):
-        """Loss of ``est`` over the loss of the reference's own box optimum, both under the reference law."""
-        if est is None:
-            return math.inf
-        f = lambda c0, c1, c2, x: c0 + c1 * math.log(x) + c2 / x  # noqa: E731
-        val = lambda e: f(rc["a0"], rc["a1"], rc["a2"], e[0]) * f(rc["b0"], rc["b1"], rc["b2"], e[1])  # noqa: E731
-        return val(est) / val(ref_box) - 1.0
-
-    out = {"runs_file": args.runs, "runs": len(runs), "seeds": seeds, "box": box,
-           "reference": {"fit": "every run of every seed, every size's L_opt fitted", "coefficients": rc,
-                         "closed_form_optimum": ref_closed,
-                         "box_optimum": ref_box, "status": ref_fit.status, "warnings": ref_fit.warnings},
-           "per_seed": []}
-    for seed in seeds:
-        rr = [r for r in runs if r.seed == seed]
-        from archsearch.laws.diagnostics import cluster
-
-        lev = cluster(np.array([r.n_params for r in rr]), args.size_tolerance).tolist()   # as the fit groups sizes
-        pool = Pool.of([r.spec for r in rr], [r.tokens for r in rr], lev)
-        losses = np.array([r.loss for r in rr])
-        grid_flops = float(pool.flops.sum())
-        gfit = {}
-        for name, fn in (("grid", fit_law), ("grid_profiled", fit_profiled)):
-            c = fn(rr, LAW, opts).coefficients
-            closed = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
-            gfit[name] = {"box_optimum": box_optimum(c, *box), "regret": reg(box_optimum(c, *box)),
-                          "closed_form_optimum": None if None in closed else closed,
-                          "error_vs_reference": err_ref(None if None in closed else closed)}
-        traj = run_plan(pool, losses, loop_opts, grid_flops, args.batch, estimate_options=opts, box=box)
-        for t in traj:   # every budget at once
-            t["regret_vs_reference"] = reg(t["box_estimate"])
-        at = {}
-        for frac in REPLAY_FRACTIONS:
-            t = at_flops(traj, frac * grid_flops)
-            at[f"{frac:.3g}"] = {"runs": t.get("runs", 0), "flops": t.get("flops", 0.0),
-                                 "box_optimum": t.get("box_estimate"), "regret": t.get("regret_vs_reference", math.inf),
-                                 "closed_form_optimum": t.get("estimate"),
-                                 "error_vs_reference": err_ref(t.get("estimate")),
-                                 "note": None if t.get("box_estimate") else "no law fitted yet (initial design)"}
-        out["per_seed"].append({"seed": seed, "pool_runs": len(pool), "grid_flops": grid_flops, **gfit,
-                                "active_at_grid_share": at, "active_trajectory": traj})
-        print(json.dumps({"seed": seed, "grid": gfit, "active_at_grid_share": at}, default=str), flush=True)
-    ps = out["per_seed"]
-    out["summary"] = {
-        "what": "medians over seeds [min, max]: regret = loss of the estimate's optimum within the box over the "
-                "reference's, under the reference law; error_vs_reference = max relative error of the closed-form "
-                "optimum against the reference's closed-form optimum (None when that is not interior)",
-        "reference_interior": interior,
-        **{f"{name}_{m}": _range([p[name][m] for p in ps]) for name in ("grid", "grid_profiled")
-           for m in ("regret", "error_vs_reference")},
-        **{f"active_at_{k}_{m}": _range([p["active_at_grid_share"][k][m] for p in ps])
-           for k in ps[0]["active_at_grid_share"] for m in ("regret", "error_vs_reference")}}
-    return out
+            at = {}
+            for frac in REPLAY_FRACTIONS:
+                t = at_flops(traj, frac * grid_flops)
+                at[f"{frac:.3g}"] = {"runs": t.get("runs", 0), "flops_share": t.get("flops", 0.0) / grid_flops,
+                                     "box_optimum": t.get("box_estimate"), "error_vs_grid": t.get("error_vs_grid"),
+                                     "regret_all_seeds_law": t.get("regret_all_seeds_law"),
+                                     "interval": t.get("interval"), "width": t.get("width"),
+                                     "note": None if t.get("box_estimate") else "no law fitted yet (initial design)"}
+            w = {"seed": seed, "pool_runs": len(pool), "grid_flops": grid_flops,
+                 "grid": {"box_optimum": ref, "closed_form_optimum": closed(gc),
+                          "closed_form_outside_box": outside(closed(gc), box),
+                          "fit_bound_warnings": [x for x in gfit.warnings if "bound" in x],
+                          "regret_all_seeds_law": reg(ac, ref),
+                          "best_observed_fit_box_optimum": box_optimum(plain, *box)},
+                 "grid_smallest_size": grid_small,
+                 "active_flops_to_within": {"0.05": to(0.05), "0.1": to(0.10)},
+                 "active_at_grid_share": at, "active_trajectory": traj}
+            table["worlds"].append(w)
+            print(json.dumps({"runs_file": path, "seed": seed, "grid_box_optimum": ref,
+                              "grid_closed_form": closed(gc), "flops_to": w["active_flops_to_within"],
+                              "grid_smallest_size": grid_small,
+                              "active_at": {k: (v["runs"], v["box_optimum"], v["error_vs_grid"]) for k, v in at.items()}},
+                             default=str), flush=True)
+        ws = table["worlds"]
+        table["summary"] = {
+            "what": "medians over worlds [min, max]; error = larger relative error of the box optimum against the "
+                    "world's full grid's box optimum; flops shares of the full grid",
+            **{f"active_flops_share_to_within_{b}": _range([(w["active_flops_to_within"][b] or {}).get("flops_share")
+                                                            for w in ws]) for b in ("0.05", "0.1")},
+            **{f"active_error_at_{k}": _range([w["active_at_grid_share"][k]["error_vs_grid"] for w in ws])
+               for k in ws[0]["active_at_grid_share"]},
+            "grid_smallest_size_error": _range([w["grid_smallest_size"]["error"] for w in ws]),
+            "grid_smallest_size_flops_share": _range([w["grid_smallest_size"]["flops_share"] for w in ws]),
+            "grid_closed_form_outside_box": [w["grid"]["closed_form_outside_box"] for w in ws]}
+        tables.append(table)
+    return {"tables": tables}
 
 
 def _range(vals):
@@ -553,19 +614,90 @@ def box_optimum_from(t, box):
     return box_optimum(t.get("coefficients"), *box) if t.get("coefficients") else None
 
 
+def coverage_mode(args) -> dict:
+    """Coverage of the optimum's interval on the designs the plan chose (``--mode coverage``).
+
+    A full synthetic run re-plays the whole plan per seed (minutes each here); this mode takes the
+    plan's last design of every seed of an earlier synthetic record (``--designs-from``, line
+    numbers of ``--designs-file``, one per noise level), draws fresh noise ``--draws`` times on each (the
+    same known law), fits, and asks whether the interval holds the true optimum. The designs were
+    chosen adaptively on other draws, so this measures the interval on realistic designs, not
+    the plan's optional stopping. Each draw is judged with the plan's interval
+    (:func:`archsearch.laws.active.ensemble`: parametric bootstrap, offsets refitted, simultaneous)
+    and, on the same draw, the earlier one (the fit's bootstrap over runs, ``--old-bootstrap``
+    resamples, every size's L_opt held, percentile at the level per coordinate) for comparison."""
+    from archsearch.laws import FitOptions, forms
+    from archsearch.laws.active import bootstrap_optima, ensemble, fit_profiled, optimum_interval
+    from archsearch.rundata import RunRecord
+
+    apool = paper_pool(k=args.active_resolution)
+    X = dict(apool.X)
+    X["Lref"] = forms.predict("chinchilla", CHINCHILLA, X)
+    amean = forms.predict(LAW, TRUE, X)
+    truth = (TRUE["a2"] / TRUE["a1"], TRUE["b2"] / TRUE["b1"])
+    rr = None if args.r_range is None else tuple(args.r_range)
+    opts = FitOptions(reference="best-observed", bootstrap=args.bootstrap, n_starts=3, r_range=rr)
+    lines = open(args.designs_file).read().splitlines()
+    out = {"designs_file": args.designs_file, "truth": truth, "draws_per_design": args.draws, "noise": {}}
+    for ln in args.designs_from:
+        rec = json.loads(lines[ln])
+        for noise, d in rec["noise"].items():
+            designs = [r["active"]["trajectory"][-1]["observed"] for r in d["seeds"]]
+            rows = []
+            for k, idx in enumerate(designs):
+                for j in range(args.draws):
+                    rng = np.random.default_rng([977, k, j, int(float(noise) * 1e6)])
+                    losses = amean * np.exp(float(noise) * rng.standard_normal(len(amean)))
+                    t0 = time.perf_counter()
+                    ens = ensemble(apool, {int(i): float(losses[i]) for i in idx}, LAW, opts, level=LEVEL)
+                    new = None if isinstance(ens, str) else [list(ens.interval.hidden_over_sqrt_n),
+                                                             list(ens.interval.mlp_to_attn_ratio)]
+                    runs = [RunRecord.from_arch(apool.specs[i], tokens=float(apool.tokens[i]), loss=float(losses[i]))
+                            for i in idx]
+                    f = fit_profiled(runs, LAW, dataclasses.replace(opts, bootstrap=args.old_bootstrap))
+                    lo, _ = bootstrap_optima([dict(zip(f.bootstrap["names"], c)) for c in f.bootstrap["coefficients"]])
+                    old = None
+                    if lo.shape[0] >= 2:
+                        oi = optimum_interval(lo, LEVEL, method="percentile")
+                        old = [list(oi.hidden_over_sqrt_n), list(oi.mlp_to_attn_ratio)]
+                    rows.append({"design": k, "draw": j, "runs": len(idx), "interval": new, "old_interval": old,
+                                 "width": None if isinstance(ens, str) else ens.interval.width,
+                                 "optimum": None if isinstance(ens, str) else ens.optimum,
+                                 "covered": covered(new, truth), "old_covered": covered(old, truth),
+                                 "seconds": round(time.perf_counter() - t0, 2)})
+                    print(json.dumps({"noise": noise, **{k2: rows[-1][k2] for k2 in ("design", "draw", "covered",
+                                                                                      "old_covered", "seconds")}}),
+                          flush=True)
+            out["noise"][noise] = {
+                "designs_from_line": ln, "designs": len(designs), "rows": rows,
+                "coverage": coverage([r["covered"] for r in rows], LEVEL),
+                "old_coverage": coverage([r["old_covered"] for r in rows], LEVEL),
+                "median_width": float(np.median([r["width"] for r in rows if r["width"] is not None]))}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("synthetic", "replay"), default="synthetic")
+    ap.add_argument("--mode", choices=("synthetic", "replay", "coverage"), default="synthetic")
+    ap.add_argument("--designs-file", default="results/bench/active_proxies.jsonl")
+    ap.add_argument("--designs-from", type=int, nargs="+", default=[8, 9],
+                    help="coverage mode: lines (0-based) of --designs-file whose synthetic records give the plan's "
+                         "designs (8, 9: the 12-seed runs at 1% and 0.3% noise of the previous session)")
+    ap.add_argument("--draws", type=int, default=5, help="coverage mode: fresh noise draws per design")
+    ap.add_argument("--old-bootstrap", type=int, default=32,
+                    help="coverage mode: resamples of the earlier interval (the fit's bootstrap over runs)")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--noise", type=float, nargs="+", default=[0.003, 0.01])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--active-resolution", type=int, default=9,
                     help="the plan's candidates: this many d/sqrt(N) x r values per size (the grid has 5 x 5)")
-    ap.add_argument("--bootstrap", type=int, default=32)
+    ap.add_argument("--bootstrap", type=int, default=200,
+                    help="replicates of the plan's parametric bootstrap inside the loop")
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--budget-fraction", type=float, default=1.0 / 3.0,
                     help="the plan's budget as a fraction of the full grid's FLOPs")
-    ap.add_argument("--runs", default="results/bench/active_proxies_demo/runs.csv")
+    ap.add_argument("--runs", nargs="+", default=["results/bench/active_proxies_demo/runs.csv",
+                                                  "results/bench/active_proxies_interior/runs.csv"])
     ap.add_argument("--size-tolerance", type=float, default=0.15)
     ap.add_argument("--r-range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
                     help="synthetic arm: keep only runs with r in [LO, HI] in every fit (the method's "
@@ -583,13 +715,13 @@ def main() -> None:
     load = os.getloadavg()
     prov = provenance(device=False)   # at the start: the code that runs, not the code at the end
     t0 = time.perf_counter()
-    res = synthetic(args) if args.mode == "synthetic" else replay(args)
+    res = {"synthetic": synthetic, "replay": replay, "coverage": coverage_mode}[args.mode](args)
     rec = {"benchmark": "active_proxies", "mode": args.mode, "settings": vars(args), **res,
            "seconds": round(time.perf_counter() - t0, 1), "loadavg_start": load, "loadavg_end": os.getloadavg(),
            "provenance": prov}
     summary = {k: v for k, v in rec.items() if k not in ("noise", "trajectory", "provenance")}
     if "noise" in res:
-        summary["summary"] = {n: d["summary"] for n, d in res["noise"].items()}
+        summary["summary"] = {n: d.get("summary") or {k: v for k, v in d.items() if k != "rows"} for n, d in res["noise"].items()}
     print(json.dumps(summary, default=str))
     append_line(args.out, json.dumps(rec, default=str))
 
