@@ -137,6 +137,18 @@ def read_table(path: Path, what: str) -> list[Any]:
     return rows
 
 
+def write_table(path: str | Path, rows: list[dict[str, Any]], first: tuple[str, ...] = ()) -> Path:
+    """``rows`` as CSV, atomically: the columns are ``first``, then every other key in order of
+    appearance; a missing or None value is an empty cell."""
+    import csv
+
+    with atomic_open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys([*first, *(k for r in rows for k in r)])))
+        w.writeheader()
+        w.writerows(rows)
+    return Path(path)
+
+
 def check_output(flag: str, path: str | Path | None, kind: str = "file") -> None:
     """Refuse, before any work, an output ``path`` that cannot be written as a ``kind``
     ("file" or "dir"): an existing folder where a file goes, a file where a folder goes, or

@@ -32,7 +32,6 @@ hand; a row with both the architecture and ``params`` must agree on N within 1%.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -200,19 +199,11 @@ def read_runs(path: str | Path) -> list[RunRecord]:
 
 def write_runs(path: str | Path, runs: Iterable[RunRecord]) -> Path:
     """Write runs as CSV or JSONL (by suffix), atomically."""
-    from archsearch.fileio import atomic_open, atomic_write
+    from archsearch.fileio import atomic_write, write_table
 
     p = Path(path)
     rows = [r.to_row() for r in runs]
     if p.suffix == ".csv":
-        cols: list[str] = list(ROW_COLUMNS)
-        for r in rows:
-            cols += [k for k in r if k not in cols]
-        with atomic_open(p, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=cols)
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
-    else:
-        atomic_write(p, "".join(json.dumps(r) + "\n" for r in rows))
+        return write_table(p, rows, first=tuple(ROW_COLUMNS))
+    atomic_write(p, "".join(json.dumps(r) + "\n" for r in rows))
     return p

@@ -8,7 +8,7 @@ import pytest
 
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import (append_line, atomic_open, atomic_write, check_output,
-                               read_jsonl_lines, truncate_jsonl)
+                               read_jsonl_lines, read_table, truncate_jsonl, write_table)
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
@@ -28,6 +28,12 @@ def test_failed_write_keeps_old_content(tmp_path):
             raise RuntimeError("killed mid-write")
     assert p.read_text() == "old\n"
     assert [f.name for f in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_write_table_round_trips_with_the_union_of_columns(tmp_path):
+    p = write_table(tmp_path / "t.csv", [{"b": 1, "a": None}, {"c": "x", "b": 2.5}], first=("a", "z"))
+    assert p.read_text().splitlines()[0] == "a,z,b,c"  # first, then the keys in order of appearance
+    assert read_table(p, "t") == [{"a": "", "z": "", "b": "1", "c": ""}, {"a": "", "z": "", "b": "2.5", "c": "x"}]
 
 
 def test_torn_last_line_skipped_and_healed(tmp_path, capsys):

@@ -254,19 +254,13 @@ def _validate(args: argparse.Namespace) -> int:
     from archsearch.laws.diagnostics import PROTOCOLS
     from archsearch.rundata import read_runs
 
-    from archsearch.fileio import atomic_open
+    from archsearch.fileio import write_table
 
     runs = read_runs(args.data)
     protocols = PROTOCOLS if args.protocol == "all" else (args.protocol,)
     rows = progressive_validation(runs, args.law, _options(args), protocols)
     if args.out:
-        import csv
-
-        cols = list(dict.fromkeys(k for r in rows for k in r))
-        with atomic_open(args.out, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=cols)
-            w.writeheader()
-            w.writerows(rows)
+        write_table(args.out, rows)
     if args.json:
         print_json(rows)
         return 0

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.figures import log_axis, save, styled
-from archsearch.fileio import atomic_open, atomic_write, write_json
+from archsearch.fileio import atomic_write, write_json, write_table
 from archsearch.provenance import provenance
 from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.study import storage_url, trial_is_feasible, was_measured
@@ -111,13 +110,7 @@ def write_trials_csv(study, path: Path) -> None:
                                             if ua.get("is_baseline") else None),
             "retry_of": ua.get("retry_of"),
         })
-    cols: list[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols]
-    with atomic_open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    write_table(path, rows)
 
 
 @styled

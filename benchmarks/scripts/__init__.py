@@ -8,13 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from archsearch.fileio import write_json
+
 
 def emit(result: dict[str, Any], out: str | Path | None) -> int:
-    """A benchmark's figures: written to ``out/result.json`` where an output folder is named,
-    and printed as one JSON line; returns the exit status."""
+    """A benchmark's figures, printed as one JSON line and (with an output folder) in ``out/result.json``."""
     if out is not None:
-        from archsearch.fileio import write_json
-
         write_json(Path(out) / "result.json", result, default=str)
     print(json.dumps(result, default=str))
     return 0
