@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 
 
 @dataclass(frozen=True)
-class Calibration:
+class Calibration(PlainData):
     """Efficiency of one (device, engine, dtype) relative to the roofline's peaks."""
 
     device: str
@@ -77,11 +78,10 @@ class Calibration:
         if not isinstance(d, dict):
             raise ArchsearchError("calibration", f"{str(p)!r} holds a {type(d).__name__}, not a calibration",
                                   "refit it")
-        names = set(cls.__dataclass_fields__)
         missing = {"compute_efficiency", "memory_efficiency", "step_overhead_s"} - set(d)
         if missing:
             raise ArchsearchError("calibration", f"{str(p)!r} lacks {sorted(missing)}", "refit it")
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls.from_dict(d)
 
 
 def _points(results) -> list[tuple[Any, int, int, int, float]]:
@@ -92,8 +92,7 @@ def _points(results) -> list[tuple[Any, int, int, int, float]]:
     for r in results:
         if r.predicted:
             continue
-        a = {k: v for k, v in r.architecture.items() if k in ArchSpec.__dataclass_fields__}
-        spec = ArchSpec.from_dict(a)
+        spec = ArchSpec.from_record(r.architecture)
         for b in r.per_batch:
             if b.ok and b.output_throughput:
                 pts.append((spec, b.batch_size, r.settings["input_len"], r.settings["output_len"],

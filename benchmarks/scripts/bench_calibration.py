@@ -36,7 +36,7 @@ from archsearch.benchmarks import append_jsonl, read_jsonl
 def _spec(r):
     from archsearch.arch import ArchSpec
 
-    return ArchSpec.from_dict({k: v for k, v in r.architecture.items() if k in ArchSpec.__dataclass_fields__})
+    return ArchSpec.from_record(r.architecture)
 
 
 def _predict(results, batch: int, cal_path: str | None, device_spec: str) -> list[float]:
