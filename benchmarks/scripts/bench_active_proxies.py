@@ -496,7 +496,11 @@ def replay(args) -> dict:
     within 5% / 10% of the reference's in both coordinates; at a third, half and two thirds of
     the grid's FLOPs the plan's error against it, and the same for the grid's own design at equal
     compute (the smallest size's full grid, the method's first step); the regret of each under
-    the law fitted on every run of every seed of the table (the most data there is)."""
+    the law fitted on every run of every seed of the table (the most data there is). Where the
+    optimum sits at a corner of the box every fit agrees on that corner, so the optimum cannot
+    tell designs apart; ``shape_rms_vs_grid`` compares the laws themselves: the RMS over the
+    grid's shapes of the difference in log relative loss (each law's shape factor over its
+    minimum), the quantity the search's feasibility test reads."""
     from archsearch.laws import FitOptions, fit_law, forms
     from archsearch.laws.active import Pool, fit_profiled
     from archsearch.laws.diagnostics import cluster
@@ -516,6 +520,20 @@ def replay(args) -> dict:
         f = lambda c0, c1, c2, x: c0 + c1 * math.log(x) + c2 / x  # noqa: E731
         val = lambda e: f(c["a0"], c["a1"], c["a2"], e[0]) * f(c["b0"], c["b1"], c["b2"], e[1])  # noqa: E731
         return val(est) / val(box_optimum(c, *box)) - 1.0
+
+    def shape_rms(c, ref, X):
+        """RMS over the shapes ``X`` (x1, x2) of the difference in log relative loss (each law's shape
+        factor over its own minimum on those shapes) between the laws ``c`` and ``ref``: how far
+        apart the two rank and space the box's shapes, which is what the search reads (its
+        feasibility test compares a shape's predicted loss with the baseline's); None without c."""
+        if c is None:
+            return None
+
+        def rel(k):
+            v = np.log(forms.u_factor(k["a0"], k["a1"], k["a2"], X["x1"]) * forms.u_factor(k["b0"], k["b1"], k["b2"], X["x2"]))
+            return v - v.min()
+
+        return float(np.sqrt(np.mean((rel(c) - rel(ref)) ** 2)))
 
     opts = FitOptions(reference="best-observed", size_tolerance=args.size_tolerance, r_range=None)
     loop_opts = FitOptions(reference="best-observed", size_tolerance=args.size_tolerance, r_range=None,
@@ -545,11 +563,13 @@ def replay(args) -> dict:
             sc = fit_profiled(small, LAW, opts).coefficients
             grid_small = {"runs": len(small), "flops_share": float(pool.flops[np.array(lev) == 0].sum()) / grid_flops,
                           "box_optimum": box_optimum(sc, *box), "error": error(box_optimum(sc, *box), ref),
+                          "shape_rms_vs_grid": shape_rms(sc, gc, pool.X),
                           "regret_all_seeds_law": reg(ac, box_optimum(sc, *box))}
             plain = fit_law(rr, LAW, opts).coefficients
             traj = run_plan(pool, losses, loop_opts, grid_flops, args.batch, estimate_options=opts, box=box)
             for t in traj:
                 t["error_vs_grid"] = error(t["box_estimate"], ref)
+                t["shape_rms_vs_grid"] = shape_rms(t.get("coefficients"), gc, pool.X)
                 t["regret_all_seeds_law"] = reg(ac, t["box_estimate"])
                 t["flops_share"] = t["flops"] / grid_flops
                 t["closed_form_outside_box"] = outside(t["estimate"], box)
@@ -564,6 +584,7 @@ def replay(args) -> dict:
                 t = at_flops(traj, frac * grid_flops)
                 at[f"{frac:.3g}"] = {"runs": t.get("runs", 0), "flops_share": t.get("flops", 0.0) / grid_flops,
                                      "box_optimum": t.get("box_estimate"), "error_vs_grid": t.get("error_vs_grid"),
+                                     "shape_rms_vs_grid": t.get("shape_rms_vs_grid"),
                                      "regret_all_seeds_law": t.get("regret_all_seeds_law"),
                                      "interval": t.get("interval"), "width": t.get("width"),
                                      "note": None if t.get("box_estimate") else "no law fitted yet (initial design)"}
@@ -590,6 +611,9 @@ def replay(args) -> dict:
                                                             for w in ws]) for b in ("0.05", "0.1")},
             **{f"active_error_at_{k}": _range([w["active_at_grid_share"][k]["error_vs_grid"] for w in ws])
                for k in ws[0]["active_at_grid_share"]},
+            **{f"active_shape_rms_at_{k}": _range([w["active_at_grid_share"][k]["shape_rms_vs_grid"] for w in ws])
+               for k in ws[0]["active_at_grid_share"]},
+            "grid_smallest_size_shape_rms": _range([w["grid_smallest_size"]["shape_rms_vs_grid"] for w in ws]),
             "grid_smallest_size_error": _range([w["grid_smallest_size"]["error"] for w in ws]),
             "grid_smallest_size_flops_share": _range([w["grid_smallest_size"]["flops_share"] for w in ws]),
             "grid_closed_form_outside_box": [w["grid"]["closed_form_outside_box"] for w in ws]}
