@@ -706,7 +706,7 @@ def main() -> None:
     ap.add_argument("--designs-file", default="results/bench/active_proxies.jsonl")
     ap.add_argument("--designs-from", type=int, nargs="+", default=[8, 9],
                     help="coverage mode: lines (0-based) of --designs-file whose synthetic records give the plan's "
-                         "designs (8, 9: the 12-seed runs at 1% and 0.3% noise of the previous session)")
+                         "designs (8, 9: the 12-seed runs at 1%% and 0.3%% noise of the previous session)")
     ap.add_argument("--draws", type=int, default=5, help="coverage mode: fresh noise draws per design")
     ap.add_argument("--old-bootstrap", type=int, default=32,
                     help="coverage mode: resamples of the earlier interval (the fit's bootstrap over runs)")
