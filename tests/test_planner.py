@@ -243,7 +243,9 @@ def test_two_point_lora_calibration_separates_per_step_overhead():
     one = pl.LoraCalibration.from_step(spec, lora, 1, 128, t(1, 128), "cpu", {})
     assert pl.predict_lora_step_time(spec, lora, 2, 1024, "cpu", calibration=one)["step_s"] > 1.1 * t(2, 1024)
     back = pl.LoraCalibration.from_steps(spec, lora, [(1, 128, 1.0), (4, 128, 5.0)], "cpu", {})
-    assert back.overhead_s == 0.0 and "origin" in back.measured["fit"]
+    assert back.overhead_s == 0.0 and "origin" in back.measured["fit"] and "origin" in back.describe()
+    flat = pl.LoraCalibration.from_steps(spec, lora, [(1, 128, 2.0), (4, 128, 1.5)], "cpu", {})
+    assert flat.overhead_s == 0.0 and "not slower" in flat.measured["fit"]
     with pytest.raises(ArchsearchError):
         pl.LoraCalibration.from_steps(spec, lora, [(1, 128, 1.0), (1, 128, 2.0)], "cpu", {})
     with pytest.raises(ArchsearchError) as e:

@@ -187,7 +187,8 @@ class LoraCalibration:
                    clock: str = "wall") -> LoraCalibration:
         """Least-squares line ``step_s = overhead + flops / achieved`` through measured
         ``(batch_size, seq_len, step_s)`` points of one model (one point: :meth:`from_step`). A
-        negative intercept (noise) is refitted through the origin, and the calibration says so."""
+        negative intercept or slope (noise) is refitted through the origin, and the calibration
+        says so (``measured["fit"]``, :meth:`describe`)."""
         if not points:
             raise ArchsearchError("lora_calibration", "no measured step")
         b0, s0, t0 = points[0]
@@ -204,12 +205,10 @@ class LoraCalibration:
         slope = sum((f - mf) * (t - mt) for f, t in zip(fs, ts)) / sxx
         fit = "least squares, overhead + flops / achieved"
         overhead = mt - slope * mf
-        if slope <= 0:
-            raise ArchsearchError("lora_calibration", f"the larger measured step was not slower ({ts})",
-                                  "measure again on a quieter machine")
-        if overhead < 0:
+        if slope <= 0 or overhead < 0:  # noise: no usable intercept; every step's FLOP/s, no overhead
+            why = "the larger step was not slower" if slope <= 0 else "the free intercept came out negative"
             slope, overhead = sum(f * t for f, t in zip(fs, ts)) / sum(f * f for f in fs), 0.0
-            fit = "through the origin (the free intercept came out negative: noise)"
+            fit = f"through the origin ({why}: noise)"
         return cls(1.0 / slope, device, t0, fs[0],
                    {**measured, "rank": lora.rank, "targets": list(lora.targets), "batch_size": b0, "seq_len": s0,
                     "points": [{"batch_size": b, "seq_len": s, "step_s": t, "flops": f}
@@ -223,6 +222,8 @@ class LoraCalibration:
         shape = (" and ".join(f"{p['batch_size']} x {p['seq_len']}" for p in pts) if pts
                  else f"{m.get('batch_size')} x {m.get('seq_len')}")
         over = f" + {self.overhead_s:.3g} s/step overhead" if self.overhead_s else ""
+        if str(m.get("fit", "")).startswith("through the origin"):
+            over += f" (fit {m['fit']})"
         return (f"calibrated: {self.achieved_flops / 1e9:.3g} GFLOP/s{over}, from real LoRA steps of "
                 f"{m.get('model', '?')} (rank {m.get('rank')}, {len(m.get('targets', []))} targets, batch "
                 f"{shape}, {self.step_s:.3g} s/step {self.clock} at the first) on {self.device}, {when}")
@@ -355,7 +356,7 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
             cal = LoraCalibration.from_steps(
                 c.spec, ft.lora, [(b, seq, statistics.median(x["step_wall_s"])) for b, x in zip(CALIBRATION_BATCHES, runs)],
                 ft.device, measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions", "device", "command")})
-        except ArchsearchError as e:  # the larger step was not slower: the machine changed speed
+        except ArchsearchError as e:  # e.g. equal FLOPs: no line through the steps
             result[c.name] = f"calibration not usable: {e}"
             progress(f"plan: {c.name}: {result[c.name]}")
             continue
