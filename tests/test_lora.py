@@ -128,3 +128,22 @@ def test_lora_activations_equal_what_autograd_saves(family, dtype, exact):
             assert pred == saved, (targets, saved, pred)
         else:
             assert pred == pytest.approx(saved, rel=0.01), (targets, saved, pred)
+
+
+def test_bench_two_point_check_recovers_an_affine_step_time():
+    """bench_lora_step's two-point check: steps costing ``0.3 s + F / 1e9`` are predicted exactly
+    from a block's calibration entries and its batch-4 entry; the one-point prediction is slower."""
+    from archsearch.benchmarks.scripts.bench_lora_step import two_point_check
+
+    f = {(1, 128): 1e9, (1, 512): 4.3e9, (4, 128): 4e9}
+    t = {k: 0.3 + v / 1e9 for k, v in f.items()}
+    order = [("calibration", 1, 128), ("held-out", 1, 512), ("calibration again", 1, 128),
+             ("held-out", 4, 128), ("calibration again", 1, 128)]
+    rows = [{"role": role, "position": i, "block": 0, "config": f"m b{b}x{s}", "batch": b, "seq_len": s,
+             "flops_per_step": f[(b, s)], "step_wall_s_measured": t[(b, s)], "step_cpu_s_measured": 2 * t[(b, s)]}
+            for i, (role, b, s) in enumerate(order)]
+    out = two_point_check(rows)
+    assert [(x["config"], x["clock"]) for x in out] == [("m b1x512", "wall"), ("m b1x512", "cpu")]
+    wall = out[0]
+    assert wall["ratio_measured_over_two_point"] == pytest.approx(1.0) and wall["overhead_s"] == pytest.approx(0.3)
+    assert wall["ratio_measured_over_one_point"] < 0.85

@@ -198,16 +198,19 @@ def test_calibrate_lora_measures_each_candidate_once_and_resumes(tmp_path):
         calls.append(kw)
         if kw["spec"].name == "smollm2-135m":
             raise RuntimeError("LoRA step measurement failed (-9): killed")
-        return {"weights": "random", "threads": kw["threads"], "step_wall_s": [3.0, 1.0, 2.0], "step_cpu_s": [4.0] * 3}
+        t = [3.0, 1.0, 2.0] if kw["batch_size"] == 1 else [7.0, 5.0, 6.0]
+        return {"weights": "random", "threads": kw["threads"], "step_wall_s": t, "step_cpu_s": [4.0] * 3}
 
     cands = [pl.resolve_candidate("smollm2-135m"), pl.resolve_candidate("tiny")]
     ft = pl.FinetunePlan(seq_len=512, device="cpu")
     cals = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
-    assert [c["spec"] for c in calls] == [cands[0].spec, cands[1].spec]
-    assert calls[1]["batch_size"] == 1 and calls[1]["seq_len"] == 128
+    assert [c["spec"] for c in calls] == [cands[0].spec, cands[1].spec, cands[1].spec]
+    assert [(c["batch_size"], c["seq_len"]) for c in calls[1:]] == [(1, 128), (4, 128)]
     assert isinstance(cals["smollm2-135m"], str) and "killed" in cals["smollm2-135m"]  # said, not hidden
     cal = cals["tiny"]
     assert cal.step_s == 2.0 and cal.measured["model"].startswith("tiny") and "time_utc" in cal.provenance
+    # the line through (F, 2 s) and (4F, 6 s): 2/3 s of overhead per step, 4/3 s per F
+    assert cal.overhead_s == pytest.approx(2 / 3) and len(cal.measured["points"]) == 2
     calls.clear()
     again = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
     assert again["tiny"] == cal and [c["spec"].name for c in calls] == ["smollm2-135m"]  # tiny read back
@@ -224,3 +227,27 @@ def test_calibrate_lora_measures_each_candidate_once_and_resumes(tmp_path):
     cp = pl.plan_candidate(cands[0], grid, {pl._key(cands[0], "hf", 8, 4): m}, "hf", Limits(), plans_ft,
                            cals["smollm2-135m"])
     assert not cp.lora["time_calibrated"] and "uncalibrated" in cp.lora["time_method"] and "killed" in cp.lora["time_method"]
+
+
+def test_two_point_lora_calibration_separates_per_step_overhead():
+    """Steps that cost ``0.5 s + F / 1e9`` are predicted exactly from two measured sizes, where a
+    one-point calibration at the smaller step over-predicts a larger one; a negative intercept
+    (noise) falls back to a line through the origin; equal FLOPs cannot make a line."""
+    spec, lora = get_preset("tiny"), LoraSettings(8)
+    f = lambda b, s: pl.lora_step_flops(spec, lora, b * s, s)  # noqa: E731
+    t = lambda b, s: 0.5 + f(b, s) / 1e9  # noqa: E731
+    cal = pl.LoraCalibration.from_steps(spec, lora, [(1, 128, t(1, 128)), (4, 128, t(4, 128))], "cpu", {})
+    assert cal.overhead_s == pytest.approx(0.5) and cal.achieved_flops == pytest.approx(1e9)
+    big = pl.predict_lora_step_time(spec, lora, 2, 1024, "cpu", calibration=cal)
+    assert big["step_s"] == pytest.approx(t(2, 1024)) and "overhead" in big["method"]
+    one = pl.LoraCalibration.from_step(spec, lora, 1, 128, t(1, 128), "cpu", {})
+    assert pl.predict_lora_step_time(spec, lora, 2, 1024, "cpu", calibration=one)["step_s"] > 1.1 * t(2, 1024)
+    back = pl.LoraCalibration.from_steps(spec, lora, [(1, 128, 1.0), (4, 128, 5.0)], "cpu", {})
+    assert back.overhead_s == 0.0 and "origin" in back.measured["fit"] and "origin" in back.describe()
+    flat = pl.LoraCalibration.from_steps(spec, lora, [(1, 128, 2.0), (4, 128, 1.5)], "cpu", {})
+    assert flat.overhead_s == 0.0 and "not slower" in flat.measured["fit"]
+    with pytest.raises(ArchsearchError):
+        pl.LoraCalibration.from_steps(spec, lora, [(1, 128, 1.0), (1, 128, 2.0)], "cpu", {})
+    with pytest.raises(ArchsearchError) as e:
+        pl.LoraCalibration(1e9, "cpu", 1.0, 1e9, {}, overhead_s=-1.0)
+    assert e.value.field == "lora_calibration.overhead_s"

@@ -48,8 +48,8 @@ def lora_params(spec: ArchSpec, lora: LoraSettings) -> int:
 
 
 # The framework's own memory in a LoRA step, beyond every tensor accounted below: peft's
-# wrappers, the allocator's retained heap, kernel and autograd workspaces. Measured 27-62 MiB
-# above the tensor accounting on CPU, fp32 (peak RSS, results/lora); the allowance is rounded up
+# wrappers, the allocator's retained heap, kernel and autograd workspaces. Measured 24-47 MiB
+# above the tensor accounting on CPU, fp32, 128-1024 tokens (peak RSS, results/lora); the allowance is rounded up
 # so that the prediction stays an upper bound: the planner uses it as a limit
 # (``limits.max_peak_memory_gib``). On a GPU the CUDA context lies outside
 # ``torch.cuda.max_memory_allocated`` and is not counted either.

@@ -135,9 +135,17 @@ LORA_STEP_FORMULA = "tokens x (4 N_compute + 6 N_adapters + 6 L S dq)"
 
 @dataclass(frozen=True)
 class LoraCalibration:
-    """The FLOP/s a real LoRA step achieved on one device, measured once on one configuration
-    (``bench_lora_step`` or ``archsearch plan --calibrate-lora``) and used to predict the step
-    time of other configurations on the same device: ``step_s = lora_step_flops / achieved``.
+    """The speed real LoRA steps reached on one device, measured on one model and used to predict
+    the step time of other configurations on the same device:
+    ``step_s = overhead_s + lora_step_flops / achieved_flops``.
+
+    From one measured step (:meth:`from_step`) the overhead is 0 and ``achieved_flops`` is that
+    step's FLOP/s. From two or more (:meth:`from_steps`, what ``archsearch plan --calibrate-lora``
+    measures: batch 1 and 4 at one sequence length) the line through them separates a per-step
+    cost that does not grow with the FLOPs (the optimizer step, Python and launch overhead, small
+    matmuls' lower efficiency) from the FLOP/s of the work that does: on a quiet CPU a step of
+    128 tokens spent 17-33% of its time in that overhead, so one small-step calibration
+    over-predicted steps of 512-1024 tokens by 20-35% (``bench_lora_step``, docs/planning.md).
     ``measured`` records what was run and ``provenance`` where and when."""
 
     achieved_flops: float
@@ -147,14 +155,22 @@ class LoraCalibration:
     measured: dict[str, Any]
     provenance: dict[str, Any] = field(default_factory=dict)
     clock: str = "wall"  # wall seconds per step (what a user waits); "cpu": process CPU seconds
+    overhead_s: float = 0.0  # seconds per step that do not scale with the step's FLOPs
 
     def __post_init__(self) -> None:
         for name in ("achieved_flops", "step_s", "flops_per_step"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ArchsearchError(f"lora_calibration.{name}", f"must be a positive number, got {v!r}")
+        o = self.overhead_s
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or o < 0:
+            raise ArchsearchError("lora_calibration.overhead_s", f"must be a number >= 0, got {o!r}")
         if self.clock not in ("wall", "cpu"):
             raise ArchsearchError("lora_calibration.clock", f"{self.clock!r}", "use wall or cpu")
+
+    def step_seconds(self, flops: float) -> float:
+        """Predicted seconds of a step of ``flops`` FLOPs."""
+        return self.overhead_s + flops / self.achieved_flops
 
     @classmethod
     def from_step(cls, spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int, step_s: float,
@@ -165,13 +181,52 @@ class LoraCalibration:
                    {**measured, "rank": lora.rank, "targets": list(lora.targets), "batch_size": batch_size,
                     "seq_len": seq_len}, provenance or {}, clock)
 
+    @classmethod
+    def from_steps(cls, spec: ArchSpec, lora: LoraSettings, points: list[tuple[int, int, float]], device: str,
+                   measured: dict[str, Any], provenance: dict[str, Any] | None = None,
+                   clock: str = "wall") -> LoraCalibration:
+        """Least-squares line ``step_s = overhead + flops / achieved`` through measured
+        ``(batch_size, seq_len, step_s)`` points of one model (one point: :meth:`from_step`). A
+        negative intercept or slope (noise) is refitted through the origin, and the calibration
+        says so (``measured["fit"]``, :meth:`describe`)."""
+        if not points:
+            raise ArchsearchError("lora_calibration", "no measured step")
+        b0, s0, t0 = points[0]
+        if len(points) == 1:
+            return cls.from_step(spec, lora, b0, s0, t0, device, measured, provenance, clock)
+        fs = [lora_step_flops(spec, lora, b * s, s) for b, s, _ in points]
+        ts = [t for _, _, t in points]
+        n = len(fs)
+        mf, mt = sum(fs) / n, sum(ts) / n
+        sxx = sum((f - mf) ** 2 for f in fs)
+        if sxx <= 0:
+            raise ArchsearchError("lora_calibration", "the measured steps have equal FLOPs: no line through them",
+                                  "measure two different batch sizes or sequence lengths")
+        slope = sum((f - mf) * (t - mt) for f, t in zip(fs, ts)) / sxx
+        fit = "least squares, overhead + flops / achieved"
+        overhead = mt - slope * mf
+        if slope <= 0 or overhead < 0:  # noise: no usable intercept; every step's FLOP/s, no overhead
+            why = "the larger step was not slower" if slope <= 0 else "the free intercept came out negative"
+            slope, overhead = sum(f * t for f, t in zip(fs, ts)) / sum(f * f for f in fs), 0.0
+            fit = f"through the origin ({why}: noise)"
+        return cls(1.0 / slope, device, t0, fs[0],
+                   {**measured, "rank": lora.rank, "targets": list(lora.targets), "batch_size": b0, "seq_len": s0,
+                    "points": [{"batch_size": b, "seq_len": s, "step_s": t, "flops": f}
+                               for (b, s, t), f in zip(points, fs)], "fit": fit},
+                   provenance or {}, clock, overhead)
+
     def describe(self) -> str:
         m = self.measured
         when = self.provenance.get("time_utc", "time not recorded")
-        return (f"calibrated: {self.achieved_flops / 1e9:.3g} GFLOP/s achieved by a real LoRA step of "
+        pts = m.get("points")
+        shape = (" and ".join(f"{p['batch_size']} x {p['seq_len']}" for p in pts) if pts
+                 else f"{m.get('batch_size')} x {m.get('seq_len')}")
+        over = f" + {self.overhead_s:.3g} s/step overhead" if self.overhead_s else ""
+        if str(m.get("fit", "")).startswith("through the origin"):
+            over += f" (fit {m['fit']})"
+        return (f"calibrated: {self.achieved_flops / 1e9:.3g} GFLOP/s{over}, from real LoRA steps of "
                 f"{m.get('model', '?')} (rank {m.get('rank')}, {len(m.get('targets', []))} targets, batch "
-                f"{m.get('batch_size')} x {m.get('seq_len')}, {self.step_s:.3g} s/step {self.clock}) on "
-                f"{self.device}, {when}")
+                f"{shape}, {self.step_s:.3g} s/step {self.clock} at the first) on {self.device}, {when}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -227,9 +282,10 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
         if _device_key(calibration.device) != _device_key(device):
             raise ArchsearchError("--lora-calibration", f"measured on {calibration.device}, the fine-tune is "
                                   f"planned on {device}", "calibrate on the device the fine-tune runs on")
-        return {"step_s": flops / calibration.achieved_flops, "flops_per_step": flops,
-                "achieved_flops": calibration.achieved_flops, "calibrated": True, "method": calibration.describe(),
-                "calibration": calibration.to_dict(), "device": device, "formula": LORA_STEP_FORMULA + " / achieved FLOP/s"}
+        return {"step_s": calibration.step_seconds(flops), "flops_per_step": flops,
+                "achieved_flops": calibration.achieved_flops, "overhead_s": calibration.overhead_s, "calibrated": True,
+                "method": calibration.describe(), "calibration": calibration.to_dict(), "device": device,
+                "formula": "overhead_s + " + LORA_STEP_FORMULA + " / achieved FLOP/s"}
     from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
 
     dev = get_device(device)
@@ -244,18 +300,21 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
 
 
 CALIBRATIONS = "lora_calibration"
+CALIBRATION_BATCHES = (1, 4)  # the two measured steps of a calibration (batch sizes at one sequence length)
 
 
 def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, threads: int | None = None,
                    progress: Callable[[str], None] = print,
                    measure_fn: Callable | None = None) -> dict[str, LoraCalibration | str]:
-    """Each candidate's own LoRA step calibration: one short real LoRA fine-tune (peft,
+    """Each candidate's own LoRA step calibration: two short real LoRA fine-tunes (peft,
     :func:`archsearch.planning.measure.measure_lora_step`; random weights of its shape, the same
-    speed) at batch 1 x min(seq_len, 128), one warm-up and two timed steps, on this machine.
-    A small model reaches a far lower FLOP/s than a large one, so each candidate is calibrated
-    on itself, not on another. Saved as ``OUT/lora_calibration/<candidate>.json`` and reused
-    when the plan is run again (resume). A candidate whose measurement fails maps to the
-    reason (its time stays uncalibrated, and says why)."""
+    speed) at batch 1 and 4 x min(seq_len, 128), one warm-up and two timed steps each, on this
+    machine, and the line through them (:meth:`LoraCalibration.from_steps`: a per-step overhead
+    plus FLOPs over an achieved FLOP/s). A small model reaches a far lower FLOP/s than a large
+    one, so each candidate is calibrated on itself, not on another. Saved as
+    ``OUT/lora_calibration/<candidate>.json`` and reused when the plan is run again (resume; a
+    one-point calibration from an earlier version is measured again). A candidate whose
+    measurement fails maps to the reason (its time stays uncalibrated, and says why)."""
     import re
     import statistics
 
@@ -272,26 +331,35 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
         if path.is_file():
             cal = LoraCalibration.load(path, "--calibrate-lora")
             m = cal.measured
-            if (m.get("rank"), tuple(m.get("targets", ())), _device_key(cal.device)) == (
-                    ft.lora.rank, tuple(ft.lora.targets), _device_key(ft.device)):
+            if (m.get("rank"), tuple(m.get("targets", ())), _device_key(cal.device), len(m.get("points", ()))) == (
+                    ft.lora.rank, tuple(ft.lora.targets), _device_key(ft.device), len(CALIBRATION_BATCHES)):
                 result[c.name] = cal
                 progress(f"plan: [{i}/{len(candidates)}] {c.name}: LoRA step calibration read from {path}")
                 continue
-        progress(f"plan: [{i}/{len(candidates)}] {c.name}: calibrating the LoRA step time (a real peft step, "
-                 f"rank {ft.lora.rank}, batch 1 x {seq}, {threads} threads)")
+        progress(f"plan: [{i}/{len(candidates)}] {c.name}: calibrating the LoRA step time (real peft steps, "
+                 f"rank {ft.lora.rank}, batch {' and '.join(map(str, CALIBRATION_BATCHES))} x {seq}, {threads} threads)")
+        runs = []
         try:
-            r = measure_fn(spec=c.spec, rank=ft.lora.rank, targets=ft.lora.targets, batch_size=1, seq_len=seq,
-                           steps=2, threads=threads)
+            for b in CALIBRATION_BATCHES:
+                runs.append(measure_fn(spec=c.spec, rank=ft.lora.rank, targets=ft.lora.targets, batch_size=b,
+                                       seq_len=seq, steps=2, threads=threads))
         except (RuntimeError, OSError, ArchsearchError) as e:  # e.g. out of memory: said, not hidden
             result[c.name] = f"calibration measurement failed: {str(e).strip().splitlines()[-1][:300]}"
             progress(f"plan: {c.name}: {result[c.name]}")
             continue
+        r = runs[0]
         measured = {"model": f"{c.name}: {r['weights']}", "threads": r["threads"],
-                    "steps_timed": len(r["step_wall_s"]), "step_wall_s": r["step_wall_s"], "step_cpu_s": r["step_cpu_s"]}
+                    "steps_timed": len(r["step_wall_s"]), "step_wall_s": [x["step_wall_s"] for x in runs],
+                    "step_cpu_s": [x["step_cpu_s"] for x in runs]}
         prov = provenance(extra_packages=("peft",))
-        cal = LoraCalibration.from_step(c.spec, ft.lora, 1, seq, statistics.median(r["step_wall_s"]), ft.device,
-                                        measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions",
-                                                                        "device", "command")})
+        try:
+            cal = LoraCalibration.from_steps(
+                c.spec, ft.lora, [(b, seq, statistics.median(x["step_wall_s"])) for b, x in zip(CALIBRATION_BATCHES, runs)],
+                ft.device, measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions", "device", "command")})
+        except ArchsearchError as e:  # e.g. equal FLOPs: no line through the steps
+            result[c.name] = f"calibration not usable: {e}"
+            progress(f"plan: {c.name}: {result[c.name]}")
+            continue
         cal.save(path)
         result[c.name] = cal
         progress(f"plan: {c.name}: {cal.describe()}")

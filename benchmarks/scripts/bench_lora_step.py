@@ -112,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("memory", "time"), help="run one part (memory need not run quiet)")
     ap.add_argument("--quick", action="store_true", help="each block's calibration and first held-out configuration")
     ap.add_argument("--out", help="folder: appends to OUT/lora_step.jsonl, writes OUT/calibration-cpu.json and the figure")
+    ap.add_argument("--reanalyse", metavar="TIME_UTC", help="measure nothing: the two-point calibration check on the "
+                    "recorded time run of OUT/lora_step.jsonl whose provenance time_utc starts with TIME_UTC, appended")
     args = ap.parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(Path(args.out or "results/lora"), args.reanalyse)
     if args.steps < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--steps, --rounds and --threads must be >= 1")
 
@@ -144,6 +148,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# appended to {out / 'lora_step.jsonl'}", file=sys.stderr)
     else:
         print(json.dumps(doc, default=str))
+    return 0
+
+
+def reanalyse(out: Path, when: str) -> int:
+    """:func:`two_point_check` on a recorded time run, appended as its own document (its
+    provenance: this analysis; ``source``: the run's)."""
+    from archsearch.fileio import append_line, read_jsonl_lines
+    from archsearch.provenance import provenance
+
+    docs = [d for d in read_jsonl_lines(out / "lora_step.jsonl", "LoRA step results")
+            if d.get("rows") and d.get("design") and d["provenance"]["time_utc"].startswith(when)]
+    if len(docs) != 1:
+        raise SystemExit(f"--reanalyse: {len(docs)} time runs in {out / 'lora_step.jsonl'} start at {when!r}; need one")
+    src = docs[0]
+    two = two_point_check(src["rows"])
+    for x in two:
+        print(f"{x['clock']:<4} {x['config']:<44} @{x['position']:<3} two-point x{x['ratio_measured_over_two_point']:.3f} "
+              f"(overhead {x['overhead_s']:.3f} s = {x['overhead_share_of_calibration']:.0%} of the calibration step), "
+              f"one-point x{x['ratio_measured_over_one_point']:.3f}")
+    doc = {"benchmark": "lora_step_two_point", "source": {"time_utc": src["provenance"]["time_utc"],
+                                                          "design": src["design"]}, "two_point": two,
+           "provenance": provenance(extra_packages=("peft",))}
+    append_line(out / "lora_step.jsonl", json.dumps(doc, default=str))
+    print(f"# appended to {out / 'lora_step.jsonl'}", file=sys.stderr)
     return 0
 
 
@@ -307,12 +335,61 @@ def time_part(blocks, args, prov) -> dict:
                                 "max_over_min": max(x[f"step_{c}_s_measured"] for x in cr)
                                 / min(x[f"step_{c}_s_measured"] for x in cr), "n": len(cr)} for c in ("wall", "cpu")}
     summ["calibration_drift"] = drift
+    two = two_point_check(rows)
+    summ["two_point"] = {c: summary("ratio_measured_over_two_point", [dict(x, position=x["position"]) for x in two
+                                                                       if x["clock"] == c]) for c in ("wall", "cpu")}
     for k, v in summ.items():
         print(f"# {k}: {json.dumps(v)}")
     return {"calibration": {c: cals[0][c].to_dict() for c in ("wall", "cpu")},
             "calibrations": {_key(blocks[bi][0]): {c: cals[bi][c].to_dict() for c in ("wall", "cpu")} for bi in cals},
             "schedule": "time: one process, each block's calibration configuration before and after every "
-                        "held-out one, repeated --rounds times", "rows": rows, "summary": summ}
+                        "held-out one, repeated --rounds times", "rows": rows, "two_point": two, "summary": summ}
+
+
+def two_point_check(rows: list[dict]) -> list[dict]:
+    """What ``archsearch plan --calibrate-lora`` now does (:meth:`LoraCalibration.from_steps`):
+    a line ``overhead + flops / achieved`` through a block's calibration step (mean of the
+    calibration entries around its batch-4 entry) and its batch-4 step at the same sequence
+    length, in the same round, predicting that round's batch-1 held-out steps (longer
+    sequences). Against the one-point prediction from the same calibration entries."""
+    out = []
+    for r4 in [r for r in rows if r["role"] == "held-out" and r["batch"] == 4]:
+        blk = [r for r in rows if r["block"] == r4["block"]]
+        cal_near = [r for r in blk if r["role"] != "held-out" and abs(r["position"] - r4["position"]) == 1]
+        # the round: the block's consecutive entries around this one
+        lo = max(r["position"] for r in blk if r["position"] <= r4["position"] and _round_start(blk, r["position"]))
+        rnd = [r for r in blk if lo <= r["position"] <= _round_end(blk, lo)]
+        for clock in ("wall", "cpu"):
+            tc = statistics.mean(r[f"step_{clock}_s_measured"] for r in cal_near)
+            fc, f4, t4 = cal_near[0]["flops_per_step"], r4["flops_per_step"], r4[f"step_{clock}_s_measured"]
+            slope = (t4 - tc) / (f4 - fc)
+            over = tc - slope * fc
+            if over < 0:
+                slope, over = (tc * fc + t4 * f4) / (fc * fc + f4 * f4), 0.0
+            for h in [r for r in rnd if r["role"] == "held-out" and r["batch"] == 1]:
+                p2, p1 = over + slope * h["flops_per_step"], tc * h["flops_per_step"] / fc
+                meas = h[f"step_{clock}_s_measured"]
+                out.append({"config": h["config"], "position": h["position"], "clock": clock,
+                            "second_point": r4["config"], "overhead_s": over, "achieved_flops": 1 / slope,
+                            "overhead_share_of_calibration": over / tc, "measured_s": meas,
+                            "predicted_two_point_s": p2, "ratio_measured_over_two_point": meas / p2,
+                            "predicted_one_point_s": p1, "ratio_measured_over_one_point": meas / p1,
+                            "calibration_entries_s": [r[f"step_{clock}_s_measured"] for r in cal_near]})
+    return out
+
+
+def _round_start(blk: list[dict], pos: int) -> bool:
+    """A round of a block starts at a calibration entry that follows another block's entry (or
+    the schedule's start)."""
+    r = next(x for x in blk if x["position"] == pos)
+    return r["role"] != "held-out" and not any(x["position"] == pos - 1 for x in blk)
+
+
+def _round_end(blk: list[dict], start: int) -> int:
+    pos = start
+    while any(x["position"] == pos + 1 for x in blk):
+        pos += 1
+    return pos
 
 
 def plot(rows: list[dict], memory: dict | None, png: Path) -> Path:
