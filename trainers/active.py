@@ -118,8 +118,9 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     from archsearch.laws.active import Pool, propose
     from archsearch.search.measure import file_lock
     from archsearch.trainers.data import prepare_data
-    from archsearch.trainers.loop import RUN_FILE, _write_json, read_record, train
-    from archsearch.trainers.sweep import _failed_record, to_run_record
+    from archsearch.fileio import write_json
+    from archsearch.trainers.loop import RUN_FILE, read_record, train
+    from archsearch.trainers.sweep import failed_record, to_run_record
 
     datas = {json.dumps(dataclasses.asdict(s.data), sort_keys=True, default=str) for s in sweeps}
     if len(datas) != 1:
@@ -144,10 +145,11 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
 
     with file_lock(lock):
         if not (out / "plan.json").is_file():
-            _write_json(out / "plan.json", {"settings": to_dict(cfg), "law": law, "pool": [
+            write_json(out / "plan.json", {"settings": to_dict(cfg), "law": law, "pool": [
                 {"run_id": e["run_id"], "params": float(pool.X["N"][i]), "tokens": e["tokens"],
                  "hidden_over_sqrt_n": float(pool.X["x1"][i]), "mlp_to_attn_ratio": float(pool.X["x2"][i]),
-                 "flops": float(pool.flops[i]), "level": e["level"]} for i, e in enumerate(pool_entries)]})
+                 "flops": float(pool.flops[i]), "level": e["level"]} for i, e in enumerate(pool_entries)]},
+                       default=str)
 
     def records():
         return {i: read_record(out / "runs" / e["run_id"]) for i, e in enumerate(pool_entries)}
@@ -230,8 +232,8 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
                 raise
             except Exception as err:  # one bad run is recorded; the plan goes on without it
                 run_dir.mkdir(parents=True, exist_ok=True)
-                _write_json(run_dir / RUN_FILE, _failed_record(e["spec"], e["run_id"], e["tokens"],
-                                                               e["point"]["seed"], str(err)))
+                write_json(run_dir / RUN_FILE, failed_record(e["spec"], e["run_id"], e["tokens"],
+                                                              e["point"]["seed"], str(err)), default=str)
             finally:
                 claims.release(e["run_id"])
     rows = [to_run_record(r, pool_entries[i]["point"]) for i, r in records().items() if r]

@@ -338,8 +338,8 @@ def _shape_logpred(shape: np.ndarray, lx1: np.ndarray, lx2: np.ndarray) -> tuple
     a, u1, b, u2 = (shape[..., i] for i in range(4))
     if np.ndim(shape) == 2:
         a, u1, b, u2 = (v[:, None] for v in (a, u1, b, u2))
-    h1, dh1 = forms._h(lx1, u1)
-    h2, dh2 = forms._h(lx2, u2)
+    h1, dh1 = forms.h_and_slope(lx1, u1)
+    h2, dh2 = forms.h_and_slope(lx2, u2)
     F, G = 1.0 + a * h1, 1.0 + b * h2
     y = np.log(F) + np.log(G)
     if np.ndim(shape) == 2:
@@ -439,7 +439,7 @@ def offset_bootstrap(fit, X: dict, L: np.ndarray, n: int, seed: int = 0,
     bounds = np.array(forms.get_form(fit.law).bounds({**X, "Lref": np.ones(L.size)}, L))[[1, 2, 3, 4]]
     c = fit.coefficients
     try:
-        k, a1, u1, b1, u2 = forms._mult_from(c, None)
+        k, a1, u1, b1, u2 = forms.CONDITIONAL_MULTIPLICATIVE.from_coefficients(c, None)
         start = np.array([a1 / math.exp(k), u1, b1, u2])
     except ValueError:            # a factor without curvature: start flat at the box centre
         start = np.array([1e-3, 0.5 * (lx1.min() + lx1.max()), 1e-3, 0.5 * (lx2.min() + lx2.max())])
@@ -494,10 +494,10 @@ class Pool:
     @classmethod
     def of(cls, specs: Sequence, tokens: Sequence[float], levels: Sequence[int]) -> "Pool":
         from archsearch.arch import training_flops
-        from archsearch.laws.fit import _spec_arrays
+        from archsearch.laws.fit import spec_arrays
 
         return cls(tuple(specs), np.asarray(tokens, float), np.asarray(levels, int),
-                   _spec_arrays(specs, tokens),
+                   spec_arrays(specs, tokens),
                    np.array([training_flops(s, t) for s, t in zip(specs, tokens)]))
 
     def __len__(self) -> int:

@@ -167,8 +167,8 @@ def cramer_rao_sd(pool, idx, noise, coefs=TRUE) -> tuple[float, float]:
     a, u1 = coefs["a1"] / fa, math.log(coefs["a2"] / coefs["a1"])
     b, u2 = coefs["b1"] / fb, math.log(coefs["b2"] / coefs["b1"])
     idx = np.asarray(idx, int)
-    h1, dh1 = forms._h(np.log(pool.X["x1"][idx]), u1)
-    h2, dh2 = forms._h(np.log(pool.X["x2"][idx]), u2)
+    h1, dh1 = forms.h_and_slope(np.log(pool.X["x1"][idx]), u1)
+    h2, dh2 = forms.h_and_slope(np.log(pool.X["x2"][idx]), u2)
     F, G = 1 + a * h1, 1 + b * h2
     lev = pool.level[idx]
     J = np.stack([h1 / F, a * dh1 / F, h2 / G, b * dh2 / G] + [(lev == g).astype(float) for g in np.unique(lev)],
