@@ -103,6 +103,8 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     sam = {k: v for r in rec for k, v in r["samples"].items()}
     assert 1 <= len(sam["job_start_s"]) <= 6 and all(0 < x < 600 for x in sam["job_start_s"])
     assert all(x >= 0 for x in sam["job_end_s"]) and sam["worker_start_s"][0] > 0
+    # measured from the job's process start: a job queued behind its array's others waited apart
+    assert len(sam["queue_wait_s"]) == len(sam["job_start_s"]) and all(x >= 0 for x in sam["queue_wait_s"])
     assert sam["engine_process_start_s"] and all(x > 0 for x in sam["engine_process_start_s"])
     assert sam["engine_start_s.hf"] and rec[0]["data_prep_s"] >= 0
     assert p["startups"]["study_record"] == str(out / "startups.json")
