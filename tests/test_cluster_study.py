@@ -70,8 +70,10 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     assert "still running from an earlier coordinator" in again.stderr
     ledger = json.loads((jobs / "ledger.json").read_text())
     assert len(ledger) == 6 and all(len(v) == 1 for v in ledger.values())  # each run submitted once
-    job_dirs = [d for d in jobs.iterdir() if d.is_dir() and "%" not in d.name]
-    assert len(job_dirs) == 6  # ... and each ran as exactly one job
+    # ... and each ran as exactly one job (a job's folder holds its log; a Slurm array's own
+    # folder holds only its submission script)
+    job_dirs = [d for d in jobs.iterdir() if d.is_dir() and any(d.glob("*_log.err"))]
+    assert len(job_dirs) == 6
     recs = [json.loads(p.read_text()) for p in runs.glob("*/run.json")]
     assert len(recs) == 6 and all(r["status"] == "ok" for r in recs)
     # the search ran as two Optuna workers (jobs), each shape measured once
@@ -101,6 +103,8 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     sam = {k: v for r in rec for k, v in r["samples"].items()}
     assert 1 <= len(sam["job_start_s"]) <= 6 and all(0 < x < 600 for x in sam["job_start_s"])
     assert all(x >= 0 for x in sam["job_end_s"]) and sam["worker_start_s"][0] > 0
+    # measured from the job's process start: a job queued behind its array's others waited apart
+    assert len(sam["queue_wait_s"]) == len(sam["job_start_s"]) and all(x >= 0 for x in sam["queue_wait_s"])
     assert sam["engine_process_start_s"] and all(x > 0 for x in sam["engine_process_start_s"])
     assert sam["engine_start_s.hf"] and rec[0]["data_prep_s"] >= 0
     assert p["startups"]["study_record"] == str(out / "startups.json")

@@ -7,8 +7,9 @@ scheduler, the engine), so they are measured, not assumed:
 
 - a study that runs its stages as jobs (``cluster.executor: local | slurm``) records its own in
   ``<study>/startups.json`` (per coordinator run, with where and when): per proxy job the seconds
-  from its submission to its first training step (``job_start_s``: spawn, imports, accelerate,
-  data, model) and its other non-step seconds until the coordinator saw it end (``job_end_s``:
+  from its start (its submission, or its process's start where it waited in the scheduler's
+  queue: ``queue_wait_s``, recorded apart) to its first training step (``job_start_s``: spawn,
+  imports, accelerate, data, model) and its other non-step seconds until the coordinator saw it end (``job_end_s``:
   evaluations, saving, exit, polling); for the search stage the seconds from the workers'
   submission to their first trial (``worker_start_s``) and from the last trial's end to the last
   worker seen ended (``worker_end_s``); per paired comparison the isolated engine process's
@@ -43,6 +44,9 @@ FIGURES: dict[str, tuple[float, str]] = {
                           "Python with torch/transformers/accelerate, data, model)"),
     "job_end_s": (0.0, "a proxy job's non-step seconds after its first step until the coordinator "
                        "sees it end (evaluations, saving, exit, polling)"),
+    "queue_wait_s": (0.0, "a proxy job's seconds in the scheduler's queue, from submission to its process "
+                          "start (recorded, not priced: the plan places jobs one after another on their "
+                          "slots, and queueing behind other users is not predicted)"),
     "proxy_lead_s": (0.0, "the coordinator's seconds in the proxy stage before its first submission, "
                           "tokenisation excluded"),
     "worker_start_s": (30.0, "a search worker job's seconds from submission to its first trial"),
@@ -141,10 +145,14 @@ def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]]
 
 def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None) -> dict[str, list[float]]:
     """Per proxy job this coordinator saw run from its first session to its end (one attempt,
-    not a resumed run): submission to first step, and its other non-step seconds."""
+    not a resumed run): from its start (its submission, or where the job noted it, when its
+    process began: a Slurm job may wait in the queue behind its own array's other jobs, which
+    the plan already places one after another) to its first step, and its other non-step
+    seconds; ``queue_wait_s``: submission to process start, where the job noted it."""
+    from archsearch.cluster.study import JOB_FILE
     from archsearch.trainers.loop import read_record
 
-    start, end = [], []
+    start, end, wait = [], [], []
     for key, r in results.items():
         if r.status != "ok" or r.submitted is None or r.ended is None or r.attempts != 1:
             continue
@@ -152,9 +160,17 @@ def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None
         first, train_s = rec.get("first_step_unix"), rec.get("train_time_s")
         if first is None or train_s is None or rec.get("sessions") != 1:
             continue
-        start.append(first - r.submitted)
+        try:
+            began = json.loads((Path(run_dirs[key]) / JOB_FILE).read_text())["process_started_unix"]
+        except (OSError, ValueError, KeyError, TypeError):
+            began = None
+        t0 = max(r.submitted, began) if began is not None else r.submitted
+        if began is not None:
+            wait.append(max(0.0, began - r.submitted))
+        start.append(first - t0)
         end.append(r.ended - first - train_s)
-    return {"job_start_s": start, "job_end_s": end, "proxy_lead_s": [lead_s] if lead_s is not None else []}
+    return {"job_start_s": start, "job_end_s": end, "queue_wait_s": wait,
+            "proxy_lead_s": [lead_s] if lead_s is not None else []}
 
 
 def search_samples(results: dict, study, measurements: Path, backend: str, lead_s: float | None,

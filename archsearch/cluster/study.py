@@ -35,12 +35,25 @@ def _has_record(run_dir: Path) -> bool:
     return rec is not None and rec.get("status") in ("ok", "failed")
 
 
+JOB_FILE = "job.json"
+
+
+def _note_process_start(run_dir: Path) -> None:
+    """``run_dir/job.json``: when this job's process began (after any wait in the scheduler's
+    queue), so that its start-up is measured from there, not from its submission."""
+    import psutil
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / JOB_FILE, {"process_started_unix": psutil.Process().create_time()})
+
+
 def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
     """Job: train one proxy run into ``run_dir`` (resumes from its checkpoint); with more than
     one GPU through ``accelerate launch`` of ``archsearch train`` on the same folder."""
     from archsearch.trainers.loop import train
 
     out = Path(run_dir)
+    _note_process_start(out)
     if gpus <= 1:
         train(spec, tc, data_cfg, out, progress=False)
         return
