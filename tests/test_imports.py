@@ -74,18 +74,7 @@ def test_importing_a_package_imports_only_what_it_declares(mod):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# (file, private name) pairs in files another session is editing: the lead points each at the public
-# name when merging, then removes it here and the alias left beside the public name (a fixed entry fails)
-PENDING = {
-    ("archsearch/cluster/study.py", "archsearch.trainers.loop._write_json"),
-    ("archsearch/cluster/study.py", "archsearch.trainers.sweep._failed_record"),
-    ("archsearch/cluster/study.py", "archsearch.search.pipeline._load_study"),
-    ("trainers/active.py", "archsearch.trainers.loop._write_json"),
-    ("trainers/active.py", "archsearch.trainers.sweep._failed_record"),
-    ("archsearch/laws/active.py", "archsearch.laws.fit._spec_arrays"),
-    ("archsearch/search/plan.py", "archsearch.search.checks._planned_groups"),
-    ("benchmarks/scripts/bench_active_proxies.py", "archsearch.laws.forms._h"),
-}
+PENDING: set[tuple[str, str]] = set()  # (file, private name) pairs allowed for now: none
 
 
 def _module_name(path: Path) -> str:

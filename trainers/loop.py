@@ -112,11 +112,6 @@ def run_id_for(spec: ArchSpec, tokens: float, seed: int) -> str:
             f"-f{spec.ffn}-D{tokens:.3g}-s{seed}-{h}").replace("+", "")
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    # still imported by two files: see PENDING in tests/test_imports.py; write_json is the public name
-    write_json(path, obj, default=str)
-
-
 def read_record(out_dir: Path) -> dict | None:
     p = Path(out_dir) / RUN_FILE
     if not p.is_file():

@@ -91,7 +91,6 @@ def failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason:
             "final_eval_loss": None, "provenance": provenance(device=False)}
 
 
-_failed_record = failed_record  # old name, still used: see PENDING in tests/test_imports.py
 
 
 def _train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, progress: bool,

@@ -26,7 +26,7 @@ def _log(msg: str) -> None:
     print(f"[search] {msg}", file=sys.stderr, flush=True)
 
 
-def _has_record(run_dir: Path) -> bool:
+def has_record(run_dir: Path) -> bool:
     """A proxy run is finished when its ``run.json`` says ok, or failed by the loop itself (e.g.
     diverged: training it again would give the same); a run's record says running meanwhile."""
     from archsearch.trainers.loop import read_record
@@ -137,7 +137,7 @@ def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
         else:
             target.mkdir(parents=True, exist_ok=True)
             link.symlink_to(target, target_is_directory=True)
-        if _has_record(target):
+        if has_record(target):
             reused.append(target.name)
     return reused
 
@@ -147,8 +147,9 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
     whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on).
     ``study``: the study folder, whose ``startups.json`` gets the jobs' measured start-ups."""
     from archsearch.cluster import startup
-    from archsearch.trainers.loop import RUN_FILE, _write_json, token_budget
-    from archsearch.trainers.sweep import _failed_record
+    from archsearch.fileio import write_json
+    from archsearch.trainers.loop import RUN_FILE, token_budget
+    from archsearch.trainers.sweep import failed_record
 
     t_enter = time.time()
     tasks = []
@@ -161,7 +162,7 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
     for run_id, spec, tc in runs:
         run_dir = out_dir / "runs" / run_id
         tasks.append(Task(key=run_id, fn=train_proxy, args=(spec, tc, data_cfg, str(run_dir), cluster.gpus_per_job),
-                          is_done=partial(_has_record, run_dir), gpus=cluster.gpus_per_job))
+                          is_done=partial(has_record, run_dir), gpus=cluster.gpus_per_job))
     _log(f"proxy sweep {sweep.name}: {len(tasks)} runs as {cluster.executor} jobs "
          f"({cluster.jobs_at_once} at once)")
     results = run_tasks(tasks, cluster, jobs_dir)
@@ -178,8 +179,8 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
             spec, tc = t.args[0], t.args[1]
             run_dir = Path(t.args[3])
             run_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(run_dir / RUN_FILE, _failed_record(spec, t.key, token_budget(spec, tc), tc.seed,
-                                                           f"{r.attempts} job(s) failed: {r.reason}"))
+            write_json(run_dir / RUN_FILE, failed_record(spec, t.key, token_budget(spec, tc), tc.seed,
+                                                         f"{r.attempts} job(s) failed: {r.reason}"), default=str)
     return results
 
 
@@ -209,9 +210,9 @@ def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
     gpus = min(1, cfg.cluster.gpus_per_job)
 
     def study_done() -> bool:
-        from archsearch.search.pipeline import _load_study
+        from archsearch.search.pipeline import load_study
 
-        study = _load_study(ctx)
+        study = load_study(ctx)
         return study is not None and distinct_measured(study) >= cfg.optuna.n_trials
 
     folder = out / JOBS_DIR / "search"
@@ -224,10 +225,10 @@ def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
     _log(f"search: {len(tasks)} Optuna workers as {cfg.cluster.executor} jobs")
     results = run_tasks(tasks, cfg.cluster, folder)
     from archsearch.cluster import startup
-    from archsearch.search.pipeline import _load_study
+    from archsearch.search.pipeline import load_study
 
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
     startup.record(out, "search", cfg.cluster.executor,
-                   startup.search_samples(results, _load_study(ctx), out / "measurements.jsonl", cfg.measure.backend,
+                   startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.backend,
                                           min(subs) - t_enter if subs else None, since=t_enter))
     return results

@@ -364,7 +364,6 @@ def spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float],
             "R": np.array([s.hidden_size / s.n_layers for s in specs], dtype=float)}
 
 
-_spec_arrays = spec_arrays  # old name, still used: see PENDING in tests/test_imports.py
 
 
 def run_arrays(runs: Sequence["RunRecord"]) -> tuple[forms.Data, np.ndarray]:

@@ -219,7 +219,6 @@ def h_and_slope(logx, u):
     return lv + iv - 1.0, iv - 1.0        # h(x/x*), dh/du
 
 
-_h = h_and_slope  # old name, still used: see PENDING in tests/test_imports.py
 
 
 def _cond_box_u(X):

@@ -244,7 +244,6 @@ def planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
     return groups
 
 
-_planned_groups = planned_groups  # old name, still used: see PENDING in tests/test_imports.py
 
 
 def check_reference_data(cfg: StudyConfig) -> None:

@@ -342,7 +342,6 @@ def load_study(ctx):
     return study
 
 
-_load_study = load_study  # old name, still used: see PENDING in tests/test_imports.py
 
 
 def _wait_for_running(study, timeout_s: float = 3600) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from archsearch.arch import describe
 from archsearch.errors import ArchsearchError
-from archsearch.search.checks import _planned_groups, baseline_spec, proxy_sweeps, vocab_size
+from archsearch.search.checks import planned_groups, baseline_spec, proxy_sweeps, vocab_size
 from archsearch.search.config import StudyConfig
 
 # -- assumptions, each printed with the plan ------------------------------------------------------
@@ -212,7 +212,11 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
         cal = Calibration.load(m.calibration)
     spec = measured_baseline(cfg)
     b = predict_batch(spec, dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
-    su = startups or StartupProfile()
+    if startups is None:
+        from archsearch.cluster.startup import StartupProfile
+
+        startups = StartupProfile()
+    su = startups
     start = su.s(f"engine_start_s.{m.backend}")
     first = su.s(f"engine_first_start_s.{m.backend}")
     proc_s = su.s("engine_process_start_s")
@@ -317,14 +321,14 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                                     "train": tc})
         # runs already trained cost nothing: in the shared store (another study trained them) or in
         # this study folder (a resumed study)
-        from archsearch.cluster.study import _has_record, content_key
+        from archsearch.cluster.study import has_record, content_key
 
         for item in proxy_specs:
             own = out / "proxies" / item["sweep"].name / "runs" / item["run"]
             shared = (Path(cfg.proxy.store).expanduser() / content_key(item["run"], item["train"], item["sweep"].data)
                       if cfg.proxy.store else None)
-            item["done"] = ("store" if shared is not None and _has_record(shared) else
-                            "study" if _has_record(own) else None)
+            item["done"] = ("store" if shared is not None and has_record(shared) else
+                            "study" if has_record(own) else None)
         n_done = sum(1 for i in proxy_specs if i["done"])
         active = cfg.proxy.plan == "active"
         a = cfg.proxy.active
@@ -339,7 +343,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                                "they cost nothing below)" if n_done else ""), "runs": runs_n,
                             "runs_already_trained": n_done,
                             "tokens": proxy_tokens, "train_flops": proxy_flops,
-                            "nd_groups": len(_planned_groups(cfg))})
+                            "nd_groups": len(planned_groups(cfg))})
     p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.reference}, "
                         f"{cfg.law.bootstrap} bootstrap resamples)" if not cfg.law.file
                         else f"load {cfg.law.file}"})
