@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from archsearch.arch import ArchSpec, load_arch
 from archsearch.errors import ArchsearchError
+from archsearch.hardware import device_key
 from archsearch.planning.limits import Limits, check_limits
 from archsearch.planning.lora import LoraSettings, lora_params, predict_lora_memory
 
@@ -246,21 +247,14 @@ class LoraCalibration:
             d = json.loads(p.read_text())
         except (OSError, ValueError) as e:
             raise ArchsearchError(field_name, f"cannot read {p}: {e}",
-                                  "give the JSON a LoRA calibration wrote (bench_lora_step --calibration-out, "
-                                  "or plan --calibrate-lora)") from None
+                                  "give the JSON a LoRA calibration wrote (plan --calibrate-lora, or "
+                                  "bench_lora_step --out DIR, which writes DIR/calibration-cpu.json)") from None
         if not isinstance(d, dict) or d.get("kind") != "lora_calibration":
             raise ArchsearchError(field_name, f"{p} is not a LoRA calibration (no kind: lora_calibration)")
         try:
             return cls(**{k: v for k, v in d.items() if k != "kind"})
         except TypeError as e:
             raise ArchsearchError(field_name, f"{p}: {e}") from None
-
-
-def _device_key(name: str) -> str:
-    """The device table's name (``cpu`` as is: no peak measurement just to compare names)."""
-    from archsearch.hardware import get_device
-
-    return "cpu" if name.lower() == "cpu" else get_device(name).name
 
 
 def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
@@ -279,7 +273,7 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
     if calibration is not None:
         if mfu is not None:
             raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
-        if _device_key(calibration.device) != _device_key(device):
+        if device_key(calibration.device) != device_key(device):
             raise ArchsearchError("--lora-calibration", f"measured on {calibration.device}, the fine-tune is "
                                   f"planned on {device}", "calibrate on the device the fine-tune runs on")
         return {"step_s": calibration.step_seconds(flops), "flops_per_step": flops,
@@ -331,8 +325,8 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
         if path.is_file():
             cal = LoraCalibration.load(path, "--calibrate-lora")
             m = cal.measured
-            if (m.get("rank"), tuple(m.get("targets", ())), _device_key(cal.device), len(m.get("points", ()))) == (
-                    ft.lora.rank, tuple(ft.lora.targets), _device_key(ft.device), len(CALIBRATION_BATCHES)):
+            if (m.get("rank"), tuple(m.get("targets", ())), device_key(cal.device), len(m.get("points", ()))) == (
+                    ft.lora.rank, tuple(ft.lora.targets), device_key(ft.device), len(CALIBRATION_BATCHES)):
                 result[c.name] = cal
                 progress(f"plan: [{i}/{len(candidates)}] {c.name}: LoRA step calibration read from {path}")
                 continue

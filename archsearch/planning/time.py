@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from archsearch.arch import ArchSpec, active_non_embedding_params, non_embedding_params, training_flops
+from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import Device, get_device
 from archsearch.planning.cost import resolve_price, training_cost
@@ -150,7 +151,7 @@ def _fit_form(form: str, X: np.ndarray, logT: np.ndarray, starts: int = 8,
 
 
 @dataclass
-class TimeLaw:
+class TimeLaw(PlainData):
     """A fitted training-time law. ``predict`` gives wall seconds per data-parallel replica."""
 
     form: str
@@ -194,11 +195,6 @@ class TimeLaw:
         d = asdict(self)
         d["formula"] = _FORMULAS[self.form]
         return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TimeLaw":
-        keys = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in keys})
 
     def save(self, path: str | Path) -> Path:
         from archsearch.fileio import write_json
