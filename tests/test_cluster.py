@@ -87,7 +87,7 @@ def _coordinator(tmp: str) -> None:
     from archsearch.cluster.executor import run_tasks
 
     tmp_path = Path(tmp)
-    run_tasks(_tasks(tmp_path, {"quick": (0.2, 0), "slow1": (6.0, 0), "slow2": (6.0, 0)}),
+    run_tasks(_tasks(tmp_path, {"quick": (3.0, 0), "slow1": (6.0, 0), "slow2": (6.0, 0)}),
               ClusterConfig(executor="local", jobs_at_once=2, poll_s=0.2), tmp_path / "jobs", log=lambda m: None)
 
 
@@ -99,15 +99,17 @@ def test_coordinator_killed_midway_repeats_nothing(tmp_path):
     p = ctx.Process(target=_coordinator, args=(str(tmp_path),))
     p.start()
     deadline = time.time() + 60
-    while time.time() < deadline and not ((tmp_path / "quick").is_file() and (tmp_path / "slow1.log").is_file()):
-        time.sleep(0.1)
+    # killed while both slots run (the coordinator only polls then): a kill in the milliseconds
+    # between a submission and its ledger entry would submit that task again (executor docstring)
+    while time.time() < deadline and not ((tmp_path / "quick.log").is_file() and (tmp_path / "slow1.log").is_file()):
+        time.sleep(0.05)
     os.kill(p.pid, signal.SIGKILL)  # the coordinator only: its jobs live on
     p.join()
     ledger = json.loads((tmp_path / "jobs" / "ledger.json").read_text())
     assert set(ledger) == {"quick", "slow1"}  # slow2 waited for a free slot when it died
     assert not (tmp_path / "slow1").is_file()  # still running
     logs: list[str] = []
-    res = run_tasks(_tasks(tmp_path, {"quick": (0.2, 0), "slow1": (6.0, 0), "slow2": (6.0, 0)}),
+    res = run_tasks(_tasks(tmp_path, {"quick": (3.0, 0), "slow1": (6.0, 0), "slow2": (6.0, 0)}),
                     ClusterConfig(executor="local", jobs_at_once=2, poll_s=0.2), tmp_path / "jobs", log=logs.append)
     assert all(r.status == "ok" for r in res.values())
     assert any("slow1: job" in m and "still running" in m for m in logs)

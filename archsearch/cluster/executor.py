@@ -9,6 +9,10 @@ every submission (job id, GPUs, process start time), so a coordinator that resta
 - submits again a task whose job ended without its output, up to ``max_retries`` times,
   then reports it failed with the tail of the job's stderr.
 
+One window is not covered: a coordinator killed after the scheduler accepted a job but before
+its ledger entry was written (the milliseconds of one ``submit``) does not know that job, and its
+successor submits the task again, so that task may run twice at once.
+
 The job outputs (submitit's pickles and logs) stay under ``folder``; submitit pickles the
 submitted call there and the job unpickles it: both are written by this user for this study.
 """
