@@ -174,7 +174,7 @@ def fake_training(monkeypatch):
     """Training that writes run.json with the known law's loss; records what it trained."""
     from archsearch.arch import non_embedding_params
     from archsearch.laws import forms
-    from archsearch.laws.fit import spec_arrays
+    from archsearch.laws.lawfile import spec_arrays
     from archsearch.laws.synthetic import TRUE_CHINCHILLA
     import archsearch.trainers.data
     import archsearch.trainers.loop

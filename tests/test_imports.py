@@ -32,6 +32,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "archsearch.cli": (set(), set()),                      # subcommands load their engines on use
     "archsearch.laws": (set(), {"numpy"}),
     "archsearch.laws.fit": (set(), {"numpy"}),
+    "archsearch.laws.lawfile": (set(), {"numpy"}),
     "archsearch.planning": (set(), {"numpy"}),
     "archsearch.trainers": (set(), set()),
     "archsearch.trainers.config": (set(), set()),

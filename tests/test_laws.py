@@ -14,7 +14,7 @@ from archsearch.cli import main
 from archsearch.errors import ArchsearchError
 from archsearch.laws import FitOptions, fit_law, load_law, optimum, progressive_validation, solve
 from archsearch.laws import forms
-from archsearch.laws.fit import run_arrays
+from archsearch.laws.lawfile import run_arrays
 from archsearch.laws.synthetic import TRUE_CHINCHILLA, synthetic_runs
 from archsearch.rundata import RunRecord, write_runs
 

@@ -280,7 +280,8 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
     import dataclasses
 
     from archsearch.laws.diagnostics import cluster
-    from archsearch.laws.fit import fit_law, run_arrays
+    from archsearch.laws.fit import fit_law
+    from archsearch.laws.lawfile import run_arrays
 
     if options.reference != "best-observed" or options.reference_law is not None or law not in forms.CONDITIONAL:
         return fit_law(runs, law, options)
@@ -494,7 +495,7 @@ class Pool:
     @classmethod
     def of(cls, specs: Sequence, tokens: Sequence[float], levels: Sequence[int]) -> "Pool":
         from archsearch.arch import training_flops
-        from archsearch.laws.fit import spec_arrays
+        from archsearch.laws.lawfile import spec_arrays
 
         return cls(tuple(specs), np.asarray(tokens, float), np.asarray(levels, int),
                    spec_arrays(specs, tokens),

@@ -17,10 +17,10 @@ import numpy as np
 
 from archsearch.figures import count, log_axis, log_ticks, save, styled
 from archsearch.laws import forms
-from archsearch.laws.fit import run_arrays
+from archsearch.laws.lawfile import run_arrays
 
 if TYPE_CHECKING:
-    from archsearch.laws.fit import FitResult
+    from archsearch.laws.lawfile import FitResult
     from archsearch.rundata import RunRecord
 
 
@@ -42,7 +42,7 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
             return None
         X, L = run_arrays(runs)
         if fit.law in forms.CONDITIONAL:
-            from archsearch.laws.fit import reference_loss
+            from archsearch.laws.lawfile import reference_loss
 
             X["Lref"] = reference_loss(fit.reference, X["N"], X["D"])
         return X, L, fit.predict_arrays(X)

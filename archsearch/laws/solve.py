@@ -26,7 +26,7 @@ from archsearch.laws.forms import CONDITIONAL
 if TYPE_CHECKING:
     from archsearch.arch import ArchSpec
     from archsearch.candidates import BuildSettings
-    from archsearch.laws.fit import FitResult
+    from archsearch.laws.lawfile import FitResult
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Optimum:
 
 def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) -> Optimum:
     """Closed-form optimum (x1* = a2/a1, r* = b2/b1) of a conditional law, with bootstrap intervals."""
-    from archsearch.laws.fit import quantiles
+    from archsearch.laws.lawfile import quantiles
 
     if fit.law not in CONDITIONAL:
         raise ArchsearchError("law", f"{fit.law} has no closed-form optimum in (hidden/sqrt(N), r)",
@@ -99,7 +99,7 @@ def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) 
 
 
 def _optimum_loss(law, c, x1, x2, ref, params, tokens) -> float:
-    from archsearch.laws.fit import reference_loss
+    from archsearch.laws.lawfile import reference_loss
 
     X = {"x1": np.array([x1]), "x2": np.array([x2]),
          "Lref": reference_loss(ref, np.array([float(params)]), np.array([float(tokens)]))}
@@ -292,7 +292,7 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
 
 def _predict_specs(fit, specs, tokens, can_predict, params) -> list[float]:
     """Losses of the shapes' ratios at the budget ``params`` (snapping moves each one's own N)."""
-    from archsearch.laws.fit import spec_arrays
+    from archsearch.laws.lawfile import spec_arrays
 
     if not specs:
         return []

@@ -34,7 +34,7 @@ def synthetic_runs(law: str, coefficients: dict[str, float], sizes: Sequence[flo
     that do not build within the 2% budget tolerance are skipped."""
     from archsearch.candidates import BuildSettings, build_candidate
     from archsearch.laws import forms
-    from archsearch.laws.fit import spec_arrays
+    from archsearch.laws.lawfile import spec_arrays
 
     if law not in forms.LAWS:
         raise ArchsearchError("law", f"unknown law {law!r}", f"use one of {list(forms.LAWS)}")
