@@ -403,27 +403,32 @@ def plot(rows: list[dict], memory: dict | None, png: Path) -> Path:
     def draw() -> Path:
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-        ax = axes[0]
         held = [r for r in rows if r["role"] == "held-out"]
-        models = sorted({r["model"] for r in held})
-        for mi, m in enumerate(models):
-            sel = [r for r in held if r["model"] == m]
-            for j, r in enumerate(sel):
-                x = r["batch"] * r["seq_len"] * (1.04 if r["batch"] > 1 else 1.0)
-                lo, hi = r["ratio_wall_measured_over_adjacent_interval"]
-                y = r["ratio_wall_measured_over_adjacent"]
-                ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o" if r["batch"] == 1 else "s",
-                            color=f"C{mi}", capsize=3, label=m.split(" (")[0] if j == 0 else None)
-                ax.scatter([x], [r["ratio_wall_measured_over_calibrated"]], marker="x", color=f"C{mi}")
-        ax.axhline(1.0, color="grey", ls="--", lw=1)
-        figures.log_axis(ax, "x")
-        ax.set_xlabel("tokens per step (circles: batch 1 x seq_len; squares: 4 x 128)")
-        ax.set_ylabel("measured / predicted s per step (wall)")
-        ax.set_title("time: adjacent calibrations (bars: interval); x: first calibration", fontsize=9)
-        ax.legend(loc="best", fontsize=7)
-        ax = axes[1]
-        if memory:
+        panels = (["time"] if held else []) + (["memory"] if memory else [])
+        if not panels:
+            raise ValueError("nothing to plot: no held-out time rows and no memory rows")
+        fig, grid = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4), squeeze=False)
+        axes = dict(zip(panels, grid[0]))
+        if "time" in axes:
+            ax = axes["time"]
+            models = sorted({r["model"] for r in held})
+            for mi, m in enumerate(models):
+                sel = [r for r in held if r["model"] == m]
+                for j, r in enumerate(sel):
+                    x = r["batch"] * r["seq_len"] * (1.04 if r["batch"] > 1 else 1.0)
+                    lo, hi = r["ratio_wall_measured_over_adjacent_interval"]
+                    y = r["ratio_wall_measured_over_adjacent"]
+                    ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="o" if r["batch"] == 1 else "s",
+                                color=f"C{mi}", capsize=3, label=m.split(" (")[0] if j == 0 else None)
+                    ax.scatter([x], [r["ratio_wall_measured_over_calibrated"]], marker="x", color=f"C{mi}")
+            ax.axhline(1.0, color="grey", ls="--", lw=1)
+            figures.log_axis(ax, "x")
+            ax.set_xlabel("tokens per step (circles: batch 1 x seq_len; squares: 4 x 128)")
+            ax.set_ylabel("measured / predicted s per step (wall)")
+            ax.set_title("time, one-point calibration at 1 x 128: adjacent (bars: interval); x: first", fontsize=9)
+            ax.legend(loc="best", fontsize=7)
+        if "memory" in axes:
+            ax = axes["memory"]
             mr = memory["rows"]
             xs = range(len(mr))
             ax.scatter(xs, [r["peak_ratio_measured_over_predicted"] for r in mr], marker="o", color="C0",
@@ -437,7 +442,7 @@ def plot(rows: list[dict], memory: dict | None, png: Path) -> Path:
             ax.axhline(1.0, color="grey", ls="--", lw=1)
             ax.set_ylabel("measured / predicted peak memory above weights")
             ax.legend(loc="best", fontsize=7)
-        ax.set_title("peak memory (RSS high-water mark)", fontsize=9)
+            ax.set_title("peak memory (RSS high-water mark)", fontsize=9)
         return figures.save(fig, png)
 
     return draw()
