@@ -198,21 +198,19 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     # one record per measured pair; a group of k shapes measured in one process (optuna.seeds_together)
     # is written as k-1 pair records sharing its timing (group_size k): counted once, its engines'
     # starts the baseline's and each shape's
+    from archsearch.fileio import read_jsonl_lines
+
     groups: dict[tuple, list[dict]] = {}
-    if measurements.is_file():
-        for line in measurements.read_text().splitlines():
-            try:
-                res = json.loads(line).get("result") or {}
-            except json.JSONDecodeError:
-                continue
-            tm, when = res.get("timing") or {}, (res.get("provenance") or {}).get("time_utc")
-            starts = tm.get("engine_start_s") or []
-            if not res.get("ok") or not when or not starts or None in starts or tm.get("wall_s") is None \
-                    or tm.get("rounds_s") is None:
-                continue
-            if dt.datetime.fromisoformat(when).timestamp() + 1 < t0 + tm["wall_s"]:  # an earlier run's
-                continue
-            groups.setdefault((when, tm["wall_s"], tm["rounds_s"], tm.get("group_size")), []).append(tm)
+    for rec in read_jsonl_lines(measurements):  # the measurement store's own reader
+        res = rec.get("result") or {}
+        tm, when = res.get("timing") or {}, (res.get("provenance") or {}).get("time_utc")
+        starts = tm.get("engine_start_s") or []
+        if not res.get("ok") or not when or not starts or None in starts or tm.get("wall_s") is None \
+                or tm.get("rounds_s") is None:
+            continue
+        if dt.datetime.fromisoformat(when).timestamp() + 1 < t0 + tm["wall_s"]:  # an earlier run's
+            continue
+        groups.setdefault((when, tm["wall_s"], tm["rounds_s"], tm.get("group_size")), []).append(tm)
     proc, first, nxt = [], [], []
     for (_, wall, rounds, _k), tms in groups.items():
         starts = [tms[0]["engine_start_s"][0]] + [x for tm in tms for x in tm["engine_start_s"][1:]]
