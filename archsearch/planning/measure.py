@@ -111,14 +111,8 @@ def measure_peak_memory(kind: str, spec: ArchSpec, batch_size: int, a: int, b: i
     """
     if kind not in ("inference", "training"):
         raise ArchsearchError("kind", f"{kind!r}", "use inference or training")
-    payload = json.dumps({"kind": kind, "spec": spec.to_dict(), "batch": batch_size, "a": a, "b": b,
-                          "threads": threads})
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(threads))
-    p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", payload],
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"memory measurement failed ({p.returncode}): {p.stderr[-2000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    job = {"kind": kind, "spec": spec.to_dict(), "batch": batch_size, "a": a, "b": b, "threads": threads}
+    return _run_child(job, timeout, "memory measurement")
 
 
 def measure_training_time(spec: ArchSpec, tokens: int, batch_size: int, seq_len: int,
@@ -270,12 +264,12 @@ def measure_lora_schedule(models: dict[str, dict[str, Any]], schedule: list[dict
     spec dict}`` (random weights). For ratios between neighbouring entries on a machine whose
     speed drifts; peak memory needs one process per configuration (:func:`measure_lora_step`)."""
     job = {"kind": "lora_schedule", "models": models, "schedule": schedule, "steps": steps, "threads": threads}
-    return _run_lora_child(job, timeout, "LoRA schedule measurement")
+    return _run_child(job, timeout, "LoRA schedule measurement")
 
 
-def _run_lora_child(job: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
-    """``job`` run by this module in a fresh subprocess (``threads`` OpenMP threads); its last
-    stdout line is the result."""
+def _run_child(job: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
+    """``job`` (a memory or LoRA measurement) run by this module in a fresh subprocess
+    (``threads`` OpenMP threads); its last stdout line is the result."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(job["threads"]))
     p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", json.dumps(job)],
                        capture_output=True, text=True, timeout=timeout, env=env)
@@ -300,7 +294,7 @@ def measure_lora_step(*, model: str | None = None, spec: ArchSpec | None = None,
         raise ArchsearchError("steps", f"must be >= 1, got {steps}")
     job = {"kind": "lora", "model": model, "spec": None if spec is None else spec.to_dict(), "rank": rank,
            "targets": list(targets), "batch": batch_size, "seq_len": seq_len, "steps": steps, "threads": threads}
-    return _run_lora_child(job, timeout, "LoRA step measurement")
+    return _run_child(job, timeout, "LoRA step measurement")
 
 
 if __name__ == "__main__":
