@@ -403,6 +403,32 @@ def test_test_retest_statistics_account_for_the_second_pass_noise():
     assert out["spearman"] == pytest.approx(1.0) and out["pairwise_order_agreement"] == 1.0
 
 
+def test_expected_spearman_follows_the_passes_precision():
+    """Shapes 10% apart measured at +-1%: repeatable ranks (Spearman ~1); shapes that are the same
+    measured at +-3%: ranks are noise (Spearman ~0); halving the error raises the expectation."""
+    import math
+
+    from scipy import stats
+
+    from archsearch.benchmarks.scripts.bench_test_retest import expected_spearman
+
+    def est(ratio, se, n=10, level=0.9):
+        h = stats.t.ppf(0.5 + level / 2, n - 1) * se
+        return {"ratio": ratio, "lo": ratio * math.exp(-h), "hi": ratio * math.exp(h), "level": level, "n": n}
+
+    apart = [est(1.1 ** i, 0.006) for i in range(6)]
+    sure = expected_spearman(apart, apart, draws=300)
+    assert sure[0]["spearman_mean"] > 0.99 and sure[0]["p_spearman_at_least_0_9"] == 1.0
+    same_a = [est(1 + 0.01 * (-1) ** i, 0.02) for i in range(6)]
+    same_b = [est(1 - 0.01 * (-1) ** i, 0.02) for i in range(6)]
+    noise = expected_spearman(same_a, same_b, draws=300)
+    assert abs(noise[0]["spearman_mean"]) < 0.15 and noise[0]["p_spearman_at_least_0_9"] < 0.1
+    close = [est(1 + 0.02 * i, 0.015) for i in range(6)]
+    by_scale = expected_spearman(close, close, scales=(1.0, 0.5), draws=300)
+    assert by_scale[1]["spearman_mean"] > by_scale[0]["spearman_mean"] + 0.05
+    assert by_scale[1]["mean_rel_halfwidth"] == pytest.approx(by_scale[0]["mean_rel_halfwidth"] / 2)
+
+
 def test_calibration_chooses_the_model_variant_by_leave_one_shape_out_error(tmp_path):
     """Engine data made by an additive (compute + memory) step with per-sequence and per-head
     overheads: the fit picks that variant on the fitted shapes alone and predicts held-out shapes closely,

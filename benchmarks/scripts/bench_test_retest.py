@@ -83,6 +83,42 @@ def calibration_of_intervals(a: list[dict], b: list[dict]) -> dict:
             "agree_within_combined_interval": float(sum(within) / len(within))}
 
 
+def expected_spearman(a: list[dict], b: list[dict], scales=(1.0, 2 / 3, 1 / 2), draws: int = 4000,
+                      seed: int = 0) -> list[dict]:
+    """The Spearman between two passes that the passes' own precision predicts, by simulation.
+
+    The shapes' true log ratios are taken as the two passes' mean, shrunk towards their centre by
+    the share of its spread that the passes' noise explains (the mean of two noisy passes spreads
+    wider than the truth); each pass is redrawn around them with its shapes' standard errors,
+    multiplied by each ``scale`` (2/3: intervals a third narrower, about 2.25x the rounds).
+    Returned per scale: the mean Spearman, its 10% quantile and the chance it reaches 0.9. When
+    shapes lie closer together than the error, no honest measurement ranks them repeatably; this
+    says what precision a target needs."""
+    import math
+
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    if len(a) < 3:
+        return []
+    la, lb = np.log([x["ratio"] for x in a]), np.log([x["ratio"] for x in b])
+    sa, sb = np.array([_log_se(x) for x in a]), np.array([_log_se(x) for x in b])
+    mu = (la + lb) / 2
+    spread = float(np.var(mu, ddof=1))
+    keep = math.sqrt(max(0.0, 1 - float(np.mean((sa ** 2 + sb ** 2) / 4)) / spread)) if spread > 0 else 0.0
+    truth = mu.mean() + keep * (mu - mu.mean())
+    rng = np.random.default_rng(seed)
+    out = []
+    for scale in scales:
+        rho = np.array([spearmanr(truth + rng.normal(0, sa * scale), truth + rng.normal(0, sb * scale)).statistic
+                        for _ in range(draws)])
+        out.append({"se_scale": float(scale), "mean_rel_halfwidth": float(np.mean(
+                        [(x["hi"] - x["lo"]) / 2 / x["ratio"] for x in a + b]) * scale),
+                    "spearman_mean": float(rho.mean()), "spearman_q10": float(np.quantile(rho, 0.1)),
+                    "p_spearman_at_least_0_9": float((rho >= 0.9 - 1e-9).mean())})
+    return out
+
+
 def agreement(a: list[dict], b: list[dict]) -> dict:
     """Spearman, pairwise order agreement and interval coverage of pass b against pass a."""
     from scipy.stats import spearmanr
@@ -94,9 +130,22 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
             "pairwise_order_agreement": agree / len(pairs) if pairs else None,
             "coverage_of_pass2_in_pass1_interval": sum(x["lo"] <= y["ratio"] <= x["hi"] for x, y in zip(a, b)) / len(a),
             **calibration_of_intervals(a, b),
+            "expected_spearman": expected_spearman(a, b),
             "nominal_level": a[0]["level"] if a else None, "n_shapes": len(a),
             "spread_max_over_min_ratio": max(ra) / min(ra) if ra else None,
             "mean_rel_halfwidth": sum((x["hi"] - x["lo"]) / 2 / x["ratio"] for x in a + b) / len(a + b)}
+
+
+def reanalyse(path: Path) -> int:
+    from archsearch.fileio import read_jsonl_lines
+
+    for i, run in enumerate(read_jsonl_lines(path)):
+        a, b = run["passes"]
+        ok = [j for j in range(len(a)) if a[j].get("ok") and b[j].get("ok") and "lo" in a[j] and "lo" in b[j]]
+        print(json.dumps({"run": i, "burn_one_core": run.get("burn_one_core"), "group": run.get("group"),
+                          "paired": run.get("paired"),
+                          **agreement([a[j] for j in ok], [b[j] for j in ok])}), flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +161,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="a second engine of the baseline in every group (measure.paired.twin): ratios over the "
                          "two baseline engines, intervals widened by the engine-instance spread pooled over the "
                          "pass's groups")
+    ap.add_argument("--rel-halfwidth", type=float, default=None,
+                    help="stop a group when every ratio's interval is this tight (default: the config's "
+                         "measure.paired.rel_halfwidth)")
+    ap.add_argument("--max-rounds", type=int, default=None,
+                    help="round budget of a group (default: the config's measure.paired.max_rounds)")
     ap.add_argument("--out-dir", default="results/bench")
+    ap.add_argument("--reanalyse", action="store_true",
+                    help="measure nothing: print the agreement statistics (with the expected Spearman) of every "
+                         "run stored in OUT_DIR/test_retest.jsonl")
     args = ap.parse_args(argv)
+    if args.reanalyse:
+        return reanalyse(Path(args.out_dir) / "test_retest.jsonl")
     from archsearch.laws import load_law
     from archsearch.search.config import load_study_config
     from archsearch.search.measure import measured_shape, resolve_backend
@@ -137,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = cfg.measure.bench_settings(backend)
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.burn else None
     load_before = list(os.getloadavg())
-    paired = replace(cfg.measure.paired, twin=True) if args.twin else cfg.measure.paired
+    paired = replace(cfg.measure.paired, twin=args.twin or cfg.measure.paired.twin,
+                     rel_halfwidth=args.rel_halfwidth or cfg.measure.paired.rel_halfwidth,
+                     max_rounds=args.max_rounds or cfg.measure.paired.max_rounds)
     passes, groups, instance = [], [], []
     try:
         for k in (1, 2):
@@ -179,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     append_jsonl(Path(args.out_dir) / "test_retest.jsonl", summary)
     print(json.dumps({k: summary[k] for k in ("benchmark", "burn_one_core", "spearman", "pairwise_order_agreement",
                                               "coverage_of_pass2_in_pass1_interval", "expected_coverage_if_calibrated",
-                                              "agree_within_combined_interval", "nominal_level", "n_shapes",
+                                              "agree_within_combined_interval", "expected_spearman", "nominal_level", "n_shapes",
                                               "spread_max_over_min_ratio", "mean_rel_halfwidth",
                                               "instance_variance", "load_average_start_end")}))
     return 0
