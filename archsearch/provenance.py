@@ -7,6 +7,7 @@ traced to the code, the engine versions and the hardware that produced it.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 import sys
@@ -75,9 +76,11 @@ def git_revision() -> str | None:
 
 
 def provenance(extra_packages: Iterable[str] = (), device: bool = True) -> dict[str, Any]:
-    """Versions of the core and the named extra packages, device, host, UTC time, git rev."""
+    """Versions of the core and the named extra packages, device, host, UTC time, how busy the
+    host was (load average over 1, 5, 15 min: relative speeds on a shared machine move with it), git rev."""
     return {
         "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "host": platform.node(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
