@@ -198,13 +198,15 @@ def search_worker(cfg, out: str, marker: str) -> None:
     atomic_write(marker, "done\n")
 
 
-def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
+def run_search_workers(cfg, out: Path, stage_start: float | None = None) -> dict[str, TaskResult]:
     """The search stage as ``measure_workers`` jobs (one engine, one GPU each where GPUs are
-    used); a worker is done once the study has its trials."""
+    used); a worker is done once the study has its trials. ``stage_start``: when the search stage
+    began (its lead is measured from there; default: this call)."""
     from archsearch.search.pipeline import search_context
     from archsearch.search.study import distinct_measured
 
     t_enter = time.time()
+    stage_start = t_enter if stage_start is None else min(stage_start, t_enter)
     ctx = search_context(cfg, out)
     inline = replace(cfg, cluster=replace(cfg.cluster, executor="inline", jobs_at_once=1, measure_workers=1))
     gpus = min(1, cfg.cluster.gpus_per_job)
@@ -230,5 +232,17 @@ def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
     startup.record(out, "search", cfg.cluster.executor,
                    startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.backend,
-                                          min(subs) - t_enter if subs else None, since=t_enter))
+                                          min(subs) - stage_start if subs else None, since=t_enter))
     return results
+
+
+def record_search_tail(out: Path, results: dict[str, TaskResult], since: float) -> None:
+    """``search_tail_s``: the coordinator's seconds from seeing the last of the search workers it
+    submitted (at or after ``since``) end until now, the search stage's end (the study read back,
+    the best shape chosen); added to this run's search record in ``startups.json``."""
+    from archsearch.cluster import startup
+
+    ends = [r.ended for r in results.values() if r.ended is not None and r.submitted is not None
+            and r.submitted >= since]
+    if ends:
+        startup.add_samples(out, "search", {"search_tail_s": [time.time() - max(ends)]})

@@ -228,13 +228,20 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     def comparison_s(k: int, rounds: int) -> float:
         return proc_s + first + (k - 1) * start + k * m.warmup * t + rounds * k * t
 
-    per = {"low": comparison_s(2, lo_r), "high": comparison_s(2, hi_r)}
+    # a trial's seconds outside its comparison's engine process, and the worker's gap to its next trial
+    trial_s = su.s("trial_overhead_s") + su.s("trial_gap_s")
+    per = {"low": comparison_s(2, lo_r) + trial_s, "high": comparison_s(2, hi_r) + trial_s}
     k0 = n["seed_group"]
-    group = {"low": comparison_s(k0 + 1, lo_r), "high": comparison_s(k0 + 1, hi_r)} if k0 else {"low": 0.0, "high": 0.0}
+    # the seed group is measured before the seeds' trials (priced as one trial's overhead); each
+    # seed's trial then reads its pair
+    read_s = k0 * (su.s("trial_read_s") + su.s("trial_gap_s"))
+    group = {"low": comparison_s(k0 + 1, lo_r) + su.s("trial_overhead_s") + read_s,
+             "high": comparison_s(k0 + 1, hi_r) + su.s("trial_overhead_s") + read_s} if k0 else {"low": 0.0, "high": 0.0}
     workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
     job_s = su.s("worker_start_s") if cfg.cluster.parallel else 0.0
-    # the coordinator before the workers' submission, and after the last trial until it sees them end
-    around_s = su.s("search_lead_s") + su.s("worker_end_s") if cfg.cluster.parallel else 0.0
+    # the coordinator before the workers' submission, after the last trial until it sees them end,
+    # and after that until the stage ends
+    around_s = su.s("search_lead_s") + su.s("worker_end_s") + su.s("search_tail_s") if cfg.cluster.parallel else 0.0
     nw = {k: -(-n[k] // workers) for k in ("low", "high")}  # pairs of the busiest worker
     out: dict[str, Any] = {
         "device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
@@ -260,13 +267,21 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
             f"{su.get('engine_first_start_s.' + m.backend).label()}, each next "
             f"{su.get('engine_start_s.' + m.backend).label()}), {m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
             f"({m.input_len} in + {m.output_len} out) tokens",
-            f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
-            f"roofline of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
+            f"a batch takes {t:.3g} s: the "
+            + (f"roofline calibrated by {m.calibration}" if cal else
+               "UNCALIBRATED roofline (peak figures: optimistic, so the timed rounds' seconds are a lower bound; "
+               "measure.calibration prices them with a calibration of this device and engine)")
+            + " of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
             + f" on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
+            f"a trial that measures its comparison spends {su.get('trial_overhead_s').label()} outside its engine "
+            f"process (the shape sampled and built, the law, the measurement store; the seed group priced the same), "
+            f"a seed's trial reading its group's pair {su.get('trial_read_s').label()}, and a worker "
+            f"{su.get('trial_gap_s').label()} between its trials",
             f"{workers} Optuna worker(s) measure at once, one GPU each"
             + (f", each a job whose first trial starts {su.get('worker_start_s').label()} after its submission; "
-               f"the coordinator's {su.get('search_lead_s').label()} before submitting them and "
-               f"{su.get('worker_end_s').label()} after the last trial until it sees them end"
+               f"the coordinator's {su.get('search_lead_s').label()} from the stage's start to submitting them, "
+               f"{su.get('worker_end_s').label()} after the last trial until it sees them end, and "
+               f"{su.get('search_tail_s').label()} after that (the study read back, the best shape chosen)"
                if cfg.cluster.parallel else "")]}
     if gqa:
         secs = {k: sum(comparison_s(g, r) for g in gqa[k]) for k, r in (("low", lo_r), ("high", hi_r))}
