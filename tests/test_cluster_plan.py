@@ -322,3 +322,41 @@ def test_search_samples_measure_trials_outside_their_comparisons(tmp_path):
     assert s["trial_gap_s"] == [pytest.approx(0.2)]
     assert s["worker_start_s"] == [pytest.approx(2.0)] and s["worker_end_s"] == [pytest.approx(1.0)]
     assert len(s["engine_process_start_s"]) == 2  # the pair and the group, each once
+
+
+def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_path, monkeypatch):
+    """The CI study's data: before anything is cached the plan tokenizes it all; once the shards
+    are in the shared cache it says so and prices reading them (data_cached_s: a stated
+    default, or measured from a profile), tokenizing nothing."""
+    from archsearch.cluster.startup import FIGURES, build_profile
+    from archsearch.fileio import write_json
+    from archsearch.search.checks import proxy_sweeps
+    from archsearch.trainers import token_budget
+    from archsearch.trainers.data import prepare_data
+
+    monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))
+    cfg = load_study_config(REPO / "configs" / "ci-cluster.yaml")
+    cold = plan(cfg, tmp_path / "a", gpus="2xcpu")
+    (d,) = cold["data"]
+    assert d["cache"]["status"] == "missing" and d["tokens_to_tokenize"] > 0
+    assert d["wall_hours"] == pytest.approx(d["cpu_hours"] / d["processes"])
+    sweep = proxy_sweeps(cfg)[0]
+    prepare_data(sweep.data, min_train_tokens=int(d["tokens_needed"]) + 1, workers=1)
+    warm = plan(cfg, tmp_path / "a", gpus="2xcpu")
+    (w,) = warm["data"]
+    assert w["cache"]["status"] == "complete" and w["tokens_to_tokenize"] == 0 and w["tokens_in_cache"] > 0
+    assert w["wall_hours"] * 3600 == pytest.approx(FIGURES["data_cached_s"][0])
+    assert w["disk_gb"] == pytest.approx(d["disk_gb"])  # the shards still take their disk
+    text = "\n".join(render(warm))
+    assert "cache complete (every shard the runs read is in the cache, read in 5 s (default: not measured))" in text
+    # measured: a study that found its shards cached recorded data_cached_s
+    folder = tmp_path / "s"
+    folder.mkdir()
+    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
+        {"stage": "proxy", "executor": "local", "time_utc": "2026-11-23T16:00:00+00:00", "host": "vm", "git": "x",
+         "device": "cpu", "command": "c", "samples": {"data_cached_s": [3.0, 3.4, 3.2]}}]})
+    write_json(tmp_path / "prof.json", build_profile([folder]))
+    m = plan(cfg, tmp_path / "a", gpus="2xcpu", profile=tmp_path / "prof.json")
+    assert m["data"][0]["wall_hours"] * 3600 == pytest.approx(3.2)
+    st = m["stages"][0]
+    assert st["data_wall_hours"] * 3600 == pytest.approx(3.2) and st["data_tokens"] == 0

@@ -86,11 +86,17 @@ def _source_tokens(data_cfg) -> tuple[float | None, str]:
     return size / TEXT_BYTES_PER_TOKEN, f"file bytes / {TEXT_BYTES_PER_TOKEN:g} bytes a token (estimate)"
 
 
-def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]], startups=None) -> list[dict[str, Any]]:
     """Per distinct (source, tokenizer) of the proxy sweeps: the tokens the largest run needs
     against what the source holds, the repetition that implies and whether ``data.max_epochs``
-    allows it, and the tokenisation's size, disk and time (shared by every run that uses it)."""
-    from archsearch.trainers.data import token_dtype
+    allows it, and the tokenisation's size, disk and time (shared by every run that uses it).
+    Shards already in the shared cache (``archsearch.trainers.data.cache_state``) are not
+    tokenized again: a complete cache costs the coordinator ``data_cached_s`` (measured or a
+    default), a partial one that and the tokens still missing."""
+    from archsearch.cluster.startup import StartupProfile
+    from archsearch.trainers.data import cache_state, token_dtype
+
+    su = startups or StartupProfile()
 
     groups: dict[tuple, dict[str, Any]] = {}
     for item in proxy_specs:
@@ -114,6 +120,10 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict
             to_tok = min(to_tok, available)
         epochs = g["need"] / available if available else None
         rate, procs = TOKENIZE_TOKENS_PER_S_PER_PROCESS, data_processes(cfg)
+        cache = cache_state(dc, g["need"] + 1)  # as the sweep's coordinator asks for it
+        whole = to_tok
+        to_tok = to_tok * cache.missing_fraction
+        read_s = su.s("data_cached_s") if cache.status in ("complete", "partial") else 0.0
         out.append({
             "source": ",".join(srcs), "tokenizer": tokenizer, "sweeps": sorted(g["sweeps"]),
             "tokens_needed": g["need"], "tokens_available": available, "available_from": how,
@@ -124,9 +134,13 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict
                         f"repeats the source {epochs:.2f} times: allowed by data.max_epochs={g['max_epochs']:g}"
                         if epochs <= g["max_epochs"] else
                         f"REFUSED before training: needs {epochs:.2f} passes > data.max_epochs={g['max_epochs']:g}"),
-            "tokens_to_tokenize": to_tok, "dtype": dtype.name,
-            "disk_gb": to_tok * dtype.itemsize / 1e9,
-            "cpu_hours": to_tok / rate / 3600, "wall_hours": to_tok / (rate * procs) / 3600, "processes": procs,
+            "tokens_to_tokenize": to_tok, "tokens_in_cache": cache.tokens_present, "dtype": dtype.name,
+            "cache": {"status": cache.status, "folder": cache.folder, "note": cache.note,
+                      "missing_fraction": cache.missing_fraction,
+                      **({"read": su.get("data_cached_s").label()} if read_s or cache.status != "missing" else {})},
+            "disk_gb": whole * dtype.itemsize / 1e9,
+            "cpu_hours": to_tok / rate / 3600, "wall_hours": (to_tok / (rate * procs) + read_s) / 3600,
+            "processes": procs,
         })
     return out
 
@@ -392,7 +406,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     p["stages"].append({"stage": "report", "action": "summary.json, report.md, trials.csv, plots"})
     p["baseline"] = describe(base)
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
-    p["data"] = data_needs(cfg, proxy_specs)
+    p["data"] = data_needs(cfg, proxy_specs, su)
     data_wall = sum(d["wall_hours"] for d in p["data"])
     if p["data"]:  # the proxy stage prepares its data (in the coordinator) before any run trains
         p["stages"][0].update({"data_tokens": sum(d["tokens_to_tokenize"] for d in p["data"]),
@@ -481,8 +495,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                         f"({TOKENIZE_SOURCE}), {data_processes(cfg)} processes (executor {cfg.cluster.executor}: "
                         f"{'a 32-core coordinator node, assumed' if cfg.cluster.executor == 'slurm' else 'this machine'}"
                         "); a streamed source is tokenized up to the largest run's budget plus its held-out "
-                        "head, files whole; download time, BPE training, and shards already in the cache "
-                        "(which cost nothing) are not counted",
+                        "head, files whole; shards already in the shared cache (found as the study finds "
+                        "them, nothing tokenized) are not tokenized again: reading a complete cache costs "
+                        f"{su.get('data_cached_s').label()}, a partial one that plus the tokens still missing; "
+                        "download time and BPE training are not counted",
                         "data: a source's size comes from its dataset card or its file bytes; every run of "
                         "the same source and tokenizer shares one tokenisation"]
     return p
@@ -512,7 +528,9 @@ def render(p: dict[str, Any]) -> list[str]:
         avail = "unknown" if d["tokens_available"] is None else f"{d['tokens_available']:.3g}"
         lines.append(f"  data {d['source']} ({d['tokenizer']}): needs {d['tokens_needed']:.3g} tokens "
                      f"(largest run of {', '.join(d['sweeps'])}), holds {avail} ({d['available_from']}): "
-                     f"{d['verdict']}; tokenize {d['tokens_to_tokenize']:.3g} tokens as {d['dtype']}, "
+                     f"{d['verdict']}; cache {d['cache']['status']} ({d['cache']['note']}"
+                     + (f", read in {d['cache']['read']}" if d["cache"].get("read") else "") + "); "
+                     f"tokenize {d['tokens_to_tokenize']:.3g} tokens as {d['dtype']}, "
                      f"{d['disk_gb']:.3g} GB, {d['cpu_hours']:.3g} CPU-h, {d['wall_hours']:.3g} h wall")
     c = p["compute"]
     lines.append(f"  compute: proxies {c['proxy_train_flops']:.3g} FLOPs; final training "
