@@ -360,3 +360,22 @@ def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_
     assert m["data"][0]["wall_hours"] * 3600 == pytest.approx(3.2)
     st = m["stages"][0]
     assert st["data_wall_hours"] * 3600 == pytest.approx(3.2) and st["data_tokens"] == 0
+
+
+def test_dry_run_prices_training_with_a_given_mfu(tmp_path, paper, capsys):
+    """`search --dry-run --mfu X` prices every run's training at X (a measured one, e.g. from a
+    calibration study's runs) instead of the assumed 0.40, and says so; without --dry-run the
+    flag is refused before any work."""
+    from archsearch.cli import main
+
+    cfg, p0 = paper
+    p = plan(cfg, tmp_path / "o", gpus="8xH100", mfu=0.2)
+    r, r0 = p["compute"]["proxy_runs"][0], p0["compute"]["proxy_runs"][0]
+    start_h = (JOB_START_S + FIGURES["job_end_s"][0]) / 3600
+    assert r["hours"] - start_h == pytest.approx(2 * (r0["hours"] - start_h))
+    assert any("(MFU 0.2: given with --mfu)" in a for a in p["compute"]["assumptions"])
+    assert any("pass --dry-run --mfu or --time-law" in a for a in p0["compute"]["assumptions"])
+    rc = main(["search", "--config", str(REPO / "configs" / "paper-1b.yaml"), "--out", str(tmp_path / "x"),
+               "--mfu", "0.3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--mfu" in err and "--dry-run" in err and not (tmp_path / "x").exists()

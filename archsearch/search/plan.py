@@ -311,9 +311,12 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     return out
 
 
-def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Path | None = None) -> dict[str, Any]:
+def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Path | None = None,
+         mfu: float | None = None, time_law: str | Path | None = None) -> dict[str, Any]:
     """What the study would do, with its compute, without doing any of it. ``profile``: a machine
-    profile of start-ups (default ``cluster.profile``); the study folder's own record wins."""
+    profile of start-ups (default ``cluster.profile``); the study folder's own record wins.
+    ``mfu`` / ``time_law``: what training is priced with (``estimate_training``; default the
+    planner's assumed MFU)."""
     from archsearch.arch import total_params
     from archsearch.cluster import startup
 
@@ -436,7 +439,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
         slots = max(1, min(cfg.cluster.jobs_at_once, n_total // per_job)) if cfg.cluster.parallel else 1
         runs = []
         for item in proxy_specs:
-            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
+            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}", mfu=mfu, time_law=time_law)
             start_h = (su.s("job_start_s") + su.s("job_end_s")) / 3600 if cfg.cluster.parallel else 0.0
             if item["done"]:  # already trained: listed, not priced
                 runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
@@ -445,7 +448,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
-        fin = estimate_training(base, final_tokens, gpus)
+        fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
         if cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
             from archsearch.search.checks import check_reference_batch
 
@@ -465,7 +468,11 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                 f"executor {cfg.cluster.executor}: {slots} proxy job(s) at once, {per_job} {device} each "
                 f"(of the {n_total} named); runs are placed longest first on the first free slot",
                 "a run's time is archsearch.planning.estimate_training on its job's GPUs "
-                f"(MFU {fin.assumptions['mfu']:g}: {fin.assumptions['mfu_source']})",
+                + (f"by the time law {time_law}" if time_law else
+                   f"(MFU {fin.assumptions['mfu']:g}: "
+                   + ("given with --mfu" if mfu is not None else
+                      f"{fin.assumptions['mfu_source']}".replace("pass --mfu or --law", "pass --dry-run --mfu or --time-law"))
+                   + ")"),
                 "one FLOP figure per run: 6 N_c D, N_c = non-embedding parameters + output head",
                 (f"every proxy job reaches its first step {su.get('job_start_s').label()} after its submission "
                  f"(Python with torch, transformers and accelerate, the data read, the model built) and "
