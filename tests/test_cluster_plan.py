@@ -379,3 +379,32 @@ def test_dry_run_prices_training_with_a_given_mfu(tmp_path, paper, capsys):
                "--mfu", "0.3"])
     err = capsys.readouterr().err
     assert rc == 2 and "--mfu" in err and "--dry-run" in err and not (tmp_path / "x").exists()
+
+
+def test_the_proxy_stage_s_job_gaps_and_tail_are_priced_from_the_profile(tmp_path, paper):
+    """The coordinator's seconds between a proxy job's end and the next submission in its place
+    (each job after a slot's first) and after a sweep's last job (per sweep) are measured figures."""
+    from archsearch.cluster.startup import build_profile
+    from archsearch.fileio import write_json
+    from archsearch.search.plan import makespan
+
+    cfg, p0 = paper
+    folder = tmp_path / "a"
+    folder.mkdir()
+    where = {"time_utc": "2026-11-23T16:00:00+00:00", "host": "node7", "git": "x", "device": "H100", "command": "c"}
+    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
+        {"stage": "proxy", "executor": "slurm", **where,
+         "samples": {"job_gap_s": [400.0, 500.0, 600.0], "proxy_tail_s": [900.0]}}]})
+    write_json(tmp_path / "prof.json", build_profile([folder]))
+    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=tmp_path / "prof.json")
+    c, c0 = p["compute"], p0["compute"]
+    from archsearch.search.checks import proxy_sweeps
+
+    hours = [r["hours"] for r in c0["proxy_runs"] if r["hours"]]
+    gap = 500.0 / 3600
+    sweeps = len(proxy_sweeps(cfg))
+    expect = makespan([h + gap for h in hours], 8) - gap + (FIGURES["proxy_lead_s"][0] + sweeps * 900.0) / 3600
+    assert c["proxy_wall_hours"] == pytest.approx(expect)
+    assert c["proxy_wall_hours"] > c0["proxy_wall_hours"] + 900.0 / 3600
+    assert c["proxy_gpu_hours"] == pytest.approx(c0["proxy_gpu_hours"])  # the coordinator's seconds hold no GPU
+    assert any("500 s (measured: median of 3, 400-600" in a for a in c["assumptions"])

@@ -47,6 +47,10 @@ FIGURES: dict[str, tuple[float, str]] = {
     "queue_wait_s": (0.0, "a proxy job's seconds in the scheduler's queue, from submission to its process "
                           "start (recorded, not priced: the plan places jobs one after another on their "
                           "slots, and queueing behind other users is not predicted)"),
+    "job_gap_s": (0.0, "the coordinator's seconds from seeing a proxy job end to submitting the next one "
+                       "in its place (polling, the ledger written, the submission)"),
+    "proxy_tail_s": (0.0, "the coordinator's seconds after it sees a proxy sweep's last job end until the "
+                          "sweep's runs are collected (runs.csv, the sweep's table written)"),
     "proxy_lead_s": (0.0, "the coordinator's seconds in the proxy stage before its first submission, "
                           "tokenisation excluded"),
     "data_cached_s": (5.0, "the coordinator's data preparation when every shard its runs read is in the "
@@ -156,7 +160,8 @@ def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]]
     write_json(path, data)
 
 
-def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None) -> dict[str, list[float]]:
+def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None,
+                  since: float = 0.0) -> dict[str, list[float]]:
     """Per proxy job this coordinator saw run from its first session to its end (one attempt,
     not a resumed run): from its start (its submission, or where the job noted it, when its
     process began: a Slurm job may wait in the queue behind its own array's other jobs, which
@@ -182,7 +187,12 @@ def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None
             wait.append(max(0.0, began - r.submitted))
         start.append(first - t0)
         end.append(r.ended - first - train_s)
-    return {"job_start_s": start, "job_end_s": end, "queue_wait_s": wait,
+    # a submission after the first ones (jobs_at_once of them) waited for a slot: the coordinator's
+    # seconds from seeing the latest job end before it to that submission
+    subs = sorted(r.submitted for r in results.values() if r.submitted is not None and r.submitted >= since)
+    ends = sorted(r.ended for r in results.values() if r.ended is not None and r.ended >= since)
+    gap = [t - max(e for e in ends if e <= t) for t in subs if any(e <= t for e in ends)]
+    return {"job_start_s": start, "job_end_s": end, "queue_wait_s": wait, "job_gap_s": gap,
             "proxy_lead_s": [lead_s] if lead_s is not None else []}
 
 

@@ -177,7 +177,7 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
         subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
         lead = min(subs) - t_enter - prep_s if subs else None
         startup.record(study, "proxy", cluster.executor,
-                       {**startup.proxy_samples(results, {t.key: Path(t.args[3]) for t in tasks}, lead),
+                       {**startup.proxy_samples(results, {t.key: Path(t.args[3]) for t in tasks}, lead, since=t_enter),
                         "data_cached_s": [prep_s] if cached else []},
                        data_prep_s=round(prep_s, 3), data_tokenized_shards=data_info.get("shards_tokenized_now"))
     for t in tasks:

@@ -448,6 +448,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
+        sweeps_trained = {i["sweep"].name for i in proxy_specs if not i["done"]}
         fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
         if cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
             from archsearch.search.checks import check_reference_batch
@@ -459,8 +460,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             meas = {"error": f"{e.field}: {e.problem}"}
         p["compute"].update({
             "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
-            "proxy_wall_hours": makespan([r["hours"] for r in runs], slots)
-            + (su.s("proxy_lead_s") / 3600 if cfg.cluster.parallel and any(r["hours"] for r in runs) else 0.0),
+            "proxy_wall_hours": proxy_wall_hours([r["hours"] for r in runs], slots, cfg, su, len(sweeps_trained)),
             "proxy_jobs_at_once": slots,
             "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
             "measure": meas,
@@ -478,7 +478,9 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                  f"(Python with torch, transformers and accelerate, the data read, the model built) and "
                  f"spends {su.get('job_end_s').label()} outside its steps after that (evaluations, saving, exit, "
                  f"polling), the GPU held meanwhile; the coordinator spends {su.get('proxy_lead_s').label()} "
-                 "before its first submission"
+                 f"before its first submission, {su.get('job_gap_s').label()} from seeing a job end to "
+                 f"submitting the next in its place, and {su.get('proxy_tail_s').label()} per sweep after its "
+                 "last job until its runs are collected"
                  if cfg.cluster.parallel else "inline: runs train in this process, no job start-up")
                 + "; queueing on a busy cluster is not included"]})
         by_stage = {"proxy": {"gpu_hours": p["compute"]["proxy_gpu_hours"],
@@ -574,6 +576,18 @@ def render(p: dict[str, Any]) -> list[str]:
     for a in p.get("assumptions", []) + (dk or {}).get("assumptions", []):
         lines.append(f"  assumption: {a}")
     return lines
+
+
+def proxy_wall_hours(hours: list[float], slots: int, cfg: StudyConfig, su, sweeps: int) -> float:
+    """The proxy stage's jobs on ``slots`` (``makespan``), each job after a slot's first one
+    submitted ``job_gap_s`` after the one before it was seen ended, plus the coordinator's lead and,
+    per sweep with runs to train, its tail (data preparation is added apart)."""
+    hours = [h for h in hours if h]
+    if not hours or not cfg.cluster.parallel:
+        return makespan(hours, slots)
+    gap = su.s("job_gap_s") / 3600
+    return (makespan([h + gap for h in hours], slots) - gap + su.s("proxy_lead_s") / 3600
+            + sweeps * su.s("proxy_tail_s") / 3600)
 
 
 def makespan(hours: list[float], slots: int) -> float:
