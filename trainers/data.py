@@ -533,8 +533,11 @@ def cache_state(cfg: DataConfig, min_train_tokens: float | None = None,
         return CacheState("unknown", 1.0, note=f"the source cannot be read here ({e.problem})")
     tok = cached_tokenizer(cfg.tokenizer, cfg.cache_path, _bpe_key(cfg, source))
     if tok is None:
-        return CacheState("missing", 1.0, note=f"the tokenizer {cfg.tokenizer} is not in the cache "
-                          f"{cfg.cache_path} (not trained or fetched yet), so neither are its shards")
+        where = (f"the cache {cfg.cache_path} (not trained or converted yet)"
+                 if cfg.tokenizer.startswith("bpe:") or cfg.tokenizer.lower() == "smollm2"
+                 else "the local Hugging Face cache (not downloaded yet)")
+        return CacheState("missing", 1.0, note=f"the tokenizer {cfg.tokenizer} is not in {where}, "
+                          "so neither are its shards")
     folder = _data_folder(cfg, source, tok, shard_docs)
     itemsize = token_dtype(len(tok)).itemsize
 

@@ -47,8 +47,8 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
             t_sub = time.time()
             res = run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name,
                                  study=out)
-            ends = [r.ended for r in res.values() if r.ended is not None and r.submitted is not None
-                    and r.submitted >= t_sub]
+            # seen ended by this coordinator (its own jobs and those it adopted from an earlier one)
+            ends = [r.ended for r in res.values() if r.ended is not None and r.ended >= t_sub]
             jobs_seen_ended = max(ends) if ends else None
             sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
