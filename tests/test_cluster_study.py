@@ -83,12 +83,6 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     assert set(workers) == {"search-worker-0", "search-worker-1"}
     keys = [json.loads(x)["key"] for x in (out / "measurements.jsonl").read_text().splitlines()]
     assert len(keys) == len(set(keys))
-    # the seeds are queued before any worker samples a trial of its own: the first trial is a seed
-    import optuna
-
-    trials = optuna.load_study(study_name="tiny-cluster", storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
-    first = min(trials, key=lambda t: t.datetime_start)
-    assert first.user_attrs.get("seeded_by"), [(t.number, t.user_attrs.get("seeded_by")) for t in trials]
     # the dry-run plan listed what the study then did: its stages, its proxy runs, at most its
     # measurements (counts, not timings: bench_plan_accuracy compares the times)
     from archsearch.search.config import load_study_config

@@ -269,7 +269,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
         "wall_hours": {k: (around_s + job_s + group[k] + nw[k] * per[k]) / 3600 for k in per},
         "assumptions": [
             (f"search: the {k0} seed shapes compared with the baseline in one group of {k0 + 1} "
-             f"(optuna.seeds_together{'; the other workers wait' if workers > 1 else ''}), then " if k0 else "search: ")
+             f"(optuna.seeds_together{'; priced before every other comparison: the other workers may meanwhile measure pairs of their own, counted below, so this is a high end' if workers > 1 else ''}), then " if k0 else "search: ")
             + f"{n['low']}" + (f"-{n['high']}" if n["high"] > n["low"] else "") + " paired comparisons of the "
             f"baseline and one shape ({cfg.optuna.n_trials} measured shapes in all"
             + (f", and up to {n['high'] - n['low']} more started by the other workers before the count was reached"

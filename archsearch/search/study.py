@@ -593,27 +593,19 @@ def run_study(ctx: SearchContext, progress: bool = True):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study, storage = create_study(ctx)
     recovered = recover_stale_trials(study, storage)
-    from archsearch.search.measure import file_lock
-
-    # The seeds are enqueued before the study is marked set up (its target loss), under the storage
-    # lock: a second worker on this host waits for them, one on another host that finds no mark sets
-    # the study up too (its duplicate seeds are skipped). No worker samples a trial of its own
-    # before the seeds are queued (the seed group goes first, as the plan says).
-    with file_lock(ctx.out / ".storage.lock"):
-        fresh = "target_loss" not in study.user_attrs
-        if fresh:
-            points = seed_points(ctx)
-            ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
-                       if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
-            how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
-            for pt in points:
-                study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
-            study.set_user_attr("seeded_by", how)
-            study.set_user_attr("params", cfg.params)
-            study.set_user_attr("tokens", cfg.tokens)
-            study.set_user_attr("n_layers", cfg.n_layers)
-            study.set_user_attr("target_loss", ctx.target_loss)
-    if not fresh and not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
+    if "target_loss" not in study.user_attrs:
+        study.set_user_attr("target_loss", ctx.target_loss)
+        study.set_user_attr("params", cfg.params)
+        study.set_user_attr("tokens", cfg.tokens)
+        study.set_user_attr("n_layers", cfg.n_layers)
+        points = seed_points(ctx)
+        ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
+                   if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
+        how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
+        study.set_user_attr("seeded_by", how)
+        for pt in points:
+            study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
+    elif not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
         raise ArchsearchError("target", f"the stored study was run with target loss "
                               f"{study.user_attrs['target_loss']:.6g}, this config gives "
                               f"{ctx.target_loss:.6g}", "use a new study name or folder")
