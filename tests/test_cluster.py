@@ -272,7 +272,7 @@ def test_proxy_jobs_on_a_streamed_source_read_their_own_prefix(tmp_path, monkeyp
 
     spec = ArchSpec(n_layers=2, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=128, vocab_size=512)
     runs = [("a", spec, TrainConfig(tokens=1000)), ("b", spec, TrainConfig(tokens=5000))]
-    monkeypatch.setattr(study, "sweep_runs", lambda sweep: runs)
+    monkeypatch.setattr(study, "sweep_runs", lambda sweep, data_info=None: runs)
     seen = []
 
     def fake_run_tasks(tasks, cluster, jobs_dir):

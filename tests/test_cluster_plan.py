@@ -252,3 +252,159 @@ def test_plan_prices_only_the_proxy_runs_not_yet_trained(tmp_path):
     assert r["already_trained"] == "store" and r["gpu_hours"] == 0.0
     assert after["compute"]["proxy_gpu_hours"] < before["compute"]["proxy_gpu_hours"]
     assert "already trained (in the shared store)" in "\n".join(render(after))
+
+
+def test_the_search_stage_s_trials_and_coordinator_tail_are_priced_from_the_profile(tmp_path, paper):
+    """The search stage's seconds outside its comparisons (a trial's own, the gaps between a
+    worker's trials, a seed's trial reading its group's pair, the coordinator after the workers)
+    are measured figures like the start-ups: priced from a profile, printed with where."""
+    from archsearch.cluster.startup import build_profile
+    from archsearch.fileio import write_json
+
+    cfg, p0 = paper
+    folder = tmp_path / "a"
+    folder.mkdir()
+    where = {"time_utc": "2026-11-23T16:00:00+00:00", "host": "node7", "git": "x", "device": "H100", "command": "c"}
+    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
+        {"stage": "search", "executor": "slurm", **where,
+         "samples": {"trial_overhead_s": [0.5, 0.9, 0.7], "trial_gap_s": [0.1, 0.3], "trial_read_s": [0.2],
+                     "search_tail_s": [4.0]}}]})
+    write_json(tmp_path / "prof.json", build_profile([folder]))
+    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=tmp_path / "prof.json")
+    m, m0 = p["compute"]["measure"], p0["compute"]["measure"]
+    ov, gap, read, tail = 0.7, 0.2, 0.2, 4.0
+    k0, w = m0["seed_group"], m0["workers"]
+    for k in ("low", "high"):
+        assert m["comparison_s"][k] - m0["comparison_s"][k] == pytest.approx(ov + gap)
+        busiest = -(-m0["pairs"][k] // w)
+        group = ov + k0 * (read + gap) if k0 else 0.0
+        assert (m["wall_hours"][k] - m0["wall_hours"][k]) * 3600 == pytest.approx(tail + group + busiest * (ov + gap))
+    text = "\n".join(render(p))
+    assert "0.7 s (measured: median of 3, 0.5-0.9, on node7 (slurm executor, H100)" in text
+    assert "4 s (measured: median of 1" in text and "the best shape chosen" in text
+    # without a calibration the timed rounds are said to be a lower bound
+    assert "UNCALIBRATED roofline" in text and "lower bound" in text
+
+
+def test_search_samples_measure_trials_outside_their_comparisons(tmp_path):
+    """startup.search_samples on a study as the workers leave it: a trial that measured its own
+    pair gives its seconds outside the engine process, a seed's trial whose worker measured the
+    group gives its seconds, each worker the gaps between its trials; a trial that read another
+    worker's pair (it may have waited on its lock) is no sample."""
+    import datetime as dt
+    import json
+    from types import SimpleNamespace
+
+    from archsearch.cluster.startup import search_samples
+
+    t0 = 1_800_000_000.0
+    at = lambda s: dt.datetime.fromtimestamp(t0 + s)
+    iso = lambda s: dt.datetime.fromtimestamp(t0 + s, dt.timezone.utc).isoformat(timespec="seconds")
+    rec = lambda key, end, wall, group=None: {"key": key, "result": {
+        "ok": True, "provenance": {"time_utc": iso(end)},
+        "timing": {"engine_start_s": [2.0, 0.01] + ([0.01] if group else []), "rounds_s": 0.4, "wall_s": wall,
+                   **({"group_size": group} if group else {})}}}
+    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        rec("pair", 9.0, 5.0), rec("seed1", 10.0, 5.0, 3), rec("seed2", 10.0, 5.0, 3)]) + "\n")
+    trial = lambda s, e, pid, key, cached: SimpleNamespace(
+        datetime_start=at(s), datetime_complete=at(e),
+        user_attrs={"worker": {"host": "h", "pid": pid}, "measurement_key": key, "measurement_cached": cached})
+    study = SimpleNamespace(get_trials=lambda deepcopy=False: [
+        trial(3.0, 9.5, 1, "pair", False),     # worker 1 measured its pair: 6.5 s, 5 s of it the process
+        trial(9.7, 10.5, 1, "seed1", True),    # worker 1 read worker 2's group: no sample
+        trial(10.2, 10.3, 2, "seed2", False),  # worker 2 measured the group before this trial
+    ])
+    results = {"w1": SimpleNamespace(submitted=t0 + 1.0, ended=t0 + 11.5),
+               "w2": SimpleNamespace(submitted=t0 + 1.2, ended=t0 + 11.0)}
+    s = search_samples(results, study, tmp_path / "m.jsonl", "hf", 0.5, since=t0)
+    assert s["trial_overhead_s"] == [pytest.approx(1.5)]
+    assert s["trial_read_s"] == [pytest.approx(0.1)]
+    assert s["trial_gap_s"] == [pytest.approx(0.2)]
+    assert s["worker_start_s"] == [pytest.approx(2.0)] and s["worker_end_s"] == [pytest.approx(1.0)]
+    assert len(s["engine_process_start_s"]) == 2  # the pair and the group, each once
+
+
+def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_path, monkeypatch):
+    """The CI study's data: before anything is cached the plan tokenizes it all; once the shards
+    are in the shared cache it says so and prices reading them (data_cached_s: a stated
+    default, or measured from a profile), tokenizing nothing."""
+    from archsearch.cluster.startup import FIGURES, build_profile
+    from archsearch.fileio import write_json
+    from archsearch.search.checks import proxy_sweeps
+    from archsearch.trainers import token_budget
+    from archsearch.trainers.data import prepare_data
+
+    monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))
+    cfg = load_study_config(REPO / "configs" / "ci-cluster.yaml")
+    cold = plan(cfg, tmp_path / "a", gpus="2xcpu")
+    (d,) = cold["data"]
+    assert d["cache"]["status"] == "missing" and d["tokens_to_tokenize"] > 0
+    assert d["wall_hours"] == pytest.approx(d["cpu_hours"] / d["processes"])
+    sweep = proxy_sweeps(cfg)[0]
+    prepare_data(sweep.data, min_train_tokens=int(d["tokens_needed"]) + 1, workers=1)
+    warm = plan(cfg, tmp_path / "a", gpus="2xcpu")
+    (w,) = warm["data"]
+    assert w["cache"]["status"] == "complete" and w["tokens_to_tokenize"] == 0 and w["tokens_in_cache"] > 0
+    assert w["wall_hours"] * 3600 == pytest.approx(FIGURES["data_cached_s"][0])
+    assert w["disk_gb"] == pytest.approx(d["disk_gb"])  # the shards still take their disk
+    text = "\n".join(render(warm))
+    assert "cache complete (every shard the runs read is in the cache, read in 5 s (default: not measured))" in text
+    # measured: a study that found its shards cached recorded data_cached_s
+    folder = tmp_path / "s"
+    folder.mkdir()
+    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
+        {"stage": "proxy", "executor": "local", "time_utc": "2026-11-23T16:00:00+00:00", "host": "vm", "git": "x",
+         "device": "cpu", "command": "c", "samples": {"data_cached_s": [3.0, 3.4, 3.2]}}]})
+    write_json(tmp_path / "prof.json", build_profile([folder]))
+    m = plan(cfg, tmp_path / "a", gpus="2xcpu", profile=tmp_path / "prof.json")
+    assert m["data"][0]["wall_hours"] * 3600 == pytest.approx(3.2)
+    st = m["stages"][0]
+    assert st["data_wall_hours"] * 3600 == pytest.approx(3.2) and st["data_tokens"] == 0
+
+
+def test_dry_run_prices_training_with_a_given_mfu(tmp_path, paper, capsys):
+    """`search --dry-run --mfu X` prices every run's training at X (a measured one, e.g. from a
+    calibration study's runs) instead of the assumed 0.40, and says so; without --dry-run the
+    flag is refused before any work."""
+    from archsearch.cli import main
+
+    cfg, p0 = paper
+    p = plan(cfg, tmp_path / "o", gpus="8xH100", mfu=0.2)
+    r, r0 = p["compute"]["proxy_runs"][0], p0["compute"]["proxy_runs"][0]
+    start_h = (JOB_START_S + FIGURES["job_end_s"][0]) / 3600
+    assert r["hours"] - start_h == pytest.approx(2 * (r0["hours"] - start_h))
+    assert any("(MFU 0.2: given with --mfu)" in a for a in p["compute"]["assumptions"])
+    assert any("pass --dry-run --mfu or --time-law" in a for a in p0["compute"]["assumptions"])
+    rc = main(["search", "--config", str(REPO / "configs" / "paper-1b.yaml"), "--out", str(tmp_path / "x"),
+               "--mfu", "0.3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--mfu" in err and "--dry-run" in err and not (tmp_path / "x").exists()
+
+
+def test_the_proxy_stage_s_job_gaps_and_tail_are_priced_from_the_profile(tmp_path, paper):
+    """The coordinator's seconds between a proxy job's end and the next submission in its place
+    (each job after a slot's first) and after a sweep's last job (per sweep) are measured figures."""
+    from archsearch.cluster.startup import build_profile
+    from archsearch.fileio import write_json
+    from archsearch.search.plan import makespan
+
+    cfg, p0 = paper
+    folder = tmp_path / "a"
+    folder.mkdir()
+    where = {"time_utc": "2026-11-23T16:00:00+00:00", "host": "node7", "git": "x", "device": "H100", "command": "c"}
+    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
+        {"stage": "proxy", "executor": "slurm", **where,
+         "samples": {"job_gap_s": [400.0, 500.0, 600.0], "proxy_tail_s": [900.0]}}]})
+    write_json(tmp_path / "prof.json", build_profile([folder]))
+    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=tmp_path / "prof.json")
+    c, c0 = p["compute"], p0["compute"]
+    from archsearch.search.checks import proxy_sweeps
+
+    hours = [r["hours"] for r in c0["proxy_runs"] if r["hours"]]
+    gap = 500.0 / 3600
+    sweeps = len(proxy_sweeps(cfg))
+    expect = makespan([h + gap for h in hours], 8) - gap + (FIGURES["proxy_lead_s"][0] + sweeps * 900.0) / 3600
+    assert c["proxy_wall_hours"] == pytest.approx(expect)
+    assert c["proxy_wall_hours"] > c0["proxy_wall_hours"] + 900.0 / 3600
+    assert c["proxy_gpu_hours"] == pytest.approx(c0["proxy_gpu_hours"])  # the coordinator's seconds hold no GPU
+    assert any("500 s (measured: median of 3, 400-600" in a for a in c["assumptions"])

@@ -107,6 +107,19 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     assert len(sam["queue_wait_s"]) == len(sam["job_start_s"]) and all(x >= 0 for x in sam["queue_wait_s"])
     assert sam["engine_process_start_s"] and all(x > 0 for x in sam["engine_process_start_s"])
     assert sam["engine_start_s.hf"] and rec[0]["data_prep_s"] >= 0
+    # data preparation that tokenized nothing (every shard already in the shared cache) is a
+    # sample of data_cached_s, which the plan prices a warm cache with
+    assert ("data_cached_s" in rec[0]["samples"]) == (rec[0]["data_tokenized_shards"] == 0)
+    # the search stage's seconds outside its comparisons: the coordinator after its workers ended,
+    # trials measured by their own worker (a pair, or the seeds of the group it measured), the
+    # gaps between a worker's trials
+    assert len(sam["search_tail_s"]) == 1 and sam["search_tail_s"][0] >= 0
+    # ... and of the proxy stage: a job submitted in a finished one's place, the sweep's tail
+    # (a Slurm job array is submitted whole: the scheduler starts its next task, no gap of ours)
+    assert (bool(sam.get("job_gap_s")) or executor == "slurm") and all(x >= 0 for x in sam.get("job_gap_s", []))
+    assert len(sam["proxy_tail_s"]) == 1 and sam["proxy_tail_s"][0] >= 0
+    assert sam.get("trial_overhead_s", []) + sam.get("trial_read_s", [])
+    assert all(x >= 0 for k in ("trial_overhead_s", "trial_read_s", "trial_gap_s") for x in sam.get(k, []))
     assert p["startups"]["study_record"] == str(out / "startups.json")
     assert p["startups"]["figures"]["job_start_s"]["source"] == "measured"
     from archsearch.cli import main

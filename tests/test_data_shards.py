@@ -178,3 +178,52 @@ def test_training_reads_its_own_prefix_from_data_prepared_for_a_larger_run(tmp_p
     assert a["status"] == b["status"] == "ok"
     assert a["data"]["train_tokens"] == b["data"]["train_tokens"] < len(big.train_tokens)
     assert a["final_eval_loss"] == pytest.approx(b["final_eval_loss"], rel=1e-6)
+
+
+def test_cache_state_finds_complete_partial_and_missing_shards_without_tokenizing(tmp_path, monkeypatch):
+    """What the plan reads of the shared cache (data.cache_state): nothing before the tokenizer
+    exists, complete after prepare_data, the missing share after shards are lost; it tokenizes
+    nothing itself."""
+    from archsearch.trainers.data import cache_state
+
+    cfg = DataConfig(source=str(_jsonl(tmp_path, 400)), tokenizer="bpe:300", seq_len=16,
+                     cache_dir=str(tmp_path / "cache"))
+    s = cache_state(cfg, shard_docs=37)
+    assert (s.status, s.missing_fraction) == ("missing", 1.0) and "not in the cache" in s.note
+    assert not (tmp_path / "cache" / "tokenizers").exists()  # no tokenizer trained by looking
+    d = prepare_data(cfg, workers=1, shard_docs=37)
+    assert d.info["shards_tokenized_now"] > 0
+    s = cache_state(cfg, shard_docs=37)
+    assert s.status == "complete" and s.missing_fraction == 0.0 and s.folder == d.info["cache"]
+    assert s.tokens_present == len(d.train_tokens) + len(d.val_tokens)
+    assert cache_state(cfg, shard_docs=50).status == "missing"  # another shard size: other shards
+    again = prepare_data(cfg, workers=1, shard_docs=37)
+    assert again.info["shards_tokenized_now"] == 0
+    # lose the last two train shards (and the meta a finished tokenisation writes): 2 shards of 37
+    # documents, or what the last one held, of the 400 are to tokenize again
+    folder = Path(d.info["cache"])
+    (folder / "meta.json").unlink()
+    train = sorted(folder.glob("train-*.bin"))
+    for q in train[-2:]:
+        q.unlink()
+    n_train = 400 - 400 // 20
+    lost = n_train - 37 * (len(train) - 2)
+    written: list[str] = []
+    monkeypatch.setattr(datamod, "_write_shard", lambda p, t: written.append(p.name))
+    s = cache_state(cfg, shard_docs=37)
+    assert not written
+    assert s.status == "partial" and s.missing_fraction == pytest.approx(lost / 400)
+    assert 0 < s.tokens_present < len(d.train_tokens) + len(d.val_tokens)
+
+
+def test_cache_state_of_a_streamed_source_counts_the_budget(tmp_path, monkeypatch):
+    from archsearch.trainers.data import cache_state
+
+    cfg = _fake_hub(tmp_path, monkeypatch)
+    assert cache_state(cfg, 3000, shard_docs=25).status == "missing"
+    d = prepare_data(cfg, min_train_tokens=3000, workers=1, shard_docs=25)
+    assert cache_state(cfg, 3000, shard_docs=25).status == "complete"
+    have = len(d.train_tokens)
+    s = cache_state(cfg, 2 * have, shard_docs=25)  # a larger budget: the shards beyond are missing
+    assert s.status == "partial" and s.tokens_present >= have
+    assert s.missing_fraction == pytest.approx((2 * have - s.tokens_present) / (2 * have + 500))

@@ -474,6 +474,118 @@ def _limited_text(docs: Iterable[str], max_chars: int) -> Iterator[str]:
         n += len(d)
 
 
+def _source_of(cfg: DataConfig) -> tuple[_Source, bool]:
+    """The documents of ``cfg``'s source (read lazily) and whether it is a streamed hub dataset."""
+    srcs = cfg.sources
+    hub = [s for s in srcs if s.startswith("hf:")]
+    if hub and len(srcs) > 1:
+        raise ArchsearchError("data.source", "a hub dataset cannot be mixed with other sources",
+                              "give one hf:NAME, or only local files")
+    if srcs == ["shakespeare"]:
+        return _shakespeare(cfg), False
+    if "shakespeare" in srcs:
+        raise ArchsearchError("data.source", "shakespeare cannot be mixed with other sources")
+    if hub:
+        docs, key = _hub(cfg, hub[0])
+        return _Source(key=[*key, cfg.val_tokens], train_docs=docs, val_docs=docs,
+                       describe={"source": hub[0], "streamed": True}), True
+    return _local(cfg), False
+
+
+def _bpe_key(cfg: DataConfig, source: _Source) -> str:
+    return json.dumps([source.key, cfg.bpe_train_chars])
+
+
+def _data_folder(cfg: DataConfig, source: _Source, tok, shard_docs: int) -> Path:
+    """``<cache>/data/<key>``: the key covers the source's content, the tokenizer's definition,
+    the separator, the validation rule and the shard size."""
+    key = hashlib.sha256(json.dumps(["packed-v2", source.key, fingerprint(tok), separator_id(tok),
+                                     source.val_tail_fraction, shard_docs]).encode()).hexdigest()[:16]
+    return cfg.cache_path / "data" / key
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """What the shared data cache already holds of one DataConfig's token shards, found without
+    tokenizing (for the plan): ``status`` complete | partial | missing | unknown, the fraction
+    of the tokenisation still to do (1 where missing or unknown), the tokens already in
+    finished shards, and why."""
+
+    status: str
+    missing_fraction: float
+    tokens_present: int = 0
+    folder: str | None = None
+    note: str = ""
+
+
+def cache_state(cfg: DataConfig, min_train_tokens: float | None = None,
+                shard_docs: int = SHARD_DOCS) -> CacheState:
+    """The cache's state for ``prepare_data(cfg, min_train_tokens)``: the shards' folder found
+    as prepare_data finds it (the source's files hashed, the tokenizer loaded only if it is
+    there without work: nothing is trained, tokenized or downloaded). Files: complete once
+    their ``meta.json`` is written, else the share of documents in finished shards; a streamed
+    source: the finished shards' tokens against the budget (and its held-out head)."""
+    from archsearch.trainers.tokenizer import cached_tokenizer
+
+    try:
+        source, is_hub = _source_of(cfg)
+    except ArchsearchError as e:
+        return CacheState("unknown", 1.0, note=f"the source cannot be read here ({e.problem})")
+    tok = cached_tokenizer(cfg.tokenizer, cfg.cache_path, _bpe_key(cfg, source))
+    if tok is None:
+        where = (f"the cache {cfg.cache_path} (not trained or converted yet)"
+                 if cfg.tokenizer.startswith("bpe:") or cfg.tokenizer.lower() == "smollm2"
+                 else "the local Hugging Face cache (not downloaded yet)")
+        return CacheState("missing", 1.0, note=f"the tokenizer {cfg.tokenizer} is not in {where}, "
+                          "so neither are its shards")
+    folder = _data_folder(cfg, source, tok, shard_docs)
+    itemsize = token_dtype(len(tok)).itemsize
+
+    def finished(side: str) -> list[int]:  # token counts of the contiguous finished shards from 0
+        out, i = [], 0
+        while (q := shard_path(folder, side, i)).is_file():
+            out.append(q.stat().st_size // itemsize)
+            i += 1
+        return out
+
+    meta_path = folder / "meta.json"
+    if is_hub:
+        need = cfg.max_train_tokens or min_train_tokens or 0
+        have = finished("train")
+        ended = _end_path(folder, "train").is_file()
+        present = sum(have)
+        head = meta_path.is_file()
+        left = 0.0 if ended and len(have) >= json.loads(_end_path(folder, "train").read_text())["shards"] \
+            else max(0.0, need - present)
+        total = need + cfg.val_tokens
+        missing = (left + (0 if head else cfg.val_tokens)) / total if total else 0.0
+    elif meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        sides = meta["shards"]
+        counts = {side: n for side, n in sides.items() if side in ("all", "train", "val")}
+        if all(len(finished(side)) >= n for side, n in counts.items()):
+            return CacheState("complete", 0.0, int(sides["train_tokens"] + sides["val_tokens"]), str(folder),
+                              "every shard the runs read is in the cache")
+        present, missing = 0, 1.0  # meta written but shards deleted: tokenized again
+    else:
+        sides = ["all"] if source.val_tail_fraction is not None else ["train", "val"]
+        docs = {"all": source.train_docs, "train": source.train_docs, "val": source.val_docs}
+        total = done = 0
+        present = 0
+        for side in sides:
+            n = sum(1 for _ in docs[side]())  # the documents are read, not tokenized
+            have = finished(side)
+            total += n
+            done += min(n, len(have) * shard_docs)
+            present += sum(have)
+        missing = 1.0 - done / total if total else 1.0
+    status = "complete" if missing <= 0 else "missing" if present == 0 else "partial"
+    return CacheState(status, max(0.0, min(1.0, missing)), int(present), str(folder),
+                      {"complete": "every shard the runs read is in the cache",
+                       "partial": f"{present:,} tokens in finished shards, {missing:.0%} still to tokenize",
+                       "missing": "no shard in the cache yet"}[status])
+
+
 def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
                  progress: bool = False, *, workers: int | None = None,
                  shard_docs: int = SHARD_DOCS) -> PreparedData:
@@ -488,32 +600,18 @@ def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
     the run reads the shortest run of shards from the first that holds it, so a larger budget
     later tokenizes only the shards beyond; files and the offline corpus are always read whole.
     """
-    srcs = cfg.sources
-    hub = [s for s in srcs if s.startswith("hf:")]
-    if hub and len(srcs) > 1:
-        raise ArchsearchError("data.source", "a hub dataset cannot be mixed with other sources",
-                              "give one hf:NAME, or only local files")
+    source, is_hub = _source_of(cfg)
     budget = None
-    if srcs == ["shakespeare"]:
-        source = _shakespeare(cfg)
-    elif "shakespeare" in srcs:
-        raise ArchsearchError("data.source", "shakespeare cannot be mixed with other sources")
-    elif hub:
-        docs, key = _hub(cfg, hub[0])
+    if is_hub:
         budget = cfg.max_train_tokens or min_train_tokens
         if budget is None:
             raise ArchsearchError("data.max_train_tokens", "a streamed dataset needs a bound",
                                   "set data.max_train_tokens or a token budget")
-        source = _Source(key=[*key, cfg.val_tokens], train_docs=docs, val_docs=docs,
-                         describe={"source": hub[0], "streamed": True})
-    else:
-        source = _local(cfg)
     if shard_docs < 1:
         raise ArchsearchError("shard_docs", f"must be >= 1, got {shard_docs}")
     workers = default_workers() if workers is None else workers
 
     cache = cfg.cache_path
-    is_hub = bool(hub)
 
     def bpe_text() -> Iterator[str]:
         docs = source.train_docs()
@@ -521,14 +619,12 @@ def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
             docs = _skip_tokens_approx(docs, cfg.val_tokens)
         return _limited_text(docs, cfg.bpe_train_chars)
 
-    tok = load_tokenizer(cfg.tokenizer, cache, bpe_texts=bpe_text,
-                         bpe_key=json.dumps([source.key, cfg.bpe_train_chars]))
+    tok = load_tokenizer(cfg.tokenizer, cache, bpe_texts=bpe_text, bpe_key=_bpe_key(cfg, source))
     sep = separator_id(tok)
     dtype = token_dtype(len(tok))
-    key = hashlib.sha256(json.dumps(["packed-v2", source.key, fingerprint(tok), sep,
-                                     source.val_tail_fraction, shard_docs]).encode()).hexdigest()[:16]
-    folder = cache / "data" / key
+    folder = _data_folder(cfg, source, tok, shard_docs)
     meta_path = folder / "meta.json"
+    had = {q.name for q in folder.glob("*.bin")} if folder.is_dir() else set()
     base_meta = {"dtype": dtype.name, "tokenizer": cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tok),
                  "separator_id": sep, "shard_docs": shard_docs, **source.describe}
     shard = dict(tok=tok, sep=sep, dtype=dtype, shard_docs=shard_docs, workers=workers, progress=progress)
@@ -570,9 +666,11 @@ def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
             train = open_shards([shard_path(folder, "train", i) for i in range(sides["train"])], meta["dtype"])
             val = open_shards([shard_path(folder, "val", i) for i in range(sides["val"])], meta["dtype"])
         meta = {**meta, "train_tokens": len(train), "val_tokens": len(val)}
+    # shards this call tokenized (0: everything it reads was in the cache already)
+    now = len({q.name for q in folder.glob("*.bin")} - had)
     data = PreparedData(tokenizer=tok, train_tokens=train, val_tokens=val, seq_len=cfg.seq_len,
                         info={**meta, "cache": str(folder), "seq_len": cfg.seq_len,
-                              "vocab_size": len(tok)})
+                              "vocab_size": len(tok), "shards_tokenized_now": now})
     if data.n_train_seqs < 1 or data.n_val_seqs < 1:
         raise ArchsearchError("data.seq_len", f"{cfg.seq_len} is longer than the data "
                               f"({len(train)} train / {len(val)} validation tokens)",

@@ -62,6 +62,30 @@ def _smollm2_folder() -> tuple[Path, str]:
     return folder, ggufs[0].name
 
 
+def _bpe_folder(cache_dir: Path, vocab: int, bpe_key: str) -> Path:
+    key = hashlib.sha256(json.dumps(["bpe-bytelevel-v1", vocab, bpe_key]).encode()).hexdigest()[:16]
+    return cache_dir / "tokenizers" / f"bpe{vocab}-{key}"
+
+
+def cached_tokenizer(name: str, cache_dir: Path, bpe_key: str | None = None):
+    """The tokenizer named by ``DataConfig.tokenizer`` if it is there without any work (a BPE
+    tokenizer already trained into ``cache_dir``, SmolLM2's converted, a hub tokenizer in the
+    local HF cache), else None: nothing is trained, converted or downloaded."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if name.startswith("bpe:"):
+        folder = _bpe_folder(cache_dir, int(name[4:]), bpe_key or "")
+        return PreTrainedTokenizerFast.from_pretrained(str(folder)) if (folder / "tokenizer.json").is_file() else None
+    if name.lower() == "smollm2":
+        folder = cache_dir / "tokenizers" / "smollm2"
+        return AutoTokenizer.from_pretrained(str(folder)) if (folder / "tokenizer.json").is_file() else None
+    try:
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=True)  # never trust_remote_code
+    except (OSError, ValueError):
+        return None
+    return tok if tok.is_fast else None
+
+
 def load_tokenizer(name: str, cache_dir: Path,
                    bpe_texts: Callable[[], Iterable[str]] | None = None,
                    bpe_key: str | None = None):
@@ -76,8 +100,7 @@ def load_tokenizer(name: str, cache_dir: Path,
         vocab = int(name[4:])
         if bpe_texts is None or bpe_key is None:
             raise ArchsearchError("data.tokenizer", "a BPE tokenizer needs training text")
-        key = hashlib.sha256(json.dumps(["bpe-bytelevel-v1", vocab, bpe_key]).encode()).hexdigest()[:16]
-        folder = cache_dir / "tokenizers" / f"bpe{vocab}-{key}"
+        folder = _bpe_folder(cache_dir, vocab, bpe_key)
         if not (folder / "tokenizer.json").is_file():
             tok = train_bpe(bpe_texts(), vocab)
             if len(tok) != vocab:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import add_overrides_arg, out_dir, print_json
+from archsearch.cli._common import add_overrides_arg, fraction, out_dir, print_json
+from archsearch.errors import ArchsearchError
 from archsearch.search.pipeline import STAGE_NAMES as STAGES
 
 
@@ -29,6 +30,11 @@ def register(sub) -> None:
     p.add_argument("--profile", metavar="FILE",
                    help="machine profile of measured start-ups for the plan (archsearch profile; default: "
                         "cluster.profile; the study folder's own startups.json wins)")
+    p.add_argument("--mfu", type=fraction,
+                   help="with --dry-run: model FLOPs utilisation in (0, 1] the plan prices training with "
+                        "(default: a --time-law's measured one, else 0.40 assumed)")
+    p.add_argument("--time-law", metavar="TIME_LAW.json",
+                   help="with --dry-run: a time law from 'archsearch estimate fit' on runs of the named device")
     p.add_argument("--only", type=_stages, help=f"run only these stages ({','.join(STAGES)})")
     p.add_argument("--skip", type=_stages, default=set(), help="skip these stages")
     p.add_argument("--json", action="store_true", help="print the plan / summary as JSON")
@@ -42,12 +48,15 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_study_config(args.config, args.overrides)
     out = cfg.out_dir(args.out)
+    for flag, given in (("--mfu", args.mfu), ("--time-law", args.time_law)):
+        if given is not None and not args.dry_run:
+            raise ArchsearchError(flag, "prices the plan only", "add --dry-run, or leave it out")
     if args.dry_run:
         from archsearch.search.checks import validate
         from archsearch.search.plan import plan as study_plan
 
         validate(cfg, for_plan=True)
-        plan = study_plan(cfg, out, gpus=args.gpus, profile=args.profile)
+        plan = study_plan(cfg, out, gpus=args.gpus, profile=args.profile, mfu=args.mfu, time_law=args.time_law)
         if args.json:
             print_json(plan)
         else:

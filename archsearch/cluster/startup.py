@@ -47,12 +47,28 @@ FIGURES: dict[str, tuple[float, str]] = {
     "queue_wait_s": (0.0, "a proxy job's seconds in the scheduler's queue, from submission to its process "
                           "start (recorded, not priced: the plan places jobs one after another on their "
                           "slots, and queueing behind other users is not predicted)"),
+    "job_gap_s": (0.0, "the coordinator's seconds from seeing a proxy job end to submitting the next one "
+                       "in its place (polling, the ledger written, the submission)"),
+    "proxy_tail_s": (0.0, "the coordinator's seconds after it sees a proxy sweep's last job end until the "
+                          "sweep's runs are collected (runs.csv, the sweep's table written)"),
     "proxy_lead_s": (0.0, "the coordinator's seconds in the proxy stage before its first submission, "
                           "tokenisation excluded"),
+    "data_cached_s": (5.0, "the coordinator's data preparation when every shard its runs read is in the "
+                           "shared cache already (the source's files hashed, the tokenizer loaded, the shards "
+                           "opened): nothing tokenized"),
     "worker_start_s": (30.0, "a search worker job's seconds from submission to its first trial"),
     "worker_end_s": (0.0, "the search stage's seconds from its last trial's end until the coordinator "
                           "sees the last worker end"),
     "search_lead_s": (0.0, "the coordinator's seconds in the search stage before it submits the workers"),
+    "search_tail_s": (0.0, "the coordinator's seconds in the search stage after it sees the last worker end "
+                           "(the study read back, the best shape chosen)"),
+    "trial_overhead_s": (0.0, "a search trial that measures its own comparison: its seconds outside the "
+                              "comparison's engine process (the shape sampled and built, the law's "
+                              "prediction, the measurement store's lock and writes, the process spawned)"),
+    "trial_read_s": (0.0, "a search trial whose comparison its own worker measured before it (a seed of "
+                          "the seed group): its seconds"),
+    "trial_gap_s": (0.0, "a search worker's seconds between one trial's end and its next trial's start "
+                         "(Optuna's storage and sampler)"),
     "engine_process_start_s": (20.0, "a paired comparison's isolated engine process: its seconds outside "
                                      "its engines' starts and its timed rounds (Python, torch and the "
                                      "engine imported, warm-up batches)"),
@@ -71,7 +87,8 @@ for _k, (_v, _w) in list(FIGURES.items()):
 ENGINE_PREFIXES = ("engine_start_s.", "engine_first_start_s.")
 # where the defaults come from (printed with them)
 DEFAULTS_NOTE = ("a default, never measured here (job 30 s and engine process 20 s were read off this "
-                 "project's loaded 2-core machine; engine starts from bench_engines_* on small models)")
+                 "project's loaded 2-core machine; engine starts from bench_engines_* on small models; "
+                 "data from a warm cache 5 s, about what it took there)")
 
 
 @dataclass(frozen=True)
@@ -143,7 +160,8 @@ def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]]
     write_json(path, data)
 
 
-def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None) -> dict[str, list[float]]:
+def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None,
+                  since: float = 0.0) -> dict[str, list[float]]:
     """Per proxy job this coordinator saw run from its first session to its end (one attempt,
     not a resumed run): from its start (its submission, or where the job noted it, when its
     process began: a Slurm job may wait in the queue behind its own array's other jobs, which
@@ -169,7 +187,12 @@ def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None
             wait.append(max(0.0, began - r.submitted))
         start.append(first - t0)
         end.append(r.ended - first - train_s)
-    return {"job_start_s": start, "job_end_s": end, "queue_wait_s": wait,
+    # a submission after the first ones (jobs_at_once of them) waited for a slot: the coordinator's
+    # seconds from seeing the latest job end before it to that submission
+    subs = sorted(r.submitted for r in results.values() if r.submitted is not None and r.submitted >= since)
+    ends = sorted(r.ended for r in results.values() if r.ended is not None and r.ended >= since)
+    gap = [t - max(e for e in ends if e <= t) for t in subs if any(e <= t for e in ends)]
+    return {"job_start_s": start, "job_end_s": end, "queue_wait_s": wait, "job_gap_s": gap,
             "proxy_lead_s": [lead_s] if lead_s is not None else []}
 
 
@@ -178,7 +201,12 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     """The search workers' start (submission to the first trial they started) and end (last
     trial's end to the last worker seen ended), and each paired comparison's engine process and
     engine starts (from its measurement record's timing) that ran after the workers' submission;
-    only workers this coordinator submitted (at or after ``since``) count."""
+    only workers this coordinator submitted (at or after ``since``) count. Per trial: a trial
+    that measured its own comparison, its seconds outside that comparison's engine process
+    (``trial_overhead_s``); a seed's trial reading the pair its own worker measured in the seed
+    group, its seconds (``trial_read_s``); per worker, the seconds between one trial's end and its
+    next trial's start (``trial_gap_s``). A trial that read a pair another worker measured (it
+    may have waited for that worker's group on the pair's lock) is not a sample."""
     import datetime as dt
 
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= since]
@@ -188,19 +216,13 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     if not subs:
         return out
     t0 = min(subs)
-    trials = [t for t in (study.get_trials(deepcopy=False) if study is not None else [])
-              if t.datetime_start and t.datetime_start.timestamp() >= t0]
-    if trials:
-        out["worker_start_s"] = [min(t.datetime_start.timestamp() for t in trials) - t0]
-        done = [t.datetime_complete.timestamp() for t in trials if t.datetime_complete]
-        if done and ends:
-            out["worker_end_s"] = [max(ends) - max(done)]
     # one record per measured pair; a group of k shapes measured in one process (optuna.seeds_together)
     # is written as k-1 pair records sharing its timing (group_size k): counted once, its engines'
     # starts the baseline's and each shape's
     from archsearch.fileio import read_jsonl_lines
 
     groups: dict[tuple, list[dict]] = {}
+    walls: dict[str, tuple[float, bool]] = {}  # measurement key -> (its engine process's wall, in a group)
     for rec in read_jsonl_lines(measurements):  # the measurement store's own reader
         res = rec.get("result") or {}
         tm, when = res.get("timing") or {}, (res.get("provenance") or {}).get("time_utc")
@@ -210,7 +232,35 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
             continue
         if dt.datetime.fromisoformat(when).timestamp() + 1 < t0 + tm["wall_s"]:  # an earlier run's
             continue
+        walls[rec.get("key")] = (tm["wall_s"], bool(tm.get("group_size")))
         groups.setdefault((when, tm["wall_s"], tm["rounds_s"], tm.get("group_size")), []).append(tm)
+    trials = [t for t in (study.get_trials(deepcopy=False) if study is not None else [])
+              if t.datetime_start and t.datetime_start.timestamp() >= t0]
+    if trials:
+        out["worker_start_s"] = [min(t.datetime_start.timestamp() for t in trials) - t0]
+        done = [t.datetime_complete.timestamp() for t in trials if t.datetime_complete]
+        if done and ends:
+            out["worker_end_s"] = [max(ends) - max(done)]
+    by_worker: dict[tuple, list] = {}
+    for t in trials:
+        if t.datetime_complete is not None:
+            w = t.user_attrs.get("worker") or {}
+            by_worker.setdefault((w.get("host"), w.get("pid")), []).append(t)
+    over, read, gap = [], [], []
+    for ts in by_worker.values():
+        ts.sort(key=lambda t: t.datetime_start)
+        gap += [max(0.0, b.datetime_start.timestamp() - a.datetime_complete.timestamp()) for a, b in zip(ts, ts[1:])]
+        for t in ts:
+            ua = t.user_attrs
+            if ua.get("measurement_cached") is not False or ua.get("measurement_key") not in walls:
+                continue  # not measured, or read from the store (another worker's, or an earlier run's)
+            wall, grouped = walls[ua["measurement_key"]]
+            secs = t.datetime_complete.timestamp() - t.datetime_start.timestamp()
+            if grouped:  # measured in its worker's seed group before the trial began
+                read.append(secs)
+            else:
+                over.append(max(0.0, secs - wall))
+    out.update({"trial_overhead_s": over, "trial_read_s": read, "trial_gap_s": gap})
     proc, first, nxt = [], [], []
     for (_, wall, rounds, _k), tms in groups.items():
         starts = [tms[0]["engine_start_s"][0]] + [x for tm in tms for x in tm["engine_start_s"][1:]]
@@ -221,6 +271,29 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     out[f"engine_first_start_s.{backend}"] = first
     out[f"engine_start_s.{backend}"] = nxt
     return out
+
+
+def add_samples(out: Path, stage: str, samples: dict[str, list[float]]) -> None:
+    """Add ``samples`` to this coordinator run's latest record of ``stage`` in
+    ``<out>/startups.json`` (figures measured after the stage's record was written, e.g. the
+    coordinator's seconds after its jobs ended: ``search_tail_s``)."""
+    from archsearch.fileio import write_json
+
+    path = Path(out) / STARTUPS_FILE
+    samples = {k: [round(float(x), 3) for x in v if x is not None and math.isfinite(x)] for k, v in samples.items()}
+    samples = {k: v for k, v in samples.items() if v}
+    for k in samples:
+        if k not in FIGURES and not k.startswith(ENGINE_PREFIXES):
+            raise ValueError(f"unknown start-up figure {k!r}")
+    if not samples or not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    mine = [r for r in data["runs"] if r.get("stage") == stage]
+    if not mine:
+        return
+    for k, v in samples.items():
+        mine[-1]["samples"].setdefault(k, []).extend(v)
+    write_json(path, data)
 
 
 # -- reading them back -----------------------------------------------------------------------------

@@ -77,9 +77,10 @@ _NOT_DETERMINING = {"train": {"log_interval", "checkpoint_interval", "keep_check
                     "data": {"cache_dir", "max_epochs"}}
 
 
-def sweep_runs(sweep) -> list[tuple[str, object, object]]:
+def sweep_runs(sweep, data_info: dict | None = None) -> list[tuple[str, object, object]]:
     """(run id, spec, train config) of every distinct run of ``sweep``, after the data check
-    (the coordinator tokenizes once into the shared cache; every job then reads it from there)."""
+    (the coordinator tokenizes once into the shared cache; every job then reads it from there).
+    ``data_info``: filled with the prepared data's info (``shards_tokenized_now``...)."""
     from archsearch.trainers.data import check_epochs, prepare_data
     from archsearch.trainers.loop import run_id_for, token_budget
     from archsearch.trainers.sweep import sweep_specs
@@ -87,6 +88,8 @@ def sweep_runs(sweep) -> list[tuple[str, object, object]]:
     budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
     data = prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
     check_epochs(data, max(budgets, default=0), sweep.data.max_epochs, f"sweep {sweep.name}'s largest run")
+    if data_info is not None:
+        data_info.update(data.info)
     runs, seen = [], set()
     for point, spec, _err in sweep_specs(sweep, data.vocab_size):
         if spec is None:
@@ -153,9 +156,12 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
 
     t_enter = time.time()
     tasks = []
-    runs = sweep_runs(sweep)  # the coordinator has tokenized up to the sweep's largest budget
-    # timed apart: the plan prices the tokenisation as data preparation, not as start-up
+    data_info: dict = {}
+    runs = sweep_runs(sweep, data_info)  # the coordinator has tokenized up to the sweep's largest budget
+    # timed apart: the plan prices the tokenisation as data preparation, not as start-up; with
+    # nothing tokenized (every shard in the cache) it is a sample of data_cached_s
     prep_s = time.time() - t_enter
+    cached = data_info.get("shards_tokenized_now") == 0
     # every job reads the prefix of those shards for its own budget (a streamed source), as an
     # inline sweep's runs do: a run's data does not depend on the sweep it is part of
     data_cfg = sweep.data
@@ -171,8 +177,9 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
         subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
         lead = min(subs) - t_enter - prep_s if subs else None
         startup.record(study, "proxy", cluster.executor,
-                       startup.proxy_samples(results, {t.key: Path(t.args[3]) for t in tasks}, lead),
-                       data_prep_s=round(prep_s, 3))
+                       {**startup.proxy_samples(results, {t.key: Path(t.args[3]) for t in tasks}, lead, since=t_enter),
+                        "data_cached_s": [prep_s] if cached else []},
+                       data_prep_s=round(prep_s, 3), data_tokenized_shards=data_info.get("shards_tokenized_now"))
     for t in tasks:
         r = results[t.key]
         if r.status == "failed":
@@ -198,13 +205,15 @@ def search_worker(cfg, out: str, marker: str) -> None:
     atomic_write(marker, "done\n")
 
 
-def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
+def run_search_workers(cfg, out: Path, stage_start: float | None = None) -> dict[str, TaskResult]:
     """The search stage as ``measure_workers`` jobs (one engine, one GPU each where GPUs are
-    used); a worker is done once the study has its trials."""
+    used); a worker is done once the study has its trials. ``stage_start``: when the search stage
+    began (its lead is measured from there; default: this call)."""
     from archsearch.search.pipeline import search_context
     from archsearch.search.study import distinct_measured
 
     t_enter = time.time()
+    stage_start = t_enter if stage_start is None else min(stage_start, t_enter)
     ctx = search_context(cfg, out)
     inline = replace(cfg, cluster=replace(cfg.cluster, executor="inline", jobs_at_once=1, measure_workers=1))
     gpus = min(1, cfg.cluster.gpus_per_job)
@@ -230,5 +239,16 @@ def run_search_workers(cfg, out: Path) -> dict[str, TaskResult]:
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
     startup.record(out, "search", cfg.cluster.executor,
                    startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.backend,
-                                          min(subs) - t_enter if subs else None, since=t_enter))
+                                          min(subs) - stage_start if subs else None, since=t_enter))
     return results
+
+
+def record_search_tail(out: Path, results: dict[str, TaskResult], since: float) -> None:
+    """``search_tail_s``: the coordinator's seconds from seeing the last search worker end (one it
+    submitted or adopted, seen at or after ``since``) until now, the search stage's end (the study
+    read back, the best shape chosen); added to this run's search record in ``startups.json``."""
+    from archsearch.cluster import startup
+
+    ends = [r.ended for r in results.values() if r.ended is not None and r.ended >= since]
+    if ends:
+        startup.add_samples(out, "search", {"search_tail_s": [time.time() - max(ends)]})

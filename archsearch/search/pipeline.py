@@ -216,7 +216,7 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         if cfg.cluster.parallel:
             from archsearch.cluster.study import run_search_workers
 
-            run_search_workers(cfg, r.out)
+            workers = run_search_workers(cfg, r.out, stage_start=t)
             study = load_study(ctx)
         else:
             from archsearch.search.study import run_study
@@ -233,6 +233,10 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             log("search: the study has its trials already; nothing measured")
     r.study = load_study(ctx)
     r.best = chosen_from_study(r.study) if r.study is not None else None
+    if fresh and cfg.cluster.parallel:  # the coordinator's seconds after its workers ended (startups.json)
+        from archsearch.cluster.study import record_search_tail
+
+        record_search_tail(r.out, workers, since=t)
     return info
 
 

@@ -86,11 +86,17 @@ def _source_tokens(data_cfg) -> tuple[float | None, str]:
     return size / TEXT_BYTES_PER_TOKEN, f"file bytes / {TEXT_BYTES_PER_TOKEN:g} bytes a token (estimate)"
 
 
-def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]], startups=None) -> list[dict[str, Any]]:
     """Per distinct (source, tokenizer) of the proxy sweeps: the tokens the largest run needs
     against what the source holds, the repetition that implies and whether ``data.max_epochs``
-    allows it, and the tokenisation's size, disk and time (shared by every run that uses it)."""
-    from archsearch.trainers.data import token_dtype
+    allows it, and the tokenisation's size, disk and time (shared by every run that uses it).
+    Shards already in the shared cache (``archsearch.trainers.data.cache_state``) are not
+    tokenized again: a complete cache costs the coordinator ``data_cached_s`` (measured or a
+    default), a partial one that and the tokens still missing."""
+    from archsearch.cluster.startup import StartupProfile
+    from archsearch.trainers.data import cache_state, token_dtype
+
+    su = startups or StartupProfile()
 
     groups: dict[tuple, dict[str, Any]] = {}
     for item in proxy_specs:
@@ -114,6 +120,10 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict
             to_tok = min(to_tok, available)
         epochs = g["need"] / available if available else None
         rate, procs = TOKENIZE_TOKENS_PER_S_PER_PROCESS, data_processes(cfg)
+        cache = cache_state(dc, g["need"] + 1)  # as the sweep's coordinator asks for it
+        whole = to_tok
+        to_tok = to_tok * cache.missing_fraction
+        read_s = su.s("data_cached_s") if cache.status in ("complete", "partial") else 0.0
         out.append({
             "source": ",".join(srcs), "tokenizer": tokenizer, "sweeps": sorted(g["sweeps"]),
             "tokens_needed": g["need"], "tokens_available": available, "available_from": how,
@@ -124,9 +134,13 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]]) -> list[dict
                         f"repeats the source {epochs:.2f} times: allowed by data.max_epochs={g['max_epochs']:g}"
                         if epochs <= g["max_epochs"] else
                         f"REFUSED before training: needs {epochs:.2f} passes > data.max_epochs={g['max_epochs']:g}"),
-            "tokens_to_tokenize": to_tok, "dtype": dtype.name,
-            "disk_gb": to_tok * dtype.itemsize / 1e9,
-            "cpu_hours": to_tok / rate / 3600, "wall_hours": to_tok / (rate * procs) / 3600, "processes": procs,
+            "tokens_to_tokenize": to_tok, "tokens_in_cache": cache.tokens_present, "dtype": dtype.name,
+            "cache": {"status": cache.status, "folder": cache.folder, "note": cache.note,
+                      "missing_fraction": cache.missing_fraction,
+                      **({"read": su.get("data_cached_s").label()} if read_s or cache.status != "missing" else {})},
+            "disk_gb": whole * dtype.itemsize / 1e9,
+            "cpu_hours": to_tok / rate / 3600, "wall_hours": (to_tok / (rate * procs) + read_s) / 3600,
+            "processes": procs,
         })
     return out
 
@@ -228,13 +242,20 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     def comparison_s(k: int, rounds: int) -> float:
         return proc_s + first + (k - 1) * start + k * m.warmup * t + rounds * k * t
 
-    per = {"low": comparison_s(2, lo_r), "high": comparison_s(2, hi_r)}
+    # a trial's seconds outside its comparison's engine process, and the worker's gap to its next trial
+    trial_s = su.s("trial_overhead_s") + su.s("trial_gap_s")
+    per = {"low": comparison_s(2, lo_r) + trial_s, "high": comparison_s(2, hi_r) + trial_s}
     k0 = n["seed_group"]
-    group = {"low": comparison_s(k0 + 1, lo_r), "high": comparison_s(k0 + 1, hi_r)} if k0 else {"low": 0.0, "high": 0.0}
+    # the seed group is measured before the seeds' trials (priced as one trial's overhead); each
+    # seed's trial then reads its pair
+    read_s = k0 * (su.s("trial_read_s") + su.s("trial_gap_s"))
+    group = {"low": comparison_s(k0 + 1, lo_r) + su.s("trial_overhead_s") + read_s,
+             "high": comparison_s(k0 + 1, hi_r) + su.s("trial_overhead_s") + read_s} if k0 else {"low": 0.0, "high": 0.0}
     workers = max(1, min(cfg.cluster.measure_workers, n_gpus))
     job_s = su.s("worker_start_s") if cfg.cluster.parallel else 0.0
-    # the coordinator before the workers' submission, and after the last trial until it sees them end
-    around_s = su.s("search_lead_s") + su.s("worker_end_s") if cfg.cluster.parallel else 0.0
+    # the coordinator before the workers' submission, after the last trial until it sees them end,
+    # and after that until the stage ends
+    around_s = su.s("search_lead_s") + su.s("worker_end_s") + su.s("search_tail_s") if cfg.cluster.parallel else 0.0
     nw = {k: -(-n[k] // workers) for k in ("low", "high")}  # pairs of the busiest worker
     out: dict[str, Any] = {
         "device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
@@ -248,7 +269,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
         "wall_hours": {k: (around_s + job_s + group[k] + nw[k] * per[k]) / 3600 for k in per},
         "assumptions": [
             (f"search: the {k0} seed shapes compared with the baseline in one group of {k0 + 1} "
-             f"(optuna.seeds_together{'; the other workers wait' if workers > 1 else ''}), then " if k0 else "search: ")
+             f"(optuna.seeds_together{'; priced before every other comparison: the other workers may meanwhile measure pairs of their own, counted below, so this is a high end' if workers > 1 else ''}), then " if k0 else "search: ")
             + f"{n['low']}" + (f"-{n['high']}" if n["high"] > n["low"] else "") + " paired comparisons of the "
             f"baseline and one shape ({cfg.optuna.n_trials} measured shapes in all"
             + (f", and up to {n['high'] - n['low']} more started by the other workers before the count was reached"
@@ -260,13 +281,21 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
             f"{su.get('engine_first_start_s.' + m.backend).label()}, each next "
             f"{su.get('engine_start_s.' + m.backend).label()}), {m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
             f"({m.input_len} in + {m.output_len} out) tokens",
-            f"a batch takes {t:.3g} s: the {'calibrated' if cal else 'uncalibrated (peak figures: optimistic, so this time is a lower bound)'} "
-            f"roofline of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
+            f"a batch takes {t:.3g} s: the "
+            + (f"roofline calibrated by {m.calibration}" if cal else
+               "UNCALIBRATED roofline (peak figures: optimistic, so the timed rounds' seconds are a lower bound; "
+               "measure.calibration prices them with a calibration of this device and engine)")
+            + " of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
             + f" on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
+            f"a trial that measures its comparison spends {su.get('trial_overhead_s').label()} outside its engine "
+            f"process (the shape sampled and built, the law, the measurement store; the seed group priced the same), "
+            f"a seed's trial reading its group's pair {su.get('trial_read_s').label()}, and a worker "
+            f"{su.get('trial_gap_s').label()} between its trials",
             f"{workers} Optuna worker(s) measure at once, one GPU each"
             + (f", each a job whose first trial starts {su.get('worker_start_s').label()} after its submission; "
-               f"the coordinator's {su.get('search_lead_s').label()} before submitting them and "
-               f"{su.get('worker_end_s').label()} after the last trial until it sees them end"
+               f"the coordinator's {su.get('search_lead_s').label()} from the stage's start to submitting them, "
+               f"{su.get('worker_end_s').label()} after the last trial until it sees them end, and "
+               f"{su.get('search_tail_s').label()} after that (the study read back, the best shape chosen)"
                if cfg.cluster.parallel else "")]}
     if gqa:
         secs = {k: sum(comparison_s(g, r) for g in gqa[k]) for k, r in (("low", lo_r), ("high", hi_r))}
@@ -282,9 +311,12 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     return out
 
 
-def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Path | None = None) -> dict[str, Any]:
+def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Path | None = None,
+         mfu: float | None = None, time_law: str | Path | None = None) -> dict[str, Any]:
     """What the study would do, with its compute, without doing any of it. ``profile``: a machine
-    profile of start-ups (default ``cluster.profile``); the study folder's own record wins."""
+    profile of start-ups (default ``cluster.profile``); the study folder's own record wins.
+    ``mfu`` / ``time_law``: what training is priced with (``estimate_training``; default the
+    planner's assumed MFU)."""
     from archsearch.arch import total_params
     from archsearch.cluster import startup
 
@@ -377,7 +409,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     p["stages"].append({"stage": "report", "action": "summary.json, report.md, trials.csv, plots"})
     p["baseline"] = describe(base)
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
-    p["data"] = data_needs(cfg, proxy_specs)
+    p["data"] = data_needs(cfg, proxy_specs, su)
     data_wall = sum(d["wall_hours"] for d in p["data"])
     if p["data"]:  # the proxy stage prepares its data (in the coordinator) before any run trains
         p["stages"][0].update({"data_tokens": sum(d["tokens_to_tokenize"] for d in p["data"]),
@@ -407,7 +439,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
         slots = max(1, min(cfg.cluster.jobs_at_once, n_total // per_job)) if cfg.cluster.parallel else 1
         runs = []
         for item in proxy_specs:
-            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}")
+            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}", mfu=mfu, time_law=time_law)
             start_h = (su.s("job_start_s") + su.s("job_end_s")) / 3600 if cfg.cluster.parallel else 0.0
             if item["done"]:  # already trained: listed, not priced
                 runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
@@ -416,7 +448,8 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             runs.append({"run": item["run"], "tokens": item["tokens"], "train_flops": item["flops"],
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
-        fin = estimate_training(base, final_tokens, gpus)
+        sweeps_trained = {i["sweep"].name for i in proxy_specs if not i["done"]}
+        fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
         if cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
             from archsearch.search.checks import check_reference_batch
 
@@ -427,8 +460,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             meas = {"error": f"{e.field}: {e.problem}"}
         p["compute"].update({
             "gpus": gpus, "proxy_runs": runs, "proxy_gpu_hours": sum(r["gpu_hours"] for r in runs),
-            "proxy_wall_hours": makespan([r["hours"] for r in runs], slots)
-            + (su.s("proxy_lead_s") / 3600 if cfg.cluster.parallel and any(r["hours"] for r in runs) else 0.0),
+            "proxy_wall_hours": proxy_wall_hours([r["hours"] for r in runs], slots, cfg, su, len(sweeps_trained)),
             "proxy_jobs_at_once": slots,
             "proxy_cost_usd": sum(r["cost_usd"] for r in runs), "final_train": fin.to_dict(),
             "measure": meas,
@@ -436,13 +468,19 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                 f"executor {cfg.cluster.executor}: {slots} proxy job(s) at once, {per_job} {device} each "
                 f"(of the {n_total} named); runs are placed longest first on the first free slot",
                 "a run's time is archsearch.planning.estimate_training on its job's GPUs "
-                f"(MFU {fin.assumptions['mfu']:g}: {fin.assumptions['mfu_source']})",
+                + (f"by the time law {time_law}" if time_law else
+                   f"(MFU {fin.assumptions['mfu']:g}: "
+                   + ("given with --mfu" if mfu is not None else
+                      f"{fin.assumptions['mfu_source']}".replace("pass --mfu or --law", "pass --dry-run --mfu or --time-law"))
+                   + ")"),
                 "one FLOP figure per run: 6 N_c D, N_c = non-embedding parameters + output head",
                 (f"every proxy job reaches its first step {su.get('job_start_s').label()} after its submission "
                  f"(Python with torch, transformers and accelerate, the data read, the model built) and "
                  f"spends {su.get('job_end_s').label()} outside its steps after that (evaluations, saving, exit, "
                  f"polling), the GPU held meanwhile; the coordinator spends {su.get('proxy_lead_s').label()} "
-                 "before its first submission"
+                 f"before its first submission, {su.get('job_gap_s').label()} from seeing a job end to "
+                 f"submitting the next in its place, and {su.get('proxy_tail_s').label()} per sweep after its "
+                 "last job until its runs are collected"
                  if cfg.cluster.parallel else "inline: runs train in this process, no job start-up")
                 + "; queueing on a busy cluster is not included"]})
         by_stage = {"proxy": {"gpu_hours": p["compute"]["proxy_gpu_hours"],
@@ -466,8 +504,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                         f"({TOKENIZE_SOURCE}), {data_processes(cfg)} processes (executor {cfg.cluster.executor}: "
                         f"{'a 32-core coordinator node, assumed' if cfg.cluster.executor == 'slurm' else 'this machine'}"
                         "); a streamed source is tokenized up to the largest run's budget plus its held-out "
-                        "head, files whole; download time, BPE training, and shards already in the cache "
-                        "(which cost nothing) are not counted",
+                        "head, files whole; shards already in the shared cache (found as the study finds "
+                        "them, nothing tokenized) are not tokenized again: reading a complete cache costs "
+                        f"{su.get('data_cached_s').label()}, a partial one that plus the tokens still missing; "
+                        "download time and BPE training are not counted",
                         "data: a source's size comes from its dataset card or its file bytes; every run of "
                         "the same source and tokenizer shares one tokenisation"]
     return p
@@ -497,7 +537,9 @@ def render(p: dict[str, Any]) -> list[str]:
         avail = "unknown" if d["tokens_available"] is None else f"{d['tokens_available']:.3g}"
         lines.append(f"  data {d['source']} ({d['tokenizer']}): needs {d['tokens_needed']:.3g} tokens "
                      f"(largest run of {', '.join(d['sweeps'])}), holds {avail} ({d['available_from']}): "
-                     f"{d['verdict']}; tokenize {d['tokens_to_tokenize']:.3g} tokens as {d['dtype']}, "
+                     f"{d['verdict']}; cache {d['cache']['status']} ({d['cache']['note']}"
+                     + (f", read in {d['cache']['read']}" if d["cache"].get("read") else "") + "); "
+                     f"tokenize {d['tokens_to_tokenize']:.3g} tokens as {d['dtype']}, "
                      f"{d['disk_gb']:.3g} GB, {d['cpu_hours']:.3g} CPU-h, {d['wall_hours']:.3g} h wall")
     c = p["compute"]
     lines.append(f"  compute: proxies {c['proxy_train_flops']:.3g} FLOPs; final training "
@@ -534,6 +576,18 @@ def render(p: dict[str, Any]) -> list[str]:
     for a in p.get("assumptions", []) + (dk or {}).get("assumptions", []):
         lines.append(f"  assumption: {a}")
     return lines
+
+
+def proxy_wall_hours(hours: list[float], slots: int, cfg: StudyConfig, su, sweeps: int) -> float:
+    """The proxy stage's jobs on ``slots`` (``makespan``), each job after a slot's first one
+    submitted ``job_gap_s`` after the one before it was seen ended, plus the coordinator's lead and,
+    per sweep with runs to train, its tail (data preparation is added apart)."""
+    hours = [h for h in hours if h]
+    if not hours or not cfg.cluster.parallel:
+        return makespan(hours, slots)
+    gap = su.s("job_gap_s") / 3600
+    return (makespan([h + gap for h in hours], slots) - gap + su.s("proxy_lead_s") / 3600
+            + sweeps * su.s("proxy_tail_s") / 3600)
 
 
 def makespan(hours: list[float], slots: int) -> float:

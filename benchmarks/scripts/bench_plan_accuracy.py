@@ -13,6 +13,12 @@ this machine.
    predicted and measured seconds (``state.json``) and their ratio, and the run's own start-ups
    against the profile's.
 
+Training is priced with ``--mfu``: ``measured`` (default, with a calibration study): the
+calibration's proxy runs' own training seconds expressed as the MFU of the device entry the
+plan prices with (per run, estimate_training's seconds at MFU 1 over its measured
+``train_time_s``; the median), passed as ``archsearch search --dry-run --mfu``; ``assumed``: the
+planner's assumed 0.40; or a number.
+
 Prints the table and the ratios' median and range over the runs, and appends everything with
 provenance to ``results/bench/plan_accuracy.jsonl``. ``--label quiet|loaded`` says whether the
 machine was quiet (nothing else running) while it ran.
@@ -51,6 +57,28 @@ def _run_study(config: Path, study: Path, env: dict[str, str]) -> float:
     return time.perf_counter() - t0
 
 
+def measured_mfu(study: Path, gpus: str) -> list[float]:
+    """Per proxy run of ``study``: its training seconds as the planner prices them at MFU 1 on one
+    job's device (``1x<device>`` of ``gpus``) over its measured ``train_time_s``: the MFU that
+    prices that run's training as it went, relative to the device entry the plan uses."""
+    import re
+
+    from archsearch.arch import ArchSpec
+    from archsearch.planning import estimate_training
+
+    device = "1x" + re.sub(r"^\s*\d+\s*[xX*]\s*", "", gpus)
+    out = []
+    for f in sorted(study.glob("proxies/*/runs/*/run.json")):
+        rec = json.loads(f.read_text())
+        if rec.get("status") != "ok" or not rec.get("train_time_s"):
+            continue
+        e = estimate_training(ArchSpec.from_dict(rec["spec"]), rec["tokens"], device, mfu=1.0)
+        out.append(e.hours * 3600 / rec["train_time_s"])
+    if not out:
+        raise SystemExit(f"no finished proxy run in {study} to measure the MFU on")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=Path("configs/ci-cluster.yaml"))
@@ -64,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the machine's state while this ran (quiet: nothing else running)")
     ap.add_argument("--fresh-cache", action="store_true", help="each study its own empty data cache")
     ap.add_argument("--keep", type=Path, default=None, help="folder to keep the studies in (default: temporary)")
+    ap.add_argument("--mfu", default="measured",
+                    help="measured (from the calibration study's proxy runs) | assumed | a number in (0, 1]")
     a = ap.parse_args(argv)
     if a.runs < 1:
         ap.error("--runs must be >= 1")
@@ -97,12 +127,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"calibration study: {secs:.0f} s; profile -> {profile}")
         figures = {k: {"value": f.value, "n": f.n, "low": f.low, "high": f.high}
                    for k, f in load_profile(profile).items()}
+        mfu, mfu_runs = None, []
+        if a.mfu == "measured" and calibration is not None:
+            mfu_runs = measured_mfu(root / "calibration", gpus)
+            mfu = statistics.median(mfu_runs)
+            calibration["mfu_per_run"] = mfu_runs
+            print(f"training priced at the calibration's measured MFU {mfu:.3g} (per run "
+                  f"{min(mfu_runs):.3g}-{max(mfu_runs):.3g}, n={len(mfu_runs)})")
+        elif a.mfu not in ("measured", "assumed"):
+            mfu = float(a.mfu)
         runs = []
         for i in range(a.runs):
             study = root / f"run-{i}"
             if a.fresh_cache:  # the plan reads the same (empty) cache the study will fill
                 os.environ["ARCHSEARCH_CACHE"] = env_for(f"run-{i}")["ARCHSEARCH_CACHE"]
-            p = plan(cfg, study, gpus=gpus, profile=profile)
+            p = plan(cfg, study, gpus=gpus, profile=profile, mfu=mfu)
             total = _run_study(a.config, study, env_for(f"run-{i}"))
             state = json.loads((study / "state.json").read_text())
             own = json.loads((study / STARTUPS_FILE).read_text())["runs"]
@@ -143,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  assumption: {line}")
     rec = {"bench": "plan_accuracy", "config": str(a.config), "gpus": gpus, "machine": a.label,
            "fresh_cache": a.fresh_cache, "profile": str(a.profile) if a.profile else "calibrated in this run",
+           "mfu": mfu, "mfu_from": ("the calibration study's proxy runs" if a.mfu == "measured" and mfu is not None
+                                    else "given" if mfu is not None else "the planner's assumed MFU"),
            "calibration": calibration, "profile_figures": figures, "runs": runs, "summary": summary,
            "assumptions": p["compute"]["assumptions"] + p["compute"].get("measure", {}).get("assumptions", [])
            + p.get("assumptions", []), "provenance": provenance()}
