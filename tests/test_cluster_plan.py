@@ -254,23 +254,29 @@ def test_plan_prices_only_the_proxy_runs_not_yet_trained(tmp_path):
     assert "already trained (in the shared store)" in "\n".join(render(after))
 
 
+def _profile(tmp_path: Path, stage: str, samples: dict, executor: str = "slurm", host: str = "node7",
+             device: str = "H100") -> Path:
+    """A machine profile (``archsearch profile``) pooled from one study's recorded figures."""
+    from archsearch.cluster.startup import build_profile
+    from archsearch.fileio import write_json
+
+    folder = tmp_path / f"study-{stage}"
+    folder.mkdir()
+    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
+        {"stage": stage, "executor": executor, "time_utc": "2026-11-23T16:00:00+00:00", "host": host, "git": "x",
+         "device": device, "command": "c", "samples": samples}]})
+    write_json(tmp_path / "prof.json", build_profile([folder]))
+    return tmp_path / "prof.json"
+
+
 def test_the_search_stage_s_trials_and_coordinator_tail_are_priced_from_the_profile(tmp_path, paper):
     """The search stage's seconds outside its comparisons (a trial's own, the gaps between a
     worker's trials, a seed's trial reading its group's pair, the coordinator after the workers)
     are measured figures like the start-ups: priced from a profile, printed with where."""
-    from archsearch.cluster.startup import build_profile
-    from archsearch.fileio import write_json
-
     cfg, p0 = paper
-    folder = tmp_path / "a"
-    folder.mkdir()
-    where = {"time_utc": "2026-11-23T16:00:00+00:00", "host": "node7", "git": "x", "device": "H100", "command": "c"}
-    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
-        {"stage": "search", "executor": "slurm", **where,
-         "samples": {"trial_overhead_s": [0.5, 0.9, 0.7], "trial_gap_s": [0.1, 0.3], "trial_read_s": [0.2],
-                     "search_tail_s": [4.0]}}]})
-    write_json(tmp_path / "prof.json", build_profile([folder]))
-    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=tmp_path / "prof.json")
+    prof = _profile(tmp_path, "search", {"trial_overhead_s": [0.5, 0.9, 0.7], "trial_gap_s": [0.1, 0.3],
+                                         "trial_read_s": [0.2], "search_tail_s": [4.0]})
+    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
     m, m0 = p["compute"]["measure"], p0["compute"]["measure"]
     ov, gap, read, tail = 0.7, 0.2, 0.2, 4.0
     k0, w = m0["seed_group"], m0["workers"]
@@ -328,10 +334,8 @@ def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_
     """The CI study's data: before anything is cached the plan tokenizes it all; once the shards
     are in the shared cache it says so and prices reading them (data_cached_s: a stated
     default, or measured from a profile), tokenizing nothing."""
-    from archsearch.cluster.startup import FIGURES, build_profile
-    from archsearch.fileio import write_json
+    from archsearch.cluster.startup import FIGURES
     from archsearch.search.checks import proxy_sweeps
-    from archsearch.trainers import token_budget
     from archsearch.trainers.data import prepare_data
 
     monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))
@@ -350,13 +354,8 @@ def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_
     text = "\n".join(render(warm))
     assert "cache complete (every shard the runs read is in the cache, read in 5 s (default: not measured))" in text
     # measured: a study that found its shards cached recorded data_cached_s
-    folder = tmp_path / "s"
-    folder.mkdir()
-    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
-        {"stage": "proxy", "executor": "local", "time_utc": "2026-11-23T16:00:00+00:00", "host": "vm", "git": "x",
-         "device": "cpu", "command": "c", "samples": {"data_cached_s": [3.0, 3.4, 3.2]}}]})
-    write_json(tmp_path / "prof.json", build_profile([folder]))
-    m = plan(cfg, tmp_path / "a", gpus="2xcpu", profile=tmp_path / "prof.json")
+    prof = _profile(tmp_path, "proxy", {"data_cached_s": [3.0, 3.4, 3.2]}, executor="local", host="vm", device="cpu")
+    m = plan(cfg, tmp_path / "a", gpus="2xcpu", profile=prof)
     assert m["data"][0]["wall_hours"] * 3600 == pytest.approx(3.2)
     st = m["stages"][0]
     assert st["data_wall_hours"] * 3600 == pytest.approx(3.2) and st["data_tokens"] == 0
@@ -384,19 +383,11 @@ def test_dry_run_prices_training_with_a_given_mfu(tmp_path, paper, capsys):
 def test_the_proxy_stage_s_job_gaps_and_tail_are_priced_from_the_profile(tmp_path, paper):
     """The coordinator's seconds between a proxy job's end and the next submission in its place
     (each job after a slot's first) and after a sweep's last job (per sweep) are measured figures."""
-    from archsearch.cluster.startup import build_profile
-    from archsearch.fileio import write_json
     from archsearch.search.plan import makespan
 
     cfg, p0 = paper
-    folder = tmp_path / "a"
-    folder.mkdir()
-    where = {"time_utc": "2026-11-23T16:00:00+00:00", "host": "node7", "git": "x", "device": "H100", "command": "c"}
-    write_json(folder / "startups.json", {"kind": "archsearch study start-ups", "runs": [
-        {"stage": "proxy", "executor": "slurm", **where,
-         "samples": {"job_gap_s": [400.0, 500.0, 600.0], "proxy_tail_s": [900.0]}}]})
-    write_json(tmp_path / "prof.json", build_profile([folder]))
-    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=tmp_path / "prof.json")
+    prof = _profile(tmp_path, "proxy", {"job_gap_s": [400.0, 500.0, 600.0], "proxy_tail_s": [900.0]})
+    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
     c, c0 = p["compute"], p0["compute"]
     from archsearch.search.checks import proxy_sweeps
 
