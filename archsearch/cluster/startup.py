@@ -50,7 +50,7 @@ FIGURES: dict[str, tuple[float, str]] = {
     "job_gap_s": (0.0, "the coordinator's seconds from seeing a proxy job end to submitting the next one "
                        "in its place (polling, the ledger written, the submission)"),
     "proxy_tail_s": (0.0, "the coordinator's seconds after it sees a proxy sweep's last job end until the "
-                          "sweep's runs are collected (runs.csv, the sweep's table written)"),
+                          "sweep's runs are collected (the sweep's table written)"),
     "proxy_lead_s": (0.0, "the coordinator's seconds in the proxy stage before its first submission, "
                           "tokenisation excluded"),
     "data_cached_s": (5.0, "the coordinator's data preparation when every shard its runs read is in the "
@@ -142,18 +142,23 @@ def _where() -> dict[str, Any]:
     return stage_provenance()
 
 
+def _clean(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Known figures only, finite values rounded to the millisecond, empty lists dropped."""
+    for k in samples:
+        if k not in FIGURES and not k.startswith(ENGINE_PREFIXES):
+            raise ValueError(f"unknown start-up figure {k!r}")
+    samples = {k: [round(float(x), 3) for x in v if x is not None and math.isfinite(x)] for k, v in samples.items()}
+    return {k: v for k, v in samples.items() if v}
+
+
 def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]], **info: Any) -> None:
     """Append this coordinator run's samples for ``stage`` to ``<out>/startups.json`` (``info``:
     other seconds of the run worth comparing with the plan, e.g. ``data_prep_s``)."""
     from archsearch.fileio import write_json
 
-    samples = {k: [round(float(x), 3) for x in v if x is not None and math.isfinite(x)] for k, v in samples.items()}
-    samples = {k: v for k, v in samples.items() if v}
+    samples = _clean(samples)
     if not samples and not info:
         return
-    for k in samples:
-        if k not in FIGURES and not k.startswith(ENGINE_PREFIXES):
-            raise ValueError(f"unknown start-up figure {k!r}")
     path = Path(out) / STARTUPS_FILE
     data = json.loads(path.read_text()) if path.is_file() else {"kind": "archsearch study start-ups", "runs": []}
     data["runs"].append({"stage": stage, "executor": executor, **_where(), **info, "samples": samples})
@@ -280,11 +285,7 @@ def add_samples(out: Path, stage: str, samples: dict[str, list[float]]) -> None:
     from archsearch.fileio import write_json
 
     path = Path(out) / STARTUPS_FILE
-    samples = {k: [round(float(x), 3) for x in v if x is not None and math.isfinite(x)] for k, v in samples.items()}
-    samples = {k: v for k, v in samples.items() if v}
-    for k in samples:
-        if k not in FIGURES and not k.startswith(ENGINE_PREFIXES):
-            raise ValueError(f"unknown start-up figure {k!r}")
+    samples = _clean(samples)
     if not samples or not path.is_file():
         return
     data = json.loads(path.read_text())
@@ -294,6 +295,17 @@ def add_samples(out: Path, stage: str, samples: dict[str, list[float]]) -> None:
     for k, v in samples.items():
         mine[-1]["samples"].setdefault(k, []).extend(v)
     write_json(path, data)
+
+
+def record_tail(out: Path, stage: str, figure: str, results: dict, since: float) -> None:
+    """``figure``: the coordinator's seconds from seeing the last of ``results``' jobs end (one
+    it submitted or adopted, seen ended at or after ``since``) until now, the end of what it
+    does after them; added to this run's ``stage`` record."""
+    import time
+
+    ends = [r.ended for r in results.values() if r.ended is not None and r.ended >= since]
+    if ends:
+        add_samples(out, stage, {figure: [time.time() - max(ends)]})
 
 
 # -- reading them back -----------------------------------------------------------------------------

@@ -241,14 +241,3 @@ def run_search_workers(cfg, out: Path, stage_start: float | None = None) -> dict
                    startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.backend,
                                           min(subs) - stage_start if subs else None, since=t_enter))
     return results
-
-
-def record_search_tail(out: Path, results: dict[str, TaskResult], since: float) -> None:
-    """``search_tail_s``: the coordinator's seconds from seeing the last search worker end (one it
-    submitted or adopted, seen at or after ``since``) until now, the search stage's end (the study
-    read back, the best shape chosen); added to this run's search record in ``startups.json``."""
-    from archsearch.cluster import startup
-
-    ends = [r.ended for r in results.values() if r.ended is not None and r.ended >= since]
-    if ends:
-        startup.add_samples(out, "search", {"search_tail_s": [time.time() - max(ends)]})

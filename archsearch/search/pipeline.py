@@ -234,9 +234,9 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     r.study = load_study(ctx)
     r.best = chosen_from_study(r.study) if r.study is not None else None
     if fresh and cfg.cluster.parallel:  # the coordinator's seconds after its workers ended (startups.json)
-        from archsearch.cluster.study import record_search_tail
+        from archsearch.cluster.startup import record_tail
 
-        record_search_tail(r.out, workers, since=t)
+        record_tail(r.out, "search", "search_tail_s", workers, since=t)
     return info
 
 

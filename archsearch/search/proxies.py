@@ -22,17 +22,8 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
     from archsearch.trainers import run_sweep
 
     records = []
-    jobs_seen_ended = None  # when the coordinator saw the last job of the sweep before end (a time)
-
-    def tail() -> None:  # the coordinator's seconds after the sweep's jobs until its runs are collected
-        if jobs_seen_ended is not None:
-            from archsearch.cluster import startup
-
-            startup.add_samples(out, "proxy", {"proxy_tail_s": [time.time() - jobs_seen_ended]})
-
     for sweep in proxy_sweeps(cfg):
-        tail()
-        jobs_seen_ended = None
+        jobs = None
         log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
         if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
             from archsearch.cluster.study import link_shared_runs
@@ -45,15 +36,15 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
             from archsearch.cluster.study import JOBS_DIR, run_proxy_jobs
 
             t_sub = time.time()
-            res = run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name,
-                                 study=out)
-            # seen ended by this coordinator (its own jobs and those it adopted from an earlier one)
-            ends = [r.ended for r in res.values() if r.ended is not None and r.ended >= t_sub]
-            jobs_seen_ended = max(ends) if ends else None
+            jobs = run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name,
+                                  study=out)
             sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
+        if jobs is not None:  # the coordinator's seconds after the sweep's jobs until its runs are collected
+            from archsearch.cluster.startup import record_tail
+
+            record_tail(out, "proxy", "proxy_tail_s", jobs, since=t_sub)
     write_runs(runs_path, records)
-    tail()
     return {"proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
 
 
