@@ -48,8 +48,9 @@ FORMS = ("analytic", "amdahl", "power")
 # parallelism 52% at 1T params on A100, Narayanan et al. 2021); 0.40 is the cautious end.
 DEFAULT_MFU = 0.40
 DEFAULT_MFU_SOURCE = ("assumed 0.40: dense-decoder pretraining reports 38-55% MFU (PaLM 46.2%, "
-                      "Chowdhery et al. 2022; Megatron-LM, Narayanan et al. 2021); pass --mfu or "
-                      "--law to use a measured one")
+                      "Chowdhery et al. 2022; Megatron-LM, Narayanan et al. 2021); to use a measured one, "
+                      "pass --mfu or --law to `archsearch estimate`, or pass --dry-run --mfu or --time-law "
+                      "to `archsearch search`")
 
 
 def compute_params(spec: ArchSpec) -> int:

@@ -471,7 +471,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                 + (f"by the time law {time_law}" if time_law else
                    f"(MFU {fin.assumptions['mfu']:g}: "
                    + ("given with --mfu" if mfu is not None else
-                      f"{fin.assumptions['mfu_source']}".replace("pass --mfu or --law", "pass --dry-run --mfu or --time-law"))
+                      fin.assumptions["mfu_source"])
                    + ")"),
                 "one FLOP figure per run: 6 N_c D, N_c = non-embedding parameters + output head",
                 (f"every proxy job reaches its first step {su.get('job_start_s').label()} after its submission "
