@@ -59,16 +59,22 @@ def compute_params(spec: ArchSpec) -> int:
     return active_non_embedding_params(spec) + spec.vocab_size * spec.hidden_size
 
 
-def parse_gpus(text: str) -> tuple[int, Device]:
-    """'8xH100' -> (8, H100-SXM); 'H200' -> (1, H200); 'cpu' -> (1, this CPU, measured)."""
+def split_gpus(text: str) -> tuple[int, str]:
+    """'8xH100' -> (8, 'H100'); 'H200' -> (1, 'H200'): the count and the device's name as written."""
     m = re.fullmatch(r"\s*(?:(\d+)\s*[xX*]\s*)?(.+?)\s*", str(text))
     if not m:
         raise ArchsearchError("gpus", f"cannot read {text!r}", "write COUNTxNAME, e.g. 8xH100, or NAME, e.g. H200")
     count = int(m.group(1)) if m.group(1) else 1
     if count < 1:
         raise ArchsearchError("gpus", f"device count must be >= 1 in {text!r}")
+    return count, m.group(2)
+
+
+def parse_gpus(text: str) -> tuple[int, Device]:
+    """'8xH100' -> (8, H100-SXM); 'H200' -> (1, H200); 'cpu' -> (1, this CPU, measured)."""
+    count, name = split_gpus(text)
     try:
-        device = get_device(m.group(2))
+        device = get_device(name)
     except ArchsearchError as e:
         raise ArchsearchError("gpus", e.problem, e.fix) from None
     return count, device

@@ -3,7 +3,6 @@ any of it."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -431,10 +430,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                                  "are not counted"]}
     if gpus:
         from archsearch.planning import estimate_training
-        from archsearch.planning.time import parse_gpus
+        from archsearch.planning.time import parse_gpus, split_gpus
 
         n_total, _ = parse_gpus(gpus)
-        device = re.sub(r"^\s*\d+\s*[xX*]\s*", "", gpus)
+        device = split_gpus(gpus)[1]
         per_job = max(1, cfg.cluster.gpus_per_job)
         slots = max(1, min(cfg.cluster.jobs_at_once, n_total // per_job)) if cfg.cluster.parallel else 1
         runs = []

@@ -61,12 +61,11 @@ def measured_mfu(study: Path, gpus: str) -> list[float]:
     """Per proxy run of ``study``: its training seconds as the planner prices them at MFU 1 on one
     job's device (``1x<device>`` of ``gpus``) over its measured ``train_time_s``: the MFU that
     prices that run's training as it went, relative to the device entry the plan uses."""
-    import re
-
     from archsearch.arch import ArchSpec
     from archsearch.planning import estimate_training
+    from archsearch.planning.time import split_gpus
 
-    device = "1x" + re.sub(r"^\s*\d+\s*[xX*]\s*", "", gpus)
+    device = "1x" + split_gpus(gpus)[1]
     out = []
     for f in sorted(study.glob("proxies/*/runs/*/run.json")):
         rec = json.loads(f.read_text())
