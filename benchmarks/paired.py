@@ -50,6 +50,10 @@ class PairedSettings:
     min_rounds: int = 4
     max_rounds: int = 16
     twin: bool = False  # a second engine of the reference in every group (module docstring)
+    # sd of one engine instance's log-throughput effect, known from an earlier measurement on this
+    # machine (``bench_test_retest`` prints it as ``instance_sd_between_passes``): added to every
+    # interval where no twin measures it (with ``twin``, the twins' pooled estimate replaces it)
+    instance_sd: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.5 <= self.level < 1:
@@ -57,6 +61,9 @@ class PairedSettings:
         if not 0 < self.rel_halfwidth < 1:
             raise ArchsearchError("rel_halfwidth", f"must be in (0, 1), got {self.rel_halfwidth}",
                                   "e.g. 0.03 (stop at a +-3% interval)")
+        if not 0 <= self.instance_sd < 1:
+            raise ArchsearchError("instance_sd", f"must be in [0, 1), got {self.instance_sd}",
+                                  "e.g. 0.015 (engines of one shape differ by ~1.5% for their life)")
         if not 2 <= self.min_rounds <= self.max_rounds:
             raise ArchsearchError("min_rounds", f"need 2 <= min_rounds <= max_rounds, got "
                                   f"{self.min_rounds} and {self.max_rounds}")

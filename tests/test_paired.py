@@ -534,3 +534,41 @@ def test_calibration_fit_set_is_chosen_from_features_and_separates_r_from_gqa():
     picked = d_optimal(results)
     corr_d, det_d = design(picked)
     assert len(picked) == 4 and abs(corr_d) < 0.5 and det_d > 1000 * det  # measured 0.07, 7.5 vs 0.001
+
+
+def test_configured_instance_sd_widens_until_twins_measure_it(tmp_path):
+    from archsearch.configio import from_dict
+    from archsearch.search.config import MeasureConfig
+    from archsearch.search.measure import MeasurementStore, Measurer
+
+    store = MeasurementStore(tmp_path / "measurements.jsonl")
+    prior = Measurer(from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": 0.02}}, "measure"), store)
+    assert prior.instance_var() == pytest.approx(0.02 ** 2)  # no twins: the configured value
+    twin = Measurer(from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": 0.02, "twin": True}},
+                              "measure"), store)
+    assert twin.instance_var() == pytest.approx(0.02 ** 2)  # no twin group measured yet
+    store.put("g", _twin_result([[100.0, 90.0, 106.0], [101.0, 91.0, 107.0], [99.0, 90.0, 105.0]]).to_dict())
+    assert twin.instance_var() != pytest.approx(0.02 ** 2)  # the twins' pooled estimate replaces it
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": -0.1}}, "measure")
+    assert "instance_sd" in str(e.value.field)
+
+
+def test_instance_sd_between_passes_is_what_the_intervals_do_not_explain():
+    import math
+
+    from scipy import stats
+
+    from archsearch.benchmarks.scripts.bench_test_retest import instance_sd_between_passes
+
+    def est(ratio, se, n=20, level=0.9):
+        h = stats.t.ppf(0.5 + level / 2, n - 1) * se
+        return {"ratio": ratio, "lo": ratio * math.exp(-h), "hi": ratio * math.exp(h), "level": level, "n": n}
+
+    a = [est(1.0 + 0.1 * i, 0.01) for i in range(6)]
+    assert instance_sd_between_passes(a, a) == 0.0  # identical passes: nothing beyond the rounds
+    # passes 6% apart (log) with +-1% rounds: d^2 = 0.0036, se^2 sum 0.0002 -> s = sqrt(0.0034 / 4)
+    b = [est(x["ratio"] * math.exp(0.06 * (-1) ** i), 0.01) for i, x in enumerate(a)]
+    assert instance_sd_between_passes(a, b) == pytest.approx(math.sqrt((0.06 ** 2 - 2 * 0.01 ** 2) / 4), rel=1e-6)
+    close = [est(x["ratio"] * math.exp(0.005), 0.01) for x in a]  # inside the rounds' error: floored at 0
+    assert instance_sd_between_passes(a, close) == 0.0

@@ -242,17 +242,20 @@ class Measurer:
         return len(todo)
 
     def instance_var(self) -> float:
-        """The engine-instance variance pooled over every twin group in the store so far
-        (``measure.paired.twin``; 0 without twins): a group stored as several pairs counts once."""
+        """The engine-instance variance: pooled over every twin group in the store so far
+        (``measure.paired.twin``; a group stored as several pairs counts once), else, before the
+        first twin group or without twins, the configured ``measure.paired.instance_sd`` squared."""
         from archsearch.benchmarks.paired import PairedResult, instance_variance
 
+        prior = self.cfg.paired.instance_sd ** 2
         if not self.cfg.paired.twin:
-            return 0.0
+            return prior
         groups: dict[str, PairedResult] = {}
         for key, d in self.store.all().items():
             if "rounds" in d and (d.get("paired") or {}).get("twin"):
                 groups.setdefault((d.get("group") or {}).get("key", key), PairedResult.from_dict(d))
-        return instance_variance(list(groups.values()))[0]
+        pooled, n = instance_variance(list(groups.values()))
+        return pooled if n else prior
 
     def _paired(self, specs: list[ArchSpec]):
         from archsearch.benchmarks.paired import measure_paired

@@ -346,7 +346,7 @@ def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     trial.set_user_attr("ttft", {str(ctx.ref_batch): batch.ttft_mean})
     trial.set_user_attr("ratio", est.to_dict())
     trial.set_user_attr("rounds", len(pr.rounds))
-    if pr.twin:
+    if iv > 0 or pr.twin:
         trial.set_user_attr("instance_sd", iv ** 0.5)
     if pr.timing.get("group_size"):
         trial.set_user_attr("group_size", pr.timing["group_size"])

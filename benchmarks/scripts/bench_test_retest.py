@@ -83,6 +83,20 @@ def calibration_of_intervals(a: list[dict], b: list[dict]) -> dict:
             "agree_within_combined_interval": float(sum(within) / len(within))}
 
 
+def instance_sd_between_passes(a: list[dict], b: list[dict]) -> float | None:
+    """The engine-instance sd the passes' disagreement implies beyond their intervals: a shape's
+    log ratio in one pass carries its own engine's effect and the baseline engine's (variance
+    2 s2 beside the rounds' se^2), so the difference d between passes has E[d^2] = 4 s2 + se1^2 +
+    se2^2 and s2 = mean(d^2 - se1^2 - se2^2) / 4 (moments, floored at 0; read it from passes
+    measured without ``instance_sd``). The value to give ``measure.paired.instance_sd``."""
+    import math
+
+    if not a:
+        return None
+    parts = [math.log(y["ratio"] / x["ratio"]) ** 2 - _log_se(x) ** 2 - _log_se(y) ** 2 for x, y in zip(a, b)]
+    return math.sqrt(max(0.0, sum(parts) / len(parts) / 4))
+
+
 def expected_spearman(a: list[dict], b: list[dict], scales=(1.0, 2 / 3, 1 / 2), draws: int = 4000,
                       seed: int = 0) -> list[dict]:
     """The Spearman between two passes that the passes' own precision predicts, by simulation.
@@ -136,6 +150,7 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
             "pairwise_order_agreement": agree / len(pairs) if pairs else None,
             "coverage_of_pass2_in_pass1_interval": sum(x["lo"] <= y["ratio"] <= x["hi"] for x, y in zip(a, b)) / len(a),
             **calibration_of_intervals(a, b),
+            "instance_sd_between_passes": instance_sd_between_passes(a, b),
             "expected_spearman": expected_spearman(a, b),
             "nominal_level": a[0]["level"] if a else None, "n_shapes": len(a),
             "spread_max_over_min_ratio": max(ra) / min(ra) if ra else None,
@@ -171,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                          "measure.paired.rel_halfwidth)")
     ap.add_argument("--max-rounds", type=int, default=None,
                     help="round budget of a group (default: the config's measure.paired.max_rounds)")
+    ap.add_argument("--instance-sd", type=float, default=None,
+                    help="engine-instance sd added to every interval without a twin (default: the config's "
+                         "measure.paired.instance_sd; 0 measures the rounds' own error, the way to estimate it)")
     ap.add_argument("--out-dir", default="results/bench")
     ap.add_argument("--reanalyse", action="store_true",
                     help="measure nothing: print the agreement statistics (with the expected Spearman) of every "
@@ -203,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = list(os.getloadavg())
     paired = replace(cfg.measure.paired, twin=args.twin or cfg.measure.paired.twin,
                      rel_halfwidth=args.rel_halfwidth or cfg.measure.paired.rel_halfwidth,
-                     max_rounds=args.max_rounds or cfg.measure.paired.max_rounds)
+                     max_rounds=args.max_rounds or cfg.measure.paired.max_rounds,
+                     instance_sd=cfg.measure.paired.instance_sd if args.instance_sd is None else args.instance_sd)
     passes, groups, instance = [], [], []
     try:
         for k in (1, 2):
@@ -217,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                                "twin_ratio": r.estimate(len(r.specs) - 1).to_dict() if r.ok and r.twin else None})
             # the engine-instance variance of this pass, pooled over its groups' twins (0 without)
             iv, n_twins = instance_variance([r for _, r in measured_groups])
+            iv = iv if n_twins else paired.instance_sd ** 2
             instance.append({"pass": k, "variance": iv, "sd": iv ** 0.5, "groups": n_twins})
             rows = []
             for group, r in measured_groups:
@@ -244,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     append_jsonl(Path(args.out_dir) / "test_retest.jsonl", summary)
     print(json.dumps({k: summary[k] for k in ("benchmark", "burn_one_core", "spearman", "pairwise_order_agreement",
                                               "coverage_of_pass2_in_pass1_interval", "expected_coverage_if_calibrated",
-                                              "agree_within_combined_interval", "expected_spearman", "nominal_level", "n_shapes",
+                                              "agree_within_combined_interval", "instance_sd_between_passes",
+                                              "expected_spearman", "nominal_level", "n_shapes",
                                               "spread_max_over_min_ratio", "mean_rel_halfwidth",
                                               "instance_variance", "load_average_start_end")}))
     return 0
