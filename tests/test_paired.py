@@ -334,6 +334,8 @@ def test_measurement_key_changes_with_what_changes_a_measurement_only(tmp_path):
     key = _keyed(tmp_path).key(spec)
     # study-only choices, and a paired setting added later at its default, key nothing new
     assert _keyed(tmp_path, fallback_backend="sglang").key(spec) == key
+    # the engine-instance sd widens intervals computed when read: the stored rounds are the same
+    assert _keyed(tmp_path, paired=PairedSettings(instance_sd=0.02)).key(spec) == key
     assert _keyed(tmp_path, batch_sizes=[16, 32], reference_batch_size=16).key(spec) == \
         _keyed(tmp_path, batch_sizes=[16, 32]).key(spec)
 
@@ -549,6 +551,9 @@ def test_configured_instance_sd_widens_until_twins_measure_it(tmp_path):
     assert twin.instance_var() == pytest.approx(0.02 ** 2)  # no twin group measured yet
     store.put("g", _twin_result([[100.0, 90.0, 106.0], [101.0, 91.0, 107.0], [99.0, 90.0, 105.0]]).to_dict())
     assert twin.instance_var() != pytest.approx(0.02 ** 2)  # the twins' pooled estimate replaces it
+    analytic = Measurer(from_dict(MeasureConfig, {"backend": "analytic", "paired": {"instance_sd": 0.02}},
+                                  "measure"), store)
+    assert analytic.instance_var() == 0.0  # a prediction has no engine instance
     with pytest.raises(ArchsearchError) as e:
         from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": -0.1}}, "measure")
     assert "instance_sd" in str(e.value.field)

@@ -101,8 +101,9 @@ _KEY_NAMES = {"level": "ci_level", "rel_halfwidth": "ci_rel_halfwidth"}
 _FIRST_KEYED = frozenset({"backend", "batch_sizes", "input_len", "output_len", "warmup", "repeats", "dtype",
                           "timeout_s", "device_spec", "engine_args", "calibration", "ci_level",
                           "ci_rel_halfwidth", "min_rounds", "max_rounds"})
-# choose among engines or measured batch sizes; they change no measurement
-_NOT_KEYED = frozenset({"fallback_backend", "reference_batch_size"})
+# choose among engines or measured batch sizes, or widen intervals computed when read; they change
+# no measurement
+_NOT_KEYED = frozenset({"fallback_backend", "reference_batch_size", "instance_sd"})
 
 
 def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
@@ -110,7 +111,7 @@ def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
     block (the :class:`BenchSettings`, the calibration, ``measure.params`` and the paired
     comparison's settings, which a paired measurement's key builds on) by its name, wherever it
     nests, with ``backend`` the engine that measures (after any fallback). Not keyed:
-    ``fallback_backend`` and ``reference_batch_size``. Names are those of the first keyed layout
+    ``fallback_backend``, ``reference_batch_size`` and ``paired.instance_sd``. Names are those of the first keyed layout
     (``paired.level`` is ``ci_level``, ``paired.rel_halfwidth`` ``ci_rel_halfwidth``), and a
     setting added since enters only away from its default, so re-nesting the schema or adding a
     setting never re-keys a store written before."""
@@ -244,9 +245,12 @@ class Measurer:
     def instance_var(self) -> float:
         """The engine-instance variance: pooled over every twin group in the store so far
         (``measure.paired.twin``; a group stored as several pairs counts once), else, before the
-        first twin group or without twins, the configured ``measure.paired.instance_sd`` squared."""
+        first twin group or without twins, the configured ``measure.paired.instance_sd`` squared;
+        0 for the analytic backend."""
         from archsearch.benchmarks.paired import PairedResult, instance_variance
 
+        if self.backend == "analytic":  # a deterministic prediction has no engine instance
+            return 0.0
         prior = self.cfg.paired.instance_sd ** 2
         if not self.cfg.paired.twin:
             return prior

@@ -490,6 +490,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "calibration": (f"calibrated by {cfg.measure.calibration}" if cfg.measure.calibration else None),
         "reference_batch_size": b,
         "measured_params": cfg.measure.params,
+        "instance_sd": ctx.measurer.instance_var() ** 0.5 or None,  # in every interval (measure.paired)
         "target_loss": ctx.target_loss,
         "target_source": "explicit" if cfg.target.loss is not None else
                          f"baseline predicted loss x (1 + {cfg.target.slack})",
@@ -600,7 +601,9 @@ def render_markdown(s: dict[str, Any]) -> str:
                 (f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
                  f"at batch {b}: " if s["backend"] == "analytic" else
                  f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
-                f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}): {verdict}; "
+                f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}"
+                + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
+                + f"): {verdict}; "
                 f"{(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
                 f"{(base['throughput'] or float('nan')):.1f}." if q else
                 f"- Measured with **{s['backend']}** at batch {b}: {(ch['throughput'] or float('nan')):.1f} tokens/s.",
