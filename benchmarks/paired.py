@@ -138,6 +138,13 @@ def instance_variance(results: list[PairedResult]) -> tuple[float, int]:
     return max(0.0, sum(parts) / len(parts) / 2), len(parts)
 
 
+def instance_var_or_prior(results: list[PairedResult], p: PairedSettings) -> float:
+    """The engine-instance variance to add to intervals: the twins' pooled estimate where any
+    twin group is among ``results``, else the configured ``p.instance_sd`` squared."""
+    pooled, n = instance_variance(results)
+    return pooled if n else p.instance_sd ** 2
+
+
 @dataclass
 class PairedResult(PlainData):
     """Per-round output throughputs (rounds x shapes, shape 0 the reference) and what the

@@ -247,19 +247,15 @@ class Measurer:
         (``measure.paired.twin``; a group stored as several pairs counts once), else, before the
         first twin group or without twins, the configured ``measure.paired.instance_sd`` squared;
         0 for the analytic backend."""
-        from archsearch.benchmarks.paired import PairedResult, instance_variance
+        from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior
 
         if self.backend == "analytic":  # a deterministic prediction has no engine instance
             return 0.0
-        prior = self.cfg.paired.instance_sd ** 2
-        if not self.cfg.paired.twin:
-            return prior
         groups: dict[str, PairedResult] = {}
-        for key, d in self.store.all().items():
+        for key, d in (self.store.all().items() if self.cfg.paired.twin else ()):
             if "rounds" in d and (d.get("paired") or {}).get("twin"):
                 groups.setdefault((d.get("group") or {}).get("key", key), PairedResult.from_dict(d))
-        pooled, n = instance_variance(list(groups.values()))
-        return pooled if n else prior
+        return instance_var_or_prior(list(groups.values()), self.cfg.paired)
 
     def _paired(self, specs: list[ArchSpec]):
         from archsearch.benchmarks.paired import measure_paired

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.search.measure import measured_shape, resolve_backend
     from archsearch.search.checks import baseline_spec, target_loss, vocab_size
     from archsearch.search.study import build_settings
-    from archsearch.benchmarks.paired import instance_variance, measure_paired
+    from archsearch.benchmarks.paired import instance_var_or_prior, instance_variance, measure_paired
 
     cfg = load_study_config(args.config)
     law = load_law(args.law)
@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                                "stop_reason": r.stop_reason, "engine_start_s": r.timing.get("engine_start_s"),
                                "twin_ratio": r.estimate(len(r.specs) - 1).to_dict() if r.ok and r.twin else None})
             # the engine-instance variance of this pass, pooled over its groups' twins (0 without)
-            iv, n_twins = instance_variance([r for _, r in measured_groups])
-            iv = iv if n_twins else paired.instance_sd ** 2
+            n_twins = instance_variance([r for _, r in measured_groups])[1]
+            iv = instance_var_or_prior([r for _, r in measured_groups], paired)
             instance.append({"pass": k, "variance": iv, "sd": iv ** 0.5, "groups": n_twins})
             rows = []
             for group, r in measured_groups:
