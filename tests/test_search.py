@@ -468,6 +468,42 @@ def test_two_workers_opening_a_new_storage_at_once(tmp_path):
 
 
 
+_POP_AT = """
+import json, sys, time
+import optuna
+from archsearch.search.study import make_storage
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+study = optuna.load_study(study_name="s", storage=make_storage(sys.argv[1]))
+while time.time() < float(sys.argv[2]):
+    time.sleep(0.001)
+print(json.dumps([study.ask().number for _ in range(20)]))
+"""
+
+
+def test_two_workers_never_pop_the_same_enqueued_trial(tmp_path):
+    # SQLite ignores SELECT ... FOR UPDATE: with the driver's lazy BEGIN, two workers read one
+    # WAITING trial and both ran it (CI: "Cannot tell a COMPLETE trial"); before the fix this
+    # handed out 6-8 of 40 enqueued trials twice on every try here
+    import optuna
+
+    from archsearch.search.study import make_storage
+
+    url = f"sqlite:///{tmp_path / 'o.db'}"
+    study = optuna.create_study(study_name="s", storage=make_storage(url))
+    for i in range(40):
+        study.enqueue_trial({"x": float(i)})
+    t0 = time.time() + 4.0
+    procs = [subprocess.Popen([sys.executable, "-c", _POP_AT, url, str(t0)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    popped = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        popped.append(json.loads(out))
+    assert not set(popped[0]) & set(popped[1])
+    assert sorted(popped[0] + popped[1]) == list(range(40))  # every enqueued trial handed out once
+
+
 def dashboard_study_detail(db: Path) -> dict:
     """Serve optuna-dashboard on 127.0.0.1 over a SQLite storage; its API's view of the study."""
     import threading

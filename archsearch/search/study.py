@@ -134,11 +134,43 @@ def make_storage(url: str):
         return optuna.storages.JournalStorage(JournalFileBackend(path))
     if url.startswith("sqlite:"):
         # one host: stale trials are recovered by process id (see recover_stale_trials)
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+        return _sqlite_storage(url)
     # a cluster database: workers on other hosts are watched by Optuna's heartbeat
     return optuna.storages.RDBStorage(
         url, heartbeat_interval=30, grace_period=120,
         failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
+
+
+def _sqlite_storage(url: str):
+    """An RDB storage on SQLite whose every transaction begins ``BEGIN IMMEDIATE``.
+
+    Optuna hands a waiting (enqueued) trial to a worker by reading it as WAITING and then
+    writing RUNNING, relying on ``SELECT ... FOR UPDATE``; SQLite ignores ``FOR UPDATE`` and
+    Python's sqlite3 driver opens its transaction only at the write, so two workers can both read
+    WAITING and both run the same trial: the second to finish fails with "Cannot tell a COMPLETE
+    trial" (optuna/optuna#4002; a seeded study with two workers hit it in CI). Taking SQLite's
+    write lock when each transaction begins makes the read and the write one step; the busy
+    timeout (60 s) makes a second worker wait its turn instead of failing."""
+    import optuna
+    from sqlalchemy import event
+
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
+    # SQLAlchemy's recipe for pysqlite: the driver emits no BEGIN of its own, the engine emits
+    # ours; the connections Optuna opened while creating the tables are dropped. Each process
+    # opens its own storage (make_storage); a storage pickled to another process would get a
+    # new engine without these listeners.
+    event.listen(storage.engine, "connect", _driver_emits_no_begin)
+    event.listen(storage.engine, "begin", _begin_immediate)
+    storage.engine.dispose()
+    return storage
+
+
+def _driver_emits_no_begin(dbapi_connection, _record) -> None:
+    dbapi_connection.isolation_level = None
+
+
+def _begin_immediate(conn) -> None:
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 # The constraints of every trial, in this order (feasible iff every value <= 0).
