@@ -21,6 +21,7 @@ from pathlib import Path
 
 from archsearch.arch import describe
 from archsearch.candidates import BuildSettings, build_candidate
+from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
 from archsearch.benchmarks import BenchSettings, append_jsonl, measure, read_jsonl
 
@@ -44,6 +45,34 @@ def shapes(budget: float, layers: int, grid: str = "engines") -> list:
     return out
 
 
+def study_shapes(cfg) -> list:
+    """The calibration grid laid over a study's search box, each shape as the study measures it
+    (built at the study's N with its build settings, then rebuilt at ``measure.params`` where
+    set): 4 values of d/sqrt(N) x 3 of r, geometric over the box, the box's GQA values cycling
+    across it. Knob points that do not build are skipped, as the study skips them."""
+    import numpy as np
+
+    from archsearch.search.checks import vocab_size
+    from archsearch.search.study import build_settings, expand, measure_scale
+
+    box, build = cfg.search_space, build_settings(cfg, vocab_size(cfg))
+    scale = measure_scale(cfg, build) or (lambda s: s)
+    out, seen = [], set()
+    for i, x1 in enumerate(np.geomspace(*box.hidden_over_sqrt_n, 4)):
+        for j, r in enumerate(np.geomspace(*box.mlp_to_attn, 3)):
+            g = box.gqa[(i + j) % len(box.gqa)]
+            try:
+                spec = scale(expand(cfg, build, float(x1), float(r), int(g)))
+            except ArchsearchError as e:
+                print(f"skipped x{x1:.3g} r{r:.3g} g{g}: {e}", file=sys.stderr)
+                continue
+            key = (spec.hidden_size, spec.n_heads, spec.n_kv_heads, spec.ffn)
+            if key not in seen:
+                seen.add(key)
+                out.append(spec.replace(name=f"{cfg.name}-x{x1:.3g}-r{r:.3g}-g{g}"))
+    return out
+
+
 def _same(rec, spec, settings: BenchSettings) -> bool:
     mine = settings.to_dict()
     theirs = {k: v for k, v in rec.settings.items() if k in mine}
@@ -59,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated batch sizes each engine measures (default: --batch-size)")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="engines",
                     help="engines: 9 shapes; calibration: 12 (the calibration benchmark's data)")
+    ap.add_argument("--config", default=None,
+                    help="a study config: the calibration grid over its search box, its shapes as the study "
+                         "measures them (measure.params), its prompt and output lengths and dtype (with "
+                         "--grid calibration; --budget, --layers, --input-len and --output-len are then the study's)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -71,9 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from scipy.stats import spearmanr
 
+    if args.config and args.grid != "calibration":
+        ap.error("--config lays the calibration grid over a study's box: use it with --grid calibration")
+    cfg = None
+    if args.config:
+        from archsearch.search.config import load_study_config
+
+        cfg = load_study_config(args.config)
+        args.input_len, args.output_len = cfg.measure.input_len, cfg.measure.output_len
+        args.budget, args.layers = cfg.measure.params or cfg.params, cfg.n_layers
     out = Path(args.out_dir) / ("engines_cpu.jsonl" if args.grid == "engines" else f"{args.grid}_data.jsonl")
     done = read_jsonl(out) if out.exists() and not args.fresh else []
-    specs = shapes(args.budget, args.layers, args.grid)
+    specs = study_shapes(cfg) if cfg else shapes(args.budget, args.layers, args.grid)
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [args.batch_size]
     if args.batch_size not in sizes:
         ap.error(f"--batch-size {args.batch_size} must be one of --batch-sizes {sizes}")
@@ -83,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             s = BenchSettings(backend=backend, batch_sizes=sizes, input_len=args.input_len,
                               output_len=args.output_len, warmup=1, repeats=args.repeats,
+                              dtype=cfg.measure.dtype if cfg else "auto",
                               device_spec="cpu" if backend == "analytic" else None,
                               engine_args={"torch_threads": args.threads} if backend == "hf" else {},
                               timeout_s=900)
@@ -106,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "benchmark": "engines_cpu_rank_agreement",
         "budget_non_embedding": args.budget, "layers": args.layers, "batch_size": args.batch_size,
-        "grid": args.grid, "data": str(out),
+        "grid": args.grid, "config": args.config, "data": str(out),
         "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
         "hf_torch_threads": args.threads,
         "shapes": [{k: describe(s)[k] for k in ("name", "hidden_size", "n_heads", "n_kv_heads", "ffn",
