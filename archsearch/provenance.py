@@ -75,9 +75,22 @@ def git_revision() -> str | None:
     return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+# environment variables that change how fast an engine runs on the same code and hardware
+# (threads, allocator, vLLM-CPU's cache and binding, visible GPUs): recorded where set
+SPEED_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+SPEED_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "MALLOC_", "VLLM_CPU_")
+
+
+def speed_env() -> dict[str, str]:
+    """The set variables of :data:`SPEED_ENV` and :data:`SPEED_ENV_PREFIXES`."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k in SPEED_ENV or k.startswith(SPEED_ENV_PREFIXES)}
+
+
 def provenance(extra_packages: Iterable[str] = (), device: bool = True) -> dict[str, Any]:
     """Versions of the core and the named extra packages, device, host, UTC time, how busy the
-    host was (load average over 1, 5, 15 min: relative speeds on a shared machine move with it), git rev."""
+    host was (load average over 1, 5, 15 min: relative speeds on a shared machine move with it), git rev,
+    the command, and the environment variables that change engine speed (:func:`speed_env`)."""
     return {
         "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
@@ -88,4 +101,5 @@ def provenance(extra_packages: Iterable[str] = (), device: bool = True) -> dict[
         "versions": package_versions([*CORE_PACKAGES, *extra_packages]),
         "device": device_info() if device else None,
         "command": " ".join(sys.argv),
+        "speed_env": speed_env(),
     }

@@ -81,6 +81,17 @@ def test_result_shape(measured, backend):
     assert d["settings"]["engine"], "the engine settings that change speed are recorded"
 
 
+def test_provenance_records_the_environment_that_changes_engine_speed(monkeypatch):
+    from archsearch.provenance import provenance
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=4294967296")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("ARCHSEARCH_UNRELATED", "x")
+    env = provenance(device=False)["speed_env"]
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.mmap_threshold=4294967296" and env["OMP_NUM_THREADS"] == "1"
+    assert "ARCHSEARCH_UNRELATED" not in env
+
+
 @pytest.mark.parametrize("backend", HERE)
 def test_settings_reproducible(measured, backend, tmp_path):
     r = measured(backend)
