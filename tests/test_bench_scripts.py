@@ -19,3 +19,30 @@ def test_benchmark_script_help(name, monkeypatch, capsys):
         mod.main()
     assert e.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_calibration_grid_over_a_study_box_is_measured_as_the_study_measures():
+    """``bench_engines_cpu --grid calibration --config``: the 4 x 3 grid over the demo's box, each
+    shape built as the study builds it and rebuilt at ``measure.params`` (the same realised ratios)."""
+    import math
+
+    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
+    from archsearch.benchmarks.scripts.bench_engines_cpu import study_shapes
+    from archsearch.search.checks import vocab_size
+    from archsearch.search.config import load_study_config
+    from archsearch.search.study import build_settings, expand
+
+    cfg = load_study_config(Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml")
+    shapes = study_shapes(cfg)
+    assert len(shapes) == 12 and len({s.name for s in shapes}) == 12
+    assert {s.n_heads // s.n_kv_heads for s in shapes} == set(cfg.search_space.gqa)
+    for s in shapes:
+        assert non_embedding_params(s) == pytest.approx(cfg.measure.params, rel=0.05)
+        assert s.n_layers == cfg.n_layers and s.head_dim == cfg.search_space.head_dim
+        assert s.max_position_embeddings >= cfg.measure.input_len + cfg.measure.output_len
+    # the first point is the box's corner (smallest d/sqrt(N) and r, GQA 1), as the study builds it
+    built = expand(cfg, build_settings(cfg, vocab_size(cfg)), cfg.search_space.hidden_over_sqrt_n[0],
+                   cfg.search_space.mlp_to_attn[0], 1)
+    first = shapes[0]
+    assert math.isclose(mlp_to_attn_ratio(first), mlp_to_attn_ratio(built), rel_tol=0.25)
+    assert hidden_over_sqrt_n(first) == pytest.approx(hidden_over_sqrt_n(built), rel=0.3)

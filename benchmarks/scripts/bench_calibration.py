@@ -18,6 +18,13 @@ passes themselves is printed: the ceiling any predictor can reach on these data.
     .venv/bin/python -m archsearch.benchmarks.scripts.bench_engines_cpu --grid calibration \
         --batch-sizes 4,16 --batch-size 16 --backends hf,vllm         # the data, ~20 min on 2 cores
     .venv/bin/python -m archsearch.benchmarks.scripts.bench_calibration
+
+At a study's own measured setting (its box, ``measure.params``, lengths and dtype; ~25 min a pass):
+
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_engines_cpu --grid calibration \
+        --config configs/demo-cpu.yaml --batch-sizes 4,16 --batch-size 4 --backends vllm,hf --out-dir A
+    .venv/bin/python -m archsearch.benchmarks.scripts.bench_calibration \
+        --results A/calibration_data.jsonl --results B/calibration_data.jsonl --out-dir DIR
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ throughput between each pair. Every result is appended to ``OUT_DIR/engines_cpu.
 ``OUT_DIR/engines_cpu_summary.jsonl``.
 
     .venv/bin/python -m archsearch.benchmarks.scripts.bench_engines_cpu            # ~10-20 min on 2 cores
+
+``--grid calibration`` measures the calibration benchmark's 12 shapes (bench_calibration); with
+``--config STUDY.yaml`` they are laid over that study's box and measured as the study measures.
 """
 
 from __future__ import annotations
