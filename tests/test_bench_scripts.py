@@ -24,8 +24,6 @@ def test_benchmark_script_help(name, monkeypatch, capsys):
 def test_calibration_grid_over_a_study_box_is_measured_as_the_study_measures():
     """``bench_engines_cpu --grid calibration --config``: the 4 x 3 grid over the demo's box, each
     shape built as the study builds it and rebuilt at ``measure.params`` (the same realised ratios)."""
-    import math
-
     from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
     from archsearch.benchmarks.scripts.bench_engines_cpu import study_shapes
     from archsearch.search.checks import vocab_size
@@ -44,5 +42,5 @@ def test_calibration_grid_over_a_study_box_is_measured_as_the_study_measures():
     built = expand(cfg, build_settings(cfg, vocab_size(cfg)), cfg.search_space.hidden_over_sqrt_n[0],
                    cfg.search_space.mlp_to_attn[0], 1)
     first = shapes[0]
-    assert math.isclose(mlp_to_attn_ratio(first), mlp_to_attn_ratio(built), rel_tol=0.25)
+    assert mlp_to_attn_ratio(first) == pytest.approx(mlp_to_attn_ratio(built), rel=0.25)
     assert hidden_over_sqrt_n(first) == pytest.approx(hidden_over_sqrt_n(built), rel=0.3)
