@@ -25,7 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+import archsearch
+
+# the folder holding the ``archsearch`` package this process runs (a checkout or site-packages):
+# the child imports the same copy
+_REPO_ROOT = Path(archsearch.__file__).resolve().parent.parent
 
 
 @dataclass
