@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ArchSpec": "archsearch.arch",
     "describe": "archsearch.arch",
-    "load_arch": "archsearch.arch",
+    "load_arch": "archsearch.presets",
     "to_hf_config": "archsearch.arch",
     "build_candidate": "archsearch.candidates",
     "BuildSettings": "archsearch.candidates",

@@ -11,8 +11,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import ArchSpec, describe, load_arch, write_hf_config
+from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.errors import ArchsearchError
+from archsearch.presets import load_arch
 from archsearch.provenance import provenance
 from archsearch.benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
 

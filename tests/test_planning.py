@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from archsearch.arch import ArchSpec, kv_cache_bytes_per_token, load_arch, non_embedding_params, total_params
+from archsearch.arch import ArchSpec, kv_cache_bytes_per_token, non_embedding_params, total_params
 from archsearch.errors import ArchsearchError
 from archsearch.planning import (Limits, TimeLaw, check_limits, estimate_training, fit_time_law,
                                  max_inference_batch, max_training_batch, parse_gpus,
                                  predict_inference_memory, predict_training_memory)
 from archsearch.planning.time import compute_params
+from archsearch.presets import load_arch
 from archsearch.rundata import RunRecord, write_runs
 
 GIB = 2**30

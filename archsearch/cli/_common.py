@@ -139,7 +139,8 @@ def build_settings_from_args(args: argparse.Namespace, **kw: Any):
 
 def arch_from_args(args: argparse.Namespace):
     """Build the ArchSpec named by :func:`add_arch_args` flags; clear error when incomplete."""
-    from archsearch.arch import ArchSpec, load_arch
+    from archsearch.arch import ArchSpec
+    from archsearch.presets import load_arch
     from archsearch.errors import ArchsearchError
 
     fields = ("n_layers", "hidden_size", "n_heads", "ffn")

@@ -80,7 +80,7 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from archsearch.arch import load_arch
+    from archsearch.presets import load_arch
     from archsearch.planning import estimate_training
 
     _require(args, "arch", "tokens")
@@ -111,7 +111,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _fitted_beside(args: argparse.Namespace, est):
     """The batch/throughput-law answer for the same run (training tokens/s laws only)."""
-    from archsearch.arch import load_arch, sparsity
+    from archsearch.arch import sparsity
+    from archsearch.presets import load_arch
     from archsearch.planning import parse_gpus, resolve_price
     from archsearch.planning.batchlaws import estimate_from_batch_laws, load_batch_laws, model_memory_bytes
 
@@ -182,7 +183,7 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from archsearch.arch import load_arch
+    from archsearch.presets import load_arch
     from archsearch.planning import (max_inference_batch, max_training_batch, parse_gpus,
                                      predict_inference_memory, predict_training_memory)
 

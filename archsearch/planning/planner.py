@@ -26,11 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from archsearch.arch import ArchSpec, load_arch
+from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import device_key
 from archsearch.planning.limits import Limits, check_limits
 from archsearch.planning.lora import LoraSettings, lora_params, predict_lora_memory
+from archsearch.presets import load_arch
 
 MEASUREMENTS = "measurements.jsonl"
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
