@@ -618,6 +618,34 @@ def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> 
     return ctx.measurer.compare_together(ctx.baseline, specs)
 
 
+def seed_study(ctx: SearchContext, study) -> None:
+    """Record the study's target and enqueue its seed shapes, once, before any worker samples: a
+    worker that found the target recorded but the seeds not yet enqueued would sample and measure
+    shapes of its own meanwhile, beyond the trials the dry-run plan counts. Workers sharing the
+    study folder take turns here (a file lock), so each finds either nothing or the seeds."""
+    from archsearch.search.measure import file_lock
+
+    cfg = ctx.cfg
+    with file_lock(ctx.out / ".seeding.lock"):
+        if "target_loss" in study.user_attrs:
+            if not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
+                raise ArchsearchError("target", f"the stored study was run with target loss "
+                                      f"{study.user_attrs['target_loss']:.6g}, this config gives "
+                                      f"{ctx.target_loss:.6g}", "use a new study name or folder")
+            return
+        points = seed_points(ctx)
+        ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
+                   if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
+        how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
+        for pt in points:
+            study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
+        study.set_user_attr("seeded_by", how)
+        study.set_user_attr("params", cfg.params)
+        study.set_user_attr("tokens", cfg.tokens)
+        study.set_user_attr("n_layers", cfg.n_layers)
+        study.set_user_attr("target_loss", ctx.target_loss)  # last: the mark that seeding is done
+
+
 def run_study(ctx: SearchContext, progress: bool = True):
     """Create or resume the study and run it until ``n_trials`` trials have completed."""
     import optuna
@@ -625,22 +653,7 @@ def run_study(ctx: SearchContext, progress: bool = True):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study, storage = create_study(ctx)
     recovered = recover_stale_trials(study, storage)
-    if "target_loss" not in study.user_attrs:
-        study.set_user_attr("target_loss", ctx.target_loss)
-        study.set_user_attr("params", cfg.params)
-        study.set_user_attr("tokens", cfg.tokens)
-        study.set_user_attr("n_layers", cfg.n_layers)
-        points = seed_points(ctx)
-        ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
-                   if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
-        how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
-        study.set_user_attr("seeded_by", how)
-        for pt in points:
-            study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
-    elif not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
-        raise ArchsearchError("target", f"the stored study was run with target loss "
-                              f"{study.user_attrs['target_loss']:.6g}, this config gives "
-                              f"{ctx.target_loss:.6g}", "use a new study name or folder")
+    seed_study(ctx, study)
     if ctx.baseline is not None and cfg.optuna.seeds_together:
         measure_seeds_together(ctx, study, progress)
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
