@@ -3,7 +3,8 @@
 Two tiers: ``python -m pytest`` is the fast tier for development; it deselects the tests marked
 ``slow`` (the PostgreSQL and Slurm servers, the kill drills, studies end to end, anything over
 ~20 s on 2 cores). ``python -m pytest --full`` runs the full suite, as the README's test command
-and CI do. A ``-m`` expression, or a test named by its node id, selects slow tests too."""
+and CI do. A ``-m`` expression, or a test file or test named on the command line, selects slow
+tests too (``pytest tests/test_drills.py`` runs the drills)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,12 @@ def _fast_tier(config) -> bool:
 
 
 def _named(item, config) -> bool:
-    """Whether ``item`` was named on the command line by its node id (``file::test``)."""
-    path, _, name = item.nodeid.partition("::")
-    here = (config.rootpath / path).resolve()
+    """Whether ``item``'s file (or the test itself) was named on the command line."""
+    here = item.path.resolve()
     for arg in config.args:
-        file, sep, test = arg.partition("::")
-        if sep and (config.invocation_params.dir / file).resolve() == here \
-                and (name == test or name.startswith(test + "[")):
+        file, _, test = arg.partition("::")
+        if (config.invocation_params.dir / file).resolve() == here and \
+                (not test or item.name == test or item.name.startswith(test + "[") or f"::{test}" in item.nodeid):
             return True
     return False
 

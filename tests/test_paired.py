@@ -313,7 +313,7 @@ def _keyed(tmp_path, backend="vllm", paired=None, **measure):
     return m
 
 
-# results/demo-cpu-active/measurements.jsonl, written before measure.paired nested the paired
+# results/examples/demo-cpu-active/measurements.jsonl, written before measure.paired nested the paired
 # settings (its config.json has measure.ci_level ...): the GQA step against the baseline
 _OLD_BASELINE = {"n_layers": 2, "hidden_size": 96, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "ffn": 224,
                  "vocab_size": 2048, "tie_embeddings": False, "max_position_embeddings": 4096,

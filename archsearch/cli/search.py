@@ -24,7 +24,7 @@ def register(sub) -> None:
                     "search -> chosen architecture -> optional training and lm-eval -> report. "
                     "Rerunning the same command resumes; several workers may run it at once.")
     p.add_argument("--config", required=True, help="study YAML (see configs/)")
-    p.add_argument("--out", type=out_dir, help="study folder (default: results/<name>)")
+    p.add_argument("--out", type=out_dir, help="study folder (default: runs/<name>)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its compute; run nothing")
     p.add_argument("--gpus", help="price the plan on these GPUs, e.g. 8xH100 (with --dry-run)")
     p.add_argument("--profile", metavar="FILE",

@@ -54,7 +54,7 @@ def register(sub) -> None:
     d.add_argument("--match-vocab", action="store_true",
                    help="set the architecture's vocab_size to the tokenizer's")
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=out_dir, help="run folder (default results/train/RUN_ID)")
+    o.add_argument("--out", type=out_dir, help="run folder (default runs/train/RUN_ID)")
     o.add_argument("--json", action="store_true", help="print the run record as JSON")
     o.add_argument("--no-progress", action="store_true")
     la = p.add_argument_group("multi-GPU / multi-node (accelerate launch)")
@@ -73,7 +73,7 @@ def register(sub) -> None:
                        description="Train every (N, d/sqrt(N), r) point of a sweep config; skips "
                                    "finished runs, resumes partial ones; writes OUT/runs.csv.")
     s.add_argument("--config", required=True, help="sweep YAML (archsearch.trainers.config.SweepConfig)")
-    s.add_argument("--out", type=out_dir, help="sweep folder (default results/sweeps/NAME)")
+    s.add_argument("--out", type=out_dir, help="sweep folder (default runs/sweeps/NAME)")
     s.add_argument("--json", action="store_true", help="print the rows as JSON")
     s.add_argument("--no-progress", action="store_true")
     add_overrides_arg(s)
@@ -165,7 +165,7 @@ def _train(args: argparse.Namespace) -> int:
         data = prepare_data(dc, min_train_tokens=int(token_budget(spec, tc)) + 1)
     if args.match_vocab:
         spec = match_vocab(spec, data.tokenizer)
-    out = Path(args.out) if args.out else Path("results/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
+    out = Path(args.out) if args.out else Path("runs/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
     rec = train(spec, tc, dc, out, progress=not args.no_progress, data=data)
     if args.json:
         print_json(rec)
@@ -213,7 +213,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from archsearch.trainers.sweep import run_sweep
 
     cfg = load_config(SweepConfig, args.config, args.overrides)
-    out = Path(args.out) if args.out else Path("results/sweeps") / cfg.name
+    out = Path(args.out) if args.out else Path("runs/sweeps") / cfg.name
     rows = run_sweep(cfg, out, progress=not args.no_progress)
     if args.json:
         print_json([r.to_row() for r in rows])

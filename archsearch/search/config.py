@@ -404,7 +404,7 @@ class StudyConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where proxy/measurement jobs run
     vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
     tie_embeddings: bool = False
-    out: str | None = None  # default: results/<name>
+    out: str | None = None  # default: runs/<name> (git-ignored; results/ holds curated records)
 
     def __post_init__(self) -> None:
         if not self.name or any(c in self.name for c in "/\\ "):
@@ -435,7 +435,7 @@ class StudyConfig:
                                   "add proxy.sweep (train proxies) or proxy.runs (reuse a run table)")
 
     def out_dir(self, override: str | Path | None = None) -> Path:
-        return Path(override or self.out or Path("results") / self.name)
+        return Path(override or self.out or Path("runs") / self.name)
 
     def fit_options(self) -> FitOptions:
         """The study's law-fit options (the final fit, and the active plan's loop with fewer

@@ -117,7 +117,7 @@ def loss_bound(ctx: SearchContext, spec: ArchSpec) -> float:
 # -- storage and sampler ---------------------------------------------------------------------
 
 def storage_url(cfg: StudyConfig, out: Path) -> str:
-    # relative like the study folder itself (sqlite:///results/x/optuna.db), so the URL in a
+    # relative like the study folder itself (sqlite:///runs/x/optuna.db), so the URL in a
     # committed report opens from the repository root on any machine
     return cfg.optuna.storage or f"sqlite:///{out / 'optuna.db'}"
 
