@@ -14,12 +14,11 @@ from archsearch.search.config import StudyConfig
 
 # -- assumptions, each printed with the plan ------------------------------------------------------
 
-# Tokenisation: tokens/s of ONE process with one tokenizer thread, measured on this project's
-# machine (a shared 2-core VM) by `python -m archsearch.benchmarks.scripts.bench_tokenize`
-# (results/bench/tokenize.jsonl, 2026-11-23, byte-level BPE, 8192 entries, on English text): median
-# 2.08e5 (1.56e5-2.60e5 over 3 runs) at 10:38; median 4.6e5 (1.9e5-8.1e5 over 5 rounds, rising as
-# the machine's load fell) at 12:50. The loaded figure is kept: on a quiet core the data
-# preparation may take 2-4x less. A cluster node's core is assumed as fast.
+# Tokenisation: tokens/s of ONE process with one tokenizer thread (byte-level BPE, 8192 entries,
+# English text) on a shared 2-core machine, from `python -m archsearch.benchmarks.scripts.bench_tokenize`
+# (results/bench/tokenize.jsonl): median 2.08e5 (1.56e5-2.60e5 over 3 runs) under load, median
+# 4.6e5 (1.9e5-8.1e5 over 5 rounds) as the load fell. The loaded figure is kept: on a quiet core
+# the data preparation may take 2-4x less. A cluster node's core is assumed as fast.
 TOKENIZE_TOKENS_PER_S_PER_PROCESS = 2.0e5
 TOKENIZE_SOURCE = ("measured here by bench_tokenize (results/bench/tokenize.jsonl): one process, "
                    "byte-level BPE 8192 on English text, on the loaded shared machine (up to 8e5 when "
