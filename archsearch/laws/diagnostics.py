@@ -76,7 +76,7 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: FitOp
                 rows.append(row)
                 continue
             m = fit.metrics.get("holdout") or {"n": 0}
-            row.update({k2: m.get(k2) for k2 in ("mse", "r2", "mare", "spearman")})
+            row.update({k2: m.get(k2) for k2 in ("mse", "r2", "mare", "rmsre", "spearman")})
             row["n_test"] = m.get("n", 0)
             row["reference_at_test"] = fit.metrics.get("reference_at_test")
             row["status"] = fit.status
@@ -88,3 +88,45 @@ def leave_one_size_out(runs: "Sequence[RunRecord]", law: str,
                        options: FitOptions | None = None) -> list[dict[str, Any]]:
     """The leave-one-size-out rows of :func:`progressive_validation`."""
     return progressive_validation(runs, law, options, protocols=("leave-one-size-out",))
+
+
+def held_out_error(runs: "Sequence[RunRecord]", law: str, options: "FitOptions | None" = None) -> dict[str, Any]:
+    """The law's error against trained models it was not fitted on: the last step of the
+    progressive protocol (fit on every size below the largest, predict the largest), as a
+    ``prediction_error`` entry of the law file: ``relative_sd`` is the root-mean-square relative
+    error on the held-out size (it holds the runs' own seed noise too: a trained model has it).
+
+    Where the law's Chinchilla reference cannot be fitted on the smaller sizes alone (fewer than
+    5 (N, D) groups), the held-out size's L_opt is its own best run (``reference_at_test:
+    observed``): the error of the architecture factors, which is what a target relative to a
+    baseline of the same (N, D) depends on. Raises an error naming ``data`` with fewer than two sizes."""
+    opts = dataclasses.replace(options or FitOptions(), bootstrap=0, holdout_size=None)
+    ok = [r for r in runs if r.status == "ok"]
+    groups = size_groups(ok, opts.size_tolerance)
+    if len(groups) < 2:
+        raise ArchsearchError("data", f"a held-out error needs runs of at least 2 sizes, found {len(groups)}",
+                              "train proxies at a second, larger size (the law's error is then measured)")
+    sizes = [float(np.exp(np.mean(np.log([ok[i].n_params for i in g])))) for g in groups]
+    train = [ok[i] for g in groups[:-1] for i in g]
+    test = [ok[i] for i in groups[-1]]
+    note = None
+    try:
+        fit = fit_split(train, test, law, opts)
+    except ArchsearchError as e:
+        if e.field != "reference" or opts.reference == "best-observed":
+            raise
+        note = f"the Chinchilla reference could not be fitted on the smaller sizes ({e.problem})"
+        fit = fit_split(train, test, law, dataclasses.replace(opts, reference="best-observed"))
+    m = fit.metrics.get("holdout") or {}
+    if not m.get("n"):
+        raise ArchsearchError("data", "no run of the largest size is left to hold out (the r filter dropped them)",
+                              "widen law.r_range, or train the largest size inside it")
+    source = (f"held out: the largest proxy size ({sizes[-1]:.3g}, {m['n']} runs) predicted by the law fitted "
+              f"on the smaller sizes ({', '.join(f'{s:.3g}' for s in sizes[:-1])}; "
+              f"{len(fit.dropped)} runs dropped by the r filter)")
+    ref = fit.metrics.get("reference_at_test")
+    if ref == "observed":
+        source += "; L_opt at the held-out size is its best run, so this is the architecture factors' error"
+    return {"relative_sd": m["rmsre"], "source": source + (f"; {note}" if note else ""),
+            "protocol": "progressive (last step)", "test_size": sizes[-1], "train_sizes": sizes[:-1],
+            "n": m["n"], "mare": m["mare"], "spearman": m.get("spearman"), "reference_at_test": ref}

@@ -13,18 +13,20 @@ if TYPE_CHECKING:
 
 
 def metrics(actual: Sequence[float], predicted: Sequence[float]) -> dict[str, Any]:
-    """MSE, R^2, mean absolute relative error and Spearman rank correlation (None where undefined)."""
+    """MSE, R^2, mean absolute relative error, root-mean-square relative error and Spearman rank
+    correlation (None where undefined)."""
     from scipy.stats import spearmanr
 
     y = np.asarray(actual, dtype=float)
     p = np.asarray(predicted, dtype=float)
     n = int(y.size)
-    out: dict[str, Any] = {"n": n, "mse": None, "r2": None, "mare": None, "spearman": None}
+    out: dict[str, Any] = {"n": n, "mse": None, "r2": None, "mare": None, "rmsre": None, "spearman": None}
     if n == 0:
         return out
     err = p - y
     out["mse"] = float(np.mean(err ** 2))
     out["mare"] = float(np.mean(np.abs(err) / np.abs(y)))
+    out["rmsre"] = float(np.sqrt(np.mean((err / y) ** 2)))
     ss = float(np.sum((y - y.mean()) ** 2))
     if ss > 0:
         out["r2"] = 1.0 - float(np.sum(err ** 2)) / ss

@@ -191,7 +191,8 @@ class ProxyConfig:
 @dataclass(frozen=True)
 class LawConfig(FitOptions):
     """The study's ``law`` block: the :class:`~archsearch.laws.FitOptions` of the study's fit (its
-    fields, with defaults for a study), the law's ``form``, and a law ``file`` that skips the fit."""
+    fields, with defaults for a study), the law's ``form``, a law ``file`` that skips the fit, and
+    whether shapes outside the law's fitted range may be used (``allow_extrapolation``)."""
 
     bootstrap: int = 200
     seed: int | None = None  # default: optuna.seed
@@ -200,6 +201,9 @@ class LawConfig(FitOptions):
     size_tolerance: float | None = None
     form: str = "conditional-multiplicative"
     file: str | None = None  # a fitted or hand-written law JSON: skips the fit
+    # shapes outside the (d/sqrt(N), r) box the law was fitted on are refused unless this is true
+    # (the law's fitted_range, or its runs' ranges after the r filter; archsearch.search.margins)
+    allow_extrapolation: bool = False
 
     def __post_init__(self) -> None:
         if self.form not in LAW_FORMS:

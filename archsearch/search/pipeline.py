@@ -194,6 +194,7 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             r.law = fit_profiled(runs, cfg.law.form, cfg.fit_options())
         else:
             r.law = fit_law(runs, cfg.law.form, cfg.fit_options())
+        r.law = with_held_out_error(r.law, runs, cfg)
         r.law.save(law_path)
         write_plots(r.law, runs, [], r.out / "plots")
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
@@ -201,6 +202,34 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if r.ctx.measurer.note:
         log(r.ctx.measurer.note)
     return info
+
+
+def with_held_out_error(law, runs, cfg: StudyConfig):
+    """The fitted law with its error against trained models it was not fitted on (the loss
+    constraint's margins carry it, archsearch.search.margins): the held-out size's error where
+    ``law.holdout_size`` held one out, else the progressive protocol's last step
+    (``archsearch.laws.diagnostics.held_out_error``); with one proxy size none can be measured,
+    and the law says so (its margins then rest on the bootstrap alone)."""
+    import dataclasses
+
+    from archsearch.laws.diagnostics import held_out_error
+
+    held = (law.metrics or {}).get("holdout")
+    if held and held.get("n"):
+        err = {"relative_sd": held["rmsre"], "n": held["n"], "mare": held["mare"],
+               "source": f"held out: the size nearest law.holdout_size={cfg.law.holdout_size:.3g} ({held['n']} runs), "
+                         "not fitted"}
+    else:
+        try:
+            err = held_out_error(runs, cfg.law.form, cfg.fit_options())
+        except ArchsearchError as e:
+            log(f"the law's error against held-out runs is not measured: {e.problem}")
+            return dataclasses.replace(law, warnings=list(law.warnings) + [
+                f"prediction error not measured ({e.problem}): margins to the target rest on the bootstrap alone"])
+        if cfg.proxy is not None and cfg.proxy.plan == "active":
+            err["source"] += " (validated with the grid's fit, not the active plan's profiled fit)"
+    log(f"the law's error on held-out runs: {err['relative_sd']:.2%} relative (sd) ({err['source']})")
+    return dataclasses.replace(law, prediction_error=err)
 
 
 def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:

@@ -11,7 +11,8 @@ from archsearch.figures import log_axis, save, styled
 from archsearch.fileio import atomic_write, write_json, write_table
 from archsearch.provenance import provenance
 from archsearch.search.answer import Answer, predicted_interval
-from archsearch.search.study import storage_url, trial_is_feasible, was_measured
+from archsearch.search.margins import describe_margin
+from archsearch.search.study import loss_margin, storage_url, trial_is_feasible, was_measured
 
 
 def _complete(study):
@@ -36,6 +37,7 @@ def _point(t) -> dict[str, Any]:
             "ratio": ratio, "score": ratio["ratio"] if ratio else _throughput(t),
             "predicted_loss": t.user_attrs["predicted_loss"],
             "predicted_loss_interval": t.user_attrs.get("predicted_loss_interval"),
+            "loss_margin": t.user_attrs.get("loss_margin"),
             "knobs": dict(t.params), "source": f"Optuna trial {t.number}"}
 
 
@@ -102,6 +104,7 @@ def write_trials_csv(study, path: Path) -> None:
             **{f"ratio_{k}": (ua.get("ratio") or {}).get(k) for k in ("ratio", "lo", "hi", "significantly_faster")},
             "paired_rounds": ua.get("rounds"),
             "loss_upper_bound": (ua.get("loss_upper_bound") or {}).get("value"),
+            **{f"margin_{k}": (ua.get("loss_margin") or {}).get(k) for k in ("margin", "p_within_target", "verdict")},
             **{f"throughput_b{b}": v for b, v in (ua.get("throughput") or {}).items()},
             **{f"ttft_s_b{b}": v for b, v in (ua.get("ttft") or {}).items()},
             "measurement_cached": ua.get("measurement_cached"),
@@ -480,6 +483,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
                   "predicted_loss_interval": predicted_interval(base, ctx),
                   "size_note": baseline_note(cfg, base)}
     chosen_point = chosen.summary(base_point["throughput"], out / "chosen" / "config.json") if chosen else None
+    _add_margins(ctx, chosen, chosen_point, base_point)
     q = (chosen_point or {}).get("ratio")
     gain = q["ratio"] - 1.0 if q else (0.0 if chosen_point and chosen_point["is_baseline"] else None)
     complete = _complete(study)
@@ -499,7 +503,9 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "throughput_gain_vs_baseline": gain,
         "significantly_faster": bool(q and q.get("significantly_faster")),
         "chance_constraint": cfg.target.confidence,
-        "pareto": pareto_set(study),
+        "loss_margins": margins_summary(ctx),
+        "pareto": [p | {"loss_margin": p["loss_margin"] or loss_margin(ctx, ArchSpec.from_dict(p["spec"]))}
+                   for p in pareto_set(study)],
         "trials": {"total": len(study.trials), "complete": len(complete),
                    "distinct_shapes": len({t.user_attrs.get("spec_key") for t in complete}),
                    "feasible": sum(1 for t in complete if trial_is_feasible(t))},
@@ -526,6 +532,37 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     write_json(out / "summary.json", summary, default=str)
     atomic_write(out / "report.md", render_markdown(summary))
     return summary
+
+
+def margins_summary(ctx) -> dict[str, Any]:
+    """How the report judges a margin to the target: the law's own error (and its source), the
+    verdict's level, the feasibility rule, and the law's fitted range with its rule."""
+    from archsearch.search import margins
+
+    c = ctx.cfg.target.confidence
+    return {"level": c or margins.DEFAULT_LEVEL, "law_error": margins.law_error(ctx.law),
+            "feasibility": (f"P(loss <= target) >= {c:g}, the law's bootstrap and its own error together"
+                            if c is not None else
+                            "predicted loss <= target (the method's constraint); shapes within the law's error "
+                            "of the target stay feasible and are marked so"),
+            **margins.range_summary(ctx.law, ctx.cfg.law.allow_extrapolation)}
+
+
+def _add_margins(ctx, chosen, chosen_point, base_point) -> None:
+    """Each reported shape's margin to the target (``archsearch.search.margins``)."""
+    base_point["loss_margin"] = loss_margin(ctx, ctx.baseline) if ctx.baseline is not None else None
+    if chosen is None or chosen_point is None:
+        return
+    chosen_point["loss_margin"] = loss_margin(ctx, chosen.spec)
+    if chosen.best_candidate is not None and chosen_point.get("best_candidate") is not None:
+        chosen_point["best_candidate"]["loss_margin"] = loss_margin(ctx, chosen.best_candidate.spec)
+
+
+def _margin_cell(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "-"
+    short = {"clears the target": "clears", "misses the target": "misses"}.get(m["verdict"], "within law error")
+    return f"{m['margin']:+.2%} ({short}, P {m['p_within_target']:.2f})" + (" extrapolated" if m.get("extrapolated") else "")
 
 
 def _arch_line(a: dict[str, Any]) -> str:
@@ -612,11 +649,16 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += [f"- Predicted loss **{ch['predicted_loss']:.4f}**{iv(ch)} against the target "
                   f"**{s['target_loss']:.4f}** ({s['target_source']}{cc}); baseline predicted "
                   f"{base['predicted_loss']:.4f}{iv(base)}"
-                  + (f" ({base['size_note']})." if base.get("size_note") else "."), ""]
+                  + (f" ({base['size_note']})." if base.get("size_note") else ".")]
+        m = (ch.get("best_candidate") or {}).get("loss_margin") if ch["is_baseline"] else ch.get("loss_margin")
+        if m:
+            lines.append(f"- {'Best candidate' if ch['is_baseline'] else 'Loss'}: **{describe_margin(m)}**"
+                         + (f"; **extrapolated**: {m['extrapolated']}" if m.get("extrapolated") else "") + ".")
+        lines.append("")
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
     lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
-              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | tokens/s | ratio [interval] | tied with best |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | tokens/s | ratio [interval] | tied with best |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     front = s["pareto"]
     for p in front[:10]:
         a = describe(ArchSpec.from_dict(p["spec"]))
@@ -624,7 +666,7 @@ def render_markdown(s: dict[str, Any]) -> str:
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "
-                     f"{p['throughput']:.1f} | {rt} | {tie} |")
+                     f"{_margin_cell(p.get('loss_margin'))} | {p['throughput']:.1f} | {rt} | {tie} |")
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
@@ -655,6 +697,22 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += active_markdown(s["proxy_plan"])
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
+    lm = s.get("loss_margins")
+    if lm:
+        e = lm.get("law_error")
+        lines.append(f"- its error against trained models: " + (
+            f"{e['relative_sd']:.2%} of the loss (sd; {e['source']})" if e else
+            "not stated (no held-out size): margins rest on the bootstrap alone"))
+        lines.append(f"- loss constraint: {lm['feasibility']}; a margin is resolved when P(loss <= target) "
+                     f">= {lm['level']:.0%} (clears) or <= {1 - lm['level']:.0%} (misses), else the shape is "
+                     "within the law's error of the target")
+        rg = lm.get("range")
+        if rg:
+            box = ", ".join(f"{name} [{b[0]:.4g}, {b[1]:.4g}]" if b else f"{name} not stated"
+                            for name, b in (("d/sqrt(N)", rg.get("hidden_over_sqrt_n")), ("r", rg.get("mlp_to_attn"))))
+            lines.append(f"- fitted range: {box} ({rg.get('source')}); {lm['rule']}")
+        else:
+            lines.append(f"- fitted range: {lm['rule']}")
     h = s.get("proxy_health")
     if h:
         lines.append(f"- proxy health ({', '.join(h['sweeps'])}): {h.get('retuned', 0)} runs retuned, "

@@ -3,7 +3,8 @@
 Each trial samples (d/sqrt(N), r, GQA); :func:`archsearch.candidates.build_candidate` expands
 them into a buildable shape at the study's budget; the fitted law predicts its loss (with a
 bootstrap interval); the constraint ``predicted_loss - L_t <= 0`` goes to the sampler as a
-trial constraint (a shape that breaks it completes as an infeasible trial, unmeasured); the
+trial constraint (a shape that breaks it, or lies outside the law's fitted range, completes as
+an infeasible trial, unmeasured; :mod:`archsearch.search.margins`); the
 objective is the measured output throughput at the reference batch size (or, with ``objective: pareto``, throughput and predicted loss).
 
 Durability: the study lives in an Optuna storage (SQLite in the study folder by default, any
@@ -26,7 +27,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
-from archsearch.search import log
+from archsearch.search import log, margins
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import Measurer, check_result_limits, spec_key
 
@@ -103,15 +104,31 @@ def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, flo
 
 def loss_bound(ctx: SearchContext, spec: ArchSpec) -> float:
     """What the target is compared with: the predicted loss, or with ``target.confidence`` c
-    its one-sided upper bootstrap bound at level c (a chance constraint)."""
+    the loss the shape stays under with probability c, the law's bootstrap and its own error
+    against trained models together (a chance constraint, :mod:`archsearch.search.margins`).
+    Infinite for a shape outside the law's fitted range unless ``law.allow_extrapolation``."""
+    if out_of_range(ctx, spec):
+        return math.inf
     c = ctx.cfg.target.confidence
     if c is None:
         return float(ctx.law.predict(spec, ctx.cfg.tokens, params=ctx.cfg.params))
-    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens, level=2 * c - 1, params=ctx.cfg.params)
-    if interval is None:
-        raise ArchsearchError("target.confidence", "the law has no bootstrap to give an interval",
-                              "set law.bootstrap > 0 (e.g. 200), or drop target.confidence")
-    return float(interval[1])
+    return margins.upper_bound(ctx.law, spec, ctx.cfg.tokens, ctx.cfg.params, c)
+
+
+def out_of_range(ctx: SearchContext, spec: ArchSpec) -> str | None:
+    """Why ``spec`` is refused as outside the law's fitted range (None: inside, or allowed)."""
+    return None if ctx.cfg.law.allow_extrapolation else margins.outside_range(ctx.law, spec)
+
+
+def loss_margin(ctx: SearchContext, spec: ArchSpec) -> dict[str, Any]:
+    """The shape's margin to the target and its verdict (``margins.margin``), marked
+    ``extrapolated`` where it lies outside the law's fitted range."""
+    m = margins.margin(ctx.law, spec, ctx.cfg.tokens, ctx.cfg.params, ctx.target_loss,
+                       ctx.cfg.target.confidence).to_dict()
+    outside = margins.outside_range(ctx.law, spec)
+    if outside:
+        m["extrapolated"] = outside
+    return m
 
 
 # -- storage and sampler ---------------------------------------------------------------------
@@ -244,14 +261,18 @@ def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
 
 # -- the objective -----------------------------------------------------------------------------
 
-def _distribution_ranges(cfg: StudyConfig) -> dict[str, Any]:
+def _distribution_ranges(cfg: StudyConfig, law=None) -> dict[str, Any]:
+    """The knobs' sampling ranges: the search box, within the law's fitted range unless
+    ``law.allow_extrapolation`` (a trial outside it would only be refused)."""
     s = cfg.search_space
-    return {"hidden_over_sqrt_n": (s.hidden_over_sqrt_n, s.hidden_over_sqrt_n_step or None),
-            "mlp_to_attn": (s.mlp_to_attn, s.mlp_to_attn_step or None)}
+    allow = cfg.law.allow_extrapolation or law is None
+    return {"hidden_over_sqrt_n": (margins.search_box(s.hidden_over_sqrt_n, law, "hidden_over_sqrt_n", allow),
+                                   s.hidden_over_sqrt_n_step or None),
+            "mlp_to_attn": (margins.search_box(s.mlp_to_attn, law, "mlp_to_attn", allow), s.mlp_to_attn_step or None)}
 
 
-def _suggest(trial, cfg: StudyConfig) -> tuple[float, float, int]:
-    rng = _distribution_ranges(cfg)
+def _suggest(trial, cfg: StudyConfig, law=None) -> tuple[float, float, int]:
+    rng = _distribution_ranges(cfg, law)
     (lo1, hi1), step1 = rng["hidden_over_sqrt_n"]
     (lo2, hi2), step2 = rng["mlp_to_attn"]
     x1 = trial.suggest_float("hidden_over_sqrt_n", lo1, hi1, step=step1)
@@ -265,7 +286,7 @@ def objective(trial, ctx: SearchContext):
 
     cfg = ctx.cfg
     trial.set_user_attr("worker", {"host": platform.node(), "pid": os.getpid()})
-    x1, r, g = _suggest(trial, cfg)
+    x1, r, g = _suggest(trial, cfg, ctx.law)
     try:
         spec = expand(cfg, ctx.build, x1, r, g)
     except ArchsearchError as e:
@@ -280,6 +301,15 @@ def objective(trial, ctx: SearchContext):
     loss, interval = predict(ctx, spec)
     trial.set_user_attr("predicted_loss", loss)
     trial.set_user_attr("predicted_loss_interval", interval)
+    trial.set_user_attr("loss_margin", loss_margin(ctx, spec))
+    outside = out_of_range(ctx, spec)
+    if outside:  # refused, unmeasured: the law says nothing it was fitted to say there
+        _set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
+        _set_constraint(trial, "limits_violated", 0.0)
+        trial.set_user_attr("feasible_loss", False)
+        trial.set_user_attr("measured", False)
+        trial.set_user_attr("infeasible_reason", f"{outside}; not measured (law.allow_extrapolation: false)")
+        return (0.0, loss) if cfg.optuna.objective == "pareto" else 0.0
     bound = loss_bound(ctx, spec)
     if cfg.target.confidence is not None:
         trial.set_user_attr("loss_upper_bound", {"level": cfg.target.confidence, "value": bound})
@@ -292,7 +322,8 @@ def objective(trial, ctx: SearchContext):
         # constraint value > 0. Optuna needs a value; 0 marks "not measured", and every reader of
         # measurements skips it (was_measured).
         what = (f"predicted loss {loss:.4f}" if cfg.target.confidence is None else
-                f"predicted loss {loss:.4f} ({cfg.target.confidence:.0%} upper bound {bound:.4f})")
+                f"predicted loss {loss:.4f} ({cfg.target.confidence:.0%} upper bound {bound:.4f}, the law's "
+                "bootstrap and its own error)")
         trial.set_user_attr("measured", False)
         trial.set_user_attr("infeasible_reason", f"{what} > target {ctx.target_loss:.4f}; not measured")
         _set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
@@ -423,12 +454,13 @@ def create_study(ctx: SearchContext, load_only: bool = False):
     return study, storage
 
 
-def box_grid(cfg: StudyConfig, n: int = 9):
-    """A log-spaced grid over the search box, for scans of the law."""
+def box_grid(cfg: StudyConfig, n: int = 9, law=None):
+    """A log-spaced grid over the search box (within the law's fitted range, as trials sample
+    it), for scans of the law."""
     import numpy as np
 
-    s = cfg.search_space
-    return np.geomspace(*s.hidden_over_sqrt_n, n), np.geomspace(*s.mlp_to_attn, n)
+    rng = _distribution_ranges(cfg, law)
+    return np.geomspace(*rng["hidden_over_sqrt_n"][0], n), np.geomspace(*rng["mlp_to_attn"][0], n)
 
 
 def scan_law(ctx: SearchContext, throughput_fn=None):
@@ -439,7 +471,8 @@ def scan_law(ctx: SearchContext, throughput_fn=None):
     s = cfg.search_space
     g0 = cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in s.gqa else s.gqa[0]
     return solve(ctx.law, cfg.params, cfg.tokens, cfg.n_layers, ctx.target_loss, throughput_fn,
-                 gqa=g0, head_dim=s.head_dim, build=ctx.build, grid=box_grid(cfg)), g0
+                 gqa=g0, head_dim=s.head_dim, build=ctx.build, grid=box_grid(cfg, law=ctx.law),
+                 within=None if cfg.law.allow_extrapolation else ctx.law.shape_range()), g0
 
 
 def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
@@ -449,7 +482,8 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     cfg = ctx.cfg
     if cfg.optuna.enqueue_solution <= 0:  # the sampler starts on its own
         return []
-    s = cfg.search_space
+    ranges = _distribution_ranges(cfg, ctx.law)  # the box within the law's fitted range
+    box1, box2 = ranges["hidden_over_sqrt_n"][0], ranges["mlp_to_attn"][0]
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
     device = ranking_device(cfg) if cfg.optuna.enqueue_solution > 1 else None
     tf = analytic_throughput_fn(ctx, device) if device else None
@@ -459,16 +493,16 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     else:
         p = min((p for p in res.points if p.predicted_loss is not None), key=lambda p: p.predicted_loss)
         best = (p.hidden_over_sqrt_n, p.mlp_to_attn_ratio)
-    points = [{"hidden_over_sqrt_n": clip(best[0], s.hidden_over_sqrt_n),
-               "mlp_to_attn": clip(best[1], s.mlp_to_attn), "gqa": g0}]
+    points = [{"hidden_over_sqrt_n": clip(best[0], box1), "mlp_to_attn": clip(best[1], box2), "gqa": g0}]
     ranked = sorted((p for p in res.feasible if p.throughput is not None), key=lambda p: -p.throughput)
     for p in ranked[: max(0, cfg.optuna.enqueue_solution - 1)]:
-        points.append({"hidden_over_sqrt_n": clip(p.hidden_over_sqrt_n, s.hidden_over_sqrt_n),
-                       "mlp_to_attn": clip(p.mlp_to_attn_ratio, s.mlp_to_attn), "gqa": g0})
+        points.append({"hidden_over_sqrt_n": clip(p.hidden_over_sqrt_n, box1),
+                       "mlp_to_attn": clip(p.mlp_to_attn_ratio, box2), "gqa": g0})
     for pt in points:  # onto the sampling grid, so enqueued values are valid choices
-        for name, ((lo, _), step) in _distribution_ranges(cfg).items():
+        for name, ((lo, hi), step) in ranges.items():
             if step:
-                pt[name] = lo + round((pt[name] - lo) / step) * step
+                k = min(max(round((pt[name] - lo) / step), 0), math.floor((hi - lo) / step + 1e-9))
+                pt[name] = lo + k * step
     return points
 
 
