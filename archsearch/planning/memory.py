@@ -301,3 +301,15 @@ def predict_finetune_memory(spec: ArchSpec, method: str, batch_size: int, seq_le
 
 
 FINETUNE_METHODS = ("full", "lora", "qlora")
+
+
+def max_finetune_batch(spec: ArchSpec, method: str, device_memory_bytes: float, seq_len: int,
+                       dtype: str = "bfloat16", memory_fraction: float = 0.95, **kw: Any) -> int:
+    """Largest micro-batch whose :func:`predict_finetune_memory` fits ``memory_fraction`` of
+    the device (LoRA terms are affine in the batch: a closed form)."""
+    if method == "full":
+        return max_training_batch(spec, device_memory_bytes, seq_len, dtype, memory_fraction, **kw)
+    if not 0 < memory_fraction <= 1:
+        raise ArchsearchError("memory_fraction", f"must be in (0, 1], got {memory_fraction}")
+    return _max_affine(lambda b: predict_finetune_memory(spec, method, b, seq_len, dtype, **kw)["total"],
+                       device_memory_bytes * memory_fraction, "batch_size")
