@@ -275,3 +275,32 @@ def test_unknown_device_says_why_there_is_no_mfu():
     fit = fit_time_law(runs, forms=("analytic",), residual_options=(False,))
     assert fit.law.mfu is None
     assert any("no measured MFU" in n and "'TPU-v9'" in n for n in fit.law.notes), fit.law.notes
+
+
+def test_full_prompt_logits_in_their_dtype():
+    """The planner paper's profile: fp32 logits at a 256,000 vocabulary are 62.5 MiB per
+    sequence of 64 prompt tokens (64 x 256,000 x 4 B), ~2 GB at batch 32; generate and serving
+    engines keep the last position only (the default)."""
+    from archsearch.arch import ArchSpec
+
+    spec = ArchSpec(n_layers=2, hidden_size=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=688, vocab_size=256_000)
+    one = predict_inference_memory(spec, 1, 64, 8, "bfloat16", logits_positions="prompt")
+    assert one["logits"] == 64 * 256_000 * 4 == 62.5 * 2**20
+    assert predict_inference_memory(spec, 32, 64, 8, "bfloat16", logits_positions="prompt")["logits"] == 32 * 62.5 * 2**20
+    last = predict_inference_memory(spec, 1, 64, 8, "bfloat16")
+    assert last["logits"] == 256_000 * 4 and one["total"] - one["logits"] == last["total"] - last["logits"]
+    assert predict_inference_memory(spec, 1, 64, 8, logits_positions="prompt", logits_dtype="bfloat16")["logits"] \
+        == 64 * 256_000 * 2
+    with pytest.raises(ArchsearchError) as e:
+        predict_inference_memory(spec, 1, 64, 8, logits_positions="all")
+    assert e.value.field == "logits_positions"
+
+
+def test_quantised_serving_weights():
+    from archsearch.arch import ArchSpec
+    from archsearch.planning.formats import base_weight_bytes
+
+    spec = ArchSpec(n_layers=2, hidden_size=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=688, vocab_size=1000)
+    m = predict_inference_memory(spec, 1, 16, 4, "bfloat16", weight_format="nf4")
+    assert m["weights"] == base_weight_bytes(spec, "nf4", "bfloat16")["total"]
+    assert m["activations"] > predict_inference_memory(spec, 1, 16, 4, "bfloat16")["activations"]
