@@ -4,6 +4,7 @@ and the time law's recovery of known parameters from synthetic data."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -304,3 +305,23 @@ def test_quantised_serving_weights():
     m = predict_inference_memory(spec, 1, 16, 4, "bfloat16", weight_format="nf4")
     assert m["weights"] == base_weight_bytes(spec, "nf4", "bfloat16")["total"]
     assert m["activations"] > predict_inference_memory(spec, 1, 16, 4, "bfloat16")["activations"]
+
+
+def test_time_law_recovers_a_log_constant_outside_the_old_box():
+    """log Nc = -70 (the fit used to box it in [-60, 60]): recovered through the reference-scale
+    parametrisation; and a law built from coefficients on their natural scale predicts by hand."""
+    true = {"log_Nc": -70.0, "log_Dc": -9.0, "r": 4.0, "aD": 0.5, "g": 0.8, "h": 0.6}
+    fit = fit_time_law(_synthetic_runs("amdahl", true, noise=0.01), forms=("amdahl",), residual_options=(False,))
+    p = fit.law.params
+    assert p["r"] == pytest.approx(4.0, rel=0.05) and p["aD"] == pytest.approx(0.5, rel=0.05)
+    assert p["log_Nc"] == pytest.approx(-70.0, abs=4.0) and p["log_Nc"] < -60
+    assert fit.selection[0]["cv"]["mean_abs_rel_err"] < 0.02
+    law = TimeLaw.from_coefficients("amdahl", Nc=math.exp(-70.0), Dc=math.exp(-9.0), aN=2.0, aD=0.5, g=0.8, h=0.6)
+    spec = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=768, vocab_size=32000)
+    n, d = compute_params(spec), 1e9
+    hand = (math.exp(-70.0) * n ** 4.0 + math.exp(-9.0) * d) ** 0.5 * (0.8 / 2 + 0.2) * (0.6 / 1 + 0.4)
+    assert law.predict(spec, d, tp=2, pp=1) == pytest.approx(hand, rel=1e-9)
+    assert TimeLaw.from_dict(law.to_dict()).params == law.params
+    with pytest.raises(ArchsearchError) as e:
+        TimeLaw.from_coefficients("amdahl", Nc=0.0, Dc=1.0, aN=1.0, aD=1.0)
+    assert e.value.field == "time_law.Nc"

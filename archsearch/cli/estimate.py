@@ -38,9 +38,13 @@ def register(sub) -> None:
     p.set_defaults(func=_estimate)
     sp = p.add_subparsers(dest="estimate_command", metavar="SUBCOMMAND", parser_class=type(p))
 
-    f = sp.add_parser("fit", help="fit the training-time law to runs with wall_time_s",
+    f = sp.add_parser("fit", help="fit the training-time law to runs with wall_time_s (scaling-law smart tuning)",
                       description="Fit T(N, D, TP, PP) (analytic, Amdahl, power; each with and "
-                                  "without a boosted residual) and keep the best by cross-validated MAE.")
+                                  "without a boosted residual) and keep the best by cross-validated MAE. "
+                                  "Collecting the runs is the source paper's scaling-law smart tuning: time "
+                                  "short runs of small models on few tokens, fit the law, predict the full "
+                                  "run (benchmarks/scripts/bench_planning.py does it here; docs/planning.md). "
+                                  "Published coefficients: archsearch.planning.TimeLaw.from_coefficients.")
     f.add_argument("--data", required=True, help="runs (.csv or .jsonl, the rundata format)")
     f.add_argument("--holdout", help="runs to predict and report, never used for the fit")
     f.add_argument("--out", type=out_file, required=True, metavar="TIME_LAW.json")
