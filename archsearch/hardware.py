@@ -51,6 +51,8 @@ GPUS: dict[str, Device] = {d.name: d for d in [
     Device("H100-PCIe", 756e12, 51e12, 2.0e12, 79.6, 2.20, _H100 + " (PCIe)"),
     Device("H200", 989e12, 67e12, 4.8e12, 140.4, 3.50, _H200),
     Device("L40S", 362e12, 91.6e12, 0.864e12, 45.0, 1.00, "NVIDIA L40S datasheet"),
+    # 48 GB GDDR6 (46,068 MiB reported); the 48 GB GPU of the MoE fine-tuning cost study
+    Device("A40", 149.7e12, 37.4e12, 0.696e12, 44.99, 0.80, "NVIDIA A40 datasheet"),
     Device("B200", 2250e12, 75e12, 8.0e12, 179.0, 5.00, "NVIDIA DGX B200 datasheet (per GPU)"),
 ]}
 _ALIASES = {"A100": "A100-80GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB",
