@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from archsearch.arch import (ArchSpec, SUPPORTED_HEAD_DIMS, describe, hidden_over_sqrt_n,
-                             mlp_to_attn_ratio, non_embedding_params)
+from archsearch.arch import (MAX_HIDDEN, MAX_LAYERS, SUPPORTED_HEAD_DIMS, ArchSpec, describe,
+                             hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params)
 from archsearch.errors import ArchsearchError
 
 
@@ -110,10 +110,8 @@ def _snap(x: float, multiple: int) -> int:
 
 
 # Beyond these a request is a typo, not a model: 10T non-embedding parameters is several times
-# the largest dense model trained, a million wide or 10k layers deep has never been built.
+# the largest dense model trained (MAX_LAYERS, MAX_HIDDEN: see archsearch.arch).
 MAX_PARAMS = 1e13
-MAX_LAYERS = 10_000
-MAX_HIDDEN = 1_000_000
 
 
 def check_size(params: float, n_layers: int | None = None) -> None:

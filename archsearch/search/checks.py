@@ -174,6 +174,10 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
         raise ArchsearchError("search_space", "no shape in the search space can be built at this "
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
     check_baseline_size(cfg, baseline_spec(cfg))
+    if cfg.optuna.storage:
+        from archsearch.search.study import check_storage
+
+        check_storage(cfg.optuna.storage)  # opened now: not after the proxies are trained
     if not for_plan:
         from archsearch.cluster.executor import check_cluster
         from archsearch.trainers.config import check_trackers

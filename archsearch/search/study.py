@@ -15,6 +15,7 @@ store, so nothing is lost or measured twice.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -122,6 +123,77 @@ def storage_url(cfg: StudyConfig, out: Path) -> str:
     return cfg.optuna.storage or f"sqlite:///{out / 'optuna.db'}"
 
 
+def journal_path(url: str) -> Path | None:
+    """The file of a journal storage URL (``journal:PATH`` or ``*.log``); None for a database."""
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):])
+    return Path(url) if url.endswith(".log") else None
+
+
+def check_storage(url: str, field: str = "optuna.storage") -> None:
+    """Open a storage URL now, before any work, and create nothing: a journal or SQLite file's
+    folder exists and is writable and an existing file is what it should be; a database's driver
+    is installed and a connection is made. Errors show the URL with its password masked."""
+    from archsearch.configio import redact
+
+    shown = redact(url)
+    path = journal_path(url)
+    if path is None and url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        db = make_url(url).database
+        if not db or db == ":memory:" or db.startswith("file:"):
+            raise ArchsearchError(field, f"{shown!r} names no SQLite file", "e.g. sqlite:///results/x/optuna.db")
+        path = Path(db)
+    if path is not None:
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise ArchsearchError(field, f"{shown!r}: the folder {str(parent)!r} does not exist",
+                                  "create it first, or give a file in an existing folder")
+        if path.is_dir():
+            raise ArchsearchError(field, f"{shown!r}: {str(path)!r} is a folder", "give a file path")
+        if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.R_OK | os.W_OK)):
+            raise ArchsearchError(field, f"{shown!r}: cannot write {str(path)!r} (permission denied)",
+                                  "give a writable path")
+        if path.exists() and path.stat().st_size and url.startswith("sqlite:"):
+            _check_sqlite_file(path, shown, field)
+        return
+    from sqlalchemy import create_engine, text
+
+    try:
+        engine = create_engine(url, connect_args=_connect_timeout(url))
+    except Exception as e:  # noqa: BLE001 - a missing driver (ImportError), a bad URL: said below
+        raise ArchsearchError(field, f"{shown!r} cannot be used: no installed driver for it "
+                              f"({redact(str(e)).splitlines()[0]})",
+                              "install the database's driver (postgresql+psycopg://, mysql+pymysql://), or use "
+                              "sqlite:///PATH or a journal file.log") from None
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as e:  # noqa: BLE001 - any failure to connect is the user's URL or server
+        first = redact(str(getattr(e, "orig", None) or e)).strip().splitlines() or [type(e).__name__]
+        raise ArchsearchError(field, f"cannot connect to {shown!r} ({first[0]})",
+                              "check the host, port, user and that the server is running") from None
+    finally:
+        engine.dispose()
+
+
+def _connect_timeout(url: str) -> dict[str, Any]:
+    """A short connect timeout for the drivers that take one, so a wrong host fails in seconds."""
+    return {"connect_timeout": 10} if url.startswith(("postgresql", "mysql", "mariadb")) else {}
+
+
+def _check_sqlite_file(path: Path, shown: str, field: str) -> None:
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            conn.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise ArchsearchError(field, f"{shown!r}: {str(path)!r} is not a usable SQLite database ({e})",
+                              "give a new file, or the optuna.db of a study") from None
+
+
 def make_storage(url: str):
     """An Optuna storage from a URL: ``*.log`` / ``journal:PATH`` -> journal file, else RDB."""
     import optuna
@@ -129,9 +201,11 @@ def make_storage(url: str):
     if url.startswith("journal:") or url.endswith(".log"):
         from optuna.storages.journal import JournalFileBackend
 
-        path = url[len("journal:"):] if url.startswith("journal:") else url
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(path))
+        path = journal_path(url)
+        if not path.parent.is_dir():  # checked at load too: a typo must not create folders
+            raise ArchsearchError("optuna.storage", f"the folder {str(path.parent)!r} does not exist",
+                                  "create it first, or give a file in an existing folder")
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     if url.startswith("sqlite:"):
         # one host: stale trials are recovered by process id (see recover_stale_trials)
         return _sqlite_storage(url)
