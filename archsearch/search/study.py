@@ -669,6 +669,39 @@ class DistinctShapesCallback:
             study.stop()
 
 
+class ExhaustedSpaceCallback:
+    """Stops the study when the box has no new shape to give: shapes snap to multiples, so a box
+    holds finitely many, and once every one has been proposed the sampler only repeats them (each
+    repeat completes at no cost, but a budget larger than the box would spin to ``max_trials``).
+    Exhausted means ``patience`` trials in a row proposed no shape the study had not seen
+    (at least 100, and 5 per shape seen: a rare shape at the box's edge still gets its chance)."""
+
+    def __init__(self, study, n_trials: int):
+        self.seen = {t.user_attrs.get("spec_key") for t in study.get_trials(deepcopy=False)} - {None}
+        self.n_trials = n_trials
+        self.since_new = 0
+
+    @property
+    def patience(self) -> int:
+        return max(100, 5 * len(self.seen))
+
+    def __call__(self, study, trial) -> None:
+        key = trial.user_attrs.get("spec_key")
+        if key is not None and key not in self.seen:
+            self.seen.add(key)
+            self.since_new = 0
+            return
+        self.since_new += 1
+        if self.since_new >= self.patience:
+            study.set_user_attr("space_exhausted", {"distinct_shapes": len(self.seen),
+                                                    "measured": distinct_measured(study)})
+            log(f"the search space is exhausted: {self.since_new} trials in a row proposed none of its shapes "
+                f"that was not proposed before ({len(self.seen)} distinct shapes, {distinct_measured(study)} of "
+                f"optuna.n_trials={self.n_trials} measured); stopping. Lower optuna.n_trials or widen the "
+                "search space")
+            study.stop()
+
+
 def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> int:
     """The enqueued seed shapes (waiting trials) that the loss constraint admits, compared with
     the baseline in one engine process before their trials run (``Measurer.compare_together``):
@@ -729,7 +762,8 @@ def run_study(ctx: SearchContext, progress: bool = True):
             if cfg.optuna.log_with else None
         try:
             study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                           callbacks=[DistinctShapesCallback(cfg.optuna.n_trials)]
+                           callbacks=[DistinctShapesCallback(cfg.optuna.n_trials),
+                                      ExhaustedSpaceCallback(study, cfg.optuna.n_trials)]
                            + ([_progress_callback(cfg.optuna.n_trials)] if progress else [])
                            + ([tracking] if tracking else []),
                            catch=(MeasurementFailed,), gc_after_trial=False,
