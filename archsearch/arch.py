@@ -29,6 +29,9 @@ from archsearch.errors import ArchsearchError
 # backend) and SGLang accept. A candidate outside this set would build in transformers but
 # could not be served, so it is rejected up front.
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+# Beyond these a shape is a typo, not a model: a million wide or 10k layers deep has never been built.
+MAX_LAYERS = 10_000
+MAX_HIDDEN = 1_000_000
 
 # Model families we can export. The family only changes which small extra tensors exist
 # (biases, QK-norms) and the HF architecture name; the matrix accounting is shared.
@@ -99,6 +102,9 @@ class ArchSpec:
                 raise ArchsearchError(f, f"must be an integer, got {v!r}")
             if v <= 0:
                 raise ArchsearchError(f, f"must be positive, got {v}")
+        for f, top in (("n_layers", MAX_LAYERS), ("hidden_size", MAX_HIDDEN), ("ffn", 64 * MAX_HIDDEN)):
+            if getattr(self, f) > top:
+                raise ArchsearchError(f, f"{getattr(self, f):,} is beyond any buildable model", f"give at most {top:,}")
         if self.n_heads % self.n_kv_heads:
             divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
             raise ArchsearchError(

@@ -23,8 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from archsearch.arch import (ArchSpec, SUPPORTED_HEAD_DIMS, describe, hidden_over_sqrt_n,
-                             mlp_to_attn_ratio, non_embedding_params)
+from archsearch.arch import (MAX_HIDDEN, MAX_LAYERS, SUPPORTED_HEAD_DIMS, ArchSpec, describe,
+                             hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params)
 from archsearch.errors import ArchsearchError
 
 
@@ -110,10 +110,8 @@ def _snap(x: float, multiple: int) -> int:
 
 
 # Beyond these a request is a typo, not a model: 10T non-embedding parameters is several times
-# the largest dense model trained, a million wide or 10k layers deep has never been built.
+# the largest dense model trained (MAX_LAYERS, MAX_HIDDEN: see archsearch.arch).
 MAX_PARAMS = 1e13
-MAX_LAYERS = 10_000
-MAX_HIDDEN = 1_000_000
 
 
 def check_size(params: float, n_layers: int | None = None) -> None:
@@ -139,6 +137,36 @@ def check_build_request(params: float, n_layers: int, hidden_over_sqrt_n: float,
         raise ArchsearchError("hidden_over_sqrt_n", f"{hidden_over_sqrt_n} x sqrt(N) gives a hidden size "
                               f"of {hidden_over_sqrt_n * math.sqrt(params):.3g}",
                               f"keep the hidden size under {MAX_HIDDEN:,} (typical: 0.03-0.12)")
+
+
+def box_shape_bound(params: float, n_layers: int, hidden_over_sqrt_n: tuple[float, float],
+                    mlp_to_attn: tuple[float, float], gqas: list[int], head_dim: int,
+                    settings: BuildSettings | None = None) -> int:
+    """At most how many distinct shapes :func:`build_candidate` can give over a box of knobs.
+
+    Its arithmetic, enumerated: the hidden size is a snapped multiple, a monotone step in
+    d/sqrt(N), so the box's widths are the multiples between its ends' snaps; at one width and GQA,
+    r only moves the ideal KV-head count between its values at the box's r ends, and the builder
+    takes its floor or ceiling, which fixes the FFN. Every (width, GQA, KV count) whose shape meets
+    the budget within the tolerance is counted, so the true number is at most this."""
+    s = settings or BuildSettings()
+    lo_d = _snap(hidden_over_sqrt_n[0] * math.sqrt(params), s.hidden_multiple)
+    hi_d = _snap(hidden_over_sqrt_n[1] * math.sqrt(params), s.hidden_multiple)
+    per_layer = params / n_layers
+    count = 0
+    for d in range(lo_d, hi_d + 1, s.hidden_multiple):
+        for gqa in set(gqas):
+            attn_per_kv = 2 * d * head_dim * (gqa + 1)
+            kv_lo = per_layer / (1.0 + mlp_to_attn[1]) / attn_per_kv
+            kv_hi = per_layer / (1.0 + mlp_to_attn[0]) / attn_per_kv
+            for n_kv in range(max(1, math.floor(kv_lo)), max(1, math.ceil(kv_hi)) + 1):
+                rest = per_layer - attn_per_kv * n_kv
+                if rest <= 0:
+                    continue
+                ffn = _snap(rest / (3 * d), s.ffn_multiple)
+                n = n_layers * (attn_per_kv * n_kv + 3 * d * ffn)
+                count += abs(n / params - 1) <= s.tolerance
+    return count
 
 
 def build_candidate(params: float, n_layers: int, hidden_over_sqrt_n: float,

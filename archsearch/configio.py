@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,17 @@ from typing import Any, Literal, Self, TypeVar, Union, get_args, get_origin
 from archsearch.errors import ArchsearchError
 
 T = TypeVar("T")
+
+
+# user:password@ in a URL (scheme://user:password@host): the password is what redact() masks
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*:)(?P<password>[^@\s]*)@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it masked (``postgresql://u:***@host/db``): what
+    the project prints or writes of a config, a command line or an error goes through here, so a
+    storage password is used to connect and never shown or stored."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}***@", text) if isinstance(text, str) and "://" in text else text
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -174,7 +186,8 @@ class PlainData:
 
 
 def to_dict(obj: Any) -> Any:
-    """A dataclass (possibly nested) as plain JSON/YAML-able data."""
+    """A dataclass (possibly nested) as plain JSON/YAML-able data, every URL's password masked
+    (:func:`redact`): what is written of a config never holds a secret."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
@@ -183,6 +196,8 @@ def to_dict(obj: Any) -> Any:
         return {k: to_dict(v) for k, v in obj.items()}
     if isinstance(obj, Path):
         return str(obj)
+    if isinstance(obj, str):
+        return redact(obj)
     return obj
 
 
@@ -192,6 +207,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     ``params=200K``); the typed config then validates the result like the file itself."""
     if not overrides:
         return data
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -199,10 +215,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
         key = o.split("=", 1)[0]
         if "=" not in o or not key or key.startswith("-"):
             raise ArchsearchError(o, "is not an override", "write KEY.SUB=VALUE, e.g. optuna.n_trials=12")
+    for o in overrides:  # each value parsed alone, so an error names the override it is in
+        try:
+            OmegaConf.from_dotlist([o])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ArchsearchError(o.split("=", 1)[0], f"the value in {o!r} is not valid YAML ({problem})",
+                                  "quote it, or close its brackets: e.g. KEY=[1,2] or KEY='text'") from None
     try:
         merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as e:
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ArchsearchError(" ".join(overrides), f"cannot apply the overrides: {e}".splitlines()[0],
                               "write KEY.SUB=VALUE, e.g. optuna.n_trials=12") from None
 
@@ -215,8 +238,10 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     p = Path(path)
     if not p.is_file():
         raise ArchsearchError("--config", f"no such file {str(p)!r}")
+    from archsearch.fileio import read_text
+
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(read_text(p))
     except yaml.YAMLError as e:
         raise ArchsearchError(str(p), f"invalid YAML: {e}") from None
     if not isinstance(data, dict):

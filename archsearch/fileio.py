@@ -4,12 +4,16 @@ Every file the project writes goes through :func:`atomic_write` (a temporary fil
 folder, flushed and renamed over the target), so a kill leaves either the old or the new
 content, never half a file. Append-only logs (JSONL) are appended one whole line per write and
 read back with :func:`read_jsonl_lines`, which skips a torn last line and says so.
+Every file a user names is read through :func:`read_text`: UTF-8 text, or one clear error.
 :func:`check_output` refuses an output path of the wrong kind before any work is done.
+Files are written with the mode a plain ``open`` would give (0666 less the umask), so a report
+or a law is as readable by the group as the user's umask allows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import sys
@@ -20,13 +24,44 @@ from typing import IO, Any, Callable, Iterator
 from archsearch.errors import ArchsearchError
 
 
+def _umask() -> int:
+    """The process's umask: from /proc where the kernel shows it (reading it there changes
+    nothing, so no other thread can create a file under a wrong one), else set and set back."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def read_text(path: str | Path, what: str | None = None) -> str:
+    """The file at ``path`` as UTF-8 text (a UTF-8 byte-order mark is dropped); a binary file, a
+    UTF-16 one or any other encoding is one clear error naming ``what`` (default: the path)."""
+    p = Path(path)
+    data = p.read_bytes()
+    where, name = (what, f"{str(p)!r} is") if what else (str(p), "is")
+    fix = "save it as UTF-8 text; a binary, UTF-16 or Latin-1 file cannot be read"
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data:
+        kind = "UTF-16 text" if data.startswith((b"\xff\xfe", b"\xfe\xff")) else "a binary file"
+        raise ArchsearchError(where, f"{name} {kind}, not UTF-8 text", fix)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ArchsearchError(where, f"{name} not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})",
+                              fix) from None
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
-    """Open a temporary file next to ``path``; on success it replaces ``path`` in one rename."""
+    """Open a temporary file next to ``path``; on success it replaces ``path`` in one rename.
+    The file gets a plain ``open``'s mode (0666 less the umask), not mkstemp's private 0600."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, mode, **kw) as fh:
             yield fh
             fh.flush()
@@ -88,7 +123,7 @@ def read_jsonl_lines(path: str | Path, what: str | None = None) -> list[Any]:
     p = Path(path)
     if not p.exists():
         return []
-    lines = p.read_text().splitlines()
+    lines = read_text(p, what).splitlines()
     out = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -123,11 +158,11 @@ def read_table(path: Path, what: str) -> list[Any]:
     error naming ``what`` and the line."""
     import csv
 
+    text = read_text(path, what)
     if path.suffix == ".csv":
-        with path.open(newline="") as fh:
-            return list(csv.DictReader(fh))
+        return list(csv.DictReader(io.StringIO(text, newline="")))
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -169,6 +204,20 @@ def check_output(flag: str, path: str | Path | None, kind: str = "file") -> None
                 raise ArchsearchError(flag, f"cannot write under {str(parent)!r} (permission denied)",
                                       "give a writable path")
             break
+
+
+def check_name(field: str, name: Any) -> str:
+    """``name``, a name that becomes one folder or file under a folder the user chose (a study, a
+    sweep): not empty, not ``.`` or ``..``, no path separator, not absolute, no control
+    character, so it cannot leave that folder or land on the folder itself."""
+    fix = "give a plain name such as 'my-study' (letters, digits, '-', '_', '.')"
+    if not isinstance(name, str) or not name.strip():
+        raise ArchsearchError(field, f"{name!r} is not a name", fix)
+    if name in (".", "..") or any(c in name for c in "/\\") or os.path.isabs(name):
+        raise ArchsearchError(field, f"{name!r} would be a path, not a name in its folder", fix)
+    if any(ord(c) < 32 or c == "\x7f" for c in name) or name != name.strip():
+        raise ArchsearchError(field, f"{name!r} holds control characters or surrounding spaces", fix)
+    return name
 
 
 def check_input_file(flag: str, path: str | Path) -> Path:

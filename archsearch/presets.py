@@ -16,6 +16,7 @@ from pathlib import Path
 
 from archsearch.arch import ArchSpec, from_hf_config
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import read_text
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ def load_arch(source: str | Path) -> ArchSpec:
                               "give a preset name (archsearch arch list), a folder with "
                               "config.json, or an architecture JSON")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise ArchsearchError(str(p), f"not valid JSON: {e}") from None
     if not isinstance(data, dict):

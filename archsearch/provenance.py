@@ -15,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
+from archsearch.configio import redact
+
 CORE_PACKAGES = ("archsearch", "torch", "transformers", "numpy", "scipy", "optuna",
                  "accelerate", "datasets")
 
@@ -100,6 +102,6 @@ def provenance(extra_packages: Iterable[str] = (), device: bool = True) -> dict[
         "git": git_revision(),
         "versions": package_versions([*CORE_PACKAGES, *extra_packages]),
         "device": device_info() if device else None,
-        "command": " ".join(sys.argv),
+        "command": redact(" ".join(sys.argv)),
         "speed_env": speed_env(),
     }

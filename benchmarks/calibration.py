@@ -71,9 +71,11 @@ class Calibration(PlainData):
         if not p.is_file():
             raise ArchsearchError("calibration", f"{str(p)!r} does not exist",
                                   "fit one with python -m archsearch.benchmarks.calibration --results FILE.jsonl --out FILE")
+        from archsearch.fileio import read_text
+
         try:
-            d = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            d = json.loads(read_text(p, "calibration"))
+        except json.JSONDecodeError as e:
             raise ArchsearchError("calibration", f"{str(p)!r} is not valid JSON ({e})", "refit it") from None
         if not isinstance(d, dict):
             raise ArchsearchError("calibration", f"{str(p)!r} holds a {type(d).__name__}, not a calibration",

@@ -319,6 +319,7 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
             res.ok, res.error = False, f"the prediction failed for a shape of the group: {why}"
         else:
             res.rounds, res.predicted = [tp, tp], True
+            res.ttft = [r.ttft(batch_size) for r in results]  # predicted too: a TTFT limit reads it
             res.stop_reason = "analytic prediction (deterministic)"
         res.provenance = provenance(extra_packages=backend.packages)
         return res

@@ -363,8 +363,9 @@ class SweepConfig:
     health: HealthConfig | None = None  # None: no ordering checks, no retuning
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ArchsearchError("sweep.name", f"{self.name!r} must be a non-empty name without '/'")
+        from archsearch.fileio import check_name
+
+        check_name("sweep.name", self.name)
         for k in ("params", "hidden_over_sqrt_n", "mlp_to_attn"):
             vals = getattr(self, k)
             if not vals:

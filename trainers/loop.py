@@ -122,6 +122,33 @@ def read_record(out_dir: Path) -> dict | None:
         return None
 
 
+def check_run_folder(out_dir: Path, spec: ArchSpec, tc: TrainConfig, flag: str = "out",
+                     ignore: tuple[str, ...] = ()) -> None:
+    """Refuse a run folder that holds a run (finished or checkpointed) of other settings: its
+    record or checkpoints would be returned or resumed as this run's. What makes a run another
+    run: its architecture (bar ``ignore``d fields and the display name), its token budget D,
+    its seed, its initial weights and its LoRA rank."""
+    rec = read_record(out_dir)
+    if rec is None:
+        return
+    skip = {"name", *ignore}
+    theirs = {k: v for k, v in (rec.get("spec") or {}).items() if k not in skip}
+    mine = {k: v for k, v in spec.to_dict().items() if k not in skip}
+    diffs = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+    budget, old = token_budget(spec, tc), rec.get("tokens_target")
+    if not isinstance(old, (int, float)) or not math.isclose(old, budget, rel_tol=1e-9):
+        diffs.append(f"token budget {old} -> {budget:.6g}")
+    for key, now in (("seed", tc.seed), ("init_from", tc.init_from)):
+        if rec.get(key) != now:
+            diffs.append(f"{key} {rec.get(key)!r} -> {now!r}")
+    if (rec.get("lora") or {}).get("rank") != tc.lora_rank and (rec.get("lora") or tc.lora_rank):
+        diffs.append("lora rank")
+    if diffs:
+        raise ArchsearchError(flag, f"{str(out_dir)!r} holds a run ({rec.get('status')}) of other settings: "
+                              + ", ".join(diffs[:6]),
+                              "give another folder, or add --overwrite to delete it and start anew")
+
+
 # -- the plan: everything checked before anything is written --------------------------------
 
 def _plan(spec: ArchSpec, tc: TrainConfig, dc: DataConfig, data, n_proc: int) -> dict[str, Any]:
@@ -238,6 +265,15 @@ def apply_lora(model, spec: ArchSpec, rank: int, targets: tuple[str, ...]):
         raise RuntimeError(f"peft made {trainable} trainable parameters, the accounting says {predicted}")
     return model, {"rank": rank, "alpha": 2 * rank, "targets": list(targets), "trainable_params": trainable,
                    "library": "peft"}
+
+
+def check_cpu_threads(tc: TrainConfig, flag: str = "train.cpu_threads") -> None:
+    """Refuse more intra-op threads than this process may run on (they would only queue)."""
+    from archsearch.laws.fit import usable_cpus
+
+    if tc.cpu_threads and tc.cpu_threads > usable_cpus():
+        raise ArchsearchError(flag, f"{tc.cpu_threads} threads on {usable_cpus()} usable CPUs would only "
+                              "compete for them", f"give at most {usable_cpus()}, or leave it out")
 
 
 def cpu_threads_for(spec: ArchSpec, tc: TrainConfig) -> int:
@@ -380,6 +416,7 @@ def train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir:
 def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir: str | Path, *,
            progress: bool = True, data=None) -> dict:
     out_dir = Path(out_dir)
+    check_run_folder(out_dir, spec, train_cfg)
     done = read_record(out_dir)
     if done and done.get("status") == "ok":
         return done

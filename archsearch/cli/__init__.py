@@ -12,6 +12,7 @@ User errors (:class:`ArchsearchError`) print one line and exit 2, with no traceb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import pkgutil
 import sys
@@ -68,9 +69,18 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate_like_interrupt() -> None:
+    import os
     import signal
 
+    pid = os.getpid()
+
     def raise_terminated(signum, frame):
+        if os.getpid() != pid:
+            # a forked child (lm-eval's and the datasets' worker pools) inherits this handler: it
+            # dies of the signal as it would without us, rather than unwinding our main loop
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise Terminated(signum)
 
     try:
@@ -96,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         # one line, however long the underlying message (YAML errors span several)
         print("archsearch: error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _closed_pipe()
+    except UnicodeDecodeError as e:  # a file read past read_text: still one line, not a traceback
+        print(f"archsearch: error: a file is not UTF-8 text ({e.reason} at byte {e.start}) "
+              "(save it as UTF-8 text)", file=sys.stderr)
+        return 2
     except OSError as e:  # a path the user named: missing, a folder, not writable, disk full
         where = e.filename if e.filename is not None else "file"
         print(f"archsearch: error: {where}: {e.strerror or e} (check the path and its permissions)",
@@ -108,3 +124,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
+        import traceback
+
+        from archsearch.configio import redact
+
+        print(redact(traceback.format_exc()), end="", file=sys.stderr)
+        return 1
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``archsearch ... --json | head -c 10``): stop quietly
+    with 141 (128 + SIGPIPE), as a POSIX tool killed by SIGPIPE does. Stdout now points at
+    /dev/null so the interpreter's last flush does not complain."""
+    import os
+
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 141

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from archsearch.cli._common import out_file, pos_int
 
@@ -36,6 +37,8 @@ def _limit(text: str) -> int | float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number (N documents, or a fraction below 1)")
     return int(v) if v >= 1 and v.is_integer() else v
 
 

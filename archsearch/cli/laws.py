@@ -14,9 +14,6 @@ from archsearch.configio import field_defaults
 from archsearch.laws.fit import METHODS, REFERENCES, FitOptions
 from archsearch.laws.forms import LAWS
 
-# 200 runs x 1000 resamples fit in ~14 s here: beyond 1e5 a bootstrap is hours of work that
-# moves an interval's end by less than its own Monte-Carlo error.
-MAX_BOOTSTRAP = 100_000
 
 
 def _add_fit_options(p: argparse.ArgumentParser) -> None:
@@ -51,16 +48,21 @@ def _options(args: argparse.Namespace, holdout=None):
     from archsearch.errors import ArchsearchError
     from archsearch.laws import load_law
 
-    if args.bootstrap > MAX_BOOTSTRAP:
-        raise ArchsearchError("--bootstrap", f"{args.bootstrap} resamples would take hours and narrow "
-                              "no interval further", f"give at most {MAX_BOOTSTRAP} (1000 is a good value)")
     ref = load_law(args.reference_law) if args.reference_law else None
-    return FitOptions(method=args.method, huber_delta=args.huber_delta, n_starts=args.starts,
-                      seed=args.seed, bootstrap=args.bootstrap, n_jobs=args.jobs,
-                      r_range=None if args.no_r_filter else tuple(args.r_range),
-                      reference=args.reference, reference_law=ref,
-                      tie_exponents=not args.free_exponents, holdout_size=holdout,
-                      size_tolerance=args.size_tolerance)
+    try:
+        return FitOptions(method=args.method, huber_delta=args.huber_delta, n_starts=args.starts,
+                          seed=args.seed, bootstrap=args.bootstrap, n_jobs=args.jobs,
+                          r_range=None if args.no_r_filter else tuple(args.r_range),
+                          reference=args.reference, reference_law=ref,
+                          tie_exponents=not args.free_exponents, holdout_size=holdout,
+                          size_tolerance=args.size_tolerance)
+    except ArchsearchError as e:  # the options' checks (bounds included) name the flag given
+        raise ArchsearchError(_FLAGS.get(e.field, e.field), e.problem, e.fix) from None
+
+
+_FLAGS = {"n_starts": "--starts", "n_jobs": "--jobs", "bootstrap": "--bootstrap", "huber_delta": "--huber-delta",
+          "size_tolerance": "--size-tolerance", "r_range": "--r-range", "holdout_size": "--holdout-size",
+          "reference_law": "--reference-law"}
 
 
 def register(sub) -> None:

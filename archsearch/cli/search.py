@@ -51,6 +51,13 @@ def _run(args: argparse.Namespace) -> int:
     for flag, given in (("--mfu", args.mfu), ("--time-law", args.time_law)):
         if given is not None and not args.dry_run:
             raise ArchsearchError(flag, "prices the plan only", "add --dry-run, or leave it out")
+        if given is not None and not args.gpus:
+            raise ArchsearchError(flag, "prices training on the GPUs --gpus names, and none are given",
+                                  "add --gpus, e.g. --gpus 8xH100")
+    if args.time_law is not None:
+        from archsearch.planning.time import TimeLaw
+
+        TimeLaw.load(args.time_law, "--time-law")  # read and checked now, not after the plan is built
     if args.dry_run:
         from archsearch.search.checks import validate
         from archsearch.search.plan import plan as study_plan

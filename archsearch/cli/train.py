@@ -55,6 +55,8 @@ def register(sub) -> None:
                    help="set the architecture's vocab_size to the tokenizer's")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=out_dir, help="run folder (default runs/train/RUN_ID)")
+    o.add_argument("--overwrite", action="store_true",
+                   help="--out holds a run of other settings: delete it and start anew (default: refuse)")
     o.add_argument("--json", action="store_true", help="print the run record as JSON")
     o.add_argument("--no-progress", action="store_true")
     la = p.add_argument_group("multi-GPU / multi-node (accelerate launch)")
@@ -152,12 +154,17 @@ def _train(args: argparse.Namespace) -> int:
         return _launch(args, spec, tc, dc)
 
     from archsearch.trainers.data import prepare_data
-    from archsearch.trainers.loop import check_train_budget, match_vocab, run_id_for, token_budget, train
+    from archsearch.trainers.loop import (check_cpu_threads, check_run_folder, check_train_budget, match_vocab,
+                                          run_id_for, token_budget, train)
 
     if dc.seq_len > spec.max_position_embeddings:
         raise ArchsearchError("--seq-len", f"{dc.seq_len} exceeds the model's max_position_embeddings "
                               f"{spec.max_position_embeddings}", "lower --seq-len")
     check_train_budget(spec, token_budget(spec, tc), "--tokens")
+    check_cpu_threads(tc, "--cpu-threads")
+    out = Path(args.out) if args.out else None
+    if out is not None and not args.overwrite:  # before the data is prepared
+        check_run_folder(out, spec, tc, "--out", ignore=("vocab_size",) if args.match_vocab else ())
 
     from accelerate import PartialState
 
@@ -165,7 +172,10 @@ def _train(args: argparse.Namespace) -> int:
         data = prepare_data(dc, min_train_tokens=int(token_budget(spec, tc)) + 1)
     if args.match_vocab:
         spec = match_vocab(spec, data.tokenizer)
-    out = Path(args.out) if args.out else Path("runs/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
+    if out is None:
+        out = Path("runs/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
+    elif args.overwrite:
+        _clear_run_folder(out, spec, tc)
     rec = train(spec, tc, dc, out, progress=not args.no_progress, data=data)
     if args.json:
         print_json(rec)
@@ -175,6 +185,23 @@ def _train(args: argparse.Namespace) -> int:
             "tokens", "steps", "tokens_per_s", "mfu", "wall_time_s", "device", "model_dir")],
             title=f"run {out}")
     return 0 if rec.get("status") == "ok" else 1
+
+
+def _clear_run_folder(out: Path, spec, tc) -> None:
+    """``--overwrite``: delete a run of other settings in ``out`` (a folder with a run record;
+    any other folder is left alone and the run's own checks refuse it)."""
+    import shutil
+
+    from archsearch.errors import ArchsearchError
+    from archsearch.trainers.loop import RUN_FILE, check_run_folder
+
+    try:
+        check_run_folder(out, spec, tc, "--out")
+    except ArchsearchError:
+        if not (out / RUN_FILE).is_file():
+            raise
+        print(f"archsearch: --overwrite: deleting the run of other settings in {out}", file=sys.stderr)
+        shutil.rmtree(out)
 
 
 def _launch(args, spec, tc, dc) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError
@@ -52,6 +53,10 @@ class ClusterConfig:
         if self.executor == "inline" and (self.jobs_at_once > 1 or self.measure_workers > 1):
             raise ArchsearchError("cluster.executor", "inline runs one job at a time, but jobs_at_once/"
                                   "measure_workers ask for more", "use executor: local or slurm")
+        if self.profile is not None:  # read now: a broken profile must not wait for a dry run
+            from archsearch.cluster.startup import load_profile
+
+            load_profile(Path(self.profile).expanduser())
         if self.slurm and self.executor != "slurm":
             raise ArchsearchError("cluster.slurm", f"is set but executor is {self.executor!r}",
                                   "set executor: slurm, or drop the slurm section")

@@ -373,8 +373,12 @@ def load_profile(path: Path) -> dict[str, Startup]:
     path = Path(path)
     if not path.is_file():
         raise _bad(path, "no such file")
+    from archsearch.fileio import read_text
+
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_text(path, "profile"))
+    except ArchsearchError as e:
+        raise _bad(path, e.problem) from None
     except (OSError, ValueError) as e:
         raise _bad(path, f"not JSON ({e})") from e
     if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND or not isinstance(data.get("figures"), dict):

@@ -88,6 +88,31 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_device(device: str, field: str = "--device") -> str:
+    """``device`` if torch can place a model there on this machine (cpu, cuda, cuda:N, mps);
+    otherwise one clear error, before any model loads."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ArchsearchError(field, f"{device!r} is not a device", "use cpu, cuda, cuda:N or mps") from None
+    if d.type == "cpu":
+        return device
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ArchsearchError(field, f"{device!r}: no CUDA device on this machine (or torch is built "
+                                  "without CUDA)", "use --device cpu, or leave it out")
+        if d.index is not None and d.index >= n:
+            raise ArchsearchError(field, f"{device!r}: this machine has {n} CUDA device(s)",
+                                  f"use cuda:0..cuda:{n - 1}")
+        return device
+    if d.type == "mps" and torch.backends.mps.is_available():
+        return device
+    raise ArchsearchError(field, f"{device!r} is not available on this machine", "use cpu, cuda, cuda:N or mps")
+
+
 def load_model(resolved: ResolvedModel, device: str | None = None):
     """(model, tokenizer) in eval mode on ``device``.
 

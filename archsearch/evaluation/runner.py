@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shlex
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError, MissingDependencyError
-from archsearch.evaluation.models import ResolvedModel, default_device, load_model, resolve_model
+from archsearch.evaluation.models import ResolvedModel, check_device, default_device, load_model, resolve_model
 from archsearch.evaluation.suites import TASKS_DIR, check_known, expand_tasks, needs_hub
 
 BACKENDS = ("hf", "vllm")
@@ -49,6 +50,10 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
         raise ArchsearchError("batch_size", f"must be at least 1, got {batch_size}")
     if num_fewshot is not None and num_fewshot < 0:
         raise ArchsearchError("num_fewshot", f"must be 0 or more, got {num_fewshot}")
+    if limit is not None and not math.isfinite(limit):
+        raise ArchsearchError("limit", f"must be a finite number, got {limit}", "e.g. 100, or 0.1 for a tenth")
+    if device is not None:
+        check_device(device)
     extra = _parse_model_args(model_args)
     resolved = resolve_model(model)
     if backend == "vllm" and resolved.gguf_file:

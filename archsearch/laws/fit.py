@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings as _warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
@@ -42,6 +43,21 @@ if TYPE_CHECKING:
 
 METHODS = ("huber-lbfgsb", "lm")
 REFERENCES = ("chinchilla", "best-observed")
+
+
+# 200 runs x 1000 resamples fit in ~14 s here: beyond 1e5 a bootstrap is hours of work that
+# moves an interval's end by less than its own Monte-Carlo error.
+MAX_BOOTSTRAP = 100_000
+# every start is a full L-BFGS-B run over the same data; past 1000 more starts find no other minimum
+MAX_STARTS = 1000
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, where the OS says), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,15 @@ class FitOptions:
                 raise ArchsearchError(f, f"must be >= 1, got {getattr(self, f)}")
         if self.bootstrap < 0:
             raise ArchsearchError("bootstrap", f"must be >= 0, got {self.bootstrap}", "0 means no intervals")
+        if self.bootstrap > MAX_BOOTSTRAP:
+            raise ArchsearchError("bootstrap", f"{self.bootstrap} resamples would take hours and narrow no "
+                                  "interval further", f"give at most {MAX_BOOTSTRAP} (1000 is a good value)")
+        if self.n_starts > MAX_STARTS:
+            raise ArchsearchError("n_starts", f"{self.n_starts} starts repeat the same optimisation "
+                                  "without finding another minimum", f"give at most {MAX_STARTS} (10 is the default)")
+        if self.n_jobs > usable_cpus():
+            raise ArchsearchError("n_jobs", f"{self.n_jobs} processes on {usable_cpus()} usable CPUs would only "
+                                  "compete for them", f"give at most {usable_cpus()}")
         if self.r_range is not None:
             lo, hi = self.r_range
             if not (0 < lo < hi):

@@ -148,7 +148,9 @@ def load_law(path: str | Path) -> FitResult:
     if not p.is_file():
         raise ArchsearchError("--law", f"no such file {str(p)!r}", "fit one with `archsearch fit` or write one by hand")
     try:
-        data = json.loads(p.read_text())
+        from archsearch.fileio import read_text
+
+        data = json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise ArchsearchError(str(p), f"invalid JSON: {e}") from None
     return _from_dict(data, str(p))

@@ -423,9 +423,11 @@ def estimate_from_batch_laws(throughput: ThroughputLaw, max_batch: MaxBatchLaw, 
 
 def load_batch_laws(path: str | Path, field_name: str = "--batch-laws") -> tuple[ThroughputLaw, MaxBatchLaw]:
     """Both laws from the JSON ``archsearch estimate batch-laws --out`` writes."""
+    from archsearch.fileio import read_text
+
     p = Path(path)
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(read_text(p, "--batch-laws"))
         return ThroughputLaw.from_dict(d["throughput"]), MaxBatchLaw.from_dict(d["max_batch"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ArchsearchError(field_name, f"{p}: not a batch-laws file ({e})",

@@ -307,9 +307,13 @@ class LoraCalibration:
     def load(cls, path: str | Path, field_name: str = "--lora-calibration") -> LoraCalibration:
         import json
 
+        from archsearch.fileio import read_text
+
         p = Path(path)
         try:
-            d = json.loads(p.read_text())
+            d = json.loads(read_text(p, field_name))
+        except ArchsearchError:
+            raise
         except (OSError, ValueError) as e:
             raise ArchsearchError(field_name, f"cannot read {p}: {e}",
                                   "give the JSON a LoRA calibration wrote (plan --calibrate-lora, or "

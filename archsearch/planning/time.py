@@ -251,14 +251,21 @@ class TimeLaw(PlainData):
         return write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | Path) -> "TimeLaw":
+    def load(cls, path: str | Path, field: str = "--law") -> "TimeLaw":
+        """A time law's JSON; ``field`` (the flag that named it) is what an error names."""
+        from archsearch.fileio import read_text
+
         p = Path(path)
         if not p.is_file():
-            raise ArchsearchError("--law", f"no such file {str(p)!r}", "fit one with archsearch estimate fit")
+            raise ArchsearchError(field, f"no such file {str(p)!r}", "fit one with archsearch estimate fit")
         try:
-            return cls.from_dict(json.loads(p.read_text()))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ArchsearchError("--law", f"{p} is not a time-law JSON: {e}") from None
+            d = json.loads(read_text(p, field))
+            if not isinstance(d, dict):
+                raise TypeError(f"holds a {type(d).__name__}, not an object")
+            return cls.from_dict(d)
+        except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+            raise ArchsearchError(field, f"{p} is not a time-law JSON: {e}",
+                                  "give the file archsearch estimate fit --out wrote") from None
 
 
 _FORMULAS = {

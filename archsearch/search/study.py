@@ -16,6 +16,7 @@ store, so nothing is lost or measured twice.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -139,6 +140,77 @@ def storage_url(cfg: StudyConfig, out: Path) -> str:
     return cfg.optuna.storage or f"sqlite:///{out / 'optuna.db'}"
 
 
+def journal_path(url: str) -> Path | None:
+    """The file of a journal storage URL (``journal:PATH`` or ``*.log``); None for a database."""
+    if url.startswith("journal:"):
+        return Path(url[len("journal:"):])
+    return Path(url) if url.endswith(".log") else None
+
+
+def check_storage(url: str, field: str = "optuna.storage") -> None:
+    """Open a storage URL now, before any work, and create nothing: a journal or SQLite file's
+    folder exists and is writable and an existing file is what it should be; a database's driver
+    is installed and a connection is made. Errors show the URL with its password masked."""
+    from archsearch.configio import redact
+
+    shown = redact(url)
+    path = journal_path(url)
+    if path is None and url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        db = make_url(url).database
+        if not db or db == ":memory:" or db.startswith("file:"):
+            raise ArchsearchError(field, f"{shown!r} names no SQLite file", "e.g. sqlite:///results/x/optuna.db")
+        path = Path(db)
+    if path is not None:
+        parent = path.parent if str(path.parent) else Path(".")
+        if not parent.is_dir():
+            raise ArchsearchError(field, f"{shown!r}: the folder {str(parent)!r} does not exist",
+                                  "create it first, or give a file in an existing folder")
+        if path.is_dir():
+            raise ArchsearchError(field, f"{shown!r}: {str(path)!r} is a folder", "give a file path")
+        if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.R_OK | os.W_OK)):
+            raise ArchsearchError(field, f"{shown!r}: cannot write {str(path)!r} (permission denied)",
+                                  "give a writable path")
+        if path.exists() and path.stat().st_size and url.startswith("sqlite:"):
+            _check_sqlite_file(path, shown, field)
+        return
+    from sqlalchemy import create_engine, text
+
+    try:
+        engine = create_engine(url, connect_args=_connect_timeout(url))
+    except Exception as e:  # noqa: BLE001 - a missing driver (ImportError), a bad URL: said below
+        raise ArchsearchError(field, f"{shown!r} cannot be used: no installed driver for it "
+                              f"({redact(str(e)).splitlines()[0]})",
+                              "install the database's driver (postgresql+psycopg://, mysql+pymysql://), or use "
+                              "sqlite:///PATH or a journal file.log") from None
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as e:  # noqa: BLE001 - any failure to connect is the user's URL or server
+        first = redact(str(getattr(e, "orig", None) or e)).strip().splitlines() or [type(e).__name__]
+        raise ArchsearchError(field, f"cannot connect to {shown!r} ({first[0]})",
+                              "check the host, port, user and that the server is running") from None
+    finally:
+        engine.dispose()
+
+
+def _connect_timeout(url: str) -> dict[str, Any]:
+    """A short connect timeout for the drivers that take one, so a wrong host fails in seconds."""
+    return {"connect_timeout": 10} if url.startswith(("postgresql", "mysql", "mariadb")) else {}
+
+
+def _check_sqlite_file(path: Path, shown: str, field: str) -> None:
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            conn.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise ArchsearchError(field, f"{shown!r}: {str(path)!r} is not a usable SQLite database ({e})",
+                              "give a new file, or the optuna.db of a study") from None
+
+
 def make_storage(url: str):
     """An Optuna storage from a URL: ``*.log`` / ``journal:PATH`` -> journal file, else RDB."""
     import optuna
@@ -146,9 +218,11 @@ def make_storage(url: str):
     if url.startswith("journal:") or url.endswith(".log"):
         from optuna.storages.journal import JournalFileBackend
 
-        path = url[len("journal:"):] if url.startswith("journal:") else url
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(path))
+        path = journal_path(url)
+        if not path.parent.is_dir():  # checked at load too: a typo must not create folders
+            raise ArchsearchError("optuna.storage", f"the folder {str(path.parent)!r} does not exist",
+                                  "create it first, or give a file in an existing folder")
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     if url.startswith("sqlite:"):
         # one host: stale trials are recovered by process id (see recover_stale_trials)
         return _sqlite_storage(url)
@@ -629,6 +703,39 @@ class DistinctShapesCallback:
             study.stop()
 
 
+class ExhaustedSpaceCallback:
+    """Stops the study when the box has no new shape to give: shapes snap to multiples, so a box
+    holds finitely many, and once every one has been proposed the sampler only repeats them (each
+    repeat completes at no cost, but a budget larger than the box would spin to ``max_trials``).
+    Exhausted means ``patience`` trials in a row proposed no shape the study had not seen
+    (at least 100, and 5 per shape seen: a rare shape at the box's edge still gets its chance)."""
+
+    def __init__(self, study, n_trials: int):
+        self.seen = {t.user_attrs.get("spec_key") for t in study.get_trials(deepcopy=False)} - {None}
+        self.n_trials = n_trials
+        self.since_new = 0
+
+    @property
+    def patience(self) -> int:
+        return max(100, 5 * len(self.seen))
+
+    def __call__(self, study, trial) -> None:
+        key = trial.user_attrs.get("spec_key")
+        if key is not None and key not in self.seen:
+            self.seen.add(key)
+            self.since_new = 0
+            return
+        self.since_new += 1
+        if self.since_new >= self.patience:
+            study.set_user_attr("space_exhausted", {"distinct_shapes": len(self.seen),
+                                                    "measured": distinct_measured(study)})
+            log(f"the search space is exhausted: {self.since_new} trials in a row proposed none of its shapes "
+                f"that was not proposed before ({len(self.seen)} distinct shapes, {distinct_measured(study)} of "
+                f"optuna.n_trials={self.n_trials} measured); stopping. Lower optuna.n_trials or widen the "
+                "search space")
+            study.stop()
+
+
 def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> int:
     """The enqueued seed shapes (waiting trials) that the loss constraint admits, compared with
     the baseline in one engine process before their trials run (``Measurer.compare_together``):
@@ -702,7 +809,8 @@ def run_study(ctx: SearchContext, progress: bool = True):
             if cfg.optuna.log_with else None
         try:
             study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                           callbacks=[DistinctShapesCallback(cfg.optuna.n_trials)]
+                           callbacks=[DistinctShapesCallback(cfg.optuna.n_trials),
+                                      ExhaustedSpaceCallback(study, cfg.optuna.n_trials)]
                            + ([_progress_callback(cfg.optuna.n_trials)] if progress else [])
                            + ([tracking] if tracking else []),
                            catch=(MeasurementFailed,), gc_after_trial=False,
