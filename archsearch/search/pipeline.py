@@ -264,7 +264,14 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             study, recovered = run_study(ctx, progress=r.progress)
             if recovered:
                 log(f"recovered trials {recovered} left running by a dead process")
-        _wait_for_running(study)
+        while taken := _wait_for_running(study):
+            log(f"trials {taken} were left running by a worker that died; their shapes are enqueued again"
+                + ("" if cfg.cluster.parallel else " and measured here"))
+            if cfg.cluster.parallel:  # the executor's workers are done: the next run of the stage measures them
+                break
+            from archsearch.search.study import run_study
+
+            study, _ = run_study(ctx, progress=r.progress)
         new = sum(1 for tr in study.get_trials(deepcopy=False)
                   if tr.datetime_start and tr.datetime_start.timestamp() >= t)
         if new or not r.state.done("search"):  # a no-op rerun adds no time and no run
@@ -273,11 +280,37 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             log("search: the study has its trials already; nothing measured")
     r.study = load_study(ctx)
     r.best = chosen_from_study(r.study) if r.study is not None else None
+    _redo_after_new_best(r)
     if fresh and cfg.cluster.parallel:  # the coordinator's seconds after its workers ended (startups.json)
         from archsearch.cluster.startup import record_tail
 
         record_tail(r.out, "search", "search_tail_s", workers, since=t)
     return info
+
+
+def _best_key(best: dict[str, Any] | None) -> str | None:
+    from archsearch.search.measure import spec_key
+
+    return spec_key(ArchSpec.from_dict(best["spec"])) if best and best.get("spec") else None
+
+
+def _redo_after_new_best(r: StudyRun) -> None:
+    """A resumed search (more trials, a retried measurement) may find another best shape: the
+    GQA search around the old one, and the stages after it, are then redone (outputs kept in
+    ``superseded/``)."""
+    from archsearch.search.inputs import ResumePlan, supersede
+
+    with file_lock(r.out / ".stage.lock"):
+        r.state.reload()
+        g = _read_json(r.out / "gqa.json") if r.state.done("gqa") else None
+        around = ((g or {}).get("around") or {}).get("spec_key")
+        if around is None or around == _best_key(r.best):
+            return
+        stale = {st: [f"the search's best shape is now trial {r.best['trial'] if r.best else None}"]
+                 for st in ("gqa", "train", "eval") if st in r.state.data}
+        moved = supersede(r.out, ResumePlan(stale=stale), r.state.data)
+        r.state.save()
+        log(f"the search's best shape changed: stages {', '.join(stale)} are redone (earlier outputs in {moved})")
 
 
 def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
@@ -289,7 +322,8 @@ def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 
         log(f"local GQA search around trial {r.best['trial']}")
         g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa)
-        write_json(r.out / "gqa.json", g.to_dict(), default=str)
+        write_json(r.out / "gqa.json", {**g.to_dict(), "around": {"trial": r.best["trial"],
+                                                                  "spec_key": _best_key(r.best)}}, default=str)
         info = {}
     r.gqa = _read_json(r.out / "gqa.json")  # this run's, or an earlier run's when resuming
     _decide(r)
@@ -391,10 +425,19 @@ def load_study(ctx):
 
 
 
-def _wait_for_running(study, timeout_s: float = 3600) -> None:
-    """Another worker may still be measuring: the next stages need its result."""
+def _wait_for_running(study, timeout_s: float = 3600, poll_s: float = 2.0) -> list[int]:
+    """Another worker may still be measuring: the next stages need its result. A trial whose
+    worker died meanwhile (its process gone on this host, its heartbeat silent elsewhere:
+    ``recover_stale_trials``) is failed and its parameters enqueued at once; returns those
+    trials, for this worker to take over."""
     from optuna.trial import TrialState
 
-    t = time.time()
+    from archsearch.search.study import recover_stale_trials
+
+    t, recovered = time.time(), []
     while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) and time.time() - t < timeout_s:
-        time.sleep(2)
+        recovered += recover_stale_trials(study, study._storage)
+        if recovered or not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            break
+        time.sleep(poll_s)
+    return recovered
