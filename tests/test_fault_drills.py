@@ -66,16 +66,23 @@ def test_kill_9_of_the_measuring_process_leaves_no_engine_process_or_scratch_fol
     assert [p.name for p in scratch.iterdir()] == [live.name]
 
 
-def test_one_hung_batch_size_keeps_the_others(monkeypatch):
-    """An engine that hangs in batch size 2 of [1, 2, 3]: 2 fails with the timeout, 1 is kept and
-    3 is measured in a fresh engine process."""
-    from archsearch.benchmarks import BenchSettings, measure
+def test_one_hung_batch_size_keeps_the_others(tmp_path, monkeypatch, capsys):
+    """``archsearch bench`` on an engine that hangs in batch size 2 of [1, 2, 3]: 2 fails with the
+    timeout, 1 is kept and 3 is measured in a fresh engine process; the command succeeds and
+    names the failed batch size."""
+    from archsearch.benchmarks import read_jsonl
     from archsearch.benchmarks.base import BACKENDS
-    from tests.test_bench import TINY
+    from archsearch.cli import main
 
     monkeypatch.setitem(BACKENDS, "fake-hang-at", "tests.fakes:HangAtBackend")
-    r = measure(TINY, BenchSettings(backend="fake-hang-at", batch_sizes=[1, 2, 3], input_len=4, output_len=2,
-                                    repeats=1, warmup=0, timeout_s=6))
+    out = tmp_path / "b.jsonl"
+    rc = main(["bench", "--backend", "fake-hang-at", "--batch-sizes", "1,2,3", "--input-len", "4", "--output-len", "2",
+               "--repeats", "1", "--warmup", "0", "--timeout", "6", "--layers", "2", "--hidden-size", "128",
+               "--heads", "2", "--kv-heads", "1", "--head-dim", "64", "--ffn", "256", "--vocab-size", "100",
+               "--out", str(out)])
+    assert rc == 0
+    assert "batch size 2 failed: timeout after 6 s; the other 2 batch size(s) are measured" in capsys.readouterr().err
+    (r,) = read_jsonl(out)
     assert [b.batch_size for b in r.per_batch] == [1, 2, 3]
     assert r.batch(1).ok and r.batch(3).ok and r.throughput(3) > 0
     assert not r.batch(2).ok and "timeout after 6 s" in r.batch(2).error

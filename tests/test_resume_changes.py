@@ -149,3 +149,31 @@ def test_torn_state_files_are_redone_not_fatal(tmp_path, capsys):
     assert "gqa.json is not valid JSON" in capsys.readouterr().err
     assert json.loads((out / "gqa.json").read_text()) == json.loads(gqa)  # redone, from the store
     assert s["measurements_taken_this_run"] == 0
+
+
+def test_a_proxy_grid_that_grew_keeps_its_runs_other_proxy_changes_set_them_aside(tmp_path):
+    """Which proxy changes keep the trained runs: a run's id names its shape, budget and seed, so
+    a grid change reuses them; a training or data setting changes what every run computes."""
+    from archsearch.search.inputs import StageInputs, fingerprints, plan_resume, stage_inputs
+
+    sweep = {"name": "p", "params": [8.0e4], "n_layers": 2, "hidden_over_sqrt_n": [0.1, 0.2], "mlp_to_attn": [1.0],
+             "gqa": 2, "head_dim": 32, "train": {"tokens_per_param": 1, "lr": 1e-3},
+             "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}
+    raw = study_config(tmp_path, proxy={"sweep": sweep}, vocab_size=512)
+    out = tmp_path / "study"
+    out.mkdir()
+    cfg = load(raw)
+    applies = {"proxy": True, "fit": False, "search": True, "gqa": True, "train": False, "eval": False}
+    StageInputs(out).record("proxy", fingerprints(cfg, applies)["proxy"], stage_inputs(cfg)["proxy"])
+    state = {"proxy": {"status": "done"}}
+    every = {"proxy", "fit", "search", "gqa", "report"}
+
+    grown = load(_rewrite(raw, proxy={"sweep": {**sweep, "hidden_over_sqrt_n": [0.1, 0.2, 0.3]}}))
+    plan = plan_resume(grown, out, state, every, applies, default_storage=True)
+    assert plan.stale == {"proxy": ["proxy.sweep.hidden_over_sqrt_n ([0.1, 0.2] -> [0.1, 0.2, 0.3])"]}
+    assert plan.keep == {"proxy"}
+
+    relearnt = load(_rewrite(raw, proxy={"sweep": {**sweep, "train": {"tokens_per_param": 1, "lr": 3e-3}}}))
+    plan = plan_resume(relearnt, out, state, every, applies, default_storage=True)
+    assert plan.stale == {"proxy": ["proxy.sweep.train.lr (0.001 -> 0.003)"]} and not plan.keep
+    assert plan_resume(cfg, out, state, every, applies, default_storage=True).stale == {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -54,6 +55,8 @@ FINGERPRINTED = tuple(STAGE_OUTPUTS)
 
 def _flat(obj: Any, prefix: str) -> dict[str, Any]:
     """A nested mapping as {dotted name: leaf}."""
+    if isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):  # e.g. proxy.sweeps.0.name
+        obj = {str(i): v for i, v in enumerate(obj)}
     if isinstance(obj, dict) and obj:
         out: dict[str, Any] = {}
         for k, v in obj.items():
@@ -153,8 +156,16 @@ class StageInputs:
 
 @dataclass
 class ResumePlan:
-    """The stages to redo (their changed settings) and the adopted records of older folders."""
+    """The stages to redo (why: their changed settings), and those of them whose outputs stay
+    valid where they are (``keep``: a proxy sweep whose grid grew keeps its trained runs)."""
     stale: dict[str, list[str]] = field(default_factory=dict)
+    keep: set[str] = field(default_factory=set)
+
+
+# proxy settings that choose which runs a sweep has, never what a run computes: a run's id names its
+# shape, budget and seed, so with only these changed the trained runs stay valid and are reused
+_PROXY_GRID = re.compile(r"^proxy\.sweeps?(\.\d+)?\.(name|params|hidden_over_sqrt_n|mlp_to_attn|n_layers|gqa|"
+                         r"head_dim|build|seeds|retry_failed)(\.|$)")
 
 
 def _legacy_inputs(out: Path) -> dict[str, dict[str, Any]] | None:
@@ -207,7 +218,10 @@ def plan_resume(cfg: StudyConfig, out: Path, state_data: dict[str, Any], selecte
             plan.stale[stage] = ["the stage no longer applies"]
         elif (old_fp is not None and old_fp != now_fp[stage]) or old_inputs != _jsonable(now_inputs[stage]) \
                 or upstream_stale is not None:
-            plan.stale[stage] = _changed(old_inputs, _jsonable(now_inputs[stage])) or [f"after {upstream_stale}"]
+            changed = _changed(old_inputs, _jsonable(now_inputs[stage]))
+            plan.stale[stage] = changed or [f"after {upstream_stale}"]
+            if stage == "proxy" and changed and all(_PROXY_GRID.match(c.split(" (")[0]) for c in changed):
+                plan.keep.add(stage)
         if stage in plan.stale and upstream_stale is None:
             upstream_stale = stage
     if not plan.stale:
@@ -246,7 +260,7 @@ def supersede(out: Path, plan: ResumePlan, state_data: dict[str, Any]) -> Path |
         n += 1
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
     for stage in plan.stale:
-        for rel in STAGE_OUTPUTS[stage]:
+        for rel in () if stage in plan.keep else STAGE_OUTPUTS[stage]:
             src = out / rel
             if src.exists() or src.is_symlink():
                 target = dest / rel
