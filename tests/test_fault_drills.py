@@ -216,3 +216,41 @@ def test_a_torn_measurement_record_is_measured_again(tmp_path, capsys):
     keys = [json.loads(x)["key"] for x in store.read_text().splitlines()]
     assert keys.count(torn) == 1 and len(keys) == len(lines)
     assert s["measurements_taken_this_run"] >= 1
+
+
+def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
+    """``archsearch search`` (the transformers engine, isolated like vLLM) killed with SIGKILL while
+    an engine process measures: every process of that engine's group is gone within seconds,
+    and its scratch folders are left only for the next measurement to remove."""
+    from archsearch.benchmarks.scratch import reap_stale
+    from tests.test_search import _hf_cfg
+
+    cfg = _hf_cfg(tmp_path, n_trials=3)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), TMPDIR=str(scratch))
+    study = subprocess.Popen([sys.executable, "-m", "archsearch", "search", "--config", cfg["_path"], "--only", "search"],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engines: list[psutil.Process] = []
+
+    def measuring() -> bool:
+        assert study.poll() is None, "the study ended before it measured"
+        try:
+            kids = psutil.Process(study.pid).children()
+        except psutil.NoSuchProcess:
+            return False
+        engines[:] = [k for k in kids if "archsearch.benchmarks.isolate" in " ".join(k.cmdline())]
+        return bool(engines)
+
+    try:
+        _wait(measuring, 240, "no engine process started")
+        group = [*engines, *(c for e in engines for c in e.children(recursive=True))]
+        os.kill(study.pid, signal.SIGKILL)
+        study.wait()
+        _wait(lambda: all(_gone(p.pid) for p in group), 10, "engine processes outlived the killed study")
+    finally:
+        if study.poll() is None:
+            study.kill()
+    left = sorted(p.name for p in scratch.iterdir() if p.name.startswith(f"archsearch-bench-{study.pid}-"))
+    assert left, "the engine's scratch folder was not where the drill looks"
+    assert {p.name for p in reap_stale(scratch)} >= set(left)
