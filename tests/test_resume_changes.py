@@ -177,3 +177,18 @@ def test_a_proxy_grid_that_grew_keeps_its_runs_other_proxy_changes_set_them_asid
     plan = plan_resume(relearnt, out, state, every, applies, default_storage=True)
     assert plan.stale == {"proxy": ["proxy.sweep.train.lr (0.001 -> 0.003)"]} and not plan.keep
     assert plan_resume(cfg, out, state, every, applies, default_storage=True).stale == {}
+
+
+def test_the_measured_dtype_is_read_from_this_studys_settings_only(tmp_path):
+    """A store that also holds a resumed study's earlier float16 measurements: the chosen
+    config's dtype comes from measurements taken with the study's own dtype setting."""
+    from archsearch.search.config import MeasureConfig
+    from archsearch.search.measure import MeasurementStore, Measurer
+    from tests.test_bench import TINY
+
+    store = MeasurementStore(tmp_path / "m.jsonl")
+    store.put("old", {"dtype": "float16", "settings": {"dtype": "float16", "backend": "analytic"}})
+    m = Measurer(MeasureConfig(backend="analytic", dtype="bfloat16"), store)
+    assert m.measured_dtype(TINY) is None
+    store.put("new", {"dtype": "bfloat16", "settings": {"dtype": "bfloat16", "backend": "analytic"}})
+    assert m.measured_dtype(TINY) == "bfloat16"

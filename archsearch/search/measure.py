@@ -264,10 +264,16 @@ class Measurer:
 
     def measured_dtype(self, spec: ArchSpec) -> str | None:
         """The dtype ``spec`` was measured in; every measurement of a study runs at one dtype, so a
-        shape measured only paired (the baseline kept as the answer) takes any stored result's."""
+        shape measured only paired (the baseline kept as the answer) takes that of any stored
+        result measured with this study's dtype setting and engine."""
+        s = self.settings().to_dict()
         stored = self.store.all()
         own = (stored.get(self.key(spec)) or {}).get("dtype")
-        return own or next((r["dtype"] for r in stored.values() if r.get("dtype")), None)
+        # a store may also hold measurements of other settings (a study resumed with another dtype)
+        ours = (s["dtype"], s["backend"])
+        return own or next((r["dtype"] for r in stored.values() if r.get("dtype") and
+                            ((r.get("settings") or {}).get("dtype"), (r.get("settings") or {}).get("backend")) == ours),
+                           None)
 
     def _retry(self, key: str, found: dict[str, Any] | None) -> bool:
         """Whether a stored result is a failure to measure again: one stored by an earlier run
