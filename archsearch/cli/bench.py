@@ -99,9 +99,13 @@ def _bench(args: argparse.Namespace) -> int:
         _print_table(d)
         if args.out:
             print(f"appended to {args.out}")
-    if not result.ok:  # recorded above; the exit status and this line say it failed
+    failed = [b for b in result.per_batch if not b.ok]
+    if len(failed) == len(result.per_batch):  # recorded above; the exit status and this line say it failed
         print(f"archsearch: measurement failed: {result.error}", file=sys.stderr)
         return 1
+    if failed:  # one batch size's failure keeps the others (they are recorded and printed above)
+        print("archsearch: " + "; ".join(f"batch size {b.batch_size} failed: {b.error}" for b in failed)
+              + f"; the other {len(result.per_batch) - len(failed)} batch size(s) are measured", file=sys.stderr)
     return 0
 
 

@@ -249,9 +249,16 @@ class MeasureConfig(BenchSettings):
     # only where feasibility does not depend on N (multiplicative law, target relative to the
     # baseline; StudyConfig checks it): a larger N lifts the shapes' speed differences above the noise.
     params: float | None = None
+    # a failed measurement (an engine error may be transient) is measured again by a later run of
+    # the study, up to this many attempts in all; the store records each one's attempts
+    max_attempts: int = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the measurement's own checks
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
+                or not 1 <= self.max_attempts <= 100:
+            raise ArchsearchError("measure.max_attempts", f"must be an integer in [1, 100], got {self.max_attempts!r}",
+                                  "e.g. 3 (1: a failed measurement is never taken again)")
         if self.params is not None:
             from archsearch.candidates import check_size
 

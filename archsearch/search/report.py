@@ -512,7 +512,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
                    "feasible": sum(1 for t in complete if trial_is_feasible(t))},
         "proxy_health": proxies_health(out / "proxies"),  # runs retuned or left out (None: checks off)
         "law": {"file": str(out / "law.json") if (out / "law.json").is_file() else cfg.law.file,
-                "form": cfg.law.form, "status": getattr(ctx.law, "status", None),
+                "form": getattr(ctx.law, "law", None) or cfg.law.form, "status": getattr(ctx.law, "status", None),
                 "warnings": list(getattr(ctx.law, "warnings", []) or []),
                 "metrics": getattr(ctx.law, "metrics", None)},
         "stages": state.data,

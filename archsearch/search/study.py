@@ -20,10 +20,11 @@ import contextlib
 import math
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.candidates import BuildSettings, build_candidate
@@ -302,8 +303,41 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
-    """Fail trials left RUNNING by a dead process on this host and enqueue their parameters.
+# a running trial's worker writes a heartbeat this often; one on another host silent for
+# HEARTBEAT_GRACE_S is taken for dead (on this host the worker's process id says at once)
+HEARTBEAT_S = 10.0
+HEARTBEAT_GRACE_S = 60.0
+
+
+@contextlib.contextmanager
+def heartbeat(trial, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """Write the time into the trial's system attribute ``heartbeat`` every ``every_s`` seconds
+    while the trial runs, so a worker on another host can tell this one died."""
+    storage, tid, stop = trial.storage, trial._trial_id, threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                storage.set_trial_system_attr(tid, "heartbeat", time.time())
+            except Exception:  # noqa: BLE001 - the trial just finished (or its storage closed): nothing to beat for
+                return
+            if stop.wait(every_s):
+                return
+
+    th = threading.Thread(target=beat, name="archsearch-heartbeat", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def recover_stale_trials(study, storage, grace_s: float = 10.0,
+                         heartbeat_grace_s: float = HEARTBEAT_GRACE_S) -> list[int]:
+    """Fail trials left RUNNING by a dead worker and enqueue their parameters: on this host a
+    worker whose process is gone, on another host one whose heartbeat has been silent for
+    ``heartbeat_grace_s`` seconds.
 
     A worker names itself on a trial in the objective's first line; a trial with no worker is a
     live worker's only for the instant between Optuna creating it and that line, so one still
@@ -323,6 +357,9 @@ def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
     for t in running():
         w = t.user_attrs.get("worker") or {}
         dead = w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"]))
+        beat = t.system_attrs.get("heartbeat")
+        if w and w.get("host") != platform.node() and beat is not None and time.time() - float(beat) > heartbeat_grace_s:
+            dead = True
         if dead or (not w and age(t) >= grace_s):
             storage.set_trial_user_attr(t._trial_id, "failure_reason",
                                         "its worker process died; parameters enqueued again")
@@ -356,6 +393,13 @@ def _suggest(trial, cfg: StudyConfig, law=None) -> tuple[float, float, int]:
 
 
 def objective(trial, ctx: SearchContext):
+    """One trial: the worker names itself on it, and beats while it runs (recover_stale_trials)."""
+    trial.set_user_attr("worker", {"host": platform.node(), "pid": os.getpid()})
+    with heartbeat(trial):
+        return _objective(trial, ctx)
+
+
+def _objective(trial, ctx: SearchContext):
     import optuna
 
     cfg = ctx.cfg
@@ -410,8 +454,11 @@ def objective(trial, ctx: SearchContext):
     trial.set_user_attr("throughput", {str(b.batch_size): b.output_throughput for b in result.per_batch})
     trial.set_user_attr("ttft", {str(b.batch_size): b.ttft_mean for b in result.per_batch})
     tput = result.throughput(ctx.ref_batch)
-    _stored(trial, m, result.backend, None if result.ok and tput is not None else
-            result.error or f"no throughput at batch size {ctx.ref_batch}")
+    failed = {str(b.batch_size): b.error for b in result.per_batch if not b.ok}
+    if failed:  # the other batch sizes are kept; only the objective's own batch size decides
+        trial.set_user_attr("failed_batches", failed)
+    _stored(trial, m, result.backend, None if tput is not None else
+            failed.get(str(ctx.ref_batch)) or result.error or f"no throughput at batch size {ctx.ref_batch}")
     return _measured(trial, ctx, result.batch(ctx.ref_batch), tput, loss)
 
 
@@ -787,6 +834,50 @@ def seed_study(ctx: SearchContext, study) -> None:
         study.set_user_attr("target_loss", ctx.target_loss)  # last: the mark that seeding is done
 
 
+def retry_failed_measurements(study, ctx: SearchContext) -> list[int]:
+    """Enqueue again the parameters of trials whose measurement failed (an engine error that may
+    be transient) and has been tried fewer than ``measure.max_attempts`` times; the measurer then
+    measures the shape anew instead of reading the failure back. Each failed trial is retried
+    once (its retry, if it fails too, is the next one's to retry)."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    stored = ctx.measurer.store.all()
+    out = []
+    for t in trials:
+        key = t.user_attrs.get("measurement_key")
+        rec = stored.get(key) if key else None
+        if t.state != TrialState.FAIL or t.number in retried or not t.params or rec is None or rec.get("ok", True):
+            continue
+        if int(rec.get("attempts", 1)) < ctx.cfg.measure.max_attempts:
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+            out.append(t.number)
+    return out
+
+
+def restore_lost_measurements(study, ctx: SearchContext) -> list[int]:
+    """Measure again the shapes of completed trials whose record is missing from the store (a
+    line cut by a killed write is skipped when the store is read), so every trial's measurement
+    is on record; returns those trials' numbers."""
+    from optuna.trial import TrialState
+
+    stored = ctx.measurer.store.all()
+    lost = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if was_measured(t) and t.user_attrs.get("measurement_key") and t.user_attrs["measurement_key"] not in stored]
+    for t in lost:
+        spec = ArchSpec.from_dict(t.user_attrs["spec"])
+        key = t.user_attrs["measurement_key"]
+        log(f"trial {t.number}'s measurement record was lost (a torn write): measuring it again")
+        if ctx.baseline is not None and key == ctx.measurer.pair_key([ctx.baseline, spec]):
+            ctx.measurer.compare([ctx.baseline, spec])
+        elif key == ctx.measurer.key(spec):
+            ctx.measurer.measure(spec)
+        else:
+            log(f"trial {t.number}: its measurement was taken with other settings; not measured again")
+    return [t.number for t in lost]
+
+
 def run_study(ctx: SearchContext, progress: bool = True):
     """Create or resume the study and run it until ``n_trials`` trials have completed."""
     import optuna
@@ -795,22 +886,32 @@ def run_study(ctx: SearchContext, progress: bool = True):
     study, storage = create_study(ctx)
     recovered = recover_stale_trials(study, storage)
     seed_study(ctx, study)
+    restore_lost_measurements(study, ctx)
+    # failed measurements are retried even by a study that has its shapes: a failed shape may be
+    # the law's solution; the retries are trials beyond max_trials' count of new proposals
+    retried = retry_failed_measurements(study, ctx)
+    if retried:
+        log(f"measuring again the failed measurements of trials {retried} "
+            f"(at most {cfg.measure.max_attempts} attempts each: measure.max_attempts)")
     if ctx.baseline is not None and cfg.optuna.seeds_together:
         measure_seeds_together(ctx, study, progress)
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
-    left = max_trials - len(study.get_trials(deepcopy=False))
-    if distinct_measured(study) < cfg.optuna.n_trials and left > 0:
+    left = max_trials - len(study.get_trials(deepcopy=False)) + len(retried)
+    short = distinct_measured(study) < cfg.optuna.n_trials
+    if retried and not short:  # only the retries: no new proposals
+        left = len(retried)
+    if (short or retried) and left > 0:
         import logging
 
-        log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
-        if _no_traceback_for_failed_measurements not in log.filters:
-            log.addFilter(_no_traceback_for_failed_measurements)
+        optuna_log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
+        if _no_traceback_for_failed_measurements not in optuna_log.filters:
+            optuna_log.addFilter(_no_traceback_for_failed_measurements)
         tracking = TrackerCallback(cfg.optuna.log_with, ctx.out / "tracking", f"study-{cfg.name}") \
             if cfg.optuna.log_with else None
         try:
             study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                           callbacks=[DistinctShapesCallback(cfg.optuna.n_trials),
-                                      ExhaustedSpaceCallback(study, cfg.optuna.n_trials)]
+                           callbacks=([DistinctShapesCallback(cfg.optuna.n_trials),
+                                        ExhaustedSpaceCallback(study, cfg.optuna.n_trials)] if short else [])
                            + ([_progress_callback(cfg.optuna.n_trials)] if progress else [])
                            + ([tracking] if tracking else []),
                            catch=(MeasurementFailed,), gc_after_trial=False,
