@@ -177,6 +177,21 @@ def add_overrides_arg(p: argparse.ArgumentParser) -> None:
                    help="override config fields, e.g. optuna.n_trials=12 params=200K")
 
 
+def add_print_config_arg(p: argparse.ArgumentParser) -> None:
+    """``--print-config``: show the resolved config and stop (see :func:`print_config`)."""
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (file + overrides + defaults) as YAML and exit; "
+                        "runs nothing, writes nothing (passwords in URLs masked)")
+
+
+def print_config(cfg: Any) -> None:
+    """A validated config (a dataclass, or a mapping of them) as YAML on stdout, secrets masked:
+    what the command would run with; the output is itself a valid ``--config`` file."""
+    from archsearch.configio import to_yaml
+
+    sys.stdout.write(to_yaml(cfg))
+
+
 @contextlib.contextmanager
 def json_stdout(enabled: bool) -> Iterator[None]:
     """With ``--json``, stdout carries exactly the one JSON document: everything else printed
