@@ -67,3 +67,44 @@ def test_sweep_and_train_print_config(tmp_path, monkeypatch, capsys):
     assert from_dict(TrainConfig, t["train"], "train").lr == 2e-3
     assert from_dict(DataConfig, t["data"], "data").seq_len == 96
     assert sorted(tmp_path.rglob("*")) == before
+
+
+LAW = {"law": "conditional-multiplicative",
+       "coefficients": {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04},
+       "reference": {"law": "chinchilla",
+                     "coefficients": {"E": 1.8, "A": 400, "alpha": 0.34, "B": 410, "beta": 0.28}}}
+SOLVE = ["solve", "--params", "2e5", "--tokens", "3e5", "--layers", "2", "--head-dim", "32", "--gqa", "2",
+         "--hidden-multiple", "32", "--ffn-multiple", "32", "--tolerance", "0.15", "--vocab-size", "2048"]
+SHAPE = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab_size", "tie_embeddings")
+
+
+def _law(tmp_path) -> str:
+    import json
+
+    (tmp_path / "law.json").write_text(json.dumps(LAW))
+    return str(tmp_path / "law.json")
+
+
+@pytest.mark.parametrize("target", [None, "25"])
+def test_solve_out_writes_the_chosen_shape_that_train_arch_reads(tmp_path, capsys, target):
+    import json
+
+    from archsearch.arch import ArchSpec, load_arch
+
+    extra = ["--target-loss", target] if target else []
+    assert main([*SOLVE, "--law", _law(tmp_path), *extra, "--json", "--out", str(tmp_path / "solved")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    want = printed["best"]["architecture"] if target else printed["architecture"]
+    solved = json.loads((tmp_path / "solved/solve.json").read_text())
+    assert solved["chosen"]["architecture"] == want and "provenance" in solved
+    # `train --arch DIR` reads DIR/config.json; it and spec.json are the shape solve chose
+    from_dir = load_arch(tmp_path / "solved")
+    spec = ArchSpec.from_dict(json.loads((tmp_path / "solved/spec.json").read_text()))
+    assert {k: getattr(from_dir, k) for k in SHAPE} == {k: want[k] for k in SHAPE} \
+        == {k: getattr(spec, k) for k in SHAPE}
+
+
+def test_solve_out_refuses_when_nothing_meets_the_target(tmp_path, capsys):
+    rc = main([*SOLVE, "--law", _law(tmp_path), "--target-loss", "0.5", "--out", str(tmp_path / "solved")])
+    assert rc == 2 and "--out" in capsys.readouterr().err
+    assert not (tmp_path / "solved").exists()
