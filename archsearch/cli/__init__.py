@@ -15,6 +15,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from collections.abc import Iterator
 
 from archsearch import __version__
 from archsearch.cli._common import finite_float
@@ -30,6 +31,15 @@ class _Parser(argparse.ArgumentParser):
         if kwargs.get("type") is float:
             kwargs["type"] = finite_float
         return super().add_argument(*args, **kwargs)
+
+    def format_help(self) -> str:
+        # the examples block keeps its lines as written (argparse would re-wrap them)
+        epilog, self.epilog = self.epilog, None
+        try:
+            text = super().format_help()
+        finally:
+            self.epilog = epilog
+        return text + (f"\n{epilog}\n" if epilog else "")
 
     def add_argument_group(self, *args, **kwargs):
         group = super().add_argument_group(*args, **kwargs)
@@ -54,7 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(f"{__name__}.{mod.name}")
         module.register(sub)
+    _add_examples(parser)
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command's parser, named as typed: ("arch describe", parser), ..."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, p in action.choices.items():
+                yield f"{prefix}{name}", p
+                yield from subcommands(p, f"{prefix}{name} ")
+
+
+def _add_examples(parser: argparse.ArgumentParser) -> None:
+    from archsearch.cli._examples import epilog
+
+    for name, p in subcommands(parser):
+        p.epilog = epilog(name)
 
 
 class Terminated(KeyboardInterrupt):

@@ -172,9 +172,13 @@ def arch_from_args(args: argparse.Namespace):
 
 
 def add_overrides_arg(p: argparse.ArgumentParser) -> None:
-    """Positional ``key.sub=value`` overrides of the ``--config`` file (OmegaConf dotlist syntax)."""
+    """Positional ``key.sub=value`` overrides of the ``--config`` file (OmegaConf dotlist syntax),
+    with an example of the command's own config (``_examples.OVERRIDE_EXAMPLES``)."""
+    from archsearch.cli._examples import OVERRIDE_EXAMPLES
+
+    command = p.prog.split()[-1]
     p.add_argument("overrides", nargs="*", metavar="KEY.SUB=VALUE",
-                   help="override config fields, e.g. optuna.n_trials=12 params=200K")
+                   help=f"override config fields, e.g. {OVERRIDE_EXAMPLES[command]}")
 
 
 def add_print_config_arg(p: argparse.ArgumentParser) -> None:
