@@ -108,3 +108,57 @@ def test_solve_out_refuses_when_nothing_meets_the_target(tmp_path, capsys):
     rc = main([*SOLVE, "--law", _law(tmp_path), "--target-loss", "0.5", "--out", str(tmp_path / "solved")])
     assert rc == 2 and "--out" in capsys.readouterr().err
     assert not (tmp_path / "solved").exists()
+
+
+@pytest.fixture
+def console_reset():
+    from archsearch.logs import configure
+
+    yield
+    configure(0)  # main() with -q/-v sets the process's console level: give the next test the default
+
+
+def test_study_log_keeps_project_lines_and_library_warnings_off_the_console(tmp_path, capsys, console_reset):
+    import logging
+    import warnings
+
+    from archsearch.logs import configure, get_logger, study_log
+
+    configure(0)
+    with study_log(tmp_path) as path:
+        get_logger("search").info("[search] trial 0: a progress line")
+        logging.getLogger("transformers").addHandler(logging.StreamHandler())  # as transformers adds its own
+        lib = logging.getLogger("transformers.modeling_utils")
+        from archsearch.logs import tame_libraries
+
+        tame_libraries()
+        lib.warning("Some weights were not initialized")
+        lib.info("loading weights")  # a library's info: neither shown nor kept
+        warnings.warn("a deprecation from a library", UserWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    assert err.strip() == "[search] trial 0: a progress line"  # the project's line, as written, alone
+    text = path.read_text()
+    assert "INFO archsearch.search: [search] trial 0: a progress line" in text
+    assert "WARNING transformers.modeling_utils: Some weights were not initialized" in text
+    assert "a deprecation from a library" in text and "loading weights" not in text
+    get_logger("search").info("[search] after the study")  # the file is closed with the block
+    assert "after the study" not in path.read_text()
+
+
+def test_search_writes_study_log_and_quiet_keeps_stderr_clean(tmp_path, monkeypatch, capsys, console_reset):
+    import json
+
+    study = {"name": "st", "params": 200000, "tokens": 300000, "n_layers": 2, "vocab_size": 2048,
+             "baseline": {"hidden_over_sqrt_n": 0.2, "mlp_to_attn": 3.0, "gqa": 2},
+             "search_space": {"head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32,
+                                                        "tolerance": 0.15, "on_r_drift": "flag"}},
+             "law": {"file": "law.json"}, "measure": {"backend": "analytic"}}
+    monkeypatch.chdir(tmp_path)
+    _law(tmp_path)
+    (tmp_path / "st.yaml").write_text(json.dumps(study))
+    assert main(["search", "--config", "st.yaml", "--out", "s", "--only", "fit", "--quiet"]) == 0
+    assert "[search]" not in capsys.readouterr().err
+    assert "INFO archsearch.search: [search] no Optuna study yet" in (tmp_path / "s/study.log").read_text()
+    # a config refused before any work writes no folder, so no log either
+    assert main(["search", "--config", "st.yaml", "--out", "bad", "tokens=-1"]) == 2
+    assert not (tmp_path / "bad").exists()

@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{__name__}.{mod.name}")
         module.register(sub)
     _add_examples(parser)
+    _add_verbosity(parser)
     return parser
 
 
@@ -75,6 +76,20 @@ def subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> Iterator[t
             for name, p in action.choices.items():
                 yield f"{prefix}{name}", p
                 yield from subcommands(p, f"{prefix}{name} ")
+
+
+def _add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """``-q/--quiet`` and ``-v/--verbose`` on every command (archsearch.logs); absent unless given,
+    so a subcommand's parser never resets its parent's."""
+    for _, p in subcommands(parser):
+        if p.get_default("func") is None:
+            continue
+        g = p.add_argument_group("messages").add_mutually_exclusive_group()
+        g.add_argument("-q", "--quiet", action="store_const", const=-1, dest="verbosity", default=argparse.SUPPRESS,
+                       help="only warnings and errors on stderr (the study log keeps the progress lines)")
+        g.add_argument("-v", "--verbose", action="store_const", const=1, dest="verbosity",
+                       default=argparse.SUPPRESS,
+                       help="debug lines, and other libraries' messages (transformers, vLLM, Optuna) on stderr")
 
 
 def _add_examples(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
     from archsearch.cli._common import json_stdout
+    from archsearch.logs import configure
 
+    configure(getattr(args, "verbosity", 0))
     _terminate_like_interrupt()
     try:
         with json_stdout(bool(getattr(args, "json", False))):

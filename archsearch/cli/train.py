@@ -129,7 +129,10 @@ def _forwarded_args(args: argparse.Namespace, out: Path) -> list[str]:
         if v is None or v is False or v == a.default:
             continue
         flag = a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
-        if v is True:
+        if isinstance(a, argparse._StoreConstAction) and not isinstance(v, bool):  # --quiet / --verbose
+            if v == a.const:
+                argv.append(flag)
+        elif v is True:
             argv.append(flag)
         elif isinstance(v, list):
             argv += [flag, *map(str, v)]
