@@ -18,7 +18,7 @@ def register(sub) -> None:
         description="Estimate training time and cost, with every assumption printed. "
                     "Subcommands: 'fit' fits a time law to measured runs, 'memory' predicts "
                     "peak memory and the largest batch.")
-    p.add_argument("--arch", help="a preset name, a folder with config.json, or an architecture JSON")
+    p.add_argument("--arch", "--preset", help="a preset name, a folder with config.json, or an architecture JSON")
     p.add_argument("--tokens", type=parse_number, help="training tokens D (e.g. 2e10, 20B)")
     p.add_argument("--gpus", default="8xH100", help="COUNTxDEVICE, DEVICE or cpu (default 8xH100)")
     p.add_argument("--tp", type=pos_int, default=1, help="tensor parallel degree (default 1)")
@@ -62,7 +62,7 @@ def register(sub) -> None:
     b.set_defaults(func=_batch_laws)
 
     m = sp.add_parser("memory", help="predicted peak memory (inference and training) and max batch")
-    m.add_argument("--arch", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
+    m.add_argument("--arch", "--preset", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
     m.add_argument("--gpus", default="H100", help="device for the max-batch answer (default H100)")
     m.add_argument("--batch", type=pos_int, default=16, help="inference batch size (default 16)")
     m.add_argument("--input-len", type=pos_int, default=4096)

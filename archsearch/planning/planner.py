@@ -781,13 +781,15 @@ def plot_tradeoff(plans: list[CandidatePlan], png: Path, limits: Limits | None =
             ax.ticklabel_format(axis="x", useOffset=False, style="plain")
             ax.set_ylabel(what)
             figures.log_axis(ax, "y")
-        if limits is not None:
-            for ax, lim in zip(axes, (limits.max_tpot_s, limits.max_ttft_s)):
+        if limits is not None:  # each limit line named in the legend with its value
+            for ax, lim, what in zip(axes, (limits.max_tpot_s, limits.max_ttft_s), ("TPOT", "TTFT")):
                 if lim is not None:
-                    ax.axhline(lim * 1e3, color="grey", ls="--", lw=1)
+                    ax.axhline(lim * 1e3, color="grey", ls="--", lw=1, label=f"limit: {what} <= {lim * 1e3:g} ms")
                 if limits.max_peak_memory_gib is not None:
-                    ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1)
-        axes[0].legend(loc="best")
+                    ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1,
+                               label=f"limit: peak memory <= {limits.max_peak_memory_gib:g} GiB")
+        for ax in axes:
+            figures.legend(ax, loc="best", fontsize=7)
         fig.suptitle("planner: measured grid (marker size = batch size)")
         return figures.save(fig, png)
 

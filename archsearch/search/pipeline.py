@@ -15,6 +15,7 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from archsearch.arch import ArchSpec
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
+from archsearch.logs import study_log
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
 from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
@@ -112,6 +114,17 @@ class Stage:
     resumes_itself: bool = False  # runs even when done (the Optuna study tops itself up)
 
 
+def _in_study_log(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn(cfg, out, ...)`` with its progress lines and libraries' warnings also appended to
+    ``out/study.log`` (created with the folder, never for a config refused before any work)."""
+    @functools.wraps(fn)
+    def logged(cfg: StudyConfig, out: Path, *args: Any, **kwargs: Any) -> Any:
+        with study_log(out):
+            return fn(cfg, out, *args, **kwargs)
+    return logged
+
+
+@_in_study_log
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study, stage by stage; returns the summary."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.configio import redact
-from archsearch.figures import log_axis, save, styled
+from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, write_json, write_table
 from archsearch.provenance import provenance
 from archsearch.search.answer import Answer, predicted_interval
@@ -160,7 +160,7 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     ax.set_ylabel(f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
                   else f"measured output tokens/s (batch {ctx.ref_batch})")
     ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
-    ax.legend(fontsize=8)
+    legend(ax, fontsize=8)  # a one-shape front's step line draws nothing: no entry for it
     fig.tight_layout()
     made += _save(fig, out, "pareto", plt)
     if paired:
@@ -211,7 +211,10 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
     ax.margins(x=0.15)
     ax.set_yticks(range(len(shapes)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval); green: significantly faster,\nred: significantly slower, grey: tied with the baseline", fontsize=9)
+    meaning = {"tab:green": "green: significantly faster", "tab:red": "red: significantly slower",
+               "tab:gray": "grey: tied with the baseline"}
+    drawn = [meaning[c] for c in meaning if c in colors] + ["black line: the baseline"]  # only colours drawn
+    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval);\n" + ", ".join(drawn), fontsize=9)
     fig.tight_layout()
     return _save(fig, out, "throughput", plt)
 
@@ -220,13 +223,20 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
     """The law's two factors at the target (N, D) over the search box: predicted loss against
     d/sqrt(N) at the box's best r, and against r at the box's best d/sqrt(N), with the bootstrap
     band where the law has one, the target loss, and where the baseline and chosen shapes
-    (``marks``: label, ``describe`` dict, colour) sit on each axis."""
+    (``marks``: label, ``describe`` dict, colour) sit on each axis, each with a dot at its own
+    predicted loss. The curves run past the box to every marked shape (the part outside the box
+    shaded), so a shape outside the box still reads off a curve."""
     import numpy as np
 
     cfg = ctx.cfg
     s = cfg.search_space
     x1 = np.geomspace(*s.hidden_over_sqrt_n, 120)
     x2 = np.geomspace(*s.mlp_to_attn, 120)
+
+    def span(box, key):
+        vals = [float(arch[key]) for _, arch, _ in marks if arch.get(key)]
+        lo, hi = min([box[0], *vals]), max([box[1], *vals])
+        return np.geomspace(lo / 1.1 if lo < box[0] else lo, hi * 1.1 if hi > box[1] else hi, 160)
     n = lambda k: np.full(k, float(cfg.params))  # noqa: E731
     d = lambda k: np.full(k, float(cfg.tokens))  # noqa: E731
 
@@ -239,22 +249,30 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
     i = int(np.argmin(loss))
     best1, best2 = grid1.ravel()[i], grid2.ravel()[i]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, xs, fixed, key, name in ((axes[0], x1, best2, "hidden_over_sqrt_n", "d / sqrt(N)"),
-                                     (axes[1], x2, best1, "mlp_to_attn_ratio", "r = MLP / attention")):
+    for ax, xs, box, fixed, key, name in (
+            (axes[0], span(s.hidden_over_sqrt_n, "hidden_over_sqrt_n"), s.hidden_over_sqrt_n, best2,
+             "hidden_over_sqrt_n", "d / sqrt(N)"),
+            (axes[1], span(s.mlp_to_attn, "mlp_to_attn_ratio"), s.mlp_to_attn, best1, "mlp_to_attn_ratio",
+             "r = MLP / attention")):
         a, b = (xs, np.full_like(xs, fixed)) if key == "hidden_over_sqrt_n" else (np.full_like(xs, fixed), xs)
         y, boot = curve(a, b)
         ax.plot(xs, y, c="tab:blue", label="law")
         if boot is not None:
             lo, hi = np.quantile(boot, [0.05, 0.95], axis=0)
             ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, label="90% bootstrap band")
-        ax.axhline(ctx.target_loss, ls="--", c="tab:red", label="target loss")
+        outside = [(xs[0], box[0]), (box[1], xs[-1])]
+        for k, (left, right) in enumerate(o for o in outside if o[1] > o[0]):
+            ax.axvspan(left, right, color="tab:gray", alpha=0.15, lw=0, label=None if k else "outside the search box")
+        ax.axhline(ctx.target_loss, ls="--", c="tab:red", label=f"target loss {ctx.target_loss:.4g}")
         for label, arch, color in marks:
-            ax.axvline(arch[key], ls=":", c=color, label=f"{label} ({arch[key]:.3g})")
+            own, _ = curve(np.array([float(arch["hidden_over_sqrt_n"])]), np.array([float(arch["mlp_to_attn_ratio"])]))
+            ax.axvline(arch[key], ls=":", c=color, label=f"{label} ({arch[key]:.3g}; its loss {float(own[0]):.4g})")
+            ax.scatter([arch[key]], [float(own[0])], c=color, s=30, zorder=5)
         log_axis(ax, "x")
         other = f"r = {fixed:.2f}" if key == "hidden_over_sqrt_n" else f"d/sqrt(N) = {fixed:.3f}"
-        ax.set_xlabel(f"{name}  (at {other})")
+        ax.set_xlabel(f"{name}  (curve at {other}, the box's best)")
         ax.set_ylabel("predicted loss")
-        ax.legend()
+        legend(ax, fontsize=7.5)
     fig.suptitle(f"law factors at N={cfg.params:.3g}, D={cfg.tokens:.3g} over the search box")
     fig.tight_layout()
     return _save(fig, out, "ucurves", plt)
@@ -370,7 +388,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     a1.set_xlabel(xlab)
     a1.set_ylabel(f"relative half-width of the {lab_iv} interval")
     a1.set_title("how the optimum's interval shrank")
-    a1.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
+    legend(a1, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
 
     pool = plan["pool"]
     px = [p["hidden_over_sqrt_n"] for p in pool] or [d["hidden_over_sqrt_n"] for d in plan["decisions"]]
@@ -397,7 +415,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
                         transform=ax.transAxes, fontsize=8, va="top", color=c)
             log_axis(ax, "y")
             ax.set_xlim(0, right)
-            ax.legend(fontsize=7, loc="lower left")
+            legend(ax, fontsize=7, loc="lower left")
         else:
             ax.text(0.5, 0.5, "no interval yet", transform=ax.transAxes, ha="center")
         ax.set_ylabel(lab)
@@ -446,7 +464,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     a2.set_xlabel("d / sqrt(N)")
     a2.set_ylabel("r = MLP / attention")
     a2.set_title("runs chosen: colour = why, shape = size, number = order")
-    a2.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
+    legend(a2, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
     fig.subplots_adjust(left=0.05, right=0.985, bottom=0.30, top=0.93)
     return _save(fig, out, "active_proxies", plt)
 
@@ -701,7 +719,7 @@ def render_markdown(s: dict[str, Any]) -> str:
     lm = s.get("loss_margins")
     if lm:
         e = lm.get("law_error")
-        lines.append(f"- its error against trained models: " + (
+        lines.append("- its error against trained models: " + (
             f"{e['relative_sd']:.2%} of the loss (sd; {e['source']})" if e else
             "not stated (no held-out size): margins rest on the bootstrap alone"))
         lines.append(f"- loss constraint: {lm['feasibility']}; a margin is resolved when P(loss <= target) "

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 from archsearch.arch import ArchSpec, describe
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
+from archsearch.logs import get_logger
 from archsearch.search import log, margins
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import Measurer, check_result_limits, spec_key
@@ -632,16 +633,14 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     (``measure.device_spec``), else the one its measurements run on (the local GPU, or this CPU
     where there is none). None, with a message, for a GPU the table does not know: then only the
     law's optimum seeds the study."""
-    import sys
-
     if cfg.measure.device_spec:
         return cfg.measure.device_spec
     from archsearch.hardware import local_device_name
 
     name = local_device_name()
     if name is None:
-        print("[search] this GPU is not in the device table: seeds are not ranked by a roofline "
-              "(set measure.device_spec to rank them)", file=sys.stderr, flush=True)
+        get_logger("search").warning("[search] this GPU is not in the device table: seeds are not ranked by a "
+                                     "roofline (set measure.device_spec to rank them)")
     return name
 
 
@@ -663,8 +662,6 @@ def analytic_throughput_fn(ctx: SearchContext, device: str):
 
 def _progress_callback(n_trials: int):
     """One line per finished trial: the shape, its prediction and its measurement or reason."""
-    import sys
-
     def cb(study, t) -> None:
         from optuna.trial import TrialState
 
@@ -691,9 +688,8 @@ def _progress_callback(n_trials: int):
                 what += f"; infeasible: {ua['limits_reason']}"
         else:
             what = f"{t.state.name.lower()}: {ua.get('failure_reason') or ua.get('pruned_reason') or ''}"
-        print(f"[search] trial {t.number} ({distinct_measured(study)}/{n_trials} shapes measured): "
-              f"{shape}{pred} -> {what}",
-              file=sys.stderr, flush=True)
+        get_logger("search").info(f"[search] trial {t.number} ({distinct_measured(study)}/{n_trials} shapes "
+                                  f"measured): {shape}{pred} -> {what}")
     return cb
 
 
