@@ -490,6 +490,13 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     return name
 
 
+def calibration_label(path: str) -> str:
+    """A calibration file as reports name it: the file, its device and engine, what it was fitted on."""
+    from archsearch.benchmarks.calibration import Calibration
+
+    return Calibration.load(path).describe(path)
+
+
 def analytic_throughput_fn(ctx: SearchContext, device: str):
     """Predicted throughput at the reference batch size from ``device``'s roofline (ranking only)."""
     from archsearch.benchmarks import BenchSettings, measure
@@ -631,7 +638,7 @@ def run_study(ctx: SearchContext, progress: bool = True):
         study.set_user_attr("tokens", cfg.tokens)
         study.set_user_attr("n_layers", cfg.n_layers)
         points = seed_points(ctx)
-        ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
+        ranking = (f"{ranking_device(cfg)} roofline calibrated by {calibration_label(cfg.measure.calibration)}"
                    if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
         how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
         study.set_user_attr("seeded_by", how)
