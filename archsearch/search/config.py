@@ -276,9 +276,11 @@ class MeasureConfig(BenchSettings):
             from archsearch.benchmarks.calibration import Calibration
 
             try:
-                Calibration.load(self.calibration)
+                # fitted on the device and engine it predicts for (the analytic backend, which
+                # predicts for any engine, excepted)
+                Calibration.load(self.calibration).check_matches(self.device_spec, self.backend, "measure.calibration")
             except ArchsearchError as e:
-                raise ArchsearchError("calibration", e.problem, e.fix) from None
+                raise ArchsearchError("measure.calibration", e.problem, e.fix) from None
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
@@ -286,8 +288,11 @@ class MeasureConfig(BenchSettings):
     def bench_settings(self, backend: str) -> BenchSettings:
         """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
         measures with may be the fallback)."""
+        engine_args = dict(self.engine_args)
+        if backend == "analytic" and self.calibration:  # where the analytic backend reads it (as bench passes it)
+            engine_args["calibration"] = self.calibration
         return base_view(self, BenchSettings, "measure", backend=backend, batch_sizes=list(self.batch_sizes),
-                         engine_args=dict(self.engine_args))
+                         engine_args=engine_args)
 
     @property
     def ref_batch(self) -> int:

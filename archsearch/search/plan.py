@@ -245,7 +245,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
             f"{su.get('engine_start_s.' + m.backend).label()}), {m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
             f"({m.input_len} in + {m.output_len} out) tokens",
             f"a batch takes {t:.3g} s: the "
-            + (f"roofline calibrated by {m.calibration}" if cal else
+            + (f"roofline calibrated by {cal.describe(m.calibration)}" if cal else
                "UNCALIBRATED roofline (peak figures: optimistic, so the timed rounds' seconds are a lower bound; "
                "measure.calibration prices them with a calibration of this device and engine)")
             + " of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")

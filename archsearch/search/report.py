@@ -13,7 +13,7 @@ from archsearch.fileio import atomic_write, write_json, write_table
 from archsearch.provenance import provenance
 from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.margins import describe_margin
-from archsearch.search.study import loss_margin, storage_url, trial_is_feasible, was_measured
+from archsearch.search.study import calibration_label, loss_margin, storage_url, trial_is_feasible, was_measured
 
 
 def _complete(study):
@@ -510,7 +510,8 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "study": cfg.name,
         "measurement_note": ctx.measurer.note,
         "backend": ctx.measurer.backend,
-        "calibration": (f"calibrated by {cfg.measure.calibration}" if cfg.measure.calibration else None),
+        "calibration": (f"calibrated by {calibration_label(cfg.measure.calibration)}"
+                        if cfg.measure.calibration else None),
         "reference_batch_size": b,
         "measured_params": cfg.measure.params,
         "instance_sd": ctx.measurer.instance_var() ** 0.5 or None,  # in every interval (measure.paired)

@@ -644,6 +644,13 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     return name
 
 
+def calibration_label(path: str) -> str:
+    """A calibration file as reports name it: the file, its device and engine, what it was fitted on."""
+    from archsearch.benchmarks.calibration import Calibration
+
+    return Calibration.load(path).describe(path)
+
+
 def analytic_throughput_fn(ctx: SearchContext, device: str):
     """Predicted throughput at the reference batch size from ``device``'s roofline (ranking only)."""
     from archsearch.benchmarks import BenchSettings, measure
@@ -818,7 +825,7 @@ def seed_study(ctx: SearchContext, study) -> None:
                                       f"{ctx.target_loss:.6g}", "use a new study name or folder")
             return
         points = seed_points(ctx)
-        ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
+        ranking = (f"{ranking_device(cfg)} roofline calibrated by {calibration_label(cfg.measure.calibration)}"
                    if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
         how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
         for pt in points:
