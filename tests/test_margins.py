@@ -256,3 +256,40 @@ def test_dry_run_flags_the_final_run(capsys):
     assert rc == 0
     line = next(x for x in out.splitlines() if "data check: the final run" in x)
     assert "REFUSED" in line and "not enabled" in line and "3e+11" in line
+
+
+def test_the_report_states_margins_and_the_range(tmp_path):
+    import csv
+
+    from archsearch.search import pipeline
+    from tests.test_search import LAW, load, study_config
+
+    raw = study_config(tmp_path, optuna={"n_trials": 3, "seed": 1, "enqueue_solution": 1},
+                       gqa_search={"enabled": False})
+    law = {**LAW, "prediction_error": {"relative_sd": 0.5, "source": "a test law that resolves nothing"},
+           "fitted_range": {"hidden_over_sqrt_n": None, "mlp_to_attn": [0.7, 2.5], "source": "test"}}
+    Path(raw["law"]["file"]).write_text(json.dumps(law))
+    cfg = load(raw)
+    s = pipeline.run(cfg, cfg.out_dir(), progress=False)
+    assert s["loss_margins"]["law_error"]["relative_sd"] == 0.5 and s["loss_margins"]["range"]["mlp_to_attn"] == [0.7, 2.5]
+    assert s["chosen"]["loss_margin"]["verdict"] == margins.WITHIN  # a 50% error resolves no margin
+    assert all(p["loss_margin"]["verdict"] == margins.WITHIN for p in s["pareto"])
+    assert all(0.7 <= p["knobs"]["mlp_to_attn"] <= 2.5 for p in s["pareto"])  # the sampler stayed in range
+    report = (cfg.out_dir() / "report.md").read_text()
+    assert "within the law's error of the target" in report and "margin to target" in report
+    assert "fitted range: d/sqrt(N) not stated, r [0.7, 2.5] (test); shapes outside it are refused" in report
+    with open(cfg.out_dir() / "trials.csv") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["state"] == "COMPLETE"]
+    assert rows and all(r["margin_verdict"] == margins.WITHIN for r in rows)
+
+
+def test_an_estimated_source_size_is_flagged_not_refused(tmp_path):
+    from archsearch.search.checks import check_data_budgets
+    from tests.test_search import load, study_config
+
+    sweep = {"name": "p", "params": [4.0e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [1.0], "gqa": 1,
+             "train": {"tokens_per_param": 20}}  # 8e6 tokens: more than Shakespeare's bytes / 4
+    cfg = load(study_config(tmp_path, vocab_size=None, law={"file": None, "reference": "best-observed"},
+                            proxy={"sweep": sweep}))
+    (b,) = check_data_budgets(cfg)
+    assert b["status"] == "over (estimate)" and b["epochs"] > 1 and "estimate" in b["verdict"]

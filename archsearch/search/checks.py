@@ -404,8 +404,10 @@ def data_budgets(cfg: StudyConfig) -> list[dict]:
     """Every training the study would run, its token need against its source: each proxy sweep's
     largest run (when proxies are trained) and the final run (when ``final_train`` is configured;
     ``runs`` says whether it is enabled). ``status``: ``ok`` (one pass holds it), ``repeats``
-    (allowed by ``data.max_epochs``), ``refused`` (more passes than ``data.max_epochs``) or
-    ``unknown`` (the source's size is not known before its data is read)."""
+    (allowed by ``data.max_epochs``), ``refused`` (more passes than ``data.max_epochs`` by a count
+    that can only overstate the tokens, :func:`_firm`), ``over (estimate)`` (more passes by an
+    estimate: checked exactly once tokenized) or ``unknown`` (the size is not known before the
+    data is read)."""
     items = []
     if cfg.proxy is not None and not cfg.proxy.runs:
         from archsearch.trainers import sweep_specs, token_budget
@@ -429,6 +431,22 @@ def data_budgets(cfg: StudyConfig) -> list[dict]:
     return items
 
 
+GPT2_VOCAB = 50257
+
+
+def _firm(how: str, tokenizer: str) -> bool:
+    """Whether a source's count can only overstate what the tokenizer will yield, so that a need
+    above it is a certain shortfall: a streaming cap, or a dataset card's GPT-2 count read with a
+    vocabulary at least GPT-2's (a larger vocabulary gives fewer tokens). File bytes / 4 is an
+    estimate either way, and a small BPE yields more tokens than GPT-2: those are checked exactly
+    when the data is tokenized (``archsearch.trainers.data.check_epochs``), before training."""
+    if how.startswith("data.max_train_tokens"):
+        return True
+    if "GPT-2 tokens" not in how:
+        return False
+    return not (tokenizer.startswith("bpe:") and int(tokenizer[4:]) < GPT2_VOCAB)
+
+
 def _budget(what: str, field: str, data, need: float, runs: bool) -> dict:
     available, how = source_tokens(data)
     epochs = need / available if available else None
@@ -439,10 +457,14 @@ def _budget(what: str, field: str, data, need: float, runs: bool) -> dict:
         status, verdict = "ok", f"one pass holds it ({epochs:.2f} of the source)"
     elif epochs <= data.max_epochs:
         status, verdict = "repeats", f"repeats the source {epochs:.2f} times: allowed by data.max_epochs={data.max_epochs:g}"
-    else:
+    elif _firm(how, data.tokenizer):
         status, verdict = "refused", (f"REFUSED before training: needs {epochs:.2f} passes over the source > "
                                       f"data.max_epochs={data.max_epochs:g}")
-    if epochs is not None and "GPT-2 tokens" in how and 1 - CARD_TOKENIZER_SPREAD < epochs * data.max_epochs <= 1 \
+    else:
+        status, verdict = "over (estimate)", (f"needs about {epochs:.2f} passes > data.max_epochs={data.max_epochs:g} "
+                                              "by an estimate of the source's size: refused when the data is "
+                                              "tokenized, before training, if the exact count agrees")
+    if epochs is not None and "GPT-2 tokens" in how and 1 - CARD_TOKENIZER_SPREAD < epochs / data.max_epochs <= 1 \
             and data.tokenizer.lower() != "gpt2":
         verdict += (f"; tight: the card counts GPT-2 tokens and {data.tokenizer} may yield up to "
                     f"{CARD_TOKENIZER_SPREAD:.0%} fewer")

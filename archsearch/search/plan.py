@@ -374,6 +374,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
     p["data"] = data_needs(cfg, proxy_specs, su)
     p["data_budgets"] = data_budgets(cfg)  # what the study refuses before training (checks.check_data_budgets)
+    p["law"] = law_trust(cfg)
     data_wall = sum(d["wall_hours"] for d in p["data"])
     if p["data"]:  # the proxy stage prepares its data (in the coordinator) before any run trains
         p["stages"][0].update({"data_tokens": sum(d["tokens_to_tokenize"] for d in p["data"]),
@@ -477,6 +478,29 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     return p
 
 
+def law_trust(cfg: StudyConfig) -> str:
+    """What the loss constraint will trust the law with: its error against trained models and its
+    fitted range (archsearch.search.margins), as far as known before the fit."""
+    rule = ("shapes outside it allowed (law.allow_extrapolation: true)" if cfg.law.allow_extrapolation
+            else "shapes outside it refused")
+    if not cfg.law.file:
+        return ("error: measured after the fit, on the largest proxy size held out (progressive protocol); "
+                f"fitted range: the runs' d/sqrt(N) and r after the r filter, {rule}")
+    from archsearch.laws import load_law
+    from archsearch.search.margins import range_summary
+
+    law = load_law(cfg.law.file)
+    e = law.prediction_error
+    rng = range_summary(law, cfg.law.allow_extrapolation)
+    box = rng["range"]
+    where = "not stated" if box is None else ", ".join(
+        f"{name} [{b[0]:.4g}, {b[1]:.4g}]" if b else f"{name} not stated"
+        for name, b in (("d/sqrt(N)", box.get("hidden_over_sqrt_n")), ("r", box.get("mlp_to_attn"))))
+    return (f"error: {e['relative_sd']:.2%} of the loss (sd, stated by {cfg.law.file})" if e else
+            f"error: not stated by {cfg.law.file} (margins rest on the bootstrap alone)") + \
+        f"; fitted range: {where}; {rng['rule']}"
+
+
 def _g(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
@@ -505,6 +529,8 @@ def render(p: dict[str, Any]) -> list[str]:
                      + (f", read in {d['cache']['read']}" if d["cache"].get("read") else "") + "); "
                      f"tokenize {d['tokens_to_tokenize']:.3g} tokens as {d['dtype']}, "
                      f"{d['disk_gb']:.3g} GB, {d['cpu_hours']:.3g} CPU-h, {d['wall_hours']:.3g} h wall")
+    if p.get("law"):
+        lines.append(f"  law: {p['law']}")
     for b in p.get("data_budgets", []):
         avail = "an unknown number of" if b["tokens_available"] is None else f"{b['tokens_available']:.3g}"
         lines.append(f"  data check: {b['what']}{'' if b['runs'] else ' (not enabled)'} needs {b['tokens_needed']:.3g} "

@@ -105,7 +105,8 @@ def write_trials_csv(study, path: Path) -> None:
             **{f"ratio_{k}": (ua.get("ratio") or {}).get(k) for k in ("ratio", "lo", "hi", "significantly_faster")},
             "paired_rounds": ua.get("rounds"),
             "loss_upper_bound": (ua.get("loss_upper_bound") or {}).get("value"),
-            **{f"margin_{k}": (ua.get("loss_margin") or {}).get(k) for k in ("margin", "p_within_target", "verdict")},
+            **{col: (ua.get("loss_margin") or {}).get(k) for col, k in (
+                ("loss_margin", "margin"), ("p_loss_within_target", "p_within_target"), ("margin_verdict", "verdict"))},
             **{f"throughput_b{b}": v for b, v in (ua.get("throughput") or {}).items()},
             **{f"ttft_s_b{b}": v for b, v in (ua.get("ttft") or {}).items()},
             "measurement_cached": ua.get("measurement_cached"),
