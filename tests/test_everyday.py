@@ -143,6 +143,8 @@ def test_study_log_keeps_project_lines_and_library_warnings_off_the_console(tmp_
     assert "a deprecation from a library" in text and "loading weights" not in text
     get_logger("search").info("[search] after the study")  # the file is closed with the block
     assert "after the study" not in path.read_text()
+    lib.warning("outside a study")  # no study log to keep it: shown, named by its library
+    assert "WARNING transformers.modeling_utils: outside a study" in capsys.readouterr().err
 
 
 def test_search_writes_study_log_and_quiet_keeps_stderr_clean(tmp_path, monkeypatch, capsys, console_reset):
