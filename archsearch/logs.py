@@ -29,9 +29,9 @@ STUDY_LOG = "study.log"
 # libraries whose console handlers and progress bars would interleave with the project's lines
 LIBRARIES = ("transformers", "datasets", "huggingface_hub", "optuna", "vllm", "lm_eval", "accelerate",
              "torch", "sglang", "py.warnings")
-# environment read by those libraries at import (set only where the user has not set it)
-_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "VLLM_CONFIGURE_LOGGING": "0"}
+# progress bars switched off through the environment the libraries read at import (where the
+# user has not set it); engines run in their own processes, whose output goes to their own log files
+_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
