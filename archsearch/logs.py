@@ -7,8 +7,10 @@ also appends them, with time, level and logger, to ``STUDY/study.log``.
 
 Other libraries (transformers, datasets, Optuna, vLLM, lm-eval, accelerate) attach their own
 console handlers and progress bars; :func:`tame_libraries`, also run as each is first imported,
-removes their console handlers and bars so their records reach the root logger: into the study log
-at WARNING and above, on the console only with ``--verbose``. Python warnings go the same way.
+removes their console handlers and bars so their records reach the root logger: while a study runs,
+its study log keeps their warnings and the console shows none; outside a study the console shows
+their warnings, named by library; ``--verbose`` shows everything they log. Python warnings go the
+same way.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ STUDY_LOG = "study.log"
 # libraries whose console handlers and progress bars would interleave with the project's lines
 LIBRARIES = ("transformers", "datasets", "huggingface_hub", "optuna", "vllm", "lm_eval", "accelerate",
              "torch", "sglang", "py.warnings")
-# environment read by those libraries at import (set only where the user has not set it)
-_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "VLLM_CONFIGURE_LOGGING": "0"}
+# progress bars switched off through the environment the libraries read at import (where the
+# user has not set it); engines run in their own processes, whose output goes to their own log files
+_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -70,8 +72,18 @@ _project = logging.getLogger(LOGGER_NAME)
 _project.addHandler(_console)
 _project.setLevel(logging.INFO)
 _project.propagate = False  # the project's lines are shown once, as written
-_library_console = _Stderr()  # other libraries on the console: only with --verbose
+_library_console = _Stderr()  # other libraries on the console, named as such
 _library_console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+_studies_open = [0]  # study logs open now: they take the libraries' warnings off the console
+
+
+def _library_record(record: logging.LogRecord) -> bool:
+    """Other libraries' records on the console: all of them with ``--verbose``; otherwise their
+    warnings, and only while no study log keeps them."""
+    return _library_console.level < logging.WARNING or _studies_open[0] == 0
+
+
+_library_console.addFilter(_library_record)
 
 
 def _capture_warnings() -> None:
@@ -98,12 +110,11 @@ def configure(verbosity: int = 0) -> None:
     _project.setLevel(logging.DEBUG if verbosity > 0 else logging.INFO)
     _console.setLevel(logging.WARNING if verbosity < 0 else logging.NOTSET)
     root = logging.getLogger()
+    if _library_console not in root.handlers:  # (else Python's last-resort handler prints them bare)
+        root.addHandler(_library_console)
+    _library_console.setLevel(logging.INFO if verbosity > 0 else logging.WARNING)
     if verbosity > 0:
-        if _library_console not in root.handlers:
-            root.addHandler(_library_console)
         root.setLevel(logging.INFO)
-    else:
-        root.removeHandler(_library_console)
     _capture_warnings()
     tame_libraries()
     _install_import_hook()
@@ -125,6 +136,10 @@ def tame_libraries(names: tuple[str, ...] = LIBRARIES) -> None:
     mod = sys.modules.get("datasets.utils.tqdm")
     if mod is not None:
         mod.disable_progress_bars()
+    mod = sys.modules.get("lm_eval.utils")
+    if mod is not None and hasattr(mod, "_LOGGING_CONFIGURED"):
+        # lm-eval adds its console handler when an evaluation starts, unless it has done so once
+        mod._LOGGING_CONFIGURED = True
 
 
 class _TameOnImport(importlib.abc.MetaPathFinder):
@@ -179,11 +194,13 @@ def study_log(folder: str | Path) -> Iterator[Path]:
     root = logging.getLogger()
     _project.addHandler(handler)
     root.addHandler(handler)
+    _studies_open[0] += 1
     _capture_warnings()
     tame_libraries()
     try:
         yield folder / STUDY_LOG
     finally:
+        _studies_open[0] -= 1
         _project.removeHandler(handler)
         root.removeHandler(handler)
         handler.close()

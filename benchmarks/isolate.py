@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import archsearch
+from archsearch.logs import get_logger
 
 # the folder holding the ``archsearch`` package this process runs (a checkout or site-packages):
 # the child imports the same copy
@@ -69,7 +70,7 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 def _print_event(job: dict[str, Any], event: str) -> None:
     a = job.get("arch") or {}
     shape = f"d={a.get('hidden_size')} L={a.get('n_layers')} heads={a.get('n_heads')}/{a.get('n_kv_heads')}"
-    print(f"[bench] {job.get('settings', {}).get('backend', '')} {shape}: {event}", file=sys.stderr, flush=True)
+    get_logger("bench").info(f"[bench] {job.get('settings', {}).get('backend', '')} {shape}: {event}")
 
 
 def _event(path: Path) -> str | None:

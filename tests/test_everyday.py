@@ -144,6 +144,8 @@ def test_study_log_keeps_project_lines_and_library_warnings_off_the_console(tmp_
     assert "a deprecation from a library" in text and "loading weights" not in text
     get_logger("search").info("[search] after the study")  # the file is closed with the block
     assert "after the study" not in path.read_text()
+    lib.warning("outside a study")  # no study log to keep it: shown, named by its library
+    assert "WARNING transformers.modeling_utils: outside a study" in capsys.readouterr().err
 
 
 def test_search_writes_study_log_and_quiet_keeps_stderr_clean(tmp_path, monkeypatch, capsys, console_reset):
@@ -163,3 +165,77 @@ def test_search_writes_study_log_and_quiet_keeps_stderr_clean(tmp_path, monkeypa
     # a config refused before any work writes no folder, so no log either
     assert main(["search", "--config", "st.yaml", "--out", "bad", "tokens=-1"]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+ARCH = {"n_layers": 2, "hidden_size": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "ffn": 384,
+        "vocab_size": 2048, "tie_embeddings": False, "family": "llama"}
+
+
+def _study_folder(tmp_path):
+    import json
+
+    from archsearch.arch import ArchSpec, describe, write_hf_config
+
+    spec = ArchSpec(**ARCH)
+    write_hf_config(spec, tmp_path / "chosen")
+    prov = {"time_utc": "2026-01-01T00:00:00+00:00", "host": "h", "git": "abc1234",
+            "versions": {"archsearch": "0.1.0", "vllm": "0.9.1"}, "device": {"name": "NVIDIA H100"}}
+    record = {"key": "k", "result": {"specs": [{**ARCH, "hidden_size": 96, "name": "baseline"}, ARCH],
+                                     "batch_size": 16, "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
+                                     "settings": {"input_len": 4096, "output_len": 1024}, "provenance": prov}}
+    (tmp_path / "measurements.jsonl").write_text(json.dumps(record) + "\n")
+    summary = {"study": "st", "backend": "vllm", "reference_batch_size": 16, "target_loss": 3.3,
+               "target_source": "baseline predicted loss x (1 + 0.01)",
+               "law": {"file": "law.json", "form": "conditional-multiplicative", "status": "ok"},
+               "chosen": {"architecture": describe(spec), "throughput": 5000.0, "predicted_loss": 3.21,
+                          "predicted_loss_interval": [3.18, 3.25], "is_baseline": False, "source": "Optuna trial 7",
+                          "ratio": {"ratio": 1.21, "lo": 1.15, "hi": 1.27, "level": 0.9, "n": 5,
+                                    "significantly_faster": True}},
+               "provenance": prov,
+               "config": {"params": 1e9, "tokens": 2e10, "optuna": {"storage": "postgresql://u:pw@h/db"}}}
+    return summary
+
+
+def test_chosen_model_card_states_shape_law_ratio_engine_provenance(tmp_path):
+    import json
+
+    from archsearch.modelcard import config_hash, write_study_cards
+
+    summary = _study_folder(tmp_path)
+    # a trained final model of the chosen shape gets the card too, with its training run
+    (tmp_path / "final/model").mkdir(parents=True)
+    run = {"status": "ok", "spec": ARCH, "tokens_trained": 2e10, "steps": 9536, "global_batch_size": 512,
+           "seq_len": 4096, "seed": 0, "final_eval_loss": 3.2, "smoothed_train_loss": 3.22,
+           "data_config": {"source": "hf:fineweb", "tokenizer": "smollm2"}, "device": "cuda", "n_devices": 8,
+           "dtype": "bfloat16", "wall_time_s": 36000.0, "tokens_per_s": 5.5e5}
+    (tmp_path / "final/run.json").write_text(json.dumps(run))
+    written = write_study_cards(tmp_path, summary)
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == ["chosen/README.md", "final/model/README.md"]
+    card = (tmp_path / "chosen/README.md").read_text()
+    for fact in ("| KV heads | 2 |", "conditional-multiplicative", "predicted loss 3.21, 90% interval [3.18, 3.25]",
+                 "x1.210 the baseline's throughput at batch 16, 90% interval [1.150, 1.270] over 5 paired rounds",
+                 "engine: vllm 0.9.1; device: NVIDIA H100 80GB HBM3; dtype bfloat16",
+                 f"`{config_hash(summary['config'])}`", "git abc1234", "AutoConfig.from_pretrained",
+                 "--tokens 2e+10"):
+        assert fact in card, fact
+    assert "pw" not in card
+    trained = (tmp_path / "final/model/README.md").read_text()
+    assert "## Training" in trained and "final held-out eval loss 3.2" in trained
+    assert "AutoModelForCausalLM.from_pretrained" in trained
+    # the hash is of the config with its password masked: the same whatever the password
+    other = {**summary["config"], "optuna": {"storage": "postgresql://u:other@h/db"}}
+    assert config_hash(other) == config_hash(summary["config"])
+
+
+def test_trained_model_card(tmp_path):
+    from archsearch.modelcard import write_run_card
+
+    run = {"run_id": "r1", "status": "ok", "spec": ARCH, "tokens": 20000, "steps": 39, "global_batch_size": 8,
+           "seq_len": 64, "seed": 0, "final_eval_loss": 6.9, "smoothed_train_loss": 7.07,
+           "train_config": {"lr": 1.5e-3}, "data_config": {"source": "shakespeare", "tokenizer": "bpe:2048"},
+           "device": "cpu", "n_devices": 1, "dtype": "float32", "wall_time_s": 2.0, "tokens_per_s": 1.5e4,
+           "provenance": {"versions": {"archsearch": "0.1.0", "torch": "2.13"}, "git": "abc"}}
+    text = write_run_card(tmp_path / "model", run).read_text()
+    for fact in ("# r1", "| query heads | 4 |", "final held-out eval loss 6.9", "shakespeare, tokenizer bpe:2048",
+                 "torch 2.13", "config hash"):
+        assert fact in text, fact

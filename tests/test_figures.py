@@ -107,3 +107,44 @@ def test_planner_limit_lines_are_labelled(tmp_path, drawn):
     (tpot_legend, _, _), (ttft_legend, _, _) = drawn["plan.png"][:2]
     assert "limit: TPOT <= 20 ms" in _legend_texts(tpot_legend)
     assert "limit: peak memory <= 4 GiB" in _legend_texts(ttft_legend)
+
+
+def test_ucurves_reach_a_shape_outside_the_box_and_read_its_loss(tmp_path, drawn):
+    import json
+    import types
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from archsearch.arch import describe
+    from archsearch.candidates import BuildSettings, build_candidate
+    from archsearch.configio import from_dict
+    from archsearch.laws import load_law
+    from archsearch.search.config import StudyConfig
+    from archsearch.search.report import _ucurves
+
+    law = {"law": "conditional-multiplicative",
+           "coefficients": {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04},
+           "reference": {"law": "chinchilla",
+                         "coefficients": {"E": 1.8, "A": 400, "alpha": 0.34, "B": 410, "beta": 0.28}}}
+    (tmp_path / "law.json").write_text(json.dumps(law))
+    cfg = from_dict(StudyConfig, {"name": "st", "params": 2e5, "tokens": 3e5, "n_layers": 2, "vocab_size": 2048,
+                                  "baseline": {"hidden_over_sqrt_n": 0.2, "mlp_to_attn": 3.0, "gqa": 2},
+                                  "search_space": {"hidden_over_sqrt_n": [0.1, 0.18], "mlp_to_attn": [0.5, 5.0]},
+                                  "law": {"file": str(tmp_path / "law.json")}})
+    fit = load_law(tmp_path / "law.json")
+    build = BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15, on_r_drift="flag", vocab_size=2048)
+    base = describe(build_candidate(2e5, 2, 0.2, 3.0, gqa=2, head_dim=32, settings=build).spec)
+    X = {k: np.array([v]) for k, v in (("N", 2e5), ("D", 3e5), ("x1", base["hidden_over_sqrt_n"]),
+                                         ("x2", base["mlp_to_attn_ratio"]), ("R", 1.0))}
+    ctx = types.SimpleNamespace(cfg=cfg, law=fit, target_loss=float(fit.predict_arrays(X)[0]))
+    _ucurves(ctx, tmp_path, plt, [("baseline", base, "tab:orange")])
+    (leg, _, ax), _ = drawn["ucurves.png"][:2]
+    texts = [t.get_text() for t in leg.get_texts()]
+    assert base["hidden_over_sqrt_n"] > 0.18  # the baseline lies outside the box ...
+    assert ax.get_lines()[0].get_xdata().max() > base["hidden_over_sqrt_n"]  # ... and the curve reaches it
+    assert "outside the search box" in texts
+    assert any(t.startswith("baseline (") and f"its loss {ctx.target_loss:.4g}" in t for t in texts)

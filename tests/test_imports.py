@@ -48,8 +48,9 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     # the study's schema nests the types it configures: build settings, measurement settings,
     # limits, sweeps/training, cluster, the law fit's options
     "archsearch.search.config": ({"benchmarks", "planning", "trainers", "cluster", "laws"}, {"numpy"}),
-    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster", "laws"}, {"numpy"}),
-    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "laws", "figures"}, {"numpy"}),
+    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster", "laws", "modelcard"}, {"numpy"}),
+    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "laws", "figures", "modelcard"},
+                                 {"numpy"}),
 }
 
 _PROBE = """

@@ -633,6 +633,10 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     if train_cfg.log_with:
         accelerator.end_training()
     if accelerator.is_main_process:
+        if record["status"] == "ok":  # the model folder's README.md: shape, training, provenance
+            from archsearch.modelcard import write_run_card
+
+            write_run_card(out_dir / MODEL_DIR, json.loads(json.dumps(record, default=str)))
         write_json(out_dir / RUN_FILE, record, default=str)
     accelerator.wait_for_everyone()
     return record

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,8 +199,13 @@ class _Backend:
 
 
 def run_tasks(tasks: list[Task], cfg: ClusterConfig, folder: Path,
-              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, TaskResult]:
-    """Run every task not yet done on ``cfg``'s executor and wait for all; see the module docstring."""
+              log: Callable[[str], None] | None = None) -> dict[str, TaskResult]:
+    """Run every task not yet done on ``cfg``'s executor and wait for all; see the module docstring.
+    ``log``: where the progress lines go (default: the ``archsearch.cluster`` logger)."""
+    if log is None:
+        from archsearch.logs import get_logger
+
+        log = get_logger("cluster").info
     keys = [t.key for t in tasks]
     if len(set(keys)) != len(keys):
         raise ValueError(f"task keys repeat: {keys}")

@@ -10,6 +10,7 @@ from archsearch.arch import ArchSpec, describe
 from archsearch.configio import redact
 from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, write_json, write_table
+from archsearch.modelcard import write_study_cards
 from archsearch.provenance import provenance
 from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.margins import describe_margin
@@ -552,6 +553,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
     write_json(out / "summary.json", summary, default=str)
     atomic_write(out / "report.md", render_markdown(summary))
+    write_study_cards(out, summary)  # chosen/README.md (and the chosen shape's trained models')
     return summary
 
 
