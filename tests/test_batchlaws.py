@@ -199,3 +199,22 @@ def test_estimate_memory_cli_formats_and_bad_inputs(capsys):
         assert main(["estimate", "memory", "--arch", "tiny", *extra]) == 2
         err = capsys.readouterr().err
         assert name in err and err.count("\n") <= 3, err
+
+
+def test_estimate_with_the_published_law_and_a_quantised_base(tmp_path, capsys):
+    """The issue's case: Mixtral-8x7B with C0 = 82, C1 = 0.95 was refused beside 696 GiB of
+    full-training model memory; with --finetune qlora the model term is the NF4 base + adapters."""
+    from archsearch.cli import main
+    from archsearch.planning.batchlaws import PUBLISHED_MAX_BATCH
+
+    tl = ThroughputLaw(c2=100.0, c3=1.0, c4=200.0, quantity="training tokens/s", device="A100-80GB", n_points=5)
+    laws = tmp_path / "laws.json"
+    laws.write_text(json.dumps({"throughput": tl.to_dict(), "max_batch": PUBLISHED_MAX_BATCH["xia2024-mixtral"].to_dict()}))
+    argv = ["estimate", "--arch", "mixtral-8x7b", "--tokens", "1e6", "--gpus", "A100-80GB", "--seq-len", "174",
+            "--batch-laws", str(laws)]
+    assert main(argv) == 2
+    assert "GiB of model" in capsys.readouterr().err
+    assert main(argv + ["--finetune", "qlora", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batch_laws"]["batch_size"] >= 1 and out["assumptions"]["finetune"].startswith("qlora")
+    assert out["assumptions"]["memory_per_device_gib_at_micro_batch_1"] < 30
