@@ -286,7 +286,7 @@ def test_unreachable_finetune_limits_name_the_limit_and_the_best_value():
     every = [x for s in specs.values() for x in pl.search_finetune(s, _search_plan())]
     best_mem = min(x["peak_memory_gib"] for x in every)
     (line,) = pl.finetune_unreachable(specs, _search_plan(max_memory_gib=best_mem / 2))
-    assert line.startswith("--finetune-max-memory-gib") and f"{best_mem:.4g} GiB" in line and "tiny" in line
+    assert line.startswith("finetune_max_memory_gib=") and f"{best_mem:.4g} GiB" in line and "tiny" in line
     # each reachable alone, not together: memory only at batch 1, time only at batch 16 (QLoRA
     # dequantises the base once per step: fewer, larger steps are faster)
     tiny = pl.search_finetune(specs["tiny"], _search_plan(variants=("qlora",)))

@@ -228,11 +228,11 @@ def _fail_if_unreachable(problems: list[str], args: argparse.Namespace) -> None:
 
     if not problems:
         return
-    flag = problems[0].split()[0] if problems[0].startswith("--") else "limits"
-    if flag == "--finetune-max-memory-gib" and args.max_peak_memory_gib is not None:
-        flag = "--max-peak-memory-gib"
-    if flag == "--max-finetune-hours" and args.max_finetune_minutes is not None:
-        flag = "--max-finetune-minutes"
+    flags = {"finetune_max_memory_gib": "--max-peak-memory-gib" if args.max_peak_memory_gib is not None
+             else "--finetune-max-memory-gib",
+             "max_finetune_hours": "--max-finetune-minutes" if args.max_finetune_minutes is not None
+             else "--max-finetune-hours", "max_finetune_cost_usd": "--max-finetune-cost"}
+    flag = flags.get(problems[0].split("=")[0], "limits")
     raise ArchsearchError(flag, "; ".join(problems), "raise the limit, add a smaller candidate, search more "
                           "variants or batch sizes, or plan fewer --finetune-tokens")
 
