@@ -660,15 +660,16 @@ def finetune_unreachable(specs: dict[str, ArchSpec], ft: FinetunePlan,
     every = [(name, x) for name, spec in specs.items()
              for x in search_finetune(spec, ft, cals.get(name) or ft.calibration)]
     lines = []
-    for limit, key, unit, what in ((ft.max_memory_gib, "peak_memory_gib", "GiB", "finetune_max_memory_gib"),
-                                   (ft.max_hours, "hours", "h", "max_finetune_hours"),
-                                   (ft.max_cost_usd, "cost_usd", "USD", "max_finetune_cost_usd")):
+    for limit, key, unit, what, best in (
+            (ft.max_memory_gib, "peak_memory_gib", "GiB", "finetune_max_memory_gib", "smallest predicted step"),
+            (ft.max_hours, "hours", "h", "max_finetune_hours", "fastest predicted fine-tune"),
+            (ft.max_cost_usd, "cost_usd", "USD", "max_finetune_cost_usd", "cheapest predicted fine-tune")):
         if limit is None:
             continue
         name, x = min(every, key=lambda e: e[1][key])
         if x[key] > limit:
             mins = (lambda h: f" ({h * 60:.4g} min)") if key == "hours" else (lambda h: "")  # noqa: E731
-            lines.append(f"{what}={limit:.4g} {unit}{mins(limit)} is unsatisfiable: the best any candidate reaches "
+            lines.append(f"{what}={limit:.4g} {unit}{mins(limit)} is unsatisfiable: the {best} of any candidate "
                          f"is {x[key]:.4g} {unit}{mins(x[key])} ({name}, {x['variant']} rank {x['rank']} on "
                          f"{','.join(x['targets'])}, batch {x['batch_size']})")
     if not lines and not any(x["within_limits"] for _, x in every):
