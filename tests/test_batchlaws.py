@@ -191,7 +191,14 @@ def test_estimate_memory_cli_formats_and_bad_inputs(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["finetune"] == "qlora" and 20 * 2**30 < out["training"]["weights"] < 25 * 2**30
     assert out["max_training_micro_batch"] >= 1 and out["max_batch_law"]["sparsity"] == 0.25
+    assert main(["estimate", "memory", "--arch", "mixtral-8x7b", "--gpus", "A40", "--finetune", "qlora",
+                 "--seq-len", "174", "--experts-per-token", "8", "--max-batch-law", "published:xia2024-mixtral",
+                 "--json"]) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert dense["training"]["activations"] > 2 * out["training"]["activations"]
+    assert dense["max_batch_law"]["sparsity"] == 1.0 and dense["max_batch_law"]["max_batch"] < out["max_batch_law"]["max_batch"]
     bad = [(["--weight-format", "int3", "--finetune", "lora"], "weight_format"),
+           (["--experts-per-token", "2"], "--experts-per-token"),
            (["--finetune", "full", "--weight-format", "nf4"], "--weight-format"),
            (["--finetune", "qlora", "--weight-format", "int8"], "--weight-format"),
            (["--finetune", "lora", "--lora-targets", "experts"], "lora.targets")]

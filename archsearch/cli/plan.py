@@ -121,7 +121,9 @@ def _plan(args: argparse.Namespace) -> int:
         raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
     if args.lora_calibration:
         calibration = pl.LoraCalibration.load(args.lora_calibration)
-        pl.predict_lora_step_time(candidates[0].spec, lora, 1, 8, args.finetune_device, calibration=calibration)
+        # refuses a calibration from another device (q_proj: an adapter every model has)
+        pl.predict_lora_step_time(candidates[0].spec, LoraSettings(lora.rank, ("q_proj",)), 1, 8,
+                                  args.finetune_device, calibration=calibration)
     if args.calibrate_lora:
         from archsearch.hardware import device_key, local_device_name
 
