@@ -191,7 +191,14 @@ def test_estimate_memory_cli_formats_and_bad_inputs(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["finetune"] == "qlora" and 20 * 2**30 < out["training"]["weights"] < 25 * 2**30
     assert out["max_training_micro_batch"] >= 1 and out["max_batch_law"]["sparsity"] == 0.25
+    assert main(["estimate", "memory", "--arch", "mixtral-8x7b", "--gpus", "A40", "--finetune", "qlora",
+                 "--seq-len", "174", "--experts-per-token", "8", "--max-batch-law", "published:xia2024-mixtral",
+                 "--json"]) == 0
+    dense = json.loads(capsys.readouterr().out)
+    assert dense["training"]["activations"] > 2 * out["training"]["activations"]
+    assert dense["max_batch_law"]["sparsity"] == 1.0 and dense["max_batch_law"]["max_batch"] < out["max_batch_law"]["max_batch"]
     bad = [(["--weight-format", "int3", "--finetune", "lora"], "weight_format"),
+           (["--experts-per-token", "2"], "--experts-per-token"),
            (["--finetune", "full", "--weight-format", "nf4"], "--weight-format"),
            (["--finetune", "qlora", "--weight-format", "int8"], "--weight-format"),
            (["--finetune", "lora", "--lora-targets", "experts"], "lora.targets")]
@@ -199,3 +206,22 @@ def test_estimate_memory_cli_formats_and_bad_inputs(capsys):
         assert main(["estimate", "memory", "--arch", "tiny", *extra]) == 2
         err = capsys.readouterr().err
         assert name in err and err.count("\n") <= 3, err
+
+
+def test_estimate_with_the_published_law_and_a_quantised_base(tmp_path, capsys):
+    """The issue's case: Mixtral-8x7B with C0 = 82, C1 = 0.95 was refused beside 696 GiB of
+    full-training model memory; with --finetune qlora the model term is the NF4 base + adapters."""
+    from archsearch.cli import main
+    from archsearch.planning.batchlaws import PUBLISHED_MAX_BATCH
+
+    tl = ThroughputLaw(c2=100.0, c3=1.0, c4=200.0, quantity="training tokens/s", device="A100-80GB", n_points=5)
+    laws = tmp_path / "laws.json"
+    laws.write_text(json.dumps({"throughput": tl.to_dict(), "max_batch": PUBLISHED_MAX_BATCH["xia2024-mixtral"].to_dict()}))
+    argv = ["estimate", "--arch", "mixtral-8x7b", "--tokens", "1e6", "--gpus", "A100-80GB", "--seq-len", "174",
+            "--batch-laws", str(laws)]
+    assert main(argv) == 2
+    assert "GiB of model" in capsys.readouterr().err
+    assert main(argv + ["--finetune", "qlora", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batch_laws"]["batch_size"] >= 1 and out["assumptions"]["finetune"].startswith("qlora")
+    assert out["assumptions"]["memory_per_device_gib_at_micro_batch_1"] < 30

@@ -170,10 +170,17 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
 
     argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "16",
             "--repeats", "1", "--warmup", "0", "--torch-threads", "1", "--out", str(tmp_path / "p"),
-            "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--calibrate-lora", "--json"]
+            "--finetune-tokens", "2000", "--finetune-seq-len", "32", "--calibrate-lora", "--json",
+            "--lora-variants", "lora,qlora", "--finetune-batch-sizes", "1,4", "--serve-max-memory-gib", "64",
+            "--finetune-max-memory-gib", "8"]
     assert main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["recommended"] == "tiny"
+    # the search: 2 variants x 2 batch sizes predicted, the fastest within the limits kept
+    search = doc["candidates"][0]["lora"]["search"]
+    assert {(x["variant"], x["batch_size"]) for x in search} == {("lora", 1), ("lora", 4), ("qlora", 1), ("qlora", 4)}
+    assert doc["candidates"][0]["lora"]["hours"] == min(x["hours"] for x in search if x["within_limits"])
+    assert doc["limits"]["serving"]["max_peak_memory_gib"] == 64 and doc["limits"]["finetune"]["max_memory_gib"] == 8
     # the LoRA step time is calibrated on a real peft step measured here, and says so
     lo = doc["candidates"][0]["lora"]
     assert doc["finetune"]["step_time"].startswith("calibrated on each candidate")
@@ -286,7 +293,7 @@ def test_unreachable_finetune_limits_name_the_limit_and_the_best_value():
     every = [x for s in specs.values() for x in pl.search_finetune(s, _search_plan())]
     best_mem = min(x["peak_memory_gib"] for x in every)
     (line,) = pl.finetune_unreachable(specs, _search_plan(max_memory_gib=best_mem / 2))
-    assert line.startswith("--finetune-max-memory-gib") and f"{best_mem:.4g} GiB" in line and "tiny" in line
+    assert line.startswith("finetune_max_memory_gib=") and f"{best_mem:.4g} GiB" in line and "tiny" in line
     # each reachable alone, not together: memory only at batch 1, time only at batch 16 (QLoRA
     # dequantises the base once per step: fewer, larger steps are faster)
     tiny = pl.search_finetune(specs["tiny"], _search_plan(variants=("qlora",)))

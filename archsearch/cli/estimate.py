@@ -183,7 +183,8 @@ def _fitted_beside(args: argparse.Namespace, est, method: str = "full", lora=Non
     return estimate_from_batch_laws(tl, ml, args.tokens, device.memory_bytes,
                                     model_memory_bytes(spec, tl.quantity, dtype, method=method, lora=lora,
                                                        weight_format=fmt), args.seq_len,
-                                    sparsity(spec), n, resolve_price(device, args.price))
+                                    sparsity(spec), n, resolve_price(device, args.price),
+                                    max_batch_sparsity=ml.sparsity_of(spec))
 
 
 def _batch_laws(args: argparse.Namespace) -> int:

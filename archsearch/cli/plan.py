@@ -121,7 +121,9 @@ def _plan(args: argparse.Namespace) -> int:
         raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
     if args.lora_calibration:
         calibration = pl.LoraCalibration.load(args.lora_calibration)
-        pl.predict_lora_step_time(candidates[0].spec, lora, 1, 8, args.finetune_device, calibration=calibration)
+        # refuses a calibration from another device (q_proj: an adapter every model has)
+        pl.predict_lora_step_time(candidates[0].spec, LoraSettings(lora.rank, ("q_proj",)), 1, 8,
+                                  args.finetune_device, calibration=calibration)
     if args.calibrate_lora:
         from archsearch.hardware import device_key, local_device_name
 
@@ -228,11 +230,11 @@ def _fail_if_unreachable(problems: list[str], args: argparse.Namespace) -> None:
 
     if not problems:
         return
-    flag = problems[0].split()[0] if problems[0].startswith("--") else "limits"
-    if flag == "--finetune-max-memory-gib" and args.max_peak_memory_gib is not None:
-        flag = "--max-peak-memory-gib"
-    if flag == "--max-finetune-hours" and args.max_finetune_minutes is not None:
-        flag = "--max-finetune-minutes"
+    flags = {"finetune_max_memory_gib": "--max-peak-memory-gib" if args.max_peak_memory_gib is not None
+             else "--finetune-max-memory-gib",
+             "max_finetune_hours": "--max-finetune-minutes" if args.max_finetune_minutes is not None
+             else "--max-finetune-hours", "max_finetune_cost_usd": "--max-finetune-cost"}
+    flag = flags.get(problems[0].split("=")[0], "limits")
     raise ArchsearchError(flag, "; ".join(problems), "raise the limit, add a smaller candidate, search more "
                           "variants or batch sizes, or plan fewer --finetune-tokens")
 

@@ -390,10 +390,14 @@ class BatchLawEstimate:
 def estimate_from_batch_laws(throughput: ThroughputLaw, max_batch: MaxBatchLaw, tokens: float,
                              device_memory_bytes: float, model_memory_bytes: float, seq_len: int,
                              sparsity: float = 1.0, n_devices: int = 1, price=None,
-                             batch_cap: int | None = None) -> BatchLawEstimate:
+                             batch_cap: int | None = None,
+                             max_batch_sparsity: float | None = None) -> BatchLawEstimate:
     """Run time = tokens / throughput(b*), b* = the law's max batch (capped by ``batch_cap``);
-    data parallel over ``n_devices`` at ideal scaling; cost = hours x devices x price."""
-    b = max_batch.predict(device_memory_bytes, model_memory_bytes, seq_len, sparsity)
+    data parallel over ``n_devices`` at ideal scaling; cost = hours x devices x price.
+    ``max_batch_sparsity``: the max-batch law's own sparsity when it is defined otherwise
+    (:meth:`MaxBatchLaw.sparsity_of`), default ``sparsity``."""
+    mbs = sparsity if max_batch_sparsity is None else max_batch_sparsity
+    b = max_batch.predict(device_memory_bytes, model_memory_bytes, seq_len, mbs)
     if b < 1:
         raise ArchsearchError("gpus", f"the max-batch law gives {b} sequences of {seq_len} tokens "
                               f"beside {model_memory_bytes / 2**30:.3g} GiB of model",
@@ -413,7 +417,7 @@ def estimate_from_batch_laws(throughput: ThroughputLaw, max_batch: MaxBatchLaw, 
                           f"(device {throughput.device}); LOO {throughput.loo}",
         "max_batch_law": f"floor({max_batch.c0:.4g} * (M - M_model) / (seq * ((1 - {max_batch.c1:.3g}) + "
                          f"{max_batch.c1:.3g} * s))), fit on {max_batch.n_points} points; LOO {max_batch.loo}",
-        "sparsity": sparsity, "seq_len": seq_len, "device_memory_bytes": device_memory_bytes,
+        "sparsity": sparsity, "max_batch_sparsity": mbs, "seq_len": seq_len, "device_memory_bytes": device_memory_bytes,
         "model_memory_bytes": model_memory_bytes, "batch_cap": batch_cap, "n_devices": n_devices,
         "data_parallel": "ideal scaling over devices",
         "price_per_device_hour": None if price is None else price.usd_per_hour,

@@ -665,16 +665,18 @@ def finetune_unreachable(specs: dict[str, ArchSpec], ft: FinetunePlan,
     every = [(name, x) for name, spec in specs.items()
              for x in search_finetune(spec, ft, cals.get(name) or ft.calibration)]
     lines = []
-    for limit, key, unit, flag in ((ft.max_memory_gib, "peak_memory_gib", "GiB", "--finetune-max-memory-gib"),
-                                   (ft.max_hours, "hours", "h", "--max-finetune-hours"),
-                                   (ft.max_cost_usd, "cost_usd", "USD", "--max-finetune-cost")):
+    for limit, key, unit, what, best in (
+            (ft.max_memory_gib, "peak_memory_gib", "GiB", "finetune_max_memory_gib", "smallest predicted step"),
+            (ft.max_hours, "hours", "h", "max_finetune_hours", "fastest predicted fine-tune"),
+            (ft.max_cost_usd, "cost_usd", "USD", "max_finetune_cost_usd", "cheapest predicted fine-tune")):
         if limit is None:
             continue
         name, x = min(every, key=lambda e: e[1][key])
         if x[key] > limit:
-            lines.append(f"{flag} {limit:g} {unit} is unsatisfiable: the best any candidate reaches is "
-                         f"{x[key]:.4g} {unit} ({name}, {x['variant']} rank {x['rank']} on {','.join(x['targets'])}, "
-                         f"batch {x['batch_size']})")
+            mins = (lambda h: f" ({h * 60:.4g} min)") if key == "hours" else (lambda h: "")  # noqa: E731
+            lines.append(f"{what}={limit:.4g} {unit}{mins(limit)} is unsatisfiable: the {best} of any candidate "
+                         f"is {x[key]:.4g} {unit}{mins(x[key])} ({name}, {x['variant']} rank {x['rank']} on "
+                         f"{','.join(x['targets'])}, batch {x['batch_size']})")
     if not lines and not any(x["within_limits"] for _, x in every):
         name, x = min(every, key=lambda e: (len(e[1]["broken"]), e[1]["hours"]))
         lines.append("the fine-tuning limits are each reachable but not together: the closest configuration "
