@@ -105,11 +105,11 @@ class Calibration(PlainData):
         src = self.source or {}
         rows = self.fit.get("n_batches")
         on = (f"{rows} measured batches" if rows else "measured batches") + (
-            f" of {src['path']} ({'; '.join(src['tables'])})" if src.get("tables") else
+            f" of {src['path']}: {'; '.join(src['tables'])}" if src.get("tables") else
             f" of {src['path']}" if src.get("path") else "")
         loso = (self.fit.get("leave_one_shape_out") or {}).get("mape")
-        err = f", leave-one-shape-out error {loso:.1%}" if loso is not None else ""
-        return f"{path or 'calibration'} ({self.device}/{self.engine}, fitted on {on}{err})"
+        err = f"; leave-one-shape-out error {loso:.1%}" if loso is not None else ""
+        return f"{path or 'calibration'} ({self.device}/{self.engine}; fitted on {on}{err})"
 
     def check_matches(self, device: str | None, engine: str | None, where: str) -> None:
         """Refuse a calibration of another device or engine than the one it is used for (``where``:
@@ -146,6 +146,7 @@ class Point:
     dtype: str
     device_spec: str  # the device table entry the roofline starts from
     label: str = ""
+    source: str = ""  # where the figure was published or measured (a table's ``source`` column)
 
     @property
     def group(self) -> tuple[str, str, str]:
@@ -167,12 +168,12 @@ def points_from_results(results, device_spec: str | None = None) -> list[Point]:
         if r.predicted:
             continue
         spec = ArchSpec.from_record(r.architecture)
-        dev = device_spec or (r.device if (r.device or "").lower() == "cpu" else detect_gpu_name(r.device or "")
-                              or r.device)
+        recorded = detect_gpu_name(r.device or "") or r.device  # a GPU by its table name
+        dev = device_spec or recorded
         for b in r.per_batch:
             if b.ok and b.output_throughput:
                 pts.append(Point(spec, b.batch_size, r.settings["input_len"], r.settings["output_len"],
-                                 float(b.output_throughput), r.device, r.backend, r.dtype, dev,
+                                 float(b.output_throughput), recorded, r.backend, r.dtype, dev,
                                  spec.name or f"d{spec.hidden_size}-L{spec.n_layers}-kv{spec.n_kv_heads}"))
     return pts
 
@@ -186,8 +187,8 @@ _INT_COLUMNS = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", 
 
 def read_table(path: str | Path) -> tuple[list[Point], dict[str, Any]]:
     """The rows of a throughput table (CSV with :data:`TABLE_COLUMNS`; optional ``family``, ``dtype``
-    (default bfloat16) and ``source``) as points, and a description of the source (path, checksum,
-    the tables its ``source`` column names). Every problem names its row and column."""
+    (default bfloat16) and ``source``) as points, and a description of the file (path, checksum,
+    rows). Every problem names its row and column."""
     from archsearch.arch import ArchSpec
     from archsearch.hardware import get_device
 
@@ -201,7 +202,7 @@ def read_table(path: str | Path) -> tuple[list[Point], dict[str, Any]]:
     if not rows or missing:
         raise ArchsearchError(f"{p.name}: columns", f"missing {missing or list(TABLE_COLUMNS)}",
                               f"a throughput table has the columns {', '.join(TABLE_COLUMNS)}")
-    pts, tables = [], []
+    pts = []
     for i, r in enumerate(rows, start=2):  # line 1 is the header
         where = f"{p.name} line {i}"
 
@@ -236,11 +237,8 @@ def read_table(path: str | Path) -> tuple[list[Point], dict[str, Any]]:
             raise ArchsearchError(f"{where}: engine", "is empty", "name the serving engine, e.g. vllm or sglang")
         pts.append(Point(spec, ints["batch_size"], ints["input_len"], ints["output_len"],
                          num("output_tokens_per_s"), device, engine, (r.get("dtype") or "bfloat16").strip(),
-                         device, r["model"].strip()))
-        if (r.get("source") or "").strip():
-            tables.append(r["source"].strip())
-    return pts, {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                 "rows": len(pts), "tables": sorted(set(tables))}
+                         device, r["model"].strip(), (r.get("source") or "").strip()))
+    return pts, {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(), "table_rows": len(pts)}
 
 
 # overhead terms of each variant: per sequence, per sequence x layer x (query | KV) head; "kv" a
@@ -465,7 +463,7 @@ def fit_calibration(results, device_spec: str = "cpu", terms=None) -> Calibratio
 
 def file_name(device: str, engine: str) -> str:
     """``h200-vllm.json``: a calibration file's name by its device and engine."""
-    return f"{device.lower()}-{engine.lower()}.json"
+    return "-".join("".join(c if c.isalnum() else "-" for c in x.lower()) for x in (device, engine)) + ".json"
 
 
 def calibrate(table: str | None = None, results: list[str] | None = None, device_spec: str | None = None,
@@ -483,14 +481,16 @@ def calibrate(table: str | None = None, results: list[str] | None = None, device
         from archsearch.benchmarks import read_jsonl
 
         pts = points_from_results([r for f in results for r in read_jsonl(f)], device_spec)
-        source = {"path": list(results), "rows": len(pts)}
+        source = {"path": list(results), "table_rows": len(pts)}
     fitted = fit_points(pts, variant)
     want = {k: v for k, v in fitted.items()
             if (device is None or device_key(k[0]) == device_key(device)) and (engine is None or k[1] == engine.lower())}
     if not want:
         raise ArchsearchError("--device/--engine", f"no rows of {device or 'any device'} with {engine or 'any engine'}",
                               f"the data hold {sorted(f'{d}/{e}' for d, e, _ in fitted)}")
-    return {k: replace(c, source=source) for k, c in want.items()}
+    # each file names the tables of its own rows (a table's ``source`` column)
+    return {k: replace(c, source={**source, "tables": sorted({p.source for p in pts if p.group == k and p.source})})
+            for k, c in want.items()}
 
 
 def summary(cal: Calibration) -> str:

@@ -262,3 +262,17 @@ def test_cpu_prediction_is_deterministic_across_processes(tmp_path):
     assert runs[0].stdout == runs[1].stdout
     (profile,) = (tmp_path / "machine").glob("cpu-*.json")
     assert str(profile) in json.loads(profile.read_text())["device"]["source"]
+
+
+def test_a_refitted_calibration_re_keys_analytic_measurements(tmp_path):
+    """Stored predictions follow the calibration's content: the same file name refitted is a new key."""
+    import shutil
+
+    from archsearch.search.measure import key_settings
+
+    path = tmp_path / "cal.json"
+    shutil.copy(CAL_DIR / "h200-vllm.json", path)
+    before = key_settings(_analytic_measure_cfg(calibration=str(path)), "analytic")
+    d = json.loads(path.read_text())
+    path.write_text(json.dumps({**d, "seq_overhead_s": d["seq_overhead_s"] * 2}))
+    assert key_settings(_analytic_measure_cfg(calibration=str(path)), "analytic") != before

@@ -73,8 +73,10 @@ def test_the_plan_and_the_study_refuse_before_any_work(tmp_path, cli):
     (line,) = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert "measure.reference_batch_size" in line and "holds 120 sequences" in line
     assert not (tmp_path / "o").exists()
-    # a named measuring device is checked by the plan without --gpus, and by the study itself
-    cfg = _paper3b("measure.reference_batch_size=128", "measure.device_spec=H100", "cluster.executor=inline",
+    # a named measuring device is checked by the plan without --gpus, and by the study itself (the
+    # config's H200 calibration would be refused for an H100 first)
+    cfg = _paper3b("measure.reference_batch_size=128", "measure.device_spec=H100", "measure.calibration=null",
+                   "cluster.executor=inline",
                    "cluster.jobs_at_once=1", "cluster.measure_workers=1")
     with pytest.raises(ArchsearchError, match="holds 120"):
         validate(cfg, for_plan=True)

@@ -76,7 +76,8 @@ def _bench(args: argparse.Namespace) -> int:
                                   "drop it, or predict with --backend analytic")
         from archsearch.benchmarks.calibration import Calibration
 
-        Calibration.load(args.calibration)  # a missing or broken file fails before any work
+        # a missing or broken file, or one of another device, fails before any work
+        Calibration.load(args.calibration).check_matches(args.device_spec, None, "--calibration")
         engine_args["calibration"] = str(args.calibration)
     settings = BenchSettings(
         backend=args.backend, batch_sizes=args.batch_sizes, input_len=args.input_len,
@@ -136,10 +137,10 @@ def _print_table(d: dict) -> None:
         if not b["ok"]:
             print(f"{b['batch_size']:>6}  FAILED: {b['error']}")
             continue
-        if b.get("note"):
-            print(f"{'':>6}  {b['note']}")
         print(f"{b['batch_size']:>6} {_fmt(b['output_throughput']):>12} "
               f"{_fmt(b['output_throughput_std']):>8} {_fmt(b['total_throughput']):>12} "
               f"{_fmt(b['ttft_mean'], 1e3):>9} {_fmt(b['ttft_p99'], 1e3):>8} "
               f"{_fmt(b['tpot_mean'], 1e3, 2):>8} {_fmt(b['e2e_latency_mean'], 1, 3):>7} "
               f"{_fmt(b['peak_memory_bytes'], 2**-20, 0):>9}")
+        if b.get("note"):
+            print(f"{'':>6}  {b['note']}")

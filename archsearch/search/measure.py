@@ -128,6 +128,10 @@ def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
 
     keyed = {name: value for name, (value, default) in leaves(cfg).items()
              if name not in _NOT_KEYED and (name in _FIRST_KEYED or value != default)}
+    if keyed.get("calibration") and backend == "analytic":
+        # a prediction follows the calibration's content, not its name (a refitted file re-keys)
+        keyed["calibration"] = {"file": keyed["calibration"],
+                                "sha256": hashlib.sha256(Path(keyed["calibration"]).read_bytes()).hexdigest()}
     return {**keyed, "backend": backend}
 
 

@@ -182,11 +182,15 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
                 "assumptions": ["measure.backend analytic: roofline predictions, no GPU and no engine"]}
     dev = get_device(device)
     dtype = resolve_dtype(m.dtype, on_gpu=dev.name != "cpu")
-    cal = None
+    cal, other = None, None
     if m.calibration:
         from archsearch.benchmarks.calibration import Calibration
 
         cal = Calibration.load(m.calibration)
+        try:
+            cal.check_matches(dev.name, m.backend, "measure.calibration")
+        except ArchsearchError as e:  # priced on another device than it was fitted on: not applied, and said
+            cal, other = None, e.problem
     spec = measured_baseline(cfg)
     b = predict_batch(spec, dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
     if startups is None:
@@ -247,7 +251,8 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
             f"a batch takes {t:.3g} s: the "
             + (f"roofline calibrated by {cal.describe(m.calibration)}" if cal else
                "UNCALIBRATED roofline (peak figures: optimistic, so the timed rounds' seconds are a lower bound; "
-               "measure.calibration prices them with a calibration of this device and engine)")
+               + (f"measure.calibration {m.calibration} is not applied: {other})" if other else
+                  "measure.calibration prices them with a calibration of this device and engine)"))
             + " of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
             + f" on {dev.name} ({b.output_throughput:,.0f} output tokens/s)",
             f"a trial that measures its comparison spends {su.get('trial_overhead_s').label()} outside its engine "
