@@ -328,7 +328,7 @@ def _fit_variant(pts: list[Point], v: Variant, devices: dict) -> dict:
     return _calibrations(res.x, slots, v, pts, devices)
 
 
-def _held_out(pts: list[Point], v: Variant, devices: dict, key) -> dict[str, Any] | None:
+def held_out_errors(pts: list[Point], v: Variant, devices: dict, key) -> dict[str, Any] | None:
     """Each value of ``key`` (a shape, a batch size) predicted by a fit on the points without it:
     mean and worst absolute relative error, and every row's prediction. None with fewer than 2 values."""
     import numpy as np
@@ -349,11 +349,11 @@ def _held_out(pts: list[Point], v: Variant, devices: dict, key) -> dict[str, Any
     return {"mape": float(errs.mean()), "worst": float(errs.max()), "rows": rows}
 
 
-def _shape_key(p: Point):
+def shape_key(p: Point):
     return p.spec  # equal shapes (names aside) are one shape, whatever their lengths or batch
 
 
-def _variants(pts: list[Point], devices: dict, terms=None) -> list[Variant]:
+def model_variants(pts: list[Point], devices: dict, terms=None) -> list[Variant]:
     """The variants tried: ``terms`` (default: the CPU forms on a measured CPU, else the GPU
     forms), each with max and sum, per group and, where a device has several engines, pooled."""
     terms = terms or (CPU_TERMS if any(d.measured for d in devices.values()) else GPU_TERMS)
@@ -365,7 +365,7 @@ def _variants(pts: list[Point], devices: dict, terms=None) -> list[Variant]:
     return [Variant(c, TERMS[t], s) for s in sharings for c in ("max", "sum") for t in names]
 
 
-def _devices(pts: list[Point]) -> dict:
+def table_devices(pts: list[Point]) -> dict:
     from archsearch.hardware import get_device
 
     return {name: get_device(name) for name in {p.device_spec for p in pts}}
@@ -384,8 +384,8 @@ def fit_points(pts: list[Point], variant: str | None = None, terms=None) -> dict
     if len(pts) < 3:
         raise ArchsearchError("results", f"{len(pts)} measured batches; calibration needs at least 3",
                               "measure a few shapes with bench --out FILE first")
-    devices = _devices(pts)
-    variants = {v.name: v for v in _variants(pts, devices, terms)}
+    devices = table_devices(pts)
+    variants = {v.name: v for v in model_variants(pts, devices, terms)}
     groups = list(dict.fromkeys(p.group for p in pts))
 
     def part(h, g):  # a held-out evaluation's rows of group g
@@ -400,7 +400,7 @@ def fit_points(pts: list[Point], variant: str | None = None, terms=None) -> dict
         scores = {g: {} for g in groups}
         chosen = {g: variant for g in groups}
     else:  # per group, the variant that predicts its held-out rows best (the fewest parameters among ties)
-        held = {name: (_held_out(pts, v, devices, _shape_key), _held_out(pts, v, devices, lambda p: p.batch))
+        held = {name: (held_out_errors(pts, v, devices, shape_key), held_out_errors(pts, v, devices, lambda p: p.batch))
                 for name, v in variants.items()}
         scores = {g: {name: _score(part(s, g), part(b, g)) for name, (s, b) in held.items()} for g in groups}
         chosen = {}
@@ -417,8 +417,8 @@ def fit_points(pts: list[Point], variant: str | None = None, terms=None) -> dict
     for name in dict.fromkeys(chosen.values()):
         v = variants[name]
         cals = _fit_variant(pts, v, devices)
-        loso = _held_out(pts, v, devices, _shape_key)
-        lobo = _held_out(pts, v, devices, lambda p: p.batch)
+        loso = held_out_errors(pts, v, devices, shape_key)
+        lobo = held_out_errors(pts, v, devices, lambda p: p.batch)
         for g in (g for g in groups if chosen[g] == name):
             cal = cals[g]
             mine = [p for p in pts if p.group == g]

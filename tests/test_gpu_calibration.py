@@ -100,14 +100,14 @@ def test_shipped_calibration_states_its_source_and_reproduces_its_fit(path):
 
 def test_shipped_h200_vllm_held_out_errors_recomputed():
     """The stated leave-one-shape-out and leave-one-batch-out errors come back from the table."""
-    from archsearch.benchmarks.calibration import Calibration, _devices, _held_out, _shape_key, _variants, read_table
+    from archsearch.benchmarks.calibration import Calibration, table_devices, held_out_errors, shape_key, model_variants, read_table
 
     cal = Calibration.load(CAL_DIR / "h200-vllm.json")
     pts, _ = read_table(TABLE)
-    devices = _devices(pts)
-    v = next(v for v in _variants(pts, devices) if v.name == cal.fit["variant"])
-    for held, key in (("leave_one_shape_out", _shape_key), ("leave_one_batch_out", lambda p: p.batch)):
-        rows = [r for r in _held_out(pts, v, devices, key)["rows"] if (r["device"], r["engine"]) == ("H200", "vllm")]
+    devices = table_devices(pts)
+    v = next(v for v in model_variants(pts, devices) if v.name == cal.fit["variant"])
+    for held, key in (("leave_one_shape_out", shape_key), ("leave_one_batch_out", lambda p: p.batch)):
+        rows = [r for r in held_out_errors(pts, v, devices, key)["rows"] if (r["device"], r["engine"]) == ("H200", "vllm")]
         assert sum(r["error"] for r in rows) / len(rows) == pytest.approx(cal.fit[held]["mape"], rel=1e-3)
 
 

@@ -27,12 +27,12 @@ def evaluate(path: Path) -> dict:
     import numpy as np
 
     from archsearch.benchmarks.analytic import predict_batch
-    from archsearch.benchmarks.calibration import Calibration, _devices, _held_out, _shape_key, _variants, read_table
+    from archsearch.benchmarks.calibration import Calibration, table_devices, held_out_errors, shape_key, model_variants, read_table
 
     cal = Calibration.load(path)
     pts, source = read_table(cal.source["path"])
-    devices = _devices(pts)
-    variant = next(v for v in _variants(pts, devices) if v.name == cal.fit["variant"])
+    devices = table_devices(pts)
+    variant = next(v for v in model_variants(pts, devices) if v.name == cal.fit["variant"])
     mine = [p for p in pts if (p.device, p.engine) == (cal.device, cal.engine)]
 
     def errs(rows):
@@ -43,12 +43,12 @@ def evaluate(path: Path) -> dict:
         return predict_batch(p.spec, devices[p.device_spec], p.dtype, p.batch, p.input_len, p.output_len,
                              c).output_throughput
     roof = np.array([abs(tput(p, None) / p.measured - 1) for p in mine])
-    loso = _held_out(pts, variant, devices, _shape_key)["rows"]
+    loso = held_out_errors(pts, variant, devices, shape_key)["rows"]
     out = {"file": str(path), "device": cal.device, "engine": cal.engine, "variant": cal.fit["variant"],
            "source": {k: cal.source.get(k) for k in ("path", "sha256", "tables")},
            "rows": len(mine), "in_sample_mape": cal.fit["mape_on_fitted"],
            "leave_one_shape_out": errs(loso),
-           "leave_one_batch_out": errs(_held_out(pts, variant, devices, lambda p: p.batch)["rows"]),
+           "leave_one_batch_out": errs(held_out_errors(pts, variant, devices, lambda p: p.batch)["rows"]),
            "roofline_uncalibrated": {"mape": float(roof.mean()), "worst": float(roof.max()), "n": int(roof.size)}}
     for b in sorted({p.batch for p in mine}):
         pair = {p.label: p for p in mine if p.batch == b and p.label in PAIR and p.input_len == 4096}
