@@ -330,6 +330,7 @@ def test_search_samples_measure_trials_outside_their_comparisons(tmp_path):
     assert len(s["engine_process_start_s"]) == 2  # the pair and the group, each once
 
 
+@pytest.mark.slow
 def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_path, monkeypatch):
     """The CI study's data: before anything is cached the plan tokenizes it all; once the shards
     are in the shared cache it says so and prices reading them (data_cached_s: a stated

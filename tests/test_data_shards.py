@@ -78,6 +78,7 @@ def test_runs_with_the_same_source_and_tokenizer_share_the_cache(tmp_path):
     assert len(list((tmp_path / "c" / "data").iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_killed_tokenisation_resumes_without_redoing_shards(tmp_path, monkeypatch):
     n = 3000
     f = _jsonl(tmp_path, n)

@@ -163,6 +163,7 @@ def test_bad_grid_and_finetune_values():
         pl.FinetunePlan(max_hours=float("nan"))
 
 
+@pytest.mark.slow
 def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     """A real engine (transformers) on a tiny grid; the second run measures nothing."""
     pytest.importorskip("transformers")

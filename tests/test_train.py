@@ -163,6 +163,7 @@ def test_finished_run_is_skipped(done_run):
     assert (out / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted(done_run, tmp_path):
     """Really kill (SIGKILL) a CLI run after its second checkpoint, then run it again."""
     from archsearch.trainers import train
