@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
-from archsearch.configio import redact
+from archsearch.errors import redact
 
 CORE_PACKAGES = ("archsearch", "torch", "transformers", "numpy", "scipy", "optuna",
                  "accelerate", "datasets")

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
         import traceback
 
-        from archsearch.configio import redact
+        from archsearch.errors import redact
 
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1

@@ -382,6 +382,9 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
+    from archsearch.rundata import check_one_loss_kind
+
+    check_one_loss_kind(ok)
     shapeless = [r for r in ok if not r.has_arch]
     if shapeless and law != "chinchilla":
         r = shapeless[0]
