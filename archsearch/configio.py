@@ -12,14 +12,26 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar, Union, get_args, get_origin
 
-from archsearch.errors import ArchsearchError, redact
+from archsearch.errors import ArchsearchError
 
 T = TypeVar("T")
+
+
+# user:password@ in a URL (scheme://user:password@host): the password is what redact() masks
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*:)(?P<password>[^@\s]*)@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it masked (``postgresql://u:***@host/db``): what
+    the project prints or writes of a config, a command line or an error goes through here, so a
+    storage password is used to connect and never shown or stored."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}***@", text) if isinstance(text, str) and "://" in text else text
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
-from archsearch.errors import redact
+from archsearch.configio import redact
 
 CORE_PACKAGES = ("archsearch", "torch", "transformers", "numpy", "scipy", "optuna",
                  "accelerate", "datasets")

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
         import traceback
 
-        from archsearch.errors import redact
+        from archsearch.configio import redact
 
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1

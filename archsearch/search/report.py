@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
-from archsearch.errors import redact
+from archsearch.configio import redact
 from archsearch.figures import log_axis, save, styled
 from archsearch.fileio import atomic_write, write_json, write_table
 from archsearch.provenance import provenance

@@ -134,7 +134,7 @@ def check_storage(url: str, field: str = "optuna.storage") -> None:
     """Open a storage URL now, before any work, and create nothing: a journal or SQLite file's
     folder exists and is writable and an existing file is what it should be; a database's driver
     is installed and a connection is made. Errors show the URL with its password masked."""
-    from archsearch.errors import redact
+    from archsearch.configio import redact
 
     shown = redact(url)
     path = journal_path(url)
