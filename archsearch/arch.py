@@ -18,7 +18,6 @@ Conventions (stated once, used everywhere):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -503,34 +502,3 @@ def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bfloat16"
     from archsearch.fileio import write_json
 
     return write_json(Path(out_dir) / "config.json", to_hf_config(spec, dtype))
-
-
-def load_arch(source: str | Path) -> ArchSpec:
-    """An architecture from a preset name, a folder with ``config.json``, an HF
-    ``config.json`` file, or an archsearch architecture JSON (``describe`` output or spec)."""
-    from archsearch.presets import PRESETS, get_preset
-
-    src = str(source)
-    if src in PRESETS or src.lower() in {k.lower() for k in PRESETS}:
-        return get_preset(src)
-    p = Path(src)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ArchsearchError("architecture", f"{src!r} is neither a preset nor a file",
-                              "give a preset name (archsearch arch list), a folder with "
-                              "config.json, or an architecture JSON")
-    from archsearch.fileio import read_text
-
-    try:
-        data = json.loads(read_text(p))
-    except json.JSONDecodeError as e:
-        raise ArchsearchError(str(p), f"not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ArchsearchError(str(p), f"holds a {type(data).__name__}, not a JSON object",
-                              "give an HF config.json or an architecture JSON object")
-    if "architecture" in data and isinstance(data["architecture"], dict):
-        data = data["architecture"]
-    if "model_type" in data:
-        return from_hf_config(data, name=data.get("_name_or_path") or None)
-    return ArchSpec.from_record(data)

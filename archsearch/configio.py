@@ -201,6 +201,27 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def mask_secrets(obj: Any) -> Any:
+    """``obj`` (plain data from :func:`to_dict`) with the password of every URL in it replaced by
+    ``***`` (``postgresql://u:***@host/db``), so a config printed or written for people to read
+    carries no secret; the structure and every other value are unchanged."""
+    if isinstance(obj, dict):
+        return {k: mask_secrets(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [mask_secrets(v) for v in obj]
+    if isinstance(obj, str) and "://" in obj:
+        return redact(obj)
+    return obj
+
+
+def to_yaml(obj: Any) -> str:
+    """A config (dataclass or plain data) as YAML a person reads and :func:`load_yaml` reads
+    back: keys in field order, secrets masked (:func:`mask_secrets`)."""
+    import yaml
+
+    return yaml.safe_dump(mask_secrets(to_dict(obj)), sort_keys=False, default_flow_style=False)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """``key.sub=value`` command-line overrides merged into a config mapping, with OmegaConf's
     dotlist syntax and YAML value parsing (``optuna.n_trials=12``, ``search_space.gqa=[1,2]``,

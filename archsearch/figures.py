@@ -56,6 +56,44 @@ def log_axis(ax, axis: str = "x", fmt: Callable[[float], str] | None = None) -> 
     log_ticks(getattr(ax, f"{axis}axis"), fmt)
 
 
+def draws_something(handle) -> bool:
+    """Whether a legend handle (a line, a scatter, an error bar, a filled band, a patch) put any
+    mark on the axes: a line of fewer than two finite points and no marker draws nothing, nor do
+    a scatter or an error bar without finite points."""
+    import numpy as np
+    from matplotlib.collections import Collection, PathCollection
+    from matplotlib.container import Container
+    from matplotlib.lines import Line2D
+
+    if isinstance(handle, Container):  # an error bar: its data line, caps and bars
+        parts = [p for c in handle for p in (c if isinstance(c, (tuple, list)) else (c,)) if p is not None]
+        return any(draws_something(p) for p in parts)
+    if isinstance(handle, Line2D):
+        x, y = (np.asarray(v, dtype=float) for v in handle.get_data())
+        n = int(np.sum(np.isfinite(x) & np.isfinite(y))) if x.size and y.size else 0
+        marker = handle.get_marker()
+        has_marker = marker not in (None, "", " ", "None", "none")
+        has_line = handle.get_linestyle() not in ("None", "none", "", " ")
+        return handle.get_visible() and ((has_marker and n >= 1) or (has_line and n >= 2))
+    if isinstance(handle, PathCollection):  # a scatter: its points
+        offsets = np.asarray(handle.get_offsets(), dtype=float).reshape(-1, 2)
+        return bool(np.isfinite(offsets).all(axis=1).any())
+    if isinstance(handle, Collection):  # a filled band, error bars' lines: their paths
+        return any(len(p.vertices) for p in handle.get_paths())
+    return True
+
+
+def legend(ax, **kwargs):
+    """``ax.legend`` with only the entries that draw something on ``ax`` (:func:`draws_something`):
+    an entry whose artist drew nothing (a one-point step line, an empty scatter) is left out; no
+    legend at all when nothing is left."""
+    handles, labels = ax.get_legend_handles_labels()
+    kept = [(h, lab) for h, lab in zip(handles, labels) if draws_something(h)]
+    if not kept:
+        return None
+    return ax.legend(*zip(*kept), **kwargs)
+
+
 def save(fig, png: str | Path, dpi: int = 150) -> Path:
     """Write ``fig`` as ``png`` and as the same name with ``.pdf``; close it; return the PNG path."""
     import matplotlib.pyplot as plt

@@ -4,14 +4,19 @@
 an exact count (the safetensors metadata of the Hugging Face repository, or the model card),
 otherwise the model card's rounded figure with ``published_precision`` giving the rounding.
 Qwen3 cards also give a rounded non-embedding count. Tests check every entry against them.
+
+:func:`load_arch` resolves what a user names as an architecture: a preset or a file.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from archsearch.arch import ArchSpec
+from archsearch.arch import ArchSpec, from_hf_config
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import read_text
 
 
 @dataclass(frozen=True)
@@ -125,3 +130,30 @@ def get_preset(name: str) -> ArchSpec:
         raise ArchsearchError("preset", f"unknown preset {name!r}",
                               f"known presets: {', '.join(PRESETS)}")
     return PRESETS[key].spec
+
+
+def load_arch(source: str | Path) -> ArchSpec:
+    """An architecture from a preset name, a folder with ``config.json``, an HF
+    ``config.json`` file, or an archsearch architecture JSON (``describe`` output or spec)."""
+    src = str(source)
+    if src in PRESETS or src.lower() in {k.lower() for k in PRESETS}:
+        return get_preset(src)
+    p = Path(src)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ArchsearchError("architecture", f"{src!r} is neither a preset nor a file",
+                              "give a preset name (archsearch arch list), a folder with "
+                              "config.json, or an architecture JSON")
+    try:
+        data = json.loads(read_text(p))
+    except json.JSONDecodeError as e:
+        raise ArchsearchError(str(p), f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ArchsearchError(str(p), f"holds a {type(data).__name__}, not a JSON object",
+                              "give an HF config.json or an architecture JSON object")
+    if "architecture" in data and isinstance(data["architecture"], dict):
+        data = data["architecture"]
+    if "model_type" in data:
+        return from_hf_config(data, name=data.get("_name_or_path") or None)
+    return ArchSpec.from_record(data)

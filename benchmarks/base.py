@@ -135,6 +135,9 @@ class BatchResult(PlainData):
     peak_memory_bytes: int | None = None
     preemptions: int | None = None
     repeats: list[dict[str, Any]] = field(default_factory=list)
+    # a prediction whose KV cache does not fit: the sequences run at once (the rest queue), and why
+    capped_at: int | None = None
+    note: str | None = None
 
     @classmethod
     def failed(cls, batch_size: int, error: str) -> "BatchResult":

@@ -3,7 +3,10 @@
 Engines do not free device memory reliably and can crash or hang, so every candidate gets a
 fresh interpreter (``python -m archsearch.benchmarks.isolate JOB RESULT``) in its own session (process
 group). On timeout, or once it has finished, that whole group is terminated: the engine's
-own workers go with it, and nothing else of the caller's is touched. Because the child is a
+own workers go with it, and nothing else of the caller's is touched. If the caller itself is
+killed (``kill -9``: no cleanup of its own runs), a watchdog in the child's group kills the group
+(:func:`archsearch.benchmarks.scratch.watch_owner`), and the scratch folder is removed by the
+next measurement on the machine. Because the child is a
 fresh ``python -m`` process, callers need no ``if __name__ == "__main__"`` guard.
 
 The child rewrites RESULT after every batch size, so a timeout keeps what was measured, and
@@ -18,14 +21,17 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+import archsearch
+
+# the folder holding the ``archsearch`` package this process runs (a checkout or site-packages):
+# the child imports the same copy
+_REPO_ROOT = Path(archsearch.__file__).resolve().parent.parent
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Outcome:
     timed_out: bool = False
     wall_s: float = 0.0
     log_tail: str = ""
+    last_event: str | None = None  # the child's last progress event (e.g. "batch 8: repeat 2 of 3")
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -77,7 +84,9 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
     """Run ``load_backend(job['backend_class']).run(job)`` in a child; never raises for its
     failures (a crash, a timeout, an exception all come back as ``Outcome(ok=False)``).
     ``on_event(job, text)`` gets each progress event of the child (None: silent)."""
-    with tempfile.TemporaryDirectory(prefix="archsearch-bench-") as tmp:
+    from archsearch.benchmarks.scratch import scratch_dir
+
+    with scratch_dir("bench") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job, default=str))  # a private scratch folder, read once by the child
         log_file = Path(log_path) if log_path else Path(tmp) / "child.log"
@@ -86,6 +95,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
         child_env["PYTHONPATH"] = os.pathsep.join(
             [str(_REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
         child_env.setdefault("PYTHONUNBUFFERED", "1")
+        child_env["ARCHSEARCH_OWNER_PID"] = str(os.getpid())  # the child's group dies with this process
         t0 = time.perf_counter()
         with log_file.open("w") as log:  # the child's live output, streamed: a log, not a result
             proc = subprocess.Popen(
@@ -120,13 +130,13 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
             except json.JSONDecodeError as e:
                 unreadable = f"the engine process's result file is not valid JSON: {e}"
         status = result.pop("status", None)
-        result.pop("event", None)  # progress only
+        event = result.pop("event", None)  # progress only
         if timed_out:
-            return Outcome(False, result, f"timeout after {timeout_s:g} s", rc, True, wall, tail)
+            return Outcome(False, result, f"timeout after {timeout_s:g} s", rc, True, wall, tail, event)
         if status == "done" and rc == 0:
-            return Outcome(True, result, None, rc, False, wall, tail)
+            return Outcome(True, result, None, rc, False, wall, tail, event)
         error = result.pop("error", None) or unreadable or _crash_reason(rc, tail)
-        return Outcome(False, result, error, rc, False, wall, tail)
+        return Outcome(False, result, error, rc, False, wall, tail, event)
 
 
 def _tail(path: Path, n_chars: int = 4000) -> str:
@@ -153,6 +163,10 @@ def _crash_reason(rc: int | None, tail: str) -> str:
 
 
 def _child_main(job_path: str, result_path: str) -> int:
+    if os.environ.get("ARCHSEARCH_OWNER_PID"):  # before any engine starts a worker
+        from archsearch.benchmarks.scratch import watch_owner
+
+        watch_owner(int(os.environ["ARCHSEARCH_OWNER_PID"]))
     from archsearch.benchmarks.base import load_backend
     from archsearch.benchmarks.loop import describe_error
     from archsearch.fileio import write_json  # atomic: the parent never reads half a file

@@ -7,12 +7,12 @@ with its reason, so a search can go on to its next candidate.
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import ArchSpec, describe, load_arch, write_hf_config
+from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.errors import ArchsearchError
+from archsearch.presets import load_arch
 from archsearch.provenance import provenance
 from archsearch.benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
 
@@ -41,6 +41,14 @@ def check_lengths(spec: ArchSpec, settings: BenchSettings) -> None:
             "shorten the lengths or raise max_position_embeddings")
 
 
+def _batch_of_event(event: str | None) -> int | None:
+    """The batch size an engine process was measuring at its last progress event, if it said."""
+    import re
+
+    m = re.match(r"batch (\d+):", event or "")
+    return int(m.group(1)) if m else None
+
+
 def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
             model_path: str | Path | None = None, log_path: str | Path | None = None) -> BenchResult:
     """Measure (or, for ``analytic``, predict) ``arch`` at every batch size of ``settings``.
@@ -59,34 +67,46 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
 
     per_batch: list[BatchResult] = []
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="archsearch-model-") as tmp:
+    from archsearch.benchmarks.scratch import scratch_dir
+
+    with scratch_dir("model") as tmp:
         if model_path is not None:
             model_dir, real = str(Path(model_path).resolve()), True
         else:
             model_dir, real = tmp, False
             # torch_dtype in config.json is informational: every engine is given the dtype
             write_hf_config(spec, tmp, "float32" if settings.dtype == "auto" else settings.dtype)
-        for group in groups:
+        pending = list(groups)
+        while pending:
+            group = pending.pop(0)
             job = {"backend": settings.backend, "backend_class": BACKENDS[settings.backend],
                    "arch": spec.to_dict(), "model_dir": model_dir, "real_weights": real,
                    "settings": settings.to_dict(), "batch_sizes": group}
+            failed_at = None
             if backend.isolated:
                 from archsearch.benchmarks.isolate import run_isolated
 
                 out = run_isolated(job, settings.timeout_s, log_path=log_path)
                 res = out.result
                 run = {"ok": out.ok, "error": out.error, "returncode": out.returncode,
-                       "timed_out": out.timed_out, "wall_s": out.wall_s}
+                       "timed_out": out.timed_out, "wall_s": out.wall_s, "batch_sizes": group}
                 if not out.ok:
                     run["log_tail"] = out.log_tail
+                    failed_at = _batch_of_event(out.last_event)
             else:
                 res = backend.run(job, lambda _partial: None)
                 run = {"ok": True}
             run.update({k: res.get(k) for k in ("device", "dtype", "engine", "timing")})
             runs.append(run)
             done = {b["batch_size"]: BatchResult.from_dict(b) for b in res.get("per_batch", [])}
+            rest = group[group.index(failed_at) + 1:] if failed_at in group else []
+            rest = [b for b in rest if b not in done]
             for b in group:
-                per_batch.append(done.get(b) or BatchResult.failed(b, run.get("error") or "not measured"))
+                if b not in rest:
+                    per_batch.append(done.get(b) or BatchResult.failed(b, run.get("error") or "not measured"))
+            if rest:  # the engine died (or timed out) in one batch size: the ones after it get a fresh engine
+                pending.insert(0, rest)
+        per_batch.sort(key=lambda b: settings.batch_sizes.index(b.batch_size))
 
     first = next((r for r in runs if r.get("device")), runs[0])
     dtype = first.get("dtype")

@@ -27,7 +27,6 @@ analytic roofline is deterministic and its ratio has a zero-width interval.
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -325,7 +324,9 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
         return res
     from archsearch.benchmarks.isolate import run_isolated
 
-    with tempfile.TemporaryDirectory(prefix="archsearch-paired-") as tmp:
+    from archsearch.benchmarks.scratch import scratch_dir
+
+    with scratch_dir("paired") as tmp:
         dirs = []
         for i, sp in enumerate(specs):
             d = Path(tmp) / f"m{i}"

@@ -138,3 +138,41 @@ class SleepBackend(Backend):
         sess = self.open(job, report)
         per_batch = run_batches(sess.generate, job["batch_sizes"], job["settings"], 100, report=report)
         return {**sess.summary(), "per_batch": per_batch}
+
+
+class HangAtBackend(Backend):
+    """Hangs in batch size 2 only (an engine stuck on one batch size): the batch sizes after it
+    must still be measured, in a fresh engine process."""
+
+    name = "fake-hang-at"
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        s = job["settings"]
+
+        def generate(prompts):
+            if len(prompts) == 2:
+                time.sleep(3600)
+            return [RequestTiming(n_output=s["output_len"], ttft=0.001, e2e=0.002, tpot=0.0001)
+                    for _ in prompts]
+
+        per_batch = run_batches(generate, job["batch_sizes"], s, 100, report=report)
+        return {"device": "fake", "dtype": "float32", "engine": {}, "timing": {}, "per_batch": per_batch}
+
+
+class SpawnBackend(Backend):
+    """An engine that starts a worker process of its own (as vLLM's EngineCore does), writes
+    both process ids to ``ARCHSEARCH_FAKE_PIDS`` and then measures forever: killing the process
+    that waits for it must not leave either behind."""
+
+    name = "fake-spawn"
+
+    def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        import subprocess
+        import sys
+
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open(os.environ["ARCHSEARCH_FAKE_PIDS"], "w") as fh:
+            fh.write(f"{os.getpid()} {worker.pid}\n")
+        report({"event": f"batch {job['batch_sizes'][0]}: repeat 1 of 1"})
+        time.sleep(3600)
+        return {}

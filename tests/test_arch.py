@@ -89,7 +89,8 @@ def test_heads_not_dividing_width_build_and_count(family, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from archsearch.arch import hf_family, load_arch, write_hf_config
+    from archsearch.arch import hf_family, write_hf_config
+    from archsearch.presets import load_arch
 
     spec = ArchSpec(n_layers=2, hidden_size=80, n_heads=6, n_kv_heads=2, head_dim=32, ffn=160,
                     vocab_size=211, family=family)

@@ -127,3 +127,75 @@ def test_read_points_and_estimate_cli_side_by_side(tmp_path, capsys):
     assert main(["estimate", "batch-laws", "--data", str(data), "--holdout", str(other), "--out",
                  str(tmp_path / "l2.json")]) == 2
     assert "--holdout" in capsys.readouterr().err and not (tmp_path / "l2.json").exists()
+
+
+def test_published_mixtral_law_in_its_units():
+    """Xia et al. 2024 Eq. 1 with C0 = 82, C1 = 0.95 (GB, routed/all experts): hand-computed."""
+    from archsearch.planning.batchlaws import PUBLISHED_MAX_BATCH, load_max_batch_law, with_active_experts
+    from archsearch.presets import get_preset
+
+    law = load_max_batch_law("published:xia2024-mixtral")
+    assert law is PUBLISHED_MAX_BATCH["xia2024-mixtral"]
+    spec = get_preset("mixtral-8x7b")
+    assert law.sparsity_of(spec) == 0.25 and law.sparsity_of(with_active_experts(spec, 8)) == 1.0
+    assert law.predict(80e9, 24e9, 174, 0.25) == math.floor(82 * 56 / (174 * (0.05 + 0.95 * 0.25)))
+    # the dense fine-tune (every expert routed) fits 1 / 0.2875 = 3.5x fewer sequences
+    assert law.predict_continuous(80e9, 24e9, 174, 1.0) == pytest.approx(
+        law.predict_continuous(80e9, 24e9, 174, 0.25) * 0.2875)
+    with pytest.raises(ArchsearchError) as e:
+        load_max_batch_law("published:nope")
+    assert e.value.field == "--max-batch-law"
+    saved = MaxBatchLaw.from_dict(json.loads(json.dumps(law.to_dict())))
+    assert saved == law
+
+
+def test_model_memory_follows_the_weight_format():
+    from archsearch.arch import total_params
+    from archsearch.planning.batchlaws import model_memory_bytes
+    from archsearch.planning.formats import base_weight_bytes
+    from archsearch.planning.lora import LoraSettings, lora_params
+    from archsearch.presets import get_preset
+
+    spec = get_preset("mixtral-8x7b")
+    full = model_memory_bytes(spec, "training tokens/s", "bfloat16")
+    assert full == 16 * total_params(spec)
+    lora = LoraSettings(8)
+    q = model_memory_bytes(spec, "training tokens/s", "bfloat16", method="qlora", lora=lora)
+    assert q == base_weight_bytes(spec, "nf4", "bfloat16")["total"] + 16 * lora_params(spec, lora)
+    assert model_memory_bytes(spec, "output tokens/s", "bfloat16", weight_format="int8") < full / 15
+
+
+def test_sparse_and_dense_moe_finetune_memory_and_flops():
+    """Routing every expert (the dense fine-tune) grows activations and step FLOPs, not weights."""
+    from archsearch.planning.batchlaws import with_active_experts
+    from archsearch.planning.lora import LoraSettings
+    from archsearch.planning.memory import predict_finetune_memory
+    from archsearch.planning.planner import lora_step_flops
+    from archsearch.presets import get_preset
+
+    sparse = get_preset("mixtral-8x7b")
+    dense = with_active_experts(sparse, 8)
+    lora = LoraSettings(8)
+    ms, md = (predict_finetune_memory(s, "qlora", 4, 174, lora=lora) for s in (sparse, dense))
+    assert ms["weights"] == md["weights"] and md["activations"] > 2 * ms["activations"]
+    assert lora_step_flops(dense, lora, 1000) > 3 * lora_step_flops(sparse, lora, 1000)
+    with pytest.raises(ArchsearchError):
+        with_active_experts(get_preset("tiny"), 2)
+
+
+def test_estimate_memory_cli_formats_and_bad_inputs(capsys):
+    from archsearch.cli import main
+
+    assert main(["estimate", "memory", "--arch", "mixtral-8x7b", "--gpus", "A40", "--finetune", "qlora",
+                 "--seq-len", "174", "--max-batch-law", "published:xia2024-mixtral", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finetune"] == "qlora" and 20 * 2**30 < out["training"]["weights"] < 25 * 2**30
+    assert out["max_training_micro_batch"] >= 1 and out["max_batch_law"]["sparsity"] == 0.25
+    bad = [(["--weight-format", "int3", "--finetune", "lora"], "weight_format"),
+           (["--finetune", "full", "--weight-format", "nf4"], "--weight-format"),
+           (["--finetune", "qlora", "--weight-format", "int8"], "--weight-format"),
+           (["--finetune", "lora", "--lora-targets", "experts"], "lora.targets")]
+    for extra, name in bad:
+        assert main(["estimate", "memory", "--arch", "tiny", *extra]) == 2
+        err = capsys.readouterr().err
+        assert name in err and err.count("\n") <= 3, err

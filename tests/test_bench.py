@@ -106,17 +106,20 @@ def test_settings_reproducible(measured, backend, tmp_path):
 @pytest.mark.parametrize("backend", ["analytic", pytest.param("hf", marks=pytest.mark.slow),
                                      pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_failure_is_recorded(backend):
-    """Analytic: a batch that cannot fit. Engines: a timeout before the engine is up."""
+    """Analytic: a shape whose weights do not fit (a batch beyond the KV capacity only queues, as
+    in an engine). Engines: a timeout before the engine is up."""
     if backend == "analytic":
         s = _settings(backend, batch_sizes=[1, 10**9], device_spec="A100-40GB")
+        r = measure(TINY, s)
+        assert r.ok and r.batch(1).capped_at is None and r.batch(10**9).capped_at and "waves" in r.batch(10**9).note
+        huge = TINY.replace(hidden_size=8192, n_heads=64, n_kv_heads=8, head_dim=128, ffn=131072, n_layers=64)
+        r = measure(huge, s)
+        assert not r.ok and r.error and all(not b.ok and "not to fit" in b.error for b in r.per_batch)
+        assert r.throughput(1) is None
     else:
         s = _settings(backend, timeout_s=1)
-    r = measure(TINY, s)
-    assert not r.ok and r.error
-    if backend == "analytic":
-        assert r.batch(1).ok and not r.batch(10**9).ok
-        assert "not to fit" in r.batch(10**9).error and r.throughput(10**9) is None
-    else:
+        r = measure(TINY, s)
+        assert not r.ok and r.error
         assert all(not b.ok and "timeout" in b.error for b in r.per_batch)
         assert r.throughput(1) is None and r.timing["runs"][0]["timed_out"]
 
@@ -334,8 +337,8 @@ def test_roofline_decode_is_bandwidth_bound_and_capacity_limits_batch():
     assert r.tpot_mean == pytest.approx(decode / (g - 1))
     assert r.ttft_mean == pytest.approx((w + b * s * kv) / 1e9)
     cap = max_batch_by_kv(TINY, dev.memory_bytes, s + g, "bfloat16", 0.9)
-    assert predict_batch(TINY, dev, "bfloat16", cap, s, g).ok
-    assert not predict_batch(TINY, dev, "bfloat16", cap + 1, s, g).ok
+    assert predict_batch(TINY, dev, "bfloat16", cap, s, g).capped_at is None
+    assert predict_batch(TINY, dev, "bfloat16", cap + 1, s, g).capped_at == cap
 
 
 def test_roofline_prefers_fewer_kv_heads_at_large_batch():

@@ -147,3 +147,135 @@ def test_bench_two_point_check_recovers_an_affine_step_time():
     wall = out[0]
     assert wall["ratio_measured_over_two_point"] == pytest.approx(1.0) and wall["overhead_s"] == pytest.approx(0.3)
     assert wall["ratio_measured_over_one_point"] < 0.85
+
+
+# -- weight formats, expert adapters, what is trained ------------------------------------------
+
+def test_nf4_int8_bytes_as_bitsandbytes_stores_them():
+    """A 4096 x 4096 weight, hand-derived from bitsandbytes' quantize_4bit (blocks of 64, absmax
+    quantised to 8 bits in blocks of 256, one fp32 absmax per 256 blocks and an fp32 offset; the
+    16-entry fp32 NF4 code) and Int8Params (int8 copy, fp32 scale per row)."""
+    from archsearch.planning.formats import WeightFormat, matrix_bytes, parse_format
+
+    n = 4096 * 4096
+    assert matrix_bytes(4096, 4096, parse_format("nf4")) == n // 2 + n // 64 + 4 * (n // 64 // 256) + 4 + 64
+    assert matrix_bytes(4096, 4096, parse_format("nf4-nodq")) == n // 2 + 4 * (n // 64) + 64
+    assert matrix_bytes(4096, 4096, parse_format("int8")) == n + 4 * 4096
+    assert matrix_bytes(4096, 4096, parse_format("bf16"), count=3) == 3 * 2 * n
+    # QLoRA section 3: double quantisation costs 8/64 + 32/(64*256) = 0.127 bits per parameter
+    bits = 8 * matrix_bytes(4096, 4096, WeightFormat("nf4")) / n - 4
+    assert bits == pytest.approx(8 / 64 + 32 / (64 * 256), abs=1e-4) and round(bits, 3) == 0.127
+    with pytest.raises(ArchsearchError) as e:
+        parse_format("int3")
+    assert e.value.field == "weight_format"
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_base_weights_partition_every_parameter(name):
+    from archsearch.arch import non_embedding_params, total_params
+    from archsearch.planning.formats import base_weight_bytes
+    from archsearch.presets import get_preset
+
+    spec = get_preset(name)
+    bf16 = base_weight_bytes(spec, "bf16", "bfloat16")
+    assert bf16["linear_params"] == non_embedding_params(spec)
+    assert bf16["linear_params"] + bf16["other_params"] == total_params(spec)
+    assert bf16["total"] == 2 * total_params(spec)
+    nf4 = base_weight_bytes(spec, "nf4", "bfloat16")
+    assert nf4["bits_per_linear_param"] == pytest.approx(4.127, abs=2e-3)
+    assert nf4["unquantised"] == 2 * nf4["other_params"]
+
+
+MOE_SPEC = dict(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=80, vocab_size=128,
+                family="mixtral", n_experts=4, experts_per_token=2)
+
+
+@pytest.mark.parametrize("targets", [("q_proj",), ("q_proj", "experts.gate_up_proj", "experts.down_proj"),
+                                     ("experts.down_proj",)])
+def test_expert_adapter_count_equals_peft(targets):
+    """Expert projections of a real (tiny) Mixtral through peft's target_parameters."""
+    pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archsearch.arch import to_hf_config
+    from archsearch.trainers.loop import apply_lora
+
+    spec = ArchSpec(**MOE_SPEC)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**to_hf_config(spec, "float32")))
+    _, info = apply_lora(model, spec, 4, targets)  # raises when peft's count differs
+    assert info["trainable_params"] == lora_params(spec, LoraSettings(4, targets))
+
+
+def test_adapters_stay_fp32_over_a_bf16_base_in_peft():
+    """peft's default (autocast_adapter_dtype) upcasts adapters: predict_lora_memory's default."""
+    pytest.importorskip("peft")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from archsearch.arch import to_hf_config
+
+    spec = ArchSpec(n_layers=1, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=96, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**to_hf_config(spec, "float32"))).to(torch.bfloat16)
+    pm = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert {p.dtype for p in pm.parameters() if p.requires_grad} == {torch.float32}
+
+
+def test_expert_adapter_activations_match_autograd():
+    """Adapters on the 3-D expert tensors: peft merges W + B A for every expert and the grouped
+    matmul saves it with its routed input; the accounting follows within 1% (fp32)."""
+    pytest.importorskip("peft")
+    import torch
+
+    from archsearch.planning.lora import EXPERTS, lora_saved_bytes
+
+    spec = ArchSpec(**MOE_SPEC)
+    targets = ATTENTION + EXPERTS
+    saved = _saved_activation_bytes(spec, targets, 2, 16, torch.float32)
+    assert lora_saved_bytes(spec, LoraSettings(4, targets), 2, 16, "float32") == pytest.approx(saved, rel=0.01)
+    saved = _saved_activation_bytes(spec, targets, 2, 16, torch.bfloat16)
+    assert lora_saved_bytes(spec, LoraSettings(4, targets), 2, 16, "bfloat16") == pytest.approx(saved, rel=0.05)
+
+
+def test_targets_are_checked_against_the_model():
+    from archsearch.planning.lora import EXPERTS, parse_targets
+
+    dense = ArchSpec(n_layers=1, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=96, vocab_size=64)
+    with pytest.raises(ArchsearchError) as e:
+        lora_params(dense, LoraSettings(4, ("q_proj", "experts.down_proj")))
+    assert e.value.field == "lora.targets" and "dense" in e.value.problem
+    with pytest.raises(ArchsearchError) as e:
+        lora_params(ArchSpec(**MOE_SPEC), LoraSettings(4, ("gate_proj",)))
+    assert "experts" in e.value.fix
+    assert parse_targets("attention,experts") == ATTENTION + EXPERTS
+    assert parse_targets("q_proj,attention") == ATTENTION
+    with pytest.raises(ArchsearchError):
+        LoraSettings(4, ("q_proj", "q_proj"))
+
+
+def test_finetune_memory_counts_what_is_trained():
+    """Mixtral-8x7B at micro-batch 1 x 174: full bf16 AdamW (16 B/param) against QLoRA (NF4 base,
+    fp32 adapters and AdamW states on the attention)."""
+    from archsearch.arch import total_params
+    from archsearch.planning.formats import base_weight_bytes
+    from archsearch.planning.memory import predict_finetune_memory
+    from archsearch.presets import get_preset
+
+    spec = get_preset("mixtral-8x7b")
+    full = predict_finetune_memory(spec, "full", 1, 174, "bfloat16")
+    assert full["weights"] + full["gradients"] + full["optimizer"] == 16 * total_params(spec)
+    lora = LoraSettings(8)
+    q = predict_finetune_memory(spec, "qlora", 1, 174, "bfloat16", lora=lora)
+    n = lora_params(spec, lora)
+    assert q["weights"] == base_weight_bytes(spec, "nf4", "bfloat16")["total"]
+    assert (q["adapters"], q["adapter_gradients"], q["optimizer"]) == (4.0 * n, 4.0 * n, 8.0 * n)
+    assert q["dequant_workspace"] == 2 * 14336 * 4096  # one expert projection at a time, bf16
+    assert 20 < q["total_gib"] < 30 < full["total_gib"] / 25
+    half = predict_finetune_memory(spec, "lora", 1, 174, "bfloat16", lora=lora, adapter_dtype="bfloat16")
+    assert half["optimizer"] == 4.0 * n and half["weights"] == 2 * total_params(spec)
+    with pytest.raises(ArchsearchError) as e:
+        predict_finetune_memory(spec, "full", 1, 174, weight_format="nf4")
+    assert e.value.field == "weight_format"
+    with pytest.raises(ArchsearchError) as e:
+        predict_finetune_memory(spec, "prefix", 1, 174)
+    assert e.value.field == "finetune"

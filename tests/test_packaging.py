@@ -1,6 +1,8 @@
 """A clean install puts only ``archsearch`` into site-packages: the repository's ``trainers/`` and
-``benchmarks/`` folders are imported as ``archsearch.trainers`` and ``archsearch.benchmarks``
-(symlinks inside ``archsearch/``), never as generic top-level names that could clash with a user's."""
+``benchmarks/`` folders are installed as ``archsearch.trainers`` and ``archsearch.benchmarks``
+(pyproject's ``package-dir``), never as generic top-level names that could clash with a user's; the
+one-off benchmark scripts (``benchmarks/scripts``) stay in the repository, and the library never
+imports them."""
 from __future__ import annotations
 
 import ast
@@ -19,10 +21,18 @@ GENERIC = {"trainers", "benchmarks"}
 
 def _sources():
     for folder in ("archsearch", "trainers", "benchmarks", "tests", "scripts"):
-        for path in (ROOT / folder).rglob("*.py"):
-            if "archsearch/trainers" in path.as_posix() or "archsearch/benchmarks" in path.as_posix():
-                continue  # the symlinked folders are scanned under their real names
-            yield path
+        yield from (ROOT / folder).rglob("*.py")
+
+
+def _library_files():
+    """The repository's files an install carries, by their path inside the package."""
+    for folder, inside in (("archsearch", "archsearch"), ("trainers", "archsearch/trainers"),
+                           ("benchmarks", "archsearch/benchmarks")):
+        for path in (ROOT / folder).rglob("*"):
+            rel = path.relative_to(ROOT / folder)
+            if path.is_file() and "__pycache__" not in rel.parts and rel.parts[0] != "scripts" \
+                    and (path.suffix == ".py" or rel.parts[0] == "evaltasks"):
+                yield f"{inside}/{rel.as_posix()}", path
 
 
 def test_no_source_imports_a_generic_top_level_name():
@@ -39,13 +49,38 @@ def test_no_source_imports_a_generic_top_level_name():
     assert not bad, "import these as archsearch.trainers / archsearch.benchmarks: " + ", ".join(bad)
 
 
-def test_namespace_links_point_at_the_repository_folders():
-    for name in GENERIC:
-        link = ROOT / "archsearch" / name
-        assert link.is_symlink() and link.resolve() == (ROOT / name).resolve()
+def test_no_symlinks_in_the_package():
+    links = [p for p in (ROOT / "archsearch").rglob("*") if p.is_symlink()]
+    assert not links, f"the package maps trainers/ and benchmarks/ in pyproject.toml, not by links: {links}"
 
 
-def test_wheel_installs_only_the_archsearch_namespace(tmp_path):
+def test_checkout_imports_the_folders_beside_the_package():
+    """Run from a checkout (the tests, ``python -m archsearch``), the sub-packages come from its folders."""
+    code = "import archsearch.trainers as t, archsearch.benchmarks.base as b; print(t.__file__); print(b.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(ROOT / "trainers" / "__init__.py"), str(ROOT / "benchmarks" / "base.py")]
+
+
+def test_library_never_imports_the_benchmark_scripts():
+    """The scripts are not installed: no module of the package may import them, even inside a function."""
+    bad = []
+    for name, path in _library_files():
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            mods = []
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = name.rsplit("/", 1)[0].replace("/", ".").split(".")
+                mods = [".".join(base[: len(base) - node.level + 1] + [node.module]) if node.level else node.module]
+            bad += [f"{name}:{node.lineno} {m}" for m in mods if m.startswith("archsearch.benchmarks.scripts")]
+    assert not bad, "the library imports the repository's benchmark scripts: " + ", ".join(bad)
+
+
+def test_wheel_holds_the_library_and_not_the_scripts(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                         "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
@@ -54,7 +89,11 @@ def test_wheel_installs_only_the_archsearch_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"archsearch", wheel.name.split("-")[0] + "-"
                                                  + wheel.name.split("-")[1] + ".dist-info"}
-    # the trainer and the measurement backends travel inside the namespace, as real files
+    # every library file travels inside the namespace (a new sub-package missing from pyproject's list
+    # shows here), and nothing else: no benchmark script
+    source = {name for name, _ in _library_files()}
+    assert source - set(names) == set(), "add the sub-package to [tool.setuptools] packages in pyproject.toml"
+    assert [n for n in names if not n.startswith("archsearch-") and n not in source] == []
     assert "archsearch/trainers/loop.py" in names and "archsearch/benchmarks/base.py" in names
 
 

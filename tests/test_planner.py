@@ -251,3 +251,79 @@ def test_two_point_lora_calibration_separates_per_step_overhead():
     with pytest.raises(ArchsearchError) as e:
         pl.LoraCalibration(1e9, "cpu", 1.0, 1e9, {}, overhead_s=-1.0)
     assert e.value.field == "lora_calibration.overhead_s"
+
+
+def _search_plan(**kw):
+    base = dict(tokens=2e5, seq_len=128, device="H100", variants=("lora", "qlora"), ranks=(8, 64),
+                batch_sizes=(1, 4, 16))
+    return pl.FinetunePlan(**{**base, **kw})
+
+
+def test_search_keeps_the_fastest_configuration_within_the_finetune_limits(tmp_path):
+    """Serving and fine-tuning limits apart: a fine-tuning memory limit that only the NF4 base
+    meets on the larger model picks QLoRA there, the fastest batch that fits, and leaves serving
+    (its own limit, unset) alone."""
+    big = get_preset("smollm2-135m")
+    every = pl.search_finetune(big, _search_plan())
+    assert len(every) == 2 * 2 * 3 and all(x["within_limits"] for x in every)
+    least = {v: min(x["peak_memory_gib"] for x in every if x["variant"] == v) for v in ("lora", "qlora")}
+    assert least["qlora"] < least["lora"]
+    ft = _search_plan(max_memory_gib=(least["lora"] + least["qlora"]) / 2)
+    plans, _ = _plans(tmp_path, Limits(), ft)
+    cp = plans[1]
+    assert cp.name == "smollm2-135m" and cp.finetunes and cp.serves
+    lo = cp.lora
+    assert lo["variant"] == "qlora" and lo["peak_memory_gib"] <= ft.max_memory_gib
+    fits = [x for x in lo["search"] if x["within_limits"]]
+    assert lo["hours"] == min(x["hours"] for x in fits)
+    assert all(x["variant"] == "qlora" for x in fits)
+    cmd, note = pl.finetune_command(cp, pl.resolve_candidate("smollm2-135m"), ft, tmp_path)
+    assert cmd[cmd.index("--global-batch-size") + 1] == str(lo["batch_size"]) and "bitsandbytes" in note
+
+
+def test_unreachable_finetune_limits_name_the_limit_and_the_best_value():
+    specs = {"tiny": get_preset("tiny"), "smollm2-135m": get_preset("smollm2-135m")}
+    every = [x for s in specs.values() for x in pl.search_finetune(s, _search_plan())]
+    best_mem = min(x["peak_memory_gib"] for x in every)
+    (line,) = pl.finetune_unreachable(specs, _search_plan(max_memory_gib=best_mem / 2))
+    assert line.startswith("--finetune-max-memory-gib") and f"{best_mem:.4g} GiB" in line and "tiny" in line
+    # each reachable alone, not together: memory only at batch 1, time only at batch 16 (QLoRA
+    # dequantises the base once per step: fewer, larger steps are faster)
+    tiny = pl.search_finetune(specs["tiny"], _search_plan(variants=("qlora",)))
+    mem = {b: min(x["peak_memory_gib"] for x in tiny if x["batch_size"] == b) for b in (1, 4, 16)}
+    hrs = {b: min(x["hours"] for x in tiny if x["batch_size"] == b) for b in (1, 4, 16)}
+    assert hrs[16] < hrs[4] < hrs[1] and mem[1] < mem[4] < mem[16]
+    both = _search_plan(variants=("qlora",), max_memory_gib=(mem[1] + mem[4]) / 2, max_hours=(hrs[16] + hrs[4]) / 2)
+    (line,) = pl.finetune_unreachable({"tiny": specs["tiny"]}, both)
+    assert "not together" in line
+
+
+def test_expert_targets_are_searched_only_where_they_exist():
+    ft = _search_plan(target_sets=(("q_proj",), ("q_proj", "experts.down_proj")), variants=("qlora",))
+    moe = pl.search_finetune(get_preset("mixtral-8x7b"), ft)
+    dense = pl.search_finetune(get_preset("tiny"), ft)
+    assert {tuple(x["targets"]) for x in moe} == {("q_proj",), ("q_proj", "experts.down_proj")}
+    assert {tuple(x["targets"]) for x in dense} == {("q_proj",)}
+    with pytest.raises(ArchsearchError) as e:
+        pl.search_finetune(get_preset("tiny"), _search_plan(target_sets=(("experts.down_proj",),)))
+    assert e.value.field == "--lora-targets"
+
+
+@pytest.mark.parametrize("extra,field", [
+    (["--max-peak-memory-gib", "4", "--serve-max-memory-gib", "4"], "--max-peak-memory-gib"),
+    (["--lora-rank", "8", "--lora-ranks", "8,16"], "--lora-ranks"),
+    (["--max-finetune-hours", "1", "--max-finetune-minutes", "20"], "--max-finetune-minutes"),
+    (["--lora-variants", "qlora,dora"], "finetune.variants"),
+    (["--lora-targets", "experts"], "--lora-targets"),
+    (["--finetune-max-memory-gib", "0.0001"], "--finetune-max-memory-gib"),
+    (["--max-peak-memory-gib", "0.0001"], "--max-peak-memory-gib"),
+    (["--max-finetune-cost", "1", "--finetune-device", "cpu"], "--max-finetune-cost"),
+])
+def test_plan_cli_refuses_bad_or_unreachable_limits_before_measuring(tmp_path, capsys, extra, field):
+    from archsearch.cli import main
+
+    out = tmp_path / "p"
+    assert main(["plan", "--candidates", "tiny", "--out", str(out), "--finetune-device", "H100", *extra]) == 2
+    err = capsys.readouterr().err
+    assert field in err and err.count("\n") <= 3, err
+    assert not (out / pl.MEASUREMENTS).exists()

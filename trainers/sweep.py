@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +25,7 @@ from archsearch.arch import ArchSpec, non_embedding_params
 from archsearch.configio import to_dict
 from archsearch.fileio import atomic_write, write_json
 from archsearch.errors import ArchsearchError
+from archsearch.logs import get_logger
 from archsearch.rundata import RunRecord, write_runs
 from archsearch.trainers.config import SweepConfig
 
@@ -133,7 +133,7 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
     seen: dict[str, str] = {}
     health = HealthMonitor(cfg.health) if cfg.health is not None else None
     final_records: list[dict] = []
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    log = get_logger("train").info if progress else (lambda msg: None)
     for i, (point, spec, err) in enumerate(specs, 1):
         tag = (f"[{i}/{len(specs)}] N={point['params']:.4g} L={point['n_layers']} "
                f"d/sqrtN={point['hidden_over_sqrt_n']:g} r={point['mlp_to_attn']:g} seed={point['seed']}")

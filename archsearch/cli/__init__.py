@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import pkgutil
 import sys
+from collections.abc import Iterator
 
 from archsearch import __version__
 from archsearch.cli._common import finite_float
@@ -31,6 +32,15 @@ class _Parser(argparse.ArgumentParser):
         if kwargs.get("type") is float:
             kwargs["type"] = finite_float
         return super().add_argument(*args, **kwargs)
+
+    def format_help(self) -> str:
+        # the examples block keeps its lines as written (argparse would re-wrap them)
+        epilog, self.epilog = self.epilog, None
+        try:
+            text = super().format_help()
+        finally:
+            self.epilog = epilog
+        return text + (f"\n{epilog}\n" if epilog else "")
 
     def add_argument_group(self, *args, **kwargs):
         group = super().add_argument_group(*args, **kwargs)
@@ -55,7 +65,39 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(f"{__name__}.{mod.name}")
         module.register(sub)
+    _add_examples(parser)
+    _add_verbosity(parser)
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every (sub)command's parser, named as typed: ("arch describe", parser), ..."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, p in action.choices.items():
+                yield f"{prefix}{name}", p
+                yield from subcommands(p, f"{prefix}{name} ")
+
+
+def _add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """``-q/--quiet`` and ``-v/--verbose`` on every command (archsearch.logs); absent unless given,
+    so a subcommand's parser never resets its parent's."""
+    for _, p in subcommands(parser):
+        if p.get_default("func") is None:
+            continue
+        g = p.add_argument_group("messages").add_mutually_exclusive_group()
+        g.add_argument("-q", "--quiet", action="store_const", const=-1, dest="verbosity", default=argparse.SUPPRESS,
+                       help="only warnings and errors on stderr (the study log keeps the progress lines)")
+        g.add_argument("-v", "--verbose", action="store_const", const=1, dest="verbosity",
+                       default=argparse.SUPPRESS,
+                       help="debug lines, and other libraries' messages (transformers, vLLM, Optuna) on stderr")
+
+
+def _add_examples(parser: argparse.ArgumentParser) -> None:
+    from archsearch.cli._examples import epilog
+
+    for name, p in subcommands(parser):
+        p.epilog = epilog(name)
 
 
 class Terminated(KeyboardInterrupt):
@@ -97,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
     from archsearch.cli._common import json_stdout
+    from archsearch.logs import configure
 
+    configure(getattr(args, "verbosity", 0))
     _terminate_like_interrupt()
     try:
         with json_stdout(bool(getattr(args, "json", False))):

@@ -139,7 +139,8 @@ def build_settings_from_args(args: argparse.Namespace, **kw: Any):
 
 def arch_from_args(args: argparse.Namespace):
     """Build the ArchSpec named by :func:`add_arch_args` flags; clear error when incomplete."""
-    from archsearch.arch import ArchSpec, load_arch
+    from archsearch.arch import ArchSpec
+    from archsearch.presets import load_arch
     from archsearch.errors import ArchsearchError
 
     fields = ("n_layers", "hidden_size", "n_heads", "ffn")
@@ -172,9 +173,28 @@ def arch_from_args(args: argparse.Namespace):
 
 
 def add_overrides_arg(p: argparse.ArgumentParser) -> None:
-    """Positional ``key.sub=value`` overrides of the ``--config`` file (OmegaConf dotlist syntax)."""
+    """Positional ``key.sub=value`` overrides of the ``--config`` file (OmegaConf dotlist syntax),
+    with an example of the command's own config (``_examples.OVERRIDE_EXAMPLES``)."""
+    from archsearch.cli._examples import OVERRIDE_EXAMPLES
+
+    command = p.prog.split()[-1]
     p.add_argument("overrides", nargs="*", metavar="KEY.SUB=VALUE",
-                   help="override config fields, e.g. optuna.n_trials=12 params=200K")
+                   help=f"override config fields, e.g. {OVERRIDE_EXAMPLES[command]}")
+
+
+def add_print_config_arg(p: argparse.ArgumentParser) -> None:
+    """``--print-config``: show the resolved config and stop (see :func:`print_config`)."""
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (file + overrides + defaults) as YAML and exit; "
+                        "runs nothing, writes nothing (passwords in URLs masked)")
+
+
+def print_config(cfg: Any) -> None:
+    """A validated config (a dataclass, or a mapping of them) as YAML on stdout, secrets masked:
+    what the command would run with; the output is itself a valid ``--config`` file."""
+    from archsearch.configio import to_yaml
+
+    sys.stdout.write(to_yaml(cfg))
 
 
 @contextlib.contextmanager

@@ -99,9 +99,13 @@ def _bench(args: argparse.Namespace) -> int:
         _print_table(d)
         if args.out:
             print(f"appended to {args.out}")
-    if not result.ok:  # recorded above; the exit status and this line say it failed
+    failed = [b for b in result.per_batch if not b.ok]
+    if len(failed) == len(result.per_batch):  # recorded above; the exit status and this line say it failed
         print(f"archsearch: measurement failed: {result.error}", file=sys.stderr)
         return 1
+    if failed:  # one batch size's failure keeps the others (they are recorded and printed above)
+        print("archsearch: " + "; ".join(f"batch size {b.batch_size} failed: {b.error}" for b in failed)
+              + f"; the other {len(result.per_batch) - len(failed)} batch size(s) are measured", file=sys.stderr)
     return 0
 
 
@@ -119,6 +123,9 @@ def _print_table(d: dict) -> None:
     s = d["settings"]
     print(f"input {s['input_len']} / output {s['output_len']} tokens, warm-up {s['warmup']}, "
           f"repeats {s['repeats']}")
+    cal = ((s.get("engine") or d.get("engine") or {}).get("calibration") if d["predicted"] else None)
+    if cal:
+        print(f"calibrated: {cal['fitted_on']}" if isinstance(cal, dict) else cal)
     start = d["timing"].get("engine_start_s")
     if start is not None:
         print(f"engine start {start:.1f} s")
@@ -129,6 +136,8 @@ def _print_table(d: dict) -> None:
         if not b["ok"]:
             print(f"{b['batch_size']:>6}  FAILED: {b['error']}")
             continue
+        if b.get("note"):
+            print(f"{'':>6}  {b['note']}")
         print(f"{b['batch_size']:>6} {_fmt(b['output_throughput']):>12} "
               f"{_fmt(b['output_throughput_std']):>8} {_fmt(b['total_throughput']):>12} "
               f"{_fmt(b['ttft_mean'], 1e3):>9} {_fmt(b['ttft_p99'], 1e3):>8} "

@@ -18,7 +18,7 @@ def register(sub) -> None:
         description="Estimate training time and cost, with every assumption printed. "
                     "Subcommands: 'fit' fits a time law to measured runs, 'memory' predicts "
                     "peak memory and the largest batch.")
-    p.add_argument("--arch", help="a preset name, a folder with config.json, or an architecture JSON")
+    p.add_argument("--arch", "--preset", help="a preset name, a folder with config.json, or an architecture JSON")
     p.add_argument("--tokens", type=parse_number, help="training tokens D (e.g. 2e10, 20B)")
     p.add_argument("--gpus", default="8xH100", help="COUNTxDEVICE, DEVICE or cpu (default 8xH100)")
     p.add_argument("--tp", type=pos_int, default=1, help="tensor parallel degree (default 1)")
@@ -33,13 +33,18 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="training compute dtype (default bfloat16)")
     p.add_argument("--seq-len", type=pos_int, default=2048, help="sequence length for the memory check")
     p.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
+    _finetune_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=_estimate)
     sp = p.add_subparsers(dest="estimate_command", metavar="SUBCOMMAND", parser_class=type(p))
 
-    f = sp.add_parser("fit", help="fit the training-time law to runs with wall_time_s",
+    f = sp.add_parser("fit", help="fit the training-time law to runs with wall_time_s (scaling-law smart tuning)",
                       description="Fit T(N, D, TP, PP) (analytic, Amdahl, power; each with and "
-                                  "without a boosted residual) and keep the best by cross-validated MAE.")
+                                  "without a boosted residual) and keep the best by cross-validated MAE. "
+                                  "Collecting the runs is the source paper's scaling-law smart tuning: time "
+                                  "short runs of small models on few tokens, fit the law, predict the full "
+                                  "run (benchmarks/scripts/bench_planning.py does it here; docs/planning.md). "
+                                  "Published coefficients: archsearch.planning.TimeLaw.from_coefficients.")
     f.add_argument("--data", required=True, help="runs (.csv or .jsonl, the rundata format)")
     f.add_argument("--holdout", help="runs to predict and report, never used for the fit")
     f.add_argument("--out", type=out_file, required=True, metavar="TIME_LAW.json")
@@ -57,7 +62,7 @@ def register(sub) -> None:
     b.set_defaults(func=_batch_laws)
 
     m = sp.add_parser("memory", help="predicted peak memory (inference and training) and max batch")
-    m.add_argument("--arch", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
+    m.add_argument("--arch", "--preset", required=True, help="a preset name, a folder with config.json, or an architecture JSON")
     m.add_argument("--gpus", default="H100", help="device for the max-batch answer (default H100)")
     m.add_argument("--batch", type=pos_int, default=16, help="inference batch size (default 16)")
     m.add_argument("--input-len", type=pos_int, default=4096)
@@ -68,8 +73,48 @@ def register(sub) -> None:
     m.add_argument("--tp", type=pos_int, default=1)
     m.add_argument("--pp", type=pos_int, default=1)
     m.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
+    _finetune_args(m)
+    m.add_argument("--max-batch-law", metavar="published:NAME|LAWS.json",
+                   help="a max-batch law (docs/method.md section 8) to answer beside the accounting, e.g. "
+                        "published:xia2024-mixtral (C0 = 82, C1 = 0.95), with M_model set by --finetune/--weight-format")
+    m.add_argument("--experts-per-token", type=pos_int,
+                   help="MoE: experts routed per token (the number of experts = the dense fine-tune)")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=_memory)
+
+
+def _finetune_args(p) -> None:
+    g = p.add_argument_group("what is trained (training memory)")
+    g.add_argument("--finetune", default="full", choices=["full", "lora", "qlora"],
+                   help="full: every weight with AdamW (default); lora: adapters on a frozen base; "
+                        "qlora: adapters on a 4-bit NF4 base")
+    g.add_argument("--weight-format", help="frozen base weights: bf16, fp16, fp32, int8, nf4 (double-quantised), "
+                                            "nf4-nodq (default: the dtype; nf4 with --finetune qlora)")
+    g.add_argument("--lora-rank", type=pos_int, default=8, help="adapter rank (lora, qlora)")
+    g.add_argument("--lora-targets", default="attention",
+                   help="modules or groups: attention, mlp, experts, all-dense, all-moe, or names "
+                        "(q_proj,...,experts.gate_up_proj) (default attention)")
+
+
+def _finetune_settings(args: argparse.Namespace, spec):
+    """(method, LoraSettings or None, weight format text or None), checked against the model."""
+    from archsearch.planning.formats import parse_format
+    from archsearch.planning.lora import LoraSettings, check_targets, parse_targets
+
+    fmt = args.weight_format
+    if fmt is not None:
+        parsed = parse_format(fmt)
+        if args.finetune == "full" and parsed.quantised:
+            raise ArchsearchError("--weight-format", f"{fmt} with --finetune full (a quantised base is frozen)",
+                                  "use --finetune lora or qlora")
+        if args.finetune == "qlora" and parsed.name != "nf4":
+            raise ArchsearchError("--weight-format", f"{fmt} with --finetune qlora (QLoRA's base is NF4)",
+                                  "leave --weight-format out, or use --finetune lora with it")
+    if args.finetune == "full":
+        return "full", None, fmt
+    lora = LoraSettings(args.lora_rank, parse_targets(args.lora_targets))
+    check_targets(spec, lora)
+    return args.finetune, lora, fmt
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
@@ -80,14 +125,23 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from archsearch.arch import load_arch
+    from archsearch.presets import load_arch
     from archsearch.planning import estimate_training
 
     _require(args, "arch", "tokens")
-    est = estimate_training(load_arch(args.arch), args.tokens, args.gpus, tp=args.tp, pp=args.pp,
+    spec = load_arch(args.arch)
+    method, lora, fmt = _finetune_settings(args, spec)
+    est = estimate_training(spec, args.tokens, args.gpus, tp=args.tp, pp=args.pp,
                             mfu=args.mfu, price_per_hour=args.price, time_law=args.law,
                             dtype=args.dtype, seq_len=args.seq_len, parallelism=args.parallelism)
-    fitted = _fitted_beside(args, est) if args.batch_laws else None
+    if method != "full":
+        from archsearch.planning.memory import predict_finetune_memory
+
+        ft = predict_finetune_memory(spec, method, 1, args.seq_len, args.dtype, lora=lora, weight_format=fmt)
+        est.assumptions.update({"finetune": f"{method}: {lora.describe()}", "memory_per_device_gib_at_micro_batch_1":
+                                ft["total_gib"], "memory_bytes_per_param": "frozen base in its format + adapters "
+                                "(see estimate memory --finetune)", "max_micro_batch_per_device": None})
+    fitted = _fitted_beside(args, est, method, lora, fmt) if args.batch_laws else None
     if args.json:
         print_json({**est.to_dict(), **({"batch_laws": fitted.to_dict()} if fitted else {})})
         return 0
@@ -109,9 +163,10 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fitted_beside(args: argparse.Namespace, est):
+def _fitted_beside(args: argparse.Namespace, est, method: str = "full", lora=None, fmt=None):
     """The batch/throughput-law answer for the same run (training tokens/s laws only)."""
-    from archsearch.arch import load_arch, sparsity
+    from archsearch.arch import sparsity
+    from archsearch.presets import load_arch
     from archsearch.planning import parse_gpus, resolve_price
     from archsearch.planning.batchlaws import estimate_from_batch_laws, load_batch_laws, model_memory_bytes
 
@@ -126,7 +181,8 @@ def _fitted_beside(args: argparse.Namespace, est):
     spec = load_arch(args.arch)
     dtype = "float32" if device.measured else args.dtype
     return estimate_from_batch_laws(tl, ml, args.tokens, device.memory_bytes,
-                                    model_memory_bytes(spec, tl.quantity, dtype), args.seq_len,
+                                    model_memory_bytes(spec, tl.quantity, dtype, method=method, lora=lora,
+                                                       weight_format=fmt), args.seq_len,
                                     sparsity(spec), n, resolve_price(device, args.price))
 
 
@@ -182,32 +238,75 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from archsearch.arch import load_arch
+    from archsearch.presets import load_arch
     from archsearch.planning import (max_inference_batch, max_training_batch, parse_gpus,
                                      predict_inference_memory, predict_training_memory)
 
     spec = load_arch(args.arch)
+    if args.experts_per_token is not None:
+        from archsearch.planning.batchlaws import with_active_experts
+
+        if not spec.is_moe or args.experts_per_token > spec.n_experts:
+            raise ArchsearchError("--experts-per-token", f"{args.experts_per_token} for "
+                                  f"{'a dense model' if not spec.is_moe else f'{spec.n_experts} experts'}",
+                                  "give an MoE model and at most its number of experts")
+        spec = with_active_experts(spec, args.experts_per_token)
+    method, lora, fmt = _finetune_settings(args, spec)
+    law = None
+    if args.max_batch_law:
+        from archsearch.planning.batchlaws import load_max_batch_law
+
+        law = load_max_batch_law(args.max_batch_law)
     n, device = parse_gpus(args.gpus)
-    inf = predict_inference_memory(spec, args.batch, args.input_len, args.output_len, args.dtype)
+    inf = predict_inference_memory(spec, args.batch, args.input_len, args.output_len, args.dtype,
+                                   weight_format=fmt if method != "full" else None)
     kw = dict(parallelism=args.parallelism, n_devices=n, tp=args.tp, pp=args.pp)
-    tr = predict_training_memory(spec, args.micro_batch, args.seq_len, args.dtype, **kw)
+    if method == "full":
+        tr = predict_training_memory(spec, args.micro_batch, args.seq_len, args.dtype, **kw)
+        max_tr = max_training_batch(spec, device.memory_bytes, args.seq_len, args.dtype, **kw)
+    else:
+        if (args.parallelism, n, args.tp, args.pp) != ("ddp", 1, 1, 1):
+            raise ArchsearchError("--parallelism", f"sharding with --finetune {method}",
+                                  "LoRA/QLoRA memory is planned on one device: leave --tp/--pp/--parallelism out")
+        from archsearch.planning.memory import max_finetune_batch, predict_finetune_memory
+
+        tr = predict_finetune_memory(spec, method, args.micro_batch, args.seq_len, args.dtype, lora=lora,
+                                     weight_format=fmt)
+        max_tr = max_finetune_batch(spec, method, device.memory_bytes, args.seq_len, args.dtype, lora=lora,
+                                    weight_format=fmt)
     out = {"device": device.name, "device_memory_gib": device.memory_gib, "inference": inf, "training": tr,
+           "finetune": method, "lora": None if lora is None else {"rank": lora.rank, "targets": list(lora.targets)},
            "max_inference_batch": max_inference_batch(spec, device.memory_bytes, args.input_len,
                                                       args.output_len, args.dtype),
-           "max_training_micro_batch": max_training_batch(spec, device.memory_bytes, args.seq_len,
-                                                          args.dtype, **kw)}
+           "max_training_micro_batch": max_tr}
+    if law is not None:
+        from archsearch.planning.batchlaws import model_memory_bytes
+
+        mm = model_memory_bytes(spec, "training tokens/s", args.dtype, method=method, lora=lora, weight_format=fmt)
+        s = law.sparsity_of(spec)
+        out["max_batch_law"] = {"law": law.to_dict(), "model_memory_bytes": mm, "sparsity": s,
+                                "device_memory_bytes": device.memory_bytes,
+                                "max_batch": law.predict(device.memory_bytes, mm, args.seq_len, s)}
     if args.json:
         print_json(out)
         return 0
     gib = lambda b: f"{b / 2**30:,.3f} GiB"  # noqa: E731
     print_table([(k, gib(inf[k])) for k in ("weights", "kv_cache", "activations", "total")],
                 title=f"inference: batch {args.batch}, {args.input_len} in + {args.output_len} out, {args.dtype}")
-    print_table([(k, gib(tr[k])) for k in ("weights", "gradients", "optimizer", "activations", "loss",
-                                           "optimizer_step", "total")],
-                title=f"training per device: micro-batch {args.micro_batch} x {args.seq_len}, "
-                      f"{n} devices, tp={args.tp} pp={args.pp} {args.parallelism}")
-    print_table([("device", f"{device.name} ({device.memory_gib:g} GiB)"),
-                 ("max inference batch (90% of memory)", out["max_inference_batch"]),
-                 ("max training micro-batch (95% of memory)", out["max_training_micro_batch"]),
-                 ("bytes per parameter (training)", tr["assumptions"]["bytes_per_param"])])
+    terms = [k for k, v in tr.items() if isinstance(v, (int, float)) and k not in
+             ("total_gib", "trainable_params", "ffn_width_for_activations")]
+    print_table([(k, gib(tr[k])) for k in terms],
+                title=f"training per device ({method}{'' if lora is None else ', ' + lora.describe()}): "
+                      f"micro-batch {args.micro_batch} x {args.seq_len}, {n} devices, tp={args.tp} pp={args.pp} "
+                      f"{args.parallelism}")
+    rows = [("device", f"{device.name} ({device.memory_gib:g} GiB)"),
+            ("max inference batch (90% of memory)", out["max_inference_batch"]),
+            ("max training micro-batch (95% of memory)", out["max_training_micro_batch"])]
+    if method == "full":
+        rows.append(("bytes per parameter (training)", tr["assumptions"]["bytes_per_param"]))
+    if law is not None:
+        lb = out["max_batch_law"]
+        rows.append((f"max batch by the law (M_model {lb['model_memory_bytes'] / 1e9:.4g} GB, sparsity "
+                     f"{lb['sparsity']:.3g})", lb["max_batch"]))
+    print_table(rows)
     return 0

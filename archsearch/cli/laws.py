@@ -6,6 +6,7 @@ See docs/laws.md for the run-data and law-file formats.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from archsearch.cli._common import (add_build_args, build_settings_from_args, parse_number, print_json,
                                     print_table)
@@ -95,6 +96,10 @@ def register(sub) -> None:
     add_build_args(p)
     p.add_argument("--level", type=level, default=0.9, help="interval level (default 0.9)")
     p.add_argument("--all-points", action="store_true", help="include every scanned candidate (JSON)")
+    p.add_argument("--out", type=out_dir, metavar="DIR",
+                   help="write the chosen shape (with --target-loss the best feasible one, else the "
+                        "loss-optimal one) into DIR: config.json (Hugging Face), spec.json and solve.json; "
+                        "'archsearch train --arch DIR' trains it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_solve)
 
@@ -230,6 +235,7 @@ def _solve(args: argparse.Namespace) -> int:
            "pareto": [p.to_dict() for p in res.pareto], "notes": res.notes}
     if args.all_points:
         out["points"] = [p.to_dict() for p in res.points]
+    written = _write_solved(args, res, out) if args.out else None
     if args.json:
         print_json(out)
         return 0
@@ -252,7 +258,37 @@ def _solve(args: argparse.Namespace) -> int:
                   f"loss={b.predicted_loss:.4f} throughput={b.throughput}")
     for n in res.notes:
         print(f"note: {n}")
+    if written:
+        print(f"wrote {written}/config.json (train it: archsearch train --arch {written} ...)")
     return 0
+
+
+def _write_solved(args: argparse.Namespace, res, out: dict) -> Path:
+    """The chosen shape as a model folder: ``config.json`` (what ``--arch DIR``, transformers and
+    vLLM read), ``spec.json`` (the architecture fields) and ``solve.json`` (the solve's answer, the
+    law file it used and provenance)."""
+    from archsearch.arch import write_hf_config
+    from archsearch.errors import ArchsearchError
+    from archsearch.fileio import write_json
+    from archsearch.provenance import provenance
+
+    if args.target_loss is not None:
+        chosen, which = res.best, "the best candidate that meets --target-loss"
+        if chosen is None:
+            raise ArchsearchError("--out", f"no candidate meets --target-loss {args.target_loss}",
+                                  "raise --target-loss, or leave it out to write the loss-optimal shape")
+    else:
+        chosen, which = res.architecture, "the loss-optimal shape"
+        if chosen is None:
+            raise ArchsearchError("--out", "the law gives no buildable optimum at this N and layer count",
+                                  "give --target-loss to pick among the scanned candidates")
+    folder = Path(args.out)
+    write_hf_config(chosen.spec, folder)
+    write_json(folder / "spec.json", chosen.spec.to_dict())
+    write_json(folder / "solve.json", {**out, "chosen": {"which": which, **chosen.to_dict()},
+                                       "law_file": str(Path(args.law).resolve()),
+                                       "provenance": provenance(device=False)})
+    return folder
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -34,18 +34,35 @@ def register(sub) -> None:
     g.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
     g.add_argument("--timeout", type=pos_float, default=d["timeout_s"], help="seconds per engine process")
     g.add_argument("--torch-threads", type=pos_int, help="hf backend: torch threads (recorded)")
-    lim = p.add_argument_group("limits (each optional)")
-    lim.add_argument("--max-tpot-s", type=pos_float, help="time per output token, seconds")
+    lim = p.add_argument_group("serving limits (each optional; measured)")
+    lim.add_argument("--max-tpot-s", type=pos_float, help="time per output token, seconds (e.g. 0.01)")
     lim.add_argument("--max-ttft-s", type=pos_float, help="time to first token, seconds")
-    lim.add_argument("--max-peak-memory-gib", type=pos_float, help="peak memory, serving and the LoRA step")
-    lim.add_argument("--max-finetune-hours", type=pos_float, help="predicted LoRA fine-tuning wall time")
-    ft = p.add_argument_group("LoRA fine-tune to plan")
-    ft.add_argument("--lora-rank", type=pos_int, default=8)
-    ft.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
-                    help="comma-separated module names (q_proj..o_proj, gate_proj, up_proj, down_proj)")
+    lim.add_argument("--serve-max-memory-gib", type=pos_float, help="peak memory of serving, GiB")
+    flim = p.add_argument_group("fine-tuning limits (each optional; predicted)")
+    flim.add_argument("--finetune-max-memory-gib", type=pos_float, help="peak memory of the fine-tuning step, GiB")
+    flim.add_argument("--max-finetune-hours", type=pos_float, help="predicted fine-tuning wall time, hours")
+    flim.add_argument("--max-finetune-minutes", type=pos_float, help="the same in minutes (give one of the two)")
+    flim.add_argument("--max-finetune-cost", type=pos_float, metavar="USD",
+                      help="predicted fine-tuning cost: hours x the device's price (--price or the device table)")
+    flim.add_argument("--price", type=pos_float, metavar="USD_PER_HOUR", help="price of the fine-tuning device per hour")
+    lim.add_argument("--max-peak-memory-gib", type=pos_float,
+                     help="one limit for both serving and fine-tuning memory (older form of "
+                          "--serve-max-memory-gib plus --finetune-max-memory-gib)")
+    ft = p.add_argument_group("LoRA fine-tune to plan: the search (variant x rank x targets x batch size)")
+    ft.add_argument("--lora-variants", default="lora",
+                    help="comma-separated: lora (base in the compute dtype), qlora (NF4 base, double-quantised), "
+                         "lora-int8 (LLM.int8() base) (default lora)")
+    ft.add_argument("--lora-ranks", type=parse_int_list, help="ranks to search, e.g. 8,16,64")
+    ft.add_argument("--lora-rank", type=pos_int, help="one rank (default 8)")
+    ft.add_argument("--lora-target-sets", help="target sets to search, separated by ';': each comma-separated "
+                    "module names or groups (attention, mlp, experts, all-dense, all-moe), e.g. 'attention;all-dense'")
+    ft.add_argument("--lora-targets", help="one target set (default attention: q_proj,k_proj,v_proj,o_proj)")
     ft.add_argument("--finetune-tokens", type=parse_number, default=1e6)
-    ft.add_argument("--finetune-batch-size", type=pos_int, default=8)
+    ft.add_argument("--finetune-batch-sizes", type=parse_int_list, help="batch sizes to search, e.g. 1,2,4,8,16,32")
+    ft.add_argument("--finetune-batch-size", type=pos_int, help="one batch size (default 8)")
     ft.add_argument("--finetune-seq-len", type=pos_int, default=512)
+    ft.add_argument("--finetune-dtype", choices=["float32", "bfloat16", "float16"],
+                    help="compute dtype of the step (default float32 on cpu, bfloat16 on a GPU)")
     ft.add_argument("--finetune-device", default=None,
                     help="device table entry the fine-tune runs on (default: this machine)")
     ft.add_argument("--mfu", type=pos_float, help="model FLOP utilisation for the step time (uncalibrated; "
@@ -69,10 +86,27 @@ def _plan(args: argparse.Namespace) -> int:
     from archsearch.planning.lora import LoraSettings
 
     # every check is arithmetic and happens before anything is measured or written
-    lora = LoraSettings(rank=args.lora_rank, targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()))
+    from archsearch.planning.lora import parse_targets
+
+    for one, many in (("lora_rank", "lora_ranks"), ("lora_targets", "lora_target_sets"),
+                      ("finetune_batch_size", "finetune_batch_sizes"), ("max_finetune_hours", "max_finetune_minutes")):
+        if getattr(args, one) is not None and getattr(args, many) is not None:
+            raise ArchsearchError(f"--{many.replace('_', '-')}", f"given together with --{one.replace('_', '-')}",
+                                  "give one of them")
+    for new in ("serve_max_memory_gib", "finetune_max_memory_gib"):
+        if args.max_peak_memory_gib is not None and getattr(args, new) is not None:
+            raise ArchsearchError("--max-peak-memory-gib", f"given together with --{new.replace('_', '-')}",
+                                  "use --serve-max-memory-gib and --finetune-max-memory-gib (the older flag sets both)")
+    serve_mem = args.serve_max_memory_gib if args.max_peak_memory_gib is None else args.max_peak_memory_gib
+    ft_mem = args.finetune_max_memory_gib if args.max_peak_memory_gib is None else args.max_peak_memory_gib
+    max_hours = args.max_finetune_hours if args.max_finetune_minutes is None else args.max_finetune_minutes / 60
+    ranks = tuple(args.lora_ranks) if args.lora_ranks else ((args.lora_rank,) if args.lora_rank else (8,))
+    sets = ([parse_targets(t) for t in args.lora_target_sets.split(";") if t.strip()] if args.lora_target_sets
+            else [parse_targets(args.lora_targets or "attention")])
+    lora = LoraSettings(rank=ranks[0], targets=sets[0])
     if not (args.finetune_tokens > 0):
         raise ArchsearchError("--finetune-tokens", f"must be positive, got {args.finetune_tokens!r}")
-    limits = Limits(max_ttft_s=args.max_ttft_s, max_tpot_s=args.max_tpot_s, max_peak_memory_gib=args.max_peak_memory_gib)
+    limits = Limits(max_ttft_s=args.max_ttft_s, max_tpot_s=args.max_tpot_s, max_peak_memory_gib=serve_mem)
     grid = pl.PlanGrid(tuple(args.batch_sizes), tuple(args.prefill_lens), tuple(args.decode_lens))
     candidates = [pl.resolve_candidate(c) for c in args.candidates]
     names = [c.name for c in candidates]
@@ -95,19 +129,33 @@ def _plan(args: argparse.Namespace) -> int:
         if here is None or device_key(args.finetune_device) != device_key(here):
             raise ArchsearchError("--calibrate-lora", f"this machine is {here}, the fine-tune is planned on "
                                   f"{args.finetune_device}", "calibrate on that device and pass --lora-calibration")
-    finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size,
-                               seq_len=args.finetune_seq_len, max_hours=args.max_finetune_hours,
-                               device=args.finetune_device, mfu=args.mfu, calibration=calibration)
+    variants = tuple(v.strip() for v in args.lora_variants.split(",") if v.strip())
+    finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size or 8,
+                               seq_len=args.finetune_seq_len, max_hours=max_hours,
+                               device=args.finetune_device, mfu=args.mfu, calibration=calibration,
+                               variants=variants, ranks=ranks, target_sets=tuple(sets),
+                               batch_sizes=tuple(args.finetune_batch_sizes or ()), dtype=args.finetune_dtype,
+                               max_memory_gib=ft_mem, max_cost_usd=args.max_finetune_cost,
+                               price_per_hour=args.price)
+    if finetune.max_cost_usd is not None:
+        from archsearch.hardware import get_device
+        from archsearch.planning.cost import resolve_price
+
+        price = resolve_price(get_device(finetune.device), finetune.price_per_hour)
+        if price.usd_per_hour is None:
+            raise ArchsearchError("--max-finetune-cost", f"a cost limit on {finetune.device}, which has no price",
+                                  "give --price USD_PER_HOUR, or plan on a device of the table (--finetune-device)")
     # a lower bound of the weights' memory: "auto" is bfloat16 on a GPU, float32 on CPU
     dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     if limits.max_peak_memory_gib is not None:
         least = min(weight_bytes(c.spec, dtype) / 2**30 for c in candidates)
         if least > limits.max_peak_memory_gib:
-            raise ArchsearchError("--max-peak-memory-gib", f"{limits.max_peak_memory_gib:g} GiB is unsatisfiable: the "
+            flag = "--max-peak-memory-gib" if args.max_peak_memory_gib is not None else "--serve-max-memory-gib"
+            raise ArchsearchError(flag, f"{limits.max_peak_memory_gib:g} GiB is unsatisfiable for serving: the "
                                   f"smallest candidate's weights alone take {least:.4g} GiB at {dtype}",
                                   "raise the limit or add a smaller candidate")
-    for c in candidates:  # adapters on these targets must be accountable before measuring
-        pl.lora_params(c.spec, lora)
+    for c in candidates:  # some target set of the search must apply to every candidate
+        pl.search_finetune(c.spec, finetune)
     if args.torch_threads and args.backend != "hf":
         raise ArchsearchError("--torch-threads", f"sets the hf backend's torch threads, not {args.backend}'s",
                               "leave it out with --backend " + args.backend)
@@ -123,16 +171,14 @@ def _plan(args: argparse.Namespace) -> int:
     # per candidate: its own calibration (--calibrate-lora), else the given one, else none
     cals: dict[str, pl.LoraCalibration | str | None] = {c.name: None for c in candidates}
     if args.calibrate_lora:  # the measurements the fine-tune budget check below needs
+        import dataclasses  # the memory limit needs no time: checked before calibrating
+
+        _fail_if_unreachable(pl.finetune_unreachable({c.name: c.spec for c in candidates}, dataclasses.replace(
+            finetune, max_hours=None, max_cost_usd=None)), args)
         cals = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)
-    if finetune.max_hours is not None:
-        fastest = min((pl.predict_lora_step_time(
-            c.spec, lora, finetune.batch_size, finetune.seq_len, finetune.device, finetune.mfu,
-            calibration=cals[c.name] if isinstance(cals[c.name], pl.LoraCalibration) else finetune.calibration,
-        )["step_s"] * finetune.steps / 3600, c.name) for c in candidates)
-        if fastest[0] > finetune.max_hours:
-            raise ArchsearchError("--max-finetune-hours", f"{finetune.max_hours:g} h is unsatisfiable: the fastest "
-                                  f"predicted LoRA fine-tune is {fastest[0]:.4g} h ({fastest[1]}, {finetune.steps} steps)",
-                                  "raise the budget, or plan fewer --finetune-tokens")
+    _fail_if_unreachable(pl.finetune_unreachable(
+        {c.name: c.spec for c in candidates}, finetune,
+        {n: (v if isinstance(v, pl.LoraCalibration) else None) for n, v in cals.items()}), args)
     measured = pl.measure_grid(candidates, grid, settings_kw, out)
     plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune, cals[c.name]) for c in candidates]
     best = pl.recommend(plans)
@@ -143,9 +189,13 @@ def _plan(args: argparse.Namespace) -> int:
         command, note = pl.finetune_command(best, cand, finetune, out)
     doc = {"kind": "plan", "backend": args.backend, "grid": {"batch_sizes": list(grid.batch_sizes),
            "prefill_lens": list(grid.prefill_lens), "decode_lens": list(grid.decode_lens)},
-           "limits": {**limits.to_dict(), "max_finetune_hours": finetune.max_hours},
-           "finetune": {"rank": lora.rank, "targets": list(lora.targets), "tokens": finetune.tokens,
-                        "batch_size": finetune.batch_size, "seq_len": finetune.seq_len, "device": finetune.device,
+           "limits": {"serving": limits.to_dict(),
+                      "finetune": {"max_memory_gib": finetune.max_memory_gib, "max_hours": finetune.max_hours,
+                                   "max_cost_usd": finetune.max_cost_usd}},
+           "finetune": {"variants": list(finetune.variants), "ranks": list(ranks),
+                        "target_sets": [list(t) for t in sets], "batch_sizes": list(finetune.batches()),
+                        "tokens": finetune.tokens, "dtype": finetune.compute_dtype,
+                        "seq_len": finetune.seq_len, "device": finetune.device,
                         "step_time": ("calibrated on each candidate's own real LoRA step (--calibrate-lora)"
                                       if args.calibrate_lora else finetune.calibration.describe() if finetune.calibration
                                       else "uncalibrated: MFU x peak (pass --calibrate-lora or --lora-calibration)"),
@@ -172,6 +222,21 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fail_if_unreachable(problems: list[str], args: argparse.Namespace) -> None:
+    """One error naming the first unreachable fine-tuning limit (the flag as given) and every line."""
+    from archsearch.errors import ArchsearchError
+
+    if not problems:
+        return
+    flag = problems[0].split()[0] if problems[0].startswith("--") else "limits"
+    if flag == "--finetune-max-memory-gib" and args.max_peak_memory_gib is not None:
+        flag = "--max-peak-memory-gib"
+    if flag == "--max-finetune-hours" and args.max_finetune_minutes is not None:
+        flag = "--max-finetune-minutes"
+    raise ArchsearchError(flag, "; ".join(problems), "raise the limit, add a smaller candidate, search more "
+                          "variants or batch sizes, or plan fewer --finetune-tokens")
+
+
 def _ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:,.1f}"
 
@@ -187,18 +252,26 @@ def _print(plans, best, command, note, problems, out: Path, png: Path) -> None:
                   f"{_ms(p.ttft_s):>9} {_ms(p.tpot_s):>8} {mem:>8} {tput:>10}  "
                   f"{'yes' if p.within_limits else 'no: ' + p.reason}")
     print()
-    print(f"{'candidate':<20} {'LoRA params':>12} {'step mem GiB':>12} {'step s (pred)':>13} {'hours (pred)':>12}  verdict")
+    print(f"{'candidate':<20} {'variant':>9} {'rank':>4} {'batch':>5} {'LoRA params':>12} {'step mem GiB':>12} "
+          f"{'step s (pred)':>13} {'hours (pred)':>12} {'cost $':>8}  verdict")
     for cp in plans:
         lo = cp.lora
-        print(f"{cp.name[:20]:<20} {lo['trainable_params']:>12,} {lo['peak_memory_gib']:>12.3f} {lo['step_s']:>13.4g} "
-              f"{lo['hours']:>12.4g}  {'within every limit' if cp.feasible else '; '.join(cp.reasons)}")
+        cost = "-" if lo["cost_usd"] is None else f"{lo['cost_usd']:.4g}"
+        print(f"{cp.name[:20]:<20} {lo['variant']:>9} {lo['rank']:>4} {lo['batch_size']:>5} {lo['trainable_params']:>12,} "
+              f"{lo['peak_memory_gib']:>12.3f} {lo['step_s']:>13.4g} {lo['hours']:>12.4g} {cost:>8}  "
+              f"{'within every limit' if cp.feasible else '; '.join(cp.reasons)}")
+        print(f"  targets {','.join(lo['targets'])}; {len(lo['search'])} configurations searched, "
+              f"{sum(x['within_limits'] for x in lo['search'])} within the fine-tuning limits")
     for cp in plans:
         print(f"  {cp.name}: LoRA step time {cp.lora['time_method']}")
     for line in problems:
         print(f"unsatisfiable: {line}")
     print(f"plan written to {out / 'plan.json'}, figure {png} (+ .pdf), measurements {out / 'measurements.jsonl'}")
     if best is not None:
-        print(f"recommended: {best.name} ({best.params:,} parameters)")
+        lo = best.lora
+        print(f"recommended: {best.name} ({best.params:,} parameters), {lo['variant']} rank {lo['rank']} on "
+              f"{','.join(lo['targets'])}, batch {lo['batch_size']}: {lo['peak_memory_gib']:.3g} GiB, "
+              f"{lo['hours'] * 60:.3g} min predicted")
         print("fine-tune it with:")
         print("  " + shlex.join(command))
         print(f"  ({note})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.cli._common import add_overrides_arg, fraction, out_dir, print_json
+from archsearch.cli._common import add_overrides_arg, add_print_config_arg, fraction, out_dir, print_config, print_json
 from archsearch.errors import ArchsearchError
 from archsearch.search.pipeline import STAGE_NAMES as STAGES
 
@@ -24,7 +24,7 @@ def register(sub) -> None:
                     "search -> chosen architecture -> optional training and lm-eval -> report. "
                     "Rerunning the same command resumes; several workers may run it at once.")
     p.add_argument("--config", required=True, help="study YAML (see configs/)")
-    p.add_argument("--out", type=out_dir, help="study folder (default: results/<name>)")
+    p.add_argument("--out", type=out_dir, help="study folder (default: runs/<name>)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and its compute; run nothing")
     p.add_argument("--gpus", help="price the plan on these GPUs, e.g. 8xH100 (with --dry-run)")
     p.add_argument("--profile", metavar="FILE",
@@ -38,6 +38,7 @@ def register(sub) -> None:
     p.add_argument("--only", type=_stages, help=f"run only these stages ({','.join(STAGES)})")
     p.add_argument("--skip", type=_stages, default=set(), help="skip these stages")
     p.add_argument("--json", action="store_true", help="print the plan / summary as JSON")
+    add_print_config_arg(p)
     add_overrides_arg(p)
     p.set_defaults(func=_run)
 
@@ -47,6 +48,9 @@ def _run(args: argparse.Namespace) -> int:
     from archsearch.search.config import load_study_config
 
     cfg = load_study_config(args.config, args.overrides)
+    if args.print_config:
+        print_config(cfg)
+        return 0
     out = cfg.out_dir(args.out)
     for flag, given in (("--mfu", args.mfu), ("--time-law", args.time_law)):
         if given is not None and not args.dry_run:

@@ -7,7 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from archsearch.cli._common import add_arch_args, add_overrides_arg, parse_number, print_json, print_table
+from archsearch.cli._common import add_arch_args, add_overrides_arg, add_print_config_arg, parse_number
+from archsearch.cli._common import print_config, print_json, print_table
 from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file, port, pos_float, pos_int
 
 _LAUNCH_ONLY = {"launch", "run", "num_processes", "num_machines", "main_process_ip",
@@ -22,6 +23,7 @@ def register(sub) -> None:
     add_arch_args(p)
     p.add_argument("--config", help="YAML with 'train:' and 'data:' sections (archsearch.trainers.config); "
                                     "flags and KEY.SUB=VALUE overrides override it")
+    add_print_config_arg(p)
     add_overrides_arg(p)
     b = p.add_argument_group("budget and optimisation")
     b.add_argument("--tokens", type=parse_number, help="token budget D (e.g. 2e9, 500M)")
@@ -54,7 +56,7 @@ def register(sub) -> None:
     d.add_argument("--match-vocab", action="store_true",
                    help="set the architecture's vocab_size to the tokenizer's")
     o = p.add_argument_group("output")
-    o.add_argument("--out", type=out_dir, help="run folder (default results/train/RUN_ID)")
+    o.add_argument("--out", type=out_dir, help="run folder (default runs/train/RUN_ID)")
     o.add_argument("--overwrite", action="store_true",
                    help="--out holds a run of other settings: delete it and start anew (default: refuse)")
     o.add_argument("--json", action="store_true", help="print the run record as JSON")
@@ -75,9 +77,10 @@ def register(sub) -> None:
                        description="Train every (N, d/sqrt(N), r) point of a sweep config; skips "
                                    "finished runs, resumes partial ones; writes OUT/runs.csv.")
     s.add_argument("--config", required=True, help="sweep YAML (archsearch.trainers.config.SweepConfig)")
-    s.add_argument("--out", type=out_dir, help="sweep folder (default results/sweeps/NAME)")
+    s.add_argument("--out", type=out_dir, help="sweep folder (default runs/sweeps/NAME)")
     s.add_argument("--json", action="store_true", help="print the rows as JSON")
     s.add_argument("--no-progress", action="store_true")
+    add_print_config_arg(s)
     add_overrides_arg(s)
     s.set_defaults(func=_sweep)
 
@@ -128,7 +131,10 @@ def _forwarded_args(args: argparse.Namespace, out: Path) -> list[str]:
         if v is None or v is False or v == a.default:
             continue
         flag = a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]
-        if v is True:
+        if isinstance(a, argparse._StoreConstAction) and not isinstance(v, bool):  # --quiet / --verbose
+            if v == a.const:
+                argv.append(flag)
+        elif v is True:
             argv.append(flag)
         elif isinstance(v, list):
             argv += [flag, *map(str, v)]
@@ -146,6 +152,10 @@ def _train(args: argparse.Namespace) -> int:
     given = args.preset or args.arch_file or args.n_layers is not None
     if args.init_from and not given:
         args.arch_file = args.init_from  # the weights' own architecture
+    if args.print_config:  # the train: and data: sections; the architecture is 'arch describe's
+        tc, dc = _configs(args)
+        print_config({"train": tc, "data": dc})
+        return 0
     spec = arch_from_args(args)
     tc, dc = _configs(args)
     if args.run and not args.launch:
@@ -173,7 +183,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.match_vocab:
         spec = match_vocab(spec, data.tokenizer)
     if out is None:
-        out = Path("results/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
+        out = Path("runs/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
     elif args.overwrite:
         _clear_run_folder(out, spec, tc)
     rec = train(spec, tc, dc, out, progress=not args.no_progress, data=data)
@@ -240,7 +250,10 @@ def _sweep(args: argparse.Namespace) -> int:
     from archsearch.trainers.sweep import run_sweep
 
     cfg = load_config(SweepConfig, args.config, args.overrides)
-    out = Path(args.out) if args.out else Path("results/sweeps") / cfg.name
+    if args.print_config:
+        print_config(cfg)
+        return 0
+    out = Path(args.out) if args.out else Path("runs/sweeps") / cfg.name
     rows = run_sweep(cfg, out, progress=not args.no_progress)
     if args.json:
         print_json([r.to_row() for r in rows])

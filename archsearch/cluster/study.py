@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from dataclasses import replace
 from functools import partial
@@ -23,7 +22,9 @@ JOBS_DIR = "cluster"
 
 
 def _log(msg: str) -> None:
-    print(f"[search] {msg}", file=sys.stderr, flush=True)
+    from archsearch.logs import get_logger
+
+    get_logger("search").info(f"[search] {msg}")
 
 
 def has_record(run_dir: Path) -> bool:

@@ -4,9 +4,10 @@ throughput-optimal architecture. See ``docs/laws.md`` for the law-file and run-d
 Importing this package imports numpy only; scipy and matplotlib load when used.
 """
 
-from archsearch.laws.diagnostics import leave_one_size_out, metrics, progressive_validation
+from archsearch.laws.diagnostics import leave_one_size_out, progressive_validation
 from archsearch.laws.fit import FitOptions, fit_law
 from archsearch.laws.lawfile import FitResult, load_law, run_arrays
+from archsearch.laws.metrics import metrics
 from archsearch.laws.forms import LAWS
 from archsearch.laws.solve import Optimum, SolvePoint, SolveResult, optimum, pareto_front, solve
 

@@ -279,7 +279,7 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
     """
     import dataclasses
 
-    from archsearch.laws.diagnostics import cluster
+    from archsearch.laws.metrics import cluster
     from archsearch.laws.fit import fit_law
     from archsearch.laws.lawfile import run_arrays
 
@@ -407,7 +407,7 @@ class OffsetBootstrap:
 
 def size_group_keys(X: dict, tolerance: float) -> np.ndarray:
     """One integer per run naming its (N, D) group, as the fit groups runs for L_opt."""
-    from archsearch.laws.diagnostics import cluster
+    from archsearch.laws.metrics import cluster
 
     return cluster(X["N"], tolerance) * (10 ** 6) + cluster(X["D"], tolerance)
 

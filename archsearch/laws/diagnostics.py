@@ -1,4 +1,5 @@
-"""How good a fit is: held-out metrics, residual trends, and the validation protocols (docs/method.md section 3).
+"""How well a law extrapolates: the validation protocols (docs/method.md section 3), built on
+:func:`archsearch.laws.fit.fit_split` and scored with :mod:`archsearch.laws.metrics`.
 
 Protocols (each row of the table fits on some sizes and tests on one size):
 
@@ -17,96 +18,28 @@ not the extrapolation of L_opt, and say so in the ``reference_at_test`` column. 
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from archsearch.errors import ArchsearchError
+from archsearch.laws.fit import FitOptions, fit_split
+from archsearch.laws.metrics import size_groups
 
 if TYPE_CHECKING:
-    from archsearch.laws.fit import FitOptions
     from archsearch.rundata import RunRecord
 
 PROTOCOLS = ("progressive", "previous-size", "leave-one-size-out")
 
 
-def metrics(actual: Sequence[float], predicted: Sequence[float]) -> dict[str, Any]:
-    """MSE, R^2, mean absolute relative error and Spearman rank correlation (None where undefined)."""
-    from scipy.stats import spearmanr
-
-    y = np.asarray(actual, dtype=float)
-    p = np.asarray(predicted, dtype=float)
-    n = int(y.size)
-    out: dict[str, Any] = {"n": n, "mse": None, "r2": None, "mare": None, "spearman": None}
-    if n == 0:
-        return out
-    err = p - y
-    out["mse"] = float(np.mean(err ** 2))
-    out["mare"] = float(np.mean(np.abs(err) / np.abs(y)))
-    ss = float(np.sum((y - y.mean()) ** 2))
-    if ss > 0:
-        out["r2"] = 1.0 - float(np.sum(err ** 2)) / ss
-    # Spearman is undefined on fewer than 3 points or on constant data
-    if n >= 3 and np.ptp(y) > 0 and np.ptp(p) > 0:
-        rho = spearmanr(y, p).statistic
-        out["spearman"] = None if math.isnan(rho) else float(rho)
-    return out
-
-
-def residual_trends(residuals: np.ndarray, variables: dict[str, np.ndarray],
-                    min_points: int = 10, threshold: float = 0.5, alpha: float = 1e-3) -> list[str]:
-    """Warnings for residuals that trend with a variable (Spearman |rho| > threshold, p < alpha).
-
-    A trend means the law's shape in that variable is wrong, even when the overall error is small.
-    """
-    from scipy.stats import spearmanr
-
-    out = []
-    if residuals.size < min_points:
-        return out
-    for name, v in variables.items():
-        if np.ptp(v) <= 0:
-            continue
-        res = spearmanr(v, residuals)
-        if abs(res.statistic) > threshold and res.pvalue < alpha:
-            out.append(f"residual trend: log-residuals correlate with {name} (Spearman "
-                       f"{res.statistic:+.2f}, p={res.pvalue:.1g}); the law's shape in {name} "
-                       "does not match the data")
-    return out
-
-
-def cluster(values: np.ndarray, tolerance: float) -> np.ndarray:
-    """Integer labels grouping values within ``tolerance`` (relative) of their cluster's smallest."""
-    order = np.argsort(values, kind="stable")
-    labels = np.empty(values.size, dtype=int)
-    label, start = -1, None
-    for i in order:
-        if start is None or values[i] > start * (1.0 + tolerance):
-            label += 1
-            start = values[i]
-        labels[i] = label
-    return labels
-
-
-def size_groups(runs: "Sequence[RunRecord]", tolerance: float = 0.05) -> list[list[int]]:
-    """Indices of runs per size (clusters of N), smallest size first."""
-    n = np.array([r.n_params for r in runs], dtype=float)
-    labels = cluster(n, tolerance)
-    return [list(np.flatnonzero(labels == k)) for k in range(labels.max() + 1)] if n.size else []
-
-
-def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: "FitOptions | None" = None,
+def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: FitOptions | None = None,
                            protocols: Sequence[str] = PROTOCOLS) -> list[dict[str, Any]]:
     """The validation table: one row per (protocol, tested size) with held-out metrics.
 
     A fit that cannot be made (too few runs below the tested size) gives a row with ``error``
     set and no metrics, rather than stopping the table.
     """
-    import dataclasses
-
-    from archsearch.laws.fit import FitOptions, fit_split
-
     opts = options or FitOptions()
     for p in protocols:
         if p not in PROTOCOLS:
@@ -146,7 +79,7 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: "FitO
                 rows.append(row)
                 continue
             m = fit.metrics.get("holdout") or {"n": 0}
-            row.update({k2: m.get(k2) for k2 in ("mse", "r2", "mare", "spearman")})
+            row.update({k2: m.get(k2) for k2 in ("mse", "r2", "mare", "rmsre", "spearman")})
             row["n_test"] = m.get("n", 0)
             row["reference_at_test"] = fit.metrics.get("reference_at_test")
             row["status"] = fit.status
@@ -155,6 +88,48 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: "FitO
 
 
 def leave_one_size_out(runs: "Sequence[RunRecord]", law: str,
-                       options: "FitOptions | None" = None) -> list[dict[str, Any]]:
+                       options: FitOptions | None = None) -> list[dict[str, Any]]:
     """The leave-one-size-out rows of :func:`progressive_validation`."""
     return progressive_validation(runs, law, options, protocols=("leave-one-size-out",))
+
+
+def held_out_error(runs: "Sequence[RunRecord]", law: str, options: "FitOptions | None" = None) -> dict[str, Any]:
+    """The law's error against trained models it was not fitted on: the last step of the
+    progressive protocol (fit on every size below the largest, predict the largest), as a
+    ``prediction_error`` entry of the law file: ``relative_sd`` is the root-mean-square relative
+    error on the held-out size (it holds the runs' own seed noise too: a trained model has it).
+
+    Where the law's Chinchilla reference cannot be fitted on the smaller sizes alone (fewer than
+    5 (N, D) groups), the held-out size's L_opt is its own best run (``reference_at_test:
+    observed``): the error of the architecture factors, which is what a target relative to a
+    baseline of the same (N, D) depends on. Raises an error naming ``data`` with fewer than two sizes."""
+    opts = dataclasses.replace(options or FitOptions(), bootstrap=0, holdout_size=None)
+    ok = [r for r in runs if r.status == "ok"]
+    groups = size_groups(ok, opts.size_tolerance)
+    if len(groups) < 2:
+        raise ArchsearchError("data", f"a held-out error needs runs of at least 2 sizes, found {len(groups)}",
+                              "train proxies at a second, larger size (the law's error is then measured)")
+    sizes = [float(np.exp(np.mean(np.log([ok[i].n_params for i in g])))) for g in groups]
+    train = [ok[i] for g in groups[:-1] for i in g]
+    test = [ok[i] for i in groups[-1]]
+    note = None
+    try:
+        fit = fit_split(train, test, law, opts)
+    except ArchsearchError as e:
+        if e.field != "reference" or opts.reference == "best-observed":
+            raise
+        note = f"the Chinchilla reference could not be fitted on the smaller sizes ({e.problem})"
+        fit = fit_split(train, test, law, dataclasses.replace(opts, reference="best-observed"))
+    m = fit.metrics.get("holdout") or {}
+    if not m.get("n"):
+        raise ArchsearchError("data", "no run of the largest size is left to hold out (the r filter dropped them)",
+                              "widen law.r_range, or train the largest size inside it")
+    source = (f"held out: the largest proxy size ({sizes[-1]:.3g}, {m['n']} runs) predicted by the law fitted "
+              f"on the smaller sizes ({', '.join(f'{s:.3g}' for s in sizes[:-1])}; "
+              f"{len(fit.dropped)} runs dropped by the r filter)")
+    ref = fit.metrics.get("reference_at_test")
+    if ref == "observed":
+        source += "; L_opt at the held-out size is its best run, so this is the architecture factors' error"
+    return {"relative_sd": m["rmsre"], "source": source + (f"; {note}" if note else ""),
+            "protocol": "progressive (last step)", "test_size": sizes[-1], "train_sizes": sizes[:-1],
+            "n": m["n"], "mare": m["mare"], "spearman": m.get("spearman"), "reference_at_test": ref}

@@ -34,7 +34,7 @@ import numpy as np
 
 from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
-from archsearch.laws.diagnostics import cluster, metrics, residual_trends
+from archsearch.laws.metrics import cluster, metrics, residual_trends, size_groups
 from archsearch.laws.forms import CONDITIONAL, LAWS
 from archsearch.laws.lawfile import FitResult, parse_reference, reference_coefficients, reference_loss, run_arrays
 
@@ -401,8 +401,6 @@ def split_holdout(runs: Sequence["RunRecord"], holdout_size: float | None,
     """(runs to fit, runs of the held-out size): the size whose N is nearest ``holdout_size``."""
     if holdout_size is None:
         return list(runs), []
-    from archsearch.laws.diagnostics import size_groups
-
     groups = size_groups(runs, tolerance)
     sizes = [float(np.exp(np.mean(np.log([runs[i].n_params for i in g])))) for g in groups]
     k = int(np.argmin([abs(math.log(s / holdout_size)) for s in sizes]))

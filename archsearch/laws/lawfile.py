@@ -38,6 +38,12 @@ class FitResult:
     ``{"law": "best-observed", "groups": [{"params", "tokens", "loss"}...], "tolerance": t}``,
     ``{"law": "constant", "loss": x}`` or None (the optimum is defined, losses are not).
     ``status`` is ``ok``, ``warnings`` (converged, but read the warnings) or ``not_converged``.
+
+    What the law can be trusted with (docs/laws.md, "Error and range"): ``prediction_error``
+    ``{"relative_sd": s, "source": ...}`` is its error against trained models (a held-out size's
+    root-mean-square relative error for a fit, a published law's stated error), and
+    ``fitted_range`` ``{"hidden_over_sqrt_n": [lo, hi], "mlp_to_attn": [lo, hi], "source": ...}``
+    the shapes it was fitted on (a fit's own runs give it as ``data_ranges``).
     """
 
     law: str
@@ -52,6 +58,8 @@ class FitResult:
     data_ranges: dict[str, list[float]] = field(default_factory=dict)
     bootstrap: dict[str, Any] | None = None
     provenance: dict[str, Any] | None = None
+    prediction_error: dict[str, Any] | None = None
+    fitted_range: dict[str, Any] | None = None
 
     # -- prediction --
     def predict(self, spec: "ArchSpec", tokens: float, params: float | None = None) -> float:
@@ -96,6 +104,18 @@ class FitResult:
                 ref = {"law": "chinchilla", "coefficients": dict(zip(bs["reference_names"], refs[i]))}
             out.append(self.predict_arrays(X, dict(zip(names, row)), ref))
         return np.asarray(out)
+
+    def shape_range(self) -> dict[str, Any] | None:
+        """The (hidden/sqrt(N), r) box the law was fitted on, with where that is known from:
+        ``fitted_range`` as stated, else the fitted runs' ``data_ranges`` (after the r filter),
+        else None (a hand-written law that states none). A coordinate may be None: not stated."""
+        if self.fitted_range is not None:
+            return dict(self.fitted_range)
+        x1, r = self.data_ranges.get("hidden_over_sqrt_n"), self.data_ranges.get("mlp_to_attn_ratio")
+        if x1 is None and r is None:
+            return None
+        return {"hidden_over_sqrt_n": list(x1) if x1 else None, "mlp_to_attn": list(r) if r else None,
+                "source": f"the {self.n_runs} fitted runs (after the r filter)"}
 
     def with_reference(self, reference: Any) -> "FitResult":
         """The same law on another L_opt: a Chinchilla FitResult, its coefficient dict, or a
@@ -222,14 +242,69 @@ def _from_dict(data: Any, where: str) -> FitResult:
     status = data.get("status", "ok")
     if status not in ("ok", "warnings", "not_converged"):
         raise ArchsearchError(f"{where}: status", f"unknown status {status!r}")
+    err = _parse_prediction_error(data.get("prediction_error"), f"{where}: prediction_error")
+    rng = _parse_fitted_range(data.get("fitted_range"), f"{where}: fitted_range")
     try:
         return FitResult(law=law, coefficients=clean, reference=ref, status=status, warnings=warns,
                          metrics=dict(data.get("metrics") or {}), options=dict(data.get("options") or {}),
                          dropped=list(data.get("dropped") or []), n_runs=int(data.get("n_runs") or 0),
                          data_ranges=dict(data.get("data_ranges") or {}),
-                         bootstrap=data.get("bootstrap"), provenance=data.get("provenance"))
+                         bootstrap=data.get("bootstrap"), provenance=data.get("provenance"),
+                         prediction_error=err, fitted_range=rng)
     except (TypeError, ValueError) as e:
         raise ArchsearchError(where, f"malformed law file: {e}") from None
+
+
+def _source(v: dict[str, Any], where: str, example: str) -> str:
+    src = v.get("source")
+    if not isinstance(src, str) or not src.strip():
+        raise ArchsearchError(f"{where}.source", "is missing: say where the figure comes from",
+                              f"e.g. \"source\": \"{example}\"")
+    return src
+
+
+def _parse_prediction_error(v: Any, where: str) -> dict[str, Any] | None:
+    """``{"relative_sd": s >= 0, "source": "..."}`` (other keys kept as they are), or None."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ArchsearchError(where, f"expected an object, got {v!r}",
+                              '{"relative_sd": 0.005, "source": "where the 0.5% comes from"}')
+    sd = v.get("relative_sd")
+    if isinstance(sd, bool) or not isinstance(sd, (int, float)) or not (math.isfinite(sd) and sd >= 0):
+        raise ArchsearchError(f"{where}.relative_sd", f"must be a finite number >= 0, got {sd!r}",
+                              "the standard deviation of (predicted - trained) / trained loss, e.g. 0.005")
+    return {**v, "relative_sd": float(sd), "source": _source(v, where, "held-out size 297M, 25 runs")}
+
+
+RANGE_KEYS = ("hidden_over_sqrt_n", "mlp_to_attn")
+
+
+def _parse_fitted_range(v: Any, where: str) -> dict[str, Any] | None:
+    """``{"hidden_over_sqrt_n": [lo, hi] | null, "mlp_to_attn": [lo, hi] | null, "source": "..."}``
+    (null: the source does not state that coordinate's range), or None."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ArchsearchError(where, f"expected an object, got {v!r}",
+                              '{"hidden_over_sqrt_n": [0.04, 0.1], "mlp_to_attn": [0.5, 5], "source": "..."}')
+    out: dict[str, Any] = {k: x for k, x in v.items() if k not in RANGE_KEYS}
+    for k in RANGE_KEYS:
+        if k not in v:
+            raise ArchsearchError(f"{where}.{k}", "is missing",
+                                  "give [low, high], or null where the source does not state it")
+        b = v[k]
+        if b is None:
+            out[k] = None
+            continue
+        ok = isinstance(b, list) and len(b) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in b)
+        if not ok or not 0 < b[0] < b[1]:
+            raise ArchsearchError(f"{where}.{k}", f"must be [low, high] with 0 < low < high, got {b!r}",
+                                  "e.g. [0.5, 5.0]")
+        out[k] = [float(b[0]), float(b[1])]
+    out["source"] = _source(v, where, "the method's r filter [0.5, 5]")
+    return out
 
 
 def parse_reference(ref: Any, where: str) -> dict[str, Any] | None:

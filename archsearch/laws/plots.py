@@ -1,10 +1,12 @@
 """Diagnostic figures of a fit, each as PNG and PDF (:mod:`archsearch.figures`).
 
-* ``predicted_vs_actual.png``: fitted and held-out runs marked apart, with the y = x line.
+* ``predicted_vs_actual.png``: fitted and held-out runs marked apart, with the y = x line and
+  each set's R^2 (of the loss, as ``fit`` reports it).
 * ``loss_vs_hidden_over_sqrt_n.png`` / ``loss_vs_r.png``: for a conditional law, the partial
   loss (the run's loss with the other factor and L_opt divided out, or subtracted for the
-  additive form) against each variable, with the fitted U-curve; for the other laws, the
-  loss against the variable; points coloured by model size N, held-out runs as crosses.
+  additive form) against each variable, with the fitted U-curve and its minimum (the closed-form
+  optimum, with its bootstrap interval where the fit has one); for the other laws, the loss
+  against the variable; points coloured by model size N, held-out runs as crosses.
 * ``residuals.png``: log residuals against N, hidden/sqrt(N) and r.
 """
 
@@ -15,8 +17,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from archsearch.figures import count, log_axis, log_ticks, save, styled
+from archsearch.errors import ArchsearchError
+from archsearch.figures import count, legend, log_axis, log_ticks, save, styled
 from archsearch.laws import forms
+from archsearch.laws.diagnostics import metrics
 from archsearch.laws.lawfile import run_arrays
 
 if TYPE_CHECKING:
@@ -55,16 +59,19 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
 
     fig, ax = plt.subplots(figsize=(5, 5))
     for name, (X, L, P), color in sets:
-        ax.scatter(L, P, s=14, color=color, label=f"{name} ({L.size})", alpha=0.8)
+        r2 = metrics(L, P)["r2"]
+        ax.scatter(L, P, s=14, color=color, alpha=0.8,
+                   label=f"{name} ({L.size} runs, R^2 {r2:.3f})" if r2 is not None else f"{name} ({L.size} runs)")
     allv = np.concatenate([np.concatenate([a[1], a[2]]) for _, a, _ in sets])
     lim = [allv.min() * 0.98, allv.max() * 1.02]
     ax.plot(lim, lim, color="k", lw=0.8)
     ax.set(xlabel="actual loss", ylabel="predicted loss", title=f"{fit.law}: predicted vs actual",
            xlim=lim, ylim=lim)
-    ax.legend()
+    legend(ax)
     paths.append(save(fig, out / "predicted_vs_actual.png"))
 
     c = fit.coefficients
+    best = _optimum(fit)
     for var, key, fname in (("hidden/sqrt(N)", "x1", "loss_vs_hidden_over_sqrt_n.png"),
                             ("r = mlp/attn", "x2", "loss_vs_r.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -73,16 +80,28 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
                              norm=size_norm, marker="o" if name == "fit" else "x", label=name, alpha=0.9)
         log_ticks(fig.colorbar(pts, ax=ax, label="N (non-embedding parameters)").ax.yaxis, count)
         if fit.law in forms.CONDITIONAL:
-            xs = np.geomspace(min(a[0][key].min() for _, a, _ in sets) / 1.3,
-                              max(a[0][key].max() for _, a, _ in sets) * 1.3, 200)
+            lo = min(a[0][key].min() for _, a, _ in sets) / 1.3
+            hi = max(a[0][key].max() for _, a, _ in sets) * 1.3
+            x_opt, iv = best.get(key, (None, None))
+            if x_opt is not None:  # the curve reaches its minimum, even one outside the data
+                lo, hi = min(lo, x_opt / 1.3), max(hi, x_opt * 1.3)
+            xs = np.geomspace(lo, hi, 200)
             ax.plot(xs, _curve(fit.law, c, key, xs), color="k", lw=1.2, label="fitted factor")
+            if x_opt is not None:
+                y_opt = float(_curve(fit.law, c, key, np.array([x_opt]))[0])
+                if iv is not None:
+                    ax.axvspan(iv[0], iv[1], color="tab:red", alpha=0.12, lw=0,
+                               label=f"optimum's {best['level']:.0%} interval [{iv[0]:.3g}, {iv[1]:.3g}]")
+                ax.axvline(x_opt, color="tab:red", ls="--", lw=1)
+                ax.scatter([x_opt], [y_opt], marker="v", s=60, color="tab:red", zorder=5,
+                           label=f"optimum {var} = {x_opt:.3g}")
             ylabel = "loss / (L_opt x other factor)" if fit.law.endswith("multiplicative") \
                 else "loss - L_opt - other factor"
         else:
             ylabel = "loss"
         log_axis(ax, "x")
         ax.set(xlabel=var, ylabel=ylabel, title=f"{fit.law}: loss vs {var}")
-        ax.legend()
+        legend(ax)
         paths.append(save(fig, out / fname))
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
@@ -93,10 +112,26 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
         log_axis(ax, "x", count if key == "N" else None)
         ax.set(xlabel=label)
     axes[0].set_ylabel("log predicted - log actual")
-    axes[0].legend()
+    legend(axes[0])
     fig.suptitle(f"{fit.law}: residuals")
     paths.append(save(fig, out / "residuals.png"))
     return paths
+
+
+def _optimum(fit: "FitResult") -> dict:
+    """The closed-form optimum of each factor (``{"x1": (x*, interval), ...}``, the interval
+    None without a bootstrap); empty for a law without one or a factor that is not U-shaped."""
+    from archsearch.laws.solve import optimum
+
+    if fit.law not in forms.CONDITIONAL:
+        return {}
+    try:
+        o = optimum(fit, 1.0, 1.0)  # the shape optimum is the same at every N and D
+    except ArchsearchError:
+        return {}
+    iv = o.interval or {}
+    return {"x1": (o.hidden_over_sqrt_n, iv.get("hidden_over_sqrt_n")),
+            "x2": (o.mlp_to_attn_ratio, iv.get("mlp_to_attn_ratio")), "level": iv.get("level", 0.9)}
 
 
 def _partial(law, c, X, L, key):

@@ -191,12 +191,15 @@ def default_grid(fit: "FitResult", opt: Optimum | None, n: int = 21) -> tuple[np
 def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_loss: float | None,
           throughput_fn: Callable[["ArchSpec"], float | None] | None = None, *, gqa: int = 4,
           head_dim: int = 64, build: "BuildSettings | None" = None,
-          grid: tuple[Sequence[float], Sequence[float]] | None = None) -> SolveResult:
+          grid: tuple[Sequence[float], Sequence[float]] | None = None,
+          within: dict[str, Any] | None = None) -> SolveResult:
     """Scan (hidden/sqrt(N), r) at fixed N, D, n_layers; see :class:`SolveResult`.
 
     ``throughput_fn(spec)`` gives a measured or predicted throughput (None = unknown: the point
     stays feasible but is left out of the Pareto set). Needs a law that predicts losses (a
-    conditional law with a reference, or the aspect-ratio law).
+    conditional law with a reference, or the aspect-ratio law). ``within``: the law's fitted
+    range (``FitResult.shape_range()``): shapes whose realised ratios lie outside it are never
+    feasible, and a closed-form optimum outside it is not the architecture.
     """
     from archsearch.candidates import BuildSettings, build_candidate
 
@@ -238,11 +241,16 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
     losses = _predict_specs(fit, [s for _, _, s in specs], tokens, can_predict, params)
     points = []
     for (x1, x2, spec), loss in zip(specs, losses):
+        if not _inside(spec, within):
+            continue
         tp = throughput_fn(spec) if throughput_fn else None
         points.append(SolvePoint(x1, x2, spec, loss, None if tp is None else float(tp)))
 
     arch = None
-    if opt is not None:
+    if opt is not None and not inside_range(opt.hidden_over_sqrt_n, opt.mlp_to_attn_ratio, within):
+        notes.append(f"the closed-form optimum (d/sqrt(N) {opt.hidden_over_sqrt_n:.4g}, r {opt.mlp_to_attn_ratio:.4g}) "
+                     f"lies outside the law's fitted range ({within.get('source')}); the scan stays inside it")
+    elif opt is not None:
         try:
             cand = build_candidate(params, n_layers, opt.hidden_over_sqrt_n, opt.mlp_to_attn_ratio,
                                    gqa=gqa, head_dim=head_dim, settings=build)
@@ -288,6 +296,24 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
         best = None
     return SolveResult(float(params), float(tokens), n_layers, target_loss, opt, arch, points,
                        feasible, pareto, best, unbuildable, notes)
+
+
+def inside_range(x1: float, r: float, within: dict[str, Any] | None) -> bool:
+    """(hidden/sqrt(N), r) lies in ``within`` (a law's ``shape_range()``; None: no range to check)."""
+    if within is None:
+        return True
+    for key, v in (("hidden_over_sqrt_n", x1), ("mlp_to_attn", r)):
+        b = within.get(key)
+        if b is not None and not b[0] * (1 - 1e-9) <= v <= b[1] * (1 + 1e-9):
+            return False
+    return True
+
+
+def _inside(spec, within: dict[str, Any] | None) -> bool:
+    """The spec's realised ratios (what the law reads) lie in the fitted range."""
+    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
+
+    return within is None or inside_range(hidden_over_sqrt_n(spec), mlp_to_attn_ratio(spec), within)
 
 
 def _predict_specs(fit, specs, tokens, can_predict, params) -> list[float]:

@@ -96,7 +96,12 @@ class ThroughputLaw(_Saved):
 
 @dataclass(frozen=True)
 class MaxBatchLaw(_Saved):
-    """``max_batch = floor(c0 * (M_gpu - M_model) / (seq_len * ((1 - c1) + c1 * sparsity)))``."""
+    """``max_batch = floor(c0 * (M_gpu - M_model) / (seq_len * ((1 - c1) + c1 * sparsity)))``.
+
+    Memories are in units of ``memory_unit_bytes`` (1: bytes, as laws fitted here; 1e9: GB, as
+    published); ``sparsity_from`` says which sparsity the law was fit with: ``params`` (active /
+    total non-embedding parameters, :func:`archsearch.arch.sparsity`) or ``experts`` (routed /
+    all experts, k/E)."""
 
     c0: float
     c1: float
@@ -105,15 +110,58 @@ class MaxBatchLaw(_Saved):
     loo: dict[str, float] | None = None
     holdout: dict[str, float] | None = None
     notes: tuple[str, ...] = ()
+    memory_unit_bytes: float = 1.0
+    sparsity_from: str = "params"
+
+    def sparsity_of(self, spec) -> float:
+        """The law's sparsity of ``spec`` (its definition: ``sparsity_from``)."""
+        from archsearch.arch import sparsity
+
+        if self.sparsity_from == "experts":
+            return spec.experts_per_token / spec.n_experts if spec.is_moe else 1.0
+        return sparsity(spec)
 
     def predict_continuous(self, device_memory_bytes: float, model_memory_bytes: float,
                            seq_len: int, sparsity: float = 1.0) -> float:
-        free = max(device_memory_bytes - model_memory_bytes, 0.0)
+        free = max(device_memory_bytes - model_memory_bytes, 0.0) / self.memory_unit_bytes
         return self.c0 * free / (seq_len * ((1 - self.c1) + self.c1 * sparsity))
 
     def predict(self, device_memory_bytes: float, model_memory_bytes: float, seq_len: int,
                 sparsity: float = 1.0) -> int:
         return math.floor(self.predict_continuous(device_memory_bytes, model_memory_bytes, seq_len, sparsity))
+
+
+# Published coefficients, loadable by name (``published:NAME`` wherever a max-batch law is read).
+# Xia et al. 2024, "Understanding the Performance and Estimating the Cost of LLM Fine-Tuning"
+# (arXiv:2408.04693), Eq. 1 for Mixtral-8x7B QLoRA fine-tuning on one GPU: C0 = 82, C1 = 0.95,
+# memories in GB; sparsity as routed / all experts (top-2 of 8: 0.25). The paper measured a max
+# batch of 17 on 80 GB (A100, H100) and 4 on 48 GB (A40) and projects 28 and 35 at 100 and 120 GB;
+# benchmarks/scripts/bench_moe_finetune.py sets them beside this project's numbers.
+PUBLISHED_MAX_BATCH = {
+    "xia2024-mixtral": MaxBatchLaw(
+        c0=82.0, c1=0.95, device=None, n_points=0, memory_unit_bytes=1e9, sparsity_from="experts",
+        notes=("published: Xia et al. 2024 (arXiv:2408.04693) Eq. 1, Mixtral-8x7B QLoRA, C0 = 82, C1 = 0.95; "
+               "memory in GB, sparsity = routed/all experts",)),
+}
+
+
+def load_max_batch_law(text: str) -> MaxBatchLaw:
+    """``published:NAME`` (:data:`PUBLISHED_MAX_BATCH`) or a batch-laws JSON's max-batch law."""
+    if str(text).startswith("published:"):
+        name = str(text).split(":", 1)[1]
+        if name not in PUBLISHED_MAX_BATCH:
+            raise ArchsearchError("--max-batch-law", f"no published law {name!r}",
+                                  f"use one of {['published:' + k for k in PUBLISHED_MAX_BATCH]} or a LAWS.json")
+        return PUBLISHED_MAX_BATCH[name]
+    return load_batch_laws(text, "--max-batch-law")[1]
+
+
+def with_active_experts(spec, k: int):
+    """``spec`` with ``k`` experts routed per token: ``k = n_experts`` is the dense fine-tune of
+    an MoE (every expert runs), which the memory, FLOP and law accounting then follow."""
+    if not spec.is_moe:
+        raise ArchsearchError("experts_per_token", f"{spec.name or spec.family} is dense", "give an MoE model")
+    return spec.replace(experts_per_token=k)
 
 
 # -- fitting ------------------------------------------------------------------------------------
@@ -243,17 +291,22 @@ def max_batch_points(peaks: Sequence[tuple[int, float]], budgets: Sequence[float
     return out
 
 
-def model_memory_bytes(spec, quantity: str, dtype: str) -> float:
-    """M_model of the max-batch law, one definition for fit and use: the weights for serving;
-    weights + gradients + optimizer states (mixed-precision AdamW) for training."""
-    from archsearch.arch import weight_bytes
+def model_memory_bytes(spec, quantity: str, dtype: str, *, method: str = "full", weight_format=None,
+                       lora=None) -> float:
+    """M_model of the max-batch law, one definition for fit and use: the weights (in
+    ``weight_format``, default ``dtype``) for serving; for training what does not grow with the
+    batch: every weight, gradient and mixed-precision AdamW state (``full``), or the frozen base
+    in its format plus the adapters, their gradients and AdamW states (``lora``, ``qlora``: NF4)."""
+    from archsearch.planning.formats import base_weight_bytes
 
     if quantity == "output tokens/s":
-        return float(weight_bytes(spec, dtype))
-    from archsearch.planning.memory import predict_training_memory
+        return base_weight_bytes(spec, weight_format, dtype)["total"]
+    from archsearch.planning.memory import predict_finetune_memory
 
-    m = predict_training_memory(spec, 1, 1, dtype)
-    return float(m["weights"] + m["gradients"] + m["optimizer"])
+    m = predict_finetune_memory(spec, method, 1, 1, dtype, lora=lora, weight_format=weight_format)
+    if method == "full":
+        return float(m["weights"] + m["gradients"] + m["optimizer"])
+    return float(m["weights"] + m["adapters"] + m["adapter_gradients"] + m["optimizer"])
 
 
 def read_points(path: str | Path) -> tuple[str, list[ThroughputPoint], list[MaxBatchPoint], str | None]:
@@ -368,7 +421,7 @@ def estimate_from_batch_laws(throughput: ThroughputLaw, max_batch: MaxBatchLaw, 
         "law_notes": list(throughput.notes) + list(max_batch.notes)})
 
 
-def load_batch_laws(path: str | Path) -> tuple[ThroughputLaw, MaxBatchLaw]:
+def load_batch_laws(path: str | Path, field_name: str = "--batch-laws") -> tuple[ThroughputLaw, MaxBatchLaw]:
     """Both laws from the JSON ``archsearch estimate batch-laws --out`` writes."""
     from archsearch.fileio import read_text
 
@@ -377,5 +430,5 @@ def load_batch_laws(path: str | Path) -> tuple[ThroughputLaw, MaxBatchLaw]:
         d = json.loads(read_text(p, "--batch-laws"))
         return ThroughputLaw.from_dict(d["throughput"]), MaxBatchLaw.from_dict(d["max_batch"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ArchsearchError("--batch-laws", f"{p}: not a batch-laws file ({e})",
+        raise ArchsearchError(field_name, f"{p}: not a batch-laws file ({e})",
                               "write one with archsearch estimate batch-laws --out FILE") from None

@@ -1,9 +1,15 @@
-"""LoRA fine-tuning accounting: trainable adapter parameters by rank and target modules, and
-the memory of a LoRA step (frozen weights, adapters, their gradients and AdamW states only).
+"""LoRA and QLoRA fine-tuning accounting: trainable adapter parameters by rank and target modules,
+and the memory of a LoRA step (frozen base weights in their format, adapters, their gradients
+and AdamW states only).
 
 A LoRA adapter on a linear ``in -> out`` adds ``A: r x in`` and ``B: out x r`` (Hu et al. 2021),
 ``r * (in + out)`` parameters; the frozen weight gets no gradient and no optimizer state.
 Module names are transformers' (``q_proj`` ... ``down_proj``), as peft's ``target_modules``.
+Mixture-of-experts blocks hold their experts as 3-D parameters (``experts.gate_up_proj``:
+E x 2 ffn x d, ``experts.down_proj``: E x d x ffn); peft adapts them through
+``target_parameters`` with one ``r x E``-wide adapter pair per tensor, ``r * E * (in + out)``
+parameters (peft ``lora.ParamWrapper``). QLoRA (Dettmers et al. 2023) is LoRA on a base held
+in 4-bit NF4 (:mod:`archsearch.planning.formats`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,24 @@ from archsearch.errors import ArchsearchError
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+TARGET_GROUPS = {"attention": ATTENTION, "mlp": MLP, "experts": EXPERTS, "all-dense": ATTENTION + MLP,
+                 "all-moe": ATTENTION + EXPERTS}
+# LoRA variants the planner searches: the base weights' format (adapters stay in floating point)
+VARIANTS = {"lora": None, "qlora": "nf4", "lora-int8": "int8"}
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """``q_proj,v_proj`` or group names (``attention``, ``mlp``, ``experts``, ``all-dense``,
+    ``all-moe``) joined by commas -> module names, in order, without repeats."""
+    out: list[str] = []
+    for t in (x.strip() for x in str(text).split(",")):
+        if not t:
+            continue
+        for name in TARGET_GROUPS.get(t, (t,)):
+            if name not in out:
+                out.append(name)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -27,24 +51,53 @@ class LoraSettings:
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ArchsearchError("lora.rank", f"must be an integer >= 1, got {self.rank!r}")
-        bad = [t for t in self.targets if t not in ATTENTION + MLP]
+        object.__setattr__(self, "targets", tuple(self.targets))
+        bad = [t for t in self.targets if t not in ATTENTION + MLP + EXPERTS]
         if bad or not self.targets:
-            raise ArchsearchError("lora.targets", f"{bad or 'empty'}", f"use some of {list(ATTENTION + MLP)}")
+            raise ArchsearchError("lora.targets", f"unknown target(s) {bad}" if bad else "empty",
+                                  f"use some of {list(ATTENTION + MLP + EXPERTS)} or a group "
+                                  f"{sorted(TARGET_GROUPS)}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ArchsearchError("lora.targets", f"a target is named twice in {list(self.targets)}")
+
+    def describe(self) -> str:
+        return f"rank {self.rank} on {','.join(self.targets)}"
 
 
-def _shapes(spec: ArchSpec) -> dict[str, tuple[int, int]]:
-    d, dq, dkv, f = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.ffn
-    return {"q_proj": (d, dq), "k_proj": (d, dkv), "v_proj": (d, dkv), "o_proj": (dq, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+def check_targets(spec: ArchSpec, lora: LoraSettings) -> None:
+    """Targets must exist in the model: expert tensors only in a mixture-of-experts spec; the
+    dense MLP names in one only where it has a shared expert (qwen2_moe's, which they adapt)."""
+    experts = [t for t in lora.targets if t in EXPERTS]
+    if experts and not spec.is_moe:
+        raise ArchsearchError("lora.targets", f"expert targets {experts} on a dense model "
+                              f"({spec.name or spec.family})", f"use the MLP projections {list(MLP)}")
+    dense = [t for t in lora.targets if t in MLP]
+    if dense and spec.is_moe and not spec.shared_expert_ffn:
+        raise ArchsearchError("lora.targets", f"MLP targets {dense} on a mixture-of-experts model without "
+                              f"a shared expert ({spec.name or spec.family})",
+                              f"target the experts: {list(EXPERTS)} (or the group 'experts')")
+
+
+def _shapes(spec: ArchSpec) -> dict[str, tuple[int, int, int]]:
+    """(in, out, adapters per layer) of every target: one adapter per linear; for the 3-D expert
+    tensors one adapter pair ``r*E`` wide (peft ParamWrapper); on a MoE spec the dense MLP
+    names are its shared expert's."""
+    d, dq, dkv = spec.hidden_size, spec.q_dim, spec.kv_dim
+    f = spec.shared_expert_ffn if spec.is_moe else spec.ffn
+    out = {"q_proj": (d, dq, 1), "k_proj": (d, dkv, 1), "v_proj": (d, dkv, 1), "o_proj": (dq, d, 1),
+           "gate_proj": (d, f, 1), "up_proj": (d, f, 1), "down_proj": (f, d, 1)}
+    if spec.is_moe:
+        e = spec.n_experts
+        out.update({"experts.gate_up_proj": (d, 2 * spec.ffn, e), "experts.down_proj": (spec.ffn, d, e)})
+    return out
 
 
 def lora_params(spec: ArchSpec, lora: LoraSettings) -> int:
-    """Trainable adapter parameters: ``rank * (in + out)`` per targeted linear per layer
-    (every expert's MLP projections for a mixture-of-experts spec)."""
-    if spec.is_moe and any(t in MLP for t in lora.targets):
-        raise ArchsearchError("lora.targets", "MLP targets on a mixture-of-experts spec",
-                              "target the attention projections (expert adapters are not accounted)")
-    return spec.n_layers * sum(lora.rank * sum(_shapes(spec)[t]) for t in lora.targets)
+    """Trainable adapter parameters: ``rank * (in + out)`` per targeted linear per layer;
+    ``rank * E * (in + out)`` per targeted expert tensor (equal to peft's trainable count)."""
+    check_targets(spec, lora)
+    shapes = _shapes(spec)
+    return spec.n_layers * sum(lora.rank * (shapes[t][0] + shapes[t][1]) * shapes[t][2] for t in lora.targets)
 
 
 # The framework's own memory in a LoRA step, beyond every tensor accounted below: peft's
@@ -111,33 +164,66 @@ def lora_activation_bytes(spec: ArchSpec, lora: LoraSettings, dtype: str = "floa
     for width, readers, shared in groups:
         if readers:
             inputs += 4.0 * width * (len(readers) if cb != 4 else (0 if shared else 1))
-    intermediates = 4.0 * lora.rank * len(t)
+    intermediates = 4.0 * lora.rank * len(t - set(EXPERTS))
     rope = cb * 2.0 * spec.head_dim
     # per token, once: the final norm's input; pre-norm families do not save the first layer's
     # attention norm input (the frozen embedding's output needs no gradient), the same size
     final = 4.0 * (d + 1) if post_norm else 0.0
+    # expert adapters (peft ParamWrapper): the adapted 3-D tensor is merged, W + B A, for all E
+    # experts each forward, and the grouped matmul saves that merged tensor and its routed input
+    # (its weight now needs a gradient): a per-layer block independent of the tokens
+    shapes = _shapes(spec) if spec.is_moe else {}
+    expert_inputs = sum(cb * spec.experts_per_token * shapes[x][0] for x in t & set(EXPERTS))
+    merged = sum(cb * shapes[x][0] * shapes[x][1] * shapes[x][2] for x in t & set(EXPERTS))
     return {"norms": norms, "attention": attention, "mlp": mlp, "adapter_inputs": inputs,
-            "adapter_intermediates": intermediates, "rope_per_position": rope, "final_norm_per_token": final}
+            "adapter_intermediates": intermediates, "expert_adapter_inputs": expert_inputs,
+            "rope_per_position": rope, "final_norm_per_token": final, "expert_merged_weights_per_layer": merged}
+
+
+def lora_saved_bytes(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
+                     dtype: str = "float32") -> float:
+    """Total bytes autograd saves in one LoRA step (:func:`lora_activation_bytes` summed over
+    tokens, layers, positions)."""
+    per = lora_activation_bytes(spec, lora, dtype)
+    tokens = batch_size * seq_len
+    per_token_layer = sum(v for k, v in per.items() if not k.endswith(("_position", "_token", "_per_layer")))
+    return (tokens * spec.n_layers * per_token_layer + tokens * per["final_norm_per_token"]
+            + seq_len * per["rope_per_position"] + spec.n_layers * per["expert_merged_weights_per_layer"])
 
 
 def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
-                        dtype: str = "float32") -> dict[str, float]:
-    """Bytes of one LoRA training step: frozen weights at ``dtype``; adapters, their gradients
-    and two AdamW states in fp32; the activations autograd saves in a LoRA step
-    (:func:`lora_activation_bytes`: far fewer than full training's, as frozen linears keep no
-    inputs); the cross-entropy around the logits (as full training); the framework's
-    ``runtime`` allowance (:data:`RUNTIME_ALLOWANCE_BYTES`). The total is meant as an upper
-    bound of the peak (the planner's memory limit)."""
+                        dtype: str = "float32", *, weight_format=None,
+                        adapter_dtype: str = "float32") -> dict[str, float]:
+    """Bytes of one LoRA (QLoRA) training step at compute dtype ``dtype``:
+
+    * ``weights``: the frozen base, its linear weights in ``weight_format`` (default ``dtype``;
+      ``nf4``: QLoRA, ``int8``: LLM.int8()) and the rest in ``dtype``
+      (:func:`archsearch.planning.formats.base_weight_bytes`);
+    * ``adapters``, ``adapter_gradients``, ``optimizer``: what is trained, in ``adapter_dtype``
+      (peft's default ``autocast_adapter_dtype`` keeps adapters in fp32 over a bf16/fp16 base;
+      pass the compute dtype for adapters cast down), two AdamW states of the same dtype
+      (``torch.optim.AdamW`` keeps them ``zeros_like`` the parameter);
+    * ``activations``: what autograd saves in a LoRA step (:func:`lora_activation_bytes`: far
+      fewer than full training's, as frozen linears keep no inputs);
+    * ``dequant_workspace``: a quantised base is dequantised one weight at a time to ``dtype``
+      for its matmul: the largest such weight;
+    * ``loss``: the cross-entropy around the full-sequence logits (as full training);
+    * ``runtime``: the framework's allowance (:data:`RUNTIME_ALLOWANCE_BYTES`).
+
+    The total is meant as an upper bound of the peak (the planner's memory limit)."""
+    from archsearch.arch import dtype_bytes
+    from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
     from archsearch.planning.memory import predict_training_memory
 
+    fmt = parse_format(weight_format, dtype)
     full = predict_training_memory(spec, batch_size, seq_len, dtype)
     n = lora_params(spec, lora)
-    tokens = batch_size * seq_len
-    per = lora_activation_bytes(spec, lora, dtype)
-    acts = tokens * spec.n_layers * sum(v for k, v in per.items() if not k.endswith(("_position", "_token"))) \
-        + tokens * per["final_norm_per_token"] + seq_len * per["rope_per_position"]
-    out = {"weights": float(full["weights"]), "adapters": 4.0 * n, "adapter_gradients": 4.0 * n, "optimizer": 8.0 * n,
-           "activations": float(acts), "loss": float(full["loss"]), "runtime": float(RUNTIME_ALLOWANCE_BYTES)}
+    ab = dtype_bytes(adapter_dtype)
+    base = base_weight_bytes(spec, fmt, dtype)
+    out = {"weights": base["total"], "adapters": float(ab * n), "adapter_gradients": float(ab * n),
+           "optimizer": float(2 * ab * n), "activations": float(lora_saved_bytes(spec, lora, batch_size, seq_len, dtype)),
+           "dequant_workspace": float(largest_matrix(spec) * dtype_bytes(dtype)) if fmt.quantised else 0.0,
+           "loss": float(full["loss"]), "runtime": float(RUNTIME_ALLOWANCE_BYTES)}
     out["total"] = sum(out.values())
     out["trainable_params"] = n
     out["ffn_width_for_activations"] = active_ffn_width(spec)

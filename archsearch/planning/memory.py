@@ -13,8 +13,12 @@ Inference (one forward at a time, HF/vLLM style):
   it is one layer's peak: attention phase ``2d + 4*dq`` elements per token (residual, normed
   input, Q, Q after RoPE, K/V repeated to the query heads for GQA, attention output), MLP phase
   ``2d + 3*ffn`` (residual, normed input, act(gate), up, their product; for MoE ffn is the
-  routed experts' summed width, ``arch.active_ffn_width``); plus the last
-  position's logits, ``batch * vocab`` in fp32. Attention scores (``S x S``) are assumed not
+  routed experts' summed width, ``arch.active_ffn_width``); plus the logits: the last
+  position's, ``batch * vocab`` in fp32, by default (what generate and serving engines compute),
+  or every prompt position's, ``batch * input_len * vocab`` in their dtype, for a plain
+  forward (``logits_positions="prompt"``: fp32 at a 256,000 vocabulary is 62.5 MiB per
+  sequence of 64 tokens, 2 GB at batch 32). A quantised base (``weight_format``) adds one
+  dequantised weight. Attention scores (``S x S``) are assumed not
   materialised (SDPA / flash kernels); pass ``materialised_scores=True`` for eager attention.
   Paged engines (vLLM) reserve a fixed share of device memory up front and add CUDA graphs and
   allocator slack: this prediction is what the model needs, not what such an engine takes.
@@ -102,21 +106,35 @@ def check_parallelism(spec: ArchSpec, tp: int = 1, pp: int = 1, n_devices: int |
     return n_devices // (tp * pp)
 
 
+LOGITS_POSITIONS = ("last", "prompt")
+
+
 def predict_inference_memory(spec: ArchSpec, batch_size: int, input_len: int, output_len: int,
                              dtype: str = "bfloat16", *, kv_dtype: str | None = None,
                              materialised_scores: bool = False,
-                             prefill_chunk_tokens: int | None = None) -> dict[str, Any]:
+                             prefill_chunk_tokens: int | None = None, weight_format: Any = None,
+                             logits_positions: str = "last", logits_dtype: str = "float32") -> dict[str, Any]:
     """Peak bytes to generate ``output_len`` tokens after ``input_len`` for ``batch_size`` sequences.
 
-    Returns ``weights``, ``kv_cache``, ``activations``, ``total`` (bytes), ``total_gib`` and
-    ``assumptions``; see the module docstring for each term. ``prefill_chunk_tokens`` caps the
-    tokens of one prefill step (vLLM's ``max_num_batched_tokens`` with chunked prefill).
+    Returns ``weights``, ``kv_cache``, ``activations`` (with the logits), ``logits``, ``total``
+    (bytes), ``total_gib`` and ``assumptions``; see the module docstring for each term.
+    ``prefill_chunk_tokens`` caps the tokens of one prefill step (vLLM's
+    ``max_num_batched_tokens`` with chunked prefill). ``weight_format`` stores the linear
+    weights (``int8``, ``nf4``: :mod:`archsearch.planning.formats`), default ``dtype``.
+    ``logits_positions``: ``last`` (what generate and serving engines compute: one position
+    per sequence) or ``prompt`` (a forward that returns every prompt position's logits, as a
+    profiler's plain forward does), each ``vocab`` values of ``logits_dtype``.
     """
+    from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
+
     _positive_int("batch_size", batch_size, allow_zero=True)
     _positive_int("input_len", input_len)
     _positive_int("output_len", output_len, allow_zero=True)
+    if logits_positions not in LOGITS_POSITIONS:
+        raise ArchsearchError("logits_positions", f"{logits_positions!r}", f"use one of {list(LOGITS_POSITIONS)}")
     wb = dtype_bytes(dtype)
-    weights = total_params(spec) * wb
+    fmt = parse_format(weight_format, dtype)
+    weights = base_weight_bytes(spec, fmt, dtype)["total"]
     kv = kv_cache_bytes_per_token(spec, kv_dtype or dtype) * batch_size * (input_len + output_len)
     tokens = batch_size * input_len
     if prefill_chunk_tokens is not None:
@@ -127,13 +145,18 @@ def predict_inference_memory(spec: ArchSpec, batch_size: int, input_len: int, ou
     acts = tokens * max(attn, mlp) * wb
     if materialised_scores:
         acts += batch_size * spec.n_heads * input_len * input_len * wb
-    logits = batch_size * spec.vocab_size * 4
+    if fmt.quantised:  # one weight dequantised at a time for its matmul
+        acts += largest_matrix(spec) * wb
+    positions = input_len if logits_positions == "prompt" else 1
+    logits = batch_size * positions * spec.vocab_size * dtype_bytes(logits_dtype)
     total = weights + kv + acts + logits
     return {
-        "weights": weights, "kv_cache": kv, "activations": acts + logits, "total": total,
+        "weights": weights, "kv_cache": kv, "activations": acts + logits, "logits": logits, "total": total,
         "total_gib": total / GIB,
         "assumptions": {
-            "dtype": dtype, "kv_dtype": kv_dtype or dtype, "batch_size": batch_size,
+            "dtype": dtype, "weight_format": fmt.describe(), "logits": f"{positions} position(s) x "
+            f"{spec.vocab_size} x {logits_dtype} per sequence ({logits_positions})",
+            "kv_dtype": kv_dtype or dtype, "batch_size": batch_size,
             "input_len": input_len, "output_len": output_len, "prefill_tokens_per_step": tokens,
             "activation_elements_per_token": max(attn, mlp),
             "activation_phase": "attention" if attn >= mlp else "mlp",
@@ -247,3 +270,46 @@ def max_training_batch(spec: ArchSpec, device_memory_bytes: float, seq_len: int,
     if static > device_memory_bytes * memory_fraction:
         return 0
     return _max_affine(f, device_memory_bytes * memory_fraction, "batch_size")
+
+
+def predict_finetune_memory(spec: ArchSpec, method: str, batch_size: int, seq_len: int, dtype: str = "bfloat16",
+                            *, lora: Any = None, weight_format: Any = None, adapter_dtype: str = "float32",
+                            **kw: Any) -> dict[str, Any]:
+    """Peak bytes of one fine-tuning step, counted from what is trained: ``full`` (every weight
+    trained: :func:`predict_training_memory`), ``lora`` / ``qlora`` (a frozen base in
+    ``weight_format``, ``nf4`` for ``qlora``, and trained adapters:
+    :func:`archsearch.planning.lora.predict_lora_memory`). ``kw`` goes to full training's
+    sharding options."""
+    from archsearch.planning.lora import LoraSettings, predict_lora_memory
+
+    if method == "full":
+        if weight_format not in (None, dtype):
+            raise ArchsearchError("weight_format", f"{weight_format!r} with full fine-tuning",
+                                  "a quantised base is frozen: use --finetune lora or qlora")
+        return predict_training_memory(spec, batch_size, seq_len, dtype, **kw)
+    if method not in FINETUNE_METHODS:
+        raise ArchsearchError("finetune", f"unknown method {method!r}", f"use one of {list(FINETUNE_METHODS)}")
+    if kw:
+        raise ArchsearchError(next(iter(kw)), "sharding options apply to full fine-tuning only",
+                              "leave them out with lora or qlora (one device)")
+    if method == "qlora" and weight_format is None:
+        weight_format = "nf4"
+    m = predict_lora_memory(spec, lora or LoraSettings(), batch_size, seq_len, dtype,
+                            weight_format=weight_format, adapter_dtype=adapter_dtype)
+    m["total_gib"] = m["total"] / GIB
+    return m
+
+
+FINETUNE_METHODS = ("full", "lora", "qlora")
+
+
+def max_finetune_batch(spec: ArchSpec, method: str, device_memory_bytes: float, seq_len: int,
+                       dtype: str = "bfloat16", memory_fraction: float = 0.95, **kw: Any) -> int:
+    """Largest micro-batch whose :func:`predict_finetune_memory` fits ``memory_fraction`` of
+    the device (LoRA terms are affine in the batch: a closed form)."""
+    if method == "full":
+        return max_training_batch(spec, device_memory_bytes, seq_len, dtype, memory_fraction, **kw)
+    if not 0 < memory_fraction <= 1:
+        raise ArchsearchError("memory_fraction", f"must be in (0, 1], got {memory_fraction}")
+    return _max_affine(lambda b: predict_finetune_memory(spec, method, b, seq_len, dtype, **kw)["total"],
+                       device_memory_bytes * memory_fraction, "batch_size")

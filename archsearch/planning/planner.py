@@ -14,8 +14,15 @@ token, peak memory and a fine-tuning time budget.
    :func:`predict_lora_step_time`: calibrated by the FLOP/s one real LoRA step achieved on the
    same device (:class:`LoraCalibration`), else uncalibrated (assumed MFU x peak) and labelled
    so (checked against peft by ``bench_lora_step``).
-4. The recommendation is the largest candidate (total parameters) within every limit. A limit
-   no candidate meets is an error naming the limit and the best value any candidate reached.
+   The fine-tune is searched per candidate: LoRA variant (LoRA, QLoRA on an NF4 base, LoRA on
+   an int8 base), rank, target set and batch size (:func:`search_finetune`); the fastest
+   configuration within the fine-tuning limits (step memory, wall time, cost) is kept.
+4. Serving and fine-tuning have separate limits (``Limits`` for serving, ``FinetunePlan`` for
+   the fine-tune). The recommendation is the largest candidate (total parameters) within every
+   limit, with its variant and batch and the command that runs it. A fine-tuning limit no
+   configuration of any candidate meets fails before anything is measured
+   (:func:`finetune_unreachable`), naming the limit and the best reachable value; a serving
+   limit no candidate meets is reported the same way after measuring.
 """
 
 from __future__ import annotations
@@ -26,11 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from archsearch.arch import ArchSpec, load_arch
+from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import device_key
 from archsearch.planning.limits import Limits, check_limits
 from archsearch.planning.lora import LoraSettings, lora_params, predict_lora_memory
+from archsearch.presets import load_arch
 
 MEASUREMENTS = "measurements.jsonl"
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -91,7 +99,16 @@ class PlanGrid:
 
 @dataclass(frozen=True)
 class FinetunePlan:
-    """The LoRA fine-tune every candidate is planned for, and its time budget (None: no limit)."""
+    """The LoRA fine-tune every candidate is planned for, the variants and batch sizes searched,
+    and the fine-tuning limits (None: no limit).
+
+    The search: every ``variant`` (:data:`archsearch.planning.lora.VARIANTS`: ``lora`` on a base
+    in the compute dtype, ``qlora`` on an NF4 base, ``lora-int8``) x rank (``ranks``, default
+    ``lora.rank``) x target set (``target_sets``, default ``lora.targets``; a set a candidate
+    lacks, e.g. expert tensors on a dense model, is skipped for it) x batch size
+    (``batch_sizes``, default ``batch_size``). Limits: peak memory of the step
+    (``max_memory_gib``), wall time (``max_hours``), cost (``max_cost_usd``: hours x the
+    device's price, ``price_per_hour`` overriding the device table)."""
 
     lora: LoraSettings = field(default_factory=LoraSettings)
     tokens: float = 1e6
@@ -101,21 +118,69 @@ class FinetunePlan:
     device: str = "cpu"
     mfu: float | None = None
     calibration: LoraCalibration | None = None
+    variants: tuple[str, ...] = ("lora",)
+    ranks: tuple[int, ...] = ()
+    target_sets: tuple[tuple[str, ...], ...] = ()
+    batch_sizes: tuple[int, ...] = ()
+    dtype: str | None = None
+    max_memory_gib: float | None = None
+    max_cost_usd: float | None = None
+    price_per_hour: float | None = None
 
     def __post_init__(self) -> None:
+        from archsearch.planning.lora import VARIANTS
+
         for name in ("tokens", "batch_size", "seq_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ArchsearchError(f"finetune.{name}", f"must be a positive number, got {v!r}")
-        if self.max_hours is not None and (isinstance(self.max_hours, bool) or not isinstance(self.max_hours, (int, float))
-                                           or not math.isfinite(self.max_hours) or self.max_hours <= 0):
-            raise ArchsearchError("limits.max_finetune_hours", f"must be a positive number of hours, got {self.max_hours!r}")
+        for name, what in (("max_hours", "limits.max_finetune_hours"), ("max_memory_gib", "limits.finetune_max_memory_gib"),
+                           ("max_cost_usd", "limits.max_finetune_cost_usd")):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+                raise ArchsearchError(what, f"must be a positive number, got {v!r}")
         if self.mfu is not None and not (0 < self.mfu <= 1):
             raise ArchsearchError("finetune.mfu", f"must be in (0, 1], got {self.mfu!r}")
+        for name in ("variants", "ranks", "target_sets", "batch_sizes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise ArchsearchError("finetune.variants", f"unknown {bad}" if bad else "empty", f"use some of {list(VARIANTS)}")
+        for name in ("ranks", "batch_sizes"):
+            v = getattr(self, name)
+            if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v) or len(set(v)) != len(v):
+                raise ArchsearchError(f"finetune.{name}", f"must be distinct positive integers, got {list(v)}")
+        for t in self.target_sets:
+            LoraSettings(self.lora.rank, tuple(t))  # names checked here
+        if self.dtype is not None:
+            from archsearch.arch import dtype_bytes
+
+            dtype_bytes(self.dtype)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The step's compute dtype: given, else fp32 on a CPU and bf16 on a GPU."""
+        return self.dtype or ("float32" if str(self.device).lower() == "cpu" else "bfloat16")
 
     @property
     def steps(self) -> int:
-        return max(1, math.ceil(self.tokens / (self.batch_size * self.seq_len)))
+        return self.steps_at(self.batch_size)
+
+    def steps_at(self, batch_size: int) -> int:
+        return max(1, math.ceil(self.tokens / (batch_size * self.seq_len)))
+
+    def settings(self) -> list[tuple[str, LoraSettings]]:
+        """(variant, adapters) of the search, batch sizes aside."""
+        ranks = self.ranks or (self.lora.rank,)
+        sets = self.target_sets or (self.lora.targets,)
+        return [(v, LoraSettings(r, tuple(t))) for v in self.variants for r in ranks for t in sets]
+
+    def batches(self) -> tuple[int, ...]:
+        return tuple(sorted(self.batch_sizes)) or (self.batch_size,)
+
+    @property
+    def searched(self) -> bool:
+        return len(self.settings()) > 1 or len(self.batches()) > 1
 
 
 def lora_step_flops(spec: ArchSpec, lora: LoraSettings, tokens: int, seq_len: int | None = None) -> float:
@@ -261,9 +326,28 @@ class LoraCalibration:
             raise ArchsearchError(field_name, f"{p}: {e}") from None
 
 
+def dequant_seconds(spec: ArchSpec, weight_format, dtype: str, device: str) -> tuple[float, str]:
+    """Seconds per step a quantised base spends dequantising (0 for a float base): every
+    quantised weight is read and written back in the compute dtype once in the forward and
+    once in the backward, at the device's memory bandwidth (bitsandbytes dequantises before the
+    matmul; memory-bound)."""
+    from archsearch.arch import dtype_bytes
+    from archsearch.hardware import get_device
+    from archsearch.planning.formats import base_weight_bytes, parse_format
+
+    fmt = parse_format(weight_format, dtype)
+    if not fmt.quantised:
+        return 0.0, "no dequantisation (float base)"
+    b = base_weight_bytes(spec, fmt, dtype)
+    traffic = 2 * (b["quantised"] + b["linear_params"] * dtype_bytes(dtype))
+    bw = get_device(device).memory_bandwidth
+    return traffic / bw, f"2 x (quantised {b['quantised'] / 1e9:.3g} GB read + dequantised written) / {bw / 1e9:.4g} GB/s"
+
+
 def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
                            device: str = "cpu", mfu: float | None = None,
-                           dtype: str = "float32", calibration: LoraCalibration | None = None) -> dict[str, Any]:
+                           dtype: str = "float32", calibration: LoraCalibration | None = None,
+                           weight_format=None) -> dict[str, Any]:
     """Seconds per LoRA step: :func:`lora_step_flops` over an achieved FLOP/s.
 
     *Calibrated* (``calibration`` given): the FLOP/s a real LoRA step reached on this device
@@ -280,7 +364,9 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
         if device_key(calibration.device) != device_key(device):
             raise ArchsearchError("--lora-calibration", f"measured on {calibration.device}, the fine-tune is "
                                   f"planned on {device}", "calibrate on the device the fine-tune runs on")
-        return {"step_s": calibration.step_seconds(flops), "flops_per_step": flops,
+        dq, dq_how = dequant_seconds(spec, weight_format, dtype, device) if weight_format else (0.0, "")
+        return {"step_s": calibration.step_seconds(flops) + dq, "flops_per_step": flops, "dequant_s": dq,
+                "dequant": dq_how,
                 "achieved_flops": calibration.achieved_flops, "overhead_s": calibration.overhead_s, "calibrated": True,
                 "method": calibration.describe(), "calibration": calibration.to_dict(), "device": device,
                 "formula": "overhead_s + " + LORA_STEP_FORMULA + " / achieved FLOP/s"}
@@ -289,7 +375,9 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
     dev = get_device(device)
     peak = dev.peak_flops(dtype)
     used_mfu, mfu_source = (mfu, "given") if mfu is not None else (DEFAULT_MFU, DEFAULT_MFU_SOURCE)
-    return {"step_s": flops / (used_mfu * peak), "flops_per_step": flops, "achieved_flops": used_mfu * peak,
+    dq, dq_how = dequant_seconds(spec, weight_format, dtype, device) if weight_format else (0.0, "")
+    return {"step_s": flops / (used_mfu * peak) + dq, "flops_per_step": flops, "achieved_flops": used_mfu * peak,
+            "dequant_s": dq, "dequant": dq_how,
             "calibrated": False,
             "method": f"uncalibrated: MFU {used_mfu:g} ({'given' if mfu is not None else 'assumed'}) x peak "
                       f"{peak / 1e12:.3g} TFLOP/s ({dev.source})",
@@ -325,21 +413,22 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
     threads = threads or os.cpu_count() or 1
     result: dict[str, LoraCalibration | str] = {}
     for i, c in enumerate(candidates, 1):
+        lora = _calibration_lora(c.spec, ft)
         path = folder / (re.sub(r"[^A-Za-z0-9._-]+", "_", c.name).strip("_") + ".json")
         if path.is_file():
             cal = LoraCalibration.load(path, "--calibrate-lora")
             m = cal.measured
             if (m.get("rank"), tuple(m.get("targets", ())), device_key(cal.device), len(m.get("points", ()))) == (
-                    ft.lora.rank, tuple(ft.lora.targets), device_key(ft.device), len(CALIBRATION_BATCHES)):
+                    lora.rank, tuple(lora.targets), device_key(ft.device), len(CALIBRATION_BATCHES)):
                 result[c.name] = cal
                 progress(f"plan: [{i}/{len(candidates)}] {c.name}: LoRA step calibration read from {path}")
                 continue
         progress(f"plan: [{i}/{len(candidates)}] {c.name}: calibrating the LoRA step time (real peft steps, "
-                 f"rank {ft.lora.rank}, batch {' and '.join(map(str, CALIBRATION_BATCHES))} x {seq}, {threads} threads)")
+                 f"rank {lora.rank}, batch {' and '.join(map(str, CALIBRATION_BATCHES))} x {seq}, {threads} threads)")
         runs = []
         try:
             for b in CALIBRATION_BATCHES:
-                runs.append(measure_fn(spec=c.spec, rank=ft.lora.rank, targets=ft.lora.targets, batch_size=b,
+                runs.append(measure_fn(spec=c.spec, rank=lora.rank, targets=lora.targets, batch_size=b,
                                        seq_len=seq, steps=2, threads=threads))
         except (RuntimeError, OSError, ArchsearchError) as e:  # e.g. out of memory: said, not hidden
             result[c.name] = f"calibration measurement failed: {str(e).strip().splitlines()[-1][:300]}"
@@ -352,7 +441,7 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
         prov = provenance(extra_packages=("peft",))
         try:
             cal = LoraCalibration.from_steps(
-                c.spec, ft.lora, [(b, seq, statistics.median(x["step_wall_s"])) for b, x in zip(CALIBRATION_BATCHES, runs)],
+                c.spec, lora, [(b, seq, statistics.median(x["step_wall_s"])) for b, x in zip(CALIBRATION_BATCHES, runs)],
                 ft.device, measured, {k: prov[k] for k in ("time_utc", "host", "git", "versions", "device", "command")})
         except ArchsearchError as e:  # e.g. equal FLOPs: no line through the steps
             result[c.name] = f"calibration not usable: {e}"
@@ -362,6 +451,20 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
         result[c.name] = cal
         progress(f"plan: {c.name}: {cal.describe()}")
     return result
+
+
+def _calibration_lora(spec: ArchSpec, ft: FinetunePlan) -> LoraSettings:
+    """The adapters a candidate's step time is calibrated with: the first of the search that
+    applies to it (the calibration carries to the others by their FLOPs)."""
+    from archsearch.planning.lora import check_targets
+
+    for _, lo in ft.settings():
+        try:
+            check_targets(spec, lo)
+            return lo
+        except ArchsearchError:
+            continue
+    return ft.lora
 
 
 # -- measuring the grid ------------------------------------------------------------------------
@@ -483,28 +586,101 @@ def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, d
     serving = [p for p in points if p.within_limits]
     best = max(serving, key=lambda p: p.output_throughput or 0.0) if serving else None
     reasons = [] if serving else ["no grid point within the serving limits"]
-    mem = predict_lora_memory(c.spec, ft.lora, ft.batch_size, ft.seq_len)
     cal = calibration if isinstance(calibration, LoraCalibration) else ft.calibration
-    step = predict_lora_step_time(c.spec, ft.lora, ft.batch_size, ft.seq_len, ft.device, ft.mfu, calibration=cal)
+    configs = search_finetune(c.spec, ft, cal)
+    chosen = choose_finetune(configs)
+    lora = dict(chosen)
     if isinstance(calibration, str):
-        step["method"] += f" ({calibration})"
-    hours = step["step_s"] * ft.steps / 3600
-    lora = {"trainable_params": mem["trainable_params"], "rank": ft.lora.rank, "targets": list(ft.lora.targets),
-            "peak_memory_gib": mem["total"] / 2**30, "memory_bytes": {k: v for k, v in mem.items()
-                                                                       if k not in ("trainable_params", "ffn_width_for_activations")},
-            "step_s": step["step_s"], "steps": ft.steps, "hours": hours, "step_time": step,
-            "batch_size": ft.batch_size, "seq_len": ft.seq_len, "tokens": ft.tokens, "predicted": True,
-            "time_calibrated": step["calibrated"], "time_method": step["method"]}
-    finetunes = True
-    if ft.max_hours is not None and hours > ft.max_hours:
-        finetunes = False
-        reasons.append(f"max_finetune_hours={ft.max_hours:g} h exceeded: predicted {hours:.4g} h")
-    if limits.max_peak_memory_gib is not None and lora["peak_memory_gib"] > limits.max_peak_memory_gib:
-        finetunes = False
-        reasons.append(f"max_peak_memory_gib={limits.max_peak_memory_gib:g} GiB exceeded by the LoRA step: "
-                       f"predicted {lora['peak_memory_gib']:.4g} GiB")
+        lora["time_method"] += f" ({calibration})"
+        lora["step_time"]["method"] = lora["time_method"]
+    lora["search"] = [{k: v for k, v in x.items() if k not in ("memory_bytes", "step_time")} for x in configs]
+    finetunes = chosen["within_limits"]
+    if not finetunes:
+        reasons += chosen["broken"]
     return CandidatePlan(c.name, c.source, total_params(c.spec), active_params(c.spec), points, lora,
                          bool(serving), finetunes, best, reasons)
+
+
+def search_finetune(spec: ArchSpec, ft: FinetunePlan, calibration: LoraCalibration | None = None) -> list[dict[str, Any]]:
+    """Every (variant, rank, targets, batch size) of ``ft``'s search that applies to ``spec``:
+    predicted step memory, step time, hours, cost, and which fine-tuning limits it breaks."""
+    from archsearch.hardware import get_device
+    from archsearch.planning.cost import resolve_price
+    from archsearch.planning.lora import VARIANTS, check_targets
+
+    price = resolve_price(get_device(ft.device), ft.price_per_hour)
+    dtype = ft.compute_dtype
+    out = []
+    for variant, lo in ft.settings():
+        try:
+            check_targets(spec, lo)
+        except ArchsearchError:
+            continue  # e.g. expert targets on a dense candidate: that set is not this model's
+        fmt = VARIANTS[variant]
+        for b in ft.batches():
+            mem = predict_lora_memory(spec, lo, b, ft.seq_len, dtype, weight_format=fmt)
+            step = predict_lora_step_time(spec, lo, b, ft.seq_len, ft.device, ft.mfu, dtype, calibration, fmt)
+            steps = ft.steps_at(b)
+            hours = step["step_s"] * steps / 3600
+            cost = None if price.usd_per_hour is None else hours * price.usd_per_hour
+            gib = mem["total"] / 2**30
+            broken = []
+            if ft.max_memory_gib is not None and gib > ft.max_memory_gib:
+                broken.append(f"finetune_max_memory_gib={ft.max_memory_gib:g} GiB exceeded by the {variant} step: "
+                              f"predicted {gib:.4g} GiB")
+            if ft.max_hours is not None and hours > ft.max_hours:
+                broken.append(f"max_finetune_hours={ft.max_hours:g} h exceeded: predicted {hours:.4g} h")
+            if ft.max_cost_usd is not None and cost is not None and cost > ft.max_cost_usd:
+                broken.append(f"max_finetune_cost_usd={ft.max_cost_usd:g} exceeded: predicted ${cost:.4g}")
+            out.append({"variant": variant, "weight_format": fmt or dtype, "trainable_params": mem["trainable_params"],
+                        "rank": lo.rank, "targets": list(lo.targets), "batch_size": b, "seq_len": ft.seq_len,
+                        "tokens": ft.tokens, "dtype": dtype, "peak_memory_gib": gib,
+                        "memory_bytes": {k: v for k, v in mem.items()
+                                         if k not in ("trainable_params", "ffn_width_for_activations")},
+                        "step_s": step["step_s"], "steps": steps, "hours": hours, "cost_usd": cost,
+                        "price_per_hour": price.usd_per_hour, "price_source": price.source,
+                        "step_time": step, "predicted": True, "time_calibrated": step["calibrated"],
+                        "time_method": step["method"], "within_limits": not broken, "broken": broken})
+    if not out:
+        raise ArchsearchError("--lora-targets", f"no target set applies to {spec.name or spec.family}",
+                              "add a target set this model has (attention applies to every model)")
+    return out
+
+
+def choose_finetune(configs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest configuration within every fine-tuning limit (ties: less memory, fewer
+    trainable parameters); when none is, the one breaking fewest limits, then the fastest."""
+    ok = [x for x in configs if x["within_limits"]]
+    if ok:
+        return min(ok, key=lambda x: (x["hours"], x["peak_memory_gib"], x["trainable_params"]))
+    return min(configs, key=lambda x: (len(x["broken"]), x["hours"], x["peak_memory_gib"]))
+
+
+def finetune_unreachable(specs: dict[str, ArchSpec], ft: FinetunePlan,
+                         calibrations: dict[str, LoraCalibration | None] | None = None) -> list[str]:
+    """Fine-tuning limits no candidate's configuration meets, each with the best value any
+    reaches; then, if each is reachable alone, whether any configuration meets them together.
+    Arithmetic only: the planner checks this before measuring anything."""
+    cals = calibrations or {}
+    every = [(name, x) for name, spec in specs.items()
+             for x in search_finetune(spec, ft, cals.get(name) or ft.calibration)]
+    lines = []
+    for limit, key, unit, flag in ((ft.max_memory_gib, "peak_memory_gib", "GiB", "--finetune-max-memory-gib"),
+                                   (ft.max_hours, "hours", "h", "--max-finetune-hours"),
+                                   (ft.max_cost_usd, "cost_usd", "USD", "--max-finetune-cost")):
+        if limit is None:
+            continue
+        name, x = min(every, key=lambda e: e[1][key])
+        if x[key] > limit:
+            lines.append(f"{flag} {limit:g} {unit} is unsatisfiable: the best any candidate reaches is "
+                         f"{x[key]:.4g} {unit} ({name}, {x['variant']} rank {x['rank']} on {','.join(x['targets'])}, "
+                         f"batch {x['batch_size']})")
+    if not lines and not any(x["within_limits"] for _, x in every):
+        name, x = min(every, key=lambda e: (len(e[1]["broken"]), e[1]["hours"]))
+        lines.append("the fine-tuning limits are each reachable but not together: the closest configuration "
+                     f"({name}, {x['variant']} rank {x['rank']}, batch {x['batch_size']}) breaks "
+                     + "; ".join(x["broken"]))
+    return lines
 
 
 # limit field -> (GridPoint attribute or the LoRA prediction, unit)
@@ -527,16 +703,18 @@ def unsatisfiable(plans: list[CandidatePlan], limits: Limits, ft: FinetunePlan) 
         if best > limit:
             lines.append(f"limits.{name}={limit:g} {unit} is unsatisfiable: the best any candidate reached is "
                          f"{best:.4g} {unit} ({at.candidate}, batch {at.batch_size}, prefill {at.prefill}, decode {at.decode})")
-    if limits.max_peak_memory_gib is not None:
-        best = min(plans, key=lambda cp: cp.lora["peak_memory_gib"])
-        if best.lora["peak_memory_gib"] > limits.max_peak_memory_gib:
-            lines.append(f"limits.max_peak_memory_gib={limits.max_peak_memory_gib:g} GiB is unsatisfiable for the "
-                         f"LoRA fine-tune: the smallest predicted step memory is {best.lora['peak_memory_gib']:.4g} GiB ({best.name})")
-    if ft.max_hours is not None:
-        best = min(plans, key=lambda cp: cp.lora["hours"])
-        if best.lora["hours"] > ft.max_hours:
-            lines.append(f"limits.max_finetune_hours={ft.max_hours:g} h is unsatisfiable: the fastest predicted "
-                         f"fine-tune is {best.lora['hours']:.4g} h ({best.name}, {ft.steps} steps)")
+    for limit, key, unit, what in ((ft.max_memory_gib, "peak_memory_gib", "GiB", "finetune_max_memory_gib"),
+                                   (ft.max_hours, "hours", "h", "max_finetune_hours"),
+                                   (ft.max_cost_usd, "cost_usd", "USD", "max_finetune_cost_usd")):
+        if limit is None:
+            continue
+        every = [(cp.name, x) for cp in plans for x in cp.lora["search"] if x.get(key) is not None]
+        if every:
+            name, x = min(every, key=lambda e: e[1][key])
+            if x[key] > limit:
+                lines.append(f"limits.{what}={limit:g} {unit} is unsatisfiable for the fine-tune: the best predicted "
+                             f"is {x[key]:.4g} {unit} ({name}, {x['variant']} rank {x['rank']}, batch {x['batch_size']}, "
+                             f"{x['steps']} steps)")
     return lines
 
 
@@ -560,9 +738,15 @@ def finetune_command(cp: CandidatePlan, c: Candidate, ft: FinetunePlan, out: Pat
     cmd = ["archsearch", "train", "--init-from", init]
     if c.model_path and (Path(c.model_path) / "tokenizer.json").is_file():
         cmd += ["--tokenizer", c.model_path]
-    cmd += ["--lora-rank", str(ft.lora.rank), "--lora-targets", ",".join(ft.lora.targets),
-            "--tokens", f"{ft.tokens:g}", "--global-batch-size", str(ft.batch_size), "--seq-len", str(ft.seq_len),
+    lo = cp.lora
+    cmd += ["--lora-rank", str(lo["rank"]), "--lora-targets", ",".join(lo["targets"]),
+            "--tokens", f"{ft.tokens:g}", "--global-batch-size", str(lo["batch_size"]), "--seq-len", str(ft.seq_len),
             "--out", str(out / "finetune" / Path(cp.name).name)]
+    if lo["variant"] != "lora":
+        note += (f"; the plan is {lo['variant']} (base weights in {lo['weight_format']}): archsearch train holds "
+                 "the base in the compute dtype, so load it quantised with bitsandbytes on a CUDA GPU "
+                 "(transformers BitsAndBytesConfig: load_in_4bit, bnb_4bit_quant_type='nf4', "
+                 "bnb_4bit_use_double_quant=True; or load_in_8bit) and train these adapters with peft")
     return cmd, note
 
 
@@ -597,13 +781,15 @@ def plot_tradeoff(plans: list[CandidatePlan], png: Path, limits: Limits | None =
             ax.ticklabel_format(axis="x", useOffset=False, style="plain")
             ax.set_ylabel(what)
             figures.log_axis(ax, "y")
-        if limits is not None:
-            for ax, lim in zip(axes, (limits.max_tpot_s, limits.max_ttft_s)):
+        if limits is not None:  # each limit line named in the legend with its value
+            for ax, lim, what in zip(axes, (limits.max_tpot_s, limits.max_ttft_s), ("TPOT", "TTFT")):
                 if lim is not None:
-                    ax.axhline(lim * 1e3, color="grey", ls="--", lw=1)
+                    ax.axhline(lim * 1e3, color="grey", ls="--", lw=1, label=f"limit: {what} <= {lim * 1e3:g} ms")
                 if limits.max_peak_memory_gib is not None:
-                    ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1)
-        axes[0].legend(loc="best")
+                    ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1,
+                               label=f"limit: peak memory <= {limits.max_peak_memory_gib:g} GiB")
+        for ax in axes:
+            figures.legend(ax, loc="best", fontsize=7)
         fig.suptitle("planner: measured grid (marker size = batch size)")
         return figures.save(fig, png)
 

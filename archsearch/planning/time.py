@@ -22,6 +22,12 @@ model) is chosen by cross-validated mean absolute error in seconds (leave-one-ou
 runs, 8 folds beyond); R^2 is reported beside it.
 A parallelism parameter is only identified when the runs vary TP (PP); otherwise it is fixed at
 ideal scaling (g = 1, aTP = 1) and the law says so.
+
+The runs the law is fit to are collected as the source paper's *scaling-law smart tuning*:
+short runs of small models on few tokens, timed, fitted, and the law extrapolated to the full
+run (``archsearch estimate fit``; ``benchmarks/scripts/bench_planning.py`` does it here). Published
+coefficients on their natural scale load with :meth:`TimeLaw.from_coefficients`; the log-scale
+constants are unbounded (fitted at the runs' reference scale, see ``_PARAMS``).
 """
 
 from __future__ import annotations
@@ -82,11 +88,17 @@ def parse_gpus(text: str) -> tuple[int, Device]:
 
 # -- the law --------------------------------------------------------------------------------
 
-_PARAMS = {  # name: (lower, upper) bounds; log-scale constants are stored as logs
+# name: (lower, upper) bounds. The log-scale constants are stored as logs and have no bounds: they
+# are fitted as the log of each term at the runs' geometric-mean N and D (``log_Nc + r log N_ref``,
+# ``log_Dc + log D_ref``), which is of the order of log T / aD whatever the units, and converted
+# back. A fixed box on log Nc itself cannot hold every law: with N ~ 1e9 and r ~ 3, Nc ~ e^-60 and
+# below, and published coefficients lie outside the (-60, 60) box the fit used to have.
+_INF = float("inf")
+_PARAMS = {
     "analytic": {"log_F": (-30.0, 80.0)},
-    "amdahl": {"log_Nc": (-60.0, 60.0), "log_Dc": (-60.0, 60.0), "r": (0.05, 5.0), "aD": (0.05, 5.0),
+    "amdahl": {"log_Nc": (-_INF, _INF), "log_Dc": (-_INF, _INF), "r": (0.05, 5.0), "aD": (0.05, 5.0),
                "g": (0.0, 1.0), "h": (0.0, 1.0)},
-    "power": {"log_Nc": (-60.0, 60.0), "log_Dc": (-60.0, 60.0), "r": (0.05, 5.0), "aD": (0.05, 5.0),
+    "power": {"log_Nc": (-_INF, _INF), "log_Dc": (-_INF, _INF), "r": (0.05, 5.0), "aD": (0.05, 5.0),
               "aTP": (0.0, 1.5), "aPP": (0.0, 1.5)},
 }
 _IDEAL = {"g": 1.0, "h": 1.0, "aTP": 1.0, "aPP": 1.0}
@@ -136,21 +148,32 @@ def _fit_form(form: str, X: np.ndarray, logT: np.ndarray, starts: int = 8,
         log_F = float(np.mean(np.log(6.0 * X[:, 0] * X[:, 1] / (X[:, 2] * X[:, 3])) - logT))
         return {"log_F": log_F}, notes
     bounds = [_PARAMS[form][n] for n in free]
+    log_n_ref, log_d_ref = float(np.mean(np.log(X[:, 0]))), float(np.mean(np.log(X[:, 1])))
+
+    def unpack(v) -> dict[str, float]:
+        """Fitted vector (log constants at the reference scale) -> the law's parameters."""
+        p = {**fixed, **dict(zip(free, map(float, v)))}
+        p["log_Nc"] -= p["r"] * log_n_ref
+        p["log_Dc"] -= log_d_ref
+        return p
 
     def resid(v: np.ndarray) -> np.ndarray:
-        return _log_time(form, {**fixed, **dict(zip(free, v))}, X) - logT
+        return _log_time(form, unpack(v), X) - logT
 
     rng = np.random.default_rng(seed)
     lo, hi = np.array(bounds).T
-    # log-scale constants start from a broad range; exponents and fractions inside their bounds
+    # the log terms at the reference scale start around log T; exponents and fractions inside their bounds
     wide = np.array([n in ("log_Nc", "log_Dc") for n in free])
+    centre = float(np.mean(logT))
     best = None
     for _ in range(starts):
-        v0 = np.where(wide, rng.uniform(-20, 10, len(free)), rng.uniform(lo + 0.1 * (hi - lo), hi - 0.1 * (hi - lo)))
+        inner = rng.uniform(np.where(wide, 0, lo) + 0.1 * np.where(wide, 0, hi - lo),
+                            np.where(wide, 1, hi) - 0.1 * np.where(wide, 0, hi - lo))
+        v0 = np.where(wide, centre + rng.uniform(-10, 10, len(free)), inner)
         r = least_squares(resid, v0, bounds=(lo, hi), method="trf", x_scale="jac")
         if best is None or r.cost < best.cost:
             best = r
-    p = {**fixed, **dict(zip(free, map(float, best.x)))}
+    p = unpack(best.x)
     for n, (lo, hi) in zip(free, bounds):
         if n not in ("log_Nc", "log_Dc") and min(abs(p[n] - lo), abs(p[n] - hi)) < 1e-6 * (hi - lo):
             notes.append(f"{n}={p[n]:g} at its bound [{lo:g}, {hi:g}]")
@@ -180,11 +203,30 @@ class TimeLaw(PlainData):
         missing = [n for n in _PARAMS[self.form] if n not in self.params]
         if missing:
             raise ArchsearchError(f"time_law.params.{missing[0]}", "missing")
+        bad = [n for n, v in self.params.items() if not (isinstance(v, (int, float)) and math.isfinite(v))]
+        if bad:
+            raise ArchsearchError(f"time_law.params.{bad[0]}", f"must be a finite number, got {self.params[bad[0]]!r}")
         self._booster = None
         if self.residual_model:
             if len(self.train_features) < 3:
                 raise ArchsearchError("time_law.train_features", "a residual model needs its training points")
             self._booster = _gbr().fit(np.array(self.train_features), np.array(self.train_residuals))
+
+    @classmethod
+    def from_coefficients(cls, form: str = "amdahl", *, Nc: float, Dc: float, aN: float, aD: float,
+                          g: float = 1.0, h: float = 1.0, aTP: float = 1.0, aPP: float = 1.0,
+                          device: str | None = None, source: str = "") -> "TimeLaw":
+        """A law from published coefficients on their natural scale, ``T = [Nc N^(aN/aD) + Dc
+        D]^aD * f(TP, PP)`` (seconds, N the compute parameters, D tokens): the constants may be
+        as small or large as float64 holds (their logs are stored, unbounded)."""
+        if form not in ("amdahl", "power"):
+            raise ArchsearchError("time_law.form", f"{form!r} has no such coefficients", "use amdahl or power")
+        for name, v in (("Nc", Nc), ("Dc", Dc), ("aD", aD), ("aN", aN)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ArchsearchError(f"time_law.{name}", f"must be a positive finite number, got {v!r}")
+        par = {"g": g, "h": h} if form == "amdahl" else {"aTP": aTP, "aPP": aPP}
+        return cls(form=form, params={"log_Nc": math.log(Nc), "log_Dc": math.log(Dc), "r": aN / aD, "aD": aD, **par},
+                   device=device, notes=[f"from published coefficients{': ' + source if source else ''}"])
 
     def predict_array(self, X: np.ndarray, shape: np.ndarray) -> np.ndarray:
         logT = _log_time(self.form, self.params, X)

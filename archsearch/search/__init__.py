@@ -11,7 +11,7 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def log(msg: str) -> None:
-    """A progress line of the study, on stderr."""
-    import sys
+    """A progress line of the study (stderr, and the study's ``study.log``; archsearch.logs)."""
+    from archsearch.logs import get_logger
 
-    print(f"[search] {msg}", file=sys.stderr, flush=True)
+    get_logger("search").info(f"[search] {msg}")

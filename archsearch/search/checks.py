@@ -196,6 +196,8 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     if cfg.proxy and not cfg.law.file:
         check_reference_data(cfg)
     check_later_stages(cfg)
+    if not for_plan:  # the plan reports every budget, refused ones included (search.plan)
+        check_data_budgets(cfg)
     measured_baseline(cfg)  # every comparison measures the baseline, rebuilt at measure.params where set
     # the plan checks the device it is priced on (--gpus) itself
     check_reference_batch(cfg, cfg.measure.device_spec if for_plan else measuring_device(cfg))
@@ -320,13 +322,16 @@ def target_loss(cfg: StudyConfig, law) -> float:
 
 def check_target(cfg: StudyConfig, law, lt: float) -> None:
     """A target below the law's lowest loss in the search box has no feasible shape."""
+    from archsearch.laws.solve import inside_range
     from archsearch.search.study import SearchContext, build_settings, scan_law
 
     ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."),
                         build=build_settings(cfg, vocab_size(cfg)))
     res, _ = scan_law(ctx)
     losses = [p.predicted_loss for p in res.points if p.predicted_loss is not None]
-    if res.optimum is not None and res.optimum.loss is not None:
+    within = None if cfg.law.allow_extrapolation else law.shape_range()
+    if res.optimum is not None and res.optimum.loss is not None and \
+            inside_range(res.optimum.hidden_over_sqrt_n, res.optimum.mlp_to_attn_ratio, within):
         losses.append(res.optimum.loss)
     if losses and lt < min(losses):
         raise ArchsearchError("target.loss", f"{lt:.4f} is below the law's optimum {min(losses):.4f} "
@@ -346,3 +351,118 @@ def final_train_configs(cfg: StudyConfig):
     except ArchsearchError as e:
         raise ArchsearchError(f"final_train.{e.field}", e.problem, e.fix) from None
     return tc, data
+
+
+# -- data: the tokens each training needs against what its source holds -----------------------
+
+# Hub datasets' sizes in tokens, from their dataset cards (GPT-2 tokens; a 128K-vocabulary
+# tokenizer such as LLaMA-3's gives roughly 10-20% fewer tokens for the same text).
+KNOWN_SOURCE_TOKENS = {
+    "HuggingFaceFW/fineweb-edu:sample-10BT": 10e9,
+    "HuggingFaceFW/fineweb-edu:sample-100BT": 100e9,
+    "HuggingFaceFW/fineweb-edu:sample-350BT": 350e9,
+    "HuggingFaceFW/fineweb-edu": 1.3e12,
+}
+TEXT_BYTES_PER_TOKEN = 4.0  # local files: English text, about 4 bytes a token (an estimate)
+# a card's GPT-2 count may overstate what another tokenizer yields by this much: a need within it
+# of the count is flagged as tight (the exact count is known only once the data is tokenized)
+CARD_TOKENIZER_SPREAD = 0.2
+
+
+def source_tokens(data_cfg) -> tuple[float | None, str]:
+    """(tokens the source holds, how that is known); None where it is not known before the data
+    is read (a hub dataset missing from :data:`KNOWN_SOURCE_TOKENS`, a corpus that cannot be found).
+    ``data.max_train_tokens`` caps what a hub dataset streams."""
+    srcs = data_cfg.sources
+    if srcs[0].startswith("hf:"):
+        name = srcs[0][3:]
+        n = KNOWN_SOURCE_TOKENS.get(name)
+        how = "its dataset card (GPT-2 tokens)" if n else "unknown: not in the table of hub datasets' sizes"
+        cap = data_cfg.max_train_tokens
+        if cap is not None and (n is None or cap < n):
+            return float(cap), f"data.max_train_tokens (streaming stops there; the source: {how})"
+        return n, how
+    if srcs == ["shakespeare"]:
+        try:
+            from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
+
+            train, _ = shakespeare_split(tuple(data_cfg.val_works) if data_cfg.val_works is not None
+                                         else DEFAULT_VAL_WORKS)
+        except ArchsearchError as e:
+            return None, f"unknown ({e.problem})"
+        size = sum(f.stat().st_size for f in train)
+    else:
+        files = []
+        for s in srcs:
+            q = Path(s).expanduser()
+            files += [f for f in q.rglob("*") if f.suffix in (".txt", ".jsonl")] if q.is_dir() else ([q] if q.is_file() else [])
+        size = sum(f.stat().st_size for f in files) * (1 - data_cfg.val_fraction)
+    return size / TEXT_BYTES_PER_TOKEN, f"file bytes / {TEXT_BYTES_PER_TOKEN:g} bytes a token (estimate)"
+
+
+def data_budgets(cfg: StudyConfig) -> list[dict]:
+    """Every training the study would run, its token need against its source: each proxy sweep's
+    largest run (when proxies are trained) and the final run (when ``final_train`` is configured;
+    ``runs`` says whether it is enabled). ``status``: ``ok`` (one pass holds it), ``repeats``
+    (allowed by ``data.max_epochs``), ``refused`` (more passes than ``data.max_epochs``) or
+    ``unknown`` (the source's size is not known before its data is read)."""
+    items = []
+    if cfg.proxy is not None and not cfg.proxy.runs:
+        from archsearch.trainers import sweep_specs, token_budget
+
+        many = cfg.proxy.sweeps is not None
+        for i, sw in enumerate(proxy_sweeps(cfg)):
+            need = max((token_budget(spec, sw.train_for(pt["level"])) for pt, spec, _ in sweep_specs(sw, vocab_size(cfg))
+                        if spec is not None), default=0.0)
+            items.append(_budget(f"proxy sweep {sw.name}'s largest run", f"proxy.sweeps[{i}].data" if many else
+                                 "proxy.sweep.data", sw.data, need, True))
+    final = cfg.final_train
+    if final.enabled or cfg.mode == "predict-rank-select" or final != type(final)():
+        try:
+            _, data = final_train_configs(cfg)
+        except ArchsearchError:
+            data = None  # nothing to train on: final_train_configs says so where the stage runs
+        if data is not None:
+            where = "final_train.data" if final.data is not None else "final_train.data (the first proxy sweep's)"
+            items.append(_budget("the final run", where, data, float(final.tokens or cfg.tokens),
+                                 final.enabled or cfg.mode == "predict-rank-select"))
+    return items
+
+
+def _budget(what: str, field: str, data, need: float, runs: bool) -> dict:
+    available, how = source_tokens(data)
+    epochs = need / available if available else None
+    if epochs is None:
+        status, verdict = "unknown", (f"the source's size is unknown ({how}): checked only when its data is read "
+                                      "and tokenized, before training")
+    elif epochs <= 1:
+        status, verdict = "ok", f"one pass holds it ({epochs:.2f} of the source)"
+    elif epochs <= data.max_epochs:
+        status, verdict = "repeats", f"repeats the source {epochs:.2f} times: allowed by data.max_epochs={data.max_epochs:g}"
+    else:
+        status, verdict = "refused", (f"REFUSED before training: needs {epochs:.2f} passes over the source > "
+                                      f"data.max_epochs={data.max_epochs:g}")
+    if epochs is not None and "GPT-2 tokens" in how and 1 - CARD_TOKENIZER_SPREAD < epochs * data.max_epochs <= 1 \
+            and data.tokenizer.lower() != "gpt2":
+        verdict += (f"; tight: the card counts GPT-2 tokens and {data.tokenizer} may yield up to "
+                    f"{CARD_TOKENIZER_SPREAD:.0%} fewer")
+    return {"what": what, "field": field, "runs": runs, "source": ",".join(data.sources), "tokenizer": data.tokenizer,
+            "tokens_needed": need, "tokens_available": available, "available_from": how, "epochs": epochs,
+            "max_epochs": data.max_epochs, "status": status, "verdict": verdict}
+
+
+def check_data_budgets(cfg: StudyConfig) -> list[dict]:
+    """Refuse, before any work, a training the study will run that needs more passes over its
+    source than its ``data.max_epochs`` allows (the source's size known from its card or files);
+    returns the budgets (a disabled final run is only reported, by the dry run)."""
+    items = data_budgets(cfg)
+    for it in items:
+        if it["runs"] and it["status"] == "refused":
+            field = it["field"].split(" ")[0]
+            raise ArchsearchError(
+                f"{field}.max_epochs", f"{it['what']} needs {it['tokens_needed']:.3g} tokens but {it['source']} holds "
+                f"{it['tokens_available']:.3g} ({it['available_from']}): {it['epochs']:.2f} passes > "
+                f"max_epochs={it['max_epochs']:g}",
+                f"name a source that holds it under {field}.source (e.g. hf:HuggingFaceFW/fineweb-edu, 1.3e12 tokens), "
+                f"lower the token budget, or allow the repetition with {field}.max_epochs: {it['epochs']:.2f}")
+    return items

@@ -193,7 +193,8 @@ class ProxyConfig:
 @dataclass(frozen=True)
 class LawConfig(FitOptions):
     """The study's ``law`` block: the :class:`~archsearch.laws.FitOptions` of the study's fit (its
-    fields, with defaults for a study), the law's ``form``, and a law ``file`` that skips the fit."""
+    fields, with defaults for a study), the law's ``form``, a law ``file`` that skips the fit, and
+    whether shapes outside the law's fitted range may be used (``allow_extrapolation``)."""
 
     bootstrap: int = 200
     seed: int | None = None  # default: optuna.seed
@@ -202,6 +203,9 @@ class LawConfig(FitOptions):
     size_tolerance: float | None = None
     form: str = "conditional-multiplicative"
     file: str | None = None  # a fitted or hand-written law JSON: skips the fit
+    # shapes outside the (d/sqrt(N), r) box the law was fitted on are refused unless this is true
+    # (the law's fitted_range, or its runs' ranges after the r filter; archsearch.search.margins)
+    allow_extrapolation: bool = False
 
     def __post_init__(self) -> None:
         if self.form not in LAW_FORMS:
@@ -245,9 +249,16 @@ class MeasureConfig(BenchSettings):
     # only where feasibility does not depend on N (multiplicative law, target relative to the
     # baseline; StudyConfig checks it): a larger N lifts the shapes' speed differences above the noise.
     params: float | None = None
+    # a failed measurement (an engine error may be transient) is measured again by a later run of
+    # the study, up to this many attempts in all; the store records each one's attempts
+    max_attempts: int = 3
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the measurement's own checks
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
+                or not 1 <= self.max_attempts <= 100:
+            raise ArchsearchError("measure.max_attempts", f"must be an integer in [1, 100], got {self.max_attempts!r}",
+                                  "e.g. 3 (1: a failed measurement is never taken again)")
         if self.params is not None:
             from archsearch.candidates import check_size
 
@@ -265,9 +276,11 @@ class MeasureConfig(BenchSettings):
             from archsearch.benchmarks.calibration import Calibration
 
             try:
-                Calibration.load(self.calibration)
+                # fitted on the device and engine it predicts for (the analytic backend, which
+                # predicts for any engine, excepted)
+                Calibration.load(self.calibration).check_matches(self.device_spec, self.backend, "measure.calibration")
             except ArchsearchError as e:
-                raise ArchsearchError("calibration", e.problem, e.fix) from None
+                raise ArchsearchError("measure.calibration", e.problem, e.fix) from None
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
@@ -275,8 +288,11 @@ class MeasureConfig(BenchSettings):
     def bench_settings(self, backend: str) -> BenchSettings:
         """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
         measures with may be the fallback)."""
+        engine_args = dict(self.engine_args)
+        if backend == "analytic" and self.calibration:  # where the analytic backend reads it (as bench passes it)
+            engine_args["calibration"] = self.calibration
         return base_view(self, BenchSettings, "measure", backend=backend, batch_sizes=list(self.batch_sizes),
-                         engine_args=dict(self.engine_args))
+                         engine_args=engine_args)
 
     @property
     def ref_batch(self) -> int:
@@ -406,7 +422,7 @@ class StudyConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where proxy/measurement jobs run
     vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
     tie_embeddings: bool = False
-    out: str | None = None  # default: results/<name>
+    out: str | None = None  # default: runs/<name> (git-ignored; results/ holds curated records)
 
     def __post_init__(self) -> None:
         from archsearch.fileio import check_name
@@ -440,7 +456,7 @@ class StudyConfig:
                                   "add proxy.sweep (train proxies) or proxy.runs (reuse a run table)")
 
     def out_dir(self, override: str | Path | None = None) -> Path:
-        return Path(override or self.out or Path("results") / self.name)
+        return Path(override or self.out or Path("runs") / self.name)
 
     def fit_options(self) -> FitOptions:
         """The study's law-fit options (the final fit, and the active plan's loop with fewer

@@ -22,13 +22,13 @@ highest throughput ratio to the study baseline.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from archsearch.arch import ArchSpec, mlp_to_attn_ratio, non_embedding_params
 from archsearch.candidates import BuildSettings
 from archsearch.errors import ArchsearchError
+from archsearch.search import log as search_log
 from archsearch.search.study import loss_bound
 
 
@@ -115,8 +115,7 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
             tp = f"{step.throughput:.1f} tok/s" if step.throughput is not None else "-"
             if step.ratio:
                 tp += f", x{step.ratio['ratio']:.3f} [{step.ratio['lo']:.3f}, {step.ratio['hi']:.3f}] vs baseline"
-            print(f"[search] GQA {g} ({v.n_heads}+{v.n_kv_heads} heads): {tp} {step.note}".rstrip(),
-                  file=sys.stderr, flush=True)
+            search_log(f"GQA {g} ({v.n_heads}+{v.n_kv_heads} heads): {tp} {step.note}".rstrip())
         return step
 
     def paired_visit(step: GQAStep, v: ArchSpec, attempt: int = 0) -> None:

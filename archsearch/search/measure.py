@@ -103,7 +103,7 @@ _FIRST_KEYED = frozenset({"backend", "batch_sizes", "input_len", "output_len", "
                           "ci_rel_halfwidth", "min_rounds", "max_rounds"})
 # choose among engines or measured batch sizes, or widen intervals computed when read; they change
 # no measurement
-_NOT_KEYED = frozenset({"fallback_backend", "reference_batch_size", "instance_sd"})
+_NOT_KEYED = frozenset({"fallback_backend", "reference_batch_size", "instance_sd", "max_attempts"})
 
 
 def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
@@ -264,21 +264,38 @@ class Measurer:
 
     def measured_dtype(self, spec: ArchSpec) -> str | None:
         """The dtype ``spec`` was measured in; every measurement of a study runs at one dtype, so a
-        shape measured only paired (the baseline kept as the answer) takes any stored result's."""
+        shape measured only paired (the baseline kept as the answer) takes that of any stored
+        result measured with this study's dtype setting and engine."""
+        s = self.settings().to_dict()
         stored = self.store.all()
         own = (stored.get(self.key(spec)) or {}).get("dtype")
-        return own or next((r["dtype"] for r in stored.values() if r.get("dtype")), None)
+        # a store may also hold measurements of other settings (a study resumed with another dtype)
+        ours = (s["dtype"], s["backend"])
+        return own or next((r["dtype"] for r in stored.values() if r.get("dtype") and
+                            ((r.get("settings") or {}).get("dtype"), (r.get("settings") or {}).get("backend")) == ours),
+                           None)
+
+    def _retry(self, key: str, found: dict[str, Any] | None) -> bool:
+        """Whether a stored result is a failure to measure again: one stored by an earlier run
+        (this run reads its own failures back) with fewer than ``measure.max_attempts`` attempts."""
+        return (found is not None and found.get("ok") is False and key not in self._taken
+                and int(found.get("attempts", 1)) < self.cfg.max_attempts)
 
     def _once(self, key: str, work) -> tuple[dict[str, Any], bool]:
-        """The stored result under ``key``, else ``work()`` run under the key's lock and stored."""
+        """The stored result under ``key``, else ``work()`` run under the key's lock and stored;
+        a stored failure is measured again up to ``measure.max_attempts`` times (:meth:`_retry`),
+        the newest record of a key being the one read."""
         found = self.store.get(key)
-        if found is not None:
+        if found is not None and not self._retry(key, found):
             return found, key not in self._taken
         with self.store.claim(key) as found:
-            if found is not None:
+            if found is not None and not self._retry(key, found):
                 return found, True
             result = work()
             result["measurement_key"] = key
+            if found is not None:
+                result["attempts"] = int(found.get("attempts", 1)) + 1
+                result["earlier_errors"] = [*found.get("earlier_errors", []), found.get("error")]
             self.store.put(key, result)
             self._taken.add(key)
             self.measured_now += 1

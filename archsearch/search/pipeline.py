@@ -15,7 +15,7 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from archsearch.arch import ArchSpec
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
+from archsearch.logs import study_log
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
 from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
@@ -51,10 +52,18 @@ class StudyState:
 
     def __init__(self, out: Path):
         self.path = out / "state.json"
-        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.reload()
 
     def reload(self) -> None:
-        self.data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        """Read ``state.json``; one cut short by a killed write (or unreadable) is treated as
+        absent, with a line saying so: the stages it marked done are redone, each from what it
+        left (finished proxy runs, the Optuna storage, the measurement store)."""
+        from archsearch.search.inputs import read_json_tolerant
+
+        self.data = read_json_tolerant(self.path, "every stage it marked done") or {}
+
+    def save(self) -> None:
+        write_json(self.path, self.data, default=str)
 
     def done(self, stage: str) -> bool:
         return self.data.get(stage, {}).get("status") == "done"
@@ -105,29 +114,41 @@ class Stage:
     resumes_itself: bool = False  # runs even when done (the Optuna study tops itself up)
 
 
+def _in_study_log(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn(cfg, out, ...)`` with its progress lines and libraries' warnings also appended to
+    ``out/study.log`` (created with the folder, never for a config refused before any work)."""
+    @functools.wraps(fn)
+    def logged(cfg: StudyConfig, out: Path, *args: Any, **kwargs: Any) -> Any:
+        with study_log(out):
+            return fn(cfg, out, *args, **kwargs)
+    return logged
+
+
+@_in_study_log
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study, stage by stage; returns the summary."""
+    from archsearch.search.inputs import StageInputs, fingerprints, stage_inputs
+
     validate(cfg)  # before anything is written
     selected = select_stages(cfg, out, only, skip)
     out.mkdir(parents=True, exist_ok=True)
-    state = StudyState(out)
-    done = [st.name for st in STAGES if state.done(st.name)]
-    if done:
-        first = (state.data[done[0]].get("runs") or [{}])[0]
-        log(f"resuming the study in {out}: stages done {', '.join(done)}"
-            + (f" (first run {first['time_utc']} on {first['host']})" if first else "")
-            + "; earlier stages and measurements keep their own provenance. For a fresh study, "
-              "give another folder: --out DIR")
-    write_json(out / "config.json", to_dict(cfg), default=str)
-    r = StudyRun(cfg, out, state, progress)
+    applies = {st.name: st.applies(cfg) for st in STAGES}
     lock = out / ".stage.lock"
+    with file_lock(lock):
+        state = StudyState(out)
+        _resume(cfg, out, state, selected, applies)  # refuses a change it cannot honour, before any write
+        write_json(out / "config.json", to_dict(cfg), default=str)  # the change is accepted
+    inputs, fps, record = stage_inputs(cfg), fingerprints(cfg, applies), StageInputs(out)
+    r = StudyRun(cfg, out, state, progress)
     for stage in STAGES:
         locked = stage.locked(cfg)
         with file_lock(lock) if locked else contextlib.nullcontext():
             state.reload()
             fresh = stage.name in selected and stage.applies(cfg) and \
                 (stage.resumes_itself or not state.done(stage.name))
+            if fresh and stage.name in fps:  # what its outputs are computed with, before it writes any
+                record.record(stage.name, fps[stage.name], inputs[stage.name])
             t = time.time()
             info = stage.run(r, fresh)
         if fresh and info is not None:
@@ -138,6 +159,38 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             return {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
     return r.summary if r.summary is not None else \
         {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
+
+
+def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool]) -> None:
+    """Compare the folder's stages with ``cfg`` (archsearch.search.inputs): keep what is valid,
+    move aside and redo what a changed setting touches, refuse what cannot be honoured."""
+    from archsearch.search.inputs import StageInputs, fingerprints, plan_resume, stage_inputs, supersede
+
+    torn = [stage for stage, name in (("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
+            if state.done(stage) and (stage != "train" or cfg.mode == "predict-rank-select")
+            and _read_json(out / name) is None]
+    for stage in torn:  # its result was cut by a killed write: the stage is redone
+        state.data.pop(stage)
+    plan = plan_resume(cfg, out, state.data, selected, applies, default_storage=cfg.optuna.storage is None)
+    done = [st.name for st in STAGES if state.done(st.name) and st.name not in plan.stale]
+    if done or plan.stale:
+        first = (state.data[done[0]].get("runs") or [{}])[0] if done else {}
+        log(f"resuming the study in {out}: stages done {', '.join(done) or 'none'}"
+            + (f" (first run {first['time_utc']} on {first['host']})" if first else "")
+            + "; earlier stages and measurements keep their own provenance. For a fresh study, "
+              "give another folder: --out DIR")
+    moved = supersede(out, plan, state.data)
+    if moved is not None:
+        for stage, why in plan.stale.items():
+            log(f"stage {stage} is redone: {'; '.join(why)}")
+        log(f"the outputs it replaces are kept in {moved}")
+    if moved is not None or torn:
+        state.save()
+    # a folder from before stages recorded their settings: its valid stages adopt this config's
+    record, inputs, fps = StageInputs(out), stage_inputs(cfg), fingerprints(cfg, applies)
+    for stage in fps:
+        if stage in state.data and stage not in record.data:
+            record.record(stage, fps[stage], inputs[stage])
 
 
 def select_stages(cfg: StudyConfig, out: Path, only: set[str] | None, skip: set[str]) -> set[str]:
@@ -194,6 +247,7 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             r.law = fit_profiled(runs, cfg.law.form, cfg.fit_options())
         else:
             r.law = fit_law(runs, cfg.law.form, cfg.fit_options())
+        r.law = with_held_out_error(r.law, runs, cfg)
         r.law.save(law_path)
         write_plots(r.law, runs, [], r.out / "plots")
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
@@ -201,6 +255,34 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if r.ctx.measurer.note:
         log(r.ctx.measurer.note)
     return info
+
+
+def with_held_out_error(law, runs, cfg: StudyConfig):
+    """The fitted law with its error against trained models it was not fitted on (the loss
+    constraint's margins carry it, archsearch.search.margins): the held-out size's error where
+    ``law.holdout_size`` held one out, else the progressive protocol's last step
+    (``archsearch.laws.diagnostics.held_out_error``); with one proxy size none can be measured,
+    and the law says so (its margins then rest on the bootstrap alone)."""
+    import dataclasses
+
+    from archsearch.laws.diagnostics import held_out_error
+
+    held = (law.metrics or {}).get("holdout")
+    if held and held.get("n"):
+        err = {"relative_sd": held["rmsre"], "n": held["n"], "mare": held["mare"],
+               "source": f"held out: the size nearest law.holdout_size={cfg.law.holdout_size:.3g} ({held['n']} runs), "
+                         "not fitted"}
+    else:
+        try:
+            err = held_out_error(runs, cfg.law.form, cfg.fit_options())
+        except ArchsearchError as e:
+            log(f"the law's error against held-out runs is not measured: {e.problem}")
+            return dataclasses.replace(law, warnings=list(law.warnings) + [
+                f"prediction error not measured ({e.problem}): margins to the target rest on the bootstrap alone"])
+        if cfg.proxy is not None and cfg.proxy.plan == "active":
+            err["source"] += " (validated with the grid's fit, not the active plan's profiled fit)"
+    log(f"the law's error on held-out runs: {err['relative_sd']:.2%} relative (sd) ({err['source']})")
+    return dataclasses.replace(law, prediction_error=err)
 
 
 def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
@@ -224,7 +306,14 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             study, recovered = run_study(ctx, progress=r.progress)
             if recovered:
                 log(f"recovered trials {recovered} left running by a dead process")
-        _wait_for_running(study)
+        while taken := _wait_for_running(study):
+            log(f"trials {taken} were left running by a worker that died; their shapes are enqueued again"
+                + ("" if cfg.cluster.parallel else " and measured here"))
+            if cfg.cluster.parallel:  # the executor's workers are done: the next run of the stage measures them
+                break
+            from archsearch.search.study import run_study
+
+            study, _ = run_study(ctx, progress=r.progress)
         new = sum(1 for tr in study.get_trials(deepcopy=False)
                   if tr.datetime_start and tr.datetime_start.timestamp() >= t)
         if new or not r.state.done("search"):  # a no-op rerun adds no time and no run
@@ -233,11 +322,37 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             log("search: the study has its trials already; nothing measured")
     r.study = load_study(ctx)
     r.best = chosen_from_study(r.study) if r.study is not None else None
+    _redo_after_new_best(r)
     if fresh and cfg.cluster.parallel:  # the coordinator's seconds after its workers ended (startups.json)
         from archsearch.cluster.startup import record_tail
 
         record_tail(r.out, "search", "search_tail_s", workers, since=t)
     return info
+
+
+def _best_key(best: dict[str, Any] | None) -> str | None:
+    from archsearch.search.measure import spec_key
+
+    return spec_key(ArchSpec.from_dict(best["spec"])) if best and best.get("spec") else None
+
+
+def _redo_after_new_best(r: StudyRun) -> None:
+    """A resumed search (more trials, a retried measurement) may find another best shape: the
+    GQA search around the old one, and the stages after it, are then redone (outputs kept in
+    ``superseded/``)."""
+    from archsearch.search.inputs import ResumePlan, supersede
+
+    with file_lock(r.out / ".stage.lock"):
+        r.state.reload()
+        g = _read_json(r.out / "gqa.json") if r.state.done("gqa") else None
+        around = ((g or {}).get("around") or {}).get("spec_key")
+        if around is None or around == _best_key(r.best):
+            return
+        stale = {st: [f"the search's best shape is now trial {r.best['trial'] if r.best else None}"]
+                 for st in ("gqa", "train", "eval") if st in r.state.data}
+        moved = supersede(r.out, ResumePlan(stale=stale), r.state.data)
+        r.state.save()
+        log(f"the search's best shape changed: stages {', '.join(stale)} are redone (earlier outputs in {moved})")
 
 
 def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
@@ -249,7 +364,8 @@ def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 
         log(f"local GQA search around trial {r.best['trial']}")
         g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa)
-        write_json(r.out / "gqa.json", g.to_dict(), default=str)
+        write_json(r.out / "gqa.json", {**g.to_dict(), "around": {"trial": r.best["trial"],
+                                                                  "spec_key": _best_key(r.best)}}, default=str)
         info = {}
     r.gqa = _read_json(r.out / "gqa.json")  # this run's, or an earlier run's when resuming
     _decide(r)
@@ -331,7 +447,10 @@ def _runs_path(cfg: StudyConfig, out: Path) -> Path:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """A stage's JSON output; None where it is missing or cut short by a killed write."""
+    from archsearch.search.inputs import read_json_tolerant
+
+    return read_json_tolerant(path, "that stage's result")
 
 
 def load_study(ctx):
@@ -348,10 +467,19 @@ def load_study(ctx):
 
 
 
-def _wait_for_running(study, timeout_s: float = 3600) -> None:
-    """Another worker may still be measuring: the next stages need its result."""
+def _wait_for_running(study, timeout_s: float = 3600, poll_s: float = 2.0) -> list[int]:
+    """Another worker may still be measuring: the next stages need its result. A trial whose
+    worker died meanwhile (its process gone on this host, its heartbeat silent elsewhere:
+    ``recover_stale_trials``) is failed and its parameters enqueued at once; returns those
+    trials, for this worker to take over."""
     from optuna.trial import TrialState
 
-    t = time.time()
+    from archsearch.search.study import recover_stale_trials
+
+    t, recovered = time.time(), []
     while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) and time.time() - t < timeout_s:
-        time.sleep(2)
+        recovered += recover_stale_trials(study, study._storage)
+        if recovered or not study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            break
+        time.sleep(poll_s)
+    return recovered

@@ -9,17 +9,17 @@ from typing import Any
 
 from archsearch.arch import describe
 from archsearch.errors import ArchsearchError
-from archsearch.search.checks import planned_groups, baseline_spec, proxy_sweeps, vocab_size
+from archsearch.search.checks import (baseline_spec, data_budgets, planned_groups, proxy_sweeps, source_tokens,
+                                     vocab_size)
 from archsearch.search.config import StudyConfig
 
 # -- assumptions, each printed with the plan ------------------------------------------------------
 
-# Tokenisation: tokens/s of ONE process with one tokenizer thread, measured on this project's
-# machine (a shared 2-core VM) by `python -m archsearch.benchmarks.scripts.bench_tokenize`
-# (results/bench/tokenize.jsonl, 2026-11-23, byte-level BPE, 8192 entries, on English text): median
-# 2.08e5 (1.56e5-2.60e5 over 3 runs) at 10:38; median 4.6e5 (1.9e5-8.1e5 over 5 rounds, rising as
-# the machine's load fell) at 12:50. The loaded figure is kept: on a quiet core the data
-# preparation may take 2-4x less. A cluster node's core is assumed as fast.
+# Tokenisation: tokens/s of ONE process with one tokenizer thread (byte-level BPE, 8192 entries,
+# English text) on a shared 2-core machine, from `python -m archsearch.benchmarks.scripts.bench_tokenize`
+# (results/bench/tokenize.jsonl): median 2.08e5 (1.56e5-2.60e5 over 3 runs) under load, median
+# 4.6e5 (1.9e5-8.1e5 over 5 rounds) as the load fell. The loaded figure is kept: on a quiet core
+# the data preparation may take 2-4x less. A cluster node's core is assumed as fast.
 TOKENIZE_TOKENS_PER_S_PER_PROCESS = 2.0e5
 TOKENIZE_SOURCE = ("measured here by bench_tokenize (results/bench/tokenize.jsonl): one process, "
                    "byte-level BPE 8192 on English text, on the loaded shared machine (up to 8e5 when "
@@ -33,15 +33,6 @@ def data_processes(cfg: StudyConfig) -> int:
     from archsearch.trainers.data import default_workers
 
     return DATA_PROCESSES if cfg.cluster.executor == "slurm" else default_workers()
-# Hub datasets' sizes in tokens, from their dataset cards (GPT-2 tokens; a 128K-vocabulary
-# tokenizer such as LLaMA-3's gives roughly 10-20% fewer tokens for the same text).
-KNOWN_SOURCE_TOKENS = {
-    "HuggingFaceFW/fineweb-edu:sample-10BT": 10e9,
-    "HuggingFaceFW/fineweb-edu:sample-100BT": 100e9,
-    "HuggingFaceFW/fineweb-edu:sample-350BT": 350e9,
-    "HuggingFaceFW/fineweb-edu": 1.3e12,
-}
-TEXT_BYTES_PER_TOKEN = 4.0  # local files: English text, about 4 bytes a token (an estimate)
 # start-ups (a job's, an engine process's, an engine's, the coordinator's): measured per machine or
 # cluster and read from the study folder's startups.json or a machine profile, else defaults; see
 # archsearch/cluster/startup.py
@@ -56,33 +47,6 @@ def run_flops(spec, tokens: float) -> float:
     from archsearch.arch import training_flops
 
     return training_flops(spec, tokens, include_embedding=True)
-
-
-def _source_tokens(data_cfg) -> tuple[float | None, str]:
-    """(tokens the source holds, how that is known)."""
-    srcs = data_cfg.sources
-    if srcs[0].startswith("hf:"):
-        name = srcs[0][3:]
-        n = KNOWN_SOURCE_TOKENS.get(name)
-        return n, ("its dataset card (GPT-2 tokens)" if n else "unknown: not in the plan's table of hub datasets")
-    if srcs == ["shakespeare"]:
-        try:
-            from archsearch.trainers.corpus import shakespeare_split
-
-            from archsearch.trainers.corpus import DEFAULT_VAL_WORKS
-
-            train, _ = shakespeare_split(tuple(data_cfg.val_works) if data_cfg.val_works is not None
-                                         else DEFAULT_VAL_WORKS)
-        except ArchsearchError as e:
-            return None, f"unknown ({e.problem})"
-        size = sum(f.stat().st_size for f in train)
-    else:
-        files = []
-        for s in srcs:
-            q = Path(s).expanduser()
-            files += [f for f in q.rglob("*") if f.suffix in (".txt", ".jsonl")] if q.is_dir() else ([q] if q.is_file() else [])
-        size = sum(f.stat().st_size for f in files) * (1 - data_cfg.val_fraction)
-    return size / TEXT_BYTES_PER_TOKEN, f"file bytes / {TEXT_BYTES_PER_TOKEN:g} bytes a token (estimate)"
 
 
 def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]], startups=None) -> list[dict[str, Any]]:
@@ -108,7 +72,7 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]], startups=Non
     out = []
     for (srcs, tokenizer), g in groups.items():
         dc = g["cfg"]
-        available, how = _source_tokens(dc)
+        available, how = source_tokens(dc)
         vocab = int(tokenizer[4:]) if tokenizer.startswith("bpe:") else vocab_size(cfg)
         dtype = token_dtype(vocab)
         hub = srcs[0].startswith("hf:")
@@ -281,7 +245,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
             f"{su.get('engine_start_s.' + m.backend).label()}), {m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
             f"({m.input_len} in + {m.output_len} out) tokens",
             f"a batch takes {t:.3g} s: the "
-            + (f"roofline calibrated by {m.calibration}" if cal else
+            + (f"roofline calibrated by {cal.describe(m.calibration)}" if cal else
                "UNCALIBRATED roofline (peak figures: optimistic, so the timed rounds' seconds are a lower bound; "
                "measure.calibration prices them with a calibration of this device and engine)")
             + " of the baseline" + (f" rebuilt at measure.params = {m.params:.3g}" if m.params else "")
@@ -409,6 +373,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     p["baseline"] = describe(base)
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
     p["data"] = data_needs(cfg, proxy_specs, su)
+    p["data_budgets"] = data_budgets(cfg)  # what the study refuses before training (checks.check_data_budgets)
     data_wall = sum(d["wall_hours"] for d in p["data"])
     if p["data"]:  # the proxy stage prepares its data (in the coordinator) before any run trains
         p["stages"][0].update({"data_tokens": sum(d["tokens_to_tokenize"] for d in p["data"]),
@@ -540,6 +505,11 @@ def render(p: dict[str, Any]) -> list[str]:
                      + (f", read in {d['cache']['read']}" if d["cache"].get("read") else "") + "); "
                      f"tokenize {d['tokens_to_tokenize']:.3g} tokens as {d['dtype']}, "
                      f"{d['disk_gb']:.3g} GB, {d['cpu_hours']:.3g} CPU-h, {d['wall_hours']:.3g} h wall")
+    for b in p.get("data_budgets", []):
+        avail = "an unknown number of" if b["tokens_available"] is None else f"{b['tokens_available']:.3g}"
+        lines.append(f"  data check: {b['what']}{'' if b['runs'] else ' (not enabled)'} needs {b['tokens_needed']:.3g} "
+                     f"tokens; {b['source']} holds {avail} ({b['available_from']}): {b['verdict']}"
+                     + ("" if b["runs"] or b["status"] != "refused" else "; refused if enabled"))
     c = p["compute"]
     lines.append(f"  compute: proxies {c['proxy_train_flops']:.3g} FLOPs; final training "
                  f"{c['final_train_flops_per_model']:.3g} FLOPs per model")

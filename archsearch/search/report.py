@@ -8,11 +8,12 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.configio import redact
-from archsearch.figures import log_axis, save, styled
+from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, write_json, write_table
 from archsearch.provenance import provenance
 from archsearch.search.answer import Answer, predicted_interval
-from archsearch.search.study import storage_url, trial_is_feasible, was_measured
+from archsearch.search.margins import describe_margin
+from archsearch.search.study import calibration_label, loss_margin, storage_url, trial_is_feasible, was_measured
 
 
 def _complete(study):
@@ -37,6 +38,7 @@ def _point(t) -> dict[str, Any]:
             "ratio": ratio, "score": ratio["ratio"] if ratio else _throughput(t),
             "predicted_loss": t.user_attrs["predicted_loss"],
             "predicted_loss_interval": t.user_attrs.get("predicted_loss_interval"),
+            "loss_margin": t.user_attrs.get("loss_margin"),
             "knobs": dict(t.params), "source": f"Optuna trial {t.number}"}
 
 
@@ -103,6 +105,7 @@ def write_trials_csv(study, path: Path) -> None:
             **{f"ratio_{k}": (ua.get("ratio") or {}).get(k) for k in ("ratio", "lo", "hi", "significantly_faster")},
             "paired_rounds": ua.get("rounds"),
             "loss_upper_bound": (ua.get("loss_upper_bound") or {}).get("value"),
+            **{f"margin_{k}": (ua.get("loss_margin") or {}).get(k) for k in ("margin", "p_within_target", "verdict")},
             **{f"throughput_b{b}": v for b, v in (ua.get("throughput") or {}).items()},
             **{f"ttft_s_b{b}": v for b, v in (ua.get("ttft") or {}).items()},
             "measurement_cached": ua.get("measurement_cached"),
@@ -157,7 +160,7 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     ax.set_ylabel(f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
                   else f"measured output tokens/s (batch {ctx.ref_batch})")
     ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
-    ax.legend(fontsize=8)
+    legend(ax, fontsize=8)  # a one-shape front's step line draws nothing: no entry for it
     fig.tight_layout()
     made += _save(fig, out, "pareto", plt)
     if paired:
@@ -208,7 +211,10 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
     ax.margins(x=0.15)
     ax.set_yticks(range(len(shapes)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval); green: significantly faster,\nred: significantly slower, grey: tied with the baseline", fontsize=9)
+    meaning = {"tab:green": "green: significantly faster", "tab:red": "red: significantly slower",
+               "tab:gray": "grey: tied with the baseline"}
+    drawn = [meaning[c] for c in meaning if c in colors] + ["black line: the baseline"]  # only colours drawn
+    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval);\n" + ", ".join(drawn), fontsize=9)
     fig.tight_layout()
     return _save(fig, out, "throughput", plt)
 
@@ -217,13 +223,20 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
     """The law's two factors at the target (N, D) over the search box: predicted loss against
     d/sqrt(N) at the box's best r, and against r at the box's best d/sqrt(N), with the bootstrap
     band where the law has one, the target loss, and where the baseline and chosen shapes
-    (``marks``: label, ``describe`` dict, colour) sit on each axis."""
+    (``marks``: label, ``describe`` dict, colour) sit on each axis, each with a dot at its own
+    predicted loss. The curves run past the box to every marked shape (the part outside the box
+    shaded), so a shape outside the box still reads off a curve."""
     import numpy as np
 
     cfg = ctx.cfg
     s = cfg.search_space
     x1 = np.geomspace(*s.hidden_over_sqrt_n, 120)
     x2 = np.geomspace(*s.mlp_to_attn, 120)
+
+    def span(box, key):
+        vals = [float(arch[key]) for _, arch, _ in marks if arch.get(key)]
+        lo, hi = min([box[0], *vals]), max([box[1], *vals])
+        return np.geomspace(lo / 1.1 if lo < box[0] else lo, hi * 1.1 if hi > box[1] else hi, 160)
     n = lambda k: np.full(k, float(cfg.params))  # noqa: E731
     d = lambda k: np.full(k, float(cfg.tokens))  # noqa: E731
 
@@ -236,22 +249,30 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
     i = int(np.argmin(loss))
     best1, best2 = grid1.ravel()[i], grid2.ravel()[i]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, xs, fixed, key, name in ((axes[0], x1, best2, "hidden_over_sqrt_n", "d / sqrt(N)"),
-                                     (axes[1], x2, best1, "mlp_to_attn_ratio", "r = MLP / attention")):
+    for ax, xs, box, fixed, key, name in (
+            (axes[0], span(s.hidden_over_sqrt_n, "hidden_over_sqrt_n"), s.hidden_over_sqrt_n, best2,
+             "hidden_over_sqrt_n", "d / sqrt(N)"),
+            (axes[1], span(s.mlp_to_attn, "mlp_to_attn_ratio"), s.mlp_to_attn, best1, "mlp_to_attn_ratio",
+             "r = MLP / attention")):
         a, b = (xs, np.full_like(xs, fixed)) if key == "hidden_over_sqrt_n" else (np.full_like(xs, fixed), xs)
         y, boot = curve(a, b)
         ax.plot(xs, y, c="tab:blue", label="law")
         if boot is not None:
             lo, hi = np.quantile(boot, [0.05, 0.95], axis=0)
             ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, label="90% bootstrap band")
-        ax.axhline(ctx.target_loss, ls="--", c="tab:red", label="target loss")
+        outside = [(xs[0], box[0]), (box[1], xs[-1])]
+        for k, (left, right) in enumerate(o for o in outside if o[1] > o[0]):
+            ax.axvspan(left, right, color="tab:gray", alpha=0.15, lw=0, label=None if k else "outside the search box")
+        ax.axhline(ctx.target_loss, ls="--", c="tab:red", label=f"target loss {ctx.target_loss:.4g}")
         for label, arch, color in marks:
-            ax.axvline(arch[key], ls=":", c=color, label=f"{label} ({arch[key]:.3g})")
+            own, _ = curve(np.array([float(arch["hidden_over_sqrt_n"])]), np.array([float(arch["mlp_to_attn_ratio"])]))
+            ax.axvline(arch[key], ls=":", c=color, label=f"{label} ({arch[key]:.3g}; its loss {float(own[0]):.4g})")
+            ax.scatter([arch[key]], [float(own[0])], c=color, s=30, zorder=5)
         log_axis(ax, "x")
         other = f"r = {fixed:.2f}" if key == "hidden_over_sqrt_n" else f"d/sqrt(N) = {fixed:.3f}"
-        ax.set_xlabel(f"{name}  (at {other})")
+        ax.set_xlabel(f"{name}  (curve at {other}, the box's best)")
         ax.set_ylabel("predicted loss")
-        ax.legend()
+        legend(ax, fontsize=7.5)
     fig.suptitle(f"law factors at N={cfg.params:.3g}, D={cfg.tokens:.3g} over the search box")
     fig.tight_layout()
     return _save(fig, out, "ucurves", plt)
@@ -367,7 +388,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     a1.set_xlabel(xlab)
     a1.set_ylabel(f"relative half-width of the {lab_iv} interval")
     a1.set_title("how the optimum's interval shrank")
-    a1.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
+    legend(a1, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
 
     pool = plan["pool"]
     px = [p["hidden_over_sqrt_n"] for p in pool] or [d["hidden_over_sqrt_n"] for d in plan["decisions"]]
@@ -394,7 +415,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
                         transform=ax.transAxes, fontsize=8, va="top", color=c)
             log_axis(ax, "y")
             ax.set_xlim(0, right)
-            ax.legend(fontsize=7, loc="lower left")
+            legend(ax, fontsize=7, loc="lower left")
         else:
             ax.text(0.5, 0.5, "no interval yet", transform=ax.transAxes, ha="center")
         ax.set_ylabel(lab)
@@ -443,7 +464,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     a2.set_xlabel("d / sqrt(N)")
     a2.set_ylabel("r = MLP / attention")
     a2.set_title("runs chosen: colour = why, shape = size, number = order")
-    a2.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
+    legend(a2, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
     fig.subplots_adjust(left=0.05, right=0.985, bottom=0.30, top=0.93)
     return _save(fig, out, "active_proxies", plt)
 
@@ -481,6 +502,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
                   "predicted_loss_interval": predicted_interval(base, ctx),
                   "size_note": baseline_note(cfg, base)}
     chosen_point = chosen.summary(base_point["throughput"], out / "chosen" / "config.json") if chosen else None
+    _add_margins(ctx, chosen, chosen_point, base_point)
     q = (chosen_point or {}).get("ratio")
     gain = q["ratio"] - 1.0 if q else (0.0 if chosen_point and chosen_point["is_baseline"] else None)
     complete = _complete(study)
@@ -488,7 +510,8 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "study": cfg.name,
         "measurement_note": ctx.measurer.note,
         "backend": ctx.measurer.backend,
-        "calibration": (f"calibrated by {cfg.measure.calibration}" if cfg.measure.calibration else None),
+        "calibration": (f"calibrated by {calibration_label(cfg.measure.calibration)}"
+                        if cfg.measure.calibration else None),
         "reference_batch_size": b,
         "measured_params": cfg.measure.params,
         "instance_sd": ctx.measurer.instance_var() ** 0.5 or None,  # in every interval (measure.paired)
@@ -500,13 +523,15 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "throughput_gain_vs_baseline": gain,
         "significantly_faster": bool(q and q.get("significantly_faster")),
         "chance_constraint": cfg.target.confidence,
-        "pareto": pareto_set(study),
+        "loss_margins": margins_summary(ctx),
+        "pareto": [p | {"loss_margin": p["loss_margin"] or loss_margin(ctx, ArchSpec.from_dict(p["spec"]))}
+                   for p in pareto_set(study)],
         "trials": {"total": len(study.trials), "complete": len(complete),
                    "distinct_shapes": len({t.user_attrs.get("spec_key") for t in complete}),
                    "feasible": sum(1 for t in complete if trial_is_feasible(t))},
         "proxy_health": proxies_health(out / "proxies"),  # runs retuned or left out (None: checks off)
         "law": {"file": str(out / "law.json") if (out / "law.json").is_file() else cfg.law.file,
-                "form": cfg.law.form, "status": getattr(ctx.law, "status", None),
+                "form": getattr(ctx.law, "law", None) or cfg.law.form, "status": getattr(ctx.law, "status", None),
                 "warnings": list(getattr(ctx.law, "warnings", []) or []),
                 "metrics": getattr(ctx.law, "metrics", None)},
         "stages": state.data,
@@ -527,6 +552,37 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     write_json(out / "summary.json", summary, default=str)
     atomic_write(out / "report.md", render_markdown(summary))
     return summary
+
+
+def margins_summary(ctx) -> dict[str, Any]:
+    """How the report judges a margin to the target: the law's own error (and its source), the
+    verdict's level, the feasibility rule, and the law's fitted range with its rule."""
+    from archsearch.search import margins
+
+    c = ctx.cfg.target.confidence
+    return {"level": c or margins.DEFAULT_LEVEL, "law_error": margins.law_error(ctx.law),
+            "feasibility": (f"P(loss <= target) >= {c:g}, the law's bootstrap and its own error together"
+                            if c is not None else
+                            "predicted loss <= target (the method's constraint); shapes within the law's error "
+                            "of the target stay feasible and are marked so"),
+            **margins.range_summary(ctx.law, ctx.cfg.law.allow_extrapolation)}
+
+
+def _add_margins(ctx, chosen, chosen_point, base_point) -> None:
+    """Each reported shape's margin to the target (``archsearch.search.margins``)."""
+    base_point["loss_margin"] = loss_margin(ctx, ctx.baseline) if ctx.baseline is not None else None
+    if chosen is None or chosen_point is None:
+        return
+    chosen_point["loss_margin"] = loss_margin(ctx, chosen.spec)
+    if chosen.best_candidate is not None and chosen_point.get("best_candidate") is not None:
+        chosen_point["best_candidate"]["loss_margin"] = loss_margin(ctx, chosen.best_candidate.spec)
+
+
+def _margin_cell(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "-"
+    short = {"clears the target": "clears", "misses the target": "misses"}.get(m["verdict"], "within law error")
+    return f"{m['margin']:+.2%} ({short}, P {m['p_within_target']:.2f})" + (" extrapolated" if m.get("extrapolated") else "")
 
 
 def _arch_line(a: dict[str, Any]) -> str:
@@ -613,11 +669,16 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += [f"- Predicted loss **{ch['predicted_loss']:.4f}**{iv(ch)} against the target "
                   f"**{s['target_loss']:.4f}** ({s['target_source']}{cc}); baseline predicted "
                   f"{base['predicted_loss']:.4f}{iv(base)}"
-                  + (f" ({base['size_note']})." if base.get("size_note") else "."), ""]
+                  + (f" ({base['size_note']})." if base.get("size_note") else ".")]
+        m = (ch.get("best_candidate") or {}).get("loss_margin") if ch["is_baseline"] else ch.get("loss_margin")
+        if m:
+            lines.append(f"- {'Best candidate' if ch['is_baseline'] else 'Loss'}: **{describe_margin(m)}**"
+                         + (f"; **extrapolated**: {m['extrapolated']}" if m.get("extrapolated") else "") + ".")
+        lines.append("")
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
     lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
-              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | tokens/s | ratio [interval] | tied with best |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | tokens/s | ratio [interval] | tied with best |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     front = s["pareto"]
     for p in front[:10]:
         a = describe(ArchSpec.from_dict(p["spec"]))
@@ -625,7 +686,7 @@ def render_markdown(s: dict[str, Any]) -> str:
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "
-                     f"{p['throughput']:.1f} | {rt} | {tie} |")
+                     f"{_margin_cell(p.get('loss_margin'))} | {p['throughput']:.1f} | {rt} | {tie} |")
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
@@ -656,6 +717,22 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += active_markdown(s["proxy_plan"])
     law = s["law"]
     lines += ["", "## Law", "", f"{law['form']} ({law['status']}), file `{law['file']}`."]
+    lm = s.get("loss_margins")
+    if lm:
+        e = lm.get("law_error")
+        lines.append("- its error against trained models: " + (
+            f"{e['relative_sd']:.2%} of the loss (sd; {e['source']})" if e else
+            "not stated (no held-out size): margins rest on the bootstrap alone"))
+        lines.append(f"- loss constraint: {lm['feasibility']}; a margin is resolved when P(loss <= target) "
+                     f">= {lm['level']:.0%} (clears) or <= {1 - lm['level']:.0%} (misses), else the shape is "
+                     "within the law's error of the target")
+        rg = lm.get("range")
+        if rg:
+            box = ", ".join(f"{name} [{b[0]:.4g}, {b[1]:.4g}]" if b else f"{name} not stated"
+                            for name, b in (("d/sqrt(N)", rg.get("hidden_over_sqrt_n")), ("r", rg.get("mlp_to_attn"))))
+            lines.append(f"- fitted range: {box} ({rg.get('source')}); {lm['rule']}")
+        else:
+            lines.append(f"- fitted range: {lm['rule']}")
     h = s.get("proxy_health")
     if h:
         lines.append(f"- proxy health ({', '.join(h['sweeps'])}): {h.get('retuned', 0)} runs retuned, "

@@ -3,7 +3,8 @@
 Each trial samples (d/sqrt(N), r, GQA); :func:`archsearch.candidates.build_candidate` expands
 them into a buildable shape at the study's budget; the fitted law predicts its loss (with a
 bootstrap interval); the constraint ``predicted_loss - L_t <= 0`` goes to the sampler as a
-trial constraint (a shape that breaks it completes as an infeasible trial, unmeasured); the
+trial constraint (a shape that breaks it, or lies outside the law's fitted range, completes as
+an infeasible trial, unmeasured; :mod:`archsearch.search.margins`); the
 objective is the measured output throughput at the reference batch size (or, with ``objective: pareto``, throughput and predicted loss).
 
 Durability: the study lives in an Optuna storage (SQLite in the study folder by default, any
@@ -19,15 +20,17 @@ import contextlib
 import math
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
-from archsearch.search import log
+from archsearch.logs import get_logger
+from archsearch.search import log, margins
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import Measurer, check_result_limits, spec_key
 
@@ -104,21 +107,37 @@ def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, flo
 
 def loss_bound(ctx: SearchContext, spec: ArchSpec) -> float:
     """What the target is compared with: the predicted loss, or with ``target.confidence`` c
-    its one-sided upper bootstrap bound at level c (a chance constraint)."""
+    the loss the shape stays under with probability c, the law's bootstrap and its own error
+    against trained models together (a chance constraint, :mod:`archsearch.search.margins`).
+    Infinite for a shape outside the law's fitted range unless ``law.allow_extrapolation``."""
+    if out_of_range(ctx, spec):
+        return math.inf
     c = ctx.cfg.target.confidence
     if c is None:
         return float(ctx.law.predict(spec, ctx.cfg.tokens, params=ctx.cfg.params))
-    interval = ctx.law.predict_interval(spec, ctx.cfg.tokens, level=2 * c - 1, params=ctx.cfg.params)
-    if interval is None:
-        raise ArchsearchError("target.confidence", "the law has no bootstrap to give an interval",
-                              "set law.bootstrap > 0 (e.g. 200), or drop target.confidence")
-    return float(interval[1])
+    return margins.upper_bound(ctx.law, spec, ctx.cfg.tokens, ctx.cfg.params, c)
+
+
+def out_of_range(ctx: SearchContext, spec: ArchSpec) -> str | None:
+    """Why ``spec`` is refused as outside the law's fitted range (None: inside, or allowed)."""
+    return None if ctx.cfg.law.allow_extrapolation else margins.outside_range(ctx.law, spec)
+
+
+def loss_margin(ctx: SearchContext, spec: ArchSpec) -> dict[str, Any]:
+    """The shape's margin to the target and its verdict (``margins.margin``), marked
+    ``extrapolated`` where it lies outside the law's fitted range."""
+    m = margins.margin(ctx.law, spec, ctx.cfg.tokens, ctx.cfg.params, ctx.target_loss,
+                       ctx.cfg.target.confidence).to_dict()
+    outside = margins.outside_range(ctx.law, spec)
+    if outside:
+        m["extrapolated"] = outside
+    return m
 
 
 # -- storage and sampler ---------------------------------------------------------------------
 
 def storage_url(cfg: StudyConfig, out: Path) -> str:
-    # relative like the study folder itself (sqlite:///results/x/optuna.db), so the URL in a
+    # relative like the study folder itself (sqlite:///runs/x/optuna.db), so the URL in a
     # committed report opens from the repository root on any machine
     return cfg.optuna.storage or f"sqlite:///{out / 'optuna.db'}"
 
@@ -285,8 +304,41 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
-    """Fail trials left RUNNING by a dead process on this host and enqueue their parameters.
+# a running trial's worker writes a heartbeat this often; one on another host silent for
+# HEARTBEAT_GRACE_S is taken for dead (on this host the worker's process id says at once)
+HEARTBEAT_S = 10.0
+HEARTBEAT_GRACE_S = 60.0
+
+
+@contextlib.contextmanager
+def heartbeat(trial, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """Write the time into the trial's system attribute ``heartbeat`` every ``every_s`` seconds
+    while the trial runs, so a worker on another host can tell this one died."""
+    storage, tid, stop = trial.storage, trial._trial_id, threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                storage.set_trial_system_attr(tid, "heartbeat", time.time())
+            except Exception:  # noqa: BLE001 - the trial just finished (or its storage closed): nothing to beat for
+                return
+            if stop.wait(every_s):
+                return
+
+    th = threading.Thread(target=beat, name="archsearch-heartbeat", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+
+
+def recover_stale_trials(study, storage, grace_s: float = 10.0,
+                         heartbeat_grace_s: float = HEARTBEAT_GRACE_S) -> list[int]:
+    """Fail trials left RUNNING by a dead worker and enqueue their parameters: on this host a
+    worker whose process is gone, on another host one whose heartbeat has been silent for
+    ``heartbeat_grace_s`` seconds.
 
     A worker names itself on a trial in the objective's first line; a trial with no worker is a
     live worker's only for the instant between Optuna creating it and that line, so one still
@@ -306,6 +358,9 @@ def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
     for t in running():
         w = t.user_attrs.get("worker") or {}
         dead = w.get("host") == platform.node() and w.get("pid") and not _pid_alive(int(w["pid"]))
+        beat = t.system_attrs.get("heartbeat")
+        if w and w.get("host") != platform.node() and beat is not None and time.time() - float(beat) > heartbeat_grace_s:
+            dead = True
         if dead or (not w and age(t) >= grace_s):
             storage.set_trial_user_attr(t._trial_id, "failure_reason",
                                         "its worker process died; parameters enqueued again")
@@ -318,14 +373,18 @@ def recover_stale_trials(study, storage, grace_s: float = 10.0) -> list[int]:
 
 # -- the objective -----------------------------------------------------------------------------
 
-def _distribution_ranges(cfg: StudyConfig) -> dict[str, Any]:
+def _distribution_ranges(cfg: StudyConfig, law=None) -> dict[str, Any]:
+    """The knobs' sampling ranges: the search box, within the law's fitted range unless
+    ``law.allow_extrapolation`` (a trial outside it would only be refused)."""
     s = cfg.search_space
-    return {"hidden_over_sqrt_n": (s.hidden_over_sqrt_n, s.hidden_over_sqrt_n_step or None),
-            "mlp_to_attn": (s.mlp_to_attn, s.mlp_to_attn_step or None)}
+    allow = cfg.law.allow_extrapolation or law is None
+    return {"hidden_over_sqrt_n": (margins.search_box(s.hidden_over_sqrt_n, law, "hidden_over_sqrt_n", allow),
+                                   s.hidden_over_sqrt_n_step or None),
+            "mlp_to_attn": (margins.search_box(s.mlp_to_attn, law, "mlp_to_attn", allow), s.mlp_to_attn_step or None)}
 
 
-def _suggest(trial, cfg: StudyConfig) -> tuple[float, float, int]:
-    rng = _distribution_ranges(cfg)
+def _suggest(trial, cfg: StudyConfig, law=None) -> tuple[float, float, int]:
+    rng = _distribution_ranges(cfg, law)
     (lo1, hi1), step1 = rng["hidden_over_sqrt_n"]
     (lo2, hi2), step2 = rng["mlp_to_attn"]
     x1 = trial.suggest_float("hidden_over_sqrt_n", lo1, hi1, step=step1)
@@ -335,11 +394,18 @@ def _suggest(trial, cfg: StudyConfig) -> tuple[float, float, int]:
 
 
 def objective(trial, ctx: SearchContext):
+    """One trial: the worker names itself on it, and beats while it runs (recover_stale_trials)."""
+    trial.set_user_attr("worker", {"host": platform.node(), "pid": os.getpid()})
+    with heartbeat(trial):
+        return _objective(trial, ctx)
+
+
+def _objective(trial, ctx: SearchContext):
     import optuna
 
     cfg = ctx.cfg
     trial.set_user_attr("worker", {"host": platform.node(), "pid": os.getpid()})
-    x1, r, g = _suggest(trial, cfg)
+    x1, r, g = _suggest(trial, cfg, ctx.law)
     try:
         spec = expand(cfg, ctx.build, x1, r, g)
     except ArchsearchError as e:
@@ -354,6 +420,15 @@ def objective(trial, ctx: SearchContext):
     loss, interval = predict(ctx, spec)
     trial.set_user_attr("predicted_loss", loss)
     trial.set_user_attr("predicted_loss_interval", interval)
+    trial.set_user_attr("loss_margin", loss_margin(ctx, spec))
+    outside = out_of_range(ctx, spec)
+    if outside:  # refused, unmeasured: the law says nothing it was fitted to say there
+        _set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
+        _set_constraint(trial, "limits_violated", 0.0)
+        trial.set_user_attr("feasible_loss", False)
+        trial.set_user_attr("measured", False)
+        trial.set_user_attr("infeasible_reason", f"{outside}; not measured (law.allow_extrapolation: false)")
+        return (0.0, loss) if cfg.optuna.objective == "pareto" else 0.0
     bound = loss_bound(ctx, spec)
     if cfg.target.confidence is not None:
         trial.set_user_attr("loss_upper_bound", {"level": cfg.target.confidence, "value": bound})
@@ -366,7 +441,8 @@ def objective(trial, ctx: SearchContext):
         # constraint value > 0. Optuna needs a value; 0 marks "not measured", and every reader of
         # measurements skips it (was_measured).
         what = (f"predicted loss {loss:.4f}" if cfg.target.confidence is None else
-                f"predicted loss {loss:.4f} ({cfg.target.confidence:.0%} upper bound {bound:.4f})")
+                f"predicted loss {loss:.4f} ({cfg.target.confidence:.0%} upper bound {bound:.4f}, the law's "
+                "bootstrap and its own error)")
         trial.set_user_attr("measured", False)
         trial.set_user_attr("infeasible_reason", f"{what} > target {ctx.target_loss:.4f}; not measured")
         _set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
@@ -379,8 +455,11 @@ def objective(trial, ctx: SearchContext):
     trial.set_user_attr("throughput", {str(b.batch_size): b.output_throughput for b in result.per_batch})
     trial.set_user_attr("ttft", {str(b.batch_size): b.ttft_mean for b in result.per_batch})
     tput = result.throughput(ctx.ref_batch)
-    _stored(trial, m, result.backend, None if result.ok and tput is not None else
-            result.error or f"no throughput at batch size {ctx.ref_batch}")
+    failed = {str(b.batch_size): b.error for b in result.per_batch if not b.ok}
+    if failed:  # the other batch sizes are kept; only the objective's own batch size decides
+        trial.set_user_attr("failed_batches", failed)
+    _stored(trial, m, result.backend, None if tput is not None else
+            failed.get(str(ctx.ref_batch)) or result.error or f"no throughput at batch size {ctx.ref_batch}")
     return _measured(trial, ctx, result.batch(ctx.ref_batch), tput, loss)
 
 
@@ -497,12 +576,13 @@ def create_study(ctx: SearchContext, load_only: bool = False):
     return study, storage
 
 
-def box_grid(cfg: StudyConfig, n: int = 9):
-    """A log-spaced grid over the search box, for scans of the law."""
+def box_grid(cfg: StudyConfig, n: int = 9, law=None):
+    """A log-spaced grid over the search box (within the law's fitted range, as trials sample
+    it), for scans of the law."""
     import numpy as np
 
-    s = cfg.search_space
-    return np.geomspace(*s.hidden_over_sqrt_n, n), np.geomspace(*s.mlp_to_attn, n)
+    rng = _distribution_ranges(cfg, law)
+    return np.geomspace(*rng["hidden_over_sqrt_n"][0], n), np.geomspace(*rng["mlp_to_attn"][0], n)
 
 
 def scan_law(ctx: SearchContext, throughput_fn=None):
@@ -513,7 +593,8 @@ def scan_law(ctx: SearchContext, throughput_fn=None):
     s = cfg.search_space
     g0 = cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in s.gqa else s.gqa[0]
     return solve(ctx.law, cfg.params, cfg.tokens, cfg.n_layers, ctx.target_loss, throughput_fn,
-                 gqa=g0, head_dim=s.head_dim, build=ctx.build, grid=box_grid(cfg)), g0
+                 gqa=g0, head_dim=s.head_dim, build=ctx.build, grid=box_grid(cfg, law=ctx.law),
+                 within=None if cfg.law.allow_extrapolation else ctx.law.shape_range()), g0
 
 
 def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
@@ -523,7 +604,8 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     cfg = ctx.cfg
     if cfg.optuna.enqueue_solution <= 0:  # the sampler starts on its own
         return []
-    s = cfg.search_space
+    ranges = _distribution_ranges(cfg, ctx.law)  # the box within the law's fitted range
+    box1, box2 = ranges["hidden_over_sqrt_n"][0], ranges["mlp_to_attn"][0]
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
     device = ranking_device(cfg) if cfg.optuna.enqueue_solution > 1 else None
     tf = analytic_throughput_fn(ctx, device) if device else None
@@ -533,16 +615,16 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     else:
         p = min((p for p in res.points if p.predicted_loss is not None), key=lambda p: p.predicted_loss)
         best = (p.hidden_over_sqrt_n, p.mlp_to_attn_ratio)
-    points = [{"hidden_over_sqrt_n": clip(best[0], s.hidden_over_sqrt_n),
-               "mlp_to_attn": clip(best[1], s.mlp_to_attn), "gqa": g0}]
+    points = [{"hidden_over_sqrt_n": clip(best[0], box1), "mlp_to_attn": clip(best[1], box2), "gqa": g0}]
     ranked = sorted((p for p in res.feasible if p.throughput is not None), key=lambda p: -p.throughput)
     for p in ranked[: max(0, cfg.optuna.enqueue_solution - 1)]:
-        points.append({"hidden_over_sqrt_n": clip(p.hidden_over_sqrt_n, s.hidden_over_sqrt_n),
-                       "mlp_to_attn": clip(p.mlp_to_attn_ratio, s.mlp_to_attn), "gqa": g0})
+        points.append({"hidden_over_sqrt_n": clip(p.hidden_over_sqrt_n, box1),
+                       "mlp_to_attn": clip(p.mlp_to_attn_ratio, box2), "gqa": g0})
     for pt in points:  # onto the sampling grid, so enqueued values are valid choices
-        for name, ((lo, _), step) in _distribution_ranges(cfg).items():
+        for name, ((lo, hi), step) in ranges.items():
             if step:
-                pt[name] = lo + round((pt[name] - lo) / step) * step
+                k = min(max(round((pt[name] - lo) / step), 0), math.floor((hi - lo) / step + 1e-9))
+                pt[name] = lo + k * step
     return points
 
 
@@ -551,17 +633,22 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     (``measure.device_spec``), else the one its measurements run on (the local GPU, or this CPU
     where there is none). None, with a message, for a GPU the table does not know: then only the
     law's optimum seeds the study."""
-    import sys
-
     if cfg.measure.device_spec:
         return cfg.measure.device_spec
     from archsearch.hardware import local_device_name
 
     name = local_device_name()
     if name is None:
-        print("[search] this GPU is not in the device table: seeds are not ranked by a roofline "
-              "(set measure.device_spec to rank them)", file=sys.stderr, flush=True)
+        get_logger("search").warning("[search] this GPU is not in the device table: seeds are not ranked by a "
+                                     "roofline (set measure.device_spec to rank them)")
     return name
+
+
+def calibration_label(path: str) -> str:
+    """A calibration file as reports name it: the file, its device and engine, what it was fitted on."""
+    from archsearch.benchmarks.calibration import Calibration
+
+    return Calibration.load(path).describe(path)
 
 
 def analytic_throughput_fn(ctx: SearchContext, device: str):
@@ -582,8 +669,6 @@ def analytic_throughput_fn(ctx: SearchContext, device: str):
 
 def _progress_callback(n_trials: int):
     """One line per finished trial: the shape, its prediction and its measurement or reason."""
-    import sys
-
     def cb(study, t) -> None:
         from optuna.trial import TrialState
 
@@ -610,9 +695,8 @@ def _progress_callback(n_trials: int):
                 what += f"; infeasible: {ua['limits_reason']}"
         else:
             what = f"{t.state.name.lower()}: {ua.get('failure_reason') or ua.get('pruned_reason') or ''}"
-        print(f"[search] trial {t.number} ({distinct_measured(study)}/{n_trials} shapes measured): "
-              f"{shape}{pred} -> {what}",
-              file=sys.stderr, flush=True)
+        get_logger("search").info(f"[search] trial {t.number} ({distinct_measured(study)}/{n_trials} shapes "
+                                  f"measured): {shape}{pred} -> {what}")
     return cb
 
 
@@ -725,6 +809,78 @@ def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> 
     return ctx.measurer.compare_together(ctx.baseline, specs)
 
 
+def seed_study(ctx: SearchContext, study) -> None:
+    """Record the study's target and enqueue its seed shapes, once, before any worker samples: a
+    worker that found the target recorded but the seeds not yet enqueued would sample and measure
+    shapes of its own meanwhile, beyond the trials the dry-run plan counts. Workers sharing the
+    study folder take turns here (a file lock), so each finds either nothing or the seeds."""
+    from archsearch.search.measure import file_lock
+
+    cfg = ctx.cfg
+    with file_lock(ctx.out / ".seeding.lock"):
+        if "target_loss" in study.user_attrs:
+            if not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
+                raise ArchsearchError("target", f"the stored study was run with target loss "
+                                      f"{study.user_attrs['target_loss']:.6g}, this config gives "
+                                      f"{ctx.target_loss:.6g}", "use a new study name or folder")
+            return
+        points = seed_points(ctx)
+        ranking = (f"{ranking_device(cfg)} roofline calibrated by {calibration_label(cfg.measure.calibration)}"
+                   if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
+        how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
+        for pt in points:
+            study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
+        study.set_user_attr("seeded_by", how)
+        study.set_user_attr("params", cfg.params)
+        study.set_user_attr("tokens", cfg.tokens)
+        study.set_user_attr("n_layers", cfg.n_layers)
+        study.set_user_attr("target_loss", ctx.target_loss)  # last: the mark that seeding is done
+
+
+def retry_failed_measurements(study, ctx: SearchContext) -> list[int]:
+    """Enqueue again the parameters of trials whose measurement failed (an engine error that may
+    be transient) and has been tried fewer than ``measure.max_attempts`` times; the measurer then
+    measures the shape anew instead of reading the failure back. Each failed trial is retried
+    once (its retry, if it fails too, is the next one's to retry)."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs.get("retry_of") for t in trials}
+    stored = ctx.measurer.store.all()
+    out = []
+    for t in trials:
+        key = t.user_attrs.get("measurement_key")
+        rec = stored.get(key) if key else None
+        if t.state != TrialState.FAIL or t.number in retried or not t.params or rec is None or rec.get("ok", True):
+            continue
+        if int(rec.get("attempts", 1)) < ctx.cfg.measure.max_attempts:
+            study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
+            out.append(t.number)
+    return out
+
+
+def restore_lost_measurements(study, ctx: SearchContext) -> list[int]:
+    """Measure again the shapes of completed trials whose record is missing from the store (a
+    line cut by a killed write is skipped when the store is read), so every trial's measurement
+    is on record; returns those trials' numbers."""
+    from optuna.trial import TrialState
+
+    stored = ctx.measurer.store.all()
+    lost = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if was_measured(t) and t.user_attrs.get("measurement_key") and t.user_attrs["measurement_key"] not in stored]
+    for t in lost:
+        spec = ArchSpec.from_dict(t.user_attrs["spec"])
+        key = t.user_attrs["measurement_key"]
+        log(f"trial {t.number}'s measurement record was lost (a torn write): measuring it again")
+        if ctx.baseline is not None and key == ctx.measurer.pair_key([ctx.baseline, spec]):
+            ctx.measurer.compare([ctx.baseline, spec])
+        elif key == ctx.measurer.key(spec):
+            ctx.measurer.measure(spec)
+        else:
+            log(f"trial {t.number}: its measurement was taken with other settings; not measured again")
+    return [t.number for t in lost]
+
+
 def run_study(ctx: SearchContext, progress: bool = True):
     """Create or resume the study and run it until ``n_trials`` trials have completed."""
     import optuna
@@ -732,38 +888,33 @@ def run_study(ctx: SearchContext, progress: bool = True):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study, storage = create_study(ctx)
     recovered = recover_stale_trials(study, storage)
-    if "target_loss" not in study.user_attrs:
-        study.set_user_attr("target_loss", ctx.target_loss)
-        study.set_user_attr("params", cfg.params)
-        study.set_user_attr("tokens", cfg.tokens)
-        study.set_user_attr("n_layers", cfg.n_layers)
-        points = seed_points(ctx)
-        ranking = (f"{ranking_device(cfg)} roofline calibrated by {cfg.measure.calibration}"
-                   if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
-        how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
-        study.set_user_attr("seeded_by", how)
-        for pt in points:
-            study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
-    elif not math.isclose(study.user_attrs["target_loss"], ctx.target_loss, rel_tol=1e-9):
-        raise ArchsearchError("target", f"the stored study was run with target loss "
-                              f"{study.user_attrs['target_loss']:.6g}, this config gives "
-                              f"{ctx.target_loss:.6g}", "use a new study name or folder")
+    seed_study(ctx, study)
+    restore_lost_measurements(study, ctx)
+    # failed measurements are retried even by a study that has its shapes: a failed shape may be
+    # the law's solution; the retries are trials beyond max_trials' count of new proposals
+    retried = retry_failed_measurements(study, ctx)
+    if retried:
+        log(f"measuring again the failed measurements of trials {retried} "
+            f"(at most {cfg.measure.max_attempts} attempts each: measure.max_attempts)")
     if ctx.baseline is not None and cfg.optuna.seeds_together:
         measure_seeds_together(ctx, study, progress)
     max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
-    left = max_trials - len(study.get_trials(deepcopy=False))
-    if distinct_measured(study) < cfg.optuna.n_trials and left > 0:
+    left = max_trials - len(study.get_trials(deepcopy=False)) + len(retried)
+    short = distinct_measured(study) < cfg.optuna.n_trials
+    if retried and not short:  # only the retries: no new proposals
+        left = len(retried)
+    if (short or retried) and left > 0:
         import logging
 
-        log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
-        if _no_traceback_for_failed_measurements not in log.filters:
-            log.addFilter(_no_traceback_for_failed_measurements)
+        optuna_log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
+        if _no_traceback_for_failed_measurements not in optuna_log.filters:
+            optuna_log.addFilter(_no_traceback_for_failed_measurements)
         tracking = TrackerCallback(cfg.optuna.log_with, ctx.out / "tracking", f"study-{cfg.name}") \
             if cfg.optuna.log_with else None
         try:
             study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                           callbacks=[DistinctShapesCallback(cfg.optuna.n_trials),
-                                      ExhaustedSpaceCallback(study, cfg.optuna.n_trials)]
+                           callbacks=([DistinctShapesCallback(cfg.optuna.n_trials),
+                                        ExhaustedSpaceCallback(study, cfg.optuna.n_trials)] if short else [])
                            + ([_progress_callback(cfg.optuna.n_trials)] if progress else [])
                            + ([tracking] if tracking else []),
                            catch=(MeasurementFailed,), gc_after_trial=False,

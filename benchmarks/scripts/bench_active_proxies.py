@@ -503,7 +503,7 @@ def replay(args) -> dict:
     minimum), the quantity the search's feasibility test reads."""
     from archsearch.laws import FitOptions, fit_law, forms
     from archsearch.laws.active import Pool, fit_profiled
-    from archsearch.laws.diagnostics import cluster
+    from archsearch.laws.metrics import cluster
     from archsearch.rundata import read_runs
 
     def closed(c):

@@ -51,7 +51,7 @@ PY
         --out "$OUT/training_speed.jsonl" || status=1
       ;;
     hf)
-      for arch in "--preset llama-3.2-1b" "--arch results/paper-1b-rehearsal/chosen"; do
+      for arch in "--preset llama-3.2-1b" "--arch results/examples/paper-1b-rehearsal/chosen"; do
         # shellcheck disable=SC2086  # two words on purpose
         $PY -m archsearch bench --backend hf $arch --input-len 4096 --output-len 1024 \
           --batch-sizes 1,16,64,128 --repeats 1 --warmup 0 --timeout 900 --out "$OUT/hf.jsonl" || status=1

@@ -1,0 +1,114 @@
+"""Scratch folders of measurements (``/tmp/archsearch-<kind>-<pid>-*``) and the watchdog that
+ends an engine process group whose owner died.
+
+A study killed with ``kill -9`` runs no cleanup: its scratch folders stay and, without the
+watchdog, the engine it started (which runs in its own process group, see
+:mod:`archsearch.benchmarks.isolate`) and that engine's workers would keep running under PID 1.
+Each scratch folder names the process that owns it, so the next measurement on the machine
+removes those whose owner is gone (:func:`reap_stale`); the engine process starts a watchdog
+(:func:`watch_owner`) that kills its whole process group once the owner has died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+_NAME = re.compile(r"^archsearch-(bench|model|paired)-(\d+)-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def reap_stale(root: str | Path | None = None) -> list[Path]:
+    """Remove this user's scratch folders whose owner process is gone; returns them."""
+    root = Path(root or tempfile.gettempdir())
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = _NAME.match(p.name)
+        if not m or int(m.group(2)) == os.getpid():
+            continue
+        try:
+            if p.is_symlink() or not p.is_dir() or p.stat().st_uid != os.getuid() or _alive(int(m.group(2))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        if not p.exists():
+            removed.append(p)
+    if removed:
+        print(f"archsearch: removed {len(removed)} scratch folder(s) left by killed measurements "
+              f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})",
+              file=sys.stderr, flush=True)
+    return removed
+
+
+@contextlib.contextmanager
+def scratch_dir(kind: str) -> Iterator[str]:
+    """A private temporary folder named for this process (reaped by :func:`reap_stale` if it is
+    killed), removed on exit; stale ones of dead processes are reaped first."""
+    reap_stale()
+    with tempfile.TemporaryDirectory(prefix=f"archsearch-{kind}-{os.getpid()}-") as tmp:
+        yield tmp
+
+
+def watch_owner(owner_pid: int, poll_s: float = 0.2) -> int | None:
+    """In an engine process that leads its own process group: fork a watchdog that kills the
+    whole group (this process, its engine workers and itself) once ``owner_pid`` is gone.
+    Where Linux offers it, this process also asks for SIGKILL when its parent dies
+    (``PR_SET_PDEATHSIG``); the watchdog then takes the workers. Returns the watchdog's pid
+    (None where it could not start: the owner is then still the only one to end the group)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if not hasattr(os, "fork"):
+        return None
+    import psutil
+
+    try:
+        owner = psutil.Process(owner_pid)
+        owner.create_time()  # the owner's identity: a reused pid is another process
+    except psutil.Error:
+        owner = None
+    pid = os.fork()
+    if pid:
+        return pid
+    # the watchdog: no threads, nothing of the engine's
+    try:
+        while _running(owner):
+            time.sleep(poll_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def _running(proc) -> bool:
+    """Whether ``proc`` (a psutil.Process, or None) still runs: a zombie (killed, not yet reaped) does not."""
+    import psutil
+
+    try:
+        return proc is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,165 @@
+"""Everyday use: --print-config, solve --out, the study log, model cards."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from archsearch.cli import main
+from archsearch.configio import from_dict, mask_secrets, redact
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("postgresql://u:secret@127.0.0.1:1/db", "postgresql://u:***@127.0.0.1:1/db"),
+    ("postgresql+psycopg2://u:pa/ss@h/db", "postgresql+psycopg2://u:***@h/db"),
+    ("mysql://root@h/db", "mysql://root@h/db"),  # no password: nothing to hide
+    ("sqlite:////tmp/x.db", "sqlite:////tmp/x.db"),
+    ("journal:/tmp/j.log", "journal:/tmp/j.log"),
+])
+def test_redact_masks_url_passwords(url, shown):
+    assert redact(url) == shown
+
+
+def test_mask_secrets_walks_nested_data():
+    data = {"a": [{"storage": "postgresql://u:pw@h/db"}], "n": 3, "s": "plain"}
+    assert mask_secrets(data) == {"a": [{"storage": "postgresql://u:***@h/db"}], "n": 3, "s": "plain"}
+
+
+def _in_empty_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return sorted(tmp_path.rglob("*"))
+
+
+def test_search_print_config_resolves_overrides_masks_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from archsearch.search.config import StudyConfig, load_study_config
+
+    before = _in_empty_folder(tmp_path, monkeypatch)
+    cfg_path = str(REPO / "configs/demo-cpu.yaml")
+    rc = main(["search", "--config", cfg_path, "--print-config", "optuna.n_trials=7",
+               "optuna.storage=postgresql://u:secret@127.0.0.1:1/db"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "secret" not in out and "u:***@127.0.0.1" in out
+    printed = yaml.safe_load(out)
+    assert printed["optuna"]["n_trials"] == 7
+    assert "gqa_search" in printed and "limits" in printed  # defaults filled in
+    # the printed YAML is the same config: it loads back equal (but for the masked password)
+    want = load_study_config(cfg_path, ["optuna.n_trials=7", "optuna.storage=postgresql://u:***@127.0.0.1:1/db"])
+    assert from_dict(StudyConfig, printed) == want
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_sweep_and_train_print_config(tmp_path, monkeypatch, capsys):
+    from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
+
+    before = _in_empty_folder(tmp_path, monkeypatch)
+    assert main(["sweep", "--config", str(REPO / "configs/sweep-demo.yaml"), "--print-config", "train.seed=3"]) == 0
+    sweep = yaml.safe_load(capsys.readouterr().out)
+    assert from_dict(SweepConfig, sweep).train.seed == 3
+    assert main(["train", "--print-config", "--tokens", "1M", "--lr", "2e-3", "data.seq_len=96"]) == 0
+    t = yaml.safe_load(capsys.readouterr().out)
+    assert set(t) == {"train", "data"}
+    assert from_dict(TrainConfig, t["train"], "train").lr == 2e-3
+    assert from_dict(DataConfig, t["data"], "data").seq_len == 96
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+LAW = {"law": "conditional-multiplicative",
+       "coefficients": {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04},
+       "reference": {"law": "chinchilla",
+                     "coefficients": {"E": 1.8, "A": 400, "alpha": 0.34, "B": 410, "beta": 0.28}}}
+SOLVE = ["solve", "--params", "2e5", "--tokens", "3e5", "--layers", "2", "--head-dim", "32", "--gqa", "2",
+         "--hidden-multiple", "32", "--ffn-multiple", "32", "--tolerance", "0.15", "--vocab-size", "2048"]
+SHAPE = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab_size", "tie_embeddings")
+
+
+def _law(tmp_path) -> str:
+    import json
+
+    (tmp_path / "law.json").write_text(json.dumps(LAW))
+    return str(tmp_path / "law.json")
+
+
+@pytest.mark.parametrize("target", [None, "25"])
+def test_solve_out_writes_the_chosen_shape_that_train_arch_reads(tmp_path, capsys, target):
+    import json
+
+    from archsearch.arch import ArchSpec
+    from archsearch.presets import load_arch
+
+    extra = ["--target-loss", target] if target else []
+    assert main([*SOLVE, "--law", _law(tmp_path), *extra, "--json", "--out", str(tmp_path / "solved")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    want = printed["best"]["architecture"] if target else printed["architecture"]
+    solved = json.loads((tmp_path / "solved/solve.json").read_text())
+    assert solved["chosen"]["architecture"] == want and "provenance" in solved
+    # `train --arch DIR` reads DIR/config.json; it and spec.json are the shape solve chose
+    from_dir = load_arch(tmp_path / "solved")
+    spec = ArchSpec.from_dict(json.loads((tmp_path / "solved/spec.json").read_text()))
+    assert {k: getattr(from_dir, k) for k in SHAPE} == {k: want[k] for k in SHAPE} \
+        == {k: getattr(spec, k) for k in SHAPE}
+
+
+def test_solve_out_refuses_when_nothing_meets_the_target(tmp_path, capsys):
+    rc = main([*SOLVE, "--law", _law(tmp_path), "--target-loss", "0.5", "--out", str(tmp_path / "solved")])
+    assert rc == 2 and "--out" in capsys.readouterr().err
+    assert not (tmp_path / "solved").exists()
+
+
+@pytest.fixture
+def console_reset():
+    from archsearch.logs import configure
+
+    yield
+    configure(0)  # main() with -q/-v sets the process's console level: give the next test the default
+
+
+def test_study_log_keeps_project_lines_and_library_warnings_off_the_console(tmp_path, capsys, console_reset):
+    import logging
+    import warnings
+
+    from archsearch.logs import configure, get_logger, study_log
+
+    configure(0)
+    with study_log(tmp_path) as path:
+        get_logger("search").info("[search] trial 0: a progress line")
+        logging.getLogger("transformers").addHandler(logging.StreamHandler())  # as transformers adds its own
+        lib = logging.getLogger("transformers.modeling_utils")
+        from archsearch.logs import tame_libraries
+
+        tame_libraries()
+        lib.warning("Some weights were not initialized")
+        lib.info("loading weights")  # a library's info: neither shown nor kept
+        warnings.warn("a deprecation from a library", UserWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    assert err.strip() == "[search] trial 0: a progress line"  # the project's line, as written, alone
+    text = path.read_text()
+    assert "INFO archsearch.search: [search] trial 0: a progress line" in text
+    assert "WARNING transformers.modeling_utils: Some weights were not initialized" in text
+    assert "a deprecation from a library" in text and "loading weights" not in text
+    get_logger("search").info("[search] after the study")  # the file is closed with the block
+    assert "after the study" not in path.read_text()
+
+
+def test_search_writes_study_log_and_quiet_keeps_stderr_clean(tmp_path, monkeypatch, capsys, console_reset):
+    import json
+
+    study = {"name": "st", "params": 200000, "tokens": 300000, "n_layers": 2, "vocab_size": 2048,
+             "baseline": {"hidden_over_sqrt_n": 0.2, "mlp_to_attn": 3.0, "gqa": 2},
+             "search_space": {"head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32,
+                                                        "tolerance": 0.15, "on_r_drift": "flag"}},
+             "law": {"file": "law.json"}, "measure": {"backend": "analytic"}}
+    monkeypatch.chdir(tmp_path)
+    _law(tmp_path)
+    (tmp_path / "st.yaml").write_text(json.dumps(study))
+    assert main(["search", "--config", "st.yaml", "--out", "s", "--only", "fit", "--quiet"]) == 0
+    assert "[search]" not in capsys.readouterr().err
+    assert "INFO archsearch.search: [search] no Optuna study yet" in (tmp_path / "s/study.log").read_text()
+    # a config refused before any work writes no folder, so no log either
+    assert main(["search", "--config", "st.yaml", "--out", "bad", "tokens=-1"]) == 2
+    assert not (tmp_path / "bad").exists()

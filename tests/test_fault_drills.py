@@ -1,0 +1,256 @@
+"""Fault drills: processes killed for real (``kill -9``), engines that hang in one batch size,
+measurements that fail once, a peer worker that dies, measurement records cut mid-write.
+
+Each drill uses the fake engines of tests/fakes.py (isolated children like vLLM's) or the
+analytic studies of test_search.py, so they take seconds, not an engine's start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    t = time.time()
+    while not cond():
+        assert time.time() - t < timeout, f"{what} after {timeout} s"
+        time.sleep(0.05)
+
+
+def test_kill_9_of_the_measuring_process_leaves_no_engine_process_or_scratch_folder(tmp_path):
+    """The process that waits for an isolated engine is killed with SIGKILL (no cleanup of its
+    own runs): the engine process and the worker it started die within seconds, and the next
+    measurement removes the scratch folder the dead process left."""
+    from archsearch.benchmarks.scratch import reap_stale
+
+    scratch, pids = tmp_path / "tmp", tmp_path / "pids"
+    scratch.mkdir()
+    code = ("from archsearch.benchmarks.isolate import run_isolated\n"
+            "run_isolated({'backend_class': 'tests.fakes:SpawnBackend', 'arch': {}, "
+            "'settings': {'backend': 'fake-spawn'}, 'batch_sizes': [1]}, 600, on_event=None)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=str(scratch), ARCHSEARCH_FAKE_PIDS=str(pids))
+    study = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env)
+    try:
+        _wait(lambda: pids.is_file() and pids.read_text().endswith("\n"), 60, "the engine did not start")
+        engine, worker = map(int, pids.read_text().split())
+        left = [p.name for p in scratch.iterdir()]
+        assert len(left) == 1 and left[0].startswith(f"archsearch-bench-{study.pid}-"), left
+        assert not _gone(engine) and not _gone(worker)
+        os.kill(study.pid, signal.SIGKILL)
+        study.wait()
+        _wait(lambda: _gone(engine) and _gone(worker), 10, "the engine's processes outlived the killed study")
+    finally:
+        if study.poll() is None:
+            study.kill()
+    assert (scratch / left[0]).is_dir()  # nobody cleaned up: the next start does
+    live = scratch / f"archsearch-bench-{os.getpid()}-x"  # a live process's folder is kept
+    live.mkdir()
+    assert reap_stale(scratch) == [scratch / left[0]]
+    assert [p.name for p in scratch.iterdir()] == [live.name]
+
+
+def test_one_hung_batch_size_keeps_the_others(tmp_path, monkeypatch, capsys):
+    """``archsearch bench`` on an engine that hangs in batch size 2 of [1, 2, 3]: 2 fails with the
+    timeout, 1 is kept and 3 is measured in a fresh engine process; the command succeeds and
+    names the failed batch size."""
+    from archsearch.benchmarks import read_jsonl
+    from archsearch.benchmarks.base import BACKENDS
+    from archsearch.cli import main
+
+    monkeypatch.setitem(BACKENDS, "fake-hang-at", "tests.fakes:HangAtBackend")
+    out = tmp_path / "b.jsonl"
+    rc = main(["bench", "--backend", "fake-hang-at", "--batch-sizes", "1,2,3", "--input-len", "4", "--output-len", "2",
+               "--repeats", "1", "--warmup", "0", "--timeout", "6", "--layers", "2", "--hidden-size", "128",
+               "--heads", "2", "--kv-heads", "1", "--head-dim", "64", "--ffn", "256", "--vocab-size", "100",
+               "--out", str(out)])
+    assert rc == 0
+    assert "batch size 2 failed: timeout after 6 s; the other 2 batch size(s) are measured" in capsys.readouterr().err
+    (r,) = read_jsonl(out)
+    assert [b.batch_size for b in r.per_batch] == [1, 2, 3]
+    assert r.batch(1).ok and r.batch(3).ok and r.throughput(3) > 0
+    assert not r.batch(2).ok and "timeout after 6 s" in r.batch(2).error
+    assert [run["batch_sizes"] for run in r.timing["runs"]] == [[1, 2, 3], [3]]
+
+
+def _dead_pid() -> int:
+    """The process id of a process that has ended (killed with SIGKILL)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    p.kill()
+    p.wait()
+    return p.pid
+
+
+def test_a_worker_whose_peer_died_takes_over_within_seconds(tmp_path):
+    """Two workers on one storage: the peer was killed mid-trial. The survivor, waiting for the
+    peer's trial before the next stage, fails it and enqueues its shape at once (not after the
+    hour it would otherwise wait); a peer on another host is judged by its heartbeat."""
+    import platform
+
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    from archsearch.search.pipeline import _wait_for_running
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'o.db'}")
+    study = optuna.create_study(study_name="s", storage=storage)
+    dist = {"x": FloatDistribution(0, 1)}
+    dead = study.ask(dist)
+    dead.set_user_attr("worker", {"host": platform.node(), "pid": _dead_pid()})
+    t = time.time()
+    assert _wait_for_running(study, timeout_s=600) == [dead.number]
+    assert time.time() - t < 10
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [w.user_attrs["retry_of"] for w in waiting] == [dead.number]
+    assert study.get_trials()[dead.number].state.name == "FAIL"
+
+    # another host: a worker whose heartbeat stopped is dead, one that beats is waited for
+    silent, beating = study.ask(dist), study.ask(dist)
+    for trial, beat in ((silent, time.time() - 120), (beating, time.time())):
+        trial.set_user_attr("worker", {"host": "another-host", "pid": 1})
+        storage.set_trial_system_attr(trial._trial_id, "heartbeat", beat)
+    assert _wait_for_running(study, timeout_s=600) == [silent.number]
+    assert _wait_for_running(study, timeout_s=1, poll_s=0.2) == []
+    assert study.get_trials()[beating.number].state.name == "RUNNING"
+
+
+def test_the_heartbeat_beats_while_a_trial_runs(tmp_path):
+    import optuna
+
+    from archsearch.search.study import heartbeat
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'o.db'}")
+    trial = study.ask()
+    with heartbeat(trial, every_s=0.1):
+        time.sleep(0.5)
+        first = study.get_trials()[0].system_attrs["heartbeat"]
+        time.sleep(0.5)
+        assert study.get_trials()[0].system_attrs["heartbeat"] > first
+    study.tell(trial, 1.0)  # the beat has stopped: the trial finishes cleanly
+
+
+def test_a_failed_measurement_is_measured_again_on_resume_up_to_max_attempts(tmp_path, monkeypatch, capsys):
+    """A transient engine failure is not read back forever: the next run of the study measures
+    that shape again (attempts recorded), until measure.max_attempts."""
+    import dataclasses
+
+    from archsearch.search import pipeline
+    from archsearch.search.measure import Measurer
+    from tests.test_search import load, study_config
+
+    cfg = load(study_config(tmp_path, optuna={"n_trials": 2, "enqueue_solution": 1, "max_trials": 6},
+                            gqa_search={"enabled": False}, measure={"max_attempts": 2}))
+    out = cfg.out_dir()
+    real, fail_next = Measurer._paired, [1]
+
+    def flaky(self, specs):
+        r = real(self, specs)
+        if fail_next:
+            fail_next.pop()
+            return dataclasses.replace(r, ok=False, error="engine died (transient)", rounds=[])
+        return r
+
+    monkeypatch.setattr(Measurer, "_paired", flaky)
+
+    def records() -> list[dict]:
+        return [json.loads(x) for x in (out / "measurements.jsonl").read_text().splitlines()]
+
+    pipeline.run(cfg, out, only={"search"})
+    failed = [r for r in records() if not r["result"]["ok"]]
+    assert len(failed) == 1 and failed[0]["result"].get("attempts", 1) == 1
+    key = failed[0]["key"]
+
+    fail_next.append(1)  # the second attempt fails too
+    capsys.readouterr()
+    pipeline.run(cfg, out, only={"search"})
+    assert "measuring again the failed measurements of trials" in capsys.readouterr().err
+    again = [r["result"] for r in records() if r["key"] == key]
+    assert [r.get("attempts", 1) for r in again] == [1, 2] and not again[-1]["ok"]
+    assert again[-1]["earlier_errors"] == ["engine died (transient)"]
+
+    n = len(records())  # attempts spent: read back, not measured again
+    pipeline.run(cfg, out, only={"search"})
+    assert len(records()) == n
+
+    # with one more attempt allowed, the shape is measured and its trial completes
+    cfg3 = load(study_config(tmp_path, optuna={"n_trials": 2, "enqueue_solution": 1, "max_trials": 6},
+                             gqa_search={"enabled": False}, measure={"max_attempts": 3}))
+    s = pipeline.run(cfg3, out, only={"search", "report"})
+    assert [r["result"]["ok"] for r in records() if r["key"] == key] == [False, False, True]
+    assert s["trials"]["distinct_shapes"] == 3
+
+
+def test_a_torn_measurement_record_is_measured_again(tmp_path, capsys):
+    """A measurement line cut by a killed write is skipped when read ("it is redone"): the next
+    run does measure that shape again, so every trial's measurement is on record."""
+    from archsearch.search import pipeline
+    from tests.test_search import load, study_config
+
+    cfg = load(study_config(tmp_path, optuna={"n_trials": 2}, gqa_search={"enabled": False}))
+    out = cfg.out_dir()
+    pipeline.run(cfg, out, only={"search"})
+    store = out / "measurements.jsonl"
+    lines = store.read_text().splitlines(keepends=True)
+    torn = json.loads(lines[-1])["key"]
+    store.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    capsys.readouterr()
+    s = pipeline.run(cfg, out, only={"search", "report"})
+    err = capsys.readouterr().err
+    assert "measurement record was lost (a torn write): measuring it again" in err
+    keys = [json.loads(x)["key"] for x in store.read_text().splitlines()]
+    assert keys.count(torn) == 1 and len(keys) == len(lines)
+    assert s["measurements_taken_this_run"] >= 1
+
+
+def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
+    """``archsearch search`` (the transformers engine, isolated like vLLM) killed with SIGKILL while
+    an engine process measures: every process of that engine's group is gone within seconds,
+    and its scratch folders are left only for the next measurement to remove."""
+    from archsearch.benchmarks.scratch import reap_stale
+    from tests.test_search import _hf_cfg
+
+    cfg = _hf_cfg(tmp_path, n_trials=3)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), TMPDIR=str(scratch))
+    study = subprocess.Popen([sys.executable, "-m", "archsearch", "search", "--config", cfg["_path"], "--only", "search"],
+                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engines: list[psutil.Process] = []
+
+    def measuring() -> bool:
+        assert study.poll() is None, "the study ended before it measured"
+        try:
+            kids = psutil.Process(study.pid).children()
+        except psutil.NoSuchProcess:
+            return False
+        engines[:] = [k for k in kids if "archsearch.benchmarks.isolate" in " ".join(k.cmdline())]
+        return bool(engines)
+
+    try:
+        _wait(measuring, 240, "no engine process started")
+        group = [*engines, *(c for e in engines for c in e.children(recursive=True))]
+        os.kill(study.pid, signal.SIGKILL)
+        study.wait()
+        _wait(lambda: all(_gone(p.pid) for p in group), 10, "engine processes outlived the killed study")
+    finally:
+        if study.poll() is None:
+            study.kill()
+    left = sorted(p.name for p in scratch.iterdir() if p.name.startswith(f"archsearch-bench-{study.pid}-"))
+    assert left, "the engine's scratch folder was not where the drill looks"
+    assert {p.name for p in reap_stale(scratch)} >= set(left)

@@ -1,0 +1,109 @@
+"""What a person sees in the figures: legends without empty entries, captions naming only what is
+drawn, fit plots with their optimum and R^2, the planner's limits labelled. Each figure is drawn
+for real and read back from the matplotlib objects just before it is saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures passed to ``save`` (in each module that imported it), by file name."""
+    import archsearch.figures as figures
+
+    out: dict[str, object] = {}
+    real = figures.save
+
+    def keep(fig, png, *a, **kw):
+        out[Path(png).name] = [(ax.get_legend(), ax.get_xlabel(), ax) for ax in fig.axes]
+        return real(fig, png, *a, **kw)
+
+    monkeypatch.setattr(figures, "save", keep)
+    import archsearch.laws.plots as plots
+    import archsearch.search.report as report
+
+    monkeypatch.setattr(plots, "save", keep)
+    monkeypatch.setattr(report, "save", keep)
+    return out
+
+
+def _legend_texts(legend) -> list[str]:
+    return [t.get_text() for t in legend.get_texts()] if legend is not None else []
+
+
+def test_legend_leaves_out_entries_that_draw_nothing():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.figures import legend
+
+    fig, ax = plt.subplots()
+    ax.step([1.0], [2.0], where="post", label="one-point front")  # a step line needs two points
+    ax.scatter([], [], label="empty group")
+    ax.plot([1.0, 2.0], [1.0, 3.0], label="a line")
+    ax.errorbar([1.0], [1.0], yerr=[0.1], fmt="o", label="a point")
+    ax.axvline(1.5, label="a limit")
+    assert _legend_texts(legend(ax)) == ["a line", "a limit", "a point"]
+    fig2, ax2 = plt.subplots()
+    ax2.step([1.0], [2.0], label="nothing")
+    assert legend(ax2) is None
+    plt.close("all")
+
+
+def test_fit_plots_mark_the_optimum_and_give_r2(tmp_path, drawn):
+    from archsearch.laws import load_law
+    from archsearch.laws.plots import write_plots
+    from archsearch.rundata import read_runs
+
+    fit = load_law(REPO / "results/examples/demo-cpu/law.json")
+    runs = [r for r in read_runs(REPO / "results/examples/demo-cpu/proxies/runs.csv") if r.status == "ok"]
+    write_plots(fit, runs[:8], runs[8:], tmp_path)
+    texts = _legend_texts(drawn["predicted_vs_actual.png"][0][0])
+    assert any(t.startswith("fit (") and ", R^2 0." in t for t in texts) and any(t.startswith("held out") for t in texts)
+    c = fit.coefficients
+    for name, x_star in (("loss_vs_hidden_over_sqrt_n.png", c["a2"] / c["a1"]),
+                         ("loss_vs_r.png", c["b2"] / c["b1"])):
+        texts = _legend_texts(drawn[name][0][0])
+        opt = [t for t in texts if t.startswith("optimum ")]
+        assert opt and opt[0].endswith(f"= {x_star:.3g}")
+        ax = drawn[name][0][2]
+        assert ax.get_xlim()[0] < x_star < ax.get_xlim()[1]  # the minimum is on the plot
+
+
+def test_throughput_caption_names_only_the_colours_drawn(tmp_path, drawn):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from archsearch.search.report import _ratio_chart
+
+    spec = {"hidden_size": 64, "n_heads": 4, "n_kv_heads": 2, "ffn": 256}
+    pts = [{"trial": i, "spec": {**spec, "ffn": 256 + 32 * i}, "feasible": True,
+            "ratio": {"ratio": r, "lo": r - 0.01, "hi": r + 0.01, "level": 0.9,
+                      "significantly_faster": r > 1.02, "significantly_slower": r < 0.98}}
+           for i, r in enumerate((1.2, 1.1))]
+    _ratio_chart(None, pts, None, tmp_path, plt)
+    caption = drawn["throughput.png"][0][1]
+    assert "green: significantly faster" in caption
+    assert "red:" not in caption and "grey:" not in caption
+
+
+def test_planner_limit_lines_are_labelled(tmp_path, drawn):
+    from archsearch.planning.limits import Limits
+    from archsearch.planning.planner import CandidatePlan, GridPoint, plot_tradeoff
+
+    pts = [GridPoint("tiny", b, 64, 64, True, 0.01 * b, 0.002 * b, 0.5 + 0.01 * b, 100.0, b < 8, "")
+           for b in (1, 4, 16)]
+    plan = CandidatePlan("tiny", "preset", 1000, 1000, pts, {}, True, True, pts[0], [])
+    plot_tradeoff([plan], tmp_path / "plan.png", Limits(max_tpot_s=0.02, max_peak_memory_gib=4.0))
+    (tpot_legend, _, _), (ttft_legend, _, _) = drawn["plan.png"][:2]
+    assert "limit: TPOT <= 20 ms" in _legend_texts(tpot_legend)
+    assert "limit: peak memory <= 4 GiB" in _legend_texts(ttft_legend)

@@ -1,0 +1,194 @@
+"""A resumed study whose config changed: every stage that reads a changed setting is redone (with
+every stage after it), what is still valid is reused, a change the folder cannot honour is
+refused before anything is written, and torn state files are redone rather than fatal.
+
+The studies here are the analytic ones of test_search.py (deterministic and fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from archsearch.errors import ArchsearchError
+from tests.test_search import load, study_config
+
+
+def _trials(out: Path):
+    import optuna
+
+    return optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+
+
+def _rewrite(cfg: dict, **over) -> dict:
+    raw = {k: v for k, v in cfg.items() if k != "_path"}
+    for k, v in over.items():
+        raw[k] = {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v
+    Path(cfg["_path"]).write_text(yaml.safe_dump(raw))
+    return raw | {"_path": cfg["_path"]}
+
+
+def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, capsys):
+    from archsearch.search import pipeline
+
+    raw = study_config(tmp_path, measure={"batch_sizes": [4, 8]}, optuna={"n_trials": 2})
+    cfg = load(raw)
+    out = cfg.out_dir()
+    pipeline.run(cfg, out)
+    first_keys = {json.loads(x)["key"] for x in (out / "measurements.jsonl").read_text().splitlines()}
+    assert all(set(t.user_attrs["throughput"]) == {"8"} for t in _trials(out) if t.user_attrs.get("throughput"))
+    capsys.readouterr()
+
+    # the objective's batch size and the input length change: every trial is measured anew at batch 4
+    cfg2 = load(_rewrite(raw, measure={"batch_sizes": [4, 8], "reference_batch_size": 4, "input_len": 32}))
+    s = pipeline.run(cfg2, out)
+    err = capsys.readouterr().err
+    assert "stage search is redone: measure.input_len (64 -> 32); measure.reference_batch_size (8 -> 4)" in err
+    assert "stage gqa is redone: after search" in err
+    measured = [t for t in _trials(out) if t.user_attrs.get("throughput")]
+    assert measured and all(set(t.user_attrs["throughput"]) == {"4"} for t in measured)
+    assert s["reference_batch_size"] == 4 and s["config"]["measure"]["input_len"] == 32
+    new_keys = {json.loads(x)["key"] for x in (out / "measurements.jsonl").read_text().splitlines()} - first_keys
+    # the report's numbers are the new measurements only: every trial reads a key the first run did not write
+    assert {t.user_attrs["measurement_key"] for t in measured} <= new_keys
+    gqa = json.loads((out / "gqa.json").read_text())
+    assert gqa["steps"]
+    # the first search is kept aside, not deleted
+    moved = list((out / "superseded").glob("*/optuna.db"))
+    assert len(moved) == 1 and list((out / "superseded").glob("*/gqa.json"))
+
+    # a resume with nothing changed reuses everything
+    n = len((out / "measurements.jsonl").read_text().splitlines())
+    s3 = pipeline.run(cfg2, out)
+    assert s3["measurements_taken_this_run"] == 0 and len(list((out / "superseded").iterdir())) == 1
+    assert len((out / "measurements.jsonl").read_text().splitlines()) == n
+
+
+def test_a_change_that_cannot_be_honoured_is_refused_before_any_write(tmp_path):
+    from archsearch.search import pipeline
+
+    raw = study_config(tmp_path, optuna={"n_trials": 2}, gqa_search={"enabled": False})
+    cfg = load(raw)
+    out = cfg.out_dir()
+    pipeline.run(cfg, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    changed = load(_rewrite(raw, measure={"dtype": "float16"}))
+    # the report alone would name float16 over float32 measurements
+    with pytest.raises(ArchsearchError) as e:
+        pipeline.run(changed, out, only={"report"})
+    assert e.value.field == "--only/--skip" and "measure.dtype" in str(e.value) and "select search too" in str(e.value)
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == before and not (out / "superseded").exists()
+
+    # an Optuna storage outside the folder cannot be set aside: refused, unless the study is renamed
+    (tmp_path / "j").mkdir()
+    jraw = study_config(tmp_path / "j", optuna={"n_trials": 2, "storage": str(tmp_path / "j" / "journal.log")},
+                        gqa_search={"enabled": False})
+    jcfg = load(jraw)
+    pipeline.run(jcfg, jcfg.out_dir())
+    config_json = (jcfg.out_dir() / "config.json").read_bytes()
+    with pytest.raises(ArchsearchError) as e:
+        pipeline.run(load(_rewrite(jraw, measure={"output_len": 8})), jcfg.out_dir())
+    assert e.value.field == "optuna.storage" and "measure.output_len (16 -> 8)" in str(e.value)
+    assert (jcfg.out_dir() / "config.json").read_bytes() == config_json
+
+
+def test_changed_law_form_and_run_table_refit_the_law(tmp_path, capsys):
+    from archsearch.laws.synthetic import synthetic_runs
+    from archsearch.rundata import write_runs
+    from archsearch.search import pipeline
+
+    coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
+    runs = synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6, 2e6, 4e6), tokens_per_param=(10, 20))
+    write_runs(tmp_path / "a.csv", runs)
+    write_runs(tmp_path / "b.csv", runs[:-3])
+    raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0}, proxy={"runs": str(tmp_path / "a.csv")})
+    cfg = load(raw)
+    out = cfg.out_dir()
+    pipeline.run(cfg, out, only={"fit"})
+    assert json.loads((out / "law.json").read_text())["law"] == "conditional-multiplicative"
+
+    cfg2 = load(_rewrite(raw, law={"file": None, "reference": "chinchilla", "bootstrap": 0, "form": "conditional-additive"}))
+    pipeline.run(cfg2, out, only={"fit"})
+    assert json.loads((out / "law.json").read_text())["law"] == "conditional-additive"
+    assert "stage fit is redone: law.form" in capsys.readouterr().err
+
+    # another run table (same path or not): the fit reads it
+    law = (out / "law.json").read_text()
+    write_runs(tmp_path / "a.csv", runs[:-3])
+    pipeline.run(cfg2, out, only={"fit"})
+    err = capsys.readouterr().err
+    assert "stage fit is redone: proxy.runs (content)" in err
+    assert (out / "law.json").read_text() != law
+
+
+def test_torn_state_files_are_redone_not_fatal(tmp_path, capsys):
+    from archsearch.search import pipeline
+
+    cfg = load(study_config(tmp_path, optuna={"n_trials": 2}))
+    out = cfg.out_dir()
+    pipeline.run(cfg, out)
+    gqa = (out / "gqa.json").read_text()
+
+    def tear(name: str) -> None:
+        p = out / name
+        p.write_text(p.read_text()[: len(p.read_text()) // 2])  # a write cut half-way
+
+    tear("state.json")
+    tear("stage_inputs.json")
+    capsys.readouterr()
+    s = pipeline.run(cfg, out)
+    err = capsys.readouterr().err
+    assert "state.json is not valid JSON" in err and "stage_inputs.json is not valid JSON" in err
+    assert s["measurements_taken_this_run"] == 0
+    assert json.loads((out / "state.json").read_text())["gqa"]["status"] == "done"
+    tear("gqa.json")
+    s = pipeline.run(cfg, out)
+    assert "gqa.json is not valid JSON" in capsys.readouterr().err
+    assert json.loads((out / "gqa.json").read_text()) == json.loads(gqa)  # redone, from the store
+    assert s["measurements_taken_this_run"] == 0
+
+
+def test_a_proxy_grid_that_grew_keeps_its_runs_other_proxy_changes_set_them_aside(tmp_path):
+    """Which proxy changes keep the trained runs: a run's id names its shape, budget and seed, so
+    a grid change reuses them; a training or data setting changes what every run computes."""
+    from archsearch.search.inputs import StageInputs, fingerprints, plan_resume, stage_inputs
+
+    sweep = {"name": "p", "params": [8.0e4], "n_layers": 2, "hidden_over_sqrt_n": [0.1, 0.2], "mlp_to_attn": [1.0],
+             "gqa": 2, "head_dim": 32, "train": {"tokens_per_param": 1, "lr": 1e-3},
+             "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}
+    raw = study_config(tmp_path, proxy={"sweep": sweep}, vocab_size=512)
+    out = tmp_path / "study"
+    out.mkdir()
+    cfg = load(raw)
+    applies = {"proxy": True, "fit": False, "search": True, "gqa": True, "train": False, "eval": False}
+    StageInputs(out).record("proxy", fingerprints(cfg, applies)["proxy"], stage_inputs(cfg)["proxy"])
+    state = {"proxy": {"status": "done"}}
+    every = {"proxy", "fit", "search", "gqa", "report"}
+
+    grown = load(_rewrite(raw, proxy={"sweep": {**sweep, "hidden_over_sqrt_n": [0.1, 0.2, 0.3]}}))
+    plan = plan_resume(grown, out, state, every, applies, default_storage=True)
+    assert plan.stale == {"proxy": ["proxy.sweep.hidden_over_sqrt_n ([0.1, 0.2] -> [0.1, 0.2, 0.3])"]}
+    assert plan.keep == {"proxy"}
+
+    relearnt = load(_rewrite(raw, proxy={"sweep": {**sweep, "train": {"tokens_per_param": 1, "lr": 3e-3}}}))
+    plan = plan_resume(relearnt, out, state, every, applies, default_storage=True)
+    assert plan.stale == {"proxy": ["proxy.sweep.train.lr (0.001 -> 0.003)"]} and not plan.keep
+    assert plan_resume(cfg, out, state, every, applies, default_storage=True).stale == {}
+
+
+def test_the_measured_dtype_is_read_from_this_studys_settings_only(tmp_path):
+    """A store that also holds a resumed study's earlier float16 measurements: the chosen
+    config's dtype comes from measurements taken with the study's own dtype setting."""
+    from archsearch.search.config import MeasureConfig
+    from archsearch.search.measure import MeasurementStore, Measurer
+    from tests.test_bench import TINY
+
+    store = MeasurementStore(tmp_path / "m.jsonl")
+    store.put("old", {"dtype": "float16", "settings": {"dtype": "float16", "backend": "analytic"}})
+    m = Measurer(MeasureConfig(backend="analytic", dtype="bfloat16"), store)
+    assert m.measured_dtype(TINY) is None
+    store.put("new", {"dtype": "bfloat16", "settings": {"dtype": "bfloat16", "backend": "analytic"}})
+    assert m.measured_dtype(TINY) == "bfloat16"
