@@ -164,7 +164,8 @@ def test_a_storage_password_is_never_written_or_printed(tmp_path, monkeypatch, c
 
 
 def test_an_error_or_traceback_masks_a_url_password(capsys):
-    from archsearch.errors import ArchsearchError, redact
+    from archsearch.configio import redact
+    from archsearch.errors import ArchsearchError
 
     e = ArchsearchError("optuna.storage", f"cannot connect to mysql://root:{SECRET}@h/db", None)
     assert SECRET not in str(e) and "mysql://root:***@h/db" in str(e)
