@@ -9,9 +9,13 @@ from __future__ import annotations
 
 
 class ArchsearchError(ValueError):
-    """A problem with the user's input; ``field`` names what to fix."""
+    """A problem with the user's input; ``field`` names what to fix. No part of the message shows
+    a URL's password (``configio.redact``)."""
 
     def __init__(self, field: str, problem: str, fix: str | None = None):
+        from archsearch.configio import redact  # here: configio imports this module
+
+        field, problem, fix = redact(field), redact(problem), redact(fix)
         self.field = field
         self.problem = problem
         self.fix = fix

@@ -41,7 +41,7 @@ def read_text(path: str | Path, what: str | None = None) -> str:
     UTF-16 one or any other encoding is one clear error naming ``what`` (default: the path)."""
     p = Path(path)
     data = p.read_bytes()
-    where, name = (what, f"{str(p)!r} is") if what else (str(p), "is")
+    where, name = (what, f"{str(p)!r} is") if what and what != str(p) else (str(p), "is")
     fix = "save it as UTF-8 text; a binary, UTF-16 or Latin-1 file cannot be read"
     if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data:
         kind = "UTF-16 text" if data.startswith((b"\xff\xfe", b"\xfe\xff")) else "a binary file"

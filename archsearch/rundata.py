@@ -45,6 +45,8 @@ from archsearch.errors import ArchsearchError
 
 ARCH_COLUMNS = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn")
 LOSS_KINDS = ("eval", "smoothed_train")
+# Beyond this a row's budget is a typo, not a run: the largest trained models saw a few 1e13 tokens.
+MAX_TOKENS = 1e15
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,11 @@ class RunRecord:
             if not (isinstance(self.loss, (int, float)) and math.isfinite(self.loss) and self.loss > 0):
                 raise ArchsearchError(f"{where}.loss", f"must be a positive finite number, got {self.loss!r}",
                                       "drop the row or mark it status=failed")
-            if not self.tokens > 0:
-                raise ArchsearchError(f"{where}.tokens", f"must be positive, got {self.tokens!r}")
+            if not (isinstance(self.tokens, (int, float)) and math.isfinite(self.tokens) and self.tokens > 0):
+                raise ArchsearchError(f"{where}.tokens", f"must be a positive finite number, got {self.tokens!r}")
+            if self.tokens > MAX_TOKENS:
+                raise ArchsearchError(f"{where}.tokens", f"{self.tokens:.3g} is beyond any training run "
+                                      f"(at most {MAX_TOKENS:.0e})", "fix the row's tokens, or drop the row")
         if self.arch is not None:
             if self.params is not None and abs(self.params / self.n_params - 1) > 0.01:
                 raise ArchsearchError(f"{where}.params", f"{self.params:.6g} disagrees with the "
@@ -184,6 +189,22 @@ def _parse(row: dict[str, Any], where: str) -> RunRecord:
         if e.field.startswith(where):
             raise
         raise ArchsearchError(f"{where}: {e.field}", e.problem, e.fix) from None
+
+
+def check_one_loss_kind(runs: Iterable[RunRecord]) -> None:
+    """Refuse to fit held-out and smoothed training losses together: they differ systematically
+    (a training loss sits below the held-out one by the generalisation gap), so the law would fit
+    the mix of kinds rather than the sizes and shapes."""
+    kinds: dict[str, list[RunRecord]] = {}
+    for r in runs:
+        if r.status == "ok":
+            kinds.setdefault(r.loss_kind, []).append(r)
+    if len(kinds) > 1:
+        counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(kinds.items()))
+        example = kinds["smoothed_train"][0]
+        raise ArchsearchError("loss_kind", f"the runs mix loss kinds ({counts}; e.g. run "
+                              f"{example.run_id or '?'} is smoothed_train)",
+                              "fit one kind: keep the eval rows, or refit every run on the same loss")
 
 
 def read_runs(path: str | Path) -> list[RunRecord]:

@@ -99,6 +99,13 @@ class BenchSettings(PlainData):
             raise ArchsearchError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
         if not isinstance(self.engine_args, dict):
             raise ArchsearchError("engine_args", "must be a dict of engine keyword arguments")
+        trc = self.engine_args.get("trust_remote_code")
+        if trc is not None and str(trc).strip().lower() not in ("false", "0", "no", "off"):
+            # as lm-eval's model_args (archsearch eval): a measured shape is an HF config of a family
+            # transformers ships, which needs no remote code, so none is ever run
+            raise ArchsearchError("engine_args.trust_remote_code", f"{trc!r}: archsearch runs no remote model code "
+                                  "(the shapes it measures are configs of families transformers ships)",
+                                  "drop trust_remote_code from the engine arguments")
 
 
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import io
 import json
@@ -47,6 +48,11 @@ STUDY = {"name": "st", "params": 200000, "tokens": 300000, "n_layers": 2, "vocab
          "measure": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64},
          "optuna": {"n_trials": 2, "enqueue_solution": 1},
          "gqa_search": {"enabled": True, "baseline_gqa": 2}}
+
+# the password every storage case carries: it must never be printed
+SECRET = "hunter2-s3cret"
+# a study that trains proxies: a storage refused at load must be refused before any is trained
+_PROXIES = {"law.file": None, "proxy": {"sweep": SWEEP}}
 
 TRAIN = {"train": {"tokens": 20000, "global_batch_size": 8, "lr": 3.0e-3},
          "data": {"source": "shakespeare", "tokenizer": "bpe:2048", "seq_len": 64}}
@@ -270,6 +276,60 @@ CLI_CASES = [
     ("batch-laws-out-dir", ["estimate", "batch-laws", "--data", "{d}/scalar.jsonl", "--out", "{d}/adir"], "--out"),
     ("eval-model-args-bad", ["eval", "--model", "smollm2-135m", "--model_args", "novalue"], "model_args"),
     ("eval-fewshot-neg", ["eval", "--model", "smollm2-135m", "--num_fewshot", "-1"], "num_fewshot"),
+    # files that are not UTF-8 text (binary, UTF-16, Latin-1), wherever a file is read
+    ("search-config-binary", ["search", "--config", "{d}/bin.yaml"], "bin.yaml"),
+    ("search-config-utf16", ["search", "--config", "{d}/u16.yaml"], "u16.yaml"),
+    ("sweep-config-latin1", ["sweep", "--config", "{d}/latin1.yaml"], "latin1.yaml"),
+    ("train-config-binary", [*TRAIN_CMD[:-1], "{d}/bin.yaml"], "bin.yaml"),
+    ("solve-law-utf16", [*SOLVE[:2], "{d}/u16.json", *SOLVE[3:]], "u16.json"),
+    ("solve-law-binary", [*SOLVE[:2], "{d}/bin.json", *SOLVE[3:]], "bin.json"),
+    ("fit-data-utf16", [*FIT[:2], "{d}/u16.csv", *FIT[3:], "--out", "{d}/new.json"], "u16.csv"),
+    ("validate-data-binary", ["validate", "--data", "{d}/bin.jsonl", "--law", "chinchilla"], "bin.jsonl"),
+    ("solve-tp-binary", [*SOLVE, "--throughput", "{d}/bin.jsonl"], "--throughput"),
+    ("fit-reference-law-utf16", [*FIT, "--out", "{d}/new.json", "--reference-law", "{d}/u16.json"], "u16.json"),
+    ("estimate-batch-laws-binary", [*EST, "--batch-laws", "{d}/bin.json"], "--batch-laws"),
+    ("batch-laws-data-binary", ["estimate", "batch-laws", "--data", "{d}/bin.jsonl", "--out", "{d}/l.json"],
+     "bin.jsonl"),
+    ("describe-hf-config-utf16", ["arch", "describe", "--arch", "{d}/u16dir"], "config.json"),
+    ("describe-arch-binary", ["arch", "describe", "--arch", "{d}/bin.json"], "bin.json"),
+    ("bench-calibration-utf16", [*BENCH, "--calibration", "{d}/u16.json"], "calibration"),
+    ("plan-lora-calibration-binary", [*PLAN, "--lora-calibration", "{d}/bin.json"], "--lora-calibration"),
+    ("search-profile-binary", ["search", "--config", "{d}/study.yaml", "--dry-run", "--profile", "{d}/bin.json"],
+     "profile"),
+    ("search-time-law-binary", ["search", "--config", "{d}/study.yaml", "--dry-run", "--gpus", "8xH100",
+                                "--time-law", "{d}/bin.json"], "--time-law"),
+    ("search-time-law-not-one", ["search", "--config", "{d}/study.yaml", "--dry-run", "--gpus", "8xH100",
+                                 "--time-law", "{d}/list.json"], "--time-law"),
+    ("search-time-law-without-gpus", ["search", "--config", "{d}/study.yaml", "--dry-run", "--time-law",
+                                      "{d}/law.json"], "--time-law"),
+    ("override-unclosed-bracket", ["search", "--config", "{d}/study.yaml", "optuna.n_trials=["], "optuna.n_trials"),
+    ("override-unclosed-brace", ["sweep", "--config", "{d}/sweep.yaml", "train={lr: 1"], "train"),
+    ("eval-limit-nan", ["eval", "--model", "smollm2-135m", "--limit", "nan"], "--limit"),
+    ("eval-limit-inf", ["eval", "--model", "smollm2-135m", "--limit", "inf"], "--limit"),
+    ("eval-device-unknown", ["eval", "--model", "smollm2-135m", "--device", "tpu9"], "--device"),
+    ("eval-device-absent", ["eval", "--model", "smollm2-135m", "--device", "cuda:99"], "--device"),
+    # counts bounded by the machine or the method
+    ("fit-starts-huge", [*FIT, "--out", "{d}/new.json", "--starts", "100000"], "--starts"),
+    ("fit-jobs-huge", [*FIT, "--out", "{d}/new.json", "--jobs", "100000"], "--jobs"),
+    ("train-cpu-threads-huge", [*TRAIN_CMD, "--cpu-threads", "100000"], "--cpu-threads"),
+    ("train-layers-huge", ["train", "--layers", "100000", *ARCH[2:], "--vocab-size", "2048", "--config",
+                           "{d}/train.yaml"], "layers"),
+    ("describe-hidden-huge", ["arch", "describe", "--layers", "2", "--hidden-size", "100000000", "--heads", "4",
+                              "--ffn", "256"], "hidden_size"),
+    # silent wrong results, refused
+    ("estimate-tokens-absurd", [*EST[:-1], "1e30"], "tokens"),
+    ("solve-tp-duplicate-shape", [*SOLVE, "--throughput", "{d}/duptp.jsonl"], "--throughput"),
+    ("fit-mixed-loss-kinds", [*FIT[:2], "{d}/mixed.csv", *FIT[3:], "--out", "{d}/new.json"], "loss_kind"),
+    ("validate-mixed-loss-kinds", ["validate", "--data", "{d}/mixed.csv", "--law", "chinchilla"], "loss_kind"),
+    ("fit-tokens-absurd", [*FIT[:2], "{d}/hugetokens.csv", *FIT[3:], "--out", "{d}/new.json"], "tokens"),
+    ("solve-law-negative-factor", [*SOLVE[:2], "{d}/neglaw.json", *SOLVE[3:]], "coefficients"),
+    ("solve-law-overflow", [*SOLVE[:2], "{d}/biglaw.json", *SOLVE[3:]], "coefficients"),
+    ("fit-reference-law-negative-exponent", [*FIT, "--out", "{d}/new.json", "--reference-law", "{d}/negexp.json"],
+     "alpha"),
+    # remote code only where the project runs it (nowhere)
+    ("bench-trust-remote-code", [*BENCH, "--engine-arg", "trust_remote_code=true"], "trust_remote_code"),
+    # a run folder holding another run
+    ("train-out-other-run", [*TRAIN_CMD, "--out", "{d}/otherrun"], "--out"),
 ]
 
 # (case id, fixture config, {dotted key: new value; None deletes the key}, fragment)
@@ -371,6 +431,40 @@ CONFIG_CASES = [
      "cluster.max_retries"),
     ("study-cluster-slurm-inline", "study", {"cluster": {"slurm": {"partition": "gpu"}}}, "cluster.slurm"),
     ("study-cluster-scalar", "study", {"cluster": "slurm"}, "cluster"),
+    ("study-cluster-profile-binary", "study", {"cluster": {"profile": "bin.json"}}, "cluster.profile"),
+    ("study-cluster-profile-missing", "study", {"cluster": {"profile": "nope.json"}}, "cluster.profile"),
+    # names that become paths
+    ("study-name-dotdot", "study", {"name": ".."}, "name"),
+    ("study-name-dot", "study", {"name": "."}, "name"),
+    ("study-name-absolute", "study", {"name": "/tmp"}, "name"),
+    ("study-proxy-sweep-name-dotdot", "study", {"law.file": None, "proxy": {"sweep": {**SWEEP, "name": ".."}}},
+     "proxy.sweep"),
+    ("sweep-name-dot", "sweep", {"name": "."}, "sweep.name"),
+    ("sweep-name-backslash", "sweep", {"name": "a\\b"}, "sweep.name"),
+    # counts bounded by the method or the search space
+    ("study-law-bootstrap-huge", "study", {"law.bootstrap": 10 ** 9}, "law.bootstrap"),
+    ("study-law-starts-huge", "study", {"law.n_starts": 10 ** 6}, "law.n_starts"),
+    ("study-active-bootstrap-huge", "study", {"law.file": None, "proxy": {"sweep": SWEEP, "plan": "active",
+                                                                          "active": {"bootstrap": 10 ** 8}}},
+     "proxy.active.bootstrap"),
+    ("study-trials-beyond-the-box", "study", {"optuna.n_trials": 1000}, "optuna.n_trials"),
+    # limits a study's measurements cannot show to hold
+    ("study-limits-tpot", "study", {"limits": {"max_tpot_s": 1.0}}, "limits.max_tpot_s"),
+    ("study-limits-memory", "study", {"limits": {"max_peak_memory_gib": 80}}, "limits.max_peak_memory_gib"),
+    ("study-trust-remote-code", "study", {"measure.engine_args": {"trust_remote_code": True}},
+     "measure.engine_args.trust_remote_code"),
+    # storage URLs opened at load: before any proxy is trained, the password never shown
+    ("study-storage-postgres-port", "study", {**_PROXIES, "optuna.storage": f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/db"},
+     "optuna.storage"),
+    ("study-storage-no-driver", "study", {**_PROXIES, "optuna.storage": f"mysql+nodriver://u:{SECRET}@127.0.0.1/db"},
+     "optuna.storage"),
+    ("study-storage-mysql", "study", {**_PROXIES, "optuna.storage": f"mysql://u:{SECRET}@127.0.0.1:1/db"},
+     "optuna.storage"),
+    ("study-storage-sqlite-no-folder", "study", {**_PROXIES, "optuna.storage": "sqlite:////no-such-dir-xyz/x.db"},
+     "optuna.storage"),
+    ("study-storage-sqlite-garbage", "study", {**_PROXIES, "optuna.storage": "sqlite:///afile.txt"}, "optuna.storage"),
+    ("study-storage-journal-no-folder", "study", {**_PROXIES, "optuna.storage": "journal:a/b/c/j.log"},
+     "optuna.storage"),
     ("sweep-params-inf", "sweep", {"params": [float("inf")]}, "params"),
     ("sweep-params-huge", "sweep", {"params": [1e30]}, "sweep.params"),
     ("sweep-params-str", "sweep", {"params": "many"}, "params"),
@@ -447,6 +541,34 @@ def _make_fixtures(d: Path) -> None:
     (d / "train.yaml").write_text(yaml.safe_dump(TRAIN))
     (d / "train-scalar.yaml").write_text("train: 5\n")
     (d / "train-unknown.yaml").write_text("optimizer: {lr: 1}\n")
+    # not UTF-8 text: binary, UTF-16 (with its byte-order mark), Latin-1
+    for name in ("bin.yaml", "bin.json", "bin.jsonl"):
+        (d / name).write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\xff\xfe")
+    (d / "u16.yaml").write_text(yaml.safe_dump(STUDY), encoding="utf-16")
+    (d / "u16.json").write_text(json.dumps(LAW), encoding="utf-16")
+    (d / "u16.csv").write_text((d / "runs.csv").read_text(), encoding="utf-16")
+    (d / "latin1.yaml").write_bytes(yaml.safe_dump({**SWEEP, "name": "caf\u00e9"}, allow_unicode=True).encode("latin-1"))
+    (d / "u16dir").mkdir()
+    (d / "u16dir" / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-16")
+    # silent wrong results: a repeated shape, mixed loss kinds, an absurd budget, bad coefficients
+    (d / "duptp.jsonl").write_text(json.dumps({**tp, "throughput": 10.0}) + "\n"
+                                   + json.dumps({**tp, "throughput": 20.0}) + "\n")
+    mixed = [dataclasses.replace(r, loss_kind="smoothed_train") if i % 2 else r for i, r in enumerate(runs)]
+    write_runs(d / "mixed.csv", mixed)
+    write_runs(d / "hugetokens.csv", runs[:-1])
+    with open(d / "hugetokens.csv", "a") as fh:
+        fh.write(",".join("1e300" if k == "tokens" else v for k, v in rows[0].items()) + "\n")
+    (d / "neglaw.json").write_text(json.dumps({**LAW, "coefficients": {**LAW["coefficients"], "a0": -1.08}}))
+    (d / "biglaw.json").write_text(json.dumps({**LAW, "coefficients": {**LAW["coefficients"], "a2": 1e308}}))
+    (d / "negexp.json").write_text(json.dumps({"law": "chinchilla", "coefficients": {**LAW["reference"]["coefficients"],
+                                                                                      "alpha": -0.34}}))
+    # a finished run of another architecture and budget
+    from archsearch.arch import ArchSpec
+
+    other = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=4, head_dim=64, ffn=512, vocab_size=2048)
+    (d / "otherrun").mkdir()
+    (d / "otherrun" / "run.json").write_text(json.dumps({"status": "ok", "spec": other.to_dict(),
+                                                         "tokens_target": 1e6, "seed": 0, "init_from": None}))
 
 
 def _apply(base: dict, changes: dict) -> dict:
@@ -515,8 +637,9 @@ def _norm(text: str) -> str:
 
 def _check(d: Path, argv: list[str], fragment: str) -> None:
     before = _snapshot(d)
-    rc, _, err = run_case(d, argv)
+    rc, out, err = run_case(d, argv)
     lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert SECRET not in out + err, "a storage password was printed"
     assert rc == 2, f"exit {rc}, stderr: {err[-2000:]}"
     assert "Traceback" not in err, err
     assert len(lines) == 1, f"expected one line, got: {err!r}"

@@ -79,3 +79,47 @@ def test_check_output_kinds(tmp_path):
         check_output("--out", tmp_path / "f" / "x.json")
     check_output("--out", tmp_path / "new" / "x.json")
     check_output("--out", tmp_path / "d", "dir")
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_files_are_written_with_the_users_umask(tmp_path, umask, mode):
+    """What the project writes is readable as a plain open() would make it (0666 less the umask),
+    not mkstemp's private 0600, and still replaced in one rename."""
+    import os
+    import stat
+
+    old = os.umask(umask)
+    try:
+        p = tmp_path / "report.md"
+        atomic_write(p, "old\n")
+        atomic_write(p, "new\n")
+        write_table(tmp_path / "t.csv", [{"a": 1}])
+    finally:
+        os.umask(old)
+    for f in (p, tmp_path / "t.csv"):
+        assert stat.S_IMODE(f.stat().st_mode) == mode, (f, oct(f.stat().st_mode))
+    assert p.read_text() == "new\n" and sorted(f.name for f in tmp_path.iterdir()) == ["report.md", "t.csv"]
+
+
+@pytest.mark.parametrize("data,kind", [(b"\xff\xfea\x00b\x00", "UTF-16"), (b"\x89PNG\x00\x01", "binary"),
+                                       (b"caf\xe9\n", "not UTF-8")])
+def test_read_text_refuses_what_is_not_utf8_text(tmp_path, data, kind):
+    from archsearch.fileio import read_text
+
+    p = tmp_path / "f.yaml"
+    p.write_bytes(data)
+    with pytest.raises(ArchsearchError, match=kind) as e:
+        read_text(p, "--config")
+    assert e.value.field == "--config" and "UTF-8" in e.value.fix
+    p.write_bytes(b"\xef\xbb\xbfname: x\n")  # a UTF-8 byte-order mark is UTF-8
+    assert read_text(p) == "name: x\n"
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\\b", "/abs", " pad", "tab\there"])
+def test_a_name_cannot_be_a_path(name):
+    from archsearch.fileio import check_name
+
+    with pytest.raises(ArchsearchError) as e:
+        check_name("sweep.name", name)
+    assert e.value.field == "sweep.name"
+    assert check_name("sweep.name", "my-sweep_2.b") == "my-sweep_2.b"

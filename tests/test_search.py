@@ -384,6 +384,17 @@ def test_limits_make_candidates_infeasible(tmp_path):
     assert rows and all("ttft" in (r["reason"] or "").lower() for r in rows)
 
 
+def test_an_analytic_study_honours_a_ttft_limit(tmp_path):
+    """The analytic backend predicts TTFT: its paired measurements carry it, so a limit every shape
+    meets leaves them feasible (it used to read as "not measured", every shape infeasible)."""
+    from archsearch.search import pipeline
+
+    cfg = load(study_config(tmp_path, limits={"max_ttft_s": 1e3}, optuna={"n_trials": 3}))
+    s = pipeline.run(cfg, cfg.out_dir(), only={"search", "report"})
+    assert s["chosen"] is not None
+    assert s["trials"]["feasible"] >= 1
+
+
 def test_enqueue_solution_zero_seeds_nothing(tmp_path):
     from archsearch.laws import load_law
     from archsearch.search.study import SearchContext, build_settings, seed_points

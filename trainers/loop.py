@@ -135,12 +135,13 @@ def check_run_folder(out_dir: Path, spec: ArchSpec, tc: TrainConfig, flag: str =
     theirs = {k: v for k, v in (rec.get("spec") or {}).items() if k not in skip}
     mine = {k: v for k, v in spec.to_dict().items() if k not in skip}
     diffs = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+    # a key a record lacks (written by an older version) is not a difference
     budget, old = token_budget(spec, tc), rec.get("tokens_target")
-    if not isinstance(old, (int, float)) or not math.isclose(old, budget, rel_tol=1e-9):
+    if "tokens_target" in rec and not (isinstance(old, (int, float)) and math.isclose(old, budget, rel_tol=1e-9)):
         diffs.append(f"token budget {old} -> {budget:.6g}")
     for key, now in (("seed", tc.seed), ("init_from", tc.init_from)):
-        if rec.get(key) != now:
-            diffs.append(f"{key} {rec.get(key)!r} -> {now!r}")
+        if key in rec and rec[key] != now:
+            diffs.append(f"{key} {rec[key]!r} -> {now!r}")
     if (rec.get("lora") or {}).get("rank") != tc.lora_rank and (rec.get("lora") or tc.lora_rank):
         diffs.append("lora rank")
     if diffs:

@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     _terminate_like_interrupt()
     try:
         with json_stdout(bool(getattr(args, "json", False))):
-            return int(args.func(args) or 0)
+            rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
+        return rc
     except ArchsearchError as e:
         # one line, however long the underlying message (YAML errors span several)
         print("archsearch: error: " + " ".join(str(e).split()), file=sys.stderr)

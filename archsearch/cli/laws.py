@@ -178,7 +178,7 @@ def _read_throughputs(path: str):
 
     need = "needs numbers " + ", ".join(ARCH_COLUMNS) + ", throughput (a positive one)"
     rows = read_table(check_input_file("--throughput", path), "--throughput")
-    table = {}
+    table, first = {}, {}
     for i, row in enumerate(rows, 1):
         try:
             key = tuple(int(float(row[c])) for c in ARCH_COLUMNS)
@@ -187,7 +187,11 @@ def _read_throughputs(path: str):
             raise ArchsearchError(f"--throughput row {i}", need) from None
         if not (math.isfinite(tp) and tp > 0):
             raise ArchsearchError(f"--throughput row {i}", f"throughput {tp} is not a positive number", need)
-        table[key] = tp
+        if key in table:  # which one would rank the shape is not for us to guess
+            raise ArchsearchError(f"--throughput row {i}", f"repeats the shape of row {first[key]} "
+                                  f"({table[key]:g} there, {tp:g} here)",
+                                  "give one row per shape (e.g. the mean of the repeats)")
+        table[key], first[key] = tp, i
     return table
 
 

@@ -185,7 +185,10 @@ def _train(args: argparse.Namespace) -> int:
     if out is None:
         out = Path("runs/train") / run_id_for(spec, token_budget(spec, tc), tc.seed)
     elif args.overwrite:
-        _clear_run_folder(out, spec, tc)
+        state = PartialState()  # under accelerate launch: one rank deletes, the others wait for it
+        if state.is_main_process:
+            _clear_run_folder(out, spec, tc)
+        state.wait_for_everyone()
     rec = train(spec, tc, dc, out, progress=not args.no_progress, data=data)
     if args.json:
         print_json(rec)

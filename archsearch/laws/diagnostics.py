@@ -47,6 +47,9 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: FitOp
     # Validation refits many times: intervals are not needed, and each fit's own holdout is ours.
     opts = dataclasses.replace(opts, bootstrap=0, holdout_size=None)
     ok = [r for r in runs if r.status == "ok"]
+    from archsearch.rundata import check_one_loss_kind
+
+    check_one_loss_kind(ok)
     groups = size_groups(ok, opts.size_tolerance)
     if len(groups) < 2:
         raise ArchsearchError("data", f"validation needs at least 2 sizes, found {len(groups)}",

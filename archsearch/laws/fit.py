@@ -36,7 +36,8 @@ from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
 from archsearch.laws.metrics import cluster, metrics, residual_trends, size_groups
 from archsearch.laws.forms import CONDITIONAL, LAWS
-from archsearch.laws.lawfile import FitResult, parse_reference, reference_coefficients, reference_loss, run_arrays
+from archsearch.laws.lawfile import (FitResult, check_predicts, parse_reference, reference_coefficients,
+                                     reference_loss, run_arrays)
 
 if TYPE_CHECKING:
     from archsearch.rundata import RunRecord
@@ -382,6 +383,9 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
+    from archsearch.rundata import check_one_loss_kind
+
+    check_one_loss_kind(ok)
     shapeless = [r for r in ok if not r.has_arch]
     if shapeless and law != "chinchilla":
         r = shapeless[0]
@@ -390,7 +394,14 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
                               "fit the chinchilla law on them, or give the columns n_layers, hidden_size, "
                               "n_heads, n_kv_heads, head_dim, ffn")
     fit_runs, test = split_holdout(ok, opts.holdout_size, opts.size_tolerance)
-    return fit_split(fit_runs, test, law, opts, n_failed=len(runs) - len(ok))
+    fit = fit_split(fit_runs, test, law, opts, n_failed=len(runs) - len(ok))
+    try:  # what a law file must hold to load (an unbounded method can leave it)
+        check_predicts(law, fit.coefficients, "law")
+    except ArchsearchError as e:
+        raise ArchsearchError("law", f"the fitted coefficients cannot be a loss law: {e.problem}",
+                              "fit with the default method (bounded), or add runs that span more sizes "
+                              "and shapes") from None
+    return fit
 
 
 def split_holdout(runs: Sequence["RunRecord"], holdout_size: float | None,

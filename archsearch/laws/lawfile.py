@@ -159,6 +159,38 @@ def load_law(path: str | Path) -> FitResult:
 _KNOWN_KEYS = {f.name for f in dataclasses.fields(FitResult)} | {"format", "L_opt", "comment"}
 
 
+# Where a law is used: sizes and budgets from a proxy to beyond any trained model, and shape
+# ratios across every search box (x1 = d/sqrt(N), x2 = r); the centre is a typical study's point.
+_USE_GRID = {"N": (1e5, 1e13), "D": (1e6, 1e15), "R": (0.1, 10.0), "x1": (0.01, 1.0), "x2": (0.1, 20.0)}
+_USE_CENTRE = {"N": 1e8, "D": 2e9, "R": 1.0, "x1": 0.1, "x2": 1.0}
+
+
+def check_predicts(law: str, c: dict[str, float], where: str) -> None:
+    """Coefficients that predict a loss: a Chinchilla-type law's exponents are positive (loss
+    falls with N and D), predictions are finite wherever a law is used (no overflow from a huge
+    coefficient) and positive at a typical point (a negative factor would be printed as a loss,
+    with an interval that cannot contain it)."""
+    import numpy as np
+
+    if law in ("chinchilla", "aspect-ratio"):
+        for k in ("alpha", "beta"):
+            if not c[k] > 0:
+                raise ArchsearchError(f"{where}: coefficients.{k}", f"must be positive (loss falls with size), "
+                                      f"got {c[k]}", "refit the law (archsearch fit)")
+    axes = np.meshgrid(*(np.geomspace(lo, hi, 7) for lo, hi in _USE_GRID.values()), indexing="ij")
+    X = {k: a.ravel() for k, a in zip(_USE_GRID, axes)}
+    centre = {k: np.array([v]) for k, v in _USE_CENTRE.items()}
+    with np.errstate(all="ignore"):
+        spread = forms.predict(law, c, {**X, "Lref": np.ones_like(X["N"])})
+        mid = forms.predict(law, c, {**centre, "Lref": np.ones(1)})
+    if not np.all(np.isfinite(spread)):
+        raise ArchsearchError(f"{where}: coefficients", "predict an infinite or undefined loss at sizes or shape "
+                              "ratios a law is used at (a coefficient overflows)", "refit the law (archsearch fit)")
+    if not mid[0] > 0:
+        raise ArchsearchError(f"{where}: coefficients", f"predict a loss (factor) of {mid[0]:.4g} at N=1e8, "
+                              "D=2e9, d/sqrt(N)=0.1, r=1: a loss is positive", "refit the law (archsearch fit)")
+
+
 def _from_dict(data: Any, where: str) -> FitResult:
     import difflib
 
@@ -192,6 +224,7 @@ def _from_dict(data: Any, where: str) -> FitResult:
         for k in ("E", "A", "B") + (("eps",) if law == "aspect-ratio" else ()):
             if clean[k] < 0:
                 raise ArchsearchError(f"{where}: coefficients.{k}", f"must be >= 0, got {clean[k]}")
+    check_predicts(law, clean, where)
     ref = None
     if "reference" in data and "L_opt" in data:
         raise ArchsearchError(f"{where}: L_opt", "give either reference or L_opt, not both")

@@ -431,6 +431,11 @@ def estimate_training(spec: ArchSpec, tokens: float, gpus: str = "8xH100", *, tp
     """
     if not (isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens > 0):
         raise ArchsearchError("tokens", f"must be a positive number, got {tokens!r}")
+    from archsearch.rundata import MAX_TOKENS
+
+    if tokens > MAX_TOKENS:
+        raise ArchsearchError("tokens", f"{tokens:.3g} tokens is beyond any training run (at most {MAX_TOKENS:.0e}; "
+                              "the largest models saw a few 1e13)", "give a budget such as 20B or 2e12")
     n, device = parse_gpus(gpus)
     dp = check_parallelism(spec, tp, pp, n)
     if isinstance(time_law, (str, Path)):
