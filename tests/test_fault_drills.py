@@ -291,3 +291,17 @@ def test_a_failed_gqa_measurement_is_measured_again_on_resume(tmp_path, monkeypa
     assert "measurement failed" not in again["note"] and again["ratio"] is not None
     pipeline.run(cfg, out, only={"gqa"})  # nothing failed: the stage stays done
     assert "GQA search has failed" not in capsys.readouterr().err
+
+
+def test_torn_job_ledger_and_startups_are_read_as_absent(tmp_path, capsys):
+    from archsearch.cluster.executor import Ledger
+    from archsearch.cluster.startup import STARTUPS_FILE, record
+
+    (tmp_path / "ledger.json").write_text('{"run-1": [{"job_id": "12')
+    assert Ledger(tmp_path / "ledger.json").data == {}
+    (tmp_path / STARTUPS_FILE).write_text('{"kind": "archsearch study start-ups", "runs": [{"st')
+    record(tmp_path, "proxy", "local", {"engine_start_s.hf": [1.5]})
+    runs = json.loads((tmp_path / STARTUPS_FILE).read_text())["runs"]
+    assert [r["samples"] for r in runs] == [{"engine_start_s.hf": [1.5]}]
+    err = capsys.readouterr().err
+    assert "ledger.json is not valid JSON" in err and f"{STARTUPS_FILE} is not valid JSON" in err

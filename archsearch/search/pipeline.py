@@ -153,8 +153,8 @@ def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], 
     move aside and redo what a changed setting touches, refuse what cannot be honoured."""
     from archsearch.search.inputs import StageInputs, fingerprints, plan_resume, stage_inputs, supersede
 
-    torn = [stage for stage, name in (("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
-            if state.done(stage) and (stage != "train" or cfg.mode == "predict-rank-select")
+    torn = [stage for stage, name in (("fit", "law.json"), ("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
+            if state.done(stage) and applies[stage] and (stage != "train" or cfg.mode == "predict-rank-select")
             and _read_json(out / name) is None]
     for stage in torn:  # its result was cut by a killed write: the stage is redone
         state.data.pop(stage)
