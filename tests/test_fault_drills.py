@@ -305,3 +305,14 @@ def test_torn_job_ledger_and_startups_are_read_as_absent(tmp_path, capsys):
     assert [r["samples"] for r in runs] == [{"engine_start_s.hf": [1.5]}]
     err = capsys.readouterr().err
     assert "ledger.json is not valid JSON" in err and f"{STARTUPS_FILE} is not valid JSON" in err
+
+
+@pytest.mark.parametrize("value", [0, 101, 1.5, True])
+def test_max_attempts_is_bounded_and_named(value):
+    from archsearch.configio import from_dict
+    from archsearch.errors import ArchsearchError
+    from archsearch.search.config import MeasureConfig
+
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(MeasureConfig, {"backend": "hf", "max_attempts": value}, "measure")
+    assert e.value.field == "measure.max_attempts"
