@@ -254,3 +254,65 @@ def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
     left = sorted(p.name for p in scratch.iterdir() if p.name.startswith(f"archsearch-bench-{study.pid}-"))
     assert left, "the engine's scratch folder was not where the drill looks"
     assert {p.name for p in reap_stale(scratch)} >= set(left)
+
+
+def test_a_failed_gqa_measurement_is_measured_again_on_resume(tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from archsearch.search import pipeline
+    from archsearch.search.measure import Measurer
+    from tests.test_search import load, study_config
+
+    space = {"hidden_over_sqrt_n": [0.08, 0.3], "mlp_to_attn": [0.7, 5.0], "gqa": [1, 2, 4], "head_dim": 32,
+             "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05, "r_tolerance": 0.5,
+                       "on_r_drift": "flag"}}  # GQA variants 1..4 of the best shape keep r within 50%
+    cfg = load(study_config(tmp_path, optuna={"n_trials": 2}, search_space=space))
+    out = cfg.out_dir()
+    pipeline.run(cfg, out, only={"search"})
+    real, fail_next = Measurer._paired, [1]
+
+    def flaky(self, specs):
+        r = real(self, specs)
+        if fail_next:
+            fail_next.pop()
+            return dataclasses.replace(r, ok=False, error="engine died (transient)", rounds=[])
+        return r
+
+    monkeypatch.setattr(Measurer, "_paired", flaky)
+    pipeline.run(cfg, out, only={"gqa"})
+    steps = json.loads((out / "gqa.json").read_text())["steps"]
+    failed = [s for s in steps if "measurement failed" in s["note"]]
+    assert len(failed) == 1 and not fail_next
+    capsys.readouterr()
+    pipeline.run(cfg, out, only={"gqa"})
+    assert "the GQA search has failed measurements with attempts left" in capsys.readouterr().err
+    steps = json.loads((out / "gqa.json").read_text())["steps"]
+    again = next(s for s in steps if s["gqa"] == failed[0]["gqa"])
+    assert "measurement failed" not in again["note"] and again["ratio"] is not None
+    pipeline.run(cfg, out, only={"gqa"})  # nothing failed: the stage stays done
+    assert "GQA search has failed" not in capsys.readouterr().err
+
+
+def test_torn_job_ledger_and_startups_are_read_as_absent(tmp_path, capsys):
+    from archsearch.cluster.executor import Ledger
+    from archsearch.cluster.startup import STARTUPS_FILE, record
+
+    (tmp_path / "ledger.json").write_text('{"run-1": [{"job_id": "12')
+    assert Ledger(tmp_path / "ledger.json").data == {}
+    (tmp_path / STARTUPS_FILE).write_text('{"kind": "archsearch study start-ups", "runs": [{"st')
+    record(tmp_path, "proxy", "local", {"engine_start_s.hf": [1.5]})
+    runs = json.loads((tmp_path / STARTUPS_FILE).read_text())["runs"]
+    assert [r["samples"] for r in runs] == [{"engine_start_s.hf": [1.5]}]
+    err = capsys.readouterr().err
+    assert "ledger.json is not valid JSON" in err and f"{STARTUPS_FILE} is not valid JSON" in err
+
+
+@pytest.mark.parametrize("value", [0, 101, 1.5, True])
+def test_max_attempts_is_bounded_and_named(value):
+    from archsearch.configio import from_dict
+    from archsearch.errors import ArchsearchError
+    from archsearch.search.config import MeasureConfig
+
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(MeasureConfig, {"backend": "hf", "max_attempts": value}, "measure")
+    assert e.value.field == "measure.max_attempts"

@@ -123,6 +123,13 @@ def test_changed_law_form_and_run_table_refit_the_law(tmp_path, capsys):
     assert "stage fit is redone: proxy.runs (content)" in err
     assert (out / "law.json").read_text() != law
 
+    # a law.json cut by a killed write: the fit is redone, not a JSONDecodeError on every rerun
+    law = (out / "law.json").read_text()
+    (out / "law.json").write_text(law[: len(law) // 2])
+    pipeline.run(cfg2, out, only={"fit"})
+    assert "law.json is not valid JSON" in capsys.readouterr().err
+    assert json.loads((out / "law.json").read_text())["coefficients"] == json.loads(law)["coefficients"]
+
 
 def test_torn_state_files_are_redone_not_fatal(tmp_path, capsys):
     from archsearch.search import pipeline

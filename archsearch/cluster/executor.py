@@ -62,7 +62,11 @@ class Ledger:
 
     def __init__(self, path: Path):
         self.path = path
-        self.data: dict[str, list[dict[str, Any]]] = json.loads(path.read_text()) if path.is_file() else {}
+        from archsearch.search.inputs import read_json_tolerant
+
+        # one cut by a killed write is read as empty (with a line saying so): its tasks' jobs are
+        # then found done by their results, or submitted again
+        self.data: dict[str, list[dict[str, Any]]] = read_json_tolerant(path, "the job ledger") or {}
 
     def attempts(self, key: str) -> list[dict[str, Any]]:
         return self.data.get(key, [])

@@ -160,9 +160,18 @@ def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]]
     if not samples and not info:
         return
     path = Path(out) / STARTUPS_FILE
-    data = json.loads(path.read_text()) if path.is_file() else {"kind": "archsearch study start-ups", "runs": []}
+    data = _read_startups(path) or {"kind": "archsearch study start-ups", "runs": []}
     data["runs"].append({"stage": stage, "executor": executor, **_where(), **info, "samples": samples})
     write_json(path, data)
+
+
+def _read_startups(path: Path) -> dict | None:
+    """A study's ``startups.json`` to add to; one cut by a killed write (or not this file's
+    shape) is started anew, with a line saying so: its samples are lost, nothing else."""
+    from archsearch.search.inputs import read_json_tolerant
+
+    data = read_json_tolerant(path, "its start-up samples")
+    return data if data is not None and isinstance(data.get("runs"), list) else None
 
 
 def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None,
@@ -286,9 +295,9 @@ def add_samples(out: Path, stage: str, samples: dict[str, list[float]]) -> None:
 
     path = Path(out) / STARTUPS_FILE
     samples = _clean(samples)
-    if not samples or not path.is_file():
+    data = _read_startups(path) if samples else None
+    if data is None:
         return
-    data = json.loads(path.read_text())
     mine = [r for r in data["runs"] if r.get("stage") == stage]
     if not mine:
         return

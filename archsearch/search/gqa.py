@@ -69,6 +69,7 @@ class GQAStep:
     note: str = ""
     ratio: dict[str, Any] | None = None  # vs the study baseline (paired)
     ratio_vs_start: dict[str, Any] | None = None  # vs the GQA=4 variant (paired)
+    measurement_key: str | None = None  # its (last) measurement in the study's store
 
 
 @dataclass
@@ -105,7 +106,8 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         elif ctx.baseline is not None:
             paired_visit(step, v)
         else:
-            result = ctx.measurer.measure(v).result
+            m = ctx.measurer.measure(v)
+            result, step.measurement_key = m.result, m.key
             step.measured = True
             step.throughput = result.throughput(ctx.ref_batch)
             if step.throughput is None:
@@ -120,7 +122,8 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
 
     def paired_visit(step: GQAStep, v: ArchSpec, attempt: int = 0) -> None:
         group = [ctx.baseline, v] if start is None else [ctx.baseline, start, v]
-        pr = ctx.measurer.compare(group, attempt=attempt).result
+        m = ctx.measurer.compare(group, attempt=attempt)
+        pr, step.measurement_key = m.result, m.key
         step.measured = True
         if not pr.ok:
             step.note = f"measurement failed: {pr.error}"

@@ -166,11 +166,15 @@ def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], 
     move aside and redo what a changed setting touches, refuse what cannot be honoured."""
     from archsearch.search.inputs import StageInputs, fingerprints, plan_resume, stage_inputs, supersede
 
-    torn = [stage for stage, name in (("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
-            if state.done(stage) and (stage != "train" or cfg.mode == "predict-rank-select")
+    torn = [stage for stage, name in (("fit", "law.json"), ("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
+            if state.done(stage) and applies[stage] and (stage != "train" or cfg.mode == "predict-rank-select")
             and _read_json(out / name) is None]
     for stage in torn:  # its result was cut by a killed write: the stage is redone
         state.data.pop(stage)
+    if state.done("gqa") and "train" not in state.data and _gqa_retries(cfg, out):
+        log("the GQA search has failed measurements with attempts left (measure.max_attempts): it is run again")
+        state.data.pop("gqa")
+        torn.append("gqa")
     plan = plan_resume(cfg, out, state.data, selected, applies, default_storage=cfg.optuna.storage is None)
     done = [st.name for st in STAGES if state.done(st.name) and st.name not in plan.stale]
     if done or plan.stale:
@@ -191,6 +195,18 @@ def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], 
     for stage in fps:
         if stage in state.data and stage not in record.data:
             record.record(stage, fps[stage], inputs[stage])
+
+
+def _gqa_retries(cfg: StudyConfig, out: Path) -> bool:
+    """Whether the GQA search's result has a failed measurement that may be taken again: run
+    again, it reads every other measurement back and retries those (Measurer)."""
+    g = _read_json(out / "gqa.json") or {}
+    keys = [st.get("measurement_key") for st in g.get("steps") or [] if "measurement failed" in (st.get("note") or "")]
+    if not any(keys):
+        return False
+    stored = MeasurementStore(out / "measurements.jsonl").all()
+    return any(k in stored and stored[k].get("ok") is False and int(stored[k].get("attempts", 1)) < cfg.measure.max_attempts
+               for k in keys)
 
 
 def select_stages(cfg: StudyConfig, out: Path, only: set[str] | None, skip: set[str]) -> set[str]:
