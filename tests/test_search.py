@@ -376,6 +376,41 @@ def test_gqa_proxies_are_trained_once_resumed_and_shared_through_the_store(tmp_p
         assert again.to_dict()["chosen"] == first.to_dict()["chosen"]
 
 
+def test_gqa_proxies_train_as_the_cluster_jobs_and_a_failed_run_stops_the_walk(tmp_path, monkeypatch):
+    """With ``cluster.parallel`` the variants' runs are jobs (the executor is faked here: it runs
+    GQA 4's and fails every other); a variant whose runs all failed cannot be checked: stop."""
+    from dataclasses import replace
+
+    from archsearch.arch import ArchSpec
+    from archsearch.cluster.config import ClusterConfig
+    from archsearch.cluster.executor import TaskResult
+    from archsearch.search.gqa import local_gqa_search
+
+    fake = FakeTraining(monkeypatch)
+    submitted = []
+
+    def run_tasks(tasks, cluster, folder):
+        out = {}
+        for t in tasks:
+            submitted.append(t.args[0])
+            spec, tc, data_cfg, run_dir, gpus = t.args
+            if spec.n_heads == 4 * spec.n_kv_heads:
+                fake.train(spec, tc, data_cfg, run_dir)
+                out[t.key] = TaskResult(t.key, "ok", 1)
+            else:
+                out[t.key] = TaskResult(t.key, "failed", 2, reason="node lost")
+        return out
+
+    monkeypatch.setattr("archsearch.cluster.study.run_tasks", run_tasks)
+    cfg = replace(_gqa_study(tmp_path), cluster=ClusterConfig(executor="local", jobs_at_once=2))
+    res = local_gqa_search(ArchSpec(**GQA_SPEC), _gqa_ctx(cfg, tmp_path, tmp_path / "s1", []), log=False)
+    up = res.steps[1]
+    assert up.gqa > 4 and up.loss_ok is False and up.proxy_loss["worse"] is None and "not checkable" in up.note
+    assert res.chosen.gqa == 4 and len(submitted) == 8  # GQA 4's 4 runs, then the next variant's 4
+    failed = json.loads(next((tmp_path / "s1" / "gqa" / "proxies" / "runs").glob("*h18kv3*/run.json")).read_text())
+    assert failed["status"] == "failed" and "node lost" in failed["reason"]
+
+
 def test_gqa_loss_comparison_counts_the_noise_and_the_slack():
     from archsearch.search.gqa import compare_losses
 
@@ -415,6 +450,12 @@ def test_gqa_walk_of_a_study_that_cannot_train_honours_its_bound(tmp_path):
         assert any(g > max(allowed) for g in res.bounds["excluded"])
         text = "\n".join(gqa_markdown(res.to_dict()))
         assert "GQA's effect on loss is unverified" in text and "the bound" in res.stops["up"]
+        # the study's best trial is the answer only with a head pair the walk admitted
+        from archsearch.search.answer import gqa_admits
+
+        g_out = max(res.bounds["excluded"])
+        assert gqa_admits(res.to_dict(), ArchSpec.from_dict(res.chosen.spec))
+        assert not gqa_admits(res.to_dict(), pairs[g_out])
 
 
 @pytest.mark.parametrize("gqa_search, field", [

@@ -88,8 +88,8 @@ def decide(best: dict[str, Any] | None, gqa: dict[str, Any] | None, prs: dict[st
                                                   or not gqa_admits(gqa, answer.spec)):
         spec = ArchSpec.from_dict(c["spec"])
         why = "" if gqa_admits(gqa, answer.spec) else \
-            (f"; the best trial's {answer.spec.n_heads}/{answer.spec.n_kv_heads} heads were not admitted by the walk "
-             f"({'its loss check' if gqa.get('loss_check') == 'proxies' else 'its bound'})")
+            (f"; the walk did not admit the best trial's {answer.spec.n_heads}/{answer.spec.n_kv_heads} heads: "
+             f"{'their loss was not checked or was worse' if gqa.get('loss_check') == 'proxies' else 'beyond its bound'}")
         answer = Answer(spec=spec, source=f"GQA search (GQA={c['gqa']}{why})", predicted_loss=c["predicted_loss"],
                         predicted_loss_interval=predicted_interval(spec, ctx), throughput=c["throughput"],
                         ratio=c["ratio"], trial=best.get("trial"), gqa=c["gqa"])

@@ -481,7 +481,9 @@ def gqa_markdown(g: dict[str, Any]) -> list[str]:
         tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
         r0, r1 = (_ratio_txt(st.get(k)) for k in ("ratio", "ratio_vs_start"))
         hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
-        lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {_proxy_loss_txt(st.get('proxy_loss'), g0)} "
+        ql = "unverified" if g.get("loss_check") == "unverified" and st["feasible"] else \
+            _proxy_loss_txt(st.get("proxy_loss"), g0)
+        lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {ql} "
                      f"| {tp} | {r0} | {r1} | {st['note']} |")
     lines.append("")
     b = g.get("bounds") or {}
@@ -503,7 +505,7 @@ def gqa_markdown(g: dict[str, Any]) -> list[str]:
                      + (f" (slack {q['slack']:.2%}; noise: {q['noise_source']}, one-sided {q['level']:.0%})" if q else "")
                      + "." + (f" Bounds: {bound}." if bound else ""))
     for way, why in (g.get("stops") or {}).items():
-        lines.append(f"- Walk {'to more KV-head sharing (larger GQA)' if way == 'up' else 'to fewer shared KV heads (smaller GQA)'}"
+        lines.append(f"- Walk toward {'larger GQA (fewer KV heads)' if way == 'up' else 'smaller GQA (more KV heads)'}"
                      f" ended: {why}.")
     return lines
 
