@@ -106,8 +106,8 @@ def train_runs(cfg: StudyConfig, sweep, runs: list[tuple[str, Any, Any]], folder
         run_train_jobs(todo, sweep.data, dirs, cfg.cluster, folder.parent / JOBS_DIR / folder.name)
     elif todo:
         from archsearch.trainers.loop import token_budget
-        from archsearch.trainers.sweep import _train_or_fail
+        from archsearch.trainers.sweep import train_or_fail
 
         for run_id, spec, tc in todo:
-            _train_or_fail(spec, tc, sweep, dirs[run_id], data, progress, token_budget(spec, tc), tc.seed)
+            train_or_fail(spec, tc, sweep, dirs[run_id], data, progress, token_budget(spec, tc), tc.seed)
     return {run_id: read_record(d) for run_id, d in dirs.items()}, [run[0] for run in todo]

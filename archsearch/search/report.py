@@ -492,6 +492,8 @@ def gqa_markdown(g: dict[str, Any]) -> list[str]:
     if g.get("loss_check") == "unverified":
         lines.append(f"- **GQA's effect on loss is unverified**: the study trains no proxies (a law file only), so no "
                      f"variant's loss was checked; the walk stays within {bound or 'no bound'} ({b.get('from')}).")
+    elif g.get("loss_check") == "proxies" and not g.get("proxy_runs"):
+        lines.append("- Loss check at proxy scale: none needed, no other GQA variant keeps N and r at this head total.")
     elif g.get("loss_check") == "proxies":
         pr = g.get("proxy_runs") or {}
         q = next((st["proxy_loss"] for st in g["steps"] if st.get("proxy_loss") and not st["proxy_loss"].get("reference")
