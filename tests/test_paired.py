@@ -154,13 +154,13 @@ class _PairedFake:
                                         paired={"level": 0.9}, batch_size=8), key="k", cached=False)
 
 
-def _gqa_ctx(tmp_path, measurer, spec=None):
+def _gqa_ctx(tmp_path, measurer, spec=None, **over):
     from archsearch.arch import non_embedding_params
     from archsearch.laws import load_law
     from archsearch.search.study import SearchContext, build_settings
     from tests.test_search import load, study_config
 
-    cfg = load(study_config(tmp_path, **({"params": non_embedding_params(spec)} if spec else {})))
+    cfg = load(study_config(tmp_path, **({"params": non_embedding_params(spec)} if spec else {}), **over))
     base = ArchSpec(n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=64, ffn=8192, vocab_size=256)
     return SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=measurer,
                          out=tmp_path, build=build_settings(cfg, 256), baseline=base)
@@ -170,7 +170,8 @@ def test_gqa_stop_needs_significantly_slower_else_remeasures(tmp_path):
     from archsearch.search.gqa import gqa_pairs, local_gqa_search
 
     spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192, vocab_size=256)
-    ctx = _gqa_ctx(tmp_path, None, spec)
+    # a law-only study cannot check loss: a bound far out lets throughput end the walk here
+    ctx = _gqa_ctx(tmp_path, None, spec, gqa_search={"max_gqa": 64})
     pairs = sorted(gqa_pairs(spec, ctx.cfg.params, ctx.build))
     up1, up2 = [g for g in pairs if g > 4][:2]
     down = max(g for g in pairs if g < 4)

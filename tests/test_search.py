@@ -99,6 +99,8 @@ def test_study_end_to_end_analytic(tmp_path):
     report = (out / "report.md").read_text()
     assert "Answer" in report and "target" in report
     assert "proxy health (sw): 3 runs retuned, 1 non-compliant" in report and s["proxy_health"]["retuned"] == 3
+    # a law file and no proxies: the GQA walk could not check loss, and the report says so
+    assert "GQA's effect on loss is unverified" in report and s["gqa_search"]["loss_check"] == "unverified"
     assert summary["chosen"]["throughput"] >= max(p["throughput"] for p in s["pareto"]) - 1e-9
     # measurements are taken once per distinct shape
     keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
@@ -218,7 +220,8 @@ def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
 
     spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192,
                     vocab_size=256)
-    cfg = load(study_config(tmp_path, params=non_embedding_params(spec)))
+    # a law-only study cannot check loss: a bound far out lets throughput end the walk here
+    cfg = load(study_config(tmp_path, params=non_embedding_params(spec), gqa_search={"max_gqa": 64}))
     build = build_settings(cfg, 256)
     pairs = sorted(gqa_pairs(spec, cfg.params, build))
     calls = []
@@ -245,6 +248,246 @@ def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
     assert calls == [4] + [g for g in up if g <= first_slow_up] + [3]
     assert res.chosen.gqa == 9 and (res.chosen.n_heads, res.chosen.n_kv_heads) == (27, 3)
     assert sum("stop" in s.note for s in res.steps) == 2
+    assert res.loss_check == "unverified" and all(s.proxy_loss is None for s in res.steps)
+
+
+# -- the GQA search's loss check at proxy scale --------------------------------------------------
+
+GQA_SPEC = dict(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192, vocab_size=256)
+
+
+def _gqa_study(tmp_path, store=None, **gqa_search):
+    """A study with a law file and a proxy sweep (two sizes, two seeds) the GQA loss check trains at."""
+    from archsearch.arch import ArchSpec, non_embedding_params
+
+    sweep = {"name": "p", "params": [5.0e7, 1.0e8], "n_layers": 8, "head_dim": 64, "hidden_over_sqrt_n": [0.07],
+             "mlp_to_attn": [3.0], "gqa": 4, "seeds": [0, 1],
+             "build": {"hidden_multiple": 64, "ffn_multiple": 64, "tolerance": 0.05},
+             "train": {"tokens_per_param": 20, "global_batch_size": 8},
+             "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}
+    return load(study_config(tmp_path, params=non_embedding_params(ArchSpec(**GQA_SPEC)), n_layers=16,
+                             proxy={"sweep": sweep, **({"store": str(store)} if store else {})},
+                             vocab_size=512, gqa_search=gqa_search))
+
+
+class FakeTraining:
+    """Stands in for the trainer: a run's held-out loss is 3.0, 2% worse above GQA 6, times a
+    seed factor every variant shares (the paired noise is then zero); every call is recorded."""
+
+    def __init__(self, monkeypatch):
+        from types import SimpleNamespace
+
+        self.calls = []
+        monkeypatch.setattr("archsearch.trainers.loop.train", self.train)
+        monkeypatch.setattr("archsearch.trainers.data.prepare_data",
+                            lambda data_cfg, min_train_tokens=0: SimpleNamespace(vocab_size=512))
+
+    def train(self, spec, tc, data_cfg, out_dir, progress=True, data=None):
+        from archsearch.trainers.loop import RUN_FILE
+
+        self.calls.append((spec, tc, data_cfg))
+        g = spec.n_heads // spec.n_kv_heads
+        rec = {"run_id": Path(out_dir).name, "status": "ok", "spec": spec.to_dict(), "tokens": tc.tokens,
+               "seed": tc.seed, "final_eval_loss": 3.0 * (1.02 if g > 6 else 1.0) * (1 + 0.003 * tc.seed)}
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / RUN_FILE).write_text(json.dumps(rec))
+        return rec
+
+
+def _throughput_measurer(calls):
+    """Throughput rises with GQA without end: throughput alone would walk to one KV head."""
+    from archsearch.benchmarks.base import BatchResult, BenchResult
+    from archsearch.search.measure import Measurement
+
+    class FakeMeasurer:
+        note = None
+        backend = "fake"
+
+        def measure(self, s):
+            calls.append(s.gqa)
+            return Measurement(BenchResult(backend="fake", backend_version=None, device=None, dtype=None,
+                                           settings={}, architecture={},
+                                           per_batch=[BatchResult(batch_size=8, ok=True, output_throughput=100.0 + 10 * s.gqa)]),
+                               key=f"k{s.gqa}", cached=False)
+
+    return FakeMeasurer()
+
+
+def _gqa_ctx(cfg, tmp_path, out, calls):
+    from archsearch.laws import load_law
+    from archsearch.search.study import SearchContext, build_settings
+
+    return SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
+                         measurer=_throughput_measurer(calls), out=out, build=build_settings(cfg, 256))
+
+
+def test_gqa_walk_stops_at_the_first_variant_whose_proxy_loss_is_worse(tmp_path, monkeypatch):
+    from archsearch.arch import ArchSpec
+    from archsearch.search.gqa import gqa_pairs, local_gqa_search
+    from archsearch.search.report import gqa_markdown
+
+    fake = FakeTraining(monkeypatch)
+    cfg = _gqa_study(tmp_path)
+    spec = ArchSpec(**GQA_SPEC)
+    calls = []
+    res = local_gqa_search(spec, _gqa_ctx(cfg, tmp_path, tmp_path / "s1", calls), baseline_gqa=4, log=False)
+    pairs = sorted(gqa_pairs(spec, cfg.params, _gqa_ctx(cfg, tmp_path, tmp_path, []).build))
+    first_worse = next(g for g in pairs if g > 6)
+    up = [g for g in pairs if 4 < g <= first_worse]
+    # walked up to the first variant whose loss is worse (it measured faster), stopped there, then down
+    assert calls == [4] + up + [g for g in pairs if g < 4][-1:]
+    stop = res.steps[len(up)]
+    assert stop.gqa == first_worse and stop.loss_ok is False and stop.proxy_loss["worse"] is True
+    assert stop.proxy_loss["mean_rel_diff"] == pytest.approx(0.02) and stop.proxy_loss["pairs"] == 4
+    assert stop.throughput > max(s.throughput for s in res.steps if s.gqa != first_worse)
+    assert res.chosen.gqa == max(g for g in pairs if g <= 6) and res.chosen.loss_ok
+    assert "proxy loss +2.00%" in res.stops["up"]
+    # every variant trained at the GQA 4 variant's token budget, seeds and data, at each size
+    ref = {(tc.tokens, tc.seed) for s, tc, _ in fake.calls if s.n_heads == 4 * s.n_kv_heads}
+    assert len(ref) == 4 and {(tc.tokens, tc.seed) for _, tc, _ in fake.calls} == ref
+    assert {d for _, _, d in fake.calls} == {cfg.proxy.sweep.data}
+    # nothing trained twice (GQA 5 and 6 share their stand-in at proxy scale, where fewer heads leave
+    # gaps), and the walk down stopped on throughput before training anything
+    trained = [(s, tc.seed) for s, tc, _ in fake.calls]
+    assert len(set(trained)) == len(trained) and all(s.n_heads >= 4 * s.n_kv_heads for s, _ in trained)
+    assert {s.n_heads // s.n_kv_heads for s, _ in trained} >= {4, first_worse}
+    table = "\n".join(gqa_markdown(res.to_dict()))
+    assert "(reference)" in table and "+2.00%" in table and "Loss checked at proxy scale" in table
+    saved = json.loads(json.dumps(res.to_dict(), default=str))
+    assert saved["steps"][len(up)]["proxy_loss"]["per_size"][0]["rel_diff"] == pytest.approx(0.02)
+
+
+def test_gqa_proxies_are_trained_once_resumed_and_shared_through_the_store(tmp_path, monkeypatch):
+    from archsearch.arch import ArchSpec
+    from archsearch.search.gqa import local_gqa_search
+
+    fake = FakeTraining(monkeypatch)
+    cfg = _gqa_study(tmp_path, store=tmp_path / "store")
+    spec = ArchSpec(**GQA_SPEC)
+    first = local_gqa_search(spec, _gqa_ctx(cfg, tmp_path, tmp_path / "s1", []), log=False)
+    n = len(fake.calls)
+    assert n > 0 and first.proxy_runs["trained_now"] == n and first.proxy_runs["reused"] == 0
+    assert all((tmp_path / "s1" / "gqa" / "proxies" / "runs" / d).is_symlink()
+               for d in os.listdir(tmp_path / "s1" / "gqa" / "proxies" / "runs"))
+    for out in ("s1", "s2"):  # the same study resumed, and another study sharing the store
+        again = local_gqa_search(spec, _gqa_ctx(cfg, tmp_path, tmp_path / out, []), log=False)
+        assert len(fake.calls) == n and again.proxy_runs == {**first.proxy_runs, "folder": again.proxy_runs["folder"],
+                                                             "trained_now": 0, "reused": n}
+        assert again.to_dict()["chosen"] == first.to_dict()["chosen"]
+
+
+def test_gqa_proxies_train_as_the_cluster_jobs_and_a_failed_run_stops_the_walk(tmp_path, monkeypatch):
+    """With ``cluster.parallel`` the variants' runs are jobs (the executor is faked here: it runs
+    GQA 4's and fails every other); a variant whose runs all failed cannot be checked: stop."""
+    from dataclasses import replace
+
+    from archsearch.arch import ArchSpec
+    from archsearch.cluster.config import ClusterConfig
+    from archsearch.cluster.executor import TaskResult
+    from archsearch.search.gqa import local_gqa_search
+
+    fake = FakeTraining(monkeypatch)
+    submitted = []
+
+    def run_tasks(tasks, cluster, folder):
+        out = {}
+        for t in tasks:
+            submitted.append(t.args[0])
+            spec, tc, data_cfg, run_dir, gpus = t.args
+            if spec.n_heads == 4 * spec.n_kv_heads:
+                fake.train(spec, tc, data_cfg, run_dir)
+                out[t.key] = TaskResult(t.key, "ok", 1)
+            else:
+                out[t.key] = TaskResult(t.key, "failed", 2, reason="node lost")
+        return out
+
+    monkeypatch.setattr("archsearch.cluster.study.run_tasks", run_tasks)
+    cfg = replace(_gqa_study(tmp_path), cluster=ClusterConfig(executor="local", jobs_at_once=2))
+    res = local_gqa_search(ArchSpec(**GQA_SPEC), _gqa_ctx(cfg, tmp_path, tmp_path / "s1", []), log=False)
+    up = res.steps[1]
+    assert up.gqa > 4 and up.loss_ok is False and up.proxy_loss["worse"] is None and "not checkable" in up.note
+    assert res.chosen.gqa == 4 and len(submitted) == 8  # GQA 4's 4 runs, then the next variant's 4
+    failed = json.loads(next((tmp_path / "s1" / "gqa" / "proxies" / "runs").glob("*h18kv3*/run.json")).read_text())
+    assert failed["status"] == "failed" and "node lost" in failed["reason"]
+
+
+def test_gqa_loss_comparison_counts_the_noise_and_the_slack():
+    from archsearch.search.gqa import compare_losses
+
+    ref = {(0, 0): 3.0, (0, 1): 3.0, (1, 0): 2.8, (1, 1): 2.8}
+    noisy = {(0, 0): 3.03, (0, 1): 2.985, (1, 0): 2.828, (1, 1): 2.79}  # +1% mean, spread about 1%
+    steady = {k: v * 1.01 for k, v in ref.items()}
+    kw = dict(slack=0.0, noise=None, level=0.9)
+    assert compare_losses(ref, noisy, **kw)["worse"] is False  # within its own paired noise
+    assert compare_losses(ref, steady, **kw)["worse"] is True
+    assert compare_losses(ref, steady, **{**kw, "slack": 0.02})["worse"] is False  # within the slack
+    q = compare_losses(ref, steady, **{**kw, "noise": 0.02})  # a configured noise: margin 1.28 x 0.02 / 2
+    assert q["worse"] is False and q["margin"] == pytest.approx(1.2816 * 0.01, rel=1e-3)
+    assert q["noise_source"] == "gqa_search.loss_noise"
+    one = compare_losses({(0, 0): 3.0}, {(0, 0): 3.003}, **kw)
+    assert one["worse"] is True and one["noise_sd"] is None  # one pair: the slack alone
+    assert compare_losses(ref, {(0, 0): float("nan")}, **kw)["worse"] is None  # nothing to compare
+
+
+def test_gqa_walk_of_a_study_that_cannot_train_honours_its_bound(tmp_path):
+    from archsearch.arch import ArchSpec
+    from archsearch.search.gqa import gqa_pairs, local_gqa_search
+    from archsearch.search.report import gqa_markdown
+
+    spec = ArchSpec(**GQA_SPEC)
+    for bound, ok in (({"min_kv_heads": 4}, lambda g, v: v.n_kv_heads >= 4), ({"max_gqa": 8}, lambda g, v: g <= 8),
+                      ({}, lambda g, v: g <= 4)):  # no bound: no further than baseline_gqa
+        from archsearch.arch import non_embedding_params
+
+        cfg = load(study_config(tmp_path, params=non_embedding_params(spec), gqa_search=bound))
+        calls = []
+        ctx = _gqa_ctx(cfg, tmp_path, tmp_path / "s", calls)
+        res = local_gqa_search(spec, ctx, log=False)
+        pairs = gqa_pairs(spec, cfg.params, ctx.build)
+        allowed = [g for g, v in pairs.items() if ok(g, v)]
+        assert calls[1:] and set(calls) <= set(allowed) and max(calls) == max(allowed), (bound, calls)
+        assert res.chosen.gqa == max(allowed) and res.loss_check == "unverified"
+        assert any(g > max(allowed) for g in res.bounds["excluded"])
+        text = "\n".join(gqa_markdown(res.to_dict()))
+        assert "GQA's effect on loss is unverified" in text and "the bound" in res.stops["up"]
+        # the study's best trial is the answer only with a head pair the walk admitted
+        from archsearch.search.answer import gqa_admits
+
+        g_out = max(res.bounds["excluded"])
+        assert gqa_admits(res.to_dict(), ArchSpec.from_dict(res.chosen.spec))
+        assert not gqa_admits(res.to_dict(), pairs[g_out])
+
+
+@pytest.mark.parametrize("gqa_search, field", [
+    ({"max_gqa": 2}, "gqa_search.max_gqa"),  # below baseline_gqa 4, where the walk starts
+    ({"min_kv_heads": 0}, "gqa_search.min_kv_heads"),
+    ({"loss_slack": -0.01}, "gqa_search.loss_slack"),
+    ({"loss_noise": 0.0}, "gqa_search.loss_noise"),
+    ({"loss_level": 1.0}, "gqa_search.loss_level"),
+])
+def test_bad_gqa_search_settings_are_refused_at_load(tmp_path, gqa_search, field):
+    with pytest.raises(ArchsearchError) as e:
+        load(study_config(tmp_path, gqa_search=gqa_search))
+    assert e.value.field == field
+
+
+def test_dry_run_counts_the_gqa_proxy_runs(tmp_path):
+    from archsearch.search.plan import plan, render
+
+    cfg = _gqa_study(tmp_path)
+    p = plan(cfg, tmp_path / "planned", gpus="8xH100")
+    st = next(s for s in p["stages"] if s["stage"] == "gqa")
+    lc = p["compute"]["gqa_proxy"]
+    # each variant walked to: 2 sizes x 2 seeds; low: GQA 4 and one step each way
+    assert st["gqa_proxy_runs_low"] == lc["runs"]["low"] == 3 * 4
+    # high: every reachable variant, GQA values that share a stand-in at proxy scale counted once
+    assert 12 < st["gqa_proxy_runs_high"] == lc["runs"]["high"] <= 4 * st["gqa_values"]
+    assert 0 < lc["gpu_hours"]["low"] < lc["gpu_hours"]["high"] and st["proxy_gpu_hours"] == lc["gpu_hours"]["high"]
+    assert "each variant's loss checked at proxy scale" in st["action"]
+    assert any(line.startswith("  GQA loss check: 12-") for line in render(p))
+    unverified = plan(load(study_config(tmp_path)), tmp_path / "planned2")
+    st = next(s for s in unverified["stages"] if s["stage"] == "gqa")
+    assert "unverified" in st["action"] and "gqa_proxy_runs_high" not in st
 
 
 @pytest.mark.parametrize("over, field", [

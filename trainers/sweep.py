@@ -93,7 +93,7 @@ def failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason:
 
 
 
-def _train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, progress: bool,
+def train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, progress: bool,
                    tokens: float, seed: int) -> dict:
     """Train one run (or resume/skip it); a failure is recorded in its run.json, not raised."""
     from archsearch.trainers.loop import RUN_FILE, train
@@ -157,9 +157,9 @@ def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -
             log(f"{tag}: {run_id} failed before ({prev.get('reason')}); retry_failed is off")
         else:
             started = time.perf_counter()
-            rec = _train_or_fail(spec, tc, cfg, run_dir, data, progress, tokens, point["seed"])
+            rec = train_or_fail(spec, tc, cfg, run_dir, data, progress, tokens, point["seed"])
             if health is not None:  # retrains a run that breaks the scaling orderings
-                rec = health.check(point, tc, rec, lambda tc2, sfx: _train_or_fail(
+                rec = health.check(point, tc, rec, lambda tc2, sfx: train_or_fail(
                     spec, tc2, cfg, run_dir.with_name(f"{run_id}.{sfx}"), data, progress, tokens, point["seed"]))
             skipped = prev is not None and prev.get("status") == "ok"
             loss = rec.get("final_eval_loss")

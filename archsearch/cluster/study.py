@@ -128,22 +128,47 @@ def link_shared_runs(sweep, out_dir: Path, store: Path) -> list[str]:
     into the store. Returns the keys already finished there."""
 
     store.mkdir(parents=True, exist_ok=True)
-    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
     reused = []
     for run_id, _spec, tc in sweep_runs(sweep):
-        target = (store / content_key(run_id, tc, sweep.data)).resolve()
-        link = out_dir / "runs" / run_id
-        if link.is_symlink() and link.resolve() == target:
-            pass
-        elif link.exists() or link.is_symlink():
-            raise ArchsearchError("proxy.store", f"{link} already exists and is not a link to {target}",
-                                  "use a fresh study folder with a shared store, or drop proxy.store")
-        else:
-            target.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(target, target_is_directory=True)
+        target = link_to_store(out_dir / "runs" / run_id, store / content_key(run_id, tc, sweep.data))
         if has_record(target):
             reused.append(target.name)
     return reused
+
+
+def link_to_store(link: Path, target: Path) -> Path:
+    """Point the run folder ``link`` at ``target``, its folder in a shared proxy store (created
+    empty when no study trained it yet); returns the target."""
+    target = target.resolve()
+    if link.is_symlink() and link.resolve() == target:
+        return target
+    if link.exists() or link.is_symlink():
+        raise ArchsearchError("proxy.store", f"{link} already exists and is not a link to {target}",
+                              "use a fresh study folder with a shared store, or drop proxy.store")
+    target.mkdir(parents=True, exist_ok=True)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target, target_is_directory=True)
+    return target
+
+
+def run_train_jobs(runs: list[tuple[str, object, object]], data_cfg, run_dirs: dict[str, Path], cluster,
+                   jobs_dir: Path) -> dict[str, TaskResult]:
+    """Train ``runs`` ((run id, spec, train config) each, into ``run_dirs[run id]``) as one job each
+    and wait; a run whose jobs all failed gets a failed ``run.json``, as a proxy sweep's does."""
+    from archsearch.trainers.loop import RUN_FILE, token_budget
+    from archsearch.trainers.sweep import failed_record
+
+    tasks = [Task(key=run_id, fn=train_proxy, args=(spec, tc, data_cfg, str(run_dirs[run_id]), cluster.gpus_per_job),
+                  is_done=partial(has_record, run_dirs[run_id]), gpus=cluster.gpus_per_job)
+             for run_id, spec, tc in runs]
+    results = run_tasks(tasks, cluster, jobs_dir)
+    for run_id, spec, tc in runs:
+        r = results[run_id]
+        if r.status == "failed":
+            run_dirs[run_id].mkdir(parents=True, exist_ok=True)
+            write_json(run_dirs[run_id] / RUN_FILE, failed_record(spec, run_id, token_budget(spec, tc), tc.seed,
+                                                                  f"{r.attempts} job(s) failed: {r.reason}"), default=str)
+    return results
 
 
 def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | None = None) -> dict[str, TaskResult]:

@@ -72,8 +72,8 @@ def from_point(p: dict[str, Any], ctx) -> Answer:
 
 def decide(best: dict[str, Any] | None, gqa: dict[str, Any] | None, prs: dict[str, Any] | None, ctx) -> Answer | None:
     """The chosen shape: predict-rank-select's released model (``prs``) when that ran; else the
-    local GQA search's pick (``gqa``) when it measured faster than the study's best trial; else
-    that trial. A new shape is the answer only if significantly faster than the baseline (its
+    local GQA search's pick (``gqa``) when it measured faster than the study's best trial, or when
+    the walk did not admit that trial's head pair (:func:`gqa_admits`); else that trial. A new shape is the answer only if significantly faster than the baseline (its
     paired ratio's interval above 1); otherwise the baseline, with the best candidate beside it."""
     released = (prs or {}).get("released")
     if released:
@@ -84,12 +84,28 @@ def decide(best: dict[str, Any] | None, gqa: dict[str, Any] | None, prs: dict[st
         return None
     answer = from_point(best, ctx)
     c = (gqa or {}).get("chosen")
-    if c and c.get("ratio") and answer.ratio and c["ratio"]["ratio"] > answer.ratio["ratio"]:
+    if c and c.get("ratio") and answer.ratio and (c["ratio"]["ratio"] > answer.ratio["ratio"]
+                                                  or not gqa_admits(gqa, answer.spec)):
         spec = ArchSpec.from_dict(c["spec"])
-        answer = Answer(spec=spec, source=f"GQA search (GQA={c['gqa']})", predicted_loss=c["predicted_loss"],
+        why = "" if gqa_admits(gqa, answer.spec) else \
+            (f"; the walk did not admit the best trial's {answer.spec.n_heads}/{answer.spec.n_kv_heads} heads: "
+             f"{'their loss was not checked or was worse' if gqa.get('loss_check') == 'proxies' else 'beyond its bound'}")
+        answer = Answer(spec=spec, source=f"GQA search (GQA={c['gqa']}{why})", predicted_loss=c["predicted_loss"],
                         predicted_loss_interval=predicted_interval(spec, ctx), throughput=c["throughput"],
                         ratio=c["ratio"], trial=best.get("trial"), gqa=c["gqa"])
     return keep_baseline_unless_faster(answer, ctx)
+
+
+def gqa_admits(gqa: dict[str, Any], spec: ArchSpec) -> bool:
+    """Whether the local GQA search admits ``spec``'s head pair: the walk reached it (within its
+    bounds, before any stop) and it passed the loss check where there was one. The best trial's
+    pair is one of the walk's variants; one it did not admit (fewer KV heads than a variant whose
+    loss was worse, or than the bound) is not the answer however fast. A result written before
+    the walk checked loss (no ``loss_check``) admits every pair."""
+    if "loss_check" not in gqa:
+        return True
+    return any(st.get("n_heads") == spec.n_heads and st.get("n_kv_heads") == spec.n_kv_heads and st["feasible"]
+               and st.get("loss_ok") is not False for st in gqa.get("steps", []))
 
 
 def keep_baseline_unless_faster(answer: Answer, ctx) -> Answer:

@@ -361,12 +361,54 @@ def _check_storage_url(url: str) -> None:
 
 @dataclass(frozen=True)
 class GQASearchConfig:
+    """The local GQA search (``archsearch.search.gqa``): from the ``baseline_gqa`` variant of the chosen
+    shape, walk toward more and fewer KV heads. A study that trains proxies trains each variant at
+    the proxy sizes beside the baseline GQA variant and stops at the first whose loss is worse
+    beyond ``max(loss_slack, the paired noise at loss_level)``; a study that cannot train (a law
+    file, no proxy sweep) cannot check loss, so its walk stays within ``max_gqa`` / ``min_kv_heads``
+    and, where neither is set, does not go past ``baseline_gqa`` toward fewer KV heads."""
+
     enabled: bool = True
     baseline_gqa: int = 4
+    # relative: a variant whose mean proxy loss is within this of the baseline GQA variant's is not worse
+    loss_slack: float = 0.0
+    # sd of one paired relative loss difference (two variants, same seed and data order); None:
+    # estimated from the spread of the paired differences over proxy sizes and seeds
+    loss_noise: float | None = None
+    loss_level: float = 0.9  # one-sided confidence that a variant's loss is worse before it stops the walk
+    max_gqa: int | None = None       # bound on GQA (n_heads / n_kv_heads) in any study
+    min_kv_heads: int | None = None  # bound on the KV heads in any study
 
     def __post_init__(self) -> None:
-        if self.baseline_gqa <= 0:
-            raise ArchsearchError("gqa_search.baseline_gqa", f"must be a positive integer, got {self.baseline_gqa}")
+        def positive_int(name: str) -> None:
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ArchsearchError(f"gqa_search.{name}", f"must be a positive integer, got {v!r}",
+                                      "e.g. 8" if name == "max_gqa" else "e.g. 4 (the method's picks kept 4-6 KV heads)")
+
+        positive_int("baseline_gqa")
+        positive_int("max_gqa")
+        positive_int("min_kv_heads")
+        if self.max_gqa is not None and self.max_gqa < self.baseline_gqa:
+            raise ArchsearchError("gqa_search.max_gqa", f"{self.max_gqa} is below baseline_gqa {self.baseline_gqa}, "
+                                  "where the walk starts", f"give max_gqa >= {self.baseline_gqa}, or lower baseline_gqa")
+        if not 0 <= self.loss_slack < 0.5:
+            raise ArchsearchError("gqa_search.loss_slack", f"must be in [0, 0.5), got {self.loss_slack}",
+                                  "a relative loss difference such as 0.002 (0.2%), or 0 (any loss beyond the noise)")
+        if self.loss_noise is not None and not self.loss_noise > 0:
+            raise ArchsearchError("gqa_search.loss_noise", f"must be positive, got {self.loss_noise}",
+                                  "the sd of a paired relative loss difference, e.g. 0.003, or leave it out "
+                                  "to estimate it from the proxy sizes and seeds")
+        if not 0.5 <= self.loss_level < 1:
+            raise ArchsearchError("gqa_search.loss_level", f"must be in [0.5, 1), got {self.loss_level}", "e.g. 0.9")
+
+    def bounds(self, can_train: bool) -> tuple[int | None, int | None, str]:
+        """(max GQA, min KV heads, why): the configured bounds; where loss cannot be checked and
+        none is set, GQA at most ``baseline_gqa``."""
+        if can_train or self.max_gqa is not None or self.min_kv_heads is not None:
+            return self.max_gqa, self.min_kv_heads, "gqa_search.max_gqa / min_kv_heads"
+        return self.baseline_gqa, None, ("baseline_gqa: the study trains no proxies and sets neither "
+                                         "gqa_search.max_gqa nor min_kv_heads")
 
 
 @dataclass(frozen=True)

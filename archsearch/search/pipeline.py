@@ -372,14 +372,16 @@ def _redo_after_new_best(r: StudyRun) -> None:
 
 
 def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
-    """The local GQA search around the best shape (``gqa.json``), then the answer: the GQA pick
-    when it measured faster, kept only if significantly faster than the baseline."""
+    """The local GQA search around the best shape (``gqa.json``; its variants' proxy runs, where the
+    study trains proxies, in ``gqa/proxies/``), then the answer: the GQA pick when it measured
+    faster, kept only if significantly faster than the baseline."""
     info = None
     if fresh and r.best is not None:
         from archsearch.search.gqa import local_gqa_search
 
         log(f"local GQA search around trial {r.best['trial']}")
-        g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa)
+        g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa,
+                             progress=r.progress)
         write_json(r.out / "gqa.json", {**g.to_dict(), "around": {"trial": r.best["trial"],
                                                                   "spec_key": _best_key(r.best)}}, default=str)
         info = {}

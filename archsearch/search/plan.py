@@ -136,7 +136,7 @@ def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
     if not cfg.gqa_search.enabled:
         return None
     from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
-    from archsearch.search.gqa import gqa_pairs
+    from archsearch.search.gqa import bounded_pairs, gqa_pairs
     from archsearch.search.study import build_settings, expand
 
     build = build_settings(cfg, vocab_size(cfg))
@@ -149,14 +149,48 @@ def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
                        clip(mlp_to_attn_ratio(base), box.mlp_to_attn), g0)
     except ArchsearchError:
         shape = base
-    pairs = gqa_pairs(shape, cfg.params, build)
+    can_train = bool(proxy_sweeps(cfg))
+    max_gqa, min_kv, why = cfg.gqa_search.bounds(can_train)
+    pairs = bounded_pairs(gqa_pairs(shape, cfg.params, build), max_gqa, min_kv)
     if not pairs:
         return {"variants": 0, "gqa_values": [], "low": [], "high": []}
     g0 = g0 if g0 in pairs else min(pairs, key=lambda g: (abs(g - g0), g))
     up, down = sum(g > g0 for g in pairs), sum(g < g0 for g in pairs)
-    return {"variants": len(pairs), "gqa_values": sorted(pairs), "start": g0,
-            "stand_in": {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "hidden_size": shape.hidden_size},
-            "low": [2] + [3] * (int(up > 0) + int(down > 0)), "high": [2] + [3] * (2 * (up + down))}
+    out = {"variants": len(pairs), "gqa_values": sorted(pairs), "start": g0,
+           "bounds": {"max_gqa": max_gqa, "min_kv_heads": min_kv, "from": why},
+           "stand_in": {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "hidden_size": shape.hidden_size},
+           "low": [2] + [3] * (int(up > 0) + int(down > 0)), "high": [2] + [3] * (2 * (up + down))}
+    out["loss_check"] = gqa_proxy_runs(cfg, shape, g0, pairs) if can_train else \
+        {"unverified": True, "runs_low": 0, "runs_high": 0, "runs": []}
+    return out
+
+
+def gqa_proxy_runs(cfg: StudyConfig, shape, g0: int, pairs: dict) -> dict[str, Any]:
+    """The local GQA search's loss check at proxy scale (archsearch.search.gqa.ProxyLossCheck), counted
+    on the same stand-in: each GQA value walked to trains one run per proxy size where it builds
+    and per seed, at the GQA ``g0`` variant's token budget. Low: ``g0`` and one step each way;
+    high: every reachable variant (none is trained where only ``g0`` is reachable). Runs already
+    trained (in the store or the study folder) are not told apart here."""
+    from archsearch.search.gqa import proxy_runs, proxy_variants
+
+    sweep = proxy_sweeps(cfg)[0]
+    seeds = list(sweep.seeds) if sweep.seeds is not None else [sweep.train.seed]
+    sizes = proxy_variants(cfg, shape, g0, vocab_size(cfg))
+    up, down = sorted(g for g in pairs if g > g0), sorted((g for g in pairs if g < g0), reverse=True)
+    low = [g0] + up[:1] + down[:1] if len(pairs) > 1 else []
+    high = sorted(pairs) if len(pairs) > 1 else []
+    runs: dict[str, dict[str, Any]] = {}  # by run id: GQA values sharing a stand-in share its runs
+    for g in high:
+        for _, _, rid, v, tc in proxy_runs(sizes, seeds, g):
+            r = runs.setdefault(rid, {"gqa": g, "run": rid, "spec": v, "tokens": tc.tokens,
+                                      "flops": run_flops(v, tc.tokens), "low": False})
+            r["low"] = r["low"] or g in low
+    runs = list(runs.values())
+    return {"sweep": sweep.name, "sizes": [item["params"] for item in sizes], "seeds": seeds,
+            "not_built": [item["note"] for item in sizes if item["base"] is None],
+            "runs_low": sum(r["low"] for r in runs), "runs_high": len(runs),
+            "tokens_high": sum(r["tokens"] for r in runs), "flops_low": sum(r["flops"] for r in runs if r["low"]),
+            "flops_high": sum(r["flops"] for r in runs), "runs": runs}
 
 
 def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) -> dict[str, Any]:
@@ -178,7 +212,8 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     if m.backend == "analytic":
         zero = {"low": 0.0, "high": 0.0}
         return {"device": device, "measurements": n, "workers": 1, "gpu_hours": zero, "wall_hours": zero,
-                **({"gqa": {**gqa, "gpu_hours": zero, "wall_hours": zero}} if gqa else {}),
+                **({"gqa": {**{k: v for k, v in gqa.items() if k != "loss_check"}, "gpu_hours": zero,
+                            "wall_hours": zero}} if gqa else {}),
                 "assumptions": ["measure.backend analytic: roofline predictions, no GPU and no engine"]}
     dev = get_device(device)
     dtype = resolve_dtype(m.dtype, on_gpu=dev.name != "cpu")
@@ -267,7 +302,8 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
                if cfg.cluster.parallel else "")]}
     if gqa:
         secs = {k: sum(comparison_s(g, r) for g in gqa[k]) for k, r in (("low", lo_r), ("high", hi_r))}
-        out["gqa"] = {**gqa, "comparisons": {"low": len(gqa["low"]), "high": len(gqa["high"])},
+        out["gqa"] = {**{k: v for k, v in gqa.items() if k != "loss_check"},  # its proxy runs: in the plan's compute
+                      "comparisons": {"low": len(gqa["low"]), "high": len(gqa["high"])},
                       "gpu_hours": {k: v / 3600 for k, v in secs.items()},
                       "wall_hours": {k: v / 3600 for k, v in secs.items()}}
         out["assumptions"].append(
@@ -363,8 +399,19 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                         "input_len": cfg.measure.input_len, "output_len": cfg.measure.output_len,
                         "measurements_at_most": n_meas["shapes_high"]})
     if cfg.gqa_search.enabled:
-        p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}",
-                            "gqa_values": gqa_n["variants"], "comparisons_at_most": len(gqa_n["high"])})
+        lc = gqa_n.get("loss_check") or {}
+        b = gqa_n.get("bounds") or {}
+        check = ("GQA's effect on loss unverified (no proxies to train): the walk stays within "
+                 + ", ".join(x for x in (f"GQA <= {b.get('max_gqa')}" if b.get("max_gqa") is not None else "",
+                                         f"KV heads >= {b.get('min_kv_heads')}" if b.get("min_kv_heads") is not None
+                                         else "") if x) + f" ({b.get('from')})" if lc.get("unverified") else
+                 f"each variant's loss checked at proxy scale: {lc.get('runs_low', 0)}-{lc.get('runs_high', 0)} "
+                 f"proxy runs of GQA variants ({len(lc.get('sizes', []))} sizes of sweep {lc.get('sweep')} x "
+                 f"{len(lc.get('seeds', []))} seed(s) per variant walked to)")
+        p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}; {check}",
+                            "gqa_values": gqa_n["variants"], "comparisons_at_most": len(gqa_n["high"]),
+                            **({"gqa_proxy_runs_low": lc["runs_low"], "gqa_proxy_runs_high": lc["runs_high"],
+                                "gqa_proxy_train_flops": lc["flops_high"]} if not lc.get("unverified") and lc else {})})
     base = baseline_spec(cfg)
     final_tokens = cfg.final_train.tokens or cfg.tokens
     final_flops = run_flops(base, final_tokens)
@@ -419,6 +466,13 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                          "hours": e.hours + start_h, "gpu_hours": e.gpu_hours + start_h * per_job,
                          "cost_usd": e.cost_usd or 0.0})
         sweeps_trained = {i["sweep"].name for i in proxy_specs if not i["done"]}
+        # the GQA search's loss check: its proxy runs, priced like the proxies' (not told apart when done)
+        gqa_runs = []
+        for item in ((gqa_n or {}).get("loss_check") or {}).get("runs", []):
+            e = estimate_training(item["spec"], item["tokens"], f"{per_job}x{device}", mfu=mfu, time_law=time_law)
+            start_h = (su.s("job_start_s") + su.s("job_end_s")) / 3600 if cfg.cluster.parallel else 0.0
+            gqa_runs.append({"gqa": item["gqa"], "run": item["run"], "low": item["low"], "hours": e.hours + start_h,
+                             "gpu_hours": e.gpu_hours + start_h * per_job, "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
         if cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
             from archsearch.search.checks import check_reference_batch
@@ -464,6 +518,22 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             g = meas["gqa"]
             by_stage["gqa"] = {"gpu_hours": g["gpu_hours"]["high"], "gpu_hours_low": g["gpu_hours"]["low"],
                                "wall_hours": g["wall_hours"]["high"], "wall_hours_low": g["wall_hours"]["low"]}
+        if gqa_runs:
+            # the walk trains each variant's runs when it reaches it: one variant's runs at once
+            by_variant = {k: {} for k in ("low", "high")}
+            for r in gqa_runs:
+                for k in ("low", "high") if r["low"] else ("high",):
+                    by_variant[k].setdefault(r["gqa"], []).append(r["hours"])
+            gp = {"runs": {"low": sum(r["low"] for r in gqa_runs), "high": len(gqa_runs)},
+                  "gpu_hours": {"low": sum(r["gpu_hours"] for r in gqa_runs if r["low"]),
+                                "high": sum(r["gpu_hours"] for r in gqa_runs)},
+                  "wall_hours": {k: sum(makespan(h, slots) for h in by_variant[k].values()) for k in by_variant},
+                  "cost_usd": {"low": sum(r["cost_usd"] for r in gqa_runs if r["low"]),
+                               "high": sum(r["cost_usd"] for r in gqa_runs)}}
+            p["compute"]["gqa_proxy"] = gp
+            g = by_stage.setdefault("gqa", {})
+            g.update({"proxy_gpu_hours": gp["gpu_hours"]["high"], "proxy_gpu_hours_low": gp["gpu_hours"]["low"],
+                      "proxy_wall_hours": gp["wall_hours"]["high"], "proxy_wall_hours_low": gp["wall_hours"]["low"]})
         if any(st["stage"] == "train" for st in p["stages"]):
             k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
             by_stage["train"] = {"gpu_hours": k * fin.gpu_hours, "wall_hours": k * fin.hours,
@@ -558,8 +628,16 @@ def render(p: dict[str, Any]) -> list[str]:
                      f"with {c['proxy_jobs_at_once']} job(s) at once (${c['proxy_cost_usd']:,.0f}); final training "
                      f"{ft.get('hours', float('nan')):.1f} h, {ft.get('gpu_hours', float('nan')):.0f} GPU-h, "
                      f"${ft.get('cost_usd') or 0:,.0f}")
+        gp = c.get("gqa_proxy")
+        if gp:
+            lines.append(f"  GQA loss check: {gp['runs']['low']}-{gp['runs']['high']} proxy runs of GQA variants, "
+                         f"{gp['gpu_hours']['low']:.3g}-{gp['gpu_hours']['high']:.3g} GPU-h, "
+                         f"{gp['wall_hours']['low']:.3g}-{gp['wall_hours']['high']:.3g} h wall "
+                         f"(${gp['cost_usd']['low']:,.0f}-${gp['cost_usd']['high']:,.0f})")
         m = c.get("measure", {})
-        if "gpu_hours" in m:
+        if "gpu_hours" in m and "pairs" not in m:  # predicted by the analytic backend: no GPU time
+            lines.append("  measurements: no GPU time (measure.backend analytic)")
+        elif "gpu_hours" in m:
             lines.append(f"  measurements: search {m['measurements_low']}-{m['measurements']} shapes ("
                          + (f"a seed group of {m['seed_group'] + 1}, then " if m["seed_group"] else "")
                          + f"{m['pairs']['low']}-{m['pairs']['high']} pairs), {m['gpu_hours']['low']:.3g}-"

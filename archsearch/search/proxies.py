@@ -80,3 +80,34 @@ def write_active_plan_report(out: Path) -> None:
     active_plot(plan, out / "plots", plt)
     atomic_write(out / "proxies" / "active" / "plan.md", "\n".join(active_markdown(plan)[1:]) + "\n\n"
                  "![plot](../../plots/active_proxies.png)\n")
+
+
+def train_runs(cfg: StudyConfig, sweep, runs: list[tuple[str, Any, Any]], folder: Path, data=None,
+               progress: bool = True) -> tuple[dict[str, dict], list[str]]:
+    """Train extra proxy runs ((run id, spec, train config) each, on ``sweep``'s data) into
+    ``folder/runs/<run id>`` the way the proxy stage trains its sweeps: linked into ``proxy.store``
+    where the study has one (a run any study trained there is reused), as the cluster's jobs where
+    ``cluster.parallel``, else here one after another. A finished run (ok, or failed by the loop)
+    is never trained again. ``data``: the sweep's prepared data (inline training reads it).
+    Returns run id -> its ``run.json`` record, and the ids trained by this call."""
+    from archsearch.cluster.study import has_record, link_to_store
+    from archsearch.trainers.loop import read_record
+
+    dirs = {run_id: folder / "runs" / run_id for run_id, _, _ in runs}
+    if cfg.proxy.store:
+        from archsearch.cluster.study import content_key
+
+        for run_id, _spec, tc in runs:
+            link_to_store(dirs[run_id], Path(cfg.proxy.store) / content_key(run_id, tc, sweep.data))
+    todo = [run for run in runs if not has_record(dirs[run[0]])]
+    if todo and cfg.cluster.parallel:
+        from archsearch.cluster.study import JOBS_DIR, run_train_jobs
+
+        run_train_jobs(todo, sweep.data, dirs, cfg.cluster, folder.parent / JOBS_DIR / folder.name)
+    elif todo:
+        from archsearch.trainers.loop import token_budget
+        from archsearch.trainers.sweep import train_or_fail
+
+        for run_id, spec, tc in todo:
+            train_or_fail(spec, tc, sweep, dirs[run_id], data, progress, token_budget(spec, tc), tc.seed)
+    return {run_id: read_record(d) for run_id, d in dirs.items()}, [run[0] for run in todo]

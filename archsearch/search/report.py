@@ -481,6 +481,61 @@ def _first_proposals(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _proxy_loss_txt(q: dict[str, Any] | None, g0: int) -> str:
+    """A GQA step's proxy loss cell: the mean over its paired runs, its difference from the baseline
+    GQA variant's with the noise margin, or why it was not compared."""
+    if not q:
+        return "-"
+    if q.get("reference"):
+        return f"{q['mean_loss']:.4f} (reference)" if q.get("mean_loss") is not None else "no run ok"
+    if q.get("worse") is None:
+        return "not checkable"
+    noise = f" +- {q['margin']:.2%}" if q.get("noise_sd") is not None else " (noise unknown)"
+    return f"{q['mean_loss']:.4f} ({q['mean_rel_diff']:+.2%}{noise} vs GQA {g0}, {q['pairs']} pairs)"
+
+
+def gqa_markdown(g: dict[str, Any]) -> list[str]:
+    """The local GQA search's table (each variant's predicted and proxy loss beside its throughput
+    ratio), how loss was checked, and why the walk stopped each way."""
+    g0 = g["baseline_gqa"]
+    lines = ["| GQA | heads/KV | pred. loss | feasible | proxy loss | tokens/s | vs baseline | vs start GQA | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for st in g["steps"]:
+        pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
+        tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
+        r0, r1 = (_ratio_txt(st.get(k)) for k in ("ratio", "ratio_vs_start"))
+        hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
+        ql = "unverified" if g.get("loss_check") == "unverified" and st["feasible"] else \
+            _proxy_loss_txt(st.get("proxy_loss"), g0)
+        lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {ql} "
+                     f"| {tp} | {r0} | {r1} | {st['note']} |")
+    lines.append("")
+    b = g.get("bounds") or {}
+    bound = ", ".join(x for x in (f"GQA <= {b['max_gqa']}" if b.get("max_gqa") is not None else "",
+                                  f"KV heads >= {b['min_kv_heads']}" if b.get("min_kv_heads") is not None else "") if x)
+    if g.get("loss_check") == "unverified":
+        lines.append(f"- **GQA's effect on loss is unverified**: the study trains no proxies (a law file only), so no "
+                     f"variant's loss was checked; the walk stays within {bound or 'no bound'} ({b.get('from')}).")
+    elif g.get("loss_check") == "proxies" and not g.get("proxy_runs"):
+        lines.append("- Loss check at proxy scale: none needed, no other GQA variant keeps N and r at this head total.")
+    elif g.get("loss_check") == "proxies":
+        pr = g.get("proxy_runs") or {}
+        q = next((st["proxy_loss"] for st in g["steps"] if st.get("proxy_loss") and not st["proxy_loss"].get("reference")
+                  and st["proxy_loss"].get("noise_source")), None)
+        lines.append(f"- Loss checked at proxy scale: every variant walked to trained beside GQA {g0} at the proxy sizes "
+                     + ", ".join(f"{n:.3g}" for n in pr.get("sizes", [])) + f" of sweep {pr.get('sweep')} "
+                     f"(same d/sqrt(N) and r, same token budget, seeds {pr.get('seeds')} and data order), in "
+                     f"`{pr.get('folder')}`; {pr.get('trained_now', 0)} run(s) trained by this run, "
+                     f"{pr.get('reused', 0)} reused. A variant stops the walk when its mean paired loss difference "
+                     f"exceeds both the slack and the noise margin"
+                     + (f" (slack {q['slack']:.2%}; noise: {q['noise_source']}, one-sided {q['level']:.0%})" if q else "")
+                     + "." + (f" Bounds: {bound}." if bound else ""))
+    for way, why in (g.get("stops") or {}).items():
+        lines.append(f"- Walk toward {'larger GQA (fewer KV heads)' if way == 'up' else 'smaller GQA (more KV heads)'}"
+                     f" ended: {why}.")
+    return lines
+
+
 def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: dict[str, Any] | None = None,
                  prs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study folder's summary, report and plots. The baseline's throughput is the mean of
@@ -693,15 +748,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
-                  "Query heads traded against KV heads at a fixed attention share (N and r held).", "",
-                  "| GQA | heads/KV | pred. loss | feasible | tokens/s | vs baseline | vs start GQA | note |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for st in g["steps"]:
-            pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
-            tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
-            r0, r1 = (_ratio_txt(st.get(k)) for k in ("ratio", "ratio_vs_start"))
-            hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
-            lines.append(f"| {st['gqa']} | {hk} | {pl} | {st['feasible']} | {tp} | {r0} | {r1} | {st['note']} |")
+                  "Query heads traded against KV heads at a fixed attention share (N and r held).", ""]
+        lines += gqa_markdown(g)
     if "predict_rank_select" in s:
         p = s["predict_rank_select"]
         rel = (p.get("released") or {}).get("trial")

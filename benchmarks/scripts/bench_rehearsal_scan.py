@@ -5,7 +5,8 @@ is cheap to predict, so the search's answer can be checked against exhaustion:
 
 * the Optuna space: every (d/sqrt(N), r) on the study's knob grid x every GQA of the search space;
 * the GQA search's space: every feasible shape of that grid x every head pair
-  (:func:`archsearch.search.gqa.gqa_pairs`) at the same attention share.
+  (:func:`archsearch.search.gqa.gqa_pairs`) at the same attention share, within the walk's
+  bounds (``gqa_search.max_gqa`` / ``min_kv_heads``; a study without proxies cannot check loss).
 
 It also reports how far the built shapes' realised r and d/sqrt(N) drift from the knobs over
 the grid (the worst drift, and how many knob points the r tolerance refused).
@@ -43,8 +44,8 @@ def main() -> None:
     from archsearch.laws import load_law
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
-    from archsearch.search.gqa import gqa_pairs
-    from archsearch.search.checks import target_loss, vocab_size
+    from archsearch.search.gqa import bounded_pairs, gqa_pairs
+    from archsearch.search.checks import proxy_sweeps, target_loss, vocab_size
     from archsearch.candidates import build_candidate
     from archsearch.search.study import build_settings
     from archsearch.benchmarks.analytic import predict_batch
@@ -89,11 +90,14 @@ def main() -> None:
     scored = [evaluate(sp) for sp in box]
     feasible = [p for p in scored if p["predicted_loss"] <= lt and p["throughput"] is not None]
     best_box = max(feasible, key=lambda p: p["throughput"])
-    with_pairs, seen_pairs = list(feasible), set(seen)
-    for p in feasible:
-        from archsearch.arch import ArchSpec
+    from archsearch.arch import ArchSpec
 
-        for v in gqa_pairs(ArchSpec.from_dict(p["spec"]), cfg.params, build).values():
+    # the shapes an answer may have: a study that cannot train walks within gqa_search's bounds
+    bound = cfg.gqa_search.bounds(bool(proxy_sweeps(cfg)))[:2]
+    admitted = lambda spec: bool(bounded_pairs({spec.n_heads // spec.n_kv_heads: spec}, *bound))  # noqa: E731
+    with_pairs, seen_pairs = [p for p in feasible if admitted(ArchSpec.from_dict(p["spec"]))], set(seen)
+    for p in feasible:
+        for v in bounded_pairs(gqa_pairs(ArchSpec.from_dict(p["spec"]), cfg.params, build), *bound).values():
             if v not in seen_pairs:
                 seen_pairs.add(v)
                 q = evaluate(v)
