@@ -20,7 +20,7 @@ import numpy as np
 from archsearch.errors import ArchsearchError
 from archsearch.figures import count, legend, log_axis, log_ticks, save, styled
 from archsearch.laws import forms
-from archsearch.laws.diagnostics import metrics
+from archsearch.laws.metrics import metrics
 from archsearch.laws.lawfile import run_arrays
 
 if TYPE_CHECKING:
