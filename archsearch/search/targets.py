@@ -108,7 +108,8 @@ def target_measure(measure, t: DeploymentTarget):
         measure, targets=None, backend=t.backend or measure.backend,
         device_spec=t.device_spec if t.device_spec is not None else measure.device_spec,
         calibration=t.calibration, batch_sizes=batch_sizes, reference_batch_size=ref,
-        input_len=t.input_len or measure.input_len, output_len=t.output_len or measure.output_len)
+        input_len=measure.input_len if t.input_len is None else t.input_len,
+        output_len=measure.output_len if t.output_len is None else t.output_len)
 
 
 @dataclass(frozen=True)
@@ -348,46 +349,48 @@ def target_rows(ratio: dict[str, Any] | None) -> list[dict[str, Any]]:
     return list((ratio or {}).get("per_target") or [])
 
 
-def targets_table(cfg, answer_ratio: dict[str, Any] | None, pareto: list[dict[str, Any]]) -> list[str]:
-    """The report's "Deployment targets" section: each target, then one row per shape (the answer,
-    the Pareto set) with its ratio on every target (measured with the interval, predicted marked),
-    the aggregate and the binding target."""
-    targets = cfg.measure.targets
+def targets_summary(cfg, answer_ratio: dict[str, Any] | None, pareto: list[dict[str, Any]]) -> dict[str, Any]:
+    """``summary.json``'s ``targets`` block: each target (how it is known), and the answer's and the
+    Pareto set's per-target ratios with their aggregate and binding target."""
+    def shape(label: str, trial, ratio: dict[str, Any] | None) -> dict[str, Any]:
+        ratio = ratio or {}
+        return {"shape": label, "trial": trial, "ratio": ratio.get("ratio"), "lo": ratio.get("lo"),
+                "hi": ratio.get("hi"), "binding": ratio.get("binding"), "per_target": target_rows(ratio)}
+
+    return {"objective": cfg.optuna.target_objective, "level": cfg.measure.paired.level,
+            "targets": [{"name": t.name, "weight": t.weight,
+                         "description": describe_target(t, target_measure(cfg.measure, t))}
+                        for t in cfg.measure.targets],
+            "answer": shape("answer", None, answer_ratio),
+            "pareto": [shape(f"trial {p.get('trial')}", p.get("trial"), p.get("ratio")) for p in pareto]}
+
+
+def targets_markdown(s: dict[str, Any]) -> list[str]:
+    """The report's "Deployment targets" section from ``summary.json``'s ``targets`` block: each
+    target, then one row per shape (the answer, the Pareto set) with its ratio on every target
+    (measured with its interval, predicted marked), the aggregate and the binding target."""
+    how = "worst" if s["objective"] == "worst" else "weighted geometric mean"
     lines = ["## Deployment targets", "",
-             f"Objective: the {'worst' if cfg.optuna.target_objective == 'worst' else 'weighted geometric mean'}"
-             " of the throughput ratios to the baseline over the targets (`optuna.target_objective: "
-             f"{cfg.optuna.target_objective}`). Measured ratios carry their "
-             f"{cfg.measure.paired.level:.0%} interval; predicted ones (analytic roofline) have none.", ""]
-    for t in targets:
-        lines.append(f"- **{t.name}** (weight {t.weight:g}): {describe_target(t, target_measure(cfg.measure, t))}")
-    lines.append("")
+             f"Objective: the {how} of the throughput ratios to the baseline over the targets "
+             f"(`optuna.target_objective: {s['objective']}`). Measured ratios carry their {s['level']:.0%} "
+             "interval; predicted ones (the analytic roofline) are marked (pred.) and have none.", ""]
+    lines += [f"- **{t['name']}** (weight {t['weight']:g}): {t['description']}" for t in s["targets"]] + [""]
 
     def cell(r: dict[str, Any] | None) -> str:
-        if r is None or r.get("ratio") is None:
-            return "failed" if r else "-"
+        if r is None:
+            return "-"
+        if r.get("ratio") is None:
+            return "failed"
         if r["source"] == "predicted":
             return f"x{r['ratio']:.3f} (pred.)"
         return f"x{r['ratio']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]"
 
-    names = [t.name for t in targets]
-    lines += ["| shape | " + " | ".join(names) + " | aggregate | binds |",
-              "|---|" + "---|" * len(names) + "---|---|"]
-    shapes = [("answer", answer_ratio)] + [(p.get("source") or f"trial {p.get('trial')}", p.get("ratio"))
-                                           for p in pareto]
-    for label, ratio in shapes:
-        rows = {r["target"]: r for r in target_rows(ratio)}
-        if not rows:
+    names = [t["name"] for t in s["targets"]]
+    lines += ["| shape | " + " | ".join(names) + " | aggregate | binds |", "|---|" + "---|" * (len(names) + 2)]
+    for row in [s["answer"], *s["pareto"][:10]]:
+        cells = {r["target"]: r for r in row["per_target"]}
+        if not cells:
             continue
-        agg = f"x{ratio['ratio']:.3f} [{ratio['lo']:.3f}, {ratio['hi']:.3f}]"
-        lines.append(f"| {label} | " + " | ".join(cell(rows.get(n)) for n in names) + f" | {agg} | "
-                     f"{ratio.get('binding')} |")
+        lines.append(f"| {row['shape']} | " + " | ".join(cell(cells.get(n)) for n in names) +
+                     f" | x{row['ratio']:.3f} [{row['lo']:.3f}, {row['hi']:.3f}] | {row['binding']} |")
     return lines + [""]
-
-
-def targets_summary(answer_ratio: dict[str, Any] | None, pareto: list[dict[str, Any]]) -> dict[str, Any]:
-    """``summary.json``'s ``targets`` block: the answer's and the Pareto set's per-target ratios."""
-    return {"answer": {"aggregate": (answer_ratio or {}).get("aggregate"), "ratio": (answer_ratio or {}).get("ratio"),
-                       "binding": (answer_ratio or {}).get("binding"), "per_target": target_rows(answer_ratio)},
-            "pareto": [{"source": p.get("source"), "trial": p.get("trial"), "ratio": (p.get("ratio") or {}).get("ratio"),
-                        "binding": (p.get("ratio") or {}).get("binding"), "per_target": target_rows(p.get("ratio"))}
-                       for p in pareto]}
