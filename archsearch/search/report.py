@@ -554,6 +554,14 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
+    if summary.get("targets"):
+        from archsearch.search.targets import targets_figure
+
+        t = summary["targets"]
+        made = targets_figure(out / "plots" / "targets", [(row["shape"], row["per_target"]) for row in
+                                                          [t["answer"], *t["pareto"][:3]]],
+                              f"throughput ratio per deployment target ({t['objective']} objective)")
+        summary["plots"] += [str(Path(p).relative_to(out)) for p in made]
     write_json(out / "summary.json", summary, default=str)
     atomic_write(out / "report.md", render_markdown(summary))
     return summary

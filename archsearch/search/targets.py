@@ -323,7 +323,7 @@ def predicted_ratio_fn(ctx):
     for t in ctx.targets:
         m = t.measure
         s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.input_len,
-                          output_len=m.output_len, warmup=0, repeats=1, device_spec=m.device_spec or "cpu",
+                          output_len=m.output_len, warmup=0, repeats=1, dtype=m.dtype, device_spec=m.device_spec or "cpu",
                           engine_args={"calibration": m.calibration} if m.calibration else {})
         fns.append((t, s))
     base = [measure(scale(ctx.baseline), s).throughput(t.measure.ref_batch) for t, s in fns]
@@ -394,3 +394,45 @@ def targets_markdown(s: dict[str, Any]) -> list[str]:
         lines.append(f"| {row['shape']} | " + " | ".join(cell(cells.get(n)) for n in names) +
                      f" | x{row['ratio']:.3f} [{row['lo']:.3f}, {row['hi']:.3f}] | {row['binding']} |")
     return lines + [""]
+
+
+def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: str) -> list[str]:
+    """Grouped bars: each target's throughput ratio to the baseline for each shape (``shapes``:
+    label and per-target rows), measured ratios with their interval, predicted ones hatched;
+    written as ``path`` .png and .pdf. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pathlib import Path
+
+    import numpy as np
+
+    shapes = [(label, rows) for label, rows in shapes if rows]
+    if not shapes:
+        return []
+    names = [r["target"] for r in shapes[0][1]]
+    x = np.arange(len(names))
+    w = 0.8 / len(shapes)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
+    for i, (label, rows) in enumerate(shapes):
+        by = {r["target"]: r for r in rows}
+        vals = [by[n]["ratio"] if by.get(n) and by[n]["ratio"] is not None else 0.0 for n in names]
+        lo = [v - (by[n]["lo"] if by.get(n) and by[n]["lo"] is not None else v) for n, v in zip(names, vals)]
+        hi = [(by[n]["hi"] if by.get(n) and by[n]["hi"] is not None else v) - v for n, v in zip(names, vals)]
+        hatch = ["//" if by.get(n, {}).get("source") == "predicted" else "" for n in names]
+        bars = ax.bar(x + (i - (len(shapes) - 1) / 2) * w, vals, w, yerr=[lo, hi], capsize=3, label=label)
+        for b, h in zip(bars, hatch):
+            b.set_hatch(h)
+        for xi, v in zip(x + (i - (len(shapes) - 1) / 2) * w, vals):
+            ax.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, c="k", lw=0.8, ls="--", label="baseline")
+    ax.set_xticks(x, names)
+    ax.set_ylabel("throughput / baseline's (hatched: predicted)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    from archsearch.figures import save
+
+    png = save(fig, Path(path).with_suffix(".png"), dpi=120)
+    return [str(png), str(png.with_suffix(".pdf"))]
