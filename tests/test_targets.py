@@ -130,3 +130,39 @@ def test_two_target_study_end_to_end(tmp_path):
 def test_targets_rehearsal_config_validates(cli):
     r = cli("search", "--config", "configs/paper-1b-targets-rehearsal.yaml", "--dry-run", "--json")
     assert r.returncode == 0, r.stderr
+
+
+def test_two_measured_engine_targets_with_fake_engines(tmp_path, monkeypatch):
+    """Two targets measured by real-engine code paths (the paired runner in its own process), the
+    engines themselves the project's fakes: both targets measured, with intervals, none predicted."""
+    from archsearch.benchmarks.base import BACKENDS
+    from archsearch.search import measure as measure_mod
+    from archsearch.search import pipeline
+
+    monkeypatch.setitem(BACKENDS, "vllm", "tests.fakes:SleepBackend")
+    monkeypatch.setitem(BACKENDS, "hf", "tests.fakes:SleepBackend")
+    monkeypatch.setattr(measure_mod, "_ENGINE_MODULE", {})  # the fakes stand in for any engine installed here
+    targets = [{"name": "cpu-vllm", "backend": "vllm", "batch_size": 2},
+               {"name": "cpu-hf", "backend": "hf", "batch_size": 1}]
+    cfg = study_config(tmp_path, measure={"targets": targets, "device_spec": None, "dtype": "float32",
+                                          "paired": {"min_rounds": 2, "max_rounds": 3}},
+                       optuna={"n_trials": 2, "seed": 1, "enqueue_solution": 1}, gqa_search={"enabled": False})
+    cfg = load(cfg)
+    out = cfg.out_dir()
+    pipeline.run(cfg, out)
+    s = json.loads((out / "summary.json").read_text())
+    rows = s["targets"]["answer"]["per_target"] or s["targets"]["pareto"][0]["per_target"]
+    assert [r["target"] for r in rows] == ["cpu-vllm", "cpu-hf"]
+    assert all(r["source"] == "measured" and r["lo"] <= r["ratio"] <= r["hi"] and r["n"] >= 2 for r in rows)
+    assert [r["batch_size"] for r in rows] == [2, 1]
+    # the Deployment targets table's rows: shape, 2 targets, aggregate, binding target
+    table = [line for line in (out / "report.md").read_text().splitlines()
+             if line.startswith(("| answer ", "| trial ")) and line.count("|") == 6]
+    assert table and all("(pred.)" not in line and line.count("[") == 3 for line in table)
+
+
+def test_demo_cpu_targets_config_loads():
+    from archsearch.search.config import load_study_config
+
+    cfg = load_study_config("configs/demo-cpu-targets.yaml")
+    assert [(t.name, t.backend) for t in cfg.measure.targets] == [("cpu-vllm", "vllm"), ("cpu-hf", "hf")]
