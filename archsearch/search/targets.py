@@ -323,7 +323,8 @@ def predicted_ratio_fn(ctx):
     for t in ctx.targets:
         m = t.measure
         s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.input_len,
-                          output_len=m.output_len, warmup=0, repeats=1, dtype=m.dtype, device_spec=m.device_spec or "cpu",
+                          output_len=m.output_len, warmup=0, repeats=1, dtype=m.dtype,
+                          device_spec=m.device_spec or "cpu",
                           engine_args={"calibration": m.calibration} if m.calibration else {})
         fns.append((t, s))
     base = [measure(scale(ctx.baseline), s).throughput(t.measure.ref_batch) for t, s in fns]
