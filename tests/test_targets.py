@@ -166,3 +166,18 @@ def test_demo_cpu_targets_config_loads():
 
     cfg = load_study_config("configs/demo-cpu-targets.yaml")
     assert [(t.name, t.backend) for t in cfg.measure.targets] == [("cpu-vllm", "vllm"), ("cpu-hf", "hf")]
+
+
+def test_plan_prices_every_target(tmp_path, cli):
+    targets = [{"name": "gpu-vllm", "backend": "vllm", "batch_size": 8},
+               {"name": "gpu-sglang", "backend": "sglang", "batch_size": 4, "device_spec": "A100-40GB"},
+               {"name": "predicted", "backend": "analytic", "device_spec": "H200", "batch_size": 8}]
+    cfg = study_config(tmp_path, measure={"targets": targets})
+    r = cli("search", "--config", cfg["_path"], "--dry-run", "--json", "--gpus", "1xH100")
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)["compute"]["measure"]
+    per = m["targets"]
+    assert set(per) == {"gpu-vllm", "gpu-sglang", "predicted"}
+    assert per["gpu-sglang"]["device"] == "A100-40GB" and per["gpu-vllm"]["device"] == "H100-SXM"
+    assert per["predicted"]["gpu_hours"]["high"] == 0.0 and per["gpu-vllm"]["gpu_hours"]["high"] > 0
+    assert m["gpu_hours"]["high"] == pytest.approx(sum(p["gpu_hours"]["high"] for p in per.values()))

@@ -437,3 +437,36 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
 
     png = save(fig, Path(path).with_suffix(".png"), dpi=120)
     return [str(png), str(png.with_suffix(".pdf"))]
+
+
+def price_targets(cfg, device: str, price) -> dict[str, Any]:
+    """The plan's measurement cost with targets: ``price(view_cfg, device)`` (the plan's
+    ``measurement_cost``) for each target on its own device (its ``device_spec``, else the plan's),
+    summed: every shape is compared with the baseline on each target in turn, so the GPU hours and
+    the wall hours add up; each target's own figures are kept under ``targets``."""
+    parts = {}
+    for view, t in zip(study_views(cfg), cfg.measure.targets):
+        dev = view.cfg.measure.device_spec or device
+        cost = price(view.cfg, dev)
+        if "error" in cost:
+            return {**cost, "error": f"target {t.name}: {cost['error']}"}
+        parts[t.name] = cost
+    # the base of the sum: a target an engine measures (its pairs and rounds priced), else the first
+    first = next((p for p in parts.values() if "measurements_low" in p), next(iter(parts.values())))
+    out = dict(first)
+    for key in ("gpu_hours", "wall_hours"):
+        out[key] = {k: sum(p[key][k] for p in parts.values()) for k in first[key]}
+    if "gqa" in first:
+        gqas = [p["gqa"] for p in parts.values() if "gqa" in p]
+        out["gqa"] = {**first["gqa"], **{key: {k: sum(g[key][k] for g in gqas if key in g) for k in first["gqa"][key]}
+                                         for key in ("comparisons", "gpu_hours", "wall_hours") if key in first["gqa"]}}
+    out["device"] = ", ".join(sorted({str(p.get("device")) for p in parts.values()}))
+    out["targets"] = {name: {"device": p.get("device"), "gpu_hours": p["gpu_hours"], "wall_hours": p["wall_hours"]}
+                      for name, p in parts.items()}
+    out["assumptions"] = [f"{len(parts)} deployment targets: every comparison is taken on each, one after another "
+                          "(predicted targets cost nothing); the hours are the targets' sums, each priced on its "
+                          "own device and engine: " + "; ".join(
+                              f"{n} {p['gpu_hours']['low']:.3g}-{p['gpu_hours']['high']:.3g} GPU-h"
+                              for n, p in parts.items())] + [
+        a for p in parts.values() for a in p.get("assumptions", [])][:len(first.get("assumptions", []))]
+    return out
