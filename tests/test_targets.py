@@ -111,6 +111,13 @@ def test_two_target_study_end_to_end(tmp_path):
         r = x.user_attrs["target_ratios"]
         assert set(r) == {"h100-small", "a100-big"}
         assert x.value == pytest.approx(aggregate([r["h100-small"], r["a100-big"]], [1.0, 2.0], "geomean"))
+    import csv
+
+    with open(out / "trials.csv") as fh:
+        rows_csv = [r for r in csv.DictReader(fh) if r.get("binding_target")]
+    assert rows_csv and all(float(r["objective"]) == pytest.approx(aggregate(
+        [float(r["target_h100-small_ratio"]), float(r["target_a100-big_ratio"])], [1.0, 2.0], "geomean"))
+        and r["target_a100-big_source"] == "predicted" for r in rows_csv)
     # one measurement per target per compared group: the targets keep their measurements apart
     recs = [json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines()]
     batches = {tuple(rec["result"]["settings"]["batch_sizes"]) for rec in recs if rec["result"].get("settings")}

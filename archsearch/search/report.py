@@ -103,6 +103,10 @@ def write_trials_csv(study, path: Path) -> None:
             "feasible": trial_is_feasible(t) if t.state.name == "COMPLETE" else ua.get("feasible_loss"),
             "objective": t.values[0] if t.values and ua.get("measured") is not False else None,
             **{f"ratio_{k}": (ua.get("ratio") or {}).get(k) for k in ("ratio", "lo", "hi", "significantly_faster")},
+            # deployment targets: each target's ratio, its bounds and how it is known, and the binding one
+            **{f"target_{r['target']}_{k}": r.get(k) for r in (ua.get("ratio") or {}).get("per_target") or []
+               for k in ("ratio", "lo", "hi", "source")},
+            **({"binding_target": ua["binding_target"]} if ua.get("binding_target") else {}),
             "paired_rounds": ua.get("rounds"),
             "loss_upper_bound": (ua.get("loss_upper_bound") or {}).get("value"),
             **{col: (ua.get("loss_margin") or {}).get(k) for col, k in (
