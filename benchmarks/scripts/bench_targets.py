@@ -35,6 +35,26 @@ def study_cost(study: Path) -> dict:
             "gqa_steps_measured": sum(1 for st in (s.get("gqa_search") or {}).get("steps", []) if st.get("measured"))}
 
 
+def each_targets_own_best(study: Path, names: list[str], weights: list[float], how: str) -> dict:
+    """Among the multi-target study's feasible measured trials (``trials.csv``), the best one for
+    each target alone (what a study of that target would have kept from these shapes), with its
+    ratio on every target and its aggregate: whether the targets disagree about the shape."""
+    import csv
+
+    from archsearch.search.targets import aggregate
+
+    with open(study / "trials.csv") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("binding_target") and r.get("feasible") == "True"]
+    out = {}
+    for n in names:
+        best = max(rows, key=lambda r: float(r[f"target_{n}_ratio"]))
+        ratios = {m: float(best[f"target_{m}_ratio"]) for m in names}
+        out[n] = {"trial": int(best["trial"]), "own_ratio": ratios[n], "ratios": ratios,
+                  "shape": {k: best.get(k) for k in ("hidden_size", "n_heads", "n_kv_heads", "ffn")},
+                  "aggregate": aggregate(list(ratios.values()), weights, how)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--single", required=True, help="the single-target study folder")
@@ -80,13 +100,14 @@ def main() -> None:
     how = cfg.optuna.target_objective
     agg = {k: aggregate([row[f"{k}_answer_ratio"] for row in rows], weights, how) for k in answers}
     cost = {k: study_cost(Path(getattr(args, k))) for k in answers}
+    own = each_targets_own_best(Path(args.multi), [t.name for t in cfg.measure.targets], weights, how)
     out = {"benchmark": "targets", "single_study": args.single, "multi_study": args.multi,
            "multi_config": args.multi_config, "objective": how,
            "answers": {k: {kk: describe(v)[kk] for kk in ("hidden_size", "n_heads", "n_kv_heads", "ffn", "gqa",
                                                            "mlp_to_attn_ratio", "hidden_over_sqrt_n")}
                        for k, v in answers.items()},
            "same_answer": answers["single"] == answers["multi"],
-           "per_target": rows, "aggregate": agg, "cost": cost,
+           "per_target": rows, "aggregate": agg, "cost": cost, "each_targets_own_best": own,
            "measurement_records_multi_over_single": cost["multi"]["measurement_records"]
            / max(1, cost["single"]["measurement_records"]),
            "source": "analytic roofline predictions with each target's calibration (no engine ran)",
@@ -96,6 +117,9 @@ def main() -> None:
         print(f"{row['target']:<14}{row['batch_size']:>6}{row['single_answer_ratio']:>12.3f}x"
               f"{row['multi_answer_ratio']:>11.3f}x{row['single_vs_multi']:>+16.1%}")
     print(f"{how} over targets: single answer x{agg['single']:.3f}, multi answer x{agg['multi']:.3f}")
+    for name, o in own.items():
+        print(f"{name}'s own best trial {o['trial']} (x{o['own_ratio']:.3f} there): "
+              + ", ".join(f"{n} x{r:.3f}" for n, r in o["ratios"].items()) + f"; {how} x{o['aggregate']:.3f}")
     for k, c in cost.items():
         print(f"{k}-target study: {c['measurement_records']} measurement records ({c['distinct_shapes']} shapes, "
               f"{c['trials']} trials, {c['gqa_steps_measured']} GQA steps)")
