@@ -177,6 +177,7 @@ class Target:
 
 def build_targets(cfg, store, scale=None) -> list[Target] | None:
     """The study's targets, each with its own Measurer on the study's store (None: no targets)."""
+    from archsearch.logs import get_logger
     from archsearch.search.measure import Measurer
 
     if not cfg.measure.targets:
@@ -185,11 +186,12 @@ def build_targets(cfg, store, scale=None) -> list[Target] | None:
     for t in cfg.measure.targets:
         m = target_measure(cfg.measure, t)
         out.append(Target(t, m, Measurer(m, store, scale=scale)))
+    for t in out[1:]:  # the first target's note is the study's (the report's first line says it)
+        if t.measurer.note:
+            get_logger("search").warning(f"[search] target {t.name}: {t.measurer.note}")
     uncal = [t.name for t in out if t.predicted and not t.measure.calibration
              and (t.measure.device_spec or "cpu").lower() != "cpu"]
     if uncal:
-        from archsearch.logs import get_logger
-
         get_logger("search").warning(f"[search] targets {uncal} are predicted by an uncalibrated roofline (peak "
                                      "figures): give each a calibration (configs/calibration/) to trust their ratios")
     return out
