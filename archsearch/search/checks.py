@@ -183,7 +183,9 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
         from archsearch.cluster.executor import check_cluster
         from archsearch.trainers.config import check_trackers
 
-        resolve_backend(cfg.measure)
+        for view in target_views(cfg):  # each deployment target's engine, or the measure block's
+            with view.named():
+                resolve_backend(view.cfg.measure)
         check_cluster(cfg.cluster)
         check_trackers(cfg.optuna.log_with, "optuna.log_with")
     if cfg.law.file:
@@ -200,7 +202,17 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
         check_data_budgets(cfg)
     measured_baseline(cfg)  # every comparison measures the baseline, rebuilt at measure.params where set
     # the plan checks the device it is priced on (--gpus) itself
-    check_reference_batch(cfg, cfg.measure.device_spec if for_plan else measuring_device(cfg))
+    for view in target_views(cfg):
+        with view.named():
+            check_reference_batch(view.cfg, view.cfg.measure.device_spec if for_plan else measuring_device(view.cfg))
+
+
+def target_views(cfg: StudyConfig):
+    """The study as each deployment target measures it (``measure`` replaced by the target's own
+    block, :func:`archsearch.search.targets.target_measure`), or the study itself without targets."""
+    from archsearch.search.targets import study_views
+
+    return study_views(cfg)
 
 
 def check_trials_fit_the_box(cfg: StudyConfig, build) -> None:

@@ -21,6 +21,7 @@ from archsearch.configio import base_view
 from archsearch.errors import ArchsearchError
 from archsearch.laws.fit import FitOptions
 from archsearch.planning.limits import Limits
+from archsearch.search.targets import AGGREGATES, DeploymentTarget
 from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
 LAW_FORMS = ("conditional-multiplicative", "conditional-additive")
@@ -252,6 +253,10 @@ class MeasureConfig(BenchSettings):
     # a failed measurement (an engine error may be transient) is measured again by a later run of
     # the study, up to this many attempts in all; the store records each one's attempts
     max_attempts: int = 3
+    # deployment targets (archsearch.search.targets): every candidate compared with the baseline on
+    # each, the objective an aggregate of the ratios (optuna.target_objective); None: this block is
+    # the one target
+    targets: list[DeploymentTarget] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the measurement's own checks
@@ -284,6 +289,9 @@ class MeasureConfig(BenchSettings):
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
+        from archsearch.search.targets import check_targets
+
+        check_targets(self)
 
     def bench_settings(self, backend: str) -> BenchSettings:
         """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
@@ -315,6 +323,9 @@ class OptunaConfig:
     measure_infeasible: bool = False  # measure candidates that break the loss constraint too
     # report each trial to accelerate's trackers, as train.log_with: tensorboard, wandb, mlflow
     log_with: str | list[str] | None = None
+    # with measure.targets: the objective over the targets' throughput ratios to the baseline, the
+    # worst one (every target must hold) or their weighted geometric mean
+    target_objective: str = "worst"
 
     def __post_init__(self) -> None:
         from archsearch.trainers.config import TRACKERS
@@ -329,6 +340,9 @@ class OptunaConfig:
             raise ArchsearchError("optuna.sampler", f"unknown sampler {self.sampler!r}", f"use one of {list(SAMPLERS)}")
         if self.objective not in ("throughput", "pareto"):
             raise ArchsearchError("optuna.objective", f"{self.objective!r} is unknown", "use throughput or pareto")
+        if self.target_objective not in AGGREGATES:
+            raise ArchsearchError("optuna.target_objective", f"{self.target_objective!r} is unknown",
+                                  f"use one of {list(AGGREGATES)}")
         if self.n_trials <= 0:
             raise ArchsearchError("optuna.n_trials", "must be positive")
         if self.max_trials is not None and self.max_trials < self.n_trials:

@@ -351,6 +351,10 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
 
     def paired_visit(step: GQAStep, v: ArchSpec, attempt: int = 0) -> None:
         group = [ctx.baseline, v] if start is None else [ctx.baseline, start, v]
+        if getattr(ctx, "targets", None):  # the study's aggregate over its deployment targets
+            from archsearch.search.targets import gqa_paired_visit
+
+            return gqa_paired_visit(step, group, ctx, attempt)
         m = ctx.measurer.compare(group, attempt=attempt)
         pr, step.measurement_key = m.result, m.key
         step.measured = True

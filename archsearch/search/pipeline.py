@@ -455,9 +455,13 @@ def search_context(cfg: StudyConfig, out: Path, law=None):
     lt = target_loss(cfg, law)
     check_target(cfg, law, lt)
     build = build_settings(cfg, vocab_size(cfg))
-    measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"), scale=measure_scale(cfg, build))
+    store, scale = MeasurementStore(out / "measurements.jsonl"), measure_scale(cfg, build)
+    from archsearch.search.targets import build_targets
+
+    targets = build_targets(cfg, store, scale)  # with targets, the first one's measurer is the study's
+    measurer = targets[0].measurer if targets else Measurer(cfg.measure, store, scale=scale)
     return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                         build=build, baseline=baseline_spec(cfg))
+                         build=build, baseline=baseline_spec(cfg), targets=targets)
 
 
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:

