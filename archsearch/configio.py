@@ -12,26 +12,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar, Union, get_args, get_origin
 
-from archsearch.errors import ArchsearchError
+from archsearch.errors import ArchsearchError, redact  # redact: re-exported, what configs are masked with
+from archsearch.fileio import read_text
 
 T = TypeVar("T")
-
-
-# user:password@ in a URL (scheme://user:password@host): the password is what redact() masks
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*:)(?P<password>[^@\s]*)@")
-
-
-def redact(text: str) -> str:
-    """``text`` with the password of every URL in it masked (``postgresql://u:***@host/db``): what
-    the project prints or writes of a config, a command line or an error goes through here, so a
-    storage password is used to connect and never shown or stored."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}***@", text) if isinstance(text, str) and "://" in text else text
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -259,8 +248,6 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     p = Path(path)
     if not p.is_file():
         raise ArchsearchError("--config", f"no such file {str(p)!r}")
-    from archsearch.fileio import read_text
-
     try:
         data = yaml.safe_load(read_text(p))
     except yaml.YAMLError as e:

@@ -7,14 +7,24 @@ names the field and says what would be valid, so the user can fix it without rea
 
 from __future__ import annotations
 
+import re
+
+# user:password@ in a URL (scheme://user:password@host): the password is what redact() masks
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*:)(?P<password>[^@\s]*)@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it masked (``postgresql://u:***@host/db``): what
+    the project prints or writes of a config, a command line or an error goes through here, so a
+    storage password is used to connect and never shown or stored."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['head']}***@", text) if isinstance(text, str) and "://" in text else text
+
 
 class ArchsearchError(ValueError):
     """A problem with the user's input; ``field`` names what to fix. No part of the message shows
-    a URL's password (``configio.redact``)."""
+    a URL's password (:func:`redact`)."""
 
     def __init__(self, field: str, problem: str, fix: str | None = None):
-        from archsearch.configio import redact  # here: configio imports this module
-
         field, problem, fix = redact(field), redact(problem), redact(fix)
         self.field = field
         self.problem = problem

@@ -11,11 +11,13 @@ it.
 from __future__ import annotations
 
 import functools
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import write_json
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,16 @@ GPUS: dict[str, Device] = {d.name: d for d in [
 ]}
 _ALIASES = {"A100": "A100-80GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB",
             "H100": "H100-SXM", "H100-80GB": "H100-SXM", "H200-141GB": "H200"}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def get_device(name: str) -> Device:
@@ -181,7 +193,6 @@ def cpu_device() -> Device:
     import datetime
     import json
 
-    from archsearch.provenance import cpu_name
 
     path = cpu_profile_path()
 
@@ -201,7 +212,6 @@ def cpu_device() -> Device:
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     dev = Device(**{**dev.__dict__, "source": f"{dev.source}; measured {when} into the machine profile {path} "
                                               "(read back since; delete it to measure again)"})
-    from archsearch.fileio import write_json
 
     write_json(path, {"cpu": cpu_name(), "measured_utc": when, "device": dev.to_dict()})
     return dev

@@ -15,7 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
-from archsearch.configio import redact
+from archsearch.errors import redact
+from archsearch.hardware import cpu_name, detect_gpu_name
 
 CORE_PACKAGES = ("archsearch", "torch", "transformers", "numpy", "scipy", "optuna",
                  "accelerate", "datasets")
@@ -32,16 +33,6 @@ def package_versions(names: Iterable[str]) -> dict[str, str | None]:
     return out
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_info() -> dict[str, Any]:
     """The accelerator in use (CUDA name, count, memory) or the CPU, with thread count."""
     info: dict[str, Any] = {"cpu": cpu_name()}
@@ -52,7 +43,6 @@ def device_info() -> dict[str, Any]:
     info["threads"] = torch.get_num_threads()
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        from archsearch.hardware import detect_gpu_name
 
         info.update({"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
                      "memory_gib": round(props.total_memory / 2**30, 2),

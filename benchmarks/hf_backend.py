@@ -38,7 +38,7 @@ class HFBackend(Backend):
         import torch
         import transformers
 
-        from archsearch.provenance import cpu_name
+        from archsearch.hardware import cpu_name
 
         s = job["settings"]
         spec = ArchSpec.from_dict(job["arch"])

@@ -130,7 +130,7 @@ class VLLMBackend(Backend):
         paired measurement, :mod:`archsearch.benchmarks.paired`)."""
         import torch
 
-        from archsearch.provenance import cpu_name
+        from archsearch.hardware import cpu_name
 
         on_gpu = torch.cuda.is_available() if self.on_gpu is None else self.on_gpu
         device_name, memory_probe = self.device_name, self.memory_probe

@@ -169,7 +169,7 @@ def test_sparse_and_dense_moe_finetune_memory_and_flops():
     """Routing every expert (the dense fine-tune) grows activations and step FLOPs, not weights."""
     from archsearch.planning.batchlaws import with_active_experts
     from archsearch.planning.lora import LoraSettings
-    from archsearch.planning.memory import predict_finetune_memory
+    from archsearch.planning.finetune import predict_finetune_memory
     from archsearch.planning.planner import lora_step_flops
     from archsearch.presets import get_preset
 

@@ -258,7 +258,7 @@ def test_finetune_memory_counts_what_is_trained():
     fp32 adapters and AdamW states on the attention)."""
     from archsearch.arch import total_params
     from archsearch.planning.formats import base_weight_bytes
-    from archsearch.planning.memory import predict_finetune_memory
+    from archsearch.planning.finetune import predict_finetune_memory
     from archsearch.presets import get_preset
 
     spec = get_preset("mixtral-8x7b")

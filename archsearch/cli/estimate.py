@@ -135,7 +135,7 @@ def _estimate(args: argparse.Namespace) -> int:
                             mfu=args.mfu, price_per_hour=args.price, time_law=args.law,
                             dtype=args.dtype, seq_len=args.seq_len, parallelism=args.parallelism)
     if method != "full":
-        from archsearch.planning.memory import predict_finetune_memory
+        from archsearch.planning.finetune import predict_finetune_memory
 
         ft = predict_finetune_memory(spec, method, 1, args.seq_len, args.dtype, lora=lora, weight_format=fmt)
         est.assumptions.update({"finetune": f"{method}: {lora.describe()}", "memory_per_device_gib_at_micro_batch_1":
@@ -269,7 +269,7 @@ def _memory(args: argparse.Namespace) -> int:
         if (args.parallelism, n, args.tp, args.pp) != ("ddp", 1, 1, 1):
             raise ArchsearchError("--parallelism", f"sharding with --finetune {method}",
                                   "LoRA/QLoRA memory is planned on one device: leave --tp/--pp/--parallelism out")
-        from archsearch.planning.memory import max_finetune_batch, predict_finetune_memory
+        from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
 
         tr = predict_finetune_memory(spec, method, args.micro_batch, args.seq_len, args.dtype, lora=lora,
                                      weight_format=fmt)

@@ -7,8 +7,8 @@ law is fitted or the CPU is measured).
 from archsearch.planning.cost import Price, resolve_price
 from archsearch.planning.limits import Limits, check_limits
 from archsearch.planning.formats import WeightFormat, base_weight_bytes, parse_format
-from archsearch.planning.memory import (max_finetune_batch, max_inference_batch, max_training_batch,
-                                        predict_finetune_memory, predict_inference_memory,
+from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
+from archsearch.planning.memory import (max_inference_batch, max_training_batch, predict_inference_memory,
                                         predict_training_memory)
 from archsearch.planning.time import (TimeLaw, TimeLawFit, TrainingEstimate, estimate_training,
                                       fit_time_law, parse_gpus)

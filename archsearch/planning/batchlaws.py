@@ -301,7 +301,7 @@ def model_memory_bytes(spec, quantity: str, dtype: str, *, method: str = "full",
 
     if quantity == "output tokens/s":
         return base_weight_bytes(spec, weight_format, dtype)["total"]
-    from archsearch.planning.memory import predict_finetune_memory
+    from archsearch.planning.finetune import predict_finetune_memory
 
     m = predict_finetune_memory(spec, method, 1, 1, dtype, lora=lora, weight_format=weight_format)
     if method == "full":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from archsearch.arch import ArchSpec, active_ffn_width
 from archsearch.errors import ArchsearchError
+from archsearch.planning.memory import predict_training_memory
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -213,7 +214,6 @@ def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq
     The total is meant as an upper bound of the peak (the planner's memory limit)."""
     from archsearch.arch import dtype_bytes
     from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
-    from archsearch.planning.memory import predict_training_memory
 
     fmt = parse_format(weight_format, dtype)
     full = predict_training_memory(spec, batch_size, seq_len, dtype)

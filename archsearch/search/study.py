@@ -275,7 +275,7 @@ def _begin_immediate(conn) -> None:
 CONSTRAINT_KEYS = ("predicted_loss_minus_target", "limits_violated")
 
 
-def _set_constraint(trial, key: str, value: float) -> None:
+def set_constraint(trial, key: str, value: float) -> None:
     """Record one constraint value, named in ``user_attrs['constraints']``. The samplers and
     optuna-dashboard read the values from the system attribute ``constraints`` as a list, the
     form Optuna's own ``constraints_func`` writes (the dashboard does not read the keyed form
@@ -414,8 +414,8 @@ def _objective(trial, ctx: SearchContext):
     try:
         spec = expand(cfg, ctx.build, x1, r, g)
     except ArchsearchError as e:
-        _set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
-        _set_constraint(trial, "limits_violated", 0.0)
+        set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
+        set_constraint(trial, "limits_violated", 0.0)
         trial.set_user_attr("pruned_reason", f"unbuildable: {e}")
         raise optuna.TrialPruned(f"unbuildable: {e}") from None
     trial.set_user_attr("spec", spec.to_dict())
@@ -428,8 +428,8 @@ def _objective(trial, ctx: SearchContext):
     trial.set_user_attr("loss_margin", loss_margin(ctx, spec))
     outside = out_of_range(ctx, spec)
     if outside:  # refused, unmeasured: the law says nothing it was fitted to say there
-        _set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
-        _set_constraint(trial, "limits_violated", 0.0)
+        set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
+        set_constraint(trial, "limits_violated", 0.0)
         trial.set_user_attr("feasible_loss", False)
         trial.set_user_attr("measured", False)
         trial.set_user_attr("infeasible_reason", f"{outside}; not measured (law.allow_extrapolation: false)")
@@ -438,7 +438,7 @@ def _objective(trial, ctx: SearchContext):
     if cfg.target.confidence is not None:
         trial.set_user_attr("loss_upper_bound", {"level": cfg.target.confidence, "value": bound})
     violation = bound - ctx.target_loss
-    _set_constraint(trial, "predicted_loss_minus_target", violation)
+    set_constraint(trial, "predicted_loss_minus_target", violation)
     feasible = violation <= 0
     trial.set_user_attr("feasible_loss", feasible)
     if not feasible and not cfg.optuna.measure_infeasible and cfg.optuna.objective == "throughput":
@@ -450,7 +450,7 @@ def _objective(trial, ctx: SearchContext):
                 "bootstrap and its own error)")
         trial.set_user_attr("measured", False)
         trial.set_user_attr("infeasible_reason", f"{what} > target {ctx.target_loss:.4f}; not measured")
-        _set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
+        set_constraint(trial, "limits_violated", 0.0)  # not measured, so no limit was broken
         return 0.0
 
     if ctx.targets:
@@ -467,19 +467,19 @@ def _objective(trial, ctx: SearchContext):
     failed = {str(b.batch_size): b.error for b in result.per_batch if not b.ok}
     if failed:  # the other batch sizes are kept; only the objective's own batch size decides
         trial.set_user_attr("failed_batches", failed)
-    _stored(trial, m, result.backend, None if tput is not None else
+    record_measurement(trial, m, result.backend, None if tput is not None else
             failed.get(str(ctx.ref_batch)) or result.error or f"no throughput at batch size {ctx.ref_batch}")
     return _measured(trial, ctx, result.batch(ctx.ref_batch), tput, loss)
 
 
-def _stored(trial, m, backend: str | None, failure: str | None) -> None:
+def record_measurement(trial, m, backend: str | None, failure: str | None) -> None:
     """Record where a trial's measurement is stored; a failed one fails the trial."""
     trial.set_user_attr("measurement_key", m.key)
     trial.set_user_attr("measurement_cached", m.cached)
     trial.set_user_attr("backend", backend)
     if failure is not None:
         trial.set_user_attr("failure_reason", failure)
-        _set_constraint(trial, "limits_violated", 0.0)
+        set_constraint(trial, "limits_violated", 0.0)
         raise MeasurementFailed(failure)
 
 
@@ -489,7 +489,7 @@ def _measured(trial, ctx: SearchContext, batch, value: float, loss: float):
     ok, why = check_result_limits(ctx.cfg.limits, batch, ctx.ref_batch)
     if not ok:
         trial.set_user_attr("limits_reason", why)
-    _set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
+    set_constraint(trial, "limits_violated", 0.0 if ok else 1.0)
     return (value, loss) if ctx.cfg.optuna.objective == "pareto" else value
 
 
@@ -526,11 +526,11 @@ def _paired_objective(trial, ctx: SearchContext, spec: ArchSpec, loss: float):
     if spec == ctx.baseline:  # its ratio to itself is 1 by definition: measuring it would measure noise
         trial.set_user_attr("measured", False)
         trial.set_user_attr("is_baseline", True)
-        _set_constraint(trial, "limits_violated", 0.0)
+        set_constraint(trial, "limits_violated", 0.0)
         return (1.0, loss) if cfg.optuna.objective == "pareto" else 1.0
     m = ctx.measurer.compare([ctx.baseline, spec])
     pr = m.result
-    _stored(trial, m, pr.settings.get("backend"),
+    record_measurement(trial, m, pr.settings.get("backend"),
             None if pr.ok else pr.error or "the paired measurement gave fewer than two rounds")
     iv = ctx.measurer.instance_var()
     est = pr.estimate(1, instance_var=iv)

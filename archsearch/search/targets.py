@@ -265,18 +265,18 @@ def multi_target_objective(trial, ctx, spec: ArchSpec, loss: float):
     aggregate of its ratios; each target's ratio (measured with its interval, or predicted) kept in
     the trial's ``ratio.per_target`` and ``target_ratios`` user attributes."""
     from archsearch.search.measure import check_result_limits
-    from archsearch.search.study import _set_constraint, _stored
+    from archsearch.search.study import record_measurement, set_constraint
 
     cfg = ctx.cfg
     if spec == ctx.baseline:
         trial.set_user_attr("measured", False)
         trial.set_user_attr("is_baseline", True)
-        _set_constraint(trial, "limits_violated", 0.0)
+        set_constraint(trial, "limits_violated", 0.0)
         return (1.0, loss) if cfg.optuna.objective == "pareto" else 1.0
     est, ms, failure = compare_on_targets(ctx.targets, [ctx.baseline, spec], cfg.optuna.target_objective)
     trial.set_user_attr("measurement_keys", {t.name: m.key for t, m in zip(ctx.targets, ms)})
     bad = next((m for m in ms if not m.result.ok), ms[0])
-    _stored(trial, bad, ",".join(sorted({t.measurer.backend for t in ctx.targets})), failure)
+    record_measurement(trial, bad, ",".join(sorted({t.measurer.backend for t in ctx.targets})), failure)
     trial.set_user_attr("ratio", est)
     trial.set_user_attr("target_ratios", {r["target"]: r["ratio"] for r in est["per_target"]})
     trial.set_user_attr("binding_target", est["binding"])
@@ -292,7 +292,7 @@ def multi_target_objective(trial, ctx, spec: ArchSpec, loss: float):
     trial.set_user_attr("measured", True)
     if broken:
         trial.set_user_attr("limits_reason", "; ".join(broken))
-    _set_constraint(trial, "limits_violated", 1.0 if broken else 0.0)
+    set_constraint(trial, "limits_violated", 1.0 if broken else 0.0)
     return (est["ratio"], loss) if cfg.optuna.objective == "pareto" else est["ratio"]
 
 
