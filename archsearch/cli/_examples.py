@@ -31,6 +31,10 @@ EXAMPLES: dict[str, list[str]] = {
         "archsearch bench --backend vllm --preset tiny --batch-sizes 1,8 --input-len 128 --output-len 64 "
         f"--repeats 3 --json   {SLOW} measures with vLLM",
     ],
+    "calibrate": [
+        "archsearch calibrate --table configs/calibration/published-throughput.csv --device H200 --engine vllm "
+        f"--out h200-vllm.json   {SLOW} refits every model variant once per held-out shape and batch size",
+    ],
     "estimate": [
         "archsearch estimate --arch llama-3.2-1b --tokens 20B --gpus 8xH100",
         "archsearch estimate --preset qwen3-0.6b --tokens 12B --gpus 8xH200 --tp 2 --json",
