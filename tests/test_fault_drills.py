@@ -20,6 +20,26 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def fail_next_paired_measurement(monkeypatch) -> list[int]:
+    """Make the next paired measurement fail as a transient engine error would; the returned list
+    empties once it has."""
+    import dataclasses
+
+    from archsearch.search.measure import Measurer
+
+    real, fail_next = Measurer._paired, [1]
+
+    def flaky(self, specs):
+        r = real(self, specs)
+        if fail_next:
+            fail_next.pop()
+            return dataclasses.replace(r, ok=False, error="engine died (transient)", rounds=[])
+        return r
+
+    monkeypatch.setattr(Measurer, "_paired", flaky)
+    return fail_next
+
+
 def _gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -148,25 +168,13 @@ def test_the_heartbeat_beats_while_a_trial_runs(tmp_path):
 def test_a_failed_measurement_is_measured_again_on_resume_up_to_max_attempts(tmp_path, monkeypatch, capsys):
     """A transient engine failure is not read back forever: the next run of the study measures
     that shape again (attempts recorded), until measure.max_attempts."""
-    import dataclasses
-
     from archsearch.search import pipeline
-    from archsearch.search.measure import Measurer
     from tests.test_search import load, study_config
 
     cfg = load(study_config(tmp_path, optuna={"n_trials": 2, "enqueue_solution": 1, "max_trials": 6},
                             gqa_search={"enabled": False}, measure={"max_attempts": 2}))
     out = cfg.out_dir()
-    real, fail_next = Measurer._paired, [1]
-
-    def flaky(self, specs):
-        r = real(self, specs)
-        if fail_next:
-            fail_next.pop()
-            return dataclasses.replace(r, ok=False, error="engine died (transient)", rounds=[])
-        return r
-
-    monkeypatch.setattr(Measurer, "_paired", flaky)
+    fail_next = fail_next_paired_measurement(monkeypatch)
 
     def records() -> list[dict]:
         return [json.loads(x) for x in (out / "measurements.jsonl").read_text().splitlines()]
@@ -257,10 +265,7 @@ def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
 
 
 def test_a_failed_gqa_measurement_is_measured_again_on_resume(tmp_path, monkeypatch, capsys):
-    import dataclasses
-
     from archsearch.search import pipeline
-    from archsearch.search.measure import Measurer
     from tests.test_search import load, study_config
 
     space = {"hidden_over_sqrt_n": [0.08, 0.3], "mlp_to_attn": [0.7, 5.0], "gqa": [1, 2, 4], "head_dim": 32,
@@ -269,16 +274,7 @@ def test_a_failed_gqa_measurement_is_measured_again_on_resume(tmp_path, monkeypa
     cfg = load(study_config(tmp_path, optuna={"n_trials": 2}, search_space=space))
     out = cfg.out_dir()
     pipeline.run(cfg, out, only={"search"})
-    real, fail_next = Measurer._paired, [1]
-
-    def flaky(self, specs):
-        r = real(self, specs)
-        if fail_next:
-            fail_next.pop()
-            return dataclasses.replace(r, ok=False, error="engine died (transient)", rounds=[])
-        return r
-
-    monkeypatch.setattr(Measurer, "_paired", flaky)
+    fail_next = fail_next_paired_measurement(monkeypatch)
     pipeline.run(cfg, out, only={"gqa"})
     steps = json.loads((out / "gqa.json").read_text())["steps"]
     failed = [s for s in steps if "measurement failed" in s["note"]]

@@ -721,7 +721,9 @@ def render_markdown(s: dict[str, Any]) -> str:
             lines += [
                 "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
                 f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput relative to the "
-                f"baseline {_ratio_txt(q)}, which includes 1 (a tie within the measurement's noise)."
+                f"baseline {_ratio_txt(q)}, " + (
+                    "entirely below 1 (significantly slower)." if q.get("hi") is not None and q["hi"] < 1 else
+                    "which includes 1 (a tie within the measurement's noise).")
                 if q else "", ""]
         else:
             q = ch.get("ratio")
