@@ -458,6 +458,22 @@ def test_gqa_walk_of_a_study_that_cannot_train_honours_its_bound(tmp_path):
         assert not gqa_admits(res.to_dict(), pairs[g_out])
 
 
+def test_a_study_that_cannot_train_samples_no_head_pair_beyond_the_gqa_bound(tmp_path):
+    """Where no proxy checks GQA's effect on loss, the Optuna search refuses (unmeasured) the
+    shapes the GQA walk could not admit, so its best trial is one the walk can start from."""
+    from archsearch.arch import ArchSpec
+    from archsearch.search.study import outside_gqa_bounds
+
+    spec = ArchSpec(**GQA_SPEC)
+    few_kv = spec.replace(n_heads=spec.n_heads + spec.n_kv_heads - 1, n_kv_heads=1)
+    bounded = load(study_config(tmp_path, gqa_search={"min_kv_heads": 2}))
+    assert "1 KV heads < 2" in outside_gqa_bounds(bounded, few_kv)
+    assert outside_gqa_bounds(bounded, spec.replace(n_heads=8, n_kv_heads=2)) is None
+    unbounded = load(study_config(tmp_path))  # no bound, no proxies: no further than baseline_gqa
+    assert "GQA 8 > 4" in outside_gqa_bounds(unbounded, spec.replace(n_heads=16, n_kv_heads=2))
+    assert outside_gqa_bounds(unbounded, spec.replace(n_heads=8, n_kv_heads=2)) is None
+
+
 @pytest.mark.parametrize("gqa_search, field", [
     ({"max_gqa": 2}, "gqa_search.max_gqa"),  # below baseline_gqa 4, where the walk starts
     ({"min_kv_heads": 0}, "gqa_search.min_kv_heads"),

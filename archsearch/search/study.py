@@ -31,6 +31,7 @@ from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.logs import get_logger
 from archsearch.search import log, margins
+from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import Measurer, check_result_limits, spec_key
 
@@ -126,6 +127,20 @@ def loss_bound(ctx: SearchContext, spec: ArchSpec) -> float:
 def out_of_range(ctx: SearchContext, spec: ArchSpec) -> str | None:
     """Why ``spec`` is refused as outside the law's fitted range (None: inside, or allowed)."""
     return None if ctx.cfg.law.allow_extrapolation else margins.outside_range(ctx.law, spec)
+
+
+def outside_gqa_bounds(cfg: StudyConfig, spec: ArchSpec) -> str | None:
+    """Why ``spec``'s head pair is refused by the GQA bounds (None: within them). The bounds are
+    the local GQA search's (``gqa_search.bounds``): where no proxy checks what GQA does to loss,
+    the search samples no shape the walk could not admit, so its best trial is one the walk
+    starts from rather than one it must discard."""
+    max_gqa, min_kv, why = cfg.gqa_search.bounds(bool(proxy_sweeps(cfg)))
+    gqa = spec.n_heads // spec.n_kv_heads
+    if max_gqa is not None and gqa > max_gqa:
+        return f"GQA {gqa} > {max_gqa} ({why})"
+    if min_kv is not None and spec.n_kv_heads < min_kv:
+        return f"{spec.n_kv_heads} KV heads < {min_kv} ({why})"
+    return None
 
 
 def loss_margin(ctx: SearchContext, spec: ArchSpec) -> dict[str, Any]:
@@ -433,6 +448,14 @@ def _objective(trial, ctx: SearchContext):
         trial.set_user_attr("feasible_loss", False)
         trial.set_user_attr("measured", False)
         trial.set_user_attr("infeasible_reason", f"{outside}; not measured (law.allow_extrapolation: false)")
+        return (0.0, loss) if cfg.optuna.objective == "pareto" else 0.0
+    outside = outside_gqa_bounds(cfg, spec)
+    if outside:  # refused, unmeasured: GQA's effect on loss cannot be checked beyond the bound
+        set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
+        set_constraint(trial, "limits_violated", 0.0)
+        trial.set_user_attr("feasible_loss", False)
+        trial.set_user_attr("measured", False)
+        trial.set_user_attr("infeasible_reason", f"{outside}; not measured")
         return (0.0, loss) if cfg.optuna.objective == "pareto" else 0.0
     bound = loss_bound(ctx, spec)
     if cfg.target.confidence is not None:
