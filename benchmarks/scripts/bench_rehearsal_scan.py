@@ -8,6 +8,10 @@ is cheap to predict, so the search's answer can be checked against exhaustion:
   (:func:`archsearch.search.gqa.gqa_pairs`) at the same attention share, within the walk's
   bounds (``gqa_search.max_gqa`` / ``min_kv_heads``; a study without proxies cannot check loss).
 
+Both spaces are held to what the study holds its own trials to: the same predictor (its
+``measure.calibration`` applied), the law's fitted range (unless ``law.allow_extrapolation``)
+and the GQA walk's bounds.
+
 It also reports how far the built shapes' realised r and d/sqrt(N) drift from the knobs over
 the grid (the worst drift, and how many knob points the r tolerance refused).
 
@@ -47,7 +51,9 @@ def main() -> None:
     from archsearch.search.gqa import bounded_pairs, gqa_pairs
     from archsearch.search.checks import proxy_sweeps, target_loss, vocab_size
     from archsearch.candidates import build_candidate
-    from archsearch.search.study import build_settings
+    from archsearch.search import margins
+    from archsearch.search.study import build_settings, outside_gqa_bounds
+    from archsearch.benchmarks.calibration import Calibration
     from archsearch.benchmarks.analytic import predict_batch
     from archsearch.benchmarks.base import append_jsonl, resolve_dtype
 
@@ -61,11 +67,16 @@ def main() -> None:
     device = get_device(cfg.measure.device_spec)
     dtype = resolve_dtype(cfg.measure.dtype, on_gpu=True)
     b, m = cfg.measure.ref_batch, cfg.measure
+    cal = Calibration.load(m.calibration) if m.calibration else None
 
     def evaluate(spec):
         loss = law.predict(spec, cfg.tokens, params=cfg.params)
-        tput = predict_batch(spec, device, dtype, b, m.input_len, m.output_len).output_throughput
+        tput = predict_batch(spec, device, dtype, b, m.input_len, m.output_len, cal).output_throughput
         return {"spec": spec.to_dict(), "predicted_loss": loss, "throughput": tput}
+
+    def allowed(spec) -> bool:  # what the study refuses unmeasured, the scan refuses too
+        return ((cfg.law.allow_extrapolation or margins.outside_range(law, spec) is None)
+                and outside_gqa_bounds(cfg, spec) is None)
 
     s = cfg.search_space
     box, seen = [], set()
@@ -87,7 +98,7 @@ def main() -> None:
                 if spec not in seen:
                     seen.add(spec)
                     box.append(spec)
-    scored = [evaluate(sp) for sp in box]
+    scored = [evaluate(sp) for sp in box if allowed(sp)]
     feasible = [p for p in scored if p["predicted_loss"] <= lt and p["throughput"] is not None]
     best_box = max(feasible, key=lambda p: p["throughput"])
     from archsearch.arch import ArchSpec
@@ -98,7 +109,7 @@ def main() -> None:
     with_pairs, seen_pairs = [p for p in feasible if admitted(ArchSpec.from_dict(p["spec"]))], set(seen)
     for p in feasible:
         for v in bounded_pairs(gqa_pairs(ArchSpec.from_dict(p["spec"]), cfg.params, build), *bound).values():
-            if v not in seen_pairs:
+            if v not in seen_pairs and allowed(v):
                 seen_pairs.add(v)
                 q = evaluate(v)
                 if q["predicted_loss"] <= lt and q["throughput"] is not None:
@@ -112,6 +123,7 @@ def main() -> None:
     row = {
         "benchmark": "rehearsal_scan", "config": args.config, "study": str(study),
         "target_loss": lt, "device": device.name, "batch_size": b,
+        "calibration": m.calibration or "uncalibrated roofline",
         "input_len": m.input_len, "output_len": m.output_len,
         "knob_grid_drift": drift,
         "dense_box": {"shapes": len(box), "feasible": len(feasible), "best": best_box},
