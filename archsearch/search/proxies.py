@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from archsearch.cluster.startup import record_tail
 from archsearch.fileio import atomic_write
 from archsearch.search import log
 from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import file_lock
+from archsearch.trainers.loop import read_record, token_budget
 
 
 def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
@@ -41,8 +43,6 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
             sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
         if jobs is not None:  # the coordinator's seconds after the sweep's jobs until its runs are collected
-            from archsearch.cluster.startup import record_tail
-
             record_tail(out, "proxy", "proxy_tail_s", jobs, since=t_sub)
     write_runs(runs_path, records)
     return {"proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
@@ -91,7 +91,6 @@ def train_runs(cfg: StudyConfig, sweep, runs: list[tuple[str, Any, Any]], folder
     is never trained again. ``data``: the sweep's prepared data (inline training reads it).
     Returns run id -> its ``run.json`` record, and the ids trained by this call."""
     from archsearch.cluster.study import has_record, link_to_store
-    from archsearch.trainers.loop import read_record
 
     dirs = {run_id: folder / "runs" / run_id for run_id, _, _ in runs}
     if cfg.proxy.store:
@@ -105,7 +104,6 @@ def train_runs(cfg: StudyConfig, sweep, runs: list[tuple[str, Any, Any]], folder
 
         run_train_jobs(todo, sweep.data, dirs, cfg.cluster, folder.parent / JOBS_DIR / folder.name)
     elif todo:
-        from archsearch.trainers.loop import token_budget
         from archsearch.trainers.sweep import train_or_fail
 
         for run_id, spec, tc in todo:
