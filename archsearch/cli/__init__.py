@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from archsearch import __version__
 from archsearch.cli._common import finite_float
 from archsearch.errors import ArchsearchError
+from archsearch.logs import configure
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
     from archsearch.cli._common import json_stdout
-    from archsearch.logs import configure
 
     configure(getattr(args, "verbosity", 0))
     _terminate_like_interrupt()
