@@ -39,6 +39,7 @@ from archsearch.laws.forms import CONDITIONAL, LAWS
 from archsearch.laws.lawfile import (FitResult, check_predicts, parse_reference, reference_coefficients,
                                      reference_loss, run_arrays)
 from archsearch.provenance import provenance
+from archsearch.rundata import check_one_loss_kind
 
 if TYPE_CHECKING:
     from archsearch.rundata import RunRecord
@@ -384,7 +385,6 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
-    from archsearch.rundata import check_one_loss_kind
 
     check_one_loss_kind(ok)
     shapeless = [r for r in ok if not r.has_arch]

@@ -19,7 +19,7 @@ import numpy as np
 
 from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import write_json
+from archsearch.fileio import read_text, write_json
 from archsearch.laws import forms
 from archsearch.laws.forms import CONDITIONAL, LAWS
 
@@ -148,8 +148,6 @@ def load_law(path: str | Path) -> FitResult:
     if not p.is_file():
         raise ArchsearchError("--law", f"no such file {str(p)!r}", "fit one with `archsearch fit` or write one by hand")
     try:
-        from archsearch.fileio import read_text
-
         data = json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise ArchsearchError(str(p), f"invalid JSON: {e}") from None

@@ -48,6 +48,7 @@ from archsearch.fileio import read_text, write_json
 from archsearch.hardware import Device, get_device
 from archsearch.planning.cost import resolve_price, training_cost
 from archsearch.planning.memory import check_parallelism, max_training_batch, predict_training_memory
+from archsearch.rundata import MAX_TOKENS
 
 FORMS = ("analytic", "amdahl", "power")
 # Assumed MFU when neither the user nor a fitted law gives one. Dense decoder pretraining on
@@ -428,7 +429,6 @@ def estimate_training(spec: ArchSpec, tokens: float, gpus: str = "8xH100", *, tp
     """
     if not (isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens > 0):
         raise ArchsearchError("tokens", f"must be a positive number, got {tokens!r}")
-    from archsearch.rundata import MAX_TOKENS
 
     if tokens > MAX_TOKENS:
         raise ArchsearchError("tokens", f"{tokens:.3g} tokens is beyond any training run (at most {MAX_TOKENS:.0e}; "

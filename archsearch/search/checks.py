@@ -18,10 +18,13 @@ from archsearch.hardware import get_device, host_memory_bytes
 from archsearch.laws import load_law
 from archsearch.laws.solve import inside_range
 from archsearch.presets import get_preset
+from archsearch.rundata import read_runs
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import resolve_backend
 from archsearch.search.targets import study_views
+from archsearch.trainers import sweep_specs, token_budget
 from archsearch.trainers.config import check_trackers
+from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
 
 # -- shapes ------------------------------------------------------------------------------------
 
@@ -265,8 +268,6 @@ def proxy_sweeps(cfg: StudyConfig) -> list:
 
 def planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
     """The (N, D) groups the proxy runs will have, to 2 significant digits."""
-    from archsearch.rundata import read_runs
-
     r2 = lambda v: float(f"{v:.2g}")
     if cfg.proxy.runs:
         return {(r2(r.n_params), r2(r.tokens)) for r in read_runs(cfg.proxy.runs) if r.status == "ok"}
@@ -384,8 +385,6 @@ def source_tokens(data_cfg) -> tuple[float | None, str]:
         return n, how
     if srcs == ["shakespeare"]:
         try:
-            from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
-
             train, _ = shakespeare_split(tuple(data_cfg.val_works) if data_cfg.val_works is not None
                                          else DEFAULT_VAL_WORKS)
         except ArchsearchError as e:
@@ -410,8 +409,6 @@ def data_budgets(cfg: StudyConfig) -> list[dict]:
     data is read)."""
     items = []
     if cfg.proxy is not None and not cfg.proxy.runs:
-        from archsearch.trainers import sweep_specs, token_budget
-
         many = cfg.proxy.sweeps is not None
         for i, sw in enumerate(proxy_sweeps(cfg)):
             need = max((token_budget(spec, sw.train_for(pt["level"])) for pt, spec, _ in sweep_specs(sw, vocab_size(cfg))

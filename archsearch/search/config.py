@@ -22,6 +22,7 @@ from archsearch.cluster.config import ClusterConfig
 from archsearch.configio import base_view, from_dict, load_yaml
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name, check_output
+from archsearch.laws.active import INITIAL_DESIGNS
 from archsearch.laws.fit import MAX_BOOTSTRAP, FitOptions
 from archsearch.planning.limits import Limits
 from archsearch.search.targets import AGGREGATES, DeploymentTarget, check_targets
@@ -129,8 +130,6 @@ class ActiveProxyConfig:
     noise_floor: float = 0.002          # smallest log-noise of one run the acquisition assumes
 
     def __post_init__(self) -> None:
-        from archsearch.laws.active import INITIAL_DESIGNS
-
         if self.initial not in INITIAL_DESIGNS:
             raise ArchsearchError("proxy.active.initial", f"{self.initial!r} is unknown",
                                   f"use one of {list(INITIAL_DESIGNS)}")

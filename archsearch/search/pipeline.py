@@ -24,6 +24,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.cluster.startup import record_tail
+from archsearch.cluster.study import run_search_workers
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
@@ -31,6 +32,7 @@ from archsearch.laws import fit_law, load_law
 from archsearch.laws.diagnostics import held_out_error
 from archsearch.logs import study_log
 from archsearch.provenance import provenance
+from archsearch.rundata import read_runs
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
 from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
@@ -251,7 +253,6 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         r.law = load_law(cfg.law.file or law_path)
     else:
         from archsearch.laws.plots import write_plots
-        from archsearch.rundata import read_runs
 
         runs = [x for x in read_runs(r.runs_path) if x.status == "ok"]
         log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
@@ -310,8 +311,6 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
             f"measuring with {ctx.measurer.backend}")
         if cfg.cluster.parallel:
-            from archsearch.cluster.study import run_search_workers
-
             workers = run_search_workers(cfg, r.out, stage_start=t)
             study = load_study(ctx)
         else:
@@ -323,7 +322,6 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
                 + ("" if cfg.cluster.parallel else " and measured here"))
             if cfg.cluster.parallel:  # the executor's workers are done: the next run of the stage measures them
                 break
-            from archsearch.search.study import run_study
 
             study, _ = run_study(ctx, progress=r.progress)
         new = sum(1 for tr in study.get_trials(deepcopy=False)
