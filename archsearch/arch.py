@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import write_json
 
 # Head sizes that the fused attention kernels of vLLM (FlashAttention / FlashInfer / the CPU
 # backend) and SGLang accept. A candidate outside this set would build in transformers but
@@ -184,8 +186,6 @@ class ArchSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ArchSpec":
-        from archsearch.configio import from_dict
-
         return from_dict(cls, data, where="architecture")
 
     @classmethod
@@ -499,6 +499,4 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ArchSpec:
 
 def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
     """Write ``out_dir/config.json``; returns its path."""
-    from archsearch.fileio import write_json
-
     return write_json(Path(out_dir) / "config.json", to_hf_config(spec, dtype))

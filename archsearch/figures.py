@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from archsearch.fileio import atomic_open
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Applied only while archsearch draws (rc_context), so a caller's own settings are untouched.
@@ -97,8 +99,6 @@ def legend(ax, **kwargs):
 def save(fig, png: str | Path, dpi: int = 150) -> Path:
     """Write ``fig`` as ``png`` and as the same name with ``.pdf``; close it; return the PNG path."""
     import matplotlib.pyplot as plt
-
-    from archsearch.fileio import atomic_open
 
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)

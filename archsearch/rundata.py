@@ -42,6 +42,7 @@ from typing import Any, Iterable
 
 from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import atomic_write, check_input_file, read_table, write_table
 
 ARCH_COLUMNS = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn")
 LOSS_KINDS = ("eval", "smoothed_train")
@@ -209,8 +210,6 @@ def check_one_loss_kind(runs: Iterable[RunRecord]) -> None:
 
 def read_runs(path: str | Path) -> list[RunRecord]:
     """Read runs from ``.csv`` or ``.jsonl``/``.json``; errors name the row and column."""
-    from archsearch.fileio import check_input_file, read_table
-
     p = check_input_file("--data", path)
     if p.suffix not in (".csv", ".jsonl", ".json"):
         raise ArchsearchError("--data", f"unknown format {p.suffix!r}", "use .csv or .jsonl")
@@ -220,8 +219,6 @@ def read_runs(path: str | Path) -> list[RunRecord]:
 
 def write_runs(path: str | Path, runs: Iterable[RunRecord]) -> Path:
     """Write runs as CSV or JSONL (by suffix), atomically."""
-    from archsearch.fileio import atomic_write, write_table
-
     p = Path(path)
     rows = [r.to_row() for r in runs]
     if p.suffix == ".csv":

@@ -28,6 +28,7 @@ from archsearch.arch import (ArchSpec, dtype_bytes, inference_flops_per_token,
                              kv_cache_bytes_per_token, max_batch_by_kv, prefill_flops, weight_bytes)
 from archsearch.hardware import Device, detect_gpu_name, get_device
 from archsearch.benchmarks.base import Backend, BatchResult, Report, resolve_dtype
+from archsearch.benchmarks.calibration import Calibration
 
 MEMORY_FRACTION = 0.9
 
@@ -138,8 +139,6 @@ class AnalyticBackend(Backend):
         cal_path = (s.get("engine_args") or {}).get("calibration")
         cal = None
         if cal_path:
-            from archsearch.benchmarks.calibration import Calibration
-
             cal = Calibration.load(cal_path)
             cal.check_matches(device.name, None, "calibration")
         per_batch = [predict_batch(spec, device, dtype, b, s["input_len"], s["output_len"], cal).to_dict()

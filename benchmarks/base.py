@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar
 
 from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.fileio import append_line, read_jsonl_lines
 
 BACKENDS: dict[str, str] = {
     "vllm": "archsearch.benchmarks.vllm_backend:VLLMBackend",
@@ -214,8 +215,6 @@ class BenchResult:
 
 def append_jsonl(path: str | Path, result: BenchResult | dict) -> Path:
     """Append one result as a JSON line (creating the folder); returns the path."""
-    from archsearch.fileio import append_line
-
     obj = result.to_dict() if isinstance(result, BenchResult) else result
     append_line(path, json.dumps(obj, default=str))
     return Path(path)
@@ -223,8 +222,6 @@ def append_jsonl(path: str | Path, result: BenchResult | dict) -> Path:
 
 def read_jsonl(path: str | Path) -> list[BenchResult]:
     """Every result of a JSONL file written by :func:`append_jsonl`."""
-    from archsearch.fileio import read_jsonl_lines
-
     return [BenchResult.from_dict(d) for d in read_jsonl_lines(path)]
 
 

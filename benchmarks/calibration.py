@@ -42,9 +42,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from archsearch.arch import ArchSpec
+from archsearch.benchmarks import read_jsonl
 from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_text, write_json
+from archsearch.hardware import detect_gpu_name, device_key, get_device
+from archsearch.provenance import provenance
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,6 @@ class Calibration(PlainData):
         """Refuse a calibration of another device or engine than the one it is used for (``where``:
         the setting to name). Its device is the table entry its roofline started from (a device
         name the table does not know, e.g. a stand-in, is not compared)."""
-        from archsearch.hardware import detect_gpu_name, device_key
-
         def key(name: str) -> str | None:
             try:
                 return device_key(name)
@@ -160,9 +162,6 @@ class Point:
 def points_from_results(results, device_spec: str | None = None) -> list[Point]:
     """Every successful measured batch of ``bench --out`` records (predictions are skipped).
     ``device_spec``: the table entry their roofline starts from (default: the recorded device)."""
-    from archsearch.arch import ArchSpec
-    from archsearch.hardware import detect_gpu_name
-
     pts = []
     for r in results:
         if r.predicted:
@@ -189,9 +188,6 @@ def read_table(path: str | Path) -> tuple[list[Point], dict[str, Any]]:
     """The rows of a throughput table (CSV with :data:`TABLE_COLUMNS`; optional ``family``, ``dtype``
     (default bfloat16) and ``source``) as points, and a description of the file (path, checksum,
     rows). Every problem names its row and column."""
-    from archsearch.arch import ArchSpec
-    from archsearch.hardware import get_device
-
     p = Path(path)
     if not p.is_file():
         raise ArchsearchError("--table", f"{str(p)!r} does not exist", "give a CSV file of measured throughput")
@@ -366,8 +362,6 @@ def model_variants(pts: list[Point], devices: dict, terms=None) -> list[Variant]
 
 
 def table_devices(pts: list[Point]) -> dict:
-    from archsearch.hardware import get_device
-
     return {name: get_device(name) for name in {p.device_spec for p in pts}}
 
 
@@ -378,8 +372,6 @@ def fit_points(pts: list[Point], variant: str | None = None, terms=None) -> dict
     it was fitted on with their in-sample predictions. ``variant`` (a name) skips the choice; ``terms``
     (names of :data:`TERMS`) are the overhead forms tried."""
     import numpy as np
-
-    from archsearch.provenance import provenance
 
     if len(pts) < 3:
         raise ArchsearchError("results", f"{len(pts)} measured batches; calibration needs at least 3",
@@ -470,16 +462,12 @@ def calibrate(table: str | None = None, results: list[str] | None = None, device
               device: str | None = None, engine: str | None = None, variant: str | None = None) -> dict:
     """Fit calibrations from a table or ``bench`` JSONL files; only ``device``/``engine`` when given
     (the fit still pools every row). Returns {(device, engine, dtype): Calibration}."""
-    from archsearch.hardware import device_key
-
     if bool(table) == bool(results):
         raise ArchsearchError("--table/--results", "give exactly one of them",
                               "--table FILE.csv (published figures) or --results FILE.jsonl (bench --out)")
     if table:
         pts, source = read_table(table)
     else:
-        from archsearch.benchmarks import read_jsonl
-
         pts = points_from_results([r for f in results for r in read_jsonl(f)], device_spec)
         source = {"path": list(results), "table_rows": len(pts)}
     fitted = fit_points(pts, variant)

@@ -21,6 +21,7 @@ from typing import Any
 from archsearch.arch import ArchSpec
 from archsearch.benchmarks.base import Backend, Report, Session, resolve_dtype
 from archsearch.benchmarks.loop import RequestTiming, process_tree_rss, run_batches
+from archsearch.hardware import cpu_name
 
 
 class HFBackend(Backend):
@@ -37,8 +38,6 @@ class HFBackend(Backend):
         """Load the model for ``job`` and return its :class:`Session`."""
         import torch
         import transformers
-
-        from archsearch.hardware import cpu_name
 
         s = job["settings"]
         spec = ArchSpec.from_dict(job["arch"])

@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import archsearch
+from archsearch.benchmarks.base import load_backend
+from archsearch.benchmarks.loop import describe_error
+from archsearch.benchmarks.scratch import scratch_dir, watch_owner
 from archsearch.logs import get_logger
 
 # the folder holding the ``archsearch`` package this process runs (a checkout or site-packages):
@@ -85,8 +88,6 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
     """Run ``load_backend(job['backend_class']).run(job)`` in a child; never raises for its
     failures (a crash, a timeout, an exception all come back as ``Outcome(ok=False)``).
     ``on_event(job, text)`` gets each progress event of the child (None: silent)."""
-    from archsearch.benchmarks.scratch import scratch_dir
-
     with scratch_dir("bench") as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job, default=str))  # a private scratch folder, read once by the child
@@ -165,11 +166,7 @@ def _crash_reason(rc: int | None, tail: str) -> str:
 
 def _child_main(job_path: str, result_path: str) -> int:
     if os.environ.get("ARCHSEARCH_OWNER_PID"):  # before any engine starts a worker
-        from archsearch.benchmarks.scratch import watch_owner
-
         watch_owner(int(os.environ["ARCHSEARCH_OWNER_PID"]))
-    from archsearch.benchmarks.base import load_backend
-    from archsearch.benchmarks.loop import describe_error
     from archsearch.fileio import write_json  # atomic: the parent never reads half a file
 
     out = Path(result_path)

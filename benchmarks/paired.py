@@ -36,7 +36,12 @@ from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
-from archsearch.benchmarks.base import BACKENDS, BenchSettings, Report, get_backend, load_backend, mean, std
+from archsearch.benchmarks.base import (BACKENDS, BatchResult, BenchSettings, Report, get_backend,
+                                        load_backend, mean, std)
+from archsearch.benchmarks.isolate import run_isolated
+from archsearch.benchmarks.loop import PromptSource
+from archsearch.benchmarks.measure import check_lengths, measure
+from archsearch.benchmarks.scratch import scratch_dir
 
 
 @dataclass(frozen=True)
@@ -209,8 +214,6 @@ class PairedResult(PlainData):
 
     def batch_result(self, i: int):
         """Shape ``i``'s rounds as a ``BatchResult`` at the paired batch size (what limits read)."""
-        from archsearch.benchmarks.base import BatchResult
-
         xs = self.series(i)
         return BatchResult(batch_size=self.batch_size, ok=self.ok and bool(xs), error=self.error,
                            output_throughput=mean(xs), output_throughput_std=std(xs),
@@ -242,8 +245,6 @@ class PairedRunner:
     """Runs in the isolated child: opens every shape's engine session, then interleaved rounds."""
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
-        from archsearch.benchmarks.loop import PromptSource
-
         s, p = job["settings"], PairedSettings(**job["paired"])
         b = job["batch_size"]
         backend = load_backend(job["inner_backend_class"])
@@ -294,8 +295,6 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
                    backend_class: str | None = None) -> PairedResult:
     """Compare ``specs`` (the first is the reference) at ``batch_size`` with paired,
     interleaved rounds in one engine process. Failures come back as ``ok=False``."""
-    from archsearch.benchmarks.measure import check_lengths
-
     if len(specs) < 2:
         raise ArchsearchError("specs", "paired measurement needs a reference and at least one shape")
     if paired.twin:
@@ -307,8 +306,6 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
     res = PairedResult(specs=[sp.to_dict() for sp in specs], rounds=[], settings=settings.to_dict(),
                        paired=asdict(paired), batch_size=batch_size)
     if not backend.isolated:  # a prediction: deterministic, one "round" repeated
-        from archsearch.benchmarks.measure import measure
-
         results = [measure(sp, BenchSettings.from_dict({**settings.to_dict(), "batch_sizes": [batch_size]}))
                    for sp in specs]
         tp = [r.throughput(batch_size) for r in results]
@@ -322,9 +319,7 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
             res.stop_reason = "analytic prediction (deterministic)"
         res.provenance = provenance(extra_packages=backend.packages)
         return res
-    from archsearch.benchmarks.isolate import run_isolated
 
-    from archsearch.benchmarks.scratch import scratch_dir
 
     with scratch_dir("paired") as tmp:
         dirs = []

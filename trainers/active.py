@@ -25,10 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import append_line, read_jsonl_lines
+from archsearch.fileio import append_line, read_jsonl_lines, write_json
 from archsearch.logs import get_logger
 from archsearch.rundata import RunRecord, write_runs
+from archsearch.trainers.loop import run_id_for, token_budget
+from archsearch.trainers.sweep import failed_record, sweep_specs, to_run_record
 
 DECISIONS = "decisions.jsonl"
 
@@ -81,9 +84,6 @@ class _Claims:
 def build_pool(sweeps: list, vocab_size: int) -> list[dict[str, Any]]:
     """Every buildable, distinct point of the sweeps: point, spec, train config, tokens, run id,
     size level (index of its N among all the sweeps' N values)."""
-    from archsearch.trainers.loop import run_id_for, token_budget
-    from archsearch.trainers.sweep import sweep_specs
-
     sizes = sorted({float(n) for s in sweeps for n in s.params})
     out, seen = [], set()
     for sweep in sweeps:
@@ -118,9 +118,7 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     from archsearch.laws.active import Pool, propose
     from archsearch.search.measure import file_lock
     from archsearch.trainers.data import prepare_data
-    from archsearch.fileio import write_json
     from archsearch.trainers.loop import RUN_FILE, read_record, train
-    from archsearch.trainers.sweep import failed_record, to_run_record
 
     datas = {json.dumps(dataclasses.asdict(s.data), sort_keys=True, default=str) for s in sweeps}
     if len(datas) != 1:
@@ -141,7 +139,6 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     decisions = out / DECISIONS
     lock = out / ".plan.lock"
     worker = f"{platform.node()}:{os.getpid()}"
-    from archsearch.configio import to_dict
 
     with file_lock(lock):
         if not (out / "plan.json").is_file():

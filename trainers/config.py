@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archsearch.candidates import BuildSettings
-from archsearch.errors import ArchsearchError
+from archsearch.candidates import BuildSettings, check_size
+from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.fileio import check_name
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,6 @@ def check_trackers(names: list[str], field: str = "train.log_with") -> None:
     """Fail before any work when a requested tracker's package is missing."""
     import importlib.util
 
-    from archsearch.errors import MissingDependencyError
-
     for name in names:
         module, how = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
@@ -214,8 +213,6 @@ class TrainConfig:
             import importlib.util
 
             if importlib.util.find_spec("peft") is None:
-                from archsearch.errors import MissingDependencyError
-
                 raise MissingDependencyError("train.lora_rank", "LoRA fine-tuning needs the peft package, "
                                              "which is not installed", "pip install 'archsearch[lora]'")
         if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
@@ -363,8 +360,6 @@ class SweepConfig:
     health: HealthConfig | None = None  # None: no ordering checks, no retuning
 
     def __post_init__(self) -> None:
-        from archsearch.fileio import check_name
-
         check_name("sweep.name", self.name)
         for k in ("params", "hidden_over_sqrt_n", "mlp_to_attn"):
             vals = getattr(self, k)
@@ -372,7 +367,6 @@ class SweepConfig:
                 raise ArchsearchError(f"sweep.{k}", "is empty", "give at least one value")
             if not all(v > 0 for v in vals):
                 raise ArchsearchError(f"sweep.{k}", f"values must be positive, got {vals}")
-        from archsearch.candidates import check_size
 
         for i, n in enumerate(self.params):
             try:

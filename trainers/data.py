@@ -35,7 +35,8 @@ from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, write_json
 from archsearch.logs import get_logger
 from archsearch.trainers.config import DataConfig
-from archsearch.trainers.tokenizer import fingerprint, load_tokenizer, separator_id
+from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
+from archsearch.trainers.tokenizer import cached_tokenizer, fingerprint, load_tokenizer, separator_id
 
 
 @dataclass
@@ -142,8 +143,6 @@ def _read_docs(files: list[Path], text_field: str) -> Iterator[str]:
 
 
 def _shakespeare(cfg: DataConfig) -> _Source:
-    from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
-
     val_works = tuple(cfg.val_works) if cfg.val_works is not None else DEFAULT_VAL_WORKS
     train, val = shakespeare_split(val_works)
     return _Source(
@@ -525,8 +524,6 @@ def cache_state(cfg: DataConfig, min_train_tokens: float | None = None,
     there without work: nothing is trained, tokenized or downloaded). Files: complete once
     their ``meta.json`` is written, else the share of documents in finished shards; a streamed
     source: the finished shards' tokens against the budget (and its held-out head)."""
-    from archsearch.trainers.tokenizer import cached_tokenizer
-
     try:
         source, is_hub = _source_of(cfg)
     except ArchsearchError as e:

@@ -15,6 +15,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, hf_family
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import atomic_write
 
 # the decoder-layer class FSDP wraps, per family (transformers class names)
 _LAYER_CLASS = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer",
@@ -70,8 +71,6 @@ def accelerate_config(spec: ArchSpec, *, num_processes: int, num_machines: int =
 
 def write_accelerate_config(path: str | Path, cfg: dict[str, Any]) -> Path:
     import yaml
-
-    from archsearch.fileio import atomic_write
 
     return atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
 

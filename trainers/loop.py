@@ -37,7 +37,9 @@ from typing import Any
 from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params, training_flops
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import write_json
+from archsearch.fileio import truncate_jsonl, write_json
+from archsearch.hardware import GPUS, detect_gpu_name, get_device, measure_cpu
+from archsearch.provenance import provenance
 from archsearch.trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
 
 RUN_FILE = "run.json"
@@ -80,8 +82,6 @@ def check_train_budget(spec: ArchSpec, tokens: float, flag: str = "train.tokens"
     """Refuse, from 6*N*D against this machine's peak FLOP/s, a budget that could not finish
     within :data:`MAX_TRAIN_DAYS` even at full utilisation (before any data is prepared)."""
     import torch
-
-    from archsearch.hardware import GPUS, detect_gpu_name, measure_cpu
 
     if not (math.isfinite(tokens) and tokens > 0):
         raise ArchsearchError(flag, f"must be a positive finite number, got {tokens!r}")
@@ -290,8 +290,6 @@ def _device_peak(accelerator, precision: str) -> tuple[float, str, str]:
     """(peak FLOP/s of one device, its name, where the number comes from)."""
     import torch
 
-    from archsearch.hardware import detect_gpu_name, get_device, measure_cpu
-
     if accelerator.device.type == "cuda":
         name = torch.cuda.get_device_name(accelerator.device)
         entry = detect_gpu_name(name)
@@ -428,7 +426,6 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from archsearch.provenance import provenance
     from archsearch.trainers.data import describe_data, prepare_data
 
     wall0 = time.perf_counter()
@@ -515,8 +512,6 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     if accelerator.is_main_process:
         write_json(out_dir / RUN_FILE, record, default=str)
     if accelerator.is_main_process:  # the log restarts at the checkpoint: the steps after it are redone
-        from archsearch.fileio import truncate_jsonl
-
         truncate_jsonl(out_dir / "metrics.jsonl", lambda rec: rec.get("step", 0) <= state["step"])
     metrics = (out_dir / "metrics.jsonl").open("a") if accelerator.is_main_process else None
 

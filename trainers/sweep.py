@@ -22,12 +22,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec, non_embedding_params
+from archsearch.candidates import build_candidate
 from archsearch.configio import to_dict
 from archsearch.fileio import atomic_write, write_json
 from archsearch.errors import ArchsearchError
 from archsearch.logs import get_logger
+from archsearch.provenance import provenance
 from archsearch.rundata import RunRecord, write_runs
 from archsearch.trainers.config import SweepConfig
+from archsearch.trainers.health import HealthMonitor
+from archsearch.trainers.loop import read_record, run_id_for, token_budget
 
 
 def sweep_points(cfg: SweepConfig) -> Iterator[dict[str, Any]]:
@@ -44,8 +48,6 @@ def sweep_specs(cfg: SweepConfig, vocab_size: int) -> list[tuple[dict, ArchSpec 
     """(point, spec or None, error or None) for every grid point, shapes built by
     archsearch.candidates.build_candidate with the tokenizer's vocabulary."""
     import dataclasses
-
-    from archsearch.candidates import build_candidate
 
     # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
     # flagged), since the law is fitted on the realised r
@@ -84,8 +86,6 @@ def to_run_record(rec: dict, point: dict | None = None) -> RunRecord:
 
 def failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason: str) -> dict:
     """The ``run.json`` of a run that failed: its spec, budget and reason, with provenance."""
-    from archsearch.provenance import provenance
-
     return {"run_id": run_id, "status": "failed", "reason": reason, "spec": spec.to_dict(),
             "n_params_non_embedding": non_embedding_params(spec), "tokens": tokens, "seed": seed,
             "final_eval_loss": None, "provenance": provenance(device=False)}
@@ -114,10 +114,7 @@ def train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, pro
 def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -> list[RunRecord]:
     """Train every buildable grid point of ``cfg`` (see the module docstring); returns the rows
     of ``runs.csv`` (ok and failed runs; points that do not build are in failures.jsonl)."""
-    from archsearch.provenance import provenance
     from archsearch.trainers.data import check_epochs, prepare_data
-    from archsearch.trainers.health import HealthMonitor
-    from archsearch.trainers.loop import read_record, run_id_for, token_budget
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,9 @@ from collections.abc import Iterator
 
 from archsearch import __version__
 from archsearch.cli._common import finite_float
+from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
+from archsearch.logs import configure
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
     from archsearch.cli._common import json_stdout
-    from archsearch.logs import configure
 
     configure(getattr(args, "verbosity", 0))
     _terminate_like_interrupt()
@@ -172,8 +173,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
         import traceback
-
-        from archsearch.configio import redact
 
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1

@@ -13,7 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import FAMILIES
+from archsearch.arch import FAMILIES, ArchSpec
+from archsearch.candidates import BuildSettings
+from archsearch.configio import number_from_text, to_yaml
+from archsearch.errors import ArchsearchError
+from archsearch.presets import load_arch
 
 # Where print_json writes while a --json command runs (see json_stdout); None: sys.stdout.
 _json_out: Any = None
@@ -21,8 +25,6 @@ _json_out: Any = None
 
 def parse_number(text: str) -> float:
     """'1e9', '1B', '150M', '300k' -> a positive finite float (an argparse ``type``)."""
-    from archsearch.configio import number_from_text
-
     try:
         v = number_from_text(text)
     except ValueError:
@@ -115,8 +117,6 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
 
 def add_build_args(p: argparse.ArgumentParser) -> None:
     """Flags of :class:`archsearch.candidates.BuildSettings` (defaults from the dataclass)."""
-    from archsearch.candidates import BuildSettings
-
     d = BuildSettings()
     p.add_argument("--vocab-size", type=pos_int, default=d.vocab_size)
     p.add_argument("--hidden-multiple", type=pos_int, default=d.hidden_multiple)
@@ -130,8 +130,6 @@ def add_build_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_settings_from_args(args: argparse.Namespace, **kw: Any):
-    from archsearch.candidates import BuildSettings
-
     return BuildSettings(hidden_multiple=args.hidden_multiple, ffn_multiple=args.ffn_multiple,
                          tolerance=args.tolerance, r_tolerance=args.r_tolerance,
                          on_r_drift=args.on_r_drift, vocab_size=args.vocab_size, **kw)
@@ -139,10 +137,6 @@ def build_settings_from_args(args: argparse.Namespace, **kw: Any):
 
 def arch_from_args(args: argparse.Namespace):
     """Build the ArchSpec named by :func:`add_arch_args` flags; clear error when incomplete."""
-    from archsearch.arch import ArchSpec
-    from archsearch.presets import load_arch
-    from archsearch.errors import ArchsearchError
-
     fields = ("n_layers", "hidden_size", "n_heads", "ffn")
     given = [f for f in fields if getattr(args, f, None) is not None]
     sources = [s for s in (args.preset, getattr(args, "arch_file", None)) if s]
@@ -192,8 +186,6 @@ def add_print_config_arg(p: argparse.ArgumentParser) -> None:
 def print_config(cfg: Any) -> None:
     """A validated config (a dataclass, or a mapping of them) as YAML on stdout, secrets masked:
     what the command would run with; the output is itself a valid ``--config`` file."""
-    from archsearch.configio import to_yaml
-
     sys.stdout.write(to_yaml(cfg))
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from archsearch.arch import FAMILIES
+from archsearch.arch import FAMILIES, describe, write_hf_config
+from archsearch.candidates import build_candidate
 from archsearch.cli._common import (add_arch_args, add_build_args, add_group, arch_from_args,
                                     build_settings_from_args, parse_number,
                                     print_json, print_table)
 from archsearch.cli._common import out_dir, pos_float, pos_int
+from archsearch.presets import PRESETS
 
 
 def register(sub) -> None:
@@ -47,13 +49,9 @@ def register(sub) -> None:
 
 
 def _describe(args: argparse.Namespace) -> int:
-    from archsearch.arch import describe
-
     spec = arch_from_args(args)
     d = describe(spec, args.dtype)
     if args.out:
-        from archsearch.arch import write_hf_config
-
         d["config_json"] = str(write_hf_config(spec, args.out))
     if args.json:
         print_json(d)
@@ -63,9 +61,6 @@ def _describe(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from archsearch.arch import write_hf_config
-    from archsearch.candidates import build_candidate
-
     settings = build_settings_from_args(args, tie_embeddings=args.tie_embeddings, family=args.family)
     cand = build_candidate(args.params, args.layers, args.hidden_over_sqrt_n, args.mlp_to_attn,
                            gqa=args.gqa, head_dim=args.head_dim, settings=settings)
@@ -85,9 +80,6 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from archsearch.arch import describe
-    from archsearch.presets import PRESETS
-
     rows = []
     for name, p in PRESETS.items():
         d = describe(p.spec)

@@ -9,7 +9,9 @@ import sys
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
 from archsearch.benchmarks.base import BACKENDS, DTYPES, BenchSettings
+from archsearch.benchmarks.calibration import Calibration
 from archsearch.configio import field_defaults
+from archsearch.errors import ArchsearchError
 
 
 def register(sub) -> None:
@@ -51,8 +53,6 @@ def register(sub) -> None:
 
 
 def _engine_args(items: list[str]) -> dict:
-    from archsearch.errors import ArchsearchError
-
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -66,7 +66,6 @@ def _engine_args(items: list[str]) -> dict:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from archsearch.errors import ArchsearchError
     from archsearch.benchmarks import BenchSettings, append_jsonl, measure
 
     engine_args = _engine_args(args.engine_arg)
@@ -74,7 +73,6 @@ def _bench(args: argparse.Namespace) -> int:
         if args.backend != "analytic":
             raise ArchsearchError("--calibration", "applies to --backend analytic only",
                                   "drop it, or predict with --backend analytic")
-        from archsearch.benchmarks.calibration import Calibration
 
         # a missing or broken file, or one of another device, fails before any work
         Calibration.load(args.calibration).check_matches(args.device_spec, None, "--calibration")

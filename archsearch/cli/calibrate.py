@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from archsearch.benchmarks.calibration import add_arguments, run
+
 
 def register(sub) -> None:
-    from archsearch.benchmarks.calibration import add_arguments, run
-
     p = sub.add_parser(
         "calibrate", help="fit a roofline calibration (one file per device x engine) on measured throughput",
         description="Fit the analytic roofline's calibration (efficiencies, per-step and per-sequence overheads; "

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from archsearch.arch import sparsity
 from archsearch.cli._common import parse_number, print_json, print_table
 from archsearch.cli._common import fraction, nonneg_float, out_file, pos_int
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
+from archsearch.presets import load_arch
+from archsearch.rundata import read_runs
 
 
 def register(sub) -> None:
@@ -125,7 +128,6 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from archsearch.presets import load_arch
     from archsearch.planning import estimate_training
 
     _require(args, "arch", "tokens")
@@ -165,8 +167,6 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _fitted_beside(args: argparse.Namespace, est, method: str = "full", lora=None, fmt=None):
     """The batch/throughput-law answer for the same run (training tokens/s laws only)."""
-    from archsearch.arch import sparsity
-    from archsearch.presets import load_arch
     from archsearch.planning import parse_gpus, resolve_price
     from archsearch.planning.batchlaws import estimate_from_batch_laws, load_batch_laws, model_memory_bytes
 
@@ -216,7 +216,6 @@ def _batch_laws(args: argparse.Namespace) -> int:
 
 def _fit(args: argparse.Namespace) -> int:
     from archsearch.planning import fit_time_law
-    from archsearch.rundata import read_runs
 
     fit = fit_time_law(read_runs(args.data), holdout=read_runs(args.holdout) if args.holdout else ())
     path = fit.law.save(args.out)
@@ -239,7 +238,6 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from archsearch.presets import load_arch
     from archsearch.planning import (max_inference_batch, max_training_batch, parse_gpus,
                                      predict_inference_memory, predict_training_memory)
 

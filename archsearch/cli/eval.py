@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 
-from archsearch.cli._common import out_file, pos_int
+from archsearch.cli._common import out_file, pos_int, print_json
+from archsearch.errors import ArchsearchError
+from archsearch.evaluation.runner import evaluate
+from archsearch.evaluation.suites import list_tasks
 
 
 def register(sub) -> None:
@@ -43,10 +46,6 @@ def _limit(text: str) -> int | float:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from archsearch.cli._common import print_json
-    from archsearch.errors import ArchsearchError
-    from archsearch.evaluation.suites import list_tasks
-
     if args.list_tasks:
         listing = list_tasks()
         if args.json:
@@ -61,7 +60,6 @@ def _eval(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise ArchsearchError("--model", "is required", "e.g. --model smollm2-135m, or a model folder")
-    from archsearch.evaluation.runner import evaluate
 
     res = evaluate(args.model, args.tasks, backend=args.backend, limit=args.limit,
                    batch_size=args.batch_size, device=args.device, out=args.out,

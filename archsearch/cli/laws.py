@@ -8,12 +8,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from archsearch.arch import describe, write_hf_config
+from archsearch.candidates import check_size
 from archsearch.cli._common import (add_build_args, build_settings_from_args, parse_number, print_json,
                                     print_table)
 from archsearch.cli._common import fraction, level, nonneg_int, out_dir, out_file, pos_float, pos_int
 from archsearch.configio import field_defaults
-from archsearch.laws.fit import METHODS, REFERENCES, FitOptions
+from archsearch.errors import ArchsearchError
+from archsearch.fileio import check_input_file, read_table, write_json, write_table
+from archsearch.laws import fit_law, load_law, optimum, progressive_validation, solve
+from archsearch.laws.diagnostics import PROTOCOLS
+from archsearch.laws.fit import METHODS, REFERENCES, FitOptions, split_holdout
 from archsearch.laws.forms import LAWS
+from archsearch.laws.plots import write_plots
+from archsearch.provenance import provenance
+from archsearch.rundata import ARCH_COLUMNS, read_runs
 
 
 
@@ -46,9 +55,6 @@ def _add_fit_options(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace, holdout=None):
-    from archsearch.errors import ArchsearchError
-    from archsearch.laws import load_law
-
     ref = load_law(args.reference_law) if args.reference_law else None
     try:
         return FitOptions(method=args.method, huber_delta=args.huber_delta, n_starts=args.starts,
@@ -115,19 +121,12 @@ def register(sub) -> None:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from archsearch.errors import ArchsearchError
-    from archsearch.laws import fit_law, optimum
-    from archsearch.laws.fit import split_holdout
-    from archsearch.rundata import read_runs
-
     runs = read_runs(args.data)
     opts = _options(args, args.holdout_size)
     fit = fit_law(runs, args.law, opts)
     path = fit.save(args.out)
     plots = []
     if args.plots:
-        from archsearch.laws.plots import write_plots
-
         fit_runs, held = split_holdout([r for r in runs if r.status == "ok"], args.holdout_size,
                                        args.size_tolerance)
         plots = write_plots(fit, fit_runs, held, args.plots)
@@ -171,10 +170,6 @@ def _read_throughputs(path: str):
     """(arch tuple) -> throughput, from a runs-like CSV/JSONL with a ``throughput`` column."""
     import math
 
-    from archsearch.errors import ArchsearchError
-    from archsearch.rundata import ARCH_COLUMNS
-
-    from archsearch.fileio import check_input_file, read_table
 
     need = "needs numbers " + ", ".join(ARCH_COLUMNS) + ", throughput (a positive one)"
     rows = read_table(check_input_file("--throughput", path), "--throughput")
@@ -196,10 +191,6 @@ def _read_throughputs(path: str):
 
 
 def _solve(args: argparse.Namespace) -> int:
-    from archsearch.arch import describe
-    from archsearch.laws import load_law, solve
-
-    from archsearch.candidates import check_size
 
     check_size(args.params, args.layers)
     fit = load_law(args.law)
@@ -267,11 +258,6 @@ def _write_solved(args: argparse.Namespace, res, out: dict) -> Path:
     """The chosen shape as a model folder: ``config.json`` (what ``--arch DIR``, transformers and
     vLLM read), ``spec.json`` (the architecture fields) and ``solve.json`` (the solve's answer, the
     law file it used and provenance)."""
-    from archsearch.arch import write_hf_config
-    from archsearch.errors import ArchsearchError
-    from archsearch.fileio import write_json
-    from archsearch.provenance import provenance
-
     if args.target_loss is not None:
         chosen, which = res.best, "the best candidate that meets --target-loss"
         if chosen is None:
@@ -292,11 +278,6 @@ def _write_solved(args: argparse.Namespace, res, out: dict) -> Path:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from archsearch.laws import progressive_validation
-    from archsearch.laws.diagnostics import PROTOCOLS
-    from archsearch.rundata import read_runs
-
-    from archsearch.fileio import write_table
 
     runs = read_runs(args.data)
     protocols = PROTOCOLS if args.protocol == "all" else (args.protocol,)

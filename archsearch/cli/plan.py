@@ -7,9 +7,14 @@ import argparse
 import shlex
 from pathlib import Path
 
+from archsearch.arch import weight_bytes
 from archsearch.cli._common import nonneg_int, out_dir, parse_int_list, parse_number, pos_float, pos_int, print_json
-from archsearch.benchmarks.base import DTYPES, BenchSettings
+from archsearch.benchmarks.base import DTYPES, BenchSettings, get_backend
 from archsearch.configio import field_defaults
+from archsearch.errors import ArchsearchError
+from archsearch.fileio import write_json
+from archsearch.hardware import get_device
+from archsearch.provenance import provenance
 
 
 def register(sub) -> None:
@@ -79,8 +84,6 @@ def register(sub) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from archsearch.arch import weight_bytes
-    from archsearch.errors import ArchsearchError
     from archsearch.planning import planner as pl
     from archsearch.planning.limits import Limits
     from archsearch.planning.lora import LoraSettings
@@ -140,7 +143,6 @@ def _plan(args: argparse.Namespace) -> int:
                                max_memory_gib=ft_mem, max_cost_usd=args.max_finetune_cost,
                                price_per_hour=args.price)
     if finetune.max_cost_usd is not None:
-        from archsearch.hardware import get_device
         from archsearch.planning.cost import resolve_price
 
         price = resolve_price(get_device(finetune.device), finetune.price_per_hour)
@@ -166,7 +168,6 @@ def _plan(args: argparse.Namespace) -> int:
                    "timeout_s": args.timeout, "engine_args": engine_args}
     BenchSettings(**settings_kw, batch_sizes=list(grid.batch_sizes), input_len=max(grid.prefill_lens),
                   output_len=max(grid.decode_lens))  # bad grid/settings fail here, before any work
-    from archsearch.benchmarks.base import get_backend
 
     get_backend(args.backend).check_available()
     out = Path(args.out)
@@ -205,8 +206,6 @@ def _plan(args: argparse.Namespace) -> int:
            "candidates": [pl.plan_to_dict(cp) for cp in plans],
            "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
            "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
-    from archsearch.fileio import write_json
-    from archsearch.provenance import provenance
 
     write_json(out / "plan.json", {**doc, "provenance": provenance(extra_packages=("peft",))})
     png = pl.plot_tradeoff(plans, out / "plan.png", limits)
@@ -226,8 +225,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _fail_if_unreachable(problems: list[str], args: argparse.Namespace) -> None:
     """One error naming the first unreachable fine-tuning limit (the flag as given) and every line."""
-    from archsearch.errors import ArchsearchError
-
     if not problems:
         return
     flags = {"finetune_max_memory_gib": "--max-peak-memory-gib" if args.max_peak_memory_gib is not None

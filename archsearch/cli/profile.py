@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from archsearch.cli._common import out_file
+from archsearch.cluster.startup import build_profile, load_profile
+from archsearch.fileio import write_json
 
 
 def register(sub) -> None:
@@ -25,9 +27,6 @@ def register(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from archsearch.cluster.startup import build_profile, load_profile
-    from archsearch.fileio import write_json
-
     prof = build_profile(args.study)
     write_json(args.out, prof)
     figs = load_profile(Path(args.out))  # what the plan will read

@@ -6,7 +6,12 @@ import argparse
 
 from archsearch.cli._common import add_overrides_arg, add_print_config_arg, fraction, out_dir, print_config, print_json
 from archsearch.errors import ArchsearchError
+from archsearch.planning.time import TimeLaw
+from archsearch.search import pipeline
+from archsearch.search.checks import validate
+from archsearch.search.config import load_study_config
 from archsearch.search.pipeline import STAGE_NAMES as STAGES
+from archsearch.search.plan import plan as study_plan, render
 
 
 def _stages(text: str) -> set[str]:
@@ -44,9 +49,6 @@ def register(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from archsearch.search import pipeline
-    from archsearch.search.config import load_study_config
-
     cfg = load_study_config(args.config, args.overrides)
     if args.print_config:
         print_config(cfg)
@@ -59,13 +61,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ArchsearchError(flag, "prices training on the GPUs --gpus names, and none are given",
                                   "add --gpus, e.g. --gpus 8xH100")
     if args.time_law is not None:
-        from archsearch.planning.time import TimeLaw
-
         TimeLaw.load(args.time_law, "--time-law")  # read and checked now, not after the plan is built
     if args.dry_run:
-        from archsearch.search.checks import validate
-        from archsearch.search.plan import plan as study_plan
-
         validate(cfg, for_plan=True)
         plan = study_plan(cfg, out, gpus=args.gpus, profile=args.profile, mfu=args.mfu, time_law=args.time_law)
         if args.json:
@@ -85,6 +82,4 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print_plan(plan: dict) -> None:
-    from archsearch.search.plan import render
-
     print("\n".join(render(plan)))

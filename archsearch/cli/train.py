@@ -7,9 +7,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from archsearch.cli._common import add_arch_args, add_overrides_arg, add_print_config_arg, parse_number
+from archsearch.cli._common import (add_arch_args, add_overrides_arg, add_print_config_arg, arch_from_args,
+                                    parse_number)
 from archsearch.cli._common import print_config, print_json, print_table
 from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file, port, pos_float, pos_int
+from archsearch.configio import apply_overrides, from_dict, load_config, load_yaml
+from archsearch.errors import ArchsearchError
+from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig, get_hparams
+from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
+from archsearch.trainers.loop import RUN_FILE, check_run_folder
+from archsearch.trainers.sweep import run_sweep
 
 _LAUNCH_ONLY = {"launch", "run", "num_processes", "num_machines", "main_process_ip",
                 "main_process_port", "fsdp", "accelerate_config"}
@@ -88,10 +95,6 @@ def register(sub) -> None:
 def _configs(args: argparse.Namespace):
     from dataclasses import fields
 
-    from archsearch.configio import apply_overrides, from_dict, load_yaml
-    from archsearch.errors import ArchsearchError
-    from archsearch.trainers.config import DataConfig, TrainConfig, get_hparams
-
     raw = load_yaml(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
     unknown = set(raw) - {"train", "data"}
     if unknown:
@@ -144,9 +147,6 @@ def _forwarded_args(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from archsearch.cli._common import arch_from_args
-    from archsearch.errors import ArchsearchError
-
     if args.lora_targets and not args.lora_rank:
         raise ArchsearchError("--lora-targets", "is given without --lora-rank", "add --lora-rank R (e.g. 8)")
     given = args.preset or args.arch_file or args.n_layers is not None
@@ -205,9 +205,6 @@ def _clear_run_folder(out: Path, spec, tc) -> None:
     any other folder is left alone and the run's own checks refuse it)."""
     import shutil
 
-    from archsearch.errors import ArchsearchError
-    from archsearch.trainers.loop import RUN_FILE, check_run_folder
-
     try:
         check_run_folder(out, spec, tc, "--out")
     except ArchsearchError:
@@ -219,9 +216,6 @@ def _clear_run_folder(out: Path, spec, tc) -> None:
 
 def _launch(args, spec, tc, dc) -> int:
     import subprocess
-
-    from archsearch.errors import ArchsearchError
-    from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
 
     if not args.out:
         raise ArchsearchError("--out", "is required with --launch", "every process must write to the same folder")
@@ -248,10 +242,6 @@ def _launch(args, spec, tc, dc) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from archsearch.configio import load_config
-    from archsearch.trainers.config import SweepConfig
-    from archsearch.trainers.sweep import run_sweep
-
     cfg = load_config(SweepConfig, args.config, args.overrides)
     if args.print_config:
         print_config(cfg)

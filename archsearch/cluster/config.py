@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.cluster.startup import load_profile
 from archsearch.errors import ArchsearchError
 
 EXECUTORS = ("inline", "local", "slurm")
@@ -54,8 +55,6 @@ class ClusterConfig:
             raise ArchsearchError("cluster.executor", "inline runs one job at a time, but jobs_at_once/"
                                   "measure_workers ask for more", "use executor: local or slurm")
         if self.profile is not None:  # read now: a broken profile must not wait for a dry run
-            from archsearch.cluster.startup import load_profile
-
             load_profile(Path(self.profile).expanduser())
         if self.slurm and self.executor != "slurm":
             raise ArchsearchError("cluster.slurm", f"is set but executor is {self.executor!r}",

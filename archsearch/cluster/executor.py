@@ -31,6 +31,7 @@ from typing import Any
 
 from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.logs import get_logger
 
 
 @dataclass(frozen=True)
@@ -207,8 +208,6 @@ def run_tasks(tasks: list[Task], cfg: ClusterConfig, folder: Path,
     """Run every task not yet done on ``cfg``'s executor and wait for all; see the module docstring.
     ``log``: where the progress lines go (default: the ``archsearch.cluster`` logger)."""
     if log is None:
-        from archsearch.logs import get_logger
-
         log = get_logger("cluster").info
     keys = [t.key for t in tasks]
     if len(set(keys)) != len(keys):

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import read_text, write_json
+from archsearch.provenance import provenance
 
 STARTUPS_FILE = "startups.json"
 PROFILE_KIND = "archsearch machine profile"
@@ -154,8 +156,6 @@ def _clean(samples: dict[str, list[float]]) -> dict[str, list[float]]:
 def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]], **info: Any) -> None:
     """Append this coordinator run's samples for ``stage`` to ``<out>/startups.json`` (``info``:
     other seconds of the run worth comparing with the plan, e.g. ``data_prep_s``)."""
-    from archsearch.fileio import write_json
-
     samples = _clean(samples)
     if not samples and not info:
         return
@@ -291,8 +291,6 @@ def add_samples(out: Path, stage: str, samples: dict[str, list[float]]) -> None:
     """Add ``samples`` to this coordinator run's latest record of ``stage`` in
     ``<out>/startups.json`` (figures measured after the stage's record was written, e.g. the
     coordinator's seconds after its jobs ended: ``search_tail_s``)."""
-    from archsearch.fileio import write_json
-
     path = Path(out) / STARTUPS_FILE
     samples = _clean(samples)
     data = _read_startups(path) if samples else None
@@ -351,8 +349,6 @@ def study_startups(out: Path) -> dict[str, Startup]:
 
 def build_profile(studies: list[Path]) -> dict[str, Any]:
     """A machine profile from the start-ups recorded by ``studies`` (pooled per figure)."""
-    from archsearch.provenance import provenance
-
     pooled: dict[str, list[float]] = {}
     where: dict[str, set[str]] = {}
     when: dict[str, list[str]] = {}
@@ -382,7 +378,6 @@ def load_profile(path: Path) -> dict[str, Startup]:
     path = Path(path)
     if not path.is_file():
         raise _bad(path, "no such file")
-    from archsearch.fileio import read_text
 
     try:
         data = json.loads(read_text(path, "profile"))

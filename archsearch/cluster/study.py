@@ -14,24 +14,26 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+from archsearch.cluster import startup
 from archsearch.cluster.executor import Task, TaskResult, run_tasks
+from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, write_json
+from archsearch.logs import get_logger
+from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
+from archsearch.trainers.loop import RUN_FILE, read_record, run_id_for, token_budget
+from archsearch.trainers.sweep import failed_record, sweep_specs
 
 JOBS_DIR = "cluster"
 
 
 def _log(msg: str) -> None:
-    from archsearch.logs import get_logger
-
     get_logger("search").info(f"[search] {msg}")
 
 
 def has_record(run_dir: Path) -> bool:
     """A proxy run is finished when its ``run.json`` says ok, or failed by the loop itself (e.g.
     diverged: training it again would give the same); a run's record says running meanwhile."""
-    from archsearch.trainers.loop import read_record
-
     rec = read_record(run_dir)
     return rec is not None and rec.get("status") in ("ok", "failed")
 
@@ -60,9 +62,6 @@ def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
         return
     import yaml
 
-    from archsearch.configio import to_dict
-    from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
-
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "spec.json", spec.to_dict())
     atomic_write(out / "train.yaml", yaml.safe_dump({"train": to_dict(tc), "data": to_dict(data_cfg)}))
@@ -83,8 +82,6 @@ def sweep_runs(sweep, data_info: dict | None = None) -> list[tuple[str, object, 
     (the coordinator tokenizes once into the shared cache; every job then reads it from there).
     ``data_info``: filled with the prepared data's info (``shards_tokenized_now``...)."""
     from archsearch.trainers.data import check_epochs, prepare_data
-    from archsearch.trainers.loop import run_id_for, token_budget
-    from archsearch.trainers.sweep import sweep_specs
 
     budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
     data = prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
@@ -107,8 +104,6 @@ def content_key(run_id: str, tc, data_cfg) -> str:
     """A run's key in a shared store: its id (shape, D, seed) plus a hash of every setting that
     determines its result (training and data settings, not logging or checkpoint cadence)."""
     import hashlib
-
-    from archsearch.configio import to_dict
 
     what = {"train": {k: v for k, v in to_dict(tc).items() if k not in _NOT_DETERMINING["train"]},
             "data": {k: v for k, v in to_dict(data_cfg).items() if k not in _NOT_DETERMINING["data"]}}
@@ -155,9 +150,6 @@ def run_train_jobs(runs: list[tuple[str, object, object]], data_cfg, run_dirs: d
                    jobs_dir: Path) -> dict[str, TaskResult]:
     """Train ``runs`` ((run id, spec, train config) each, into ``run_dirs[run id]``) as one job each
     and wait; a run whose jobs all failed gets a failed ``run.json``, as a proxy sweep's does."""
-    from archsearch.trainers.loop import RUN_FILE, token_budget
-    from archsearch.trainers.sweep import failed_record
-
     tasks = [Task(key=run_id, fn=train_proxy, args=(spec, tc, data_cfg, str(run_dirs[run_id]), cluster.gpus_per_job),
                   is_done=partial(has_record, run_dirs[run_id]), gpus=cluster.gpus_per_job)
              for run_id, spec, tc in runs]
@@ -175,11 +167,6 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
     """Train every run of ``sweep`` not yet in ``out_dir/runs/`` as one job each and wait; a run
     whose jobs all failed gets a failed ``run.json`` (the sweep then lists it and goes on).
     ``study``: the study folder, whose ``startups.json`` gets the jobs' measured start-ups."""
-    from archsearch.cluster import startup
-    from archsearch.fileio import write_json
-    from archsearch.trainers.loop import RUN_FILE, token_budget
-    from archsearch.trainers.sweep import failed_record
-
     t_enter = time.time()
     tasks = []
     data_info: dict = {}
@@ -259,7 +246,6 @@ def run_search_workers(cfg, out: Path, stage_start: float | None = None) -> dict
                           is_done=lambda m=marker: m.is_file() or study_done(), gpus=gpus))
     _log(f"search: {len(tasks)} Optuna workers as {cfg.cluster.executor} jobs")
     results = run_tasks(tasks, cfg.cluster, folder)
-    from archsearch.cluster import startup
     from archsearch.search.pipeline import load_study
 
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]

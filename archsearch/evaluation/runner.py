@@ -19,6 +19,8 @@ from typing import Any
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.evaluation.models import ResolvedModel, check_device, default_device, load_model, resolve_model
 from archsearch.evaluation.suites import TASKS_DIR, check_known, expand_tasks, needs_hub
+from archsearch.fileio import write_json
+from archsearch.provenance import provenance
 
 BACKENDS = ("hf", "vllm")
 HUB_HOST = ("huggingface.co", 443)
@@ -79,7 +81,6 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     check_known(names, tm.all_tasks)
     if offline:
         _check_hub_data(tm, hub)
-    from archsearch.provenance import provenance
 
     prov = provenance(extra_packages=("lm_eval", "gguf", "tokenizers", "vllm"))  # at the start
     device = device or default_device()
@@ -94,8 +95,6 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
                                                 model_args, num_fewshot)}
     res["provenance"] = prov
     if out:
-        from archsearch.fileio import write_json
-
         write_json(out, res, sort_keys=True)
     return res
 

@@ -27,7 +27,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from archsearch.arch import training_flops
+from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
+from archsearch.laws.fit import fit_law
+from archsearch.laws.lawfile import run_arrays, spec_arrays
+from archsearch.laws.metrics import cluster
+from archsearch.rundata import RunRecord
 
 
 @dataclass(frozen=True)
@@ -279,10 +285,6 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
     """
     import dataclasses
 
-    from archsearch.laws.metrics import cluster
-    from archsearch.laws.fit import fit_law
-    from archsearch.laws.lawfile import run_arrays
-
     if options.reference != "best-observed" or options.reference_law is not None or law not in forms.CONDITIONAL:
         return fit_law(runs, law, options)
     final = options
@@ -407,8 +409,6 @@ class OffsetBootstrap:
 
 def size_group_keys(X: dict, tolerance: float) -> np.ndarray:
     """One integer per run naming its (N, D) group, as the fit groups runs for L_opt."""
-    from archsearch.laws.metrics import cluster
-
     return cluster(X["N"], tolerance) * (10 ** 6) + cluster(X["D"], tolerance)
 
 
@@ -494,9 +494,6 @@ class Pool:
 
     @classmethod
     def of(cls, specs: Sequence, tokens: Sequence[float], levels: Sequence[int]) -> "Pool":
-        from archsearch.arch import training_flops
-        from archsearch.laws.lawfile import spec_arrays
-
         return cls(tuple(specs), np.asarray(tokens, float), np.asarray(levels, int),
                    spec_arrays(specs, tokens),
                    np.array([training_flops(s, t) for s, t in zip(specs, tokens)]))
@@ -543,9 +540,6 @@ def ensemble(pool: Pool, observed: dict[int, float], law: str, options: Any, lev
     (``options.bootstrap`` replicates), another law or reference by the fit's own bootstrap over
     runs. Returns the :class:`Ensemble`, or a sentence saying why there is none yet."""
     import dataclasses
-
-    from archsearch.errors import ArchsearchError
-    from archsearch.rundata import RunRecord
 
     idx = sorted(observed)
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(observed[i]),

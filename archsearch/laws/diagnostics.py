@@ -26,6 +26,7 @@ import numpy as np
 from archsearch.errors import ArchsearchError
 from archsearch.laws.fit import FitOptions, fit_split
 from archsearch.laws.metrics import size_groups
+from archsearch.rundata import check_one_loss_kind
 
 if TYPE_CHECKING:
     from archsearch.rundata import RunRecord
@@ -47,7 +48,6 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: FitOp
     # Validation refits many times: intervals are not needed, and each fit's own holdout is ours.
     opts = dataclasses.replace(opts, bootstrap=0, holdout_size=None)
     ok = [r for r in runs if r.status == "ok"]
-    from archsearch.rundata import check_one_loss_kind
 
     check_one_loss_kind(ok)
     groups = size_groups(ok, opts.size_tolerance)

@@ -38,6 +38,8 @@ from archsearch.laws.metrics import cluster, metrics, residual_trends, size_grou
 from archsearch.laws.forms import CONDITIONAL, LAWS
 from archsearch.laws.lawfile import (FitResult, check_predicts, parse_reference, reference_coefficients,
                                      reference_loss, run_arrays)
+from archsearch.provenance import provenance
+from archsearch.rundata import check_one_loss_kind
 
 if TYPE_CHECKING:
     from archsearch.rundata import RunRecord
@@ -383,7 +385,6 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
-    from archsearch.rundata import check_one_loss_kind
 
     check_one_loss_kind(ok)
     shapeless = [r for r in ok if not r.has_arch]
@@ -456,8 +457,6 @@ def fit_split(fit_runs, test_runs, law: str, opts: FitOptions, n_failed: int = 0
 
 
 def _fit_split_inner(fit_runs, test_runs, law, opts, n_failed):
-    from archsearch.provenance import provenance
-
     fit_runs, dropped = _r_filter(fit_runs, opts, "fit")
     test_runs, dropped_t = _r_filter(test_runs, opts, "holdout")
     dropped += dropped_t

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import read_text, write_json
 from archsearch.laws import forms
 from archsearch.laws.forms import CONDITIONAL, LAWS
 
@@ -132,8 +134,6 @@ class FitResult:
 
     def save(self, path: str | Path) -> Path:
         """Write the law as JSON (atomically)."""
-        from archsearch.fileio import write_json
-
         return write_json(path, self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
@@ -148,8 +148,6 @@ def load_law(path: str | Path) -> FitResult:
     if not p.is_file():
         raise ArchsearchError("--law", f"no such file {str(p)!r}", "fit one with `archsearch fit` or write one by hand")
     try:
-        from archsearch.fileio import read_text
-
         data = json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise ArchsearchError(str(p), f"invalid JSON: {e}") from None
@@ -397,8 +395,6 @@ def spec_arrays(specs: Sequence["ArchSpec"], tokens: Sequence[float],
                 params: float | None = None) -> forms.Data:
     """A law's inputs (N, D, hidden/sqrt(N), r, hidden/layers) for architectures trained on
     ``tokens``; ``params`` fixes N for all of them (the solver's iso-parameter slices)."""
-    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
-
     n = [float(params) if params is not None else non_embedding_params(s) for s in specs]
     return {"N": np.array(n, dtype=float),
             "D": np.array(tokens, dtype=float),

@@ -21,7 +21,8 @@ from archsearch.errors import ArchsearchError
 from archsearch.figures import count, legend, log_axis, log_ticks, save, styled
 from archsearch.laws import forms
 from archsearch.laws.metrics import metrics
-from archsearch.laws.lawfile import run_arrays
+from archsearch.laws.lawfile import reference_loss, run_arrays
+from archsearch.laws.solve import optimum
 
 if TYPE_CHECKING:
     from archsearch.laws.lawfile import FitResult
@@ -46,8 +47,6 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
             return None
         X, L = run_arrays(runs)
         if fit.law in forms.CONDITIONAL:
-            from archsearch.laws.lawfile import reference_loss
-
             X["Lref"] = reference_loss(fit.reference, X["N"], X["D"])
         return X, L, fit.predict_arrays(X)
 
@@ -121,8 +120,6 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
 def _optimum(fit: "FitResult") -> dict:
     """The closed-form optimum of each factor (``{"x1": (x*, interval), ...}``, the interval
     None without a bootstrap); empty for a law without one or a factor that is not U-shaped."""
-    from archsearch.laws.solve import optimum
-
     if fit.law not in forms.CONDITIONAL:
         return {}
     try:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from archsearch.arch import describe, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
 from archsearch.laws.forms import CONDITIONAL
@@ -124,8 +125,6 @@ class SolvePoint:
     throughput: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        from archsearch.arch import describe
-
         return {"requested": {"hidden_over_sqrt_n": self.hidden_over_sqrt_n,
                               "mlp_to_attn_ratio": self.mlp_to_attn_ratio},
                 "architecture": describe(self.spec), "predicted_loss": self.predicted_loss,
@@ -311,8 +310,6 @@ def inside_range(x1: float, r: float, within: dict[str, Any] | None) -> bool:
 
 def _inside(spec, within: dict[str, Any] | None) -> bool:
     """The spec's realised ratios (what the law reads) lie in the fitted range."""
-    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
-
     return within is None or inside_range(hidden_over_sqrt_n(spec), mlp_to_attn_ratio(spec), within)
 
 

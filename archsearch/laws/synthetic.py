@@ -12,7 +12,10 @@ from typing import Sequence
 
 import numpy as np
 
+from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
+from archsearch.laws import forms
+from archsearch.laws.lawfile import spec_arrays
 from archsearch.rundata import RunRecord
 
 # A reference L_opt in the range of small LLaMA proxies (loss ~3-4 at 10M-1B parameters).
@@ -32,10 +35,6 @@ def synthetic_runs(law: str, coefficients: dict[str, float], sizes: Sequence[flo
                    gqa: int = 4, head_dim: int = 64) -> list[RunRecord]:
     """Runs on the grid sizes x tokens_per_param x hidden_over_sqrt_n x mlp_to_attn; shapes
     that do not build within the 2% budget tolerance are skipped."""
-    from archsearch.candidates import BuildSettings, build_candidate
-    from archsearch.laws import forms
-    from archsearch.laws.lawfile import spec_arrays
-
     if law not in forms.LAWS:
         raise ArchsearchError("law", f"unknown law {law!r}", f"use one of {list(forms.LAWS)}")
     rng = np.random.default_rng(seed)

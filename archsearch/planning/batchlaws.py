@@ -25,7 +25,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from archsearch.arch import ArchSpec, sparsity
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import check_input_file, read_jsonl_lines, read_text
+from archsearch.planning.finetune import predict_finetune_memory
+from archsearch.planning.formats import base_weight_bytes
 
 QUANTITIES = ("output tokens/s", "training tokens/s")
 
@@ -115,8 +119,6 @@ class MaxBatchLaw(_Saved):
 
     def sparsity_of(self, spec) -> float:
         """The law's sparsity of ``spec`` (its definition: ``sparsity_from``)."""
-        from archsearch.arch import sparsity
-
         if self.sparsity_from == "experts":
             return spec.experts_per_token / spec.n_experts if spec.is_moe else 1.0
         return sparsity(spec)
@@ -248,8 +250,6 @@ def fit_max_batch_law(points: Sequence[MaxBatchPoint], device: str | None = None
 # -- points from measurements --------------------------------------------------------------------
 
 def _spec_of(architecture: dict[str, Any]):
-    from archsearch.arch import ArchSpec
-
     import dataclasses as dc
 
     names = {f.name for f in dc.fields(ArchSpec)}
@@ -259,8 +259,6 @@ def _spec_of(architecture: dict[str, Any]):
 def throughput_points(results: Iterable[Any]) -> list[ThroughputPoint]:
     """Output tokens/s per successful batch of measured ``bench`` results (BenchResult or its
     dict). Analytic predictions are refused: a law fitted to them would fit the roofline."""
-    from archsearch.arch import sparsity
-
     out = []
     for r in results:
         d = r if isinstance(r, dict) else r.to_dict()
@@ -297,11 +295,8 @@ def model_memory_bytes(spec, quantity: str, dtype: str, *, method: str = "full",
     ``weight_format``, default ``dtype``) for serving; for training what does not grow with the
     batch: every weight, gradient and mixed-precision AdamW state (``full``), or the frozen base
     in its format plus the adapters, their gradients and AdamW states (``lora``, ``qlora``: NF4)."""
-    from archsearch.planning.formats import base_weight_bytes
-
     if quantity == "output tokens/s":
         return base_weight_bytes(spec, weight_format, dtype)["total"]
-    from archsearch.planning.finetune import predict_finetune_memory
 
     m = predict_finetune_memory(spec, method, 1, 1, dtype, lora=lora, weight_format=weight_format)
     if method == "full":
@@ -318,9 +313,6 @@ def read_points(path: str | Path) -> tuple[str, list[ThroughputPoint], list[MaxB
     Max-batch points come from the measured peak memory per batch: for every memory budget
     halfway between two measured peaks, the batch where that budget is met (see
     :func:`max_batch_points`)."""
-    from archsearch.arch import sparsity
-
-    from archsearch.fileio import check_input_file, read_jsonl_lines
 
     p = check_input_file(str(path), path)
     try:  # bench --out appends: a line torn by a killed bench is skipped, with a message
@@ -427,8 +419,6 @@ def estimate_from_batch_laws(throughput: ThroughputLaw, max_batch: MaxBatchLaw, 
 
 def load_batch_laws(path: str | Path, field_name: str = "--batch-laws") -> tuple[ThroughputLaw, MaxBatchLaw]:
     """Both laws from the JSON ``archsearch estimate batch-laws --out`` writes."""
-    from archsearch.fileio import read_text
-
     p = Path(path)
     try:
         d = json.loads(read_text(p, "--batch-laws"))

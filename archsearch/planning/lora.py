@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from archsearch.arch import ArchSpec, active_ffn_width
+from archsearch.arch import FAMILIES, ArchSpec, active_ffn_width, dtype_bytes
 from archsearch.errors import ArchsearchError
 from archsearch.planning.memory import predict_training_memory
 
@@ -138,8 +138,6 @@ def lora_activation_bytes(spec: ArchSpec, lora: LoraSettings, dtype: str = "floa
     adapters only) save less there than counted: an over-estimate of up to one layer's share.
 
     Checked against the tensors autograd actually saves (tests/test_lora.py walks the graph)."""
-    from archsearch.arch import FAMILIES, dtype_bytes
-
     cb = dtype_bytes(dtype)
     d, dq, dkv, nh = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.n_heads
     qk_norm = FAMILIES[spec.family][3]
@@ -212,7 +210,6 @@ def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq
     * ``runtime``: the framework's allowance (:data:`RUNTIME_ALLOWANCE_BYTES`).
 
     The total is meant as an upper bound of the peak (the planner's memory limit)."""
-    from archsearch.arch import dtype_bytes
     from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
 
     fmt = parse_format(weight_format, dtype)

@@ -20,8 +20,11 @@ import sys
 import time
 from typing import Any
 
-from archsearch.arch import ArchSpec
+from archsearch.arch import ArchSpec, from_hf_config, to_hf_config, total_params
 from archsearch.errors import ArchsearchError
+from archsearch.evaluation.models import load_model, resolve_model
+from archsearch.trainers.corpus import shakespeare_split
+from archsearch.trainers.loop import apply_lora
 
 
 def _status_bytes(key: str) -> int:
@@ -44,8 +47,6 @@ def _reset_peak() -> None:
 def _build(spec: ArchSpec):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from archsearch.arch import to_hf_config
 
     torch.manual_seed(0)
     # the spec's own family (LLaMA, Qwen, the MoE families), as exported
@@ -155,8 +156,6 @@ def _lora_child(job: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from archsearch.trainers.loop import apply_lora
-
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
     b, s, steps = job["batch"], job["seq_len"], job["steps"]
@@ -179,12 +178,7 @@ def _lora_model(src: dict[str, Any]):
     ``src["model"]`` real weights and real text, else ``src["spec"]`` random weights and tokens."""
     import torch
 
-    from archsearch.arch import from_hf_config, total_params
-
     if src.get("model"):
-        from archsearch.evaluation.models import load_model, resolve_model
-        from archsearch.trainers.corpus import shakespeare_split
-
         model, tok = load_model(resolve_model(src["model"]), device="cpu")
         spec = from_hf_config(model.config.to_dict())
         n = sum(p.numel() for p in model.parameters())
@@ -239,8 +233,6 @@ def _lora_schedule_child(job: dict[str, Any]) -> dict[str, Any]:
     entry wraps its model with fresh adapters, trains them (warm-up + timed steps) and removes
     them again (peft ``unload``), so neighbouring entries see the same machine state."""
     import torch
-
-    from archsearch.trainers.loop import apply_lora
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)

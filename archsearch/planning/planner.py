@@ -33,12 +33,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from archsearch.arch import ArchSpec
+from archsearch import figures
+from archsearch.arch import ArchSpec, active_params, dtype_bytes, total_params
+from archsearch.benchmarks import BenchSettings, append_jsonl
+from archsearch.benchmarks.measure import measure
 from archsearch.errors import ArchsearchError
-from archsearch.hardware import device_key
+from archsearch.fileio import read_jsonl_lines, read_text, write_json
+from archsearch.hardware import device_key, get_device
+from archsearch.planning.cost import resolve_price
+from archsearch.planning.formats import base_weight_bytes, parse_format
 from archsearch.planning.limits import Limits, check_limits
-from archsearch.planning.lora import LoraSettings, lora_params, predict_lora_memory
-from archsearch.presets import load_arch
+from archsearch.planning.lora import VARIANTS, LoraSettings, check_targets, lora_params, predict_lora_memory
+from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE, compute_params
+from archsearch.presets import PRESETS, load_arch
+from archsearch.provenance import provenance
 
 MEASUREMENTS = "measurements.jsonl"
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -58,8 +66,6 @@ class Candidate:
 def resolve_candidate(text: str) -> Candidate:
     """A preset name, a Hugging Face folder (config.json, weights optional), or a study folder
     whose ``chosen/`` holds one."""
-    from archsearch.presets import PRESETS
-
     if text.lower() in PRESETS:
         return Candidate(text, load_arch(text.lower()), f"preset {text.lower()}")
     p = Path(text).expanduser()
@@ -128,8 +134,6 @@ class FinetunePlan:
     price_per_hour: float | None = None
 
     def __post_init__(self) -> None:
-        from archsearch.planning.lora import VARIANTS
-
         for name in ("tokens", "batch_size", "seq_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -153,8 +157,6 @@ class FinetunePlan:
         for t in self.target_sets:
             LoraSettings(self.lora.rank, tuple(t))  # names checked here
         if self.dtype is not None:
-            from archsearch.arch import dtype_bytes
-
             dtype_bytes(self.dtype)
 
     @property
@@ -190,8 +192,6 @@ def lora_step_flops(spec: ArchSpec, lora: LoraSettings, tokens: int, seq_len: in
     score and value matmuls too (``6 L S dq`` per token, forward + backward, as
     :func:`archsearch.trainers.loop.train_flops_per_token` counts them: attention has no
     weights, so LoRA does not shorten its backward)."""
-    from archsearch.planning.time import compute_params
-
     attention = 0.0 if seq_len is None else 6.0 * spec.n_layers * seq_len * spec.q_dim
     return float(tokens) * (4.0 * compute_params(spec) + 6.0 * lora_params(spec, lora) + attention)
 
@@ -298,16 +298,12 @@ class LoraCalibration:
         return asdict(self)
 
     def save(self, path: str | Path) -> Path:
-        from archsearch.fileio import write_json
-
         write_json(Path(path), {"kind": "lora_calibration", **self.to_dict()})
         return Path(path)
 
     @classmethod
     def load(cls, path: str | Path, field_name: str = "--lora-calibration") -> LoraCalibration:
         import json
-
-        from archsearch.fileio import read_text
 
         p = Path(path)
         try:
@@ -331,10 +327,6 @@ def dequant_seconds(spec: ArchSpec, weight_format, dtype: str, device: str) -> t
     quantised weight is read and written back in the compute dtype once in the forward and
     once in the backward, at the device's memory bandwidth (bitsandbytes dequantises before the
     matmul; memory-bound)."""
-    from archsearch.arch import dtype_bytes
-    from archsearch.hardware import get_device
-    from archsearch.planning.formats import base_weight_bytes, parse_format
-
     fmt = parse_format(weight_format, dtype)
     if not fmt.quantised:
         return 0.0, "no dequantisation (float base)"
@@ -355,8 +347,6 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
     x the device's peak from :mod:`archsearch.hardware` (measured matmul FLOP/s for ``cpu``),
     MFU given or the planning default; the result says ``calibrated: False``. Every number
     used is returned beside the answer."""
-    from archsearch.hardware import get_device
-
     flops = lora_step_flops(spec, lora, batch_size * seq_len, seq_len)
     if calibration is not None:
         if mfu is not None:
@@ -370,7 +360,6 @@ def predict_lora_step_time(spec: ArchSpec, lora: LoraSettings, batch_size: int, 
                 "achieved_flops": calibration.achieved_flops, "overhead_s": calibration.overhead_s, "calibrated": True,
                 "method": calibration.describe(), "calibration": calibration.to_dict(), "device": device,
                 "formula": "overhead_s + " + LORA_STEP_FORMULA + " / achieved FLOP/s"}
-    from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
 
     dev = get_device(device)
     peak = dev.peak_flops(dtype)
@@ -403,8 +392,6 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
     measurement fails maps to the reason (its time stays uncalibrated, and says why)."""
     import re
     import statistics
-
-    from archsearch.provenance import provenance
 
     folder = out / CALIBRATIONS
     if measure_fn is None:
@@ -456,8 +443,6 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
 def _calibration_lora(spec: ArchSpec, ft: FinetunePlan) -> LoraSettings:
     """The adapters a candidate's step time is calibrated with: the first of the search that
     applies to it (the calibration carries to the others by their FLOPs)."""
-    from archsearch.planning.lora import check_targets
-
     for _, lo in ft.settings():
         try:
             check_targets(spec, lo)
@@ -475,8 +460,6 @@ def _key(candidate: Candidate, backend: str, prefill: int, decode: int) -> str:
 
 def load_measured(out: Path) -> dict[str, dict[int, dict]]:
     """key -> batch size -> the BatchResult dict of every grid point measured so far (resume)."""
-    from archsearch.fileio import read_jsonl_lines
-
     path = out / MEASUREMENTS
     done: dict[str, dict[int, dict]] = {}
     if path.is_file():
@@ -489,9 +472,6 @@ def load_measured(out: Path) -> dict[str, dict[int, dict]]:
 def measure_grid(candidates: list[Candidate], grid: PlanGrid, settings_kw: dict[str, Any], out: Path,
                  progress: Callable[[str], None] = print, measure_fn: Callable | None = None) -> dict[str, dict[int, dict]]:
     """Measure every candidate at every grid point not already in ``OUT/measurements.jsonl``."""
-    from archsearch.benchmarks import BenchSettings, append_jsonl
-    from archsearch.benchmarks.measure import measure
-
     measure_fn = measure_fn or measure
     done = load_measured(out)
     backend = settings_kw["backend"]
@@ -563,8 +543,6 @@ def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, d
                    limits: Limits, ft: FinetunePlan, calibration: LoraCalibration | str | None = None) -> CandidatePlan:
     """``calibration``: this candidate's own (:func:`calibrate_lora`; a string: why it failed),
     else ``ft.calibration``, else the step time is uncalibrated."""
-    from archsearch.arch import active_params, total_params
-
     points = []
     for prefill, decode in grid.lengths():
         row = measured.get(_key(c, backend, prefill, decode), {})
@@ -604,10 +582,6 @@ def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, d
 def search_finetune(spec: ArchSpec, ft: FinetunePlan, calibration: LoraCalibration | None = None) -> list[dict[str, Any]]:
     """Every (variant, rank, targets, batch size) of ``ft``'s search that applies to ``spec``:
     predicted step memory, step time, hours, cost, and which fine-tuning limits it breaks."""
-    from archsearch.hardware import get_device
-    from archsearch.planning.cost import resolve_price
-    from archsearch.planning.lora import VARIANTS, check_targets
-
     price = resolve_price(get_device(ft.device), ft.price_per_hour)
     dtype = ft.compute_dtype
     out = []
@@ -761,8 +735,6 @@ def plan_to_dict(cp: CandidatePlan) -> dict[str, Any]:
 def plot_tradeoff(plans: list[CandidatePlan], png: Path, limits: Limits | None = None) -> Path:
     """Time per output token and time to first token against peak memory, every grid point of
     every candidate; points within the limits filled, others hollow; the limits dashed."""
-    from archsearch import figures
-
     @figures.styled
     def draw() -> Path:
         import matplotlib.pyplot as plt

@@ -44,9 +44,11 @@ import numpy as np
 from archsearch.arch import ArchSpec, active_non_embedding_params, non_embedding_params, training_flops
 from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import read_text, write_json
 from archsearch.hardware import Device, get_device
 from archsearch.planning.cost import resolve_price, training_cost
 from archsearch.planning.memory import check_parallelism, max_training_batch, predict_training_memory
+from archsearch.rundata import MAX_TOKENS
 
 FORMS = ("analytic", "amdahl", "power")
 # Assumed MFU when neither the user nor a fitted law gives one. Dense decoder pretraining on
@@ -246,15 +248,11 @@ class TimeLaw(PlainData):
         return d
 
     def save(self, path: str | Path) -> Path:
-        from archsearch.fileio import write_json
-
         return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path, field: str = "--law") -> "TimeLaw":
         """A time law's JSON; ``field`` (the flag that named it) is what an error names."""
-        from archsearch.fileio import read_text
-
         p = Path(path)
         if not p.is_file():
             raise ArchsearchError(field, f"no such file {str(p)!r}", "fit one with archsearch estimate fit")
@@ -431,7 +429,6 @@ def estimate_training(spec: ArchSpec, tokens: float, gpus: str = "8xH100", *, tp
     """
     if not (isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens > 0):
         raise ArchsearchError("tokens", f"must be a positive number, got {tokens!r}")
-    from archsearch.rundata import MAX_TOKENS
 
     if tokens > MAX_TOKENS:
         raise ArchsearchError("tokens", f"{tokens:.3g} tokens is beyond any training run (at most {MAX_TOKENS:.0e}; "

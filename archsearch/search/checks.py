@@ -7,9 +7,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from archsearch.arch import ArchSpec
+from archsearch.arch import (ArchSpec, kv_cache_bytes_per_token, max_batch_by_kv, non_embedding_params,
+                             weight_bytes)
+from archsearch.benchmarks.analytic import MEMORY_FRACTION
+from archsearch.benchmarks.base import resolve_dtype
+from archsearch.candidates import box_shape_bound, build_candidate
+from archsearch.cluster.executor import check_cluster
 from archsearch.errors import ArchsearchError
+from archsearch.hardware import get_device, host_memory_bytes
+from archsearch.laws import load_law
+from archsearch.laws.solve import inside_range
+from archsearch.presets import get_preset
+from archsearch.rundata import read_runs
 from archsearch.search.config import StudyConfig
+from archsearch.search.measure import resolve_backend
+from archsearch.search.targets import study_views
+from archsearch.trainers import sweep_specs, token_budget
+from archsearch.trainers.config import check_trackers
+from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
 
 # -- shapes ------------------------------------------------------------------------------------
 
@@ -37,8 +52,6 @@ def vocab_size(cfg: StudyConfig) -> int:
 
 
 def baseline_spec(cfg: StudyConfig) -> ArchSpec:
-    from archsearch.candidates import build_candidate
-    from archsearch.presets import get_preset
     from archsearch.search.study import build_settings
 
     b = cfg.baseline
@@ -92,11 +105,6 @@ def reference_batch_fit(cfg: StudyConfig, device: str) -> dict:
     else 0.9; ``kv_cache_dtype`` from ``engine_args``, else the weights' dtype). Activations, CUDA
     graphs and allocator slack are not counted, so the capacity is an upper bound. ``cpu`` is
     this machine's memory."""
-    from archsearch.arch import kv_cache_bytes_per_token, max_batch_by_kv, weight_bytes
-    from archsearch.benchmarks.analytic import MEMORY_FRACTION
-    from archsearch.benchmarks.base import resolve_dtype
-    from archsearch.hardware import get_device, host_memory_bytes
-
     m = cfg.measure
     on_gpu = device.lower() != "cpu"
     if on_gpu:
@@ -152,7 +160,6 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     """Everything that can be checked before work starts (the search space can build shapes,
     the baseline builds, the measurement engine exists, a given law file loads, the proxies
     can support the reference). ``for_plan``: a missing engine is not an error (the plan says)."""
-    from archsearch.search.measure import resolve_backend
     from archsearch.search.study import build_settings, expand
 
     s = cfg.search_space
@@ -180,17 +187,12 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
 
         check_storage(cfg.optuna.storage)  # opened now: not after the proxies are trained
     if not for_plan:
-        from archsearch.cluster.executor import check_cluster
-        from archsearch.trainers.config import check_trackers
-
         for view in target_views(cfg):  # each deployment target's engine, or the measure block's
             with view.named():
                 resolve_backend(view.cfg.measure)
         check_cluster(cfg.cluster)
         check_trackers(cfg.optuna.log_with, "optuna.log_with")
     if cfg.law.file:
-        from archsearch.laws import load_law
-
         law = load_law(cfg.law.file)
         check_target(cfg, law, target_loss(cfg, law))
     if cfg.proxy and cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
@@ -210,8 +212,6 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
 def target_views(cfg: StudyConfig):
     """The study as each deployment target measures it (``measure`` replaced by the target's own
     block, :func:`archsearch.search.targets.target_measure`), or the study itself without targets."""
-    from archsearch.search.targets import study_views
-
     return study_views(cfg)
 
 
@@ -219,8 +219,6 @@ def check_trials_fit_the_box(cfg: StudyConfig, build) -> None:
     """``optuna.n_trials`` distinct shapes must exist in the box: shapes snap to multiples, so a
     box holds finitely many, and a budget beyond them would have the sampler repeat known shapes
     until ``max_trials`` (the search also stops once the box gives no new shape)."""
-    from archsearch.candidates import box_shape_bound
-
     s = cfg.search_space
     bound = box_shape_bound(cfg.params, cfg.n_layers, s.hidden_over_sqrt_n, s.mlp_to_attn, s.gqa, s.head_dim, build)
     if cfg.optuna.n_trials > bound:
@@ -246,8 +244,6 @@ def check_later_stages(cfg: StudyConfig) -> None:
                                   "drop it and check the chosen shape with archsearch plan --max-tpot-s / "
                                   "--max-peak-memory-gib, or use limits.max_ttft_s")
     if cfg.measure.device_spec and cfg.measure.device_spec.lower() != "cpu":
-        from archsearch.hardware import get_device
-
         try:
             get_device(cfg.measure.device_spec)
         except ArchsearchError as e:
@@ -258,8 +254,6 @@ def check_later_stages(cfg: StudyConfig) -> None:
 
 def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10) -> None:
     """A baseline far from the study's N is another model size: its ratios say little there."""
-    from archsearch.arch import non_embedding_params
-
     n = non_embedding_params(base)
     if abs(n / cfg.params - 1) > max_gap:
         raise ArchsearchError("baseline", f"its N is {n:.4g}, {n / cfg.params - 1:+.0%} from the study's "
@@ -274,8 +268,6 @@ def proxy_sweeps(cfg: StudyConfig) -> list:
 
 def planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
     """The (N, D) groups the proxy runs will have, to 2 significant digits."""
-    from archsearch.rundata import read_runs
-
     r2 = lambda v: float(f"{v:.2g}")
     if cfg.proxy.runs:
         return {(r2(r.n_params), r2(r.tokens)) for r in read_runs(cfg.proxy.runs) if r.status == "ok"}
@@ -317,8 +309,6 @@ def baseline_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
 
 def baseline_note(cfg: StudyConfig, base: ArchSpec) -> str | None:
     """What the report says when the baseline's own N is not the study's."""
-    from archsearch.arch import non_embedding_params
-
     n = non_embedding_params(base)
     if n == cfg.params:
         return None
@@ -334,7 +324,6 @@ def target_loss(cfg: StudyConfig, law) -> float:
 
 def check_target(cfg: StudyConfig, law, lt: float) -> None:
     """A target below the law's lowest loss in the search box has no feasible shape."""
-    from archsearch.laws.solve import inside_range
     from archsearch.search.study import SearchContext, build_settings, scan_law
 
     ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."),
@@ -396,8 +385,6 @@ def source_tokens(data_cfg) -> tuple[float | None, str]:
         return n, how
     if srcs == ["shakespeare"]:
         try:
-            from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
-
             train, _ = shakespeare_split(tuple(data_cfg.val_works) if data_cfg.val_works is not None
                                          else DEFAULT_VAL_WORKS)
         except ArchsearchError as e:
@@ -422,8 +409,6 @@ def data_budgets(cfg: StudyConfig) -> list[dict]:
     data is read)."""
     items = []
     if cfg.proxy is not None and not cfg.proxy.runs:
-        from archsearch.trainers import sweep_specs, token_budget
-
         many = cfg.proxy.sweeps is not None
         for i, sw in enumerate(proxy_sweeps(cfg)):
             need = max((token_budget(spec, sw.train_for(pt["level"])) for pt, spec, _ in sweep_specs(sw, vocab_size(cfg))

@@ -13,16 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.arch import SUPPORTED_HEAD_DIMS
 from archsearch.benchmarks.base import BACKENDS, BenchSettings
+from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.paired import PairedSettings
-from archsearch.candidates import BuildSettings
+from archsearch.candidates import BuildSettings, check_size
 from archsearch.cluster.config import ClusterConfig
-from archsearch.configio import base_view
+from archsearch.configio import base_view, from_dict, load_yaml
 from archsearch.errors import ArchsearchError
-from archsearch.laws.fit import FitOptions
+from archsearch.fileio import check_name, check_output
+from archsearch.laws.active import INITIAL_DESIGNS
+from archsearch.laws.fit import MAX_BOOTSTRAP, FitOptions
 from archsearch.planning.limits import Limits
-from archsearch.search.targets import AGGREGATES, DeploymentTarget
-from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
+from archsearch.search.targets import AGGREGATES, DeploymentTarget, check_targets
+from archsearch.trainers.config import TRACKERS, DataConfig, SweepConfig, TrainConfig
 
 LAW_FORMS = ("conditional-multiplicative", "conditional-additive")
 SAMPLERS = ("tpe", "random", "nsga2", "gp")
@@ -104,7 +108,6 @@ class SearchSpace:
             if getattr(self, name) < 0:
                 raise ArchsearchError(f"search_space.{name}", f"must be >= 0, got {getattr(self, name)}",
                                       "0 means continuous")
-        from archsearch.arch import SUPPORTED_HEAD_DIMS
 
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ArchsearchError("search_space.head_dim", f"{self.head_dim} is not supported by the "
@@ -127,8 +130,6 @@ class ActiveProxyConfig:
     noise_floor: float = 0.002          # smallest log-noise of one run the acquisition assumes
 
     def __post_init__(self) -> None:
-        from archsearch.laws.active import INITIAL_DESIGNS
-
         if self.initial not in INITIAL_DESIGNS:
             raise ArchsearchError("proxy.active.initial", f"{self.initial!r} is unknown",
                                   f"use one of {list(INITIAL_DESIGNS)}")
@@ -140,7 +141,6 @@ class ActiveProxyConfig:
                                   "training FLOPs (6 N D) for all proxies, e.g. 1e20, or leave it out")
         if self.batch_size < 1:
             raise ArchsearchError("proxy.active.batch_size", f"must be >= 1, got {self.batch_size}")
-        from archsearch.laws.fit import MAX_BOOTSTRAP
 
         if not 10 <= self.bootstrap <= MAX_BOOTSTRAP:
             raise ArchsearchError("proxy.active.bootstrap", f"must be in 10..{MAX_BOOTSTRAP}, got {self.bootstrap}",
@@ -182,8 +182,6 @@ class ProxyConfig:
             raise ArchsearchError("proxy.plan", "active chooses runs to train, but proxy.runs reuses a table",
                                   "give proxy.sweep (the pool of candidate runs) or use plan: grid")
         if self.store is not None:
-            from archsearch.fileio import check_output
-
             check_output("proxy.store", self.store, kind="dir")
 
     def sweep_list(self) -> list[SweepConfig]:
@@ -265,8 +263,6 @@ class MeasureConfig(BenchSettings):
             raise ArchsearchError("measure.max_attempts", f"must be an integer in [1, 100], got {self.max_attempts!r}",
                                   "e.g. 3 (1: a failed measurement is never taken again)")
         if self.params is not None:
-            from archsearch.candidates import check_size
-
             if isinstance(self.params, bool) or not isinstance(self.params, (int, float)) or not self.params > 0:
                 raise ArchsearchError("measure.params", f"must be a positive number, got {self.params!r}",
                                       "e.g. 4e6, or leave it out to measure at the study's params")
@@ -278,8 +274,6 @@ class MeasureConfig(BenchSettings):
             raise ArchsearchError("fallback_backend", f"unknown backend {self.fallback_backend!r}",
                                   f"use one of {list(BACKENDS)}")
         if self.calibration is not None:
-            from archsearch.benchmarks.calibration import Calibration
-
             try:
                 # fitted on the device and engine it predicts for (the analytic backend, which
                 # predicts for any engine, excepted)
@@ -289,7 +283,6 @@ class MeasureConfig(BenchSettings):
         if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
             raise ArchsearchError("reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
-        from archsearch.search.targets import check_targets
 
         check_targets(self)
 
@@ -328,8 +321,6 @@ class OptunaConfig:
     target_objective: str = "worst"
 
     def __post_init__(self) -> None:
-        from archsearch.trainers.config import TRACKERS
-
         trackers = [self.log_with] if isinstance(self.log_with, str) else list(self.log_with or [])
         for t in trackers:
             if t not in TRACKERS:
@@ -358,8 +349,6 @@ def _check_storage_url(url: str) -> None:
     """A journal file (``*.log`` / ``journal:PATH``), or a database URL SQLAlchemy can parse
     with an installed dialect."""
     if url.startswith("journal:") or url.endswith(".log"):
-        from archsearch.fileio import check_output
-
         check_output("optuna.storage", url.removeprefix("journal:"))
         return
     from sqlalchemy.engine import make_url
@@ -481,12 +470,9 @@ class StudyConfig:
     out: str | None = None  # default: runs/<name> (git-ignored; results/ holds curated records)
 
     def __post_init__(self) -> None:
-        from archsearch.fileio import check_name
-
         check_name("name", self.name)
         if " " in self.name:
             raise ArchsearchError("name", f"{self.name!r} holds a space", "give a name without spaces")
-        from archsearch.candidates import check_size
 
         check_size(self.params, self.n_layers if self.n_layers > 0 else None)
         if not self.tokens > 0:
@@ -542,8 +528,6 @@ def check_measured_scale(cfg: StudyConfig) -> None:
 
 def load_study_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> StudyConfig:
     """Read and validate a study YAML (+ ``key.sub=value`` overrides)."""
-    from archsearch.configio import from_dict, load_yaml
-
     return from_dict(StudyConfig, inherit_study_settings(load_yaml(path, overrides)))
 
 

@@ -46,7 +46,10 @@ from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.search import log as search_log
 from archsearch.search.checks import proxy_sweeps, vocab_size
+from archsearch.search.proxies import train_runs
 from archsearch.search.study import loss_bound
+from archsearch.search.targets import gqa_paired_visit
+from archsearch.trainers.loop import run_id_for, token_budget
 
 
 def gqa_pairs(spec: ArchSpec, params: float, build: BuildSettings) -> dict[int, ArchSpec]:
@@ -88,8 +91,6 @@ def proxy_variants(cfg, spec: ArchSpec, g0: int, vocab: int) -> list[dict[str, A
     and r within the sweep's tolerances), and the training every variant shares: the sweep's
     settings at that size with the ``g0`` variant's token budget (one data prefix and order).
     A size where the ``g0`` variant does not build has ``base`` None and a ``note``."""
-    from archsearch.trainers.loop import token_budget
-
     sweep = proxy_sweeps(cfg)[0]
     x1, r = hidden_over_sqrt_n(spec), mlp_to_attn_ratio(spec)
     settings = replace(sweep.build, vocab_size=vocab, on_r_drift="flag")
@@ -118,8 +119,6 @@ def proxy_gqa(item: dict[str, Any], g: int) -> int | None:
 def proxy_runs(sizes: list[dict[str, Any]], seeds: list[int], g: int) -> list[tuple[int, int, str, ArchSpec, Any]]:
     """(level, seed, run id, spec, train config) of the proxy runs that check GQA ``g``: per size
     its stand-in (:func:`proxy_gqa`) and per seed, each at its size's shared token budget."""
-    from archsearch.trainers.loop import run_id_for
-
     runs = []
     for item in sizes:
         h = proxy_gqa(item, g)
@@ -194,7 +193,6 @@ class ProxyLossCheck:
             if self.data is None and any(proxy_gqa(item, g) is not None for item in self.sizes):
                 self._prepare()
             from archsearch.search import log
-            from archsearch.search.proxies import train_runs
 
             runs = proxy_runs(self.sizes, self.seeds, g)
             records, trained = train_runs(self.cfg, self.sweep, [(rid, v, tc) for _, _, rid, v, tc in runs],
@@ -352,8 +350,6 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
     def paired_visit(step: GQAStep, v: ArchSpec, attempt: int = 0) -> None:
         group = [ctx.baseline, v] if start is None else [ctx.baseline, start, v]
         if getattr(ctx, "targets", None):  # the study's aggregate over its deployment targets
-            from archsearch.search.targets import gqa_paired_visit
-
             return gqa_paired_visit(step, group, ctx, attempt)
         m = ctx.measurer.compare(group, attempt=attempt)
         pr, step.measurement_key = m.result, m.key

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archsearch.configio import to_dict
+from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
 from archsearch.search.config import StudyConfig
+from archsearch.search.measure import key_settings, resolve_backend
 
 INPUTS_FILE = "stage_inputs.json"
 SUPERSEDED_DIR = "superseded"
@@ -79,8 +80,6 @@ def _pick(d: dict[str, Any], *names: str, drop: tuple[str, ...] = ()) -> dict[st
 
 def stage_inputs(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
     """Each fingerprinted stage's inputs: {dotted setting: value} of exactly what it reads."""
-    from archsearch.search.measure import key_settings, resolve_backend
-
     d = to_dict(cfg)
     proxy = _pick(d, "proxy", drop=("proxy.runs",))
     if cfg.proxy is not None and cfg.proxy.plan == "active":  # the plan fits the law as it goes
@@ -170,8 +169,6 @@ _PROXY_GRID = re.compile(r"^proxy\.sweeps?(\.\d+)?\.(name|params|hidden_over_sqr
 
 def _legacy_inputs(out: Path) -> dict[str, dict[str, Any]] | None:
     """The stage inputs of a folder written before stages recorded theirs: from its config.json."""
-    from archsearch.configio import from_dict
-
     raw = read_json_tolerant(out / "config.json", "the study's stored config")
     if raw is None:
         return None

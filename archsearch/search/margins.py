@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.errors import ArchsearchError
+from archsearch.laws.lawfile import spec_arrays
 
 if TYPE_CHECKING:
     from archsearch.arch import ArchSpec
@@ -98,8 +100,6 @@ class LossDistribution:
 
 def distribution(law, spec: "ArchSpec", tokens: float, params: float) -> LossDistribution:
     """A shape's predicted loss at the study's N and D with the bootstrap and the law's error."""
-    from archsearch.laws.lawfile import spec_arrays
-
     pred = float(law.predict(spec, tokens, params=params))
     boot = law.bootstrap_predictions(spec_arrays([spec], [tokens], params))
     sd = law_sd(law)
@@ -174,8 +174,6 @@ def shape_range(law) -> dict[str, Any] | None:
 def outside_range(law, spec: "ArchSpec") -> str | None:
     """Why ``spec`` lies outside the law's fitted range (its realised d/sqrt(N) and r, the values
     the law reads), or None when inside or when the law states no range there."""
-    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
-
     rng = shape_range(law)
     if rng is None:
         return None

@@ -19,10 +19,15 @@ from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from archsearch.arch import ArchSpec
+from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
+from archsearch.benchmarks import measure
+from archsearch.benchmarks.base import BenchResult
+from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior
+from archsearch.candidates import build_candidate
 from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines
+from archsearch.planning import check_limits
 from archsearch.search.config import MeasureConfig
 
 _ENGINE_MODULE = {"vllm": "vllm", "sglang": "sglang"}
@@ -150,9 +155,6 @@ def measured_shape(spec: ArchSpec, params: float, head_dim: int, build) -> ArchS
     scale). ``build`` is the study's ``BuildSettings``."""
     from dataclasses import replace
 
-    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
-    from archsearch.candidates import build_candidate
-
     if spec.n_experts:
         raise ArchsearchError("measure.params", "rescaling a mixture-of-experts shape is not supported",
                               "drop measure.params for MoE searches")
@@ -187,9 +189,6 @@ class Measurer:
     def measure(self, spec: ArchSpec) -> Measurement:
         """``spec`` measured alone (a ``BenchResult``). Failures are results with ok=False, never
         exceptions."""
-        from archsearch.benchmarks import measure
-        from archsearch.benchmarks.base import BenchResult
-
         key = self.key(spec)
         found, cached = self._once(key, lambda: measure(self.scale(spec), self.settings()).to_dict())
         return Measurement(BenchResult.from_dict(found), key, cached)
@@ -204,8 +203,6 @@ class Measurer:
     def compare(self, specs: list[ArchSpec], attempt: int = 0) -> Measurement:
         """``specs`` measured together, the first the reference (a ``PairedResult``,
         ``archsearch.benchmarks.paired``); ``attempt`` > 0 is a fresh re-measurement."""
-        from archsearch.benchmarks.paired import PairedResult
-
         key = self.pair_key(specs, attempt)
         found, cached = self._once(key, lambda: self._paired(specs).to_dict())
         return Measurement(PairedResult.from_dict(found), key, cached)
@@ -251,8 +248,6 @@ class Measurer:
         (``measure.paired.twin``; a group stored as several pairs counts once), else, before the
         first twin group or without twins, the configured ``measure.paired.instance_sd`` squared;
         0 for the analytic backend."""
-        from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior
-
         if self.backend == "analytic":  # a deterministic prediction has no engine instance
             return 0.0
         groups: dict[str, PairedResult] = {}
@@ -311,7 +306,6 @@ def check_result_limits(limits, batch, batch_size: int) -> tuple[bool, str | Non
     (a ``BatchResult``)."""
     if not limits.active:
         return True, None
-    from archsearch.planning import check_limits
 
     if batch is None:
         raise ArchsearchError("measure.reference_batch_size", f"no measurement at batch size {batch_size}")

@@ -23,24 +23,34 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec
+from archsearch.cluster.startup import record_tail
+from archsearch.cluster.study import run_search_workers
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
+from archsearch.laws import fit_law, load_law
+from archsearch.laws.diagnostics import held_out_error
 from archsearch.logs import study_log
+from archsearch.provenance import provenance
+from archsearch.rundata import read_runs
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
 from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
 from archsearch.search.config import StudyConfig
 from archsearch.search.final import evaluate_final, train_final
-from archsearch.search.measure import MeasurementStore, Measurer, file_lock
+from archsearch.search.gqa import local_gqa_search
+from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, plan_resume, read_json_tolerant,
+                                      stage_inputs, supersede)
+from archsearch.search.measure import MeasurementStore, Measurer, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
+from archsearch.search.study import (SearchContext, build_settings, create_study, measure_scale,
+                                     recover_stale_trials, run_study)
+from archsearch.search.targets import build_targets
 
 
 def stage_provenance() -> dict[str, Any]:
     """Where and when a stage ran (the full versions are in config.json's summary and in each
     measurement's own record)."""
-    from archsearch.provenance import provenance
-
     p = provenance()
     return {"time_utc": p["time_utc"], "host": p["host"], "git": p["git"],
             "device": (p.get("device") or {}).get("name"), "command": p["command"]}
@@ -58,8 +68,6 @@ class StudyState:
         """Read ``state.json``; one cut short by a killed write (or unreadable) is treated as
         absent, with a line saying so: the stages it marked done are redone, each from what it
         left (finished proxy runs, the Optuna storage, the measurement store)."""
-        from archsearch.search.inputs import read_json_tolerant
-
         self.data = read_json_tolerant(self.path, "every stage it marked done") or {}
 
     def save(self) -> None:
@@ -128,8 +136,6 @@ def _in_study_log(fn: Callable[..., Any]) -> Callable[..., Any]:
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study, stage by stage; returns the summary."""
-    from archsearch.search.inputs import StageInputs, fingerprints, stage_inputs
-
     validate(cfg)  # before anything is written
     selected = select_stages(cfg, out, only, skip)
     out.mkdir(parents=True, exist_ok=True)
@@ -164,8 +170,6 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool]) -> None:
     """Compare the folder's stages with ``cfg`` (archsearch.search.inputs): keep what is valid,
     move aside and redo what a changed setting touches, refuse what cannot be honoured."""
-    from archsearch.search.inputs import StageInputs, fingerprints, plan_resume, stage_inputs, supersede
-
     torn = [stage for stage, name in (("fit", "law.json"), ("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
             if state.done(stage) and applies[stage] and (stage != "train" or cfg.mode == "predict-rank-select")
             and _read_json(out / name) is None]
@@ -244,14 +248,11 @@ def _proxy(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """Fit the law on the proxies' runs (or read ``law.file`` / the study's ``law.json``), then
     build the search context once: the target loss and the measurer every later stage uses."""
-    from archsearch.laws import fit_law, load_law
-
     cfg, law_path, info = r.cfg, r.out / "law.json", None
     if cfg.law.file or not fresh:
         r.law = load_law(cfg.law.file or law_path)
     else:
         from archsearch.laws.plots import write_plots
-        from archsearch.rundata import read_runs
 
         runs = [x for x in read_runs(r.runs_path) if x.status == "ok"]
         log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
@@ -280,8 +281,6 @@ def with_held_out_error(law, runs, cfg: StudyConfig):
     (``archsearch.laws.diagnostics.held_out_error``); with one proxy size none can be measured,
     and the law says so (its margins then rest on the bootstrap alone)."""
     import dataclasses
-
-    from archsearch.laws.diagnostics import held_out_error
 
     held = (law.metrics or {}).get("holdout")
     if held and held.get("n"):
@@ -312,13 +311,9 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
             f"measuring with {ctx.measurer.backend}")
         if cfg.cluster.parallel:
-            from archsearch.cluster.study import run_search_workers
-
             workers = run_search_workers(cfg, r.out, stage_start=t)
             study = load_study(ctx)
         else:
-            from archsearch.search.study import run_study
-
             study, recovered = run_study(ctx, progress=r.progress)
             if recovered:
                 log(f"recovered trials {recovered} left running by a dead process")
@@ -327,7 +322,6 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
                 + ("" if cfg.cluster.parallel else " and measured here"))
             if cfg.cluster.parallel:  # the executor's workers are done: the next run of the stage measures them
                 break
-            from archsearch.search.study import run_study
 
             study, _ = run_study(ctx, progress=r.progress)
         new = sum(1 for tr in study.get_trials(deepcopy=False)
@@ -340,15 +334,11 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     r.best = chosen_from_study(r.study) if r.study is not None else None
     _redo_after_new_best(r)
     if fresh and cfg.cluster.parallel:  # the coordinator's seconds after its workers ended (startups.json)
-        from archsearch.cluster.startup import record_tail
-
         record_tail(r.out, "search", "search_tail_s", workers, since=t)
     return info
 
 
 def _best_key(best: dict[str, Any] | None) -> str | None:
-    from archsearch.search.measure import spec_key
-
     return spec_key(ArchSpec.from_dict(best["spec"])) if best and best.get("spec") else None
 
 
@@ -356,8 +346,6 @@ def _redo_after_new_best(r: StudyRun) -> None:
     """A resumed search (more trials, a retried measurement) may find another best shape: the
     GQA search around the old one, and the stages after it, are then redone (outputs kept in
     ``superseded/``)."""
-    from archsearch.search.inputs import ResumePlan, supersede
-
     with file_lock(r.out / ".stage.lock"):
         r.state.reload()
         g = _read_json(r.out / "gqa.json") if r.state.done("gqa") else None
@@ -377,8 +365,6 @@ def _gqa(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     faster, kept only if significantly faster than the baseline."""
     info = None
     if fresh and r.best is not None:
-        from archsearch.search.gqa import local_gqa_search
-
         log(f"local GQA search around trial {r.best['trial']}")
         g = local_gqa_search(ArchSpec.from_dict(r.best["spec"]), r.ctx, r.cfg.gqa_search.baseline_gqa,
                              progress=r.progress)
@@ -446,17 +432,12 @@ STAGE_NAMES = tuple(st.name for st in STAGES)
 def search_context(cfg: StudyConfig, out: Path, law=None):
     """The search's context (law, target loss, measurer on the study's store); the law is read
     from the study folder (or ``law.file``) when not given, as a measurement worker does."""
-    from archsearch.search.study import SearchContext, build_settings, measure_scale
-
     if law is None:
-        from archsearch.laws import load_law
-
         law = load_law(cfg.law.file or out / "law.json")
     lt = target_loss(cfg, law)
     check_target(cfg, law, lt)
     build = build_settings(cfg, vocab_size(cfg))
     store, scale = MeasurementStore(out / "measurements.jsonl"), measure_scale(cfg, build)
-    from archsearch.search.targets import build_targets
 
     targets = build_targets(cfg, store, scale)  # with targets, the first one's measurer is the study's
     measurer = targets[0].measurer if targets else Measurer(cfg.measure, store, scale=scale)
@@ -470,15 +451,11 @@ def _runs_path(cfg: StudyConfig, out: Path) -> Path:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A stage's JSON output; None where it is missing or cut short by a killed write."""
-    from archsearch.search.inputs import read_json_tolerant
-
     return read_json_tolerant(path, "that stage's result")
 
 
 def load_study(ctx):
     """The stored study, or None when the search stage has not created it yet."""
-
-    from archsearch.search.study import create_study
 
     try:
         study, _ = create_study(ctx, load_only=True)
@@ -495,8 +472,6 @@ def _wait_for_running(study, timeout_s: float = 3600, poll_s: float = 2.0) -> li
     ``recover_stale_trials``) is failed and its parameters enqueued at once; returns those
     trials, for this worker to take over."""
     from optuna.trial import TrialState
-
-    from archsearch.search.study import recover_stale_trials
 
     t, recovered = time.time(), []
     while study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) and time.time() - t < timeout_s:

@@ -7,11 +7,28 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from archsearch.arch import describe
+from archsearch.arch import describe, hidden_over_sqrt_n, mlp_to_attn_ratio, total_params, training_flops
+from archsearch.benchmarks.analytic import predict_batch
+from archsearch.benchmarks.base import resolve_dtype
+from archsearch.benchmarks.calibration import Calibration
+from archsearch.cluster import startup
+from archsearch.cluster.startup import DEFAULTS_NOTE, StartupProfile
 from archsearch.errors import ArchsearchError
-from archsearch.search.checks import (baseline_spec, data_budgets, planned_groups, proxy_sweeps, source_tokens,
-                                     vocab_size)
+from archsearch.hardware import get_device
+from archsearch.laws import load_law
+from archsearch.planning import estimate_training
+from archsearch.planning.time import parse_gpus, split_gpus
+from archsearch.search.checks import (baseline_spec, check_reference_batch, data_budgets, measured_baseline,
+                                      planned_groups, proxy_sweeps, source_tokens, target_views, vocab_size)
 from archsearch.search.config import StudyConfig
+from archsearch.search.gqa import bounded_pairs, gqa_pairs, proxy_runs, proxy_variants
+from archsearch.search.margins import range_summary
+from archsearch.search.measure import resolve_backend
+from archsearch.search.study import build_settings, expand
+from archsearch.search.targets import price_targets
+from archsearch.trainers import sweep_specs, token_budget
+from archsearch.trainers.data import cache_state, default_workers, token_dtype
+from archsearch.trainers.loop import run_id_for
 
 # -- assumptions, each printed with the plan ------------------------------------------------------
 
@@ -30,8 +47,6 @@ DATA_PROCESSES = 32
 
 
 def data_processes(cfg: StudyConfig) -> int:
-    from archsearch.trainers.data import default_workers
-
     return DATA_PROCESSES if cfg.cluster.executor == "slurm" else default_workers()
 # start-ups (a job's, an engine process's, an engine's, the coordinator's): measured per machine or
 # cluster and read from the study folder's startups.json or a machine profile, else defaults; see
@@ -44,8 +59,6 @@ MODEL_BYTES_PER_PARAM = 4
 def run_flops(spec, tokens: float) -> float:
     """The one FLOP figure of a training run: 6 N_c D, N_c = non-embedding parameters plus the
     output head (what estimate_training prices)."""
-    from archsearch.arch import training_flops
-
     return training_flops(spec, tokens, include_embedding=True)
 
 
@@ -56,9 +69,6 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]], startups=Non
     Shards already in the shared cache (``archsearch.trainers.data.cache_state``) are not
     tokenized again: a complete cache costs the coordinator ``data_cached_s`` (measured or a
     default), a partial one that and the tokens still missing."""
-    from archsearch.cluster.startup import StartupProfile
-    from archsearch.trainers.data import cache_state, token_dtype
-
     su = startups or StartupProfile()
 
     groups: dict[tuple, dict[str, Any]] = {}
@@ -135,9 +145,6 @@ def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
     finds infeasible are skipped, unmeasured)."""
     if not cfg.gqa_search.enabled:
         return None
-    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
-    from archsearch.search.gqa import bounded_pairs, gqa_pairs
-    from archsearch.search.study import build_settings, expand
 
     build = build_settings(cfg, vocab_size(cfg))
     base = baseline_spec(cfg)
@@ -171,8 +178,6 @@ def gqa_proxy_runs(cfg: StudyConfig, shape, g0: int, pairs: dict) -> dict[str, A
     and per seed, at the GQA ``g0`` variant's token budget. Low: ``g0`` and one step each way;
     high: every reachable variant (none is trained where only ``g0`` is reachable). Runs already
     trained (in the store or the study folder) are not told apart here."""
-    from archsearch.search.gqa import proxy_runs, proxy_variants
-
     sweep = proxy_sweeps(cfg)[0]
     seeds = list(sweep.seeds) if sweep.seeds is not None else [sweep.train.seed]
     sizes = proxy_variants(cfg, shape, g0, vocab_size(cfg))
@@ -201,11 +206,6 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     ``measure.params`` where set; all shapes have about its size) on ``device``. The search
     stage's comparisons run on ``measure_workers`` GPUs at once; the GQA search's in the
     coordinator, one after another."""
-    from archsearch.benchmarks.analytic import predict_batch
-    from archsearch.benchmarks.base import resolve_dtype
-    from archsearch.hardware import get_device
-    from archsearch.search.checks import measured_baseline
-
     m = cfg.measure
     n = search_comparisons(cfg)
     gqa = gqa_comparisons(cfg)
@@ -219,8 +219,6 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     dtype = resolve_dtype(m.dtype, on_gpu=dev.name != "cpu")
     cal, other = None, None
     if m.calibration:
-        from archsearch.benchmarks.calibration import Calibration
-
         cal = Calibration.load(m.calibration)
         try:
             cal.check_matches(dev.name, m.backend, "measure.calibration")
@@ -229,8 +227,6 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     spec = measured_baseline(cfg)
     b = predict_batch(spec, dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
     if startups is None:
-        from archsearch.cluster.startup import StartupProfile
-
         startups = StartupProfile()
     su = startups
     start = su.s(f"engine_start_s.{m.backend}")
@@ -321,9 +317,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     profile of start-ups (default ``cluster.profile``); the study folder's own record wins.
     ``mfu`` / ``time_law``: what training is priced with (``estimate_training``; default the
     planner's assumed MFU)."""
-    from archsearch.arch import total_params
-    from archsearch.cluster import startup
-
     p: dict[str, Any] = {"study": cfg.name, "out": str(out), "stages": []}
     profile = profile or cfg.cluster.profile
     su = startup.resolve(out, profile)
@@ -337,9 +330,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     elif cfg.proxy.runs:
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
-        from archsearch.trainers import sweep_specs, token_budget
-        from archsearch.trainers.loop import run_id_for
-
         sweeps = proxy_sweeps(cfg)
         for sweep in sweeps:
             seen = set()
@@ -383,7 +373,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.reference}, "
                         f"{cfg.law.bootstrap} bootstrap resamples)" if not cfg.law.file
                         else f"load {cfg.law.file}"})
-    from archsearch.search.measure import resolve_backend
 
     try:
         backend, engine_note = resolve_backend(cfg.measure)
@@ -447,9 +436,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                                  "dummy, transformers from_config); engine compile caches (vLLM's torch.compile) "
                                  "are not counted"]}
     if gpus:
-        from archsearch.planning import estimate_training
-        from archsearch.planning.time import parse_gpus, split_gpus
-
         n_total, _ = parse_gpus(gpus)
         device = split_gpus(gpus)[1]
         per_job = max(1, cfg.cluster.gpus_per_job)
@@ -474,7 +460,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
             gqa_runs.append({"gqa": item["gqa"], "run": item["run"], "low": item["low"], "hours": e.hours + start_h,
                              "gpu_hours": e.gpu_hours + start_h * per_job, "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
-        from archsearch.search.checks import check_reference_batch, target_views
 
         for view in target_views(cfg):  # each deployment target's, or the measure block's
             if view.cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
@@ -483,8 +468,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                 p.setdefault("reference_batch", fit)
         try:
             if cfg.measure.targets:  # each target priced on its device and engine, summed
-                from archsearch.search.targets import price_targets
-
                 meas = price_targets(cfg, device, lambda c, d: measurement_cost(c, d, n_total, su))
             else:
                 meas = measurement_cost(cfg, device, n_total, su)
@@ -569,8 +552,6 @@ def law_trust(cfg: StudyConfig) -> str:
     if not cfg.law.file:
         return ("error: measured after the fit, on the largest proxy size held out (progressive protocol); "
                 f"fitted range: the runs' d/sqrt(N) and r after the r filter, {rule}")
-    from archsearch.laws import load_law
-    from archsearch.search.margins import range_summary
 
     law = load_law(cfg.law.file)
     e = law.prediction_error
@@ -590,8 +571,6 @@ def _g(x: Any) -> str:
 
 def render(p: dict[str, Any]) -> list[str]:
     """The plan as lines for a person: stages with their cost, data, disk, every assumption."""
-    from archsearch.cluster.startup import DEFAULTS_NOTE
-
     lines = [f"plan for study {p['study']} -> {p['out']}"]
     su = p.get("startups")
     if su:

@@ -8,32 +8,33 @@ import time
 from pathlib import Path
 from typing import Any
 
+from archsearch.cluster.startup import record_tail
+from archsearch.cluster.study import (JOBS_DIR, content_key, has_record, link_shared_runs, link_to_store,
+                                      run_proxy_jobs, run_train_jobs)
 from archsearch.fileio import atomic_write
+from archsearch.rundata import write_runs
 from archsearch.search import log
 from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import file_lock
+from archsearch.trainers import run_sweep
+from archsearch.trainers.active import run_active
+from archsearch.trainers.loop import read_record, token_budget
+from archsearch.trainers.sweep import train_or_fail
 
 
 def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
     """Train every proxy sweep (each resumes and skips its finished runs) into
     ``proxies/<sweep name>/`` and merge their tables into ``proxies/runs.csv``."""
-    from archsearch.rundata import write_runs
-    from archsearch.trainers import run_sweep
-
     records = []
     for sweep in proxy_sweeps(cfg):
         jobs = None
         log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
         if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
-            from archsearch.cluster.study import link_shared_runs
-
             reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
             log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
         if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
             from dataclasses import replace
-
-            from archsearch.cluster.study import JOBS_DIR, run_proxy_jobs
 
             t_sub = time.time()
             jobs = run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name,
@@ -41,8 +42,6 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
             sweep = replace(sweep, retry_failed=False)
         records += run_sweep(sweep, out / "proxies" / sweep.name)
         if jobs is not None:  # the coordinator's seconds after the sweep's jobs until its runs are collected
-            from archsearch.cluster.startup import record_tail
-
             record_tail(out, "proxy", "proxy_tail_s", jobs, since=t_sub)
     write_runs(runs_path, records)
     return {"proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
@@ -51,9 +50,6 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
 def train_active_proxies(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
     """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active``)
     into ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
-    from archsearch.rundata import write_runs
-    from archsearch.trainers.active import run_active
-
     log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design
     anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
@@ -90,24 +86,14 @@ def train_runs(cfg: StudyConfig, sweep, runs: list[tuple[str, Any, Any]], folder
     ``cluster.parallel``, else here one after another. A finished run (ok, or failed by the loop)
     is never trained again. ``data``: the sweep's prepared data (inline training reads it).
     Returns run id -> its ``run.json`` record, and the ids trained by this call."""
-    from archsearch.cluster.study import has_record, link_to_store
-    from archsearch.trainers.loop import read_record
-
     dirs = {run_id: folder / "runs" / run_id for run_id, _, _ in runs}
     if cfg.proxy.store:
-        from archsearch.cluster.study import content_key
-
         for run_id, _spec, tc in runs:
             link_to_store(dirs[run_id], Path(cfg.proxy.store) / content_key(run_id, tc, sweep.data))
     todo = [run for run in runs if not has_record(dirs[run[0]])]
     if todo and cfg.cluster.parallel:
-        from archsearch.cluster.study import JOBS_DIR, run_train_jobs
-
         run_train_jobs(todo, sweep.data, dirs, cfg.cluster, folder.parent / JOBS_DIR / folder.name)
     elif todo:
-        from archsearch.trainers.loop import token_budget
-        from archsearch.trainers.sweep import train_or_fail
-
         for run_id, spec, tc in todo:
             train_or_fail(spec, tc, sweep, dirs[run_id], data, progress, token_budget(spec, tc), tc.seed)
     return {run_id: read_record(d) for run_id, d in dirs.items()}, [run[0] for run in todo]

@@ -9,12 +9,16 @@ from typing import Any
 from archsearch.arch import ArchSpec, describe
 from archsearch.configio import redact
 from archsearch.figures import legend, log_axis, save, styled
-from archsearch.fileio import atomic_write, write_json, write_table
+from archsearch.fileio import atomic_write, read_jsonl_lines, write_json, write_table
 from archsearch.modelcard import write_study_cards
 from archsearch.provenance import provenance
+from archsearch.search import margins
 from archsearch.search.answer import Answer, predicted_interval
+from archsearch.search.checks import baseline_loss, baseline_note
 from archsearch.search.margins import describe_margin
 from archsearch.search.study import calibration_label, loss_margin, storage_url, trial_is_feasible, was_measured
+from archsearch.search.targets import targets_figure, targets_markdown, targets_summary
+from archsearch.trainers.health import proxies_health
 
 
 def _complete(study):
@@ -291,7 +295,6 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
     path = folder / "decisions.jsonl"
     if not path.is_file():
         return None
-    from archsearch.fileio import read_jsonl_lines
 
     events = read_jsonl_lines(path)  # a torn last line (a worker killed mid-append) is skipped
     fits = [e for e in events if e["event"] == "fit"]
@@ -546,12 +549,9 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     its paired rounds across trials (it is measured beside every candidate)."""
     import statistics
 
-    from archsearch.trainers.health import proxies_health
-
     cfg = ctx.cfg
     out = ctx.out
     b = ctx.ref_batch
-    from archsearch.search.checks import baseline_loss, baseline_note
 
     base_ts = [t.user_attrs["baseline_throughput"] for t in _complete(study)
                if t.user_attrs.get("baseline_throughput") is not None]
@@ -602,8 +602,6 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }
     if cfg.measure.targets:
-        from archsearch.search.targets import targets_summary
-
         summary["targets"] = targets_summary(cfg, q, summary["pareto"])
     if gqa is not None:
         summary["gqa_search"] = gqa
@@ -615,8 +613,6 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     write_trials_csv(study, out / "trials.csv")
     summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
     if summary.get("targets"):
-        from archsearch.search.targets import targets_figure
-
         t = summary["targets"]
         made = targets_figure(out / "plots" / "targets", [(row["shape"], row["per_target"]) for row in
                                                           [t["answer"], *t["pareto"][:3]]],
@@ -631,8 +627,6 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
 def margins_summary(ctx) -> dict[str, Any]:
     """How the report judges a margin to the target: the law's own error (and its source), the
     verdict's level, the feasibility rule, and the law's fitted range with its rule."""
-    from archsearch.search import margins
-
     c = ctx.cfg.target.confidence
     return {"level": c or margins.DEFAULT_LEVEL, "law_error": margins.law_error(ctx.law),
             "feasibility": (f"P(loss <= target) >= {c:g}, the law's bootstrap and its own error together"
@@ -756,8 +750,6 @@ def render_markdown(s: dict[str, Any]) -> str:
                          + (f"; **extrapolated**: {m['extrapolated']}" if m.get("extrapolated") else "") + ".")
         lines.append("")
     if s.get("targets"):
-        from archsearch.search.targets import targets_markdown
-
         lines += targets_markdown(s["targets"])
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
     lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",

@@ -27,13 +27,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from archsearch.arch import ArchSpec, describe
+from archsearch.benchmarks import BenchSettings, measure
+from archsearch.benchmarks.calibration import Calibration
 from archsearch.candidates import BuildSettings, build_candidate
+from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
+from archsearch.laws import solve
 from archsearch.logs import get_logger
 from archsearch.search import log, margins
 from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import StudyConfig
-from archsearch.search.measure import Measurer, check_result_limits, spec_key
+from archsearch.search.measure import Measurer, check_result_limits, file_lock, measured_shape, spec_key
+from archsearch.search.targets import (multi_target_objective, predicted_ratio_fn, ranking_label,
+                                       target_measure)
+from archsearch.trainers.config import check_trackers
 
 # Constraint value of a trial whose shape could not be built (never feasible).
 UNBUILDABLE = 1e6
@@ -76,8 +83,6 @@ def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
     context long enough for the measured lengths."""
     import dataclasses
 
-    from archsearch.search.targets import target_measure
-
     b = cfg.search_space.build
     need = max(m.input_len + m.output_len for m in
                [cfg.measure, *(target_measure(cfg.measure, t) for t in cfg.measure.targets or ())])
@@ -97,8 +102,6 @@ def measure_scale(cfg: StudyConfig, build: BuildSettings):
     if cfg.measure.params is None:
         return None
     from functools import partial
-
-    from archsearch.search.measure import measured_shape
 
     return partial(measured_shape, params=cfg.measure.params, head_dim=cfg.search_space.head_dim, build=build)
 
@@ -173,8 +176,6 @@ def check_storage(url: str, field: str = "optuna.storage") -> None:
     """Open a storage URL now, before any work, and create nothing: a journal or SQLite file's
     folder exists and is writable and an existing file is what it should be; a database's driver
     is installed and a connection is made. Errors show the URL with its password masked."""
-    from archsearch.configio import redact
-
     shown = redact(url)
     path = journal_path(url)
     if path is None and url.startswith("sqlite:"):
@@ -477,8 +478,6 @@ def _objective(trial, ctx: SearchContext):
         return 0.0
 
     if ctx.targets:
-        from archsearch.search.targets import multi_target_objective
-
         return multi_target_objective(trial, ctx, spec, loss)
     if ctx.baseline is not None:
         return _paired_objective(trial, ctx, spec, loss)
@@ -579,16 +578,12 @@ def open_storage(url: str, lock_dir: Path):
     """``make_storage`` under a file lock: two workers opening a new SQLite file at once
     otherwise race on Optuna's schema creation (UNIQUE constraint on alembic_version).
     Workers on other hosts share no lock: create the study once before starting them."""
-    from archsearch.search.measure import file_lock
-
     with file_lock(Path(lock_dir) / ".storage.lock"):
         return make_storage(url)
 
 
 def create_study(ctx: SearchContext, load_only: bool = False):
     import optuna
-
-    from archsearch.search.measure import file_lock
 
     cfg = ctx.cfg
     storage = open_storage(storage_url(cfg, ctx.out), ctx.out)
@@ -619,8 +614,6 @@ def box_grid(cfg: StudyConfig, n: int = 9, law=None):
 
 def scan_law(ctx: SearchContext, throughput_fn=None):
     """The law's constrained solution over the search box (laws.solve on the box grid)."""
-    from archsearch.laws import solve
-
     cfg = ctx.cfg
     s = cfg.search_space
     g0 = cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in s.gqa else s.gqa[0]
@@ -640,8 +633,6 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
     box1, box2 = ranges["hidden_over_sqrt_n"][0], ranges["mlp_to_attn"][0]
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])  # noqa: E731
     if ctx.targets and cfg.optuna.enqueue_solution > 1:  # the targets' aggregate predicted ratio
-        from archsearch.search.targets import predicted_ratio_fn
-
         tf = predicted_ratio_fn(ctx)
     else:
         device = ranking_device(cfg) if cfg.optuna.enqueue_solution > 1 else None
@@ -683,15 +674,11 @@ def ranking_device(cfg: StudyConfig) -> str | None:
 
 def calibration_label(path: str) -> str:
     """A calibration file as reports name it: the file, its device and engine, what it was fitted on."""
-    from archsearch.benchmarks.calibration import Calibration
-
     return Calibration.load(path).describe(path)
 
 
 def analytic_throughput_fn(ctx: SearchContext, device: str):
     """Predicted throughput at the reference batch size from ``device``'s roofline (ranking only)."""
-    from archsearch.benchmarks import BenchSettings, measure
-
     m = ctx.cfg.measure
     settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
                              output_len=m.output_len, warmup=0, repeats=1, device_spec=device,
@@ -744,8 +731,6 @@ class TrackerCallback:
 
     def __init__(self, names: tuple[str, ...], logging_dir: Path, run_name: str):
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-
-        from archsearch.trainers.config import check_trackers
 
         check_trackers(names, "optuna.log_with")
         self.trackers = []
@@ -852,8 +837,6 @@ def seed_study(ctx: SearchContext, study) -> None:
     worker that found the target recorded but the seeds not yet enqueued would sample and measure
     shapes of its own meanwhile, beyond the trials the dry-run plan counts. Workers sharing the
     study folder take turns here (a file lock), so each finds either nothing or the seeds."""
-    from archsearch.search.measure import file_lock
-
     cfg = ctx.cfg
     with file_lock(ctx.out / ".seeding.lock"):
         if "target_loss" in study.user_attrs:
@@ -864,8 +847,6 @@ def seed_study(ctx: SearchContext, study) -> None:
             return
         points = seed_points(ctx)
         if ctx.targets:
-            from archsearch.search.targets import ranking_label
-
             ranking = ranking_label(cfg)
         else:
             ranking = (f"{ranking_device(cfg)} roofline calibrated by {calibration_label(cfg.measure.calibration)}"

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from archsearch.arch import ArchSpec
+from archsearch.benchmarks import BenchSettings, measure
+from archsearch.benchmarks.calibration import Calibration
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import check_name
+from archsearch.hardware import device_key
+from archsearch.logs import get_logger
 
 TARGET_BACKENDS = ("analytic", "vllm", "sglang", "hf")
 AGGREGATES = ("worst", "geomean")
@@ -47,8 +52,6 @@ class DeploymentTarget:
     weight: float = 1.0
 
     def __post_init__(self) -> None:
-        from archsearch.fileio import check_name
-
         check_name("name", self.name)
         if self.backend is not None and self.backend not in TARGET_BACKENDS:
             raise ArchsearchError("backend", f"unknown backend {self.backend!r}", f"use one of {list(TARGET_BACKENDS)}")
@@ -61,8 +64,6 @@ class DeploymentTarget:
             raise ArchsearchError("batch_size", f"{self.batch_size} is not among batch_sizes {self.batch_sizes}",
                                   "add it to batch_sizes, or give only one of the two")
         if self.device_spec is not None:
-            from archsearch.hardware import device_key
-
             try:
                 device_key(self.device_spec)
             except ArchsearchError as e:
@@ -146,8 +147,6 @@ def describe_target(t: DeploymentTarget, m) -> str:
     engine = m.backend
     how = "measured"
     if m.backend == "analytic":
-        from archsearch.benchmarks.calibration import Calibration
-
         if m.calibration:
             engine = Calibration.load(m.calibration).engine or "engine"
             how = f"predicted (roofline calibrated by {m.calibration})"
@@ -177,7 +176,6 @@ class Target:
 
 def build_targets(cfg, store, scale=None) -> list[Target] | None:
     """The study's targets, each with its own Measurer on the study's store (None: no targets)."""
-    from archsearch.logs import get_logger
     from archsearch.search.measure import Measurer
 
     if not cfg.measure.targets:
@@ -317,7 +315,6 @@ def predicted_ratio_fn(ctx):
     its calibration, its batch and lengths; a measuring target's device and engine predicted by
     the roofline and the calibration it names, uncalibrated without one), the ratio of a shape's
     predicted throughput to the baseline's on it, aggregated as the objective is."""
-    from archsearch.benchmarks import BenchSettings, measure
     from archsearch.search.study import measure_scale
 
     scale = measure_scale(ctx.cfg, ctx.build) or (lambda spec: spec)
