@@ -442,21 +442,19 @@ def _objective(trial, ctx: SearchContext):
     trial.set_user_attr("predicted_loss", loss)
     trial.set_user_attr("predicted_loss_interval", interval)
     trial.set_user_attr("loss_margin", loss_margin(ctx, spec))
-    outside = out_of_range(ctx, spec)
-    if outside:  # refused, unmeasured: the law says nothing it was fitted to say there
+    # refused, unmeasured: outside the law's fitted range the law says nothing it was fitted to
+    # say; beyond the GQA bound nothing checks what GQA does to loss
+    refusal = None
+    if why := out_of_range(ctx, spec):
+        refusal = f"{why}; not measured (law.allow_extrapolation: false)"
+    elif why := outside_gqa_bounds(cfg, spec):
+        refusal = f"{why}; not measured"
+    if refusal:
         set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
         set_constraint(trial, "limits_violated", 0.0)
         trial.set_user_attr("feasible_loss", False)
         trial.set_user_attr("measured", False)
-        trial.set_user_attr("infeasible_reason", f"{outside}; not measured (law.allow_extrapolation: false)")
-        return (0.0, loss) if cfg.optuna.objective == "pareto" else 0.0
-    outside = outside_gqa_bounds(cfg, spec)
-    if outside:  # refused, unmeasured: GQA's effect on loss cannot be checked beyond the bound
-        set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
-        set_constraint(trial, "limits_violated", 0.0)
-        trial.set_user_attr("feasible_loss", False)
-        trial.set_user_attr("measured", False)
-        trial.set_user_attr("infeasible_reason", f"{outside}; not measured")
+        trial.set_user_attr("infeasible_reason", refusal)
         return (0.0, loss) if cfg.optuna.objective == "pareto" else 0.0
     bound = loss_bound(ctx, spec)
     if cfg.target.confidence is not None:
