@@ -117,6 +117,20 @@ def _heal_torn_tail(p: Path) -> None:
         return
 
 
+def read_json_tolerant(path: str | Path, what: str) -> dict[str, Any] | None:
+    """A JSON state file, or None (with a line on stderr) where it is cut short by a killed
+    write or otherwise unreadable: whatever it recorded is redone."""
+    if not Path(path).is_file():
+        return None
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        print(f"archsearch: {path} is not valid JSON ({e}): {what} is treated as absent and redone",
+              file=sys.stderr, flush=True)
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_jsonl_lines(path: str | Path, what: str | None = None) -> list[Any]:
     """The parsed lines of an append-only JSONL log. A torn last line (an interrupted append)
     is skipped with a message; a broken line elsewhere is an error naming the line."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from archsearch.cluster.config import ClusterConfig
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.fileio import read_json_tolerant
 from archsearch.logs import get_logger
 
 
@@ -63,7 +64,6 @@ class Ledger:
 
     def __init__(self, path: Path):
         self.path = path
-        from archsearch.search.inputs import read_json_tolerant
 
         # one cut by a killed write is read as empty (with a line saying so): its tasks' jobs are
         # then found done by their results, or submitted again

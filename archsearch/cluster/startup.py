@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import read_text, write_json
+from archsearch.fileio import read_json_tolerant, read_text, write_json
 from archsearch.provenance import provenance
 
 STARTUPS_FILE = "startups.json"
@@ -168,7 +168,6 @@ def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]]
 def _read_startups(path: Path) -> dict | None:
     """A study's ``startups.json`` to add to; one cut by a killed write (or not this file's
     shape) is started anew, with a line saying so: its samples are lost, nothing else."""
-    from archsearch.search.inputs import read_json_tolerant
 
     data = read_json_tolerant(path, "its start-up samples")
     return data if data is not None and isinstance(data.get("runs"), list) else None

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 
 from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import write_json
+from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import key_settings, resolve_backend
 
@@ -115,20 +114,6 @@ def fingerprints(cfg: StudyConfig, applies: dict[str, bool]) -> dict[str, str]:
         if applies[stage]:
             prev = out[stage]
     return out
-
-
-def read_json_tolerant(path: Path, what: str) -> dict[str, Any] | None:
-    """A JSON state file, or None (with a line on stderr) where it is cut short by a killed
-    write or otherwise unreadable: whatever it recorded is redone."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        print(f"archsearch: {path} is not valid JSON ({e}): {what} is treated as absent and redone",
-              file=sys.stderr, flush=True)
-        return None
-    return data if isinstance(data, dict) else None
 
 
 class StageInputs:

@@ -27,7 +27,7 @@ from archsearch.cluster.startup import record_tail
 from archsearch.cluster.study import run_search_workers
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import write_json
+from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.laws import fit_law, load_law
 from archsearch.laws.diagnostics import held_out_error
 from archsearch.logs import study_log
@@ -39,7 +39,7 @@ from archsearch.search.checks import baseline_spec, check_target, target_loss, v
 from archsearch.search.config import StudyConfig
 from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
-from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, plan_resume, read_json_tolerant,
+from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, plan_resume,
                                       stage_inputs, supersede)
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
