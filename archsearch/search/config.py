@@ -362,6 +362,15 @@ def _check_storage_url(url: str) -> None:
                               "file.log; leave it out for the study folder's SQLite file") from None
 
 
+def gqa_bound_violation(gqa: int, n_kv_heads: int, max_gqa: int | None, min_kv_heads: int | None) -> str | None:
+    """Why a head pair lies beyond the GQA search's bounds (None: within them)."""
+    if max_gqa is not None and gqa > max_gqa:
+        return f"GQA {gqa} > {max_gqa}"
+    if min_kv_heads is not None and n_kv_heads < min_kv_heads:
+        return f"{n_kv_heads} KV heads < {min_kv_heads}"
+    return None
+
+
 @dataclass(frozen=True)
 class GQASearchConfig:
     """The local GQA search (``archsearch.search.gqa``): from the ``baseline_gqa`` variant of the chosen

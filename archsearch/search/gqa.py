@@ -46,6 +46,7 @@ from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.search import log as search_log
 from archsearch.search.checks import proxy_sweeps, vocab_size
+from archsearch.search.config import gqa_bound_violation
 from archsearch.search.proxies import train_runs
 from archsearch.search.study import loss_bound
 from archsearch.search.targets import gqa_paired_visit
@@ -70,8 +71,7 @@ def gqa_pairs(spec: ArchSpec, params: float, build: BuildSettings) -> dict[int, 
 
 def bounded_pairs(pairs: dict[int, ArchSpec], max_gqa: int | None, min_kv_heads: int | None) -> dict[int, ArchSpec]:
     """The variants within the walk's bounds (GQA at most ``max_gqa``, at least ``min_kv_heads``)."""
-    return {g: v for g, v in pairs.items()
-            if (max_gqa is None or g <= max_gqa) and (min_kv_heads is None or v.n_kv_heads >= min_kv_heads)}
+    return {g: v for g, v in pairs.items() if gqa_bound_violation(g, v.n_kv_heads, max_gqa, min_kv_heads) is None}
 
 
 def slower_than_baseline(step: "GQAStep", base: "GQAStep") -> bool:

@@ -36,7 +36,7 @@ from archsearch.laws import solve
 from archsearch.logs import get_logger
 from archsearch.search import log, margins
 from archsearch.search.checks import proxy_sweeps
-from archsearch.search.config import StudyConfig
+from archsearch.search.config import StudyConfig, gqa_bound_violation
 from archsearch.search.measure import Measurer, check_result_limits, file_lock, measured_shape, spec_key
 from archsearch.search.targets import (multi_target_objective, predicted_ratio_fn, ranking_label,
                                        target_measure)
@@ -138,12 +138,8 @@ def outside_gqa_bounds(cfg: StudyConfig, spec: ArchSpec) -> str | None:
     the search samples no shape the walk could not admit, so its best trial is one the walk
     starts from rather than one it must discard."""
     max_gqa, min_kv, why = cfg.gqa_search.bounds(bool(proxy_sweeps(cfg)))
-    gqa = spec.n_heads // spec.n_kv_heads
-    if max_gqa is not None and gqa > max_gqa:
-        return f"GQA {gqa} > {max_gqa} ({why})"
-    if min_kv is not None and spec.n_kv_heads < min_kv:
-        return f"{spec.n_kv_heads} KV heads < {min_kv} ({why})"
-    return None
+    beyond = gqa_bound_violation(spec.n_heads // spec.n_kv_heads, spec.n_kv_heads, max_gqa, min_kv)
+    return f"{beyond} ({why})" if beyond else None
 
 
 def loss_margin(ctx: SearchContext, spec: ArchSpec) -> dict[str, Any]:

@@ -48,8 +48,8 @@ def main() -> None:
     from archsearch.laws import load_law
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
-    from archsearch.search.gqa import bounded_pairs, gqa_pairs
-    from archsearch.search.checks import proxy_sweeps, target_loss, vocab_size
+    from archsearch.search.gqa import gqa_pairs
+    from archsearch.search.checks import target_loss, vocab_size
     from archsearch.candidates import build_candidate
     from archsearch.search import margins
     from archsearch.search.study import build_settings, outside_gqa_bounds
@@ -103,12 +103,10 @@ def main() -> None:
     best_box = max(feasible, key=lambda p: p["throughput"])
     from archsearch.arch import ArchSpec
 
-    # the shapes an answer may have: a study that cannot train walks within gqa_search's bounds
-    bound = cfg.gqa_search.bounds(bool(proxy_sweeps(cfg)))[:2]
-    admitted = lambda spec: bool(bounded_pairs({spec.n_heads // spec.n_kv_heads: spec}, *bound))  # noqa: E731
-    with_pairs, seen_pairs = [p for p in feasible if admitted(ArchSpec.from_dict(p["spec"]))], set(seen)
+    # the head pairs the GQA search may reach from each feasible shape (allowed: within its bounds)
+    with_pairs, seen_pairs = list(feasible), set(seen)
     for p in feasible:
-        for v in bounded_pairs(gqa_pairs(ArchSpec.from_dict(p["spec"]), cfg.params, build), *bound).values():
+        for v in gqa_pairs(ArchSpec.from_dict(p["spec"]), cfg.params, build).values():
             if v not in seen_pairs and allowed(v):
                 seen_pairs.add(v)
                 q = evaluate(v)
