@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -78,11 +79,21 @@ def _metric(res, task, metric):
     return res["results"][task][f"{metric},none"]
 
 
-def test_trained_beats_random_init(checkpoints):
+def test_trained_beats_random_init(checkpoints, monkeypatch):
     random_dir, run_dir = checkpoints
+    # lm-eval's bootstrap forks a pool of cpu_count() workers unless told not to; forked from this
+    # torch process it deadlocked a CI runner. evaluate() must keep the bootstrap in-process.
+    import multiprocessing
+
+    def no_pool(*a, **k):
+        raise AssertionError("evaluate() let lm-eval fork a multiprocessing pool")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_pool)
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
     kw = dict(limit=LIMIT, batch_size=8, device="cpu")
     r0 = evaluate(random_dir, "offline", **kw)
     r1 = evaluate(run_dir, "offline", **kw)
+    assert "DISABLE_MULTIPROC" not in os.environ      # restored after the call
     assert r1["archsearch"]["model"]["kind"] == "trainers-run"
     for r in (r0, r1):
         assert r["n-samples"]["shakespeare_nextline"]["effective"] == LIMIT

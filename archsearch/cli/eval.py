@@ -28,11 +28,24 @@ def register(sub) -> None:
                    help="passed to lm-eval's model class, as in lm-eval (e.g. max_length=512)")
     p.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int,
                    help="few-shot examples per prompt, as in lm-eval (default: each task's own, 0 here)")
+    p.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=_nonneg_int,
+                   default=100_000, help="resamples for bootstrapped standard errors, as in lm-eval "
+                                         "(default 100000; 0 skips them)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present, else cpu)")
     p.add_argument("--json", action="store_true", help="print lm-eval's results structure as JSON")
     p.add_argument("--out", type=out_file, metavar="FILE", help="also write the JSON results to FILE")
     p.add_argument("--list-tasks", action="store_true", help="list the suites and their tasks, then exit")
     p.set_defaults(func=_eval)
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or more")
+    return v
 
 
 def _limit(text: str) -> int | float:
@@ -63,7 +76,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     res = evaluate(args.model, args.tasks, backend=args.backend, limit=args.limit,
                    batch_size=args.batch_size, device=args.device, out=args.out,
-                   model_args=args.model_args, num_fewshot=args.num_fewshot)
+                   model_args=args.model_args, num_fewshot=args.num_fewshot,
+                   bootstrap_iters=args.bootstrap_iters)
     if args.json:
         print_json(res)
     else:

@@ -7,6 +7,7 @@ sure every Hub dataset can be had, then load the model and call ``lm_eval.simple
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ _TRUE = {"1", "true", "yes", "on"}
 def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: str = "hf",
              limit: int | float | None = None, batch_size: int = 8, device: str | None = None,
              out: str | Path | None = None, model_args: str | None = None,
-             num_fewshot: int | None = None) -> dict[str, Any]:
+             num_fewshot: int | None = None, bootstrap_iters: int = 100_000) -> dict[str, Any]:
     """Run lm-eval (zero-shot unless ``num_fewshot``) on ``model`` and return lm-eval's
     results structure.
 
@@ -41,7 +42,12 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     is a fraction, as in lm-eval). The returned dict is what ``simple_evaluate`` returns
     (``results``, ``configs``, ``versions``, ``n-samples``, ...), made JSON-safe, plus
     ``archsearch`` (model, backend, tasks, the reproducing command) and ``provenance``.
-    With ``out`` the same dict is written there as JSON.
+    With ``out`` the same dict is written there as JSON. ``bootstrap_iters``: lm-eval's resamples for
+    the standard errors of metrics without a closed form (perplexity, ...); 0 skips those errors.
+
+    The bootstrap runs in this process (lm-eval's ``DISABLE_MULTIPROC``): lm-eval's default forks a
+    pool of ``cpu_count()`` workers from a process whose torch threads are running, and a fork taken
+    while one of them holds a lock can deadlock the pool on exit (it hung a CI runner for 15 minutes).
     """
     names = expand_tasks(tasks)
     if backend not in BACKENDS:
@@ -50,6 +56,9 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
         raise ArchsearchError("limit", f"must be positive, got {limit}")
     if batch_size < 1:
         raise ArchsearchError("batch_size", f"must be at least 1, got {batch_size}")
+    if isinstance(bootstrap_iters, bool) or not isinstance(bootstrap_iters, int) or bootstrap_iters < 0:
+        raise ArchsearchError("bootstrap_iters", f"must be a whole number, 0 or more, got {bootstrap_iters!r}",
+                              "e.g. 100000 (lm-eval's default) or 0 to skip bootstrapped errors")
     if num_fewshot is not None and num_fewshot < 0:
         raise ArchsearchError("num_fewshot", f"must be 0 or more, got {num_fewshot}")
     if limit is not None and not math.isfinite(limit):
@@ -85,21 +94,38 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     prov = provenance(extra_packages=("lm_eval", "gguf", "tokenizers", "vllm"))  # at the start
     device = device or default_device()
     lm = _make_lm(resolved, backend, batch_size, device, extra)
-    res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-                          batch_size=batch_size, log_samples=False)
+    with _in_process_bootstrap():
+        res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
+                              batch_size=batch_size, log_samples=False, bootstrap_iters=bootstrap_iters)
     res = json.loads(json.dumps(res, default=handle_non_serializable))
     res["archsearch"] = {"model": resolved.to_dict(), "backend": backend, "tasks": names,
                          "limit": limit, "batch_size": batch_size, "device": device,
                          "model_args": extra, "num_fewshot": num_fewshot, "hub_offline": offline,
+                         "bootstrap_iters": bootstrap_iters,
                          "command": cli_command(model, tasks, backend, limit, batch_size,
-                                                model_args, num_fewshot)}
+                                                model_args, num_fewshot, bootstrap_iters)}
     res["provenance"] = prov
     if out:
         write_json(out, res, sort_keys=True)
     return res
 
 
-def cli_command(model, tasks, backend, limit, batch_size, model_args=None, num_fewshot=None) -> str:
+@contextlib.contextmanager
+def _in_process_bootstrap():
+    """Set lm-eval's ``DISABLE_MULTIPROC`` for the call, then restore what the caller had."""
+    before = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = before
+
+
+def cli_command(model, tasks, backend, limit, batch_size, model_args=None, num_fewshot=None,
+                bootstrap_iters=100_000) -> str:
     """The ``archsearch eval`` command line that repeats this evaluation."""
     t = tasks if isinstance(tasks, str) else ",".join(tasks)
     parts = ["archsearch", "eval", "--model", str(model), "--tasks", t]
@@ -112,6 +138,8 @@ def cli_command(model, tasks, backend, limit, batch_size, model_args=None, num_f
     if limit is not None:
         parts += ["--limit", str(limit)]
     parts += ["--batch-size", str(batch_size)]
+    if bootstrap_iters != 100_000:
+        parts += ["--bootstrap_iters", str(bootstrap_iters)]
     return shlex.join(parts)
 
 

@@ -563,9 +563,12 @@ def _bootstrap(law, form, X, L, opts: FitOptions, core: _Core, ref_fixed, ref, e
     if opts.n_jobs == 1:
         parts = [_bootstrap_chunk(args[0])]
     else:
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(opts.n_jobs) as ex:
+        # spawned, not forked: a fork taken while another thread (torch's, a logger's) holds a lock
+        # can deadlock the child
+        with ProcessPoolExecutor(opts.n_jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
             parts = list(ex.map(_bootstrap_chunk, args))
     # undo the round-robin split so resample i is row i whatever n_jobs is
     results = [parts[i % opts.n_jobs][i // opts.n_jobs] for i in range(opts.bootstrap)]
