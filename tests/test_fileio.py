@@ -123,3 +123,34 @@ def test_a_name_cannot_be_a_path(name):
         check_name("sweep.name", name)
     assert e.value.field == "sweep.name"
     assert check_name("sweep.name", "my-sweep_2.b") == "my-sweep_2.b"
+
+
+def test_file_lock_excludes_other_processes_and_dies_with_its_holder(tmp_path):
+    """The study's lock (search.measure.file_lock) and the active plan's claims are ``flock``s:
+    another process (or another lock object in this one) cannot take them while they are held,
+    and a killed holder's lock is free again, its file left in place."""
+    import subprocess
+    import sys
+
+    from filelock import FileLock, Timeout
+
+    from archsearch.search.measure import file_lock
+
+    path = tmp_path / "sub" / "x.lock"
+    with file_lock(path):
+        assert path.is_file()
+        with pytest.raises(Timeout):
+            FileLock(path, timeout=0).acquire()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom archsearch.search.measure import "
+                               f"file_lock\nfrom pathlib import Path\nwith file_lock(Path({str(path)!r})):\n"
+                               "    print('held', flush=True)\n    time.sleep(60)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(Timeout):
+            FileLock(path, timeout=0).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with FileLock(path, timeout=0):
+        assert path.is_file()

@@ -16,7 +16,6 @@ Outputs in ``out_dir``: ``runs/<run_id>/`` (as a sweep), ``runs.csv``, ``decisio
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -24,6 +23,8 @@ import platform
 import time
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock, Timeout
 
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
@@ -42,24 +43,28 @@ class _Claims:
     def __init__(self, out: Path):
         self.dir = out / "claims"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.held: dict[str, Any] = {}
+        self.held: dict[str, FileLock] = {}
 
     def _path(self, run_id: str) -> Path:
         return self.dir / f"{run_id}.lock"
+
+    def _lock(self, run_id: str) -> FileLock:
+        # a try-lock (timeout 0 raises Timeout when held); not thread-local: a claim taken on one
+        # thread may be released on another
+        return FileLock(self._path(run_id), timeout=0, thread_local=False, fallback_to_soft=False)
 
     def in_flight(self, run_id: str) -> bool:
         """Held by a live worker (this one included)."""
         if run_id in self.held:
             return True
-        p = self._path(run_id)
-        if not p.exists():
+        if not self._path(run_id).exists():
             return False
-        with open(p, "a+") as fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        probe = self._lock(run_id)
+        try:
+            probe.acquire()
+        except Timeout:
+            return True
+        probe.release()
         return False
 
     def abandoned(self, run_id: str) -> bool:
@@ -67,18 +72,13 @@ class _Claims:
         return self._path(run_id).exists() and not self.in_flight(run_id)
 
     def take(self, run_id: str) -> None:
-        fh = open(self._path(run_id), "a+")
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{platform.node()}:{os.getpid()}\n")
-        fh.flush()
-        self.held[run_id] = fh
+        lock = self._lock(run_id)
+        lock.acquire()
+        self._path(run_id).write_text(f"{platform.node()}:{os.getpid()}\n")  # who holds it, for a reader
+        self.held[run_id] = lock
 
     def release(self, run_id: str) -> None:
-        fh = self.held.pop(run_id)
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        fh.close()
+        self.held.pop(run_id).release()
 
 
 def build_pool(sweeps: list, vocab_size: int) -> list[dict[str, Any]]:
@@ -116,7 +116,6 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     import dataclasses
 
     from archsearch.laws.active import Pool, propose
-    from archsearch.search.measure import file_lock
     from archsearch.trainers.data import prepare_data
     from archsearch.trainers.loop import RUN_FILE, read_record, train
 
@@ -140,7 +139,7 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     lock = out / ".plan.lock"
     worker = f"{platform.node()}:{os.getpid()}"
 
-    with file_lock(lock):
+    with FileLock(lock, fallback_to_soft=False):
         if not (out / "plan.json").is_file():
             write_json(out / "plan.json", {"settings": to_dict(cfg), "law": law, "pool": [
                 {"run_id": e["run_id"], "params": float(pool.X["N"][i]), "tokens": e["tokens"],
@@ -153,7 +152,7 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
 
     while True:
         mine: list[int] = []
-        with file_lock(lock):
+        with FileLock(lock, fallback_to_soft=False):
             recs = records()
             observed = {i: float(r["final_eval_loss"]) for i, r in recs.items() if r and r.get("status") == "ok"}
             failed = [i for i, r in recs.items() if r and r.get("status") == "failed"]

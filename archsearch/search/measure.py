@@ -11,13 +11,14 @@ work, and what keeps two workers from measuring the same shape twice.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
 from dataclasses import MISSING, dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from filelock import FileLock
 
 from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.benchmarks import measure
@@ -40,16 +41,12 @@ def spec_key(spec: ArchSpec) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (created if needed), shared by processes."""
+def file_lock(path: Path) -> FileLock:
+    """An exclusive lock on ``path`` (created if needed, with its folder) shared by processes, to
+    hold in a ``with`` block. An ``flock``: the OS drops it when its holder dies, and a file system
+    without ``flock`` is an error, not a lock that would outlive a killed worker."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return FileLock(path, fallback_to_soft=False)
 
 
 class MeasurementStore:
