@@ -75,15 +75,36 @@ def test_sweep_config_from_yaml_names_bad_keys(tmp_path):
         load_config(SweepConfig, bad)
 
 
-def test_lr_schedule_warmup_cosine_floor():
-    from archsearch.trainers.loop import lr_at
+def _lr_by_hand(step: int, steps: int, warmup: int, lr: float, min_ratio: float) -> float:
+    """The schedule as the trainer wrote it by hand before it took transformers': linear warm-up
+    to ``lr`` at step ``warmup - 1``, then a cosine from ``lr`` at step ``warmup`` down to
+    ``min_ratio x lr`` at the last step."""
+    if warmup and step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(1, steps - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    steps, warm, lr = 100, 10, 1e-3
-    assert lr_at(0, steps, warm, lr, 0.1) == pytest.approx(1e-4)
-    assert lr_at(9, steps, warm, lr, 0.1) == pytest.approx(1e-3)
-    assert lr_at(steps - 1, steps, warm, lr, 0.1) == pytest.approx(1e-4)
-    vals = [lr_at(s, steps, warm, lr, 0.1) for s in range(warm, steps)]
-    assert all(a >= b for a, b in zip(vals, vals[1:]))
+
+@pytest.mark.parametrize("steps, warm, min_ratio", [(100, 10, 0.1), (150, 15, 0.1), (37, 3, 0.0),
+                                                    (12, 11, 0.1), (10, 0, 0.2), (2, 1, 0.1), (1, 0, 0.1)])
+def test_lr_schedule_is_the_warmup_cosine_floor_at_every_step(steps, warm, min_ratio):
+    import torch
+
+    from archsearch.trainers.loop import lr_schedule
+
+    lr = 3e-3
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+    factor = lr_schedule(opt, steps, warm, min_ratio)
+    got = [lr * factor(s) for s in range(steps)]
+    for s, g in enumerate(got):
+        assert g == pytest.approx(_lr_by_hand(s, steps, warm, lr, min_ratio), rel=1e-12, abs=0), s
+    if warm:
+        assert got[0] == pytest.approx(lr / warm, rel=1e-12) and got[warm - 1] == pytest.approx(lr, rel=1e-12)
+    if steps - warm > 1:
+        assert got[warm] == pytest.approx(lr, rel=1e-12)
+        assert got[-1] == pytest.approx(min_ratio * lr, rel=1e-12)
+    assert all(a >= b for a, b in zip(got[warm:], got[warm + 1:]))
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -190,6 +211,61 @@ def test_resume_after_kill_matches_uninterrupted(done_run, tmp_path):
     full = done_run[1]
     assert abs(rec["final_eval_loss"] - full["final_eval_loss"]) < 1e-3, (rec["final_eval_loss"], full["final_eval_loss"])
     assert abs(rec["smoothed_train_loss"] - full["smoothed_train_loss"]) < 1e-3
+
+
+def test_a_save_cut_short_leaves_the_last_checkpoint_and_the_resume_is_exact(done_run, tmp_path, monkeypatch):
+    """A process that dies inside a checkpoint save (accelerate has written part of it) leaves
+    the previous checkpoint the one a rerun resumes from, and the resumed run ends bit for bit
+    where the uninterrupted one did (same process, same threads)."""
+    from accelerate import Accelerator
+
+    from archsearch.trainers import train
+
+    class Killed(BaseException):
+        pass
+
+    real, saves = Accelerator.save_state, []
+
+    def dies_in_the_second_save(self, output_dir=None, **kw):
+        saves.append(output_dir)
+        if len(saves) == 2:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "model.safetensors").write_bytes(b"torn")
+            raise Killed
+        return real(self, output_dir, **kw)
+
+    monkeypatch.setattr(Accelerator, "save_state", dies_in_the_second_save)
+    out = tmp_path / "cut"
+    with pytest.raises(Killed):
+        train(SPEC, TRAIN, DATA, out, progress=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [".tmp_step_00000050", "step_00000025"]
+    rec = train(SPEC, TRAIN, DATA, out, progress=False)
+    assert rec["status"] == "ok" and rec["resumed_from_step"] == 25
+    full = done_run[1]
+    assert (rec["final_eval_loss"], rec["smoothed_train_loss"]) == (full["final_eval_loss"], full["smoothed_train_loss"])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000125"]
+
+
+def test_a_checkpoint_of_the_earlier_layout_is_refused_by_name(done_run, tmp_path):
+    import shutil
+
+    from archsearch.trainers import train
+
+    out = tmp_path / "old"
+    shutil.copytree(done_run[0], out)
+    rec = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**rec, "status": "running"}))
+    ckpt = next((out / "checkpoints").iterdir())
+    for f in ckpt.iterdir():
+        if f.name != "state.json":
+            f.unlink()
+    (ckpt / "model.pt").write_bytes(b"")
+    before = _snapshot(out)
+    with pytest.raises(ArchsearchError, match="model.pt") as e:
+        train(SPEC, TRAIN, DATA, out, progress=False)
+    assert e.value.field == "out" and "--overwrite" in str(e.value)
+    assert _snapshot(out) == before
 
 
 # -- bad input leaves earlier runs intact --------------------------------------------------------

@@ -4,8 +4,8 @@ One flat loop (nanoGPT style). What is worth knowing:
 
 * Precision: float32 on CPU (no native bf16 there, ~100x slower); on GPU bfloat16 autocast
   through accelerate with fp32 master weights and optimizer state.
-* The learning rate is a pure function of the step (linear warm-up, cosine to
-  ``min_lr_ratio x lr``), and the data position is a pure function of the step
+* The learning rate is a pure function of the step (transformers' linear warm-up and cosine to
+  ``min_lr_ratio x lr``, :func:`lr_schedule`), and the data position is a pure function of the step
   (archsearch.trainers.data), so a checkpoint holds only model, optimizer, RNG and a few counters.
 * Gradient accumulation is done by hand: ``no_sync`` on all but the last micro-batch (no DDP
   all-reduce until the gradient is complete), each micro-loss scaled by 1/accum.
@@ -13,8 +13,9 @@ One flat loop (nanoGPT style). What is worth knowing:
 * The loss is read back (``.item()``, a device sync) once per step: it is needed to stop on
   NaN/divergence at the step it happens, and it is all-reduced first so every process takes
   the same decision (a process that stopped alone would hang the others).
-* Checkpoints are written to a temporary folder and renamed, so a kill during a save leaves
-  the previous checkpoint usable. Tensors are loaded with ``torch.load(weights_only=True)``.
+* Checkpoints are accelerate's ``save_state`` (model, optimizer, RNG) plus the loop's counters,
+  written to a temporary folder and renamed, so a kill during a save leaves the previous
+  checkpoint usable; ``load_state`` reads safetensors and ``weights_only`` pickles.
 * Throughput counts optimizer steps only (not evaluation or checkpoint time); MFU uses
   6 x (N + head) + 6 x L x S x dq FLOPs per token (Kaplan et al. 2020: forward 2N +
   2 L n_ctx d_attn, backward twice the forward) against the device's peak: the GPU table in
@@ -32,7 +33,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params, training_flops
 from archsearch.configio import to_dict
@@ -49,14 +50,21 @@ MODEL_DIR = "model"
 
 # -- pure helpers ------------------------------------------------------------------------------
 
-def lr_at(step: int, steps: int, warmup: int, lr: float, min_ratio: float) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine from ``lr`` down to ``min_ratio x lr``
-    at the last step."""
-    if warmup and step < warmup:
-        return lr * (step + 1) / warmup
-    span = max(1, steps - warmup - 1)
-    progress = min(1.0, (step - warmup) / span)
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+def lr_schedule(optimizer, steps: int, warmup: int, min_ratio: float) -> Callable[[int], float]:
+    """The learning rate's multiplier at each optimizer step (0-based) of a ``steps``-step run:
+    transformers' ``get_cosine_with_min_lr_schedule_with_warmup``, a linear warm-up over
+    ``warmup`` steps, then a cosine down to ``min_ratio`` at the last step.
+
+    transformers' warm-up starts at 0 (a step that would train nothing); here warm-up step s is
+    its step s + 1, so the warm-up reaches the peak at step ``warmup - 1`` and the cosine starts
+    from it at step ``warmup`` (its ``num_training_steps`` is the last step, ``steps - 1``). The
+    multiplier is a pure function of the step, which is what lets a checkpoint hold no schedule.
+    """
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    factor = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=warmup, num_training_steps=steps - 1, min_lr_rate=min_ratio).lr_lambdas[0]
+    return lambda step: factor(step + 1 if step < warmup else step)
 
 
 def train_flops_per_token(spec: ArchSpec, seq_len: int) -> float:
@@ -127,8 +135,12 @@ def check_run_folder(out_dir: Path, spec: ArchSpec, tc: TrainConfig, flag: str =
     """Refuse a run folder that holds a run (finished or checkpointed) of other settings: its
     record or checkpoints would be returned or resumed as this run's. What makes a run another
     run: its architecture (bar ``ignore``d fields and the display name), its token budget D,
-    its seed, its initial weights and its LoRA rank."""
+    its seed, its initial weights and its LoRA rank. An unfinished run whose checkpoint this
+    version cannot read is refused too."""
     rec = read_record(out_dir)
+    ckpts = _checkpoints(Path(out_dir))
+    if ckpts and (rec or {}).get("status") != "ok":
+        _check_checkpoint(ckpts[-1], flag)
     if rec is None:
         return
     skip = {"name", *ignore}
@@ -312,60 +324,41 @@ def _checkpoints(out_dir: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[5:]))
 
 
-def _save_checkpoint(accelerator, model, optimizer, out_dir: Path, step: int, state: dict,
-                     keep: int) -> None:
-    import torch
-    from accelerate.utils import DistributedType
-
+def _save_checkpoint(accelerator, out_dir: Path, step: int, state: dict, keep: int) -> None:
+    """accelerate's ``save_state`` (model as safetensors; optimizer; every process's RNG; the
+    sharded states under FSDP) into a temporary folder; then ``state.json`` (the counters), written
+    last, marks it complete, and a rename makes it ``step_<step>``. A kill during the save leaves
+    the previous checkpoint the latest complete one. The oldest beyond ``keep`` are removed after."""
     final = out_dir / CKPT_DIR / f"step_{step:08d}"
     tmp = out_dir / CKPT_DIR / f".tmp_step_{step:08d}"
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
-    model_state = accelerator.get_state_dict(model)  # collective under FSDP: all ranks call it
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save(model_state, tmp / "model.pt")
-        if not fsdp:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, tmp / "rng.pt")
     accelerator.wait_for_everyone()
-    if fsdp:  # sharded optimizer state: every rank writes its part
-        from accelerate.utils import save_fsdp_optimizer
-
-        save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(tmp))
-        accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # collective: every process calls it
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json(tmp / "state.json", {"step": step, **state}, default=str)  # written last: marks complete
+        write_json(tmp / "state.json", {"step": step, **state}, default=str)
         tmp.rename(final)
         for old in _checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
 
 
-def _load_model_weights(model, ckpt: Path) -> None:
-    import torch
+def _check_checkpoint(ckpt: Path, flag: str = "out") -> None:
+    """Refuse a checkpoint in the layout the trainer wrote before it used accelerate's
+    ``save_state`` (it would not load), before any work."""
+    if (ckpt / "model.pt").is_file():
+        raise ArchsearchError(flag, f"{ckpt} is a checkpoint of an earlier archsearch (model.pt, "
+                              "optimizer.pt, rng.pt), which this version does not read",
+                              "finish the run with the version that started it, or train it from "
+                              f"the start (delete its {CKPT_DIR}/ folder, or --overwrite)")
 
-    state = torch.load(ckpt / "model.pt", map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
 
-
-def _load_rest(accelerator, model, optimizer, ckpt: Path) -> dict:
-    import torch
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.FSDP:
-        from accelerate.utils import load_fsdp_optimizer
-
-        load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(ckpt))
-    else:
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True))
-    rng = torch.load(ckpt / "rng.pt", map_location="cpu", weights_only=True)
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+def _load_checkpoint(accelerator, ckpt: Path) -> dict:
+    """Restore what :func:`_save_checkpoint` wrote (accelerate's ``load_state``: safetensors for
+    the model, ``weights_only`` loads for the rest) into the prepared model and optimizer; returns
+    the counters."""
+    accelerator.load_state(str(ckpt))
     return json.loads((ckpt / "state.json").read_text())
 
 
@@ -465,8 +458,6 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     lora_info = None
     if train_cfg.lora_rank:
         model, lora_info = apply_lora(model, spec, train_cfg.lora_rank, train_cfg.lora_targets)
-    if ckpts:  # full weights go in before wrapping, which works for DDP and FSDP alike
-        _load_model_weights(model, ckpts[-1])
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
@@ -474,13 +465,14 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         [{"params": decay, "weight_decay": train_cfg.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=train_cfg.lr, betas=train_cfg.betas, fused=cuda or None)
+    lr_factor = lr_schedule(optimizer, steps, plan["warmup_steps"], train_cfg.min_lr_ratio)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "ema": None,
                              "ema_weight": 0.0, "best_ema": None, "evals": [], "sessions": 0}
     resumed_from = None
     if ckpts:
-        state.update(_load_rest(accelerator, model, optimizer, ckpts[-1]))
+        state.update(_load_checkpoint(accelerator, ckpts[-1]))
         resumed_from = state["step"]
     state["sessions"] += 1
     base_wall = state["wall_time_s"]
@@ -542,7 +534,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
             t0 = time.perf_counter()
             if "first_step_unix" not in record:  # this session's first step: the job's start-up ends here
                 record["first_step_unix"] = time.time()
-            lr = lr_at(step, steps, plan["warmup_steps"], train_cfg.lr, train_cfg.min_lr_ratio)
+            lr = train_cfg.lr * lr_factor(step)
             for g in optimizer.param_groups:
                 g["lr"] = lr
             loss_sum = torch.zeros((), device=accelerator.device)
@@ -593,7 +585,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
                 window_t = time.perf_counter()
             if train_cfg.checkpoint_interval and (step + 1) % train_cfg.checkpoint_interval == 0 and not last:
                 state["wall_time_s"] = base_wall + time.perf_counter() - wall0
-                _save_checkpoint(accelerator, model, optimizer, out_dir, step + 1,
+                _save_checkpoint(accelerator, out_dir, step + 1,
                                  {k: v for k, v in state.items() if k != "step"},
                                  train_cfg.keep_checkpoints)
                 window_t = time.perf_counter()

@@ -32,7 +32,7 @@ def plain_loop(spec, data, steps: int, batch: int, lr: float, seed: int) -> floa
     import torch
     from accelerate.utils import set_seed
 
-    from archsearch.trainers.loop import build_model, lr_at
+    from archsearch.trainers.loop import build_model, lr_schedule
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -43,12 +43,13 @@ def plain_loop(spec, data, steps: int, batch: int, lr: float, seed: int) -> floa
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95),
                             fused=cuda or None)
+    lr_factor = lr_schedule(opt, steps, max(1, steps // 10), 0.1)
     model.train()
     elapsed = 0.0
     for step in range(steps):
         t = time.perf_counter()
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, max(1, steps // 10), lr, 0.1)
+            g["lr"] = lr * lr_factor(step)
         x = torch.from_numpy(data.train_batch(step * batch, batch, seed)).to(dev, non_blocking=True)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
         with autocast:
