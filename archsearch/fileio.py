@@ -16,12 +16,15 @@ import contextlib
 import io
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from archsearch.errors import ArchsearchError
+from archsearch.logs import get_logger
+
+# torn lines and unreadable state files: warnings on the console and in the study log
+_log = get_logger("files")
 
 
 def _umask() -> int:
@@ -110,8 +113,8 @@ def _heal_torn_tail(p: Path) -> None:
                 return
             data = fh.seek(0) or fh.read()
             keep = data.rfind(b"\n") + 1
-            print(f"archsearch: {p}: dropped a torn last line ({size - keep} bytes) left by an "
-                  "interrupted write", file=sys.stderr)
+            _log.warning(f"archsearch: {p}: dropped a torn last line ({size - keep} bytes) left by an "
+                         "interrupted write")
             fh.truncate(keep)
     except FileNotFoundError:
         return
@@ -125,8 +128,7 @@ def read_json_tolerant(path: str | Path, what: str) -> dict[str, Any] | None:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        print(f"archsearch: {path} is not valid JSON ({e}): {what} is treated as absent and redone",
-              file=sys.stderr, flush=True)
+        _log.warning(f"archsearch: {path} is not valid JSON ({e}): {what} is treated as absent and redone")
         return None
     return data if isinstance(data, dict) else None
 
@@ -146,8 +148,8 @@ def read_jsonl_lines(path: str | Path, what: str | None = None) -> list[Any]:
             out.append(json.loads(line))
         except json.JSONDecodeError as e:
             if i == len(lines):
-                print(f"archsearch: {p}: skipped a torn last line {i} (an interrupted write); "
-                      "it is redone", file=sys.stderr)
+                _log.warning(f"archsearch: {p}: skipped a torn last line {i} (an interrupted write); "
+                             "it is redone")
                 continue
             raise ArchsearchError(what or f"{p}:{i}", f"line {i} is not valid JSON ({e.msg})",
                                   "fix or delete that line") from None

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from archsearch.logs import get_logger
+
 _NAME = re.compile(r"^archsearch-(bench|model|paired)-(\d+)-")
 
 
@@ -56,9 +58,9 @@ def reap_stale(root: str | Path | None = None) -> list[Path]:
         if not p.exists():
             removed.append(p)
     if removed:
-        print(f"archsearch: removed {len(removed)} scratch folder(s) left by killed measurements "
-              f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})",
-              file=sys.stderr, flush=True)
+        get_logger("bench").warning(
+            f"archsearch: removed {len(removed)} scratch folder(s) left by killed measurements "
+            f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})")
     return removed
 
 

@@ -48,6 +48,25 @@ def test_torn_last_line_skipped_and_healed(tmp_path, capsys):
     assert p.read_text().count("\n") == 2
 
 
+def test_file_warnings_are_log_records_a_study_log_keeps(tmp_path, capsys):
+    """The torn-line and unreadable-state messages go through the project's logger: on the
+    console as written, and into a running study's ``study.log``."""
+    from archsearch.fileio import read_json_tolerant
+    from archsearch.logs import study_log
+
+    p = tmp_path / "log.jsonl"
+    p.write_text('{"key": 1}\n{"key": 2, "resu')
+    (tmp_path / "state.json").write_text('{"done": ')
+    with study_log(tmp_path) as log:
+        assert read_jsonl_lines(p) == [{"key": 1}]
+        assert read_json_tolerant(tmp_path / "state.json", "the stage record") is None
+    err = capsys.readouterr().err
+    assert f"archsearch: {p}: skipped a torn last line 2" in err and "is not valid JSON" in err
+    text = log.read_text()
+    assert "WARNING archsearch.files: archsearch: " in text and "skipped a torn last line 2" in text
+    assert "the stage record is treated as absent and redone" in text
+
+
 def test_truncate_jsonl_drops_rejected_and_torn_lines(tmp_path):
     """A resumed training run cuts its metrics log back to its checkpoint's step."""
     p = tmp_path / "metrics.jsonl"

@@ -13,6 +13,7 @@ from archsearch.cli._common import print_config, print_json, print_table
 from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file, port, pos_float, pos_int
 from archsearch.configio import apply_overrides, from_dict, load_config, load_yaml
 from archsearch.errors import ArchsearchError
+from archsearch.logs import get_logger
 from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig, get_hparams
 from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
 from archsearch.trainers.loop import RUN_FILE, check_run_folder
@@ -210,7 +211,7 @@ def _clear_run_folder(out: Path, spec, tc) -> None:
     except ArchsearchError:
         if not (out / RUN_FILE).is_file():
             raise
-        print(f"archsearch: --overwrite: deleting the run of other settings in {out}", file=sys.stderr)
+        get_logger("train").warning(f"archsearch: --overwrite: deleting the run of other settings in {out}")
         shutil.rmtree(out)
 
 
