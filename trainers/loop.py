@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import shutil
 import sys
@@ -324,6 +325,17 @@ def _checkpoints(out_dir: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[5:]))
 
 
+class _Without(logging.Filter):
+    """Drops the log records whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
 def _save_checkpoint(accelerator, out_dir: Path, step: int, state: dict, keep: int) -> None:
     """accelerate's ``save_state`` (model as safetensors; optimizer; every process's RNG; the
     sharded states under FSDP) into a temporary folder; then ``state.json`` (the counters), written
@@ -334,7 +346,14 @@ def _save_checkpoint(accelerator, out_dir: Path, step: int, state: dict, keep: i
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # collective: every process calls it
+    # accelerate notes each save that tied weights (the head sharing the embedding) are stored
+    # once; that is expected, and load_state ties them back
+    tied_note = _Without("Removed shared tensor")
+    logging.getLogger("accelerate.utils.other").addFilter(tied_note)
+    try:
+        accelerator.save_state(str(tmp))  # collective: every process calls it
+    finally:
+        logging.getLogger("accelerate.utils.other").removeFilter(tied_note)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json(tmp / "state.json", {"step": step, **state}, default=str)
