@@ -160,10 +160,9 @@ def test_file_lock_excludes_other_processes_and_dies_with_its_holder(tmp_path):
         assert path.is_file()
         with pytest.raises(Timeout):
             FileLock(path, timeout=0).acquire()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom archsearch.search.measure import "
-                               f"file_lock\nfrom pathlib import Path\nwith file_lock(Path({str(path)!r})):\n"
-                               "    print('held', flush=True)\n    time.sleep(60)\n"],
-                              stdout=subprocess.PIPE, text=True)
+    hold = (f"import time\nfrom pathlib import Path\nfrom archsearch.search.measure import file_lock\n"
+            f"with file_lock(Path({str(path)!r})):\n    print('held', flush=True)\n    time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(Timeout):
