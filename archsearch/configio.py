@@ -135,18 +135,75 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+def inline(default_factory: Any, key: bool = False) -> Any:
+    """A component config held as a field whose own fields are written in the enclosing block.
+
+    The rule, for a field ``fit: FitOptions = inline(...)`` of ``LawConfig``: the YAML/JSON form
+    of the block is flat, ``law: {bootstrap: 200, form: ...}``, and ``law.bootstrap`` is
+    ``law.fit.bootstrap``. A name the enclosing class declares itself is the enclosing class's
+    (``law.seed`` is ``LawConfig.seed``). A key left out keeps the value of the field's default
+    (``default_factory()``: the enclosing config's defaults, which may differ from the component
+    class's own). :func:`from_dict` reads this form, :func:`to_dict` writes it, and an error in the
+    component names the flat path (``law.bootstrap``). ``key``: the component's marked fields key
+    a stored result (:func:`key_values`).
+    """
+    return dataclasses.field(default_factory=default_factory, metadata={"inline": True, "key": key})
+
+
+KEY = {"key": True}  # field metadata: the field keys a stored result (key_values)
+
+
+def key_values(obj: Any) -> dict[str, Any]:
+    """The fields of config ``obj`` marked ``metadata=KEY`` (a component field marked so
+    contributes its own marked fields, nested under its name, or flat for an :func:`inline` one),
+    as plain data (:func:`to_dict`): what a result stored under this config is keyed by. A field
+    that changes no result (a fallback, a retry budget) is left unmarked."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        if not f.metadata.get("key"):
+            continue
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            inner = key_values(value)
+            if f.metadata.get("inline"):
+                out.update(inner)
+            else:
+                out[f.name] = inner
+        else:
+            out[f.name] = to_dict(value)
+    return out
+
+
+def _inlined(cls: type) -> dict[str, tuple[Any, list[str]]]:
+    """``cls``'s inline fields: name -> (default, the component's field names written flat)."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("inline"):
+            default = f.default_factory()
+            out[f.name] = (default, [g.name for g in dataclasses.fields(default) if g.init and g.name not in own])
+    return out
+
+
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping, validating keys and types by their hints."""
+    """Build dataclass ``cls`` from a mapping, validating keys and types by their hints (an
+    :func:`inline` component read from the block's own keys)."""
     if not isinstance(data, dict):
         raise ArchsearchError(where or cls.__name__, f"expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    inlined = _inlined(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in inlined}
+    keys = [*fields, *(n for _, names in inlined.values() for n in names)]
     for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(fields)}"
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"
             raise ArchsearchError(f"{where}.{key}" if where else str(key), "unknown key", hint)
     kwargs = {}
+    for name, (default, names) in inlined.items():
+        given = {n: data[n] for n in names if n in data}
+        base = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
+        kwargs[name] = from_dict(hints[name], {**base, **given}, where) if given else default
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         if name in data:
@@ -178,7 +235,15 @@ def to_dict(obj: Any) -> Any:
     """A dataclass (possibly nested) as plain JSON/YAML-able data, every URL's password masked
     (:func:`redact`): what is written of a config never holds a secret."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out: dict[str, Any] = {}
+        own = {f.name for f in dataclasses.fields(obj)}
+        for f in dataclasses.fields(obj):
+            if f.metadata.get("inline"):  # written flat, in the component's field order
+                for k, v in to_dict(getattr(obj, f.name)).items():
+                    out[k] = to_dict(getattr(obj, k)) if k in own else v
+            elif f.name not in out:
+                out[f.name] = to_dict(getattr(obj, f.name))
+        return out
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):
@@ -260,17 +325,6 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
 def load_config(cls: type[T], path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """YAML file (+ ``key.sub=value`` overrides) -> validated dataclass."""
     return from_dict(cls, load_yaml(path, overrides), where="")
-
-
-def base_view(obj: Any, base: type[T], where: str, **changes: Any) -> T:
-    """``obj``, a settings type that extends ``base`` with fields of its own, as a plain ``base``:
-    its ``base`` fields (with ``changes``), validated by ``base``; an error names ``where.<field>``."""
-    own = {f.name: getattr(obj, f.name) for f in dataclasses.fields(base) if f.init}
-    try:
-        return base(**{**own, **changes})
-    except ArchsearchError as e:
-        field = e.field if e.field.startswith(f"{where}.") else f"{where}.{e.field}"
-        raise ArchsearchError(field, e.problem, e.fix) from None
 
 
 def field_defaults(cls: type) -> dict[str, Any]:

@@ -90,7 +90,7 @@ def stage_inputs(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
     try:
         backend = resolve_backend(cfg.measure)[0]
     except ArchsearchError:  # the engine is not installed here: the search stage says so when it runs
-        backend = cfg.measure.backend
+        backend = cfg.measure.bench.backend
     search = _pick(d, "name", "params", "tokens", "n_layers", "baseline", "target", "search_space",
                    "vocab_size", "tie_embeddings", "limits")
     search.update({"optuna.objective": cfg.optuna.objective, "optuna.measure_infeasible": cfg.optuna.measure_infeasible,
