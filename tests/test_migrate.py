@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import optuna
 import pytest
@@ -11,10 +13,11 @@ import pytest
 from archsearch.cli import main
 from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
-from archsearch.search.config import StudyConfig
+from archsearch.search.config import StudyConfig, load_study_config
 from archsearch.search.measure import MeasurementStore, Measurer
 from tests.test_bench import TINY
 
+REPO = Path(__file__).resolve().parent.parent
 OTHER = dataclasses.replace(TINY, ffn=2 * TINY.ffn)
 LAW = {"law": "conditional-multiplicative",
        "coefficients": {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04},
@@ -93,3 +96,30 @@ def test_an_old_store_is_refused_with_the_command_then_migrated_once_and_read_ba
 def test_migrate_names_a_folder_that_is_not_a_study(tmp_path, capsys):
     assert main(["migrate", str(tmp_path)]) == 2
     assert "measurements.jsonl" in capsys.readouterr().err
+
+
+EXAMPLE = REPO / "results" / "examples" / "paper-1b-rehearsal"  # written by the earlier version
+
+
+@pytest.mark.skipif(not (EXAMPLE / "measurements.jsonl").is_file(), reason="the recorded rehearsal study is not here")
+def test_a_recorded_study_migrates_and_resumes_with_its_stages_and_measurements(tmp_path, monkeypatch):
+    from archsearch.search.inputs import plan_resume
+    from archsearch.search.pipeline import STAGE_NAMES, STAGES, StudyState
+
+    study = tmp_path / "study"
+    shutil.copytree(EXAMPLE, study)
+    monkeypatch.chdir(REPO)  # where the study ran: its config names files relative to the repository
+    cfg = load_study_config(REPO / "configs" / "paper-1b-rehearsal.yaml")
+    with pytest.raises(ArchsearchError):
+        MeasurementStore(study / "measurements.jsonl").check_layout()
+    assert main(["migrate", str(study)]) == 0
+
+    stored = MeasurementStore(study / "measurements.jsonl").all()
+    trials = optuna.load_study(storage=f"sqlite:///{study / 'optuna.db'}", study_name=cfg.name).trials
+    keys = [t.user_attrs["measurement_key"] for t in trials if "measurement_key" in t.user_attrs]
+    assert keys and all(k in stored for k in keys)  # every trial's measurement found under its new key
+    assert all(s["measurement_key"] in stored for s in json.loads((study / "gqa.json").read_text())["steps"]
+               if s.get("measurement_key"))
+    applies = {st.name: st.applies(cfg) for st in STAGES}
+    plan = plan_resume(cfg, study, StudyState(study).data, set(STAGE_NAMES), applies, default_storage=True)
+    assert plan.stale == {}  # no stage is redone for the new names of its measurement settings

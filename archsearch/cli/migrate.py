@@ -12,8 +12,10 @@ from its default. This version refuses such a store and names this command, whic
 2. it recomputes each record's old key from those shapes and the config, and maps it to the new one
    (single measurements, paired ones and their attempts);
 3. it rewrites ``measurements.jsonl``, every ``measurement_key(s)`` in the folder's JSON files and in
-   the Optuna trials (an SQL storage), each file replaced whole (a temporary file renamed), the
-   store last, so an interrupted run leaves the old store and is simply run again.
+   the Optuna trials (an SQL storage), and the search stage's recorded measurement settings in
+   ``stage_inputs.json`` (so the resumed study keeps its stages), each file replaced whole (a
+   temporary file renamed), the store last, so an interrupted run leaves the old store and is
+   simply run again.
 
 A record whose old key no study input reproduces (taken under settings the config no longer has) is
 moved to ``measurements.unmatched.jsonl``: no study would read it again. ``--dry-run`` lists all of
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,11 @@ from typing import Any
 from archsearch.arch import ArchSpec
 from archsearch.configio import field_defaults, from_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import read_jsonl_lines
+from archsearch.fileio import atomic_write, read_jsonl_lines
 from archsearch.search.config import StudyConfig
+from archsearch.search.inputs import INPUTS_FILE, fingerprints, stage_inputs
 from archsearch.search.measure import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
+from archsearch.search.pipeline import STAGES
 from archsearch.search.targets import target_measure
 
 STORE = "measurements.jsonl"
@@ -95,7 +98,8 @@ class Plan:
         if self.unmatched:
             lines.append(f"  {len(self.unmatched)} record(s) no input of this study reproduces (other settings), "
                          f"moved to {UNMATCHED}: " + ", ".join(r["key"] for r in self.unmatched))
-        lines += [f"  {p}: measurement keys rewritten" for p in self.files]
+        lines += [f"  {p}: " + ("the stages' recorded measurement settings rewritten" if p.name == INPUTS_FILE
+                               else "measurement keys rewritten") for p in self.files]
         if self.trial_attrs:
             lines.append(f"  {self.storage}: {len(self.trial_attrs)} trial attribute(s) rewritten")
         return "\n".join(lines)
@@ -197,7 +201,7 @@ def plan_migration(study: str | Path) -> Plan:
     attrs = _trial_attrs(url)
     shapes: set[str] = set()
     _spec_keys([r.get("result") for r in records], shapes)
-    jsons = {p: json.loads(p.read_text()) for p in sorted(study.glob("*.json")) if p.name != "config.json"}
+    jsons = {p: json.loads(p.read_text()) for p in sorted(study.glob("*.json")) if p.name not in ("config.json", INPUTS_FILE)}
     _spec_keys(list(jsons.values()), shapes)
     for _, k, v in attrs:
         if k == "spec":
@@ -244,6 +248,7 @@ def plan_migration(study: str | Path) -> Plan:
         if changed:
             plan.files[p] = json.dumps(out, indent=2)
     plan.storage = url
+    _rekey_stage_inputs(plan, cfg, [b for m in views[:1] for b in (m.bench.backend, m.fallback_backend) if b])
     for i, k, v in attrs:
         if k != "spec":
             out, changed = _rekey_json({k: json.loads(v)}, plan.keys)
@@ -252,16 +257,33 @@ def plan_migration(study: str | Path) -> Plan:
     return plan
 
 
+def _rekey_stage_inputs(plan: Plan, cfg: StudyConfig, backends: list[str]) -> None:
+    """The search stage's recorded settings (``stage_inputs.json``) name the measurement's key
+    settings: where a stage was recorded with this config in the older layout, it is recorded in the
+    new one (with its fingerprint and those chained after it), so the resumed study keeps its
+    stages instead of redoing them for a change of names."""
+    path = plan.study / INPUTS_FILE
+    if not path.is_file():
+        return
+    record = json.loads(path.read_text())
+    applies = {st.name: st.applies(cfg) for st in STAGES}
+    changed = False
+    for backend in backends:
+        old_in, new_in = stage_inputs(cfg, old_key_settings, backend), stage_inputs(cfg, key_settings, backend)
+        old_fp, new_fp = fingerprints(cfg, applies, old_in), fingerprints(cfg, applies, new_in)
+        for stage, rec in record.items():
+            if stage in old_fp and rec.get("fingerprint") == old_fp[stage] and \
+                    rec.get("inputs") == json.loads(json.dumps(old_in[stage], default=str)):
+                record[stage] = {"fingerprint": new_fp[stage], "inputs": json.loads(json.dumps(new_in[stage], default=str))}
+                changed = True
+    if changed:
+        plan.files[path] = json.dumps(record, indent=2, default=str)
+
+
 def _one_key(d: dict[str, Any]) -> list[str]:
     out: set[str] = set()
     _add_spec(d, out)
     return list(out)
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.migrate")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def apply_migration(plan: Plan) -> None:
@@ -269,7 +291,7 @@ def apply_migration(plan: Plan) -> None:
     if plan.current:
         return
     for p, text in plan.files.items():
-        _replace(p, text + "\n")
+        atomic_write(p, text + "\n")
     if plan.trial_attrs:
         from sqlalchemy import create_engine, text as sql
 
@@ -284,7 +306,7 @@ def apply_migration(plan: Plan) -> None:
     if plan.unmatched:
         with open(plan.study / UNMATCHED, "a") as fh:
             fh.writelines(json.dumps(r, default=str) + "\n" for r in plan.unmatched)
-    _replace(plan.study / STORE, "".join(json.dumps(r, default=str) + "\n" for r in plan.records))
+    atomic_write(plan.study / STORE, "".join(json.dumps(r, default=str) + "\n" for r in plan.records))
 
 
 def run(args: argparse.Namespace) -> int:
