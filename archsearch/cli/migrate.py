@@ -124,7 +124,7 @@ def _spec_keys(obj: Any, out: set[str]) -> None:
 
 def _add_spec(d: dict[str, Any], out: set[str]) -> None:
     try:
-        out.add(spec_key(ArchSpec.from_dict(d)))
+        out.add(spec_key(ArchSpec.from_record(d)))
     except (ArchsearchError, TypeError, ValueError):
         pass  # not a shape this version reads: no key of it to reproduce
 
