@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from archsearch.configio import PlainData
+from archsearch.configio import KEY, PlainData
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines
 
@@ -53,18 +53,19 @@ class BenchSettings(PlainData):
     ``engine_per_batch`` starts one engine process per batch size (``max_num_seqs`` equal to
     it) instead of one per candidate."""
 
-    backend: str
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
-    input_len: int = 128
-    output_len: int = 64
-    warmup: int = 1
-    repeats: int = 3
-    dtype: str = "auto"
-    timeout_s: float = 900.0
-    device_spec: str | None = None
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    engine_per_batch: bool = False
+    # every field keys a study's stored measurement (configio.key_values): each changes what is measured
+    backend: str = field(metadata=KEY)
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata=KEY)
+    input_len: int = field(default=128, metadata=KEY)
+    output_len: int = field(default=64, metadata=KEY)
+    warmup: int = field(default=1, metadata=KEY)
+    repeats: int = field(default=3, metadata=KEY)
+    dtype: str = field(default="auto", metadata=KEY)
+    timeout_s: float = field(default=900.0, metadata=KEY)
+    device_spec: str | None = field(default=None, metadata=KEY)
+    engine_args: dict[str, Any] = field(default_factory=dict, metadata=KEY)
+    seed: int = field(default=0, metadata=KEY)
+    engine_per_batch: bool = field(default=False, metadata=KEY)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

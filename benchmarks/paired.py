@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe, write_hf_config
-from archsearch.configio import PlainData
+from archsearch.configio import KEY, PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
 from archsearch.benchmarks.base import (BACKENDS, BatchResult, BenchSettings, Report, get_backend,
@@ -49,14 +49,17 @@ class PairedSettings:
     """How long to compare: at least ``min_rounds`` rounds, at most ``max_rounds``, stopping
     once every ratio's ``level`` interval is within ``rel_halfwidth`` of it."""
 
-    level: float = 0.9
-    rel_halfwidth: float = 0.03
-    min_rounds: int = 4
-    max_rounds: int = 16
-    twin: bool = False  # a second engine of the reference in every group (module docstring)
+    # marked KEY: these key a study's stored paired measurement (configio.key_values)
+    level: float = field(default=0.9, metadata=KEY)
+    rel_halfwidth: float = field(default=0.03, metadata=KEY)
+    min_rounds: int = field(default=4, metadata=KEY)
+    max_rounds: int = field(default=16, metadata=KEY)
+    # a second engine of the reference in every group (module docstring)
+    twin: bool = field(default=False, metadata=KEY)
     # sd of one engine instance's log-throughput effect, known from an earlier measurement on this
     # machine (``bench_test_retest`` prints it as ``instance_sd_between_passes``): added to every
-    # interval where no twin measures it (with ``twin``, the twins' pooled estimate replaces it)
+    # interval where no twin measures it (with ``twin``, the twins' pooled estimate replaces it);
+    # not keyed: it widens intervals computed when a result is read, and changes no measurement
     instance_sd: float = 0.0
 
     def __post_init__(self) -> None:

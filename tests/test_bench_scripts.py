@@ -37,7 +37,7 @@ def test_calibration_grid_over_a_study_box_is_measured_as_the_study_measures():
     for s in shapes:
         assert non_embedding_params(s) == pytest.approx(cfg.measure.params, rel=0.05)
         assert s.n_layers == cfg.n_layers and s.head_dim == cfg.search_space.head_dim
-        assert s.max_position_embeddings >= cfg.measure.input_len + cfg.measure.output_len
+        assert s.max_position_embeddings >= cfg.measure.bench.input_len + cfg.measure.bench.output_len
     # the first point is the box's corner (smallest d/sqrt(N) and r, GQA 1), as the study builds it
     built = expand(cfg, build_settings(cfg, vocab_size(cfg)), cfg.search_space.hidden_over_sqrt_n[0],
                    cfg.search_space.mlp_to_attn[0], 1)

@@ -62,7 +62,7 @@ def test_paper_plan_gives_every_stage_its_cost(paper):
     n, seeds = cfg.optuna.n_trials, cfg.optuna.enqueue_solution
     assert st["search"]["measurements_at_most"] == m["measurements"] == n + 7 and m["workers"] == 8
     assert m["seed_group"] == seeds == 5 and m["pairs"] == {"low": n - seeds, "high": n - seeds + 7}
-    w, r = cfg.measure.warmup, cfg.measure.paired.min_rounds
+    w, r = cfg.measure.bench.warmup, cfg.measure.paired.min_rounds
     one = lambda k, r: ENGINE_PROCESS_START_S + k * ENGINE_START_S["vllm"] + k * (w + r) * m["batch_seconds"]
     group, per = one(seeds + 1, r), one(2, r)
     assert st["search"]["gpu_hours_low"] == pytest.approx((8 * (WORKER_START_S + group) + (n - seeds) * per) / 3600)

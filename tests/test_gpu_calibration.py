@@ -171,10 +171,11 @@ def test_calibrate_command_writes_one_file_per_device_and_engine(tmp_path):
 # -- calibration applied wherever a prediction is used --------------------------------------
 
 def _analytic_measure_cfg(**kw):
+    from archsearch.configio import from_dict
     from archsearch.search.config import MeasureConfig
 
-    return MeasureConfig(**{"backend": "analytic", "device_spec": "H200", "batch_sizes": [128], "dtype": "bfloat16",
-                            **kw})
+    return from_dict(MeasureConfig, {"backend": "analytic", "device_spec": "H200", "batch_sizes": [128],
+                                     "dtype": "bfloat16", **kw}, "measure")
 
 
 def test_study_measurement_applies_its_calibration():
@@ -229,7 +230,7 @@ def test_seed_ranking_and_dry_run_plan_use_the_calibration(tmp_path):
     # the dry run prices the batches of a real engine with the calibration
     import dataclasses
 
-    costs = [measurement_cost(dataclasses.replace(c, measure=dataclasses.replace(c.measure, backend="vllm")), "H200", 1)
+    costs = [measurement_cost(dataclasses.replace(c, measure=dataclasses.replace(c.measure, bench=dataclasses.replace(c.measure.bench, backend="vllm"))), "H200", 1)
              for c in (plain, calibrated)]
     assert costs[1]["predicted_output_tokens_per_s"] < 0.6 * costs[0]["predicted_output_tokens_per_s"]
     assert any("h200-vllm.json" in a and "fitted on" in a for a in costs[1]["assumptions"])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
 from archsearch.arch import ArchSpec
+from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
 from archsearch.benchmarks import BenchSettings
 from archsearch.benchmarks.paired import PairedResult, PairedSettings, measure_paired, ratio_estimate
@@ -292,8 +294,8 @@ def test_measurer_measures_the_rescaled_shape_keyed_by_the_study_shape(tmp_path,
     monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", fake_paired)
     store = MeasurementStore(tmp_path / "m.jsonl")
     double = lambda s: ArchSpec(**{**s.to_dict(), "hidden_size": 2 * s.hidden_size})  # noqa: E731
-    plain = Measurer(MeasureConfig(backend="hf", batch_sizes=[4]), store)
-    scaled = Measurer(MeasureConfig(backend="hf", batch_sizes=[4], params=4e6), store, scale=double)
+    plain = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
+    scaled = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4], "params": 4e6}, "measure"), store, scale=double)
     a, b = _spec(64), _spec(128)
     scaled.compare([a, b])
     plain.compare([a, b])
@@ -306,9 +308,10 @@ def _keyed(tmp_path, backend="vllm", paired=None, **measure):
     from archsearch.search.config import MeasureConfig
     from archsearch.search.measure import MeasurementStore, Measurer
 
-    cfg = MeasureConfig(**{"backend": "vllm", "fallback_backend": "hf", "batch_sizes": [16], "input_len": 64,
-                           "output_len": 64, "repeats": 3, "dtype": "float32", "timeout_s": 300.0, **measure},
-                        paired=paired or PairedSettings())
+    cfg = replace(from_dict(MeasureConfig, {"backend": "vllm", "fallback_backend": "hf", "batch_sizes": [16],
+                                            "input_len": 64, "output_len": 64, "repeats": 3, "dtype": "float32",
+                                            "timeout_s": 300.0, **measure}, "measure"),
+                  paired=paired or PairedSettings())
     m = Measurer(cfg, MeasurementStore(tmp_path / "m.jsonl"))
     m.backend = backend
     return m
@@ -322,30 +325,40 @@ _OLD_BASELINE = {"n_layers": 2, "hidden_size": 96, "n_heads": 4, "n_kv_heads": 2
 _OLD_STEP = {**_OLD_BASELINE, "hidden_size": 192, "n_heads": 2, "n_kv_heads": 1, "ffn": 96, "name": None}
 
 
-def test_measurement_keys_of_a_store_written_before_the_nesting_stay_valid(tmp_path):
+def test_the_migration_reproduces_a_key_stored_in_the_older_layout(tmp_path):
+    from archsearch.cli.migrate import old_key_settings
+    from archsearch.search.measure import measurement_key, paired_key, spec_key
+
     m = _keyed(tmp_path)
-    specs = [ArchSpec.from_dict(_OLD_BASELINE), ArchSpec.from_dict(_OLD_STEP)]
-    assert m.pair_key(specs) == "5233ef9e45249a25"  # the key stored then
+    keys = [spec_key(ArchSpec.from_dict(_OLD_BASELINE)), spec_key(ArchSpec.from_dict(_OLD_STEP))]
+    first = measurement_key(keys[0], old_key_settings(m.cfg, m.backend))
+    assert paired_key(keys, first) == "5233ef9e45249a25"  # the key stored then
+    assert m.pair_key([ArchSpec.from_dict(_OLD_BASELINE), ArchSpec.from_dict(_OLD_STEP)]) != "5233ef9e45249a25"
 
 
 def test_measurement_key_changes_with_what_changes_a_measurement_only(tmp_path):
-    from dataclasses import dataclass
+    from dataclasses import dataclass, field
+
+    from archsearch.configio import KEY
 
     spec = _spec(64)
     key = _keyed(tmp_path).key(spec)
-    # study-only choices, and a paired setting added later at its default, key nothing new
+    # study-only choices (fields not marked as keying) key nothing new
     assert _keyed(tmp_path, fallback_backend="sglang").key(spec) == key
     # the engine-instance sd widens intervals computed when read: the stored rounds are the same
     assert _keyed(tmp_path, paired=PairedSettings(instance_sd=0.02)).key(spec) == key
     assert _keyed(tmp_path, batch_sizes=[16, 32], reference_batch_size=16).key(spec) == \
         _keyed(tmp_path, batch_sizes=[16, 32]).key(spec)
 
+    # a setting added later keys a measurement where it is marked so, at any value
     @dataclass(frozen=True)
     class WithProcesses(PairedSettings):
-        processes: int = 1
+        processes: int = field(default=1, metadata=KEY)
+        note: str = ""
 
-    assert _keyed(tmp_path, paired=WithProcesses()).key(spec) == key
-    assert _keyed(tmp_path, paired=WithProcesses(processes=2)).key(spec) != key
+    assert _keyed(tmp_path, paired=WithProcesses(note="x")).key(spec) == _keyed(tmp_path, paired=WithProcesses()).key(spec)
+    assert _keyed(tmp_path, paired=WithProcesses()).key(spec) != key
+    assert _keyed(tmp_path, paired=WithProcesses(processes=2)).key(spec) != _keyed(tmp_path, paired=WithProcesses()).key(spec)
     for changed in ({"seed": 1}, {"engine_per_batch": True}, {"params": 4e6}, {"input_len": 32}, {"batch_sizes": [8]},
                     {"paired": PairedSettings(level=0.95)}):
         paired = changed.pop("paired", None)
@@ -368,14 +381,14 @@ def test_compare_together_measures_missing_pairs_in_one_group_and_stores_each_pa
 
     monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", fake_paired)
     store = MeasurementStore(tmp_path / "m.jsonl")
-    m = Measurer(MeasureConfig(backend="hf", batch_sizes=[4]), store)
+    m = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
     ref, b, c, d = _spec(32), _spec(64), _spec(96), _spec(128)
     assert m.compare_together(ref, [b, c]) == 2 and calls == [[32, 64, 96]]
     got = m.compare([ref, c])
     assert calls == [[32, 64, 96]] and not got.cached  # read back, but taken by this process
     assert got.result.rounds == [[100.0, 120.0 + k] for k in range(3)] and got.result.ttft == [0.0, 0.2]
     assert got.result.timing["group_size"] == 3 and store.get(got.key)["group"]["size"] == 3
-    again = Measurer(MeasureConfig(backend="hf", batch_sizes=[4]), store)
+    again = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
     assert again.compare([ref, b]).cached and again.compare_together(ref, [b, c]) == 0
     assert again.compare_together(ref, [b, d]) == 0 and calls == [[32, 64, 96]]  # one missing: its trial measures it
     fail.append(True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
 from tests.test_search import load, study_config
 
@@ -195,7 +196,7 @@ def test_the_measured_dtype_is_read_from_this_studys_settings_only(tmp_path):
 
     store = MeasurementStore(tmp_path / "m.jsonl")
     store.put("old", {"dtype": "float16", "settings": {"dtype": "float16", "backend": "analytic"}})
-    m = Measurer(MeasureConfig(backend="analytic", dtype="bfloat16"), store)
+    m = Measurer(from_dict(MeasureConfig, {"backend": "analytic", "dtype": "bfloat16"}, "measure"), store)
     assert m.measured_dtype(TINY) is None
     store.put("new", {"dtype": "bfloat16", "settings": {"dtype": "bfloat16", "backend": "analytic"}})
     assert m.measured_dtype(TINY) == "bfloat16"

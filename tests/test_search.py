@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -925,14 +926,14 @@ def test_law_block_is_the_fits_options_with_the_study_defaults(tmp_path):
     cfg = load(study_config(tmp_path, law={"file": None, "reference": "best-observed", "n_starts": 4},
                             proxy={"runs": str(tmp_path / "runs.csv")}))
     opts = cfg.fit_options()
-    assert type(opts) is FitOptions and isinstance(cfg.law, FitOptions)
+    assert type(opts) is FitOptions and isinstance(cfg.law.fit, FitOptions)
     # the block's own values, the study's seed and build tolerance (>= 5%) where it leaves them out
     assert (opts.reference, opts.n_starts, opts.bootstrap, opts.seed, opts.size_tolerance) == \
         ("best-observed", 4, 200, 1, 0.05)
     given = LawConfig(seed=7, size_tolerance=0.2).fit_options(seed=1, size_tolerance=0.05)
     assert (given.seed, given.size_tolerance) == (7, 0.2)
-    with pytest.raises(ArchsearchError) as e:  # built directly, too, the error names law.<field>
-        LawConfig(max_iter=0)
+    with pytest.raises(ArchsearchError) as e:  # read from a flat block, the error names law.<field>
+        from_dict(LawConfig, {"max_iter": 0}, "law")
     assert e.value.field == "law.max_iter"
 
 

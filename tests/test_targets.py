@@ -53,9 +53,9 @@ def test_target_takes_the_measure_block_where_it_says_nothing(tmp_path):
 
     cfg = load(targets_config(tmp_path))
     small, big = (target_measure(cfg.measure, t) for t in cfg.measure.targets)
-    assert (small.device_spec, small.batch_sizes, small.ref_batch, small.input_len) == ("H100", [8], 8, 64)
-    assert (big.device_spec, big.batch_sizes, big.ref_batch, big.input_len) == ("A100-40GB", [4, 32], 32, 128)
-    assert small.output_len == big.output_len == cfg.measure.output_len and small.targets is None
+    assert (small.bench.device_spec, small.bench.batch_sizes, small.ref_batch, small.bench.input_len) == ("H100", [8], 8, 64)
+    assert (big.bench.device_spec, big.bench.batch_sizes, big.ref_batch, big.bench.input_len) == ("A100-40GB", [4, 32], 32, 128)
+    assert small.bench.output_len == big.bench.output_len == cfg.measure.bench.output_len and small.targets is None
 
 
 def test_no_targets_keys_measurements_as_before(tmp_path):

@@ -54,6 +54,7 @@ EXAMPLES: dict[str, list[str]] = {
         "--out solved",
     ],
     "validate": [f"archsearch validate {_DEMO_FIT} --protocol progressive"],
+    "migrate": ["archsearch migrate results/examples/paper-1b-rehearsal --dry-run"],
     "plan": [f"archsearch plan --candidates tiny smollm2-135m --max-tpot-s 0.05 --max-peak-memory-gib 4 "
              f"--out plan   {SLOW} measures every candidate"],
     "profile": [f"archsearch profile --study results/my-study --out profile.json   "

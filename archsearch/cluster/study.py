@@ -213,7 +213,7 @@ def search_worker(cfg, out: str, marker: str) -> None:
     from archsearch.search.study import run_study
 
     # on Slurm the coordinator cannot know the jobs' GPUs: each worker checks its own before measuring
-    check_reference_batch(cfg, cfg.measure.device_spec or local_device_name())
+    check_reference_batch(cfg, cfg.measure.bench.device_spec or local_device_name())
     run_study(search_context(cfg, Path(out)), progress=False)
     atomic_write(marker, "done\n")
 
@@ -250,6 +250,6 @@ def run_search_workers(cfg, out: Path, stage_start: float | None = None) -> dict
 
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
     startup.record(out, "search", cfg.cluster.executor,
-                   startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.backend,
+                   startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.bench.backend,
                                           min(subs) - stage_start if subs else None, since=t_enter))
     return results

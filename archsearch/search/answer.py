@@ -124,7 +124,7 @@ def write_chosen(ctx, out: Path, answer: Answer) -> Path:
     dtype the study measured it in, and the study's tokenizer when it trained with one."""
     spec = answer.spec
     dtype = ctx.measurer.measured_dtype(spec) or \
-        (ctx.cfg.measure.dtype if ctx.cfg.measure.dtype != "auto" else "bfloat16")
+        (ctx.cfg.measure.bench.dtype if ctx.cfg.measure.bench.dtype != "auto" else "bfloat16")
     folder = out / "chosen"
     write_hf_config(spec, folder, dtype=dtype)
     tok = study_tokenizer(out)

@@ -88,8 +88,8 @@ def measuring_device(cfg: StudyConfig) -> str | None:
     ``measure.device_spec``, else this machine's first GPU (or ``cpu``) for inline and local
     executors; None on Slurm without ``device_spec`` (the jobs' GPUs are not known here) and for
     a GPU the device table does not know."""
-    if cfg.measure.device_spec:
-        return cfg.measure.device_spec
+    if cfg.measure.bench.device_spec:
+        return cfg.measure.bench.device_spec
     if cfg.cluster.executor == "slurm":
         return None
     from archsearch.hardware import local_device_name
@@ -112,13 +112,13 @@ def reference_batch_fit(cfg: StudyConfig, device: str) -> dict:
         name, memory = dev.name, dev.memory_bytes
     else:  # get_device("cpu") would time a matmul: only the memory is needed
         name, memory = "cpu", host_memory_bytes()
-    dtype = resolve_dtype(m.dtype, on_gpu)
-    kv_dtype = m.engine_args.get("kv_cache_dtype") or "auto"
+    dtype = resolve_dtype(m.bench.dtype, on_gpu)
+    kv_dtype = m.bench.engine_args.get("kv_cache_dtype") or "auto"
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
-    fraction = float(m.engine_args.get("gpu_memory_utilization") or m.engine_args.get("mem_fraction_static")
+    fraction = float(m.bench.engine_args.get("gpu_memory_utilization") or m.bench.engine_args.get("mem_fraction_static")
                      or MEMORY_FRACTION)
     spec = measured_baseline(cfg)
-    seq = m.input_len + m.output_len
+    seq = m.bench.input_len + m.bench.output_len
     return {"device": name, "memory_gib": memory / 2**30, "memory_fraction": fraction, "dtype": dtype,
             "kv_dtype": kv_dtype, "baseline": spec.name or "baseline", "seq_len": seq,
             "weights_gib": weight_bytes(spec, dtype) / 2**30,
@@ -139,7 +139,7 @@ def check_reference_batch(cfg: StudyConfig, device: str | None) -> dict | None:
     if b <= cap:
         return f
     m = cfg.measure
-    fitting = [x for x in m.batch_sizes if x <= cap]
+    fitting = [x for x in m.bench.batch_sizes if x <= cap]
     field = "measure.reference_batch_size" if m.reference_batch_size is not None else "measure.batch_sizes"
     what = "" if m.reference_batch_size is not None else " (the largest of measure.batch_sizes)"
     fix = (f"set measure.reference_batch_size: {max(fitting)}, the largest of batch_sizes that fits" if fitting
@@ -147,7 +147,7 @@ def check_reference_batch(cfg: StudyConfig, device: str | None) -> dict | None:
         (f" (or add one up to {cap} to batch_sizes and make it the reference)" if fitting and max(fitting) < cap
          else "") + ", or measure on a GPU with more memory (measure.device_spec)"
     raise ArchsearchError(
-        field, f"the reference batch{what} of {b} sequences of {m.input_len} + {m.output_len} tokens does not "
+        field, f"the reference batch{what} of {b} sequences of {m.bench.input_len} + {m.bench.output_len} tokens does not "
         f"fit on {f['device']}: its {f['kv_dtype']} KV cache for the baseline {f['baseline']} takes "
         f"{b * f['kv_gib_per_sequence']:.1f} GiB ({f['kv_gib_per_sequence']:.3f} GiB a sequence), and "
         f"{f['memory_fraction']:.0%} of the device's {f['memory_gib']:.1f} GiB beside the "
@@ -163,7 +163,7 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     from archsearch.search.study import build_settings, expand
 
     s = cfg.search_space
-    if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.bootstrap == 0:
+    if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.fit.bootstrap == 0:
         raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.bootstrap is 0",
                               "set law.bootstrap (e.g. 200) or drop target.confidence")
     build = build_settings(cfg, vocab_size(cfg))
@@ -206,7 +206,7 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     # the plan checks the device it is priced on (--gpus) itself
     for view in target_views(cfg):
         with view.named():
-            check_reference_batch(view.cfg, view.cfg.measure.device_spec if for_plan else measuring_device(view.cfg))
+            check_reference_batch(view.cfg, view.cfg.measure.bench.device_spec if for_plan else measuring_device(view.cfg))
 
 
 def target_views(cfg: StudyConfig):
@@ -243,9 +243,9 @@ def check_later_stages(cfg: StudyConfig) -> None:
                                   "throughput and time to first token per shape)",
                                   "drop it and check the chosen shape with archsearch plan --max-tpot-s / "
                                   "--max-peak-memory-gib, or use limits.max_ttft_s")
-    if cfg.measure.device_spec and cfg.measure.device_spec.lower() != "cpu":
+    if cfg.measure.bench.device_spec and cfg.measure.bench.device_spec.lower() != "cpu":
         try:
-            get_device(cfg.measure.device_spec)
+            get_device(cfg.measure.bench.device_spec)
         except ArchsearchError as e:
             raise ArchsearchError("measure.device_spec", e.problem, e.fix) from None
     if cfg.final_train.enabled or cfg.mode == "predict-rank-select" or cfg.final_train != type(cfg.final_train)():
@@ -284,13 +284,13 @@ def planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
 def check_reference_data(cfg: StudyConfig) -> None:
     """Fail before any training if the proxies cannot support the chosen reference L_opt."""
     groups = planned_groups(cfg)
-    if cfg.law.reference == "chinchilla" and len(groups) < 5:
+    if cfg.law.fit.reference == "chinchilla" and len(groups) < 5:
         raise ArchsearchError(
             "law.reference", f"a Chinchilla reference needs proxy runs at >= 5 distinct (N, D); the "
             f"proxies give {len(groups)}: {sorted(groups)}",
             "add a sweep at other token budgets under proxy.sweeps, or use reference: best-observed "
             "with the target N among the proxy sizes")
-    if cfg.law.reference == "best-observed":
+    if cfg.law.fit.reference == "best-observed":
         tol = cfg.fit_options().size_tolerance
         near = [g for g in groups if abs(g[0] / cfg.params - 1) <= tol and abs(g[1] / cfg.tokens - 1) <= tol]
         if not near:

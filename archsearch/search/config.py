@@ -9,7 +9,7 @@ name the dotted field (``search_space.gqa[1]``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.paired import PairedSettings
 from archsearch.candidates import BuildSettings, check_size
 from archsearch.cluster.config import ClusterConfig
-from archsearch.configio import base_view, from_dict, load_yaml
+from archsearch.configio import KEY, from_dict, inline, load_yaml
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name, check_output
 from archsearch.laws.active import INITIAL_DESIGNS
@@ -190,15 +190,18 @@ class ProxyConfig:
 
 
 @dataclass(frozen=True)
-class LawConfig(FitOptions):
-    """The study's ``law`` block: the :class:`~archsearch.laws.FitOptions` of the study's fit (its
-    fields, with defaults for a study), the law's ``form``, a law ``file`` that skips the fit, and
+class LawConfig:
+    """The study's ``law`` block: the :class:`~archsearch.laws.FitOptions` of the study's fit
+    (``fit``, written flat in the block: ``law.bootstrap`` is ``law.fit.bootstrap``, see
+    :func:`archsearch.configio.inline`), the law's ``form``, a law ``file`` that skips the fit, and
     whether shapes outside the law's fitted range may be used (``allow_extrapolation``)."""
 
-    bootstrap: int = 200
-    seed: int | None = None  # default: optuna.seed
-    # runs within this relative distance in N (and D) are one size; default: the search space's
-    # build tolerance (snapped shapes land anywhere within it of their budget), at least 5%
+    fit: FitOptions = inline(lambda: FitOptions(bootstrap=200))
+    # the fit's seed and size tolerance, derived from the study where left out (fit_options): the
+    # seed is optuna.seed; runs within this relative distance in N (and D) are one size, by default
+    # the search space's build tolerance (snapped shapes land anywhere within it of their budget),
+    # at least 5%
+    seed: int | None = None
     size_tolerance: float | None = None
     form: str = "conditional-multiplicative"
     file: str | None = None  # a fitted or hand-written law JSON: skips the fit
@@ -210,44 +213,48 @@ class LawConfig(FitOptions):
         if self.form not in LAW_FORMS:
             raise ArchsearchError("law.form", f"{self.form!r} is not a conditional law",
                                   f"use one of {list(LAW_FORMS)}")
-        self.fit_options(seed=0, size_tolerance=0.05)  # the fit's own checks
+        self.fit_options(seed=0, size_tolerance=0.05)  # the fit's own checks of the two study-level fields
 
     def fit_options(self, seed: int, size_tolerance: float) -> FitOptions:
-        """The plain :class:`FitOptions` of this block; ``seed`` and ``size_tolerance`` are the
+        """The :class:`FitOptions` of this block; ``seed`` and ``size_tolerance`` are the
         study's defaults, used where the block leaves them out."""
-        return base_view(self, FitOptions, "law",
-                         seed=seed if self.seed is None else self.seed,
-                         size_tolerance=size_tolerance if self.size_tolerance is None else self.size_tolerance)
+        try:
+            return replace(self.fit, seed=seed if self.seed is None else self.seed,
+                           size_tolerance=size_tolerance if self.size_tolerance is None else self.size_tolerance)
+        except ArchsearchError as e:
+            raise ArchsearchError(e.field if e.field.startswith("law.") else f"law.{e.field}", e.problem,
+                                  e.fix) from None
 
 
 @dataclass
-class MeasureConfig(BenchSettings):
+class MeasureConfig:
     """The study's ``measure`` block: the :class:`BenchSettings` every measurement of the study
-    runs with (its fields, with defaults for a study at scale), the paired comparison's
-    :class:`PairedSettings` under ``paired``, and what only a study needs: a fallback engine, the
-    objective's batch size and a roofline calibration."""
+    runs with (``bench``, written flat in the block: ``measure.backend`` is ``measure.bench.backend``,
+    see :func:`archsearch.configio.inline`; its defaults are those of a study at scale), the paired
+    comparison's :class:`PairedSettings` under ``paired``, and what only a study needs: a fallback
+    engine, the objective's batch size and a roofline calibration.
 
-    backend: str = "vllm"
-    batch_sizes: list[int] = field(default_factory=lambda: [16, 32, 64, 128])
-    input_len: int = 4096
-    output_len: int = 1024
-    repeats: int = 5
-    timeout_s: float = 1800.0
-    # Used only where ``backend`` is not installed, and then said in the report's first line.
+    Fields marked ``metadata=KEY`` (here and in the components) key a stored measurement
+    (:func:`archsearch.search.measure.key_settings`); the others choose among engines or batch
+    sizes, or retry, and change no measurement."""
+
+    bench: BenchSettings = inline(lambda: BenchSettings(backend="vllm", batch_sizes=[16, 32, 64, 128], input_len=4096,
+                                                        output_len=1024, repeats=5, timeout_s=1800.0), key=True)
+    # Used only where ``bench.backend`` is not installed, and then said in the report's first line.
     fallback_backend: str | None = None
     reference_batch_size: int | None = None  # the objective's batch size; default: the largest
     # a roofline calibration file (archsearch.benchmarks.calibration) for the seed ranking's predictions
     # (and the analytic backend); without one they are labelled uncalibrated
-    calibration: str | None = None
+    calibration: str | None = field(default=None, metadata=KEY)
     # Paired comparison with the baseline (archsearch.benchmarks.paired): engines resident in one
     # process, interleaved rounds at the reference batch size until every ratio's `level` interval
     # is within +-rel_halfwidth, or max_rounds is spent.
-    paired: PairedSettings = field(default_factory=PairedSettings)
+    paired: PairedSettings = field(default_factory=PairedSettings, metadata=KEY)
     # N of the measured shapes, when not the study's: every shape is measured rebuilt at this N with
     # its realised d/sqrt(N), r and GQA (the law and the loss constraint stay at the study's N). Valid
     # only where feasibility does not depend on N (multiplicative law, target relative to the
     # baseline; StudyConfig checks it): a larger N lifts the shapes' speed differences above the noise.
-    params: float | None = None
+    params: float | None = field(default=None, metadata=KEY)
     # a failed measurement (an engine error may be transient) is measured again by a later run of
     # the study, up to this many attempts in all; the store records each one's attempts
     max_attempts: int = 3
@@ -257,7 +264,6 @@ class MeasureConfig(BenchSettings):
     targets: list[DeploymentTarget] | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # the measurement's own checks
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
                 or not 1 <= self.max_attempts <= 100:
             raise ArchsearchError("measure.max_attempts", f"must be an integer in [1, 100], got {self.max_attempts!r}",
@@ -277,27 +283,30 @@ class MeasureConfig(BenchSettings):
             try:
                 # fitted on the device and engine it predicts for (the analytic backend, which
                 # predicts for any engine, excepted)
-                Calibration.load(self.calibration).check_matches(self.device_spec, self.backend, "measure.calibration")
+                Calibration.load(self.calibration).check_matches(self.bench.device_spec, self.bench.backend,
+                                                                  "measure.calibration")
             except ArchsearchError as e:
                 raise ArchsearchError("measure.calibration", e.problem, e.fix) from None
-        if self.reference_batch_size is not None and self.reference_batch_size not in self.batch_sizes:
+        if self.reference_batch_size is not None and self.reference_batch_size not in self.bench.batch_sizes:
             raise ArchsearchError("reference_batch_size",
-                                  f"{self.reference_batch_size} is not among batch_sizes {self.batch_sizes}")
+                                  f"{self.reference_batch_size} is not among batch_sizes {self.bench.batch_sizes}")
 
         check_targets(self)
 
     def bench_settings(self, backend: str) -> BenchSettings:
         """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
         measures with may be the fallback)."""
-        engine_args = dict(self.engine_args)
+        engine_args = dict(self.bench.engine_args)
         if backend == "analytic" and self.calibration:  # where the analytic backend reads it (as bench passes it)
             engine_args["calibration"] = self.calibration
-        return base_view(self, BenchSettings, "measure", backend=backend, batch_sizes=list(self.batch_sizes),
-                         engine_args=engine_args)
+        try:
+            return replace(self.bench, backend=backend, batch_sizes=list(self.bench.batch_sizes), engine_args=engine_args)
+        except ArchsearchError as e:
+            raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
 
     @property
     def ref_batch(self) -> int:
-        return self.reference_batch_size or max(self.batch_sizes)
+        return self.reference_batch_size or max(self.bench.batch_sizes)
 
 
 @dataclass(frozen=True)

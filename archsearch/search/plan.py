@@ -209,28 +209,28 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     m = cfg.measure
     n = search_comparisons(cfg)
     gqa = gqa_comparisons(cfg)
-    if m.backend == "analytic":
+    if m.bench.backend == "analytic":
         zero = {"low": 0.0, "high": 0.0}
         return {"device": device, "measurements": n, "workers": 1, "gpu_hours": zero, "wall_hours": zero,
                 **({"gqa": {**{k: v for k, v in gqa.items() if k != "loss_check"}, "gpu_hours": zero,
                             "wall_hours": zero}} if gqa else {}),
                 "assumptions": ["measure.backend analytic: roofline predictions, no GPU and no engine"]}
     dev = get_device(device)
-    dtype = resolve_dtype(m.dtype, on_gpu=dev.name != "cpu")
+    dtype = resolve_dtype(m.bench.dtype, on_gpu=dev.name != "cpu")
     cal, other = None, None
     if m.calibration:
         cal = Calibration.load(m.calibration)
         try:
-            cal.check_matches(dev.name, m.backend, "measure.calibration")
+            cal.check_matches(dev.name, m.bench.backend, "measure.calibration")
         except ArchsearchError as e:  # priced on another device than it was fitted on: not applied, and said
             cal, other = None, e.problem
     spec = measured_baseline(cfg)
-    b = predict_batch(spec, dev, dtype, m.ref_batch, m.input_len, m.output_len, cal)
+    b = predict_batch(spec, dev, dtype, m.ref_batch, m.bench.input_len, m.bench.output_len, cal)
     if startups is None:
         startups = StartupProfile()
     su = startups
-    start = su.s(f"engine_start_s.{m.backend}")
-    first = su.s(f"engine_first_start_s.{m.backend}")
+    start = su.s(f"engine_start_s.{m.bench.backend}")
+    first = su.s(f"engine_first_start_s.{m.bench.backend}")
     proc_s = su.s("engine_process_start_s")
     if not b.ok:
         return {"error": b.error or "the reference batch does not fit", "batch_size": m.ref_batch}
@@ -238,7 +238,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     lo_r, hi_r = m.paired.min_rounds, m.paired.max_rounds
 
     def comparison_s(k: int, rounds: int) -> float:
-        return proc_s + first + (k - 1) * start + k * m.warmup * t + rounds * k * t
+        return proc_s + first + (k - 1) * start + k * m.bench.warmup * t + rounds * k * t
 
     # a trial's seconds outside its comparison's engine process, and the worker's gap to its next trial
     trial_s = su.s("trial_overhead_s") + su.s("trial_gap_s")
@@ -257,7 +257,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     nw = {k: -(-n[k] // workers) for k in ("low", "high")}  # pairs of the busiest worker
     out: dict[str, Any] = {
         "device": dev.name, "batch_size": m.ref_batch, "batch_seconds": t,
-        "batch_tokens": m.ref_batch * (m.input_len + m.output_len), "measured_params": m.params,
+        "batch_tokens": m.ref_batch * (m.bench.input_len + m.bench.output_len), "measured_params": m.params,
         "predicted_output_tokens_per_s": b.output_throughput, "engine_start_s": start, "engine_first_start_s": first,
         "engine_process_start_s": proc_s, "comparison_s": per, "seed_group_s": group,
         "seed_group": k0, "pairs": {"low": n["low"], "high": n["high"]},
@@ -275,10 +275,10 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
             + "; seeds the law finds infeasible and failed measurements are not counted); the busiest worker "
             f"takes {nw['low']}" + (f"-{nw['high']}" if nw["high"] > nw["low"] else "") + " pair(s)",
             f"a comparison of k shapes: one isolated engine process (Python, torch and the engine imported: "
-            f"{su.get('engine_process_start_s').label()}), k engine starts ({m.backend}: the first in the process "
-            f"{su.get('engine_first_start_s.' + m.backend).label()}, each next "
-            f"{su.get('engine_start_s.' + m.backend).label()}), {m.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
-            f"({m.input_len} in + {m.output_len} out) tokens",
+            f"{su.get('engine_process_start_s').label()}), k engine starts ({m.bench.backend}: the first in the process "
+            f"{su.get('engine_first_start_s.' + m.bench.backend).label()}, each next "
+            f"{su.get('engine_start_s.' + m.bench.backend).label()}), {m.bench.warmup} warm-up batch(es) each, {lo_r}-{hi_r} rounds of k batches of {m.ref_batch} x "
+            f"({m.bench.input_len} in + {m.bench.output_len} out) tokens",
             f"a batch takes {t:.3g} s: the "
             + (f"roofline calibrated by {cal.describe(m.calibration)}" if cal else
                "UNCALIBRATED roofline (peak figures: optimistic, so the timed rounds' seconds are a lower bound; "
@@ -370,8 +370,8 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                             "runs_already_trained": n_done,
                             "tokens": proxy_tokens, "train_flops": proxy_flops,
                             "nd_groups": len(planned_groups(cfg))})
-    p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.reference}, "
-                        f"{cfg.law.bootstrap} bootstrap resamples)" if not cfg.law.file
+    p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.fit.reference}, "
+                        f"{cfg.law.fit.bootstrap} bootstrap resamples)" if not cfg.law.file
                         else f"load {cfg.law.file}"})
 
     try:
@@ -382,10 +382,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     gqa_n = gqa_comparisons(cfg)
     p["stages"].append({"stage": "search", "action": f"Optuna {cfg.optuna.sampler} study, "
                         f"{cfg.optuna.n_trials} measured trials (objective {cfg.optuna.objective})",
-                        "backend": cfg.measure.backend, "engine_here": backend or "missing",
+                        "backend": cfg.measure.bench.backend, "engine_here": backend or "missing",
                         **({"engine_note": engine_note} if engine_note else {}),
-                        "batch_sizes": cfg.measure.batch_sizes,
-                        "input_len": cfg.measure.input_len, "output_len": cfg.measure.output_len,
+                        "batch_sizes": cfg.measure.bench.batch_sizes,
+                        "input_len": cfg.measure.bench.input_len, "output_len": cfg.measure.bench.output_len,
                         "measurements_at_most": n_meas["shapes_high"]})
     if cfg.gqa_search.enabled:
         lc = gqa_n.get("loss_check") or {}
@@ -462,9 +462,9 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
         fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
 
         for view in target_views(cfg):  # each deployment target's, or the measure block's
-            if view.cfg.measure.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
+            if view.cfg.measure.bench.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
                 with view.named():
-                    fit = check_reference_batch(view.cfg, view.cfg.measure.device_spec or device)
+                    fit = check_reference_batch(view.cfg, view.cfg.measure.bench.device_spec or device)
                 p.setdefault("reference_batch", fit)
         try:
             if cfg.measure.targets:  # each target priced on its device and engine, summed

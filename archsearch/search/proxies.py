@@ -52,7 +52,7 @@ def train_active_proxies(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[s
     into ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
     log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design
-    anchors = [cfg.params] if cfg.law.reference == "best-observed" else []
+    anchors = [cfg.params] if cfg.law.fit.reference == "best-observed" else []
     records = run_active(proxy_sweeps(cfg), cfg.law.form, cfg.fit_options(), cfg.proxy.active,
                          out / "proxies" / "active", anchor_params=anchors)
     write_active_plan_report(out)

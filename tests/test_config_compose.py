@@ -1,0 +1,101 @@
+"""Study configs compose their component configs (``law.fit: FitOptions``, ``measure.bench:
+BenchSettings``), written flat in YAML by the inline rule (archsearch.configio.inline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from archsearch.benchmarks.base import BenchSettings
+from archsearch.configio import from_dict, key_values, to_dict
+from archsearch.errors import ArchsearchError
+from archsearch.laws.fit import FitOptions
+from archsearch.search.config import LawConfig, MeasureConfig, StudyConfig, load_study_config
+from archsearch.search.measure import key_settings
+
+REPO = Path(__file__).resolve().parent.parent
+STUDIES = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "baseline" in yaml.safe_load(p.read_text()))
+
+
+def test_the_study_configs_are_found():
+    assert {p.name for p in STUDIES} >= {"demo-cpu.yaml", "paper-1b-rehearsal.yaml", "paper-3b.yaml"}
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.name)
+def test_every_study_config_writes_its_components_flat_and_reads_back(path, monkeypatch):
+    monkeypatch.chdir(REPO)  # the configs name files relative to the repository
+    cfg = load_study_config(path)
+    d = to_dict(cfg)
+    raw = yaml.safe_load(path.read_text())
+    for block, component in (("law", cfg.law.fit), ("measure", cfg.measure.bench)):
+        assert "fit" not in d[block] and "bench" not in d[block]
+        assert set(raw.get(block) or {}) <= set(d[block])  # every key the file writes, where it wrote it
+        for name, value in to_dict(component).items():
+            if name not in ("seed", "size_tolerance") or block == "measure":  # the law's two are the study's
+                assert d[block][name] == value, (block, name)
+    assert from_dict(StudyConfig, d) == cfg
+
+
+def test_a_flat_block_sets_the_component_and_keeps_the_studys_defaults():
+    law = from_dict(LawConfig, {"n_starts": 4, "form": "conditional-additive", "seed": 3}, "law")
+    assert type(law.fit) is FitOptions and (law.fit.n_starts, law.form, law.seed) == (4, "conditional-additive", 3)
+    assert law.fit.bootstrap == 200 != FitOptions().bootstrap  # the study's default, not the fit's own
+    opts = law.fit_options(seed=9, size_tolerance=0.1)
+    assert (opts.seed, opts.size_tolerance, opts.n_starts) == (3, 0.1, 4)
+
+    m = from_dict(MeasureConfig, {"backend": "hf", "reference_batch_size": 32}, "measure")
+    assert type(m.bench) is BenchSettings and m.bench.backend == "hf" and m.ref_batch == 32
+    assert (m.bench.input_len, m.bench.batch_sizes) == (4096, [16, 32, 64, 128])  # a study's, not a bench run's
+    assert from_dict(MeasureConfig, {}, "measure") == MeasureConfig()
+
+
+@pytest.mark.parametrize("block,data,field", [
+    ("law", {"bootstrap": -1}, "law.bootstrap"),
+    ("law", {"fit": {"bootstrap": 5}}, "law.fit"),         # the block is flat: no nested component key
+    ("law", {"size_tolerance": 2.0}, "law.size_tolerance"),
+    ("measure", {"input_len": 0}, "measure.input_len"),
+    ("measure", {"bench": {"backend": "hf"}}, "measure.bench"),
+    ("measure", {"bakend": "hf"}, "measure.bakend"),
+])
+def test_a_bad_flat_key_is_named_where_it_is_written(block, data, field):
+    cls = {"law": LawConfig, "measure": MeasureConfig}[block]
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(cls, data, block)
+    assert e.value.field == field
+    if field == "measure.bakend":
+        assert "backend" in e.value.fix
+
+
+def test_the_measurement_key_is_the_fields_marked_as_keying():
+    m = from_dict(MeasureConfig, {"backend": "hf", "fallback_backend": "analytic", "max_attempts": 5}, "measure")
+    keyed = key_settings(m, "hf")
+    marked = {f for f, meta in BenchSettings.__dataclass_fields__.items() if meta.metadata.get("key")}
+    assert marked == set(to_dict(m.bench))  # every bench setting changes what is measured
+    assert set(keyed) == marked | {"calibration", "paired", "params"}
+    assert "instance_sd" not in keyed["paired"] and "twin" in keyed["paired"]
+    assert key_values(m) == {k: v for k, v in keyed.items()}
+
+
+def test_values_are_read_as_the_project_reads_them_not_as_omegaconf_would():
+    from archsearch.search.config import OptunaConfig
+    from archsearch.trainers.config import SweepConfig
+
+    o = from_dict(OptunaConfig, {"n_trials": "1K", "max_trials": 2.0e3, "seed": "3"}, "optuna")
+    assert (o.n_trials, o.max_trials, o.seed) == (1000, 2000, 3) and type(o.max_trials) is int
+    for bad, problem in (({"seeds_together": "yes"}, "true/false"), ({"sampler": 5}, "a string"),
+                         ({"n_trials": True}, "an integer"), ({"n_trials": 2.5}, "an integer"),
+                         ({"storage": ["a"]}, "a string")):
+        with pytest.raises(ArchsearchError) as e:
+            from_dict(OptunaConfig, bad, "optuna")
+        assert e.value.field == f"optuna.{next(iter(bad))}" and problem in e.value.problem, bad
+    # a section given as a mapping has its class's defaults where it is silent (SweepConfig's own
+    # default train block budgets 20 tokens per parameter; a given block that sets tokens does not)
+    sweep = {"name": "s", "params": ["100K"], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [1.5],
+             "train": {"tokens": "1e6"}}
+    got = from_dict(SweepConfig, sweep, "sweep")
+    assert (got.params, got.train.tokens, got.train.tokens_per_param) == ([100000.0], 1e6, None)
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(SweepConfig, {**sweep, "params": [float("nan")]}, "sweep")
+    assert e.value.field == "sweep.params[0]" and "finite" in e.value.problem
