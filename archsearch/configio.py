@@ -1,28 +1,21 @@
 """Plain-data configs: dict/YAML <-> typed dataclasses, with errors that name the field.
 
 Every config of the project (architecture, training run, benchmark run, study) is a
-dataclass. :func:`from_dict` builds one from parsed YAML/JSON: OmegaConf's structured config of
-the dataclass supplies each field's type and default and merges the data into it (lists, tuples,
-unions, optional sections, required fields); before that, :func:`_leaf` reads what OmegaConf reads
-otherwise than a config here must be read (the number syntax ``200K``/``1e9``, true/false only
-for a flag, text only for a string, finite numbers) and names an unknown key with the closest
-valid one; each dataclass's own ``__post_init__`` then checks values. Every error is an
-:class:`ArchsearchError` naming the dotted path of the bad field (``study.search.gqa_choices[2]``).
-A component config held by a field marked :func:`inline` is written flat in its enclosing block.
-Importing this module imports no torch (nor OmegaConf, loaded when a config is read).
+dataclass. :func:`from_dict` builds one from parsed YAML/JSON, checking unknown keys, types
+and nested dataclasses, and raises :class:`ArchsearchError` naming the dotted path of the bad
+field (``study.search.gqa_choices[2]``). The dataclass's own ``__post_init__`` then checks
+values. Importing this module imports no torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
-import functools
 import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Self, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, Self, TypeVar, Union, get_args, get_origin
 
 from archsearch.errors import ArchsearchError, redact  # redact: re-exported, what configs are masked with
 from archsearch.fileio import read_text
@@ -45,29 +38,40 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _leaf(value: Any, tp: Any, where: str) -> Any:
-    """``value`` checked against type ``tp`` where OmegaConf reads it otherwise than a config here
-    must be read, and its containers walked: the number syntax (``200K``, ``1e9`` and ``2.0`` for an
-    integer), true/false only for a flag, text only for a string, finite numbers, a mapping for a
-    section and a list for a list, so the error names the field and says what it expects. An
-    :func:`inline` component's keys are moved under its field (:func:`_nested`)."""
+def _convert(value: Any, tp: Any, where: str) -> Any:
     origin = get_origin(tp)
-    if tp is Any or value is None:
+    if tp is Any:
         return value
     if origin in (Union, types.UnionType):
-        alts = [a for a in get_args(tp) if a is not type(None)]
-        fits = [a for a in alts if _kind(a) == _kind_of(value)]
-        if len(alts) == 1 or len(fits) == 1:  # the one alternative of this kind: its own error names the field
-            return _leaf(value, alts[0] if len(alts) == 1 else fits[0], where)
-        if not fits:
-            raise ArchsearchError(where, f"{value!r} does not fit {_type_name(tp)}")
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        alts = [a for a in args if a is not type(None)]
+        sections = [a for a in alts if dataclasses.is_dataclass(a)]
+        # an optional setting, or a mapping for a union with one section type, is that type: its
+        # own error names the field, where "does not fit X | None" would not
+        if len(alts) == 1 or (isinstance(value, dict) and len(sections) == 1):
+            return _convert(value, alts[0] if len(alts) == 1 else sections[0], where)
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, where)
+            except ArchsearchError as e:
+                errors.append(e.problem)
+        raise ArchsearchError(where, f"{value!r} does not fit {_type_name(tp)}")
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ArchsearchError(where, f"{value!r} is not allowed", f"use one of {list(allowed)}")
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
             raise ArchsearchError(where, f"expected a mapping, got {type(value).__name__}")
-        return _nested(tp, value, where, complete=True)
+        return from_dict(tp, value, where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ArchsearchError(where, f"expected a list, got {value!r}")
@@ -75,142 +79,60 @@ def _leaf(value: Any, tp: Any, where: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ArchsearchError(where, f"expected {len(args)} items, got {len(value)}")
-            return [_leaf(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
-        return [_leaf(v, args[0] if args else Any, f"{where}[{i}]") for i, v in enumerate(value)]
+            return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        out = [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
     if origin is dict:
         if not isinstance(value, dict):
             raise ArchsearchError(where, f"expected a mapping, got {value!r}")
-        vt = (get_args(tp) or (Any, Any))[1]
-        return {k: _leaf(v, vt, f"{where}.{k}") for k, v in value.items()}
-    if tp is bool and not isinstance(value, bool):
+        kt, vt = get_args(tp) or (Any, Any)
+        return {_convert(k, kt, where): _convert(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
         raise ArchsearchError(where, f"expected true/false, got {value!r}")
-    if tp in (int, float):
-        what = "an integer" if tp is int else "a number"
-        number = value
+    if tp is int:
+        if isinstance(value, bool):
+            raise ArchsearchError(where, f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
         if isinstance(value, str):
-            with contextlib.suppress(ValueError):  # "1e9" / "200K" in YAML, which PyYAML reads as text
+            try:
+                f = number_from_text(value)  # "1e9" / "200K" in YAML, which PyYAML reads as strings
+            except ValueError:
+                pass
+            else:
+                if f.is_integer():
+                    return int(f)
+        raise ArchsearchError(where, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ArchsearchError(where, f"expected a number, got {value!r}")
+        number = None
+        if isinstance(value, (int, float)):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
                 number = number_from_text(value)
-        if isinstance(number, bool) or not isinstance(number, (int, float)) or \
-                (tp is int and isinstance(number, float) and not number.is_integer()):
-            raise ArchsearchError(where, f"expected {what}, got {value!r}")
+            except ValueError:
+                pass
+        if number is None:
+            raise ArchsearchError(where, f"expected a number, got {value!r}")
         if not math.isfinite(number):  # no config field means anything at NaN or infinity
             raise ArchsearchError(where, f"must be a finite number, got {value!r}")
-        return int(number) if tp is int else float(number)
-    if tp is str and not isinstance(value, str):
+        return number
+    if tp is str:
+        if isinstance(value, str):
+            return value
         raise ArchsearchError(where, f"expected a string, got {value!r}")
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise ArchsearchError(where, f"expected {tp.__name__}, got {value!r}")
     return value
-
-
-def _kind(tp: Any) -> str:
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp) or origin is dict:
-        return "mapping"
-    return "list" if origin in (list, tuple) else "scalar"
-
-
-def _kind_of(value: Any) -> str:
-    return "mapping" if isinstance(value, dict) else "list" if isinstance(value, (list, tuple)) else "scalar"
-
-
-def _nested(cls: type, data: dict[str, Any], where: str, complete: bool = False) -> dict[str, Any]:
-    """The mapping for dataclass ``cls`` with its keys checked (:func:`_leaf`) and each
-    :func:`inline` component's keys under the component's field. ``complete``: a section given as
-    a mapping is ``cls`` with its own defaults where the mapping leaves a field out (OmegaConf would
-    merge it into the enclosing field's default, which may be another instance), an inline
-    component with its field's default."""
-    hints = typing.get_type_hints(cls)
-    inlined = _inlined(cls)
-    fields = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in inlined]
-    keys = [*fields, *(n for _, names in inlined.values() for n in names)]
-    for key in data:  # every key known before any value is read
-        if key not in keys:
-            close = difflib.get_close_matches(str(key), keys, n=1)
-            raise ArchsearchError(f"{where}.{key}" if where else str(key), "unknown key",
-                                  f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}")
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else str(key)
-        owner = next((name for name, (_, names) in inlined.items() if key in names), None)
-        if owner is None:
-            out[key] = _leaf(value, hints[key], path)
-        else:  # checked as the component's, named as written
-            out.setdefault(owner, {})[key] = _leaf(value, typing.get_type_hints(hints[owner])[key], path)
-    for f in dataclasses.fields(cls) if complete else ():
-        if f.init and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if f.name in inlined:
-                own = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
-                out[f.name] = {**own, **out.get(f.name, {})}
-            else:
-                out.setdefault(f.name, default)
-    return out
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    """Dataclass ``cls`` from the merged plain data (every field present, checked): sections built
-    first, each one's own checks (``__post_init__``) naming the field under ``where``."""
-    hints = typing.get_type_hints(cls)
-    inlined = _inlined(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        path = f"{where}.{f.name}" if where else f.name
-        value = data[f.name]
-        if value == "???":  # OmegaConf's MISSING: a field without a default that the data leaves out
-            raise ArchsearchError(path, "is required")
-        kwargs[f.name] = _section(value, hints[f.name], where if f.name in inlined else path)
-    try:
-        return cls(**kwargs)
-    except ArchsearchError as e:
-        if where and not e.field.startswith(where):
-            raise ArchsearchError(f"{where}.{e.field}", e.problem, e.fix) from None
-        raise
-
-
-def _section(value: Any, tp: Any, where: str) -> Any:
-    """A merged value as its field's type: sections (alone, optional, in a list) built, tuples."""
-    origin = get_origin(tp)
-    if origin in (Union, types.UnionType):
-        alts = [a for a in get_args(tp) if a is not type(None)]
-        fits = [a for a in alts if _kind(a) == _kind_of(value)]
-        return value if value is None or len(fits) != 1 else _section(value, fits[0], where)
-    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-        return _build(tp, value, where)
-    if origin in (list, tuple) and isinstance(value, (list, tuple)):
-        args = get_args(tp)
-        items = [_section(v, args[i] if origin is tuple and args[-1] is not Ellipsis else args[0], f"{where}[{i}]")
-                 for i, v in enumerate(value)] if args else list(value)
-        return tuple(items) if origin is tuple else items
-    return value
-
-
-@functools.cache
-def _schema(cls: type) -> Any:
-    """OmegaConf's structured config of ``cls``: its fields' types and defaults (built once a class)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.structured(cls)
-
-
-def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping: OmegaConf's structured config of ``cls`` (its
-    defaults, each field's type) merged with ``data`` after :func:`_leaf`'s checks, then the
-    dataclasses built, each checking its values; every error names the dotted field."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if not isinstance(data, dict):
-        raise ArchsearchError(where or cls.__name__, f"expected a mapping, got {type(data).__name__}")
-    checked = _nested(cls, data, where)
-    try:
-        merged = OmegaConf.merge(_schema(cls), checked)  # merge copies the schema: the cached one stays as built
-        plain = OmegaConf.to_container(merged, resolve=False, throw_on_missing=False)
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        raise ArchsearchError(f"{where}.{key}" if where and key else key or where or cls.__name__,
-                              str(e).splitlines()[0]) from None
-    return _build(cls, plain, where)
 
 
 def inline(default_factory: Any, key: bool = False) -> Any:
@@ -261,6 +183,39 @@ def _inlined(cls: type) -> dict[str, tuple[Any, list[str]]]:
             default = f.default_factory()
             out[f.name] = (default, [g.name for g in dataclasses.fields(default) if g.init and g.name not in own])
     return out
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping, validating keys and types by their hints (an
+    :func:`inline` component read from the block's own keys)."""
+    if not isinstance(data, dict):
+        raise ArchsearchError(where or cls.__name__, f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    inlined = _inlined(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in inlined}
+    keys = [*fields, *(n for _, names in inlined.values() for n in names)]
+    for key in data:
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"
+            raise ArchsearchError(f"{where}.{key}" if where else str(key), "unknown key", hint)
+    kwargs = {}
+    for name, (default, names) in inlined.items():
+        given = {n: data[n] for n in names if n in data}
+        base = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
+        kwargs[name] = from_dict(hints[name], {**base, **given}, where) if given else default
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ArchsearchError(path, "is required")
+    try:
+        return cls(**kwargs)
+    except ArchsearchError as e:
+        if where and not e.field.startswith(where):
+            raise ArchsearchError(f"{where}.{e.field}", e.problem, e.fix) from None
+        raise
 
 
 class PlainData:

@@ -76,26 +76,3 @@ def test_the_measurement_key_is_the_fields_marked_as_keying():
     assert set(keyed) == marked | {"calibration", "paired", "params"}
     assert "instance_sd" not in keyed["paired"] and "twin" in keyed["paired"]
     assert key_values(m) == {k: v for k, v in keyed.items()}
-
-
-def test_values_are_read_as_the_project_reads_them_not_as_omegaconf_would():
-    from archsearch.search.config import OptunaConfig
-    from archsearch.trainers.config import SweepConfig
-
-    o = from_dict(OptunaConfig, {"n_trials": "1K", "max_trials": 2.0e3, "seed": "3"}, "optuna")
-    assert (o.n_trials, o.max_trials, o.seed) == (1000, 2000, 3) and type(o.max_trials) is int
-    for bad, problem in (({"seeds_together": "yes"}, "true/false"), ({"sampler": 5}, "a string"),
-                         ({"n_trials": True}, "an integer"), ({"n_trials": 2.5}, "an integer"),
-                         ({"storage": ["a"]}, "a string")):
-        with pytest.raises(ArchsearchError) as e:
-            from_dict(OptunaConfig, bad, "optuna")
-        assert e.value.field == f"optuna.{next(iter(bad))}" and problem in e.value.problem, bad
-    # a section given as a mapping has its class's defaults where it is silent (SweepConfig's own
-    # default train block budgets 20 tokens per parameter; a given block that sets tokens does not)
-    sweep = {"name": "s", "params": ["100K"], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [1.5],
-             "train": {"tokens": "1e6"}}
-    got = from_dict(SweepConfig, sweep, "sweep")
-    assert (got.params, got.train.tokens, got.train.tokens_per_param) == ([100000.0], 1e6, None)
-    with pytest.raises(ArchsearchError) as e:
-        from_dict(SweepConfig, {**sweep, "params": [float("nan")]}, "sweep")
-    assert e.value.field == "sweep.params[0]" and "finite" in e.value.problem
