@@ -346,21 +346,20 @@ def baseline_note(cfg: StudyConfig, base: ArchSpec) -> str | None:
             f"its loss is predicted from its shape ratios at the study's N and D, like every candidate's")
 
 
-def target_loss(cfg: StudyConfig, law, base: ArchSpec | None = None) -> float:
-    """The target loss: ``target.loss``, else the baseline's predicted loss (``base``: the
-    resolved baseline, derived here where not given) times ``1 + target.slack``."""
+def target_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
+    """The target loss: ``target.loss``, else the baseline's (``base``, the resolved baseline)
+    predicted loss times ``1 + target.slack``."""
     if cfg.target.loss is not None:
         return float(cfg.target.loss)
-    return baseline_loss(cfg, law, baseline_spec(cfg) if base is None else base) * (1.0 + cfg.target.slack)
+    return baseline_loss(cfg, law, base) * (1.0 + cfg.target.slack)
 
 
-def check_target(cfg: StudyConfig, law, lt: float, build: BuildSettings | None = None) -> None:
-    """A target below the law's lowest loss in the search box has no feasible shape (``build``:
-    the resolved build settings, derived here where not given)."""
-    from archsearch.search.study import SearchContext, build_settings, scan_law
+def check_target(cfg: StudyConfig, law, lt: float, build: BuildSettings) -> None:
+    """A target below the law's lowest loss in the search box (shapes built with ``build``, the
+    resolved build settings) has no feasible shape."""
+    from archsearch.search.study import SearchContext, scan_law
 
-    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."),
-                        build=build_settings(cfg, vocab_size(cfg)) if build is None else build)
+    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."), build=build)
     res, _ = scan_law(ctx)
     losses = [p.predicted_loss for p in res.points if p.predicted_loss is not None]
     within = None if cfg.law.allow_extrapolation else law.shape_range()

@@ -117,5 +117,6 @@ def as_resolved(study: ResolvedStudy | StudyConfig) -> ResolvedStudy:
 def _assemble(cfg: StudyConfig, vocab: int, build: BuildSettings, base: ArchSpec, sweeps: tuple,
               shapes: tuple, views: tuple) -> ResolvedStudy:
     return ResolvedStudy(cfg=cfg, vocab_size=vocab, build=build, baseline=base,
-                         scale=measure_scale(cfg, build), measured_baseline=measured_baseline(cfg, base, build), fit=fit_options(cfg),
-                         sweeps=sweeps, sweep_shapes=shapes, views=views)
+                         scale=measure_scale(cfg, build),
+                         measured_baseline=measured_baseline(cfg, base, build),
+                         fit=fit_options(cfg), sweeps=sweeps, sweep_shapes=shapes, views=views)
