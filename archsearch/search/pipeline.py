@@ -96,7 +96,6 @@ class StudyRun:
     """What one run of a study passes from stage to stage: each value is computed once, by the
     stage that owns it (or read back from the study folder when that stage is done or skipped);
     what the config alone gives is on ``resolved``, resolved before the first stage."""
-    cfg: StudyConfig
     resolved: ResolvedStudy
     out: Path
     state: StudyState
@@ -110,6 +109,10 @@ class StudyRun:
     prs: dict[str, Any] | None = None     # train: predict-rank-select's trained candidates and release
     answer: Answer | None = None      # gqa/train: the chosen shape and its evidence
     summary: dict[str, Any] | None = None  # report
+
+    @property
+    def cfg(self) -> StudyConfig:
+        return self.resolved.cfg
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
         _resume(cfg, out, state, selected, applies)  # refuses a change it cannot honour, before any write
         write_json(out / "config.json", to_dict(cfg), default=str)  # the change is accepted
     inputs, fps, record = stage_inputs(cfg), fingerprints(cfg, applies), StageInputs(out)
-    r = StudyRun(cfg, resolved, out, state, progress)
+    r = StudyRun(resolved, out, state, progress)
     for stage in STAGES:
         locked = stage.locked(cfg)
         with file_lock(lock) if locked else contextlib.nullcontext():
