@@ -27,7 +27,8 @@ KNOWN = {
                "archsearch.cluster.study", "archsearch.search.checks", "archsearch.search.config",
                "archsearch.search.final", "archsearch.search.gqa", "archsearch.search.inputs",
                "archsearch.search.measure", "archsearch.search.pipeline", "archsearch.search.proxies",
-               "archsearch.search.report", "archsearch.search.study", "archsearch.search.targets"}),
+               "archsearch.search.report", "archsearch.search.resolved", "archsearch.search.study",
+               "archsearch.search.targets"}),
     # the LoRA step's time is priced with the trainer's FLOP count, and measured through the
     # planner's subprocess, which applies the trainer's adapters
     frozenset({"archsearch.planning.measure", "archsearch.planning.planner", "archsearch.trainers.loop"}),

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from archsearch.errors import ArchsearchError
-from archsearch.search.checks import check_reference_batch, measuring_device, reference_batch_fit, validate
+from archsearch.search.checks import check_reference_batch, measuring_device, reference_batch_fit
+from archsearch.search.resolved import resolve
 from archsearch.search.config import load_study_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,7 +80,7 @@ def test_the_plan_and_the_study_refuse_before_any_work(tmp_path, cli):
                    "cluster.executor=inline",
                    "cluster.jobs_at_once=1", "cluster.measure_workers=1")
     with pytest.raises(ArchsearchError, match="holds 120"):
-        validate(cfg, for_plan=True)
+        resolve(cfg, for_plan=True)
     from archsearch.search import pipeline
 
     with pytest.raises(ArchsearchError, match="holds 120"):

@@ -8,10 +8,10 @@ from archsearch.cli._common import add_overrides_arg, add_print_config_arg, frac
 from archsearch.errors import ArchsearchError
 from archsearch.planning.time import TimeLaw
 from archsearch.search import pipeline
-from archsearch.search.checks import validate
 from archsearch.search.config import load_study_config
 from archsearch.search.pipeline import STAGE_NAMES as STAGES
 from archsearch.search.plan import plan as study_plan, render
+from archsearch.search.resolved import resolve
 
 
 def _stages(text: str) -> set[str]:
@@ -63,8 +63,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.time_law is not None:
         TimeLaw.load(args.time_law, "--time-law")  # read and checked now, not after the plan is built
     if args.dry_run:
-        validate(cfg, for_plan=True)
-        plan = study_plan(cfg, out, gpus=args.gpus, profile=args.profile, mfu=args.mfu, time_law=args.time_law)
+        study = resolve(cfg, for_plan=True)  # checked once, before the plan
+        plan = study_plan(study, out, gpus=args.gpus, profile=args.profile, mfu=args.mfu,
+                          time_law=args.time_law)
         if args.json:
             print_json(plan)
         else:

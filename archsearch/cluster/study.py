@@ -204,31 +204,37 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
     return results
 
 
-def search_worker(cfg, out: str, marker: str) -> None:
+def search_worker(study, out: str, marker: str) -> None:
     """Job: one Optuna worker on the study's shared storage, measuring on this job's device
-    until the study has its ``n_trials`` shapes (the workers share the count); then ``marker``."""
+    until the study has its ``n_trials`` shapes (the workers share the count); then ``marker``.
+    ``study``: the coordinator's resolved study (archsearch.search.resolved), or a config."""
     from archsearch.hardware import local_device_name
     from archsearch.search.checks import check_reference_batch
     from archsearch.search.pipeline import search_context
+    from archsearch.search.resolved import as_resolved
     from archsearch.search.study import run_study
 
+    study = as_resolved(study)
+    cfg = study.cfg
     # on Slurm the coordinator cannot know the jobs' GPUs: each worker checks its own before measuring
-    check_reference_batch(cfg, cfg.measure.bench.device_spec or local_device_name())
-    run_study(search_context(cfg, Path(out)), progress=False)
+    check_reference_batch(cfg, cfg.measure.bench.device_spec or local_device_name(), study.measured_baseline)
+    run_study(search_context(study, Path(out)), progress=False)
     atomic_write(marker, "done\n")
 
 
-def run_search_workers(cfg, out: Path, stage_start: float | None = None) -> dict[str, TaskResult]:
+def run_search_workers(study, out: Path, stage_start: float | None = None) -> dict[str, TaskResult]:
     """The search stage as ``measure_workers`` jobs (one engine, one GPU each where GPUs are
-    used); a worker is done once the study has its trials. ``stage_start``: when the search stage
-    began (its lead is measured from there; default: this call)."""
+    used); a worker is done once the study has its trials. ``study``: the resolved study
+    (archsearch.search.resolved), handed to each job as it is. ``stage_start``: when the search
+    stage began (its lead is measured from there; default: this call)."""
     from archsearch.search.pipeline import search_context
     from archsearch.search.study import distinct_measured
 
     t_enter = time.time()
     stage_start = t_enter if stage_start is None else min(stage_start, t_enter)
-    ctx = search_context(cfg, out)
-    inline = replace(cfg, cluster=replace(cfg.cluster, executor="inline", jobs_at_once=1, measure_workers=1))
+    cfg = study.cfg
+    ctx = search_context(study, out)
+    inline = study.with_cluster(replace(cfg.cluster, executor="inline", jobs_at_once=1, measure_workers=1))
     gpus = min(1, cfg.cluster.gpus_per_job)
 
     def study_done() -> bool:

@@ -11,7 +11,7 @@ from archsearch.arch import (ArchSpec, kv_cache_bytes_per_token, max_batch_by_kv
                              weight_bytes)
 from archsearch.benchmarks.analytic import MEMORY_FRACTION
 from archsearch.benchmarks.base import resolve_dtype
-from archsearch.candidates import box_shape_bound, build_candidate
+from archsearch.candidates import BuildSettings, box_shape_bound, build_candidate
 from archsearch.cluster.executor import check_cluster
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import get_device, host_memory_bytes
@@ -51,28 +51,37 @@ def vocab_size(cfg: StudyConfig) -> int:
                           "every measured shape)")
 
 
-def baseline_spec(cfg: StudyConfig) -> ArchSpec:
+def baseline_spec(cfg: StudyConfig, build: BuildSettings | None = None) -> ArchSpec:
+    """The study's baseline shape: a preset, an explicit ``arch``, or built from its knobs with
+    the study's build settings (``build``: those of :func:`archsearch.search.resolved.resolve`,
+    derived here where not given)."""
     from archsearch.search.study import build_settings
 
+    if build is None:
+        build = build_settings(cfg, vocab_size(cfg))
     b = cfg.baseline
     if b.preset:
-        return get_preset(b.preset).replace(vocab_size=vocab_size(cfg), tie_embeddings=cfg.tie_embeddings)
+        return get_preset(b.preset).replace(vocab_size=build.vocab_size, tie_embeddings=cfg.tie_embeddings)
     if b.arch:
-        return ArchSpec.from_dict({"vocab_size": vocab_size(cfg), "tie_embeddings": cfg.tie_embeddings,
+        return ArchSpec.from_dict({"vocab_size": build.vocab_size, "tie_embeddings": cfg.tie_embeddings,
                                    "name": "baseline", **b.arch})
     return build_candidate(cfg.params, cfg.n_layers, b.hidden_over_sqrt_n, b.mlp_to_attn,
                            gqa=b.gqa or 4, head_dim=cfg.search_space.head_dim,
-                           settings=build_settings(cfg, vocab_size(cfg)), name="baseline").spec
+                           settings=build, name="baseline").spec
 
 
 # -- the reference batch against the measuring device's memory --------------------------------
 
-def measured_baseline(cfg: StudyConfig) -> ArchSpec:
-    """The baseline as the study measures it: rebuilt at ``measure.params`` where that is set."""
+def measured_baseline(cfg: StudyConfig, base: ArchSpec | None = None,
+                      build: BuildSettings | None = None) -> ArchSpec:
+    """The baseline as the study measures it: rebuilt at ``measure.params`` where that is set
+    (``base``, ``build``: the resolved baseline and build settings, derived here where not given)."""
     from archsearch.search.study import build_settings, measure_scale
 
-    base = baseline_spec(cfg)
-    scale = measure_scale(cfg, build_settings(cfg, vocab_size(cfg)))
+    if build is None:
+        build = build_settings(cfg, vocab_size(cfg))
+    base = baseline_spec(cfg, build) if base is None else base
+    scale = measure_scale(cfg, build)
     if scale is None:
         return base
     try:
@@ -97,14 +106,14 @@ def measuring_device(cfg: StudyConfig) -> str | None:
     return local_device_name()
 
 
-def reference_batch_fit(cfg: StudyConfig, device: str) -> dict:
+def reference_batch_fit(cfg: StudyConfig, device: str, baseline: ArchSpec | None = None) -> dict:
     """How many sequences of ``input_len + output_len`` tokens the measured baseline's KV cache
     holds on ``device`` beside its weights, in the engine's share of the device memory: the
     accounting the analytic backend and the plan price with (``archsearch.arch.max_batch_by_kv``;
     vLLM's ``gpu_memory_utilization`` or SGLang's ``mem_fraction_static`` from ``engine_args``,
     else 0.9; ``kv_cache_dtype`` from ``engine_args``, else the weights' dtype). Activations, CUDA
     graphs and allocator slack are not counted, so the capacity is an upper bound. ``cpu`` is
-    this machine's memory."""
+    this machine's memory. ``baseline``: the measured baseline where it is resolved already."""
     m = cfg.measure
     on_gpu = device.lower() != "cpu"
     if on_gpu:
@@ -117,7 +126,7 @@ def reference_batch_fit(cfg: StudyConfig, device: str) -> dict:
     kv_dtype = dtype if kv_dtype == "auto" else kv_dtype
     fraction = float(m.bench.engine_args.get("gpu_memory_utilization") or m.bench.engine_args.get("mem_fraction_static")
                      or MEMORY_FRACTION)
-    spec = measured_baseline(cfg)
+    spec = measured_baseline(cfg) if baseline is None else baseline
     seq = m.bench.input_len + m.bench.output_len
     return {"device": name, "memory_gib": memory / 2**30, "memory_fraction": fraction, "dtype": dtype,
             "kv_dtype": kv_dtype, "baseline": spec.name or "baseline", "seq_len": seq,
@@ -127,14 +136,16 @@ def reference_batch_fit(cfg: StudyConfig, device: str) -> dict:
             "capacity": max_batch_by_kv(spec, memory, seq, dtype, fraction, kv_dtype)}
 
 
-def check_reference_batch(cfg: StudyConfig, device: str | None) -> dict | None:
+def check_reference_batch(cfg: StudyConfig, device: str | None,
+                          baseline: ArchSpec | None = None) -> dict | None:
     """Refuse a reference batch whose KV cache cannot fit on the measuring device (every paired
     comparison runs the baseline at that batch: an engine that cannot hold it queues or preempts
     sequences, and the figure is then not the batch's), with the numbers and the largest batch
-    that fits. Returns the fit, or None where the device is not known before the work."""
+    that fits. Returns the fit, or None where the device is not known before the work.
+    ``baseline``: the measured baseline where it is resolved already."""
     if device is None:
         return None
-    f = reference_batch_fit(cfg, device)
+    f = reference_batch_fit(cfg, device, baseline)
     b, cap = f["reference_batch"], f["capacity"]
     if b <= cap:
         return f
@@ -156,17 +167,22 @@ def check_reference_batch(cfg: StudyConfig, device: str | None) -> dict | None:
 
 # -- validation before any work ----------------------------------------------------------------
 
-def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
-    """Everything that can be checked before work starts (the search space can build shapes,
-    the baseline builds, the measurement engine exists, a given law file loads, the proxies
-    can support the reference). ``for_plan``: a missing engine is not an error (the plan says)."""
-    from archsearch.search.study import build_settings, expand
+# The checks below run in this order, each once, from archsearch.search.resolved.resolve, which
+# derives the values they need between them (the vocabulary and build settings, the baseline, the
+# measured baseline): a config with several errors is refused on the first in this order.
 
-    s = cfg.search_space
+def check_settings(cfg: StudyConfig) -> None:
+    """What the config alone refuses before anything is derived from it."""
     if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.fit.bootstrap == 0:
         raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.bootstrap is 0",
                               "set law.bootstrap (e.g. 200) or drop target.confidence")
-    build = build_settings(cfg, vocab_size(cfg))
+
+
+def check_search_space(cfg: StudyConfig, build: BuildSettings) -> None:
+    """The search space can build shapes at the study's budget (its corners and centre, each GQA)."""
+    from archsearch.search.study import expand
+
+    s = cfg.search_space
     ok = 0
     errors = []
     for x1 in (s.hidden_over_sqrt_n[0], sum(s.hidden_over_sqrt_n) / 2, s.hidden_over_sqrt_n[1]):
@@ -180,33 +196,47 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     if ok == 0:
         raise ArchsearchError("search_space", "no shape in the search space can be built at this "
                               f"budget (e.g. {errors[0]})", "widen the ranges or change n_layers/head_dim")
-    check_baseline_size(cfg, baseline_spec(cfg))
+
+
+def check_study(cfg: StudyConfig, build: BuildSettings, base: ArchSpec, views, sweep_specs_: list,
+                for_plan: bool = False) -> None:
+    """Everything else that can be checked before work starts, on the study's resolved values
+    (``views``: :func:`target_views`; ``sweep_specs_``: each proxy sweep's ``sweep_specs``): the
+    baseline has the study's size, the box holds the trials, the storage opens, the measurement
+    engines exist, a given law file loads, the proxies can support the reference, names used by
+    later stages are known. ``for_plan``: a missing engine is not an error (the plan says), and
+    the data budgets are reported rather than refused."""
+    check_baseline_size(cfg, base)
     check_trials_fit_the_box(cfg, build)
     if cfg.optuna.storage:
         from archsearch.search.study import check_storage
 
         check_storage(cfg.optuna.storage)  # opened now: not after the proxies are trained
     if not for_plan:
-        for view in target_views(cfg):  # each deployment target's engine, or the measure block's
+        for view in views:  # each deployment target's engine, or the measure block's
             with view.named():
                 resolve_backend(view.cfg.measure)
         check_cluster(cfg.cluster)
         check_trackers(cfg.optuna.log_with, "optuna.log_with")
     if cfg.law.file:
         law = load_law(cfg.law.file)
-        check_target(cfg, law, target_loss(cfg, law))
+        check_target(cfg, law, target_loss(cfg, law, base), build)
     if cfg.proxy and cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
         raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
     if cfg.proxy and not cfg.law.file:
         check_reference_data(cfg)
     check_later_stages(cfg)
     if not for_plan:  # the plan reports every budget, refused ones included (search.plan)
-        check_data_budgets(cfg)
-    measured_baseline(cfg)  # every comparison measures the baseline, rebuilt at measure.params where set
-    # the plan checks the device it is priced on (--gpus) itself
-    for view in target_views(cfg):
+        check_data_budgets(cfg, sweep_specs_)
+
+
+def check_reference_batches(views, measured: ArchSpec, for_plan: bool = False) -> None:
+    """Each target's reference batch fits its measuring device with the measured baseline
+    (:func:`check_reference_batch`); the plan checks the device it is priced on (--gpus) itself."""
+    for view in views:
         with view.named():
-            check_reference_batch(view.cfg, view.cfg.measure.bench.device_spec if for_plan else measuring_device(view.cfg))
+            device = view.cfg.measure.bench.device_spec if for_plan else measuring_device(view.cfg)
+            check_reference_batch(view.cfg, device, measured)
 
 
 def target_views(cfg: StudyConfig):
@@ -316,18 +346,20 @@ def baseline_note(cfg: StudyConfig, base: ArchSpec) -> str | None:
             f"its loss is predicted from its shape ratios at the study's N and D, like every candidate's")
 
 
-def target_loss(cfg: StudyConfig, law) -> float:
+def target_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
+    """The target loss: ``target.loss``, else the baseline's (``base``, the resolved baseline)
+    predicted loss times ``1 + target.slack``."""
     if cfg.target.loss is not None:
         return float(cfg.target.loss)
-    return baseline_loss(cfg, law, baseline_spec(cfg)) * (1.0 + cfg.target.slack)
+    return baseline_loss(cfg, law, base) * (1.0 + cfg.target.slack)
 
 
-def check_target(cfg: StudyConfig, law, lt: float) -> None:
-    """A target below the law's lowest loss in the search box has no feasible shape."""
-    from archsearch.search.study import SearchContext, build_settings, scan_law
+def check_target(cfg: StudyConfig, law, lt: float, build: BuildSettings) -> None:
+    """A target below the law's lowest loss in the search box (shapes built with ``build``, the
+    resolved build settings) has no feasible shape."""
+    from archsearch.search.study import SearchContext, scan_law
 
-    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."),
-                        build=build_settings(cfg, vocab_size(cfg)))
+    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."), build=build)
     res, _ = scan_law(ctx)
     losses = [p.predicted_loss for p in res.points if p.predicted_loss is not None]
     within = None if cfg.law.allow_extrapolation else law.shape_range()
@@ -399,19 +431,22 @@ def source_tokens(data_cfg) -> tuple[float | None, str]:
     return size / TEXT_BYTES_PER_TOKEN, f"file bytes / {TEXT_BYTES_PER_TOKEN:g} bytes a token (estimate)"
 
 
-def data_budgets(cfg: StudyConfig) -> list[dict]:
+def data_budgets(cfg: StudyConfig, sweep_specs_: list | None = None) -> list[dict]:
     """Every training the study would run, its token need against its source: each proxy sweep's
     largest run (when proxies are trained) and the final run (when ``final_train`` is configured;
     ``runs`` says whether it is enabled). ``status``: ``ok`` (one pass holds it), ``repeats``
     (allowed by ``data.max_epochs``), ``refused`` (more passes than ``data.max_epochs`` by a count
     that can only overstate the tokens, :func:`_firm`), ``over (estimate)`` (more passes by an
     estimate: checked exactly once tokenized) or ``unknown`` (the size is not known before the
-    data is read)."""
+    data is read). ``sweep_specs_``: each proxy sweep's ``sweep_specs`` where resolved already."""
     items = []
     if cfg.proxy is not None and not cfg.proxy.runs:
         many = cfg.proxy.sweeps is not None
-        for i, sw in enumerate(proxy_sweeps(cfg)):
-            need = max((token_budget(spec, sw.train_for(pt["level"])) for pt, spec, _ in sweep_specs(sw, vocab_size(cfg))
+        sweeps = proxy_sweeps(cfg)
+        if sweep_specs_ is None:
+            sweep_specs_ = [sweep_specs(sw, vocab_size(cfg)) for sw in sweeps]
+        for i, (sw, specs) in enumerate(zip(sweeps, sweep_specs_)):
+            need = max((token_budget(spec, sw.train_for(pt["level"])) for pt, spec, _ in specs
                         if spec is not None), default=0.0)
             items.append(_budget(f"proxy sweep {sw.name}'s largest run", f"proxy.sweeps[{i}].data" if many else
                                  "proxy.sweep.data", sw.data, need, True))
@@ -470,11 +505,11 @@ def _budget(what: str, field: str, data, need: float, runs: bool) -> dict:
             "max_epochs": data.max_epochs, "status": status, "verdict": verdict}
 
 
-def check_data_budgets(cfg: StudyConfig) -> list[dict]:
+def check_data_budgets(cfg: StudyConfig, sweep_specs_: list | None = None) -> list[dict]:
     """Refuse, before any work, a training the study will run that needs more passes over its
     source than its ``data.max_epochs`` allows (the source's size known from its card or files);
     returns the budgets (a disabled final run is only reported, by the dry run)."""
-    items = data_budgets(cfg)
+    items = data_budgets(cfg, sweep_specs_)
     for it in items:
         if it["runs"] and it["status"] == "refused":
             field = it["field"].split(" ")[0]

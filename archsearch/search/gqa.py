@@ -45,7 +45,7 @@ from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio, non
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.search import log as search_log
-from archsearch.search.checks import proxy_sweeps, vocab_size
+from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import gqa_bound_violation
 from archsearch.search.proxies import train_runs
 from archsearch.search.study import loss_bound
@@ -169,7 +169,8 @@ class ProxyLossCheck:
         self.sweep = proxy_sweeps(cfg)[0]
         self.seeds = list(self.sweep.seeds) if self.sweep.seeds is not None else [self.sweep.train.seed]
         self.folder = Path(ctx.out) / "gqa" / "proxies"
-        self.sizes = proxy_variants(cfg, spec, g0, vocab_size(cfg))
+        self.vocab = ctx.build.vocab_size  # the study's vocabulary (the resolved study's build settings)
+        self.sizes = proxy_variants(cfg, spec, g0, self.vocab)
         self.data = None
         self.trained_now: set[str] = set()  # run ids this search trained
         self.used: set[str] = set()  # run ids it compared
@@ -182,7 +183,7 @@ class ProxyLossCheck:
 
         budgets = [item["tokens"] for item in self.sizes if item["base"] is not None]
         self.data = prepare_data(self.sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
-        if self.data.vocab_size != vocab_size(self.cfg):
+        if self.data.vocab_size != self.vocab:
             for item in self.sizes:
                 item["variants"] = {g: v.replace(vocab_size=self.data.vocab_size) for g, v in item["variants"].items()}
 

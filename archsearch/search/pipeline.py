@@ -35,7 +35,7 @@ from archsearch.provenance import provenance
 from archsearch.rundata import read_runs
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
-from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
+from archsearch.search.checks import check_target
 from archsearch.search.config import StudyConfig
 from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
@@ -43,8 +43,8 @@ from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, pla
                                       stage_inputs, supersede)
 from archsearch.search.measure import MeasurementStore, Measurer, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
-from archsearch.search.study import (SearchContext, build_settings, create_study, measure_scale,
-                                     recover_stale_trials, run_study)
+from archsearch.search.resolved import ResolvedStudy, as_resolved, resolve
+from archsearch.search.study import SearchContext, create_study, recover_stale_trials, run_study
 from archsearch.search.targets import build_targets
 
 
@@ -94,8 +94,9 @@ class StudyState:
 @dataclass
 class StudyRun:
     """What one run of a study passes from stage to stage: each value is computed once, by the
-    stage that owns it (or read back from the study folder when that stage is done or skipped)."""
-    cfg: StudyConfig
+    stage that owns it (or read back from the study folder when that stage is done or skipped);
+    what the config alone gives is on ``resolved``, resolved before the first stage."""
+    resolved: ResolvedStudy
     out: Path
     state: StudyState
     progress: bool = True
@@ -108,6 +109,10 @@ class StudyRun:
     prs: dict[str, Any] | None = None     # train: predict-rank-select's trained candidates and release
     answer: Answer | None = None      # gqa/train: the chosen shape and its evidence
     summary: dict[str, Any] | None = None  # report
+
+    @property
+    def cfg(self) -> StudyConfig:
+        return self.resolved.cfg
 
 
 @dataclass(frozen=True)
@@ -136,7 +141,7 @@ def _in_study_log(fn: Callable[..., Any]) -> Callable[..., Any]:
 def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[str] = frozenset(),
         progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the study, stage by stage; returns the summary."""
-    validate(cfg)  # before anything is written
+    resolved = resolve(cfg)  # checked before anything is written
     MeasurementStore(out / "measurements.jsonl").check_layout()  # an older store: migrate it first
     selected = select_stages(cfg, out, only, skip)
     out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +152,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
         _resume(cfg, out, state, selected, applies)  # refuses a change it cannot honour, before any write
         write_json(out / "config.json", to_dict(cfg), default=str)  # the change is accepted
     inputs, fps, record = stage_inputs(cfg), fingerprints(cfg, applies), StageInputs(out)
-    r = StudyRun(cfg, out, state, progress)
+    r = StudyRun(resolved, out, state, progress)
     for stage in STAGES:
         locked = stage.locked(cfg)
         with file_lock(lock) if locked else contextlib.nullcontext():
@@ -262,20 +267,20 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             # (a best-observed L_opt biases the shape there; archsearch.laws.active.fit_profiled)
             from archsearch.laws.active import fit_profiled
 
-            r.law = fit_profiled(runs, cfg.law.form, cfg.fit_options())
+            r.law = fit_profiled(runs, cfg.law.form, r.resolved.fit)
         else:
-            r.law = fit_law(runs, cfg.law.form, cfg.fit_options())
-        r.law = with_held_out_error(r.law, runs, cfg)
+            r.law = fit_law(runs, cfg.law.form, r.resolved.fit)
+        r.law = with_held_out_error(r.law, runs, r.resolved)
         r.law.save(law_path)
         write_plots(r.law, runs, [], r.out / "plots")
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
-    r.ctx = search_context(cfg, r.out, r.law)
+    r.ctx = search_context(r.resolved, r.out, r.law)
     if r.ctx.measurer.note:
         log(r.ctx.measurer.note)
     return info
 
 
-def with_held_out_error(law, runs, cfg: StudyConfig):
+def with_held_out_error(law, runs, study: ResolvedStudy):
     """The fitted law with its error against trained models it was not fitted on (the loss
     constraint's margins carry it, archsearch.search.margins): the held-out size's error where
     ``law.holdout_size`` held one out, else the progressive protocol's last step
@@ -283,6 +288,7 @@ def with_held_out_error(law, runs, cfg: StudyConfig):
     and the law says so (its margins then rest on the bootstrap alone)."""
     import dataclasses
 
+    cfg = study.cfg
     held = (law.metrics or {}).get("holdout")
     if held and held.get("n"):
         err = {"relative_sd": held["rmsre"], "n": held["n"], "mare": held["mare"],
@@ -290,7 +296,7 @@ def with_held_out_error(law, runs, cfg: StudyConfig):
                          "not fitted"}
     else:
         try:
-            err = held_out_error(runs, cfg.law.form, cfg.fit_options())
+            err = held_out_error(runs, cfg.law.form, study.fit)
         except ArchsearchError as e:
             log(f"the law's error against held-out runs is not measured: {e.problem}")
             return dataclasses.replace(law, warnings=list(law.warnings) + [
@@ -312,7 +318,7 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
             f"measuring with {ctx.measurer.backend}")
         if cfg.cluster.parallel:
-            workers = run_search_workers(cfg, r.out, stage_start=t)
+            workers = run_search_workers(r.resolved, r.out, stage_start=t)
             study = load_study(ctx)
         else:
             study, recovered = run_study(ctx, progress=r.progress)
@@ -430,20 +436,22 @@ STAGES: tuple[Stage, ...] = (
 STAGE_NAMES = tuple(st.name for st in STAGES)
 
 
-def search_context(cfg: StudyConfig, out: Path, law=None):
-    """The search's context (law, target loss, measurer on the study's store); the law is read
-    from the study folder (or ``law.file``) when not given, as a measurement worker does."""
+def search_context(study: ResolvedStudy | StudyConfig, out: Path, law=None):
+    """The search's context (law, target loss, measurer on the study's store) from the resolved
+    study (a config is resolved unchecked, :func:`~archsearch.search.resolved.derive`); the law is
+    read from the study folder (or ``law.file``) when not given, as a measurement worker does."""
+    study = as_resolved(study)
+    cfg = study.cfg
     if law is None:
         law = load_law(cfg.law.file or out / "law.json")
-    lt = target_loss(cfg, law)
-    check_target(cfg, law, lt)
-    build = build_settings(cfg, vocab_size(cfg))
-    store, scale = MeasurementStore(out / "measurements.jsonl"), measure_scale(cfg, build)
+    lt = study.target_loss(law)
+    check_target(cfg, law, lt, study.build)
+    store = MeasurementStore(out / "measurements.jsonl")
 
-    targets = build_targets(cfg, store, scale)  # with targets, the first one's measurer is the study's
-    measurer = targets[0].measurer if targets else Measurer(cfg.measure, store, scale=scale)
+    targets = build_targets(cfg, store, study.scale)  # with targets, the first one's measurer is the study's
+    measurer = targets[0].measurer if targets else Measurer(cfg.measure, store, scale=study.scale)
     return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                         build=build, baseline=baseline_spec(cfg), targets=targets)
+                         build=study.build, baseline=study.baseline, targets=targets)
 
 
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:

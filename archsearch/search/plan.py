@@ -18,15 +18,15 @@ from archsearch.hardware import get_device
 from archsearch.laws import load_law
 from archsearch.planning import estimate_training
 from archsearch.planning.time import parse_gpus, split_gpus
-from archsearch.search.checks import (baseline_spec, check_reference_batch, data_budgets, measured_baseline,
-                                      planned_groups, proxy_sweeps, source_tokens, target_views, vocab_size)
+from archsearch.search.checks import check_reference_batch, data_budgets, planned_groups, source_tokens
 from archsearch.search.config import StudyConfig
 from archsearch.search.gqa import bounded_pairs, gqa_pairs, proxy_runs, proxy_variants
 from archsearch.search.margins import range_summary
 from archsearch.search.measure import resolve_backend
-from archsearch.search.study import build_settings, expand
+from archsearch.search.resolved import ResolvedStudy, as_resolved
+from archsearch.search.study import expand
 from archsearch.search.targets import price_targets
-from archsearch.trainers import sweep_specs, token_budget
+from archsearch.trainers import token_budget
 from archsearch.trainers.data import cache_state, default_workers, token_dtype
 from archsearch.trainers.loop import run_id_for
 
@@ -62,13 +62,15 @@ def run_flops(spec, tokens: float) -> float:
     return training_flops(spec, tokens, include_embedding=True)
 
 
-def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]], startups=None) -> list[dict[str, Any]]:
+def data_needs(study: ResolvedStudy, proxy_specs: list[dict[str, Any]],
+               startups=None) -> list[dict[str, Any]]:
     """Per distinct (source, tokenizer) of the proxy sweeps: the tokens the largest run needs
     against what the source holds, the repetition that implies and whether ``data.max_epochs``
     allows it, and the tokenisation's size, disk and time (shared by every run that uses it).
     Shards already in the shared cache (``archsearch.trainers.data.cache_state``) are not
     tokenized again: a complete cache costs the coordinator ``data_cached_s`` (measured or a
     default), a partial one that and the tokens still missing."""
+    cfg = study.cfg
     su = startups or StartupProfile()
 
     groups: dict[tuple, dict[str, Any]] = {}
@@ -83,7 +85,7 @@ def data_needs(cfg: StudyConfig, proxy_specs: list[dict[str, Any]], startups=Non
     for (srcs, tokenizer), g in groups.items():
         dc = g["cfg"]
         available, how = source_tokens(dc)
-        vocab = int(tokenizer[4:]) if tokenizer.startswith("bpe:") else vocab_size(cfg)
+        vocab = int(tokenizer[4:]) if tokenizer.startswith("bpe:") else study.vocab_size
         dtype = token_dtype(vocab)
         hub = srcs[0].startswith("hf:")
         # a streamed source is tokenized up to the largest budget (plus the held-out head);
@@ -134,7 +136,7 @@ def search_comparisons(cfg: StudyConfig) -> dict[str, int]:
             "shapes_low": cfg.optuna.n_trials, "shapes_high": cfg.optuna.n_trials + max(0, workers - 1)}
 
 
-def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
+def gqa_comparisons(study: ResolvedStudy) -> dict[str, Any] | None:
     """The local GQA search's paired comparisons (archsearch.search.gqa.local_gqa_search), counted
     on a stand-in for the chosen shape (not known before the search): the baseline's d/sqrt(N)
     and r built at the study's N as the search builds shapes. The variant at ``baseline_gqa`` is
@@ -143,11 +145,11 @@ def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
     significantly slower one; a variant slower but not significantly so is measured once more.
     Low: one step each way; high: every reachable variant, each measured twice (variants the law
     finds infeasible are skipped, unmeasured)."""
+    cfg = study.cfg
     if not cfg.gqa_search.enabled:
         return None
 
-    build = build_settings(cfg, vocab_size(cfg))
-    base = baseline_spec(cfg)
+    build, base = study.build, study.baseline
     box = cfg.search_space
     clip = lambda v, lo_hi: min(max(v, lo_hi[0]), lo_hi[1])
     g0 = cfg.gqa_search.baseline_gqa
@@ -156,7 +158,7 @@ def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
                        clip(mlp_to_attn_ratio(base), box.mlp_to_attn), g0)
     except ArchsearchError:
         shape = base
-    can_train = bool(proxy_sweeps(cfg))
+    can_train = bool(study.sweeps)
     max_gqa, min_kv, why = cfg.gqa_search.bounds(can_train)
     pairs = bounded_pairs(gqa_pairs(shape, cfg.params, build), max_gqa, min_kv)
     if not pairs:
@@ -167,20 +169,20 @@ def gqa_comparisons(cfg: StudyConfig) -> dict[str, Any] | None:
            "bounds": {"max_gqa": max_gqa, "min_kv_heads": min_kv, "from": why},
            "stand_in": {"n_heads": shape.n_heads, "n_kv_heads": shape.n_kv_heads, "hidden_size": shape.hidden_size},
            "low": [2] + [3] * (int(up > 0) + int(down > 0)), "high": [2] + [3] * (2 * (up + down))}
-    out["loss_check"] = gqa_proxy_runs(cfg, shape, g0, pairs) if can_train else \
+    out["loss_check"] = gqa_proxy_runs(study, shape, g0, pairs) if can_train else \
         {"unverified": True, "runs_low": 0, "runs_high": 0, "runs": []}
     return out
 
 
-def gqa_proxy_runs(cfg: StudyConfig, shape, g0: int, pairs: dict) -> dict[str, Any]:
+def gqa_proxy_runs(study: ResolvedStudy, shape, g0: int, pairs: dict) -> dict[str, Any]:
     """The local GQA search's loss check at proxy scale (archsearch.search.gqa.ProxyLossCheck), counted
     on the same stand-in: each GQA value walked to trains one run per proxy size where it builds
     and per seed, at the GQA ``g0`` variant's token budget. Low: ``g0`` and one step each way;
     high: every reachable variant (none is trained where only ``g0`` is reachable). Runs already
     trained (in the store or the study folder) are not told apart here."""
-    sweep = proxy_sweeps(cfg)[0]
+    sweep = study.sweeps[0]
     seeds = list(sweep.seeds) if sweep.seeds is not None else [sweep.train.seed]
-    sizes = proxy_variants(cfg, shape, g0, vocab_size(cfg))
+    sizes = proxy_variants(study.cfg, shape, g0, study.vocab_size)
     up, down = sorted(g for g in pairs if g > g0), sorted((g for g in pairs if g < g0), reverse=True)
     low = [g0] + up[:1] + down[:1] if len(pairs) > 1 else []
     high = sorted(pairs) if len(pairs) > 1 else []
@@ -198,17 +200,20 @@ def gqa_proxy_runs(cfg: StudyConfig, shape, g0: int, pairs: dict) -> dict[str, A
             "flops_high": sum(r["flops"] for r in runs), "runs": runs}
 
 
-def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) -> dict[str, Any]:
+def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None,
+                     study: ResolvedStudy | None = None) -> dict[str, Any]:
     """GPU time of the measurements, as the study takes them (archsearch.benchmarks.paired): each
     comparison of k shapes starts one isolated engine process, k engines in it, ``warmup``
     batches each, then ``min_rounds`` to ``max_rounds`` rounds of k batches at the reference batch
     size. A batch's time is the roofline's prediction for the baseline as measured (rebuilt at
     ``measure.params`` where set; all shapes have about its size) on ``device``. The search
     stage's comparisons run on ``measure_workers`` GPUs at once; the GQA search's in the
-    coordinator, one after another."""
+    coordinator, one after another. ``cfg``: the study's config, or a deployment target's view of
+    it; ``study``: the resolved study (its shapes; derived from ``cfg`` where not given)."""
+    study = as_resolved(cfg) if study is None else study
     m = cfg.measure
     n = search_comparisons(cfg)
-    gqa = gqa_comparisons(cfg)
+    gqa = gqa_comparisons(study)
     if m.bench.backend == "analytic":
         zero = {"low": 0.0, "high": 0.0}
         return {"device": device, "measurements": n, "workers": 1, "gpu_hours": zero, "wall_hours": zero,
@@ -224,7 +229,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
             cal.check_matches(dev.name, m.bench.backend, "measure.calibration")
         except ArchsearchError as e:  # priced on another device than it was fitted on: not applied, and said
             cal, other = None, e.problem
-    spec = measured_baseline(cfg)
+    spec = study.measured_baseline
     b = predict_batch(spec, dev, dtype, m.ref_batch, m.bench.input_len, m.bench.output_len, cal)
     if startups is None:
         startups = StartupProfile()
@@ -311,12 +316,17 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None) 
     return out
 
 
-def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Path | None = None,
-         mfu: float | None = None, time_law: str | Path | None = None) -> dict[str, Any]:
-    """What the study would do, with its compute, without doing any of it. ``profile``: a machine
+def plan(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = None,
+         profile: str | Path | None = None, mfu: float | None = None,
+         time_law: str | Path | None = None) -> dict[str, Any]:
+    """What the study would do, with its compute, without doing any of it. ``study``: the study
+    resolved (and checked) by :func:`archsearch.search.resolved.resolve`, or a config, resolved
+    here unchecked (:func:`~archsearch.search.resolved.derive`). ``profile``: a machine
     profile of start-ups (default ``cluster.profile``); the study folder's own record wins.
     ``mfu`` / ``time_law``: what training is priced with (``estimate_training``; default the
     planner's assumed MFU)."""
+    study = as_resolved(study)
+    cfg = study.cfg
     p: dict[str, Any] = {"study": cfg.name, "out": str(out), "stages": []}
     profile = profile or cfg.cluster.profile
     su = startup.resolve(out, profile)
@@ -330,10 +340,10 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     elif cfg.proxy.runs:
         p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
     else:
-        sweeps = proxy_sweeps(cfg)
-        for sweep in sweeps:
+        sweeps = study.sweeps
+        for sweep, shapes in zip(sweeps, study.sweep_shapes):
             seen = set()
-            for point, spec, _err in sweep_specs(sweep, vocab_size(cfg)):
+            for point, spec, _err in shapes:
                 tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
                 if spec is None or (spec, point["seed"]) in seen:  # unbuildable, or a duplicate after snapping
                     continue
@@ -379,7 +389,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     except ArchsearchError as e:
         backend, engine_note = None, f"cannot measure here: {e}"
     n_meas = search_comparisons(cfg)
-    gqa_n = gqa_comparisons(cfg)
+    gqa_n = gqa_comparisons(study)
     p["stages"].append({"stage": "search", "action": f"Optuna {cfg.optuna.sampler} study, "
                         f"{cfg.optuna.n_trials} measured trials (objective {cfg.optuna.objective})",
                         "backend": cfg.measure.bench.backend, "engine_here": backend or "missing",
@@ -401,7 +411,7 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                             "gqa_values": gqa_n["variants"], "comparisons_at_most": len(gqa_n["high"]),
                             **({"gqa_proxy_runs_low": lc["runs_low"], "gqa_proxy_runs_high": lc["runs_high"],
                                 "gqa_proxy_train_flops": lc["flops_high"]} if not lc.get("unverified") and lc else {})})
-    base = baseline_spec(cfg)
+    base = study.baseline
     final_tokens = cfg.final_train.tokens or cfg.tokens
     final_flops = run_flops(base, final_tokens)
     if cfg.final_train.enabled or cfg.mode == "predict-rank-select":
@@ -413,8 +423,9 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
     p["stages"].append({"stage": "report", "action": "summary.json, report.md, trials.csv, plots"})
     p["baseline"] = describe(base)
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
-    p["data"] = data_needs(cfg, proxy_specs, su)
-    p["data_budgets"] = data_budgets(cfg)  # what the study refuses before training (checks.check_data_budgets)
+    p["data"] = data_needs(study, proxy_specs, su)
+    # what the study refuses before training (checks.check_data_budgets)
+    p["data_budgets"] = data_budgets(cfg, list(study.sweep_shapes))
     p["law"] = law_trust(cfg)
     data_wall = sum(d["wall_hours"] for d in p["data"])
     if p["data"]:  # the proxy stage prepares its data (in the coordinator) before any run trains
@@ -461,16 +472,17 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                              "gpu_hours": e.gpu_hours + start_h * per_job, "cost_usd": e.cost_usd or 0.0})
         fin = estimate_training(base, final_tokens, gpus, mfu=mfu, time_law=time_law)
 
-        for view in target_views(cfg):  # each deployment target's, or the measure block's
+        for view in study.views:  # each deployment target's, or the measure block's
             if view.cfg.measure.bench.backend != "analytic":  # refused, with the numbers, where the baseline cannot hold it
                 with view.named():
-                    fit = check_reference_batch(view.cfg, view.cfg.measure.bench.device_spec or device)
+                    fit = check_reference_batch(view.cfg, view.cfg.measure.bench.device_spec or device,
+                                                study.measured_baseline)
                 p.setdefault("reference_batch", fit)
         try:
             if cfg.measure.targets:  # each target priced on its device and engine, summed
-                meas = price_targets(cfg, device, lambda c, d: measurement_cost(c, d, n_total, su))
+                meas = price_targets(cfg, device, lambda c, d: measurement_cost(c, d, n_total, su, study))
             else:
-                meas = measurement_cost(cfg, device, n_total, su)
+                meas = measurement_cost(cfg, device, n_total, su, study)
         except ArchsearchError as e:
             meas = {"error": f"{e.field}: {e.problem}"}
         p["compute"].update({

@@ -17,6 +17,7 @@ from archsearch.search import log
 from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import file_lock
+from archsearch.search.resolved import fit_options
 from archsearch.trainers import run_sweep
 from archsearch.trainers.active import run_active
 from archsearch.trainers.loop import read_record, token_budget
@@ -53,7 +54,7 @@ def train_active_proxies(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[s
     log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design
     anchors = [cfg.params] if cfg.law.fit.reference == "best-observed" else []
-    records = run_active(proxy_sweeps(cfg), cfg.law.form, cfg.fit_options(), cfg.proxy.active,
+    records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
                          out / "proxies" / "active", anchor_params=anchors)
     write_active_plan_report(out)
     with file_lock(out / ".stage.lock"):

@@ -55,11 +55,11 @@ def study_shapes(cfg) -> list:
     across it. Knob points that do not build are skipped, as the study skips them."""
     import numpy as np
 
-    from archsearch.search.checks import vocab_size
-    from archsearch.search.study import build_settings, expand, measure_scale
+    from archsearch.search.resolved import derive
+    from archsearch.search.study import expand
 
-    box, build = cfg.search_space, build_settings(cfg, vocab_size(cfg))
-    scale = measure_scale(cfg, build) or (lambda s: s)
+    study = derive(cfg)
+    box, build, scale = cfg.search_space, study.build, study.measured
     out, seen = [], set()
     for i, x1 in enumerate(np.geomspace(*box.hidden_over_sqrt_n, 4)):
         for j, r in enumerate(np.geomspace(*box.mlp_to_attn, 3)):

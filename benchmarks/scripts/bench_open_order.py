@@ -37,17 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.copies < 2 or args.processes < 1 or args.rounds < 2:
         ap.error("need --copies >= 2, --processes >= 1, --rounds >= 2")
     from archsearch.benchmarks.paired import measure_paired
-    from archsearch.search.checks import baseline_spec, vocab_size
     from archsearch.search.config import load_study_config
-    from archsearch.search.measure import measured_shape, resolve_backend
-    from archsearch.search.study import build_settings
+    from archsearch.search.measure import resolve_backend
+    from archsearch.search.resolved import bench_settings, derive
 
     cfg = load_study_config(args.config)
-    base = baseline_spec(cfg)
-    if cfg.measure.params is not None:
-        base = measured_shape(base, cfg.measure.params, cfg.search_space.head_dim, build_settings(cfg, vocab_size(cfg)))
+    base = derive(cfg).measured_baseline  # rebuilt at measure.params where set, as the study measures it
     backend, note = resolve_backend(cfg.measure)
-    settings = cfg.measure.bench_settings(backend)
+    settings = bench_settings(cfg.measure, backend)
     paired = replace(cfg.measure.paired, twin=False, min_rounds=args.rounds, max_rounds=args.rounds)
     processes = []
     for k in range(args.processes):

@@ -49,10 +49,10 @@ def main() -> None:
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
     from archsearch.search.gqa import gqa_pairs
-    from archsearch.search.checks import target_loss, vocab_size
+    from archsearch.search.resolved import derive
     from archsearch.candidates import build_candidate
     from archsearch.search import margins
-    from archsearch.search.study import build_settings, outside_gqa_bounds
+    from archsearch.search.study import outside_gqa_bounds
     from archsearch.benchmarks.calibration import Calibration
     from archsearch.benchmarks.analytic import predict_batch
     from archsearch.benchmarks.base import append_jsonl, resolve_dtype
@@ -62,8 +62,8 @@ def main() -> None:
         raise SystemExit("this check needs a study measured by the analytic backend with a law file")
     t0 = time.perf_counter()
     law = load_law(cfg.law.file)
-    lt = target_loss(cfg, law)
-    build = build_settings(cfg, vocab_size(cfg))
+    study = derive(cfg)
+    lt, build = study.target_loss(law), study.build
     device = get_device(cfg.measure.bench.device_spec)
     dtype = resolve_dtype(cfg.measure.bench.dtype, on_gpu=True)
     b, m = cfg.measure.ref_batch, cfg.measure

@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
     from archsearch.search.measure import MeasurementStore, Measurer
-    from archsearch.search.checks import target_loss, vocab_size
-    from archsearch.search.study import build_settings, trial_is_feasible
+    from archsearch.search.resolved import derive
+    from archsearch.search.study import trial_is_feasible
     from optuna.trial import TrialState
 
     t0 = time.time()
@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             b = dataclasses.replace(b, device_spec="cpu")  # the roofline of this CPU, as the seeding does
         cfg = dataclasses.replace(cfg, measure=dataclasses.replace(cfg.measure, bench=b))
     law = load_law(args.law)
-    lt = target_loss(cfg, law)
-    build = build_settings(cfg, vocab_size(cfg))
+    study = derive(cfg)
+    lt, build = study.target_loss(law), study.build
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))

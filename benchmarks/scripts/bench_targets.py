@@ -68,8 +68,8 @@ def main() -> None:
     from archsearch.benchmarks import BenchSettings, measure
     from archsearch.benchmarks.base import append_jsonl
     from archsearch.provenance import provenance
-    from archsearch.search.checks import baseline_spec
     from archsearch.search.config import load_study_config
+    from archsearch.search.resolved import derive
     from archsearch.search.targets import aggregate, target_measure
 
     t0 = time.perf_counter()
@@ -81,7 +81,7 @@ def main() -> None:
         ch = json.loads((folder / "summary.json").read_text())["chosen"]
         a = dict(ch["architecture"])
         answers[label] = ArchSpec.from_dict({k: a[k] for k in ArchSpec.__dataclass_fields__ if k in a})
-    base = baseline_spec(cfg)
+    base = derive(cfg).baseline
 
     rows, weights = [], []
     for t in cfg.measure.targets:

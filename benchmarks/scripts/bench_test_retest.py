@@ -34,14 +34,15 @@ from archsearch.provenance import provenance
 from archsearch.benchmarks import append_jsonl
 
 
-def feasible_shapes(cfg, law, target: float, n: int = 4):
-    """Distinct buildable shapes of the box grid (n x n knobs x GQA) with predicted loss <= target."""
+def feasible_shapes(study, law, target: float, n: int = 4):
+    """Distinct buildable shapes of the box grid (n x n knobs x GQA) with predicted loss <= target
+    (``study``: the resolved study, archsearch.search.resolved)."""
     import numpy as np
 
-    from archsearch.search.checks import vocab_size
-    from archsearch.search.study import build_settings, expand
+    from archsearch.search.study import expand
 
-    s, build = cfg.search_space, build_settings(cfg, vocab_size(cfg))
+    cfg = study.cfg
+    s, build = cfg.search_space, study.build
     out, seen = [], set()
     for x1, r, g in itertools.product(np.geomspace(*s.hidden_over_sqrt_n, n), np.geomspace(*s.mlp_to_attn, n), s.gqa):
         try:
@@ -198,25 +199,22 @@ def main(argv: list[str] | None = None) -> int:
         return reanalyse(Path(args.out_dir) / "test_retest.jsonl")
     from archsearch.laws import load_law
     from archsearch.search.config import load_study_config
-    from archsearch.search.measure import measured_shape, resolve_backend
-    from archsearch.search.checks import baseline_spec, target_loss, vocab_size
-    from archsearch.search.study import build_settings
+    from archsearch.search.measure import resolve_backend
+    from archsearch.search.resolved import bench_settings, derive
     from archsearch.benchmarks.paired import instance_var_or_prior, instance_variance, measure_paired
 
     cfg = load_study_config(args.config)
     law = load_law(args.law)
-    target = target_loss(cfg, law)
-    base = baseline_spec(cfg)
-    specs = feasible_shapes(cfg, law, target)[: args.max_shapes]
+    study = derive(cfg)
+    target = study.target_loss(law)
+    base = study.baseline
+    specs = feasible_shapes(study, law, target)[: args.max_shapes]
     if not specs:
         print("no feasible shape in the box grid: nothing to compare", file=sys.stderr)
         return 1
-    measured = lambda s: s  # noqa: E731 - measure.params: measured rebuilt at N_m, as the study does
-    if cfg.measure.params is not None:
-        build = build_settings(cfg, vocab_size(cfg))
-        measured = lambda s: measured_shape(s, cfg.measure.params, cfg.search_space.head_dim, build)  # noqa: E731
+    measured = study.measured  # measure.params: measured rebuilt at N_m, as the study does
     backend, note = resolve_backend(cfg.measure)
-    settings = cfg.measure.bench_settings(backend)
+    settings = bench_settings(cfg.measure, backend)
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.burn else None
     load_before = list(os.getloadavg())
     paired = replace(cfg.measure.paired, twin=args.twin or cfg.measure.paired.twin,
