@@ -1,21 +1,20 @@
 """Plain-data configs: dict/YAML <-> typed dataclasses, with errors that name the field.
 
 Every config of the project (architecture, training run, benchmark run, study) is a
-dataclass. :func:`from_dict` builds one from parsed YAML/JSON, checking unknown keys, types
-and nested dataclasses, and raises :class:`ArchsearchError` naming the dotted path of the bad
-field (``study.search.gqa_choices[2]``). The dataclass's own ``__post_init__`` then checks
-values. Importing this module imports no torch.
+dataclass. :func:`from_dict` builds one from parsed YAML/JSON with pydantic (its schema of the
+dataclass, read as our configs are read: see :func:`_tuned`), checking unknown keys, types and
+nested dataclasses, and raises :class:`ArchsearchError` naming the dotted path of the bad field
+(``study.search.gqa_choices[2]``). The dataclass's own ``__post_init__`` then checks values.
+Importing this module imports neither torch nor pydantic (loaded at the first :func:`from_dict`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import types
-import typing
+import functools
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar, Union, get_args, get_origin
+from typing import Any, Self, TypeVar
 
 from archsearch.errors import ArchsearchError, redact  # redact: re-exported, what configs are masked with
 from archsearch.fileio import read_text
@@ -34,105 +33,84 @@ def number_from_text(text: str) -> float:
     return float(t[:-1]) * mult if mult else float(t)
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _number(value: Any) -> Any:
+    """What an int or float field reads before pydantic's strict check: the number syntax
+    (``200K``, ``1e9``, which PyYAML reads as strings) and whole floats as integers."""
+    if isinstance(value, str):
+        try:
+            value = number_from_text(value)
+        except ValueError:
+            return value
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    origin = get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        alts = [a for a in args if a is not type(None)]
-        sections = [a for a in alts if dataclasses.is_dataclass(a)]
-        # an optional setting, or a mapping for a union with one section type, is that type: its
-        # own error names the field, where "does not fit X | None" would not
-        if len(alts) == 1 or (isinstance(value, dict) and len(sections) == 1):
-            return _convert(value, alts[0] if len(alts) == 1 else sections[0], where)
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(value, a, where)
-            except ArchsearchError as e:
-                errors.append(e.problem)
-        raise ArchsearchError(where, f"{value!r} does not fit {_type_name(tp)}")
-    if origin is Literal:
-        allowed = get_args(tp)
-        if value not in allowed:
-            raise ArchsearchError(where, f"{value!r} is not allowed", f"use one of {list(allowed)}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ArchsearchError(where, f"expected a mapping, got {type(value).__name__}")
-        return from_dict(tp, value, where)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ArchsearchError(where, f"expected a list, got {value!r}")
-        args = get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ArchsearchError(where, f"expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        out = [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ArchsearchError(where, f"expected a mapping, got {value!r}")
-        kt, vt = get_args(tp) or (Any, Any)
-        return {_convert(k, kt, where): _convert(v, vt, f"{where}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ArchsearchError(where, f"expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ArchsearchError(where, f"expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                f = number_from_text(value)  # "1e9" / "200K" in YAML, which PyYAML reads as strings
-            except ValueError:
-                pass
-            else:
-                if f.is_integer():
-                    return int(f)
-        raise ArchsearchError(where, f"expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ArchsearchError(where, f"expected a number, got {value!r}")
-        number = None
-        if isinstance(value, (int, float)):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = number_from_text(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ArchsearchError(where, f"expected a number, got {value!r}")
-        if not math.isfinite(number):  # no config field means anything at NaN or infinity
-            raise ArchsearchError(where, f"must be a finite number, got {value!r}")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ArchsearchError(where, f"expected a string, got {value!r}")
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        raise ArchsearchError(where, f"expected {tp.__name__}, got {value!r}")
-    return value
+def _section(cls: type) -> Any:
+    """The check before a dataclass section is read: unknown keys named with the closest field,
+    and the :func:`inline` components gathered from the block's own keys."""
+    inlined = {f.name: f.default_factory for f in dataclasses.fields(cls) if f.metadata.get("inline")}
+    own = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in inlined]
+    flat = {name: [g.name for g in dataclasses.fields(make()) if g.init and g.name not in own]
+            for name, make in inlined.items()}
+    keys = own + [n for names in flat.values() for n in names]
+
+    def check(data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key in data:
+            if key not in keys:
+                close = difflib.get_close_matches(str(key), keys, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"
+                raise ArchsearchError(str(key), "unknown key", hint)
+        out = {k: v for k, v in data.items() if k in own}
+        for name, make in inlined.items():  # a key left out keeps the value of the field's default
+            default = make()
+            given = {n: data[n] for n in flat[name] if n in data}
+            base = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
+            out[name] = {**base, **given} if given else default
+        return out
+    return check
+
+
+def _tuned(node: Any) -> Any:
+    """Pydantic's schema of a config read as our configs are: flags, text and numbers strict
+    (no ``yes`` for true, no 5 for a text, finite numbers), numbers also in the number syntax,
+    every section checked by :func:`_section`."""
+    from pydantic_core import core_schema as cs
+
+    if isinstance(node, list):
+        return [_tuned(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _tuned(v) for k, v in node.items()}
+    if node.get("type") in ("bool", "str", "int", "float"):
+        if node["type"] in ("bool", "str"):
+            return {**node, "strict": True}
+        return cs.no_info_before_validator_function(_number, {**node, "strict": True, "allow_inf_nan": False})
+    if node.get("type") == "dataclass":
+        node["schema"] = cs.no_info_before_validator_function(_section(node["cls"]), node["schema"])
+    return node
+
+
+@functools.cache
+def _validator(cls: type) -> Any:
+    from pydantic import TypeAdapter
+    from pydantic_core import SchemaValidator
+
+    return SchemaValidator(_tuned(TypeAdapter(cls).core_schema))
+
+
+def _path(where: str, loc: tuple[Any, ...], data: Any, missing: bool) -> str:
+    """Pydantic's error location as a dotted path (``study.search.gqa_choices[2]``), read along
+    the data so that a union member's or an inline component's name, which the data does not
+    hold, is left out (but for the last of a ``missing`` field)."""
+    path = where
+    for i, part in enumerate(loc):
+        if isinstance(data, dict) and part in data or missing and i == len(loc) - 1 and isinstance(part, str):
+            path = f"{path}.{part}" if path else str(part)
+            data = data.get(part) if isinstance(data, dict) else None
+        elif isinstance(data, (list, tuple)) and isinstance(part, int) and part < len(data):
+            path, data = f"{path}[{part}]", data[part]
+    return path
 
 
 def inline(default_factory: Any, key: bool = False) -> Any:
@@ -174,48 +152,25 @@ def key_values(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _inlined(cls: type) -> dict[str, tuple[Any, list[str]]]:
-    """``cls``'s inline fields: name -> (default, the component's field names written flat)."""
-    own = {f.name for f in dataclasses.fields(cls)}
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("inline"):
-            default = f.default_factory()
-            out[f.name] = (default, [g.name for g in dataclasses.fields(default) if g.init and g.name not in own])
-    return out
-
-
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     """Build dataclass ``cls`` from a mapping, validating keys and types by their hints (an
-    :func:`inline` component read from the block's own keys)."""
-    if not isinstance(data, dict):
-        raise ArchsearchError(where or cls.__name__, f"expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    inlined = _inlined(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in inlined}
-    keys = [*fields, *(n for _, names in inlined.values() for n in names)]
-    for key in data:
-        if key not in keys:
-            close = difflib.get_close_matches(str(key), keys, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"
-            raise ArchsearchError(f"{where}.{key}" if where else str(key), "unknown key", hint)
-    kwargs = {}
-    for name, (default, names) in inlined.items():
-        given = {n: data[n] for n in names if n in data}
-        base = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
-        kwargs[name] = from_dict(hints[name], {**base, **given}, where) if given else default
-    for name, f in fields.items():
-        path = f"{where}.{name}" if where else name
-        if name in data:
-            kwargs[name] = _convert(data[name], hints[name], path)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ArchsearchError(path, "is required")
+    :func:`inline` component read from the block's own keys); the dataclass's own
+    ``__post_init__`` then checks values. An error names the dotted path of the bad field."""
+    from pydantic import ValidationError
+
     try:
-        return cls(**kwargs)
-    except ArchsearchError as e:
-        if where and not e.field.startswith(where):
-            raise ArchsearchError(f"{where}.{e.field}", e.problem, e.fix) from None
-        raise
+        return _validator(cls).validate_python(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = _path(where, err["loc"], data, err["type"] == "missing")
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ArchsearchError):  # a section's own check: its field under the section
+            inside = path and cause.field.startswith(path)
+            field = cause.field if inside else ".".join(filter(None, (path, cause.field)))
+            raise ArchsearchError(field, cause.problem, cause.fix) from None
+        msg = f"{err['msg'][:1].lower()}{err['msg'][1:]}, got {err['input']!r}"
+        problem = "is required" if err["type"] == "missing" else msg
+        raise ArchsearchError(path or cls.__name__, problem) from None
 
 
 class PlainData:

@@ -1,0 +1,106 @@
+"""configio.from_dict reads a mapping as our configs are read: flags only true/false, text only
+text, finite numbers also in the 200K/1e9 syntax, whole floats as integers; an error names the
+dotted path of the field (an unknown key with the closest name, a section's own check under the
+section), and an inline component is read from the block's own keys."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from archsearch.configio import KEY, from_dict, inline, key_values, to_dict
+from archsearch.errors import ArchsearchError
+
+
+@dataclasses.dataclass
+class Part:
+    size: int = 1
+    scale: float = 1.0
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise ArchsearchError("size", f"must be >= 1, got {self.size}", "give a positive size")
+
+
+@dataclasses.dataclass
+class Whole:
+    name: str = "w"
+    flag: bool = False
+    part: Part = dataclasses.field(default_factory=Part)
+    parts: list[Part] = dataclasses.field(default_factory=list)
+    extra: Part | None = None
+    own: Part = inline(lambda: Part(size=7), key=True)
+    pinned: float = dataclasses.field(default=0.5, metadata=KEY)
+
+
+@pytest.mark.parametrize("data,value", [
+    ({"part": {"size": "200K"}}, 200_000),
+    ({"part": {"size": "1e9"}}, 1_000_000_000),
+    ({"part": {"size": 3.0}}, 3),
+    ({"part": {"size": "1_500"}}, 1500),
+])
+def test_an_integer_reads_the_number_syntax_and_whole_floats(data, value):
+    got = from_dict(Whole, data).part.size
+    assert got == value and type(got) is int
+
+
+def test_a_float_reads_integers_and_the_number_syntax_as_floats():
+    assert [type(from_dict(Part, {"scale": v}).scale) for v in (2, "3k", 2.5)] == [float] * 3
+    assert from_dict(Part, {"scale": "3k"}).scale == 3000.0
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"flag": "yes"}, "flag"),
+    ({"flag": 1}, "flag"),
+    ({"name": 5}, "name"),
+    ({"part": {"size": True}}, "part.size"),
+    ({"part": {"size": 2.5}}, "part.size"),
+    ({"part": {"size": "lots"}}, "part.size"),
+    ({"part": {"scale": float("nan")}}, "part.scale"),
+    ({"part": {"scale": "inf"}}, "part.scale"),
+    ({"part": 3}, "part"),
+    ({"parts": [{"size": 2}, {"size": "x"}]}, "parts[1].size"),
+    ({"part": {"tags": ["a", 2]}}, "part.tags[1]"),
+    ({"extra": {"scale": []}}, "extra.scale"),
+    ({"size": "x"}, "size"),  # the inline component's field, written flat
+])
+def test_a_bad_value_is_named_by_its_path(data, field):
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(Whole, data, "")
+    assert e.value.field == field
+
+
+def test_a_sections_own_check_is_named_under_the_section():
+    for data, field in (({"parts": [{}, {"size": 0}]}, "w.parts[1].size"), ({"size": 0}, "w.size"),
+                        ({"extra": {"size": -1}}, "w.extra.size")):
+        with pytest.raises(ArchsearchError) as e:
+            from_dict(Whole, data, "w")
+        assert e.value.field == field and e.value.fix == "give a positive size"
+
+
+def test_an_unknown_key_names_the_closest_field():
+    for data, field, fix in (({"part": {"sise": 2}}, "w.part.sise", "did you mean 'size'?"),
+                             ({"scal": 2}, "w.scal", "did you mean 'scale'?"),
+                             ({"own": {"size": 2}}, "w.own",  # the inline component's own name is no key
+                              "valid keys: ['extra', 'flag', 'name', 'part', 'parts', 'pinned', 'scale', 'size', "
+                              "'tags']")):
+        with pytest.raises(ArchsearchError) as e:
+            from_dict(Whole, data, "w")
+        assert (e.value.field, e.value.problem, e.value.fix) == (field, "unknown key", fix)
+
+
+def test_an_inline_component_reads_the_blocks_keys_over_the_fields_default():
+    w = from_dict(Whole, {"scale": 2, "name": "n"})
+    assert (w.own, w.name) == (Part(size=7, scale=2.0), "n")  # size: the field's default, not Part's
+    assert to_dict(w)["size"] == 7 and "own" not in to_dict(w)
+    assert from_dict(Whole, to_dict(w)) == w
+    assert key_values(w) == {"pinned": 0.5}  # Part marks no field as keying
+    a, b = from_dict(Whole, {}), from_dict(Whole, {})
+    assert a.own == b.own and a.own is not b.own  # each load its own default
+
+
+def test_a_given_section_instance_is_kept():
+    p = Part(size=4)
+    assert from_dict(Whole, {"part": p}).part is p
