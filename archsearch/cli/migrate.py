@@ -35,7 +35,7 @@ from archsearch.arch import ArchSpec
 from archsearch.configio import field_defaults, from_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, read_jsonl_lines
-from archsearch.search.config import StudyConfig
+from archsearch.search.config import RENAMED_VALUES, StudyConfig, renamed_values
 from archsearch.search.inputs import INPUTS_FILE, fingerprints, stage_inputs
 from archsearch.search.measure import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
 from archsearch.search.pipeline import STAGES
@@ -89,11 +89,14 @@ class Plan:
     files: dict[Path, str] = field(default_factory=dict)           # JSON files rewritten: new text
     trial_attrs: list[tuple[int, str]] = field(default_factory=list)  # (trial_user_attribute_id, new value_json)
     storage: str | None = None
+    renamed: list[str] = field(default_factory=list)              # setting values renamed since
 
     def describe(self) -> str:
         if self.current:
-            return f"{self.study / STORE}: already keyed in layout {KEY_LAYOUT}; nothing to do"
-        lines = [f"{self.study / STORE}: {len(self.records)} record(s) re-keyed to layout {KEY_LAYOUT}"]
+            return f"{self.study / STORE}: already keyed in layout {KEY_LAYOUT}, no setting named otherwise; nothing to do"
+        lines = [f"{self.study / STORE}: {len(self.records)} record(s) re-keyed to layout {KEY_LAYOUT}"
+                 if self.records or self.unmatched else f"{self.study / STORE}: already keyed in layout {KEY_LAYOUT}"]
+        lines += [f"  config.json: {r}" for r in self.renamed]
         lines += [f"  {old} -> {new}" for old, new in sorted(self.keys.items())]
         if self.unmatched:
             lines.append(f"  {len(self.unmatched)} record(s) no input of this study reproduces (other settings), "
@@ -186,16 +189,22 @@ def plan_migration(study: str | Path) -> Plan:
         raise ArchsearchError("STUDY_DIR", f"{str(study)!r} holds no {STORE}", "give a study folder (runs/<name>)")
     records = list(read_jsonl_lines(store))
     plan = Plan(study)
-    if all(r.get("layout") == KEY_LAYOUT for r in records):
-        plan.current = True
-        return plan
-    if any(r.get("layout") == KEY_LAYOUT for r in records):
+    if any(r.get("layout") == KEY_LAYOUT for r in records) and \
+            not all(r.get("layout") == KEY_LAYOUT for r in records):
         raise ArchsearchError(str(store), "mixes records of the current key layout with older ones",
                               "move the newer records out, migrate, then append them again")
     cfg_path = study / "config.json"
     if not cfg_path.is_file():
         raise ArchsearchError("STUDY_DIR", f"{str(study)!r} holds no config.json", "give a study folder (runs/<name>)")
-    cfg = from_dict(StudyConfig, json.loads(cfg_path.read_text()))
+    raw, plan.renamed = _renamed_config(json.loads(cfg_path.read_text()))
+    if plan.renamed:
+        plan.files[cfg_path] = json.dumps(raw, indent=2, default=str)
+    cfg = from_dict(StudyConfig, raw)
+    if all(r.get("layout") == KEY_LAYOUT for r in records):
+        _rekey_stage_inputs(plan, cfg, [b for b in (cfg.measure.bench.backend, cfg.measure.fallback_backend) if b],
+                            layouts=(key_settings,))
+        plan.current = not plan.files
+        return plan
 
     url = _storage_url(cfg, study)
     attrs = _trial_attrs(url)
@@ -257,7 +266,22 @@ def plan_migration(study: str | Path) -> Plan:
     return plan
 
 
-def _rekey_stage_inputs(plan: Plan, cfg: StudyConfig, backends: list[str]) -> None:
+def _renamed_config(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A stored config with each setting value renamed since (:data:`RENAMED_VALUES`) given its new name."""
+    raw, renamed = json.loads(json.dumps(raw)), []
+    for dotted, names in RENAMED_VALUES.items():
+        *parents, leaf = dotted.split(".")
+        d = raw
+        for p in parents:
+            d = d.get(p) if isinstance(d, dict) else None
+        if isinstance(d, dict) and isinstance(d.get(leaf), str) and d[leaf] in names:
+            renamed.append(f"{dotted}: {d[leaf]} -> {names[d[leaf]]}")
+            d[leaf] = names[d[leaf]]
+    return raw, renamed
+
+
+def _rekey_stage_inputs(plan: Plan, cfg: StudyConfig, backends: list[str],
+                        layouts: tuple = (old_key_settings, key_settings)) -> None:
     """The search stage's recorded settings (``stage_inputs.json``) name the measurement's key
     settings: where a stage was recorded with this config in the older layout, it is recorded in the
     new one (with its fingerprint and those chained after it), so the resumed study keeps its
@@ -269,13 +293,20 @@ def _rekey_stage_inputs(plan: Plan, cfg: StudyConfig, backends: list[str]) -> No
     applies = {st.name: st.applies(cfg) for st in STAGES}
     changed = False
     for backend in backends:
-        old_in, new_in = stage_inputs(cfg, old_key_settings, backend), stage_inputs(cfg, key_settings, backend)
-        old_fp, new_fp = fingerprints(cfg, applies, old_in), fingerprints(cfg, applies, new_in)
-        for stage, rec in record.items():
-            if stage in old_fp and rec.get("fingerprint") == old_fp[stage] and \
-                    rec.get("inputs") == json.loads(json.dumps(old_in[stage], default=str)):
-                record[stage] = {"fingerprint": new_fp[stage], "inputs": json.loads(json.dumps(new_in[stage], default=str))}
-                changed = True
+        new_in = stage_inputs(cfg, key_settings, backend)
+        new_fp = fingerprints(cfg, applies, new_in)
+        for layout in layouts:  # recorded in an older key layout and/or with older setting names
+            for back in (False, True):
+                old_in = {st: renamed_values(v, back=back)[0] for st, v in stage_inputs(cfg, layout, backend).items()}
+                if layout is key_settings and not back:
+                    continue  # the current record: nothing to rewrite
+                old_fp = fingerprints(cfg, applies, old_in)
+                for stage, rec in record.items():
+                    if stage in old_fp and rec.get("fingerprint") == old_fp[stage] and \
+                            rec.get("inputs") == json.loads(json.dumps(old_in[stage], default=str)):
+                        record[stage] = {"fingerprint": new_fp[stage],
+                                         "inputs": json.loads(json.dumps(new_in[stage], default=str))}
+                        changed = True
     if changed:
         plan.files[path] = json.dumps(record, indent=2, default=str)
 
@@ -306,7 +337,8 @@ def apply_migration(plan: Plan) -> None:
     if plan.unmatched:
         with open(plan.study / UNMATCHED, "a") as fh:
             fh.writelines(json.dumps(r, default=str) + "\n" for r in plan.unmatched)
-    atomic_write(plan.study / STORE, "".join(json.dumps(r, default=str) + "\n" for r in plan.records))
+    if plan.records or plan.unmatched:  # re-keyed (a store in the current layout stays as it is)
+        atomic_write(plan.study / STORE, "".join(json.dumps(r, default=str) + "\n" for r in plan.records))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -460,6 +460,24 @@ class EvalConfig:
             raise ArchsearchError("evaluation.batch_size", f"must be positive, got {self.batch_size}")
 
 
+MODES = ("constrained", "predict-rank-select")
+# setting values renamed since a study folder may have recorded them: {dotted setting: {old: new}};
+# a run refuses a folder that recorded an old one and archsearch migrate rewrites it
+RENAMED_VALUES: dict[str, dict[str, str]] = {"mode": {"algorithm5": "constrained"}}
+
+
+def renamed_values(flat: dict[str, Any], back: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """``flat`` ({dotted setting: value}) with each old value of :data:`RENAMED_VALUES` given its
+    new name (``back``: new names given the old ones), and the settings renamed."""
+    out, renamed = dict(flat), []
+    for key, names in RENAMED_VALUES.items():
+        names = {v: k for k, v in names.items()} if back else names
+        if isinstance(out.get(key), str) and out[key] in names:
+            out[key] = names[out[key]]
+            renamed.append(f"{key}: {flat[key]} -> {out[key]}")
+    return out, renamed
+
+
 @dataclass(frozen=True)
 class StudyConfig:
     name: str
@@ -475,7 +493,9 @@ class StudyConfig:
     optuna: OptunaConfig = field(default_factory=OptunaConfig)
     gqa_search: GQASearchConfig = field(default_factory=GQASearchConfig)
     limits: Limits = field(default_factory=Limits)  # TTFT / TPOT / peak memory a candidate must meet
-    mode: str = "algorithm5"  # or "predict-rank-select"
+    # constrained: max throughput s.t. predicted loss <= target, then the local GQA walk (docs/method.md
+    # section 4); predict-rank-select: the earlier variant (train the top k, release the best)
+    mode: str = "constrained"
     top_k: int = 3  # predict-rank-select: distinct feasible shapes trained and evaluated
     # predict-rank-select: candidates within this (absolute) mean accuracy of the best are tied;
     # the fastest of them is released
@@ -497,8 +517,12 @@ class StudyConfig:
             raise ArchsearchError("tokens", f"must be positive, got {self.tokens}")
         if self.n_layers <= 0:
             raise ArchsearchError("n_layers", f"must be positive, got {self.n_layers}")
-        if self.mode not in ("algorithm5", "predict-rank-select"):
-            raise ArchsearchError("mode", f"{self.mode!r} is unknown", "use algorithm5 or predict-rank-select")
+        if self.mode in RENAMED_VALUES["mode"]:
+            raise ArchsearchError("mode", f"{self.mode!r} is now called {RENAMED_VALUES['mode'][self.mode]!r}",
+                                  f"write mode: {RENAMED_VALUES['mode'][self.mode]} (a study folder run with the "
+                                  "old name: archsearch migrate STUDY_DIR, once)")
+        if self.mode not in MODES:
+            raise ArchsearchError("mode", f"{self.mode!r} is unknown", f"use one of {', '.join(MODES)}")
         if self.top_k <= 0:
             raise ArchsearchError("top_k", "must be positive")
         if self.out is not None and ".." in Path(self.out).parts:

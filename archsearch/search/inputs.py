@@ -33,7 +33,7 @@ from typing import Any
 from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
-from archsearch.search.config import StudyConfig
+from archsearch.search.config import StudyConfig, renamed_values
 from archsearch.search.measure import key_settings, resolve_backend
 from archsearch.search.resolved import fit_options
 
@@ -187,6 +187,11 @@ def plan_resume(cfg: StudyConfig, out: Path, state_data: dict[str, Any], selecte
     legacy = None
     plan = ResumePlan()
     upstream_stale = None
+    for stage, rec in record.data.items():
+        _, renamed = renamed_values((rec or {}).get("inputs") or {})
+        if renamed:
+            raise ArchsearchError("out", f"{out} recorded its stages with setting values named otherwise since "
+                                  f"({'; '.join(renamed)})", f"run archsearch migrate {out} once, then again")
     for stage in FINGERPRINTED:
         rec = record.data.get(stage)
         started = rec is not None or stage in state_data
