@@ -16,25 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"archsearch": "archsearch", "trainers": "archsearch.trainers", "benchmarks": "archsearch.benchmarks"}
 
-# Circles known and not yet taken apart, each with where its pieces belong. An entry that no longer
-# occurs fails the test: remove it then, so that the circle cannot come back unnoticed.
-KNOWN = {
-    # study logic (proxy training, sweep runs, the search worker) in the scale-out layer, and the
-    # start-up recorder reading the pipeline: cluster/ should only submit, track and record jobs.
-    # Through the stages' imports of each other (the GQA walk's proxy runs, the deployment
-    # targets, the stage fingerprints) the circle spans the whole search package today
-    frozenset({"archsearch.cluster.config", "archsearch.cluster.executor", "archsearch.cluster.startup",
-               "archsearch.cluster.study", "archsearch.search.checks", "archsearch.search.config",
-               "archsearch.search.final", "archsearch.search.gqa", "archsearch.search.inputs",
-               "archsearch.search.measure", "archsearch.search.pipeline", "archsearch.search.proxies",
-               "archsearch.search.report", "archsearch.search.study", "archsearch.search.targets",
-               "archsearch.trainers.active"}),
-    # the LoRA step's time is priced with the trainer's FLOP count, and measured through the
-    # planner's subprocess, which applies the trainer's adapters
-    frozenset({"archsearch.planning.measure", "archsearch.planning.planner", "archsearch.trainers.loop"}),
-    # the roofline applies a calibration whose fit calls the roofline
-    frozenset({"archsearch.benchmarks.analytic", "archsearch.benchmarks.calibration"}),
-}
+# Circles known and not yet taken apart, each with where its pieces belong: none. An entry that no
+# longer occurs fails the test (remove it then, so that the circle cannot come back unnoticed).
+KNOWN: set[frozenset[str]] = set()
 
 
 def library_sources() -> tuple[dict[str, str], set[str]]:

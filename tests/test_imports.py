@@ -50,9 +50,12 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     # the study's schema nests the types it configures: build settings, measurement settings,
     # limits, sweeps/training, cluster, the law fit's options
     "archsearch.search.config": ({"benchmarks", "planning", "trainers", "cluster", "laws"}, {"numpy"}),
-    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster", "laws", "modelcard"}, {"numpy"}),
-    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "laws", "figures", "modelcard"},
-                                 {"numpy"}),
+    # the study's checks name the evaluation's tasks at load (archsearch.evaluation.suites), and the
+    # deployment targets draw their figure (archsearch.figures: matplotlib only when drawn)
+    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster", "laws", "modelcard", "evaluation",
+                                    "figures"}, {"numpy"}),
+    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "laws", "figures", "modelcard",
+                                  "evaluation"}, {"numpy"}),
 }
 
 _PROBE = """

@@ -38,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--device-spec", help="device table entry for --backend analytic (e.g. H200, "
                                          "A100-40GB, cpu); default: this machine")
     p.add_argument("--calibration", metavar="FILE",
-                   help="--backend analytic: a calibration file (python -m archsearch.benchmarks.calibration)")
+                   help="--backend analytic: a calibration file (python -m archsearch calibrate)")
     p.add_argument("--timeout", type=pos_float, default=d["timeout_s"], help="seconds per engine process")
     p.add_argument("--seed", type=nonneg_int, default=d["seed"])
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",

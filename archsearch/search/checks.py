@@ -14,13 +14,16 @@ from archsearch.benchmarks.base import resolve_dtype
 from archsearch.candidates import box_shape_bound, build_candidate
 from archsearch.cluster.executor import check_cluster
 from archsearch.errors import ArchsearchError
-from archsearch.hardware import get_device, host_memory_bytes
+from archsearch.evaluation.suites import check_task_names
+from archsearch.hardware import get_device, host_memory_bytes, local_device_name
 from archsearch.laws import load_law
 from archsearch.laws.solve import inside_range
 from archsearch.presets import get_preset
 from archsearch.rundata import read_runs
 from archsearch.search.config import StudyConfig
+from archsearch.search.derived import build_settings, expand, measure_scale, proxy_sweeps
 from archsearch.search.measure import resolve_backend
+from archsearch.search.study import SearchContext, check_storage, scan_law
 from archsearch.search.targets import study_views
 from archsearch.trainers import sweep_specs, token_budget
 from archsearch.trainers.config import check_trackers
@@ -52,8 +55,6 @@ def vocab_size(cfg: StudyConfig) -> int:
 
 
 def baseline_spec(cfg: StudyConfig) -> ArchSpec:
-    from archsearch.search.study import build_settings
-
     b = cfg.baseline
     if b.preset:
         return get_preset(b.preset).replace(vocab_size=vocab_size(cfg), tie_embeddings=cfg.tie_embeddings)
@@ -69,8 +70,6 @@ def baseline_spec(cfg: StudyConfig) -> ArchSpec:
 
 def measured_baseline(cfg: StudyConfig) -> ArchSpec:
     """The baseline as the study measures it: rebuilt at ``measure.params`` where that is set."""
-    from archsearch.search.study import build_settings, measure_scale
-
     base = baseline_spec(cfg)
     scale = measure_scale(cfg, build_settings(cfg, vocab_size(cfg)))
     if scale is None:
@@ -92,8 +91,6 @@ def measuring_device(cfg: StudyConfig) -> str | None:
         return cfg.measure.device_spec
     if cfg.cluster.executor == "slurm":
         return None
-    from archsearch.hardware import local_device_name
-
     return local_device_name()
 
 
@@ -160,8 +157,6 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     """Everything that can be checked before work starts (the search space can build shapes,
     the baseline builds, the measurement engine exists, a given law file loads, the proxies
     can support the reference). ``for_plan``: a missing engine is not an error (the plan says)."""
-    from archsearch.search.study import build_settings, expand
-
     s = cfg.search_space
     if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.bootstrap == 0:
         raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.bootstrap is 0",
@@ -183,8 +178,6 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
     check_baseline_size(cfg, baseline_spec(cfg))
     check_trials_fit_the_box(cfg, build)
     if cfg.optuna.storage:
-        from archsearch.search.study import check_storage
-
         check_storage(cfg.optuna.storage)  # opened now: not after the proxies are trained
     if not for_plan:
         for view in target_views(cfg):  # each deployment target's engine, or the measure block's
@@ -211,7 +204,7 @@ def validate(cfg: StudyConfig, for_plan: bool = False) -> None:
 
 def target_views(cfg: StudyConfig):
     """The study as each deployment target measures it (``measure`` replaced by the target's own
-    block, :func:`archsearch.search.targets.target_measure`), or the study itself without targets."""
+    block, :func:`archsearch.search.deployment.target_measure`), or the study itself without targets."""
     return study_views(cfg)
 
 
@@ -231,8 +224,6 @@ def check_trials_fit_the_box(cfg: StudyConfig, build) -> None:
 def check_later_stages(cfg: StudyConfig) -> None:
     """Names that only later stages use, checked now: a study must not train for hours and then
     fail on a task name or a training field."""
-    from archsearch.evaluation.suites import check_task_names
-
     check_task_names(cfg.evaluation.tasks, field="evaluation.tasks")
     for name in ("max_tpot_s", "max_peak_memory_gib"):
         # every candidate is measured paired with the baseline, which records throughput and TTFT
@@ -259,11 +250,6 @@ def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10)
         raise ArchsearchError("baseline", f"its N is {n:.4g}, {n / cfg.params - 1:+.0%} from the study's "
                               f"params {cfg.params:.4g} (more than {max_gap:.0%})",
                               f"set params to {n:.4g}, or choose a baseline of this size")
-
-
-def proxy_sweeps(cfg: StudyConfig) -> list:
-    """The study's proxy sweeps as validated ``archsearch.trainers.SweepConfig`` objects."""
-    return cfg.proxy.sweep_list() if cfg.proxy is not None else []
 
 
 def planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
@@ -324,8 +310,6 @@ def target_loss(cfg: StudyConfig, law) -> float:
 
 def check_target(cfg: StudyConfig, law, lt: float) -> None:
     """A target below the law's lowest loss in the search box has no feasible shape."""
-    from archsearch.search.study import SearchContext, build_settings, scan_law
-
     ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."),
                         build=build_settings(cfg, vocab_size(cfg)))
     res, _ = scan_law(ctx)

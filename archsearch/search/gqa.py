@@ -45,7 +45,8 @@ from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio, non
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.search import log as search_log
-from archsearch.search.checks import proxy_sweeps, vocab_size
+from archsearch.search.checks import vocab_size
+from archsearch.search.derived import proxy_sweeps
 from archsearch.search.config import gqa_bound_violation
 from archsearch.search.proxies import train_runs
 from archsearch.search.study import loss_bound

@@ -24,36 +24,27 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.cluster.startup import record_tail
-from archsearch.cluster.study import run_search_workers
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.laws import fit_law, load_law
 from archsearch.laws.diagnostics import held_out_error
 from archsearch.logs import study_log
-from archsearch.provenance import provenance
+from archsearch.provenance import stage_provenance
 from archsearch.rundata import read_runs
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
-from archsearch.search.checks import baseline_spec, check_target, target_loss, validate, vocab_size
+from archsearch.search.checks import validate
 from archsearch.search.config import StudyConfig
+from archsearch.search.context import load_study, search_context
 from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
 from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, plan_resume,
                                       stage_inputs, supersede)
-from archsearch.search.measure import MeasurementStore, Measurer, file_lock, spec_key
+from archsearch.search.measure import MeasurementStore, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
-from archsearch.search.study import (SearchContext, build_settings, create_study, measure_scale,
-                                     recover_stale_trials, run_study)
-from archsearch.search.targets import build_targets
-
-
-def stage_provenance() -> dict[str, Any]:
-    """Where and when a stage ran (the full versions are in config.json's summary and in each
-    measurement's own record)."""
-    p = provenance()
-    return {"time_utc": p["time_utc"], "host": p["host"], "git": p["git"],
-            "device": (p.get("device") or {}).get("name"), "command": p["command"]}
+from archsearch.search.study import recover_stale_trials, run_study
+from archsearch.search.workers import run_search_workers
 
 
 class StudyState:
@@ -429,22 +420,6 @@ STAGES: tuple[Stage, ...] = (
 STAGE_NAMES = tuple(st.name for st in STAGES)
 
 
-def search_context(cfg: StudyConfig, out: Path, law=None):
-    """The search's context (law, target loss, measurer on the study's store); the law is read
-    from the study folder (or ``law.file``) when not given, as a measurement worker does."""
-    if law is None:
-        law = load_law(cfg.law.file or out / "law.json")
-    lt = target_loss(cfg, law)
-    check_target(cfg, law, lt)
-    build = build_settings(cfg, vocab_size(cfg))
-    store, scale = MeasurementStore(out / "measurements.jsonl"), measure_scale(cfg, build)
-
-    targets = build_targets(cfg, store, scale)  # with targets, the first one's measurer is the study's
-    measurer = targets[0].measurer if targets else Measurer(cfg.measure, store, scale=scale)
-    return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                         build=build, baseline=baseline_spec(cfg), targets=targets)
-
-
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:
     return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
 
@@ -452,18 +427,6 @@ def _runs_path(cfg: StudyConfig, out: Path) -> Path:
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A stage's JSON output; None where it is missing or cut short by a killed write."""
     return read_json_tolerant(path, "that stage's result")
-
-
-def load_study(ctx):
-    """The stored study, or None when the search stage has not created it yet."""
-
-    try:
-        study, _ = create_study(ctx, load_only=True)
-    except KeyError:  # optuna: no study of that name in the storage
-        return None
-    return study
-
-
 
 
 def _wait_for_running(study, timeout_s: float = 3600, poll_s: float = 2.0) -> list[int]:

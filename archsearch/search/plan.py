@@ -21,13 +21,14 @@ from archsearch.planning.time import parse_gpus, split_gpus
 from archsearch.search.checks import (baseline_spec, check_reference_batch, data_budgets, measured_baseline,
                                       planned_groups, proxy_sweeps, source_tokens, target_views, vocab_size)
 from archsearch.search.config import StudyConfig
+from archsearch.search.derived import build_settings, expand
 from archsearch.search.gqa import bounded_pairs, gqa_pairs, proxy_runs, proxy_variants
 from archsearch.search.margins import range_summary
 from archsearch.search.measure import resolve_backend
-from archsearch.search.study import build_settings, expand
 from archsearch.search.targets import price_targets
 from archsearch.trainers import sweep_specs, token_budget
 from archsearch.trainers.data import cache_state, default_workers, token_dtype
+from archsearch.trainers.jobs import content_key, has_record
 from archsearch.trainers.loop import run_id_for
 
 # -- assumptions, each printed with the plan ------------------------------------------------------
@@ -347,8 +348,6 @@ def plan(cfg: StudyConfig, out: Path, gpus: str | None = None, profile: str | Pa
                                     "train": tc})
         # runs already trained cost nothing: in the shared store (another study trained them) or in
         # this study folder (a resumed study)
-        from archsearch.cluster.study import has_record, content_key
-
         for item in proxy_specs:
             own = out / "proxies" / item["sweep"].name / "runs" / item["run"]
             shared = (Path(cfg.proxy.store).expanduser() / content_key(item["run"], item["train"], item["sweep"].data)

@@ -9,16 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.cluster.startup import record_tail
-from archsearch.cluster.study import (JOBS_DIR, content_key, has_record, link_shared_runs, link_to_store,
-                                      run_proxy_jobs, run_train_jobs)
 from archsearch.fileio import atomic_write
 from archsearch.rundata import write_runs
 from archsearch.search import log
-from archsearch.search.checks import proxy_sweeps
+from archsearch.search.derived import proxy_sweeps
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import file_lock
+from archsearch.search.report import active_markdown, active_plan_summary, active_plot
+from archsearch.search.workers import JOBS_DIR
 from archsearch.trainers import run_sweep
 from archsearch.trainers.active import run_active
+from archsearch.trainers.jobs import (content_key, has_record, link_shared_runs, link_to_store, run_proxy_jobs,
+                                      run_train_jobs)
 from archsearch.trainers.loop import read_record, token_budget
 from archsearch.trainers.sweep import train_or_fail
 
@@ -68,8 +70,6 @@ def write_active_plan_report(out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from archsearch.search.report import active_markdown, active_plot, active_plan_summary
 
     plan = active_plan_summary(out)
     (out / "plots").mkdir(parents=True, exist_ok=True)

@@ -29,25 +29,21 @@ from typing import Any, Iterator
 from archsearch.arch import ArchSpec, describe
 from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.calibration import Calibration
-from archsearch.candidates import BuildSettings, build_candidate
+from archsearch.candidates import BuildSettings
 from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
 from archsearch.laws import solve
 from archsearch.logs import get_logger
 from archsearch.search import log, margins
-from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import StudyConfig, gqa_bound_violation
-from archsearch.search.measure import Measurer, check_result_limits, file_lock, measured_shape, spec_key
-from archsearch.search.targets import (multi_target_objective, predicted_ratio_fn, ranking_label,
-                                       target_measure)
+from archsearch.search.derived import expand, measure_scale, proxy_sweeps
+from archsearch.search.measure import Measurer, check_result_limits, file_lock, spec_key
+from archsearch.search.targets import multi_target_objective, predicted_ratio_fn, ranking_label
+from archsearch.search.trials import MeasurementFailed, record_measurement, set_constraint
 from archsearch.trainers.config import check_trackers
 
 # Constraint value of a trial whose shape could not be built (never feasible).
 UNBUILDABLE = 1e6
-
-
-class MeasurementFailed(Exception):
-    """A candidate's measurement failed: its trial fails, the study goes on."""
 
 
 def _no_traceback_for_failed_measurements(record) -> bool:
@@ -76,34 +72,6 @@ class SearchContext:
     @property
     def ref_batch(self) -> int:
         return self.cfg.measure.ref_batch
-
-
-def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
-    """The search space's build settings with the study's vocabulary and embedding tying, and a
-    context long enough for the measured lengths."""
-    import dataclasses
-
-    b = cfg.search_space.build
-    need = max(m.input_len + m.output_len for m in
-               [cfg.measure, *(target_measure(cfg.measure, t) for t in cfg.measure.targets or ())])
-    return dataclasses.replace(b, vocab_size=vocab_size, tie_embeddings=cfg.tie_embeddings,
-                               max_position_embeddings=max(b.max_position_embeddings, need))
-
-
-def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int) -> ArchSpec:
-    """The one function from knobs to a shape, used by every trial."""
-    return build_candidate(cfg.params, cfg.n_layers, x1, r, gqa=gqa,
-                           head_dim=cfg.search_space.head_dim, settings=build).spec
-
-
-def measure_scale(cfg: StudyConfig, build: BuildSettings):
-    """``measure.params``: the function from a study shape to the shape measured (the same realised
-    ratios rebuilt at N_m); None where shapes are measured as built."""
-    if cfg.measure.params is None:
-        return None
-    from functools import partial
-
-    return partial(measured_shape, params=cfg.measure.params, head_dim=cfg.search_space.head_dim, build=build)
 
 
 def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
@@ -281,21 +249,6 @@ def _driver_emits_no_begin(dbapi_connection, _record) -> None:
 
 def _begin_immediate(conn) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-# The constraints of every trial, in this order (feasible iff every value <= 0).
-CONSTRAINT_KEYS = ("predicted_loss_minus_target", "limits_violated")
-
-
-def set_constraint(trial, key: str, value: float) -> None:
-    """Record one constraint value, named in ``user_attrs['constraints']``. The samplers and
-    optuna-dashboard read the values from the system attribute ``constraints`` as a list, the
-    form Optuna's own ``constraints_func`` writes (the dashboard does not read the keyed form
-    of ``Trial.set_constraint``), so the list is written here, in CONSTRAINT_KEYS order."""
-    cons = {**trial.user_attrs.get("constraints", {}), key: float(value)}
-    trial.set_user_attr("constraints", cons)
-    trial.storage.set_trial_system_attr(trial._trial_id, "constraints",
-                                        [cons[k] for k in CONSTRAINT_KEYS if k in cons])
 
 
 def make_sampler(cfg: StudyConfig):
@@ -486,17 +439,6 @@ def _objective(trial, ctx: SearchContext):
     record_measurement(trial, m, result.backend, None if tput is not None else
             failed.get(str(ctx.ref_batch)) or result.error or f"no throughput at batch size {ctx.ref_batch}")
     return _measured(trial, ctx, result.batch(ctx.ref_batch), tput, loss)
-
-
-def record_measurement(trial, m, backend: str | None, failure: str | None) -> None:
-    """Record where a trial's measurement is stored; a failed one fails the trial."""
-    trial.set_user_attr("measurement_key", m.key)
-    trial.set_user_attr("measurement_cached", m.cached)
-    trial.set_user_attr("backend", backend)
-    if failure is not None:
-        trial.set_user_attr("failure_reason", failure)
-        set_constraint(trial, "limits_violated", 0.0)
-        raise MeasurementFailed(failure)
 
 
 def _measured(trial, ctx: SearchContext, batch, value: float, loss: float):

@@ -95,7 +95,7 @@ def _metrics(pred: list[float], meas: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from archsearch.benchmarks.calibration import fit_calibration
+    from archsearch.benchmarks.calibration_fit import fit_calibration
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", action="append",

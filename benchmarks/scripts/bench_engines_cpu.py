@@ -56,7 +56,7 @@ def study_shapes(cfg) -> list:
     import numpy as np
 
     from archsearch.search.checks import vocab_size
-    from archsearch.search.study import build_settings, expand, measure_scale
+    from archsearch.search.derived import build_settings, expand, measure_scale
 
     box, build = cfg.search_space, build_settings(cfg, vocab_size(cfg))
     scale = measure_scale(cfg, build) or (lambda s: s)

@@ -27,7 +27,8 @@ def evaluate(path: Path) -> dict:
     import numpy as np
 
     from archsearch.benchmarks.analytic import predict_batch
-    from archsearch.benchmarks.calibration import Calibration, table_devices, held_out_errors, shape_key, model_variants, read_table
+    from archsearch.benchmarks.calibration import Calibration
+    from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_table, shape_key, table_devices
 
     cal = Calibration.load(path)
     pts, source = read_table(cal.source["path"])

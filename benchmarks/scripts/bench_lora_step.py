@@ -228,7 +228,8 @@ def time_part(blocks, args, prov) -> dict:
     from archsearch.arch import ArchSpec
     from archsearch.planning.lora import LoraSettings
     from archsearch.planning.measure import measure_lora_schedule
-    from archsearch.planning.planner import LoraCalibration, lora_step_flops, predict_lora_step_time
+    from archsearch.planning.lora import lora_step_flops
+    from archsearch.planning.planner import LoraCalibration, predict_lora_step_time
 
     schedule, where = [], []  # where: block index per entry
     for _ in range(args.rounds):

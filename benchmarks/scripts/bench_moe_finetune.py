@@ -48,7 +48,7 @@ def main() -> int:
     from archsearch.planning.batchlaws import PUBLISHED_MAX_BATCH, model_memory_bytes, with_active_experts
     from archsearch.planning.lora import LoraSettings, parse_targets
     from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
-    from archsearch.planning.planner import lora_step_flops
+    from archsearch.planning.lora import lora_step_flops
     from archsearch.presets import get_preset
     from archsearch.provenance import provenance
 

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.search.checks import baseline_spec, vocab_size
     from archsearch.search.config import load_study_config
     from archsearch.search.measure import measured_shape, resolve_backend
-    from archsearch.search.study import build_settings
+    from archsearch.search.derived import build_settings
 
     cfg = load_study_config(args.config)
     base = baseline_spec(cfg)

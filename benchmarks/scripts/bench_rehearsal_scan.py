@@ -52,7 +52,8 @@ def main() -> None:
     from archsearch.search.checks import target_loss, vocab_size
     from archsearch.candidates import build_candidate
     from archsearch.search import margins
-    from archsearch.search.study import build_settings, outside_gqa_bounds
+    from archsearch.search.derived import build_settings
+    from archsearch.search.study import outside_gqa_bounds
     from archsearch.benchmarks.calibration import Calibration
     from archsearch.benchmarks.analytic import predict_batch
     from archsearch.benchmarks.base import append_jsonl, resolve_dtype

@@ -39,7 +39,7 @@ def feasible_shapes(cfg, law, target: float, n: int = 4):
     import numpy as np
 
     from archsearch.search.checks import vocab_size
-    from archsearch.search.study import build_settings, expand
+    from archsearch.search.derived import build_settings, expand
 
     s, build = cfg.search_space, build_settings(cfg, vocab_size(cfg))
     out, seen = [], set()
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.search.config import load_study_config
     from archsearch.search.measure import measured_shape, resolve_backend
     from archsearch.search.checks import baseline_spec, target_loss, vocab_size
-    from archsearch.search.study import build_settings
+    from archsearch.search.derived import build_settings
     from archsearch.benchmarks.paired import instance_var_or_prior, instance_variance, measure_paired
 
     cfg = load_study_config(args.config)
