@@ -15,6 +15,8 @@ from archsearch.errors import ArchsearchError
 from archsearch.presets import load_arch
 from archsearch.provenance import provenance
 from archsearch.benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
+from archsearch.benchmarks.isolate import run_isolated
+from archsearch.benchmarks.scratch import scratch_dir
 
 
 def resolve_arch(arch: ArchSpec | str | Path | None, model_path: str | Path | None) -> ArchSpec:
@@ -67,8 +69,6 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
 
     per_batch: list[BatchResult] = []
     runs: list[dict[str, Any]] = []
-    from archsearch.benchmarks.scratch import scratch_dir
-
     with scratch_dir("model") as tmp:
         if model_path is not None:
             model_dir, real = str(Path(model_path).resolve()), True
@@ -84,8 +84,6 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
                    "settings": settings.to_dict(), "batch_sizes": group}
             failed_at = None
             if backend.isolated:
-                from archsearch.benchmarks.isolate import run_isolated
-
                 out = run_isolated(job, settings.timeout_s, log_path=log_path)
                 res = out.result
                 run = {"ok": out.ok, "error": out.error, "returncode": out.returncode,

@@ -113,6 +113,17 @@ def test_no_import_circle_between_project_files():
     assert not gone, f"no longer circles: {gone}; remove them from KNOWN"
 
 
+def test_the_scale_out_layer_sits_below_the_study():
+    """``cluster/`` submits, tracks and records jobs: none of its modules imports the packages of the
+    study it runs (the job bodies live in trainers/, the search workers in search/)."""
+    above = tuple(f"archsearch.{p}" for p in ("search", "trainers", "planning", "laws", "evaluation", "benchmarks",
+                                              "cli"))
+    graph = imports(*library_sources())
+    up = {m: sorted(t for t in targets if t.startswith(above)) for m, targets in graph.items()
+          if m.startswith("archsearch.cluster")}
+    assert up and not any(up.values()), f"cluster/ reaches up: { {m: t for m, t in up.items() if t} }"
+
+
 def test_the_circle_check_sees_each_form():
     """Top-level, in-function and relative imports make a circle; TYPE_CHECKING imports do not."""
     sources = {

@@ -38,7 +38,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "archsearch.planning": (set(), {"numpy"}),
     "archsearch.trainers": (set(), set()),
     "archsearch.trainers.config": (set(), set()),
-    "archsearch.trainers.loop": (set(), set()),            # torch only inside train()
+    "archsearch.trainers.loop": ({"modelcard"}, set()),    # torch only inside train(); a run writes its model card
     "archsearch.benchmarks": (set(), set()),
     "archsearch.benchmarks.paired": (set(), set()),
     "archsearch.benchmarks.vllm_backend": (set(), set()),  # vLLM only when an engine starts

@@ -280,9 +280,11 @@ class FakeTraining:
 
         self.calls = []
         prepare = lambda data_cfg, min_train_tokens=0: SimpleNamespace(vocab_size=512)  # noqa: E731
-        for where in ("archsearch.trainers.loop", "archsearch.trainers.jobs"):  # the loop, and the proxy jobs
+        # where the loop and the data preparation are called: sweeps, proxy jobs, the GQA walk
+        for where in ("archsearch.trainers.loop", "archsearch.trainers.sweep", "archsearch.trainers.jobs"):
             monkeypatch.setattr(f"{where}.train", self.train)
-        for where in ("archsearch.trainers.data", "archsearch.trainers.jobs"):
+        for where in ("archsearch.trainers.data", "archsearch.trainers.sweep", "archsearch.trainers.jobs",
+                      "archsearch.search.gqa"):
             monkeypatch.setattr(f"{where}.prepare_data", prepare)
 
     def train(self, spec, tc, data_cfg, out_dir, progress=True, data=None):

@@ -39,6 +39,7 @@ from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import truncate_jsonl, write_json
 from archsearch.hardware import GPUS, detect_gpu_name, get_device, measure_cpu
+from archsearch.modelcard import write_run_card
 from archsearch.provenance import provenance
 from archsearch.trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
 
@@ -627,8 +628,6 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         accelerator.end_training()
     if accelerator.is_main_process:
         if record["status"] == "ok":  # the model folder's README.md: shape, training, provenance
-            from archsearch.modelcard import write_run_card
-
             write_run_card(out_dir / MODEL_DIR, json.loads(json.dumps(record, default=str)))
         write_json(out_dir / RUN_FILE, record, default=str)
     accelerator.wait_for_everyone()

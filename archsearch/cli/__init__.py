@@ -19,7 +19,8 @@ import sys
 from collections.abc import Iterator
 
 from archsearch import __version__
-from archsearch.cli._common import finite_float
+from archsearch.cli._common import finite_float, json_stdout
+from archsearch.cli._examples import epilog
 from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
 from archsearch.logs import configure
@@ -96,8 +97,6 @@ def _add_verbosity(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_examples(parser: argparse.ArgumentParser) -> None:
-    from archsearch.cli._examples import epilog
-
     for name, p in subcommands(parser):
         p.epilog = epilog(name)
 
@@ -140,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         # a group without its subcommand (e.g. "archsearch arch"): show that group's help
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
-    from archsearch.cli._common import json_stdout
-
     configure(getattr(args, "verbosity", 0))
     _terminate_like_interrupt()
     try:

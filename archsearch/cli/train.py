@@ -14,8 +14,10 @@ from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file,
 from archsearch.configio import apply_overrides, from_dict, load_config, load_yaml
 from archsearch.errors import ArchsearchError
 from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig, get_hparams
+from archsearch.trainers.data import prepare_data
 from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
-from archsearch.trainers.loop import RUN_FILE, check_run_folder
+from archsearch.trainers.loop import (RUN_FILE, check_cpu_threads, check_run_folder, check_train_budget, match_vocab,
+                                      run_id_for, token_budget, train)
 from archsearch.trainers.sweep import run_sweep
 
 _LAUNCH_ONLY = {"launch", "run", "num_processes", "num_machines", "main_process_ip",
@@ -162,10 +164,6 @@ def _train(args: argparse.Namespace) -> int:
         raise ArchsearchError("--run", "only goes with --launch")
     if args.launch:
         return _launch(args, spec, tc, dc)
-
-    from archsearch.trainers.data import prepare_data
-    from archsearch.trainers.loop import (check_cpu_threads, check_run_folder, check_train_budget, match_vocab,
-                                          run_id_for, token_budget, train)
 
     if dc.seq_len > spec.max_position_embeddings:
         raise ArchsearchError("--seq-len", f"{dc.seq_len} exceeds the model's max_position_embeddings "

@@ -28,7 +28,9 @@ from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.laws import fit_law, load_law
+from archsearch.laws.active import fit_profiled
 from archsearch.laws.diagnostics import held_out_error
+from archsearch.laws.plots import write_plots
 from archsearch.logs import study_log
 from archsearch.provenance import stage_provenance
 from archsearch.rundata import read_runs
@@ -43,6 +45,7 @@ from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, pla
                                       stage_inputs, supersede)
 from archsearch.search.measure import MeasurementStore, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
+from archsearch.search.report import chosen_from_study, write_report
 from archsearch.search.study import recover_stale_trials, run_study
 from archsearch.search.workers import run_search_workers
 
@@ -243,15 +246,11 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if cfg.law.file or not fresh:
         r.law = load_law(cfg.law.file or law_path)
     else:
-        from archsearch.laws.plots import write_plots
-
         runs = [x for x in read_runs(r.runs_path) if x.status == "ok"]
         log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
         if cfg.proxy is not None and cfg.proxy.plan == "active":
             # the plan trains few runs at some sizes: fit every size's L_opt, as the plan did
             # (a best-observed L_opt biases the shape there; archsearch.laws.active.fit_profiled)
-            from archsearch.laws.active import fit_profiled
-
             r.law = fit_profiled(runs, cfg.law.form, cfg.fit_options())
         else:
             r.law = fit_law(runs, cfg.law.form, cfg.fit_options())
@@ -294,8 +293,6 @@ def with_held_out_error(law, runs, cfg: StudyConfig):
 def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """The Optuna study (it resumes from its storage; several workers may share it), then the
     best feasible measured shape."""
-    from archsearch.search.report import chosen_from_study
-
     cfg, ctx, info = r.cfg, r.ctx, None
     if fresh:
         t = time.time()
@@ -398,8 +395,6 @@ def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """``report.md``, ``summary.json``, ``trials.csv`` and the plots, rewritten on every run."""
     if not fresh:
         return None
-    from archsearch.search.report import write_report
-
     log("writing the report, trials.csv and plots")
     r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs)
     return {}

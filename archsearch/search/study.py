@@ -32,6 +32,7 @@ from archsearch.benchmarks.calibration import Calibration
 from archsearch.candidates import BuildSettings
 from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
+from archsearch.hardware import local_device_name
 from archsearch.laws import solve
 from archsearch.logs import get_logger
 from archsearch.search import log, margins
@@ -599,8 +600,6 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     law's optimum seeds the study."""
     if cfg.measure.device_spec:
         return cfg.measure.device_spec
-    from archsearch.hardware import local_device_name
-
     name = local_device_name()
     if name is None:
         get_logger("search").warning("[search] this GPU is not in the device table: seeds are not ranked by a "
