@@ -7,6 +7,7 @@ with its reason, so a search can go on to its next candidate.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,6 @@ def check_lengths(spec: ArchSpec, settings: BenchSettings) -> None:
 
 def _batch_of_event(event: str | None) -> int | None:
     """The batch size an engine process was measuring at its last progress event, if it said."""
-    import re
-
     m = re.match(r"batch (\d+):", event or "")
     return int(m.group(1)) if m else None
 

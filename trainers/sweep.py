@@ -14,6 +14,7 @@ the run folders and the table are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -48,8 +49,6 @@ def sweep_points(cfg: SweepConfig) -> Iterator[dict[str, Any]]:
 def sweep_specs(cfg: SweepConfig, vocab_size: int) -> list[tuple[dict, ArchSpec | None, str | None]]:
     """(point, spec or None, error or None) for every grid point, shapes built by
     archsearch.candidates.build_candidate with the tokenizer's vocabulary."""
-    import dataclasses
-
     # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
     # flagged), since the law is fitted on the realised r
     settings = dataclasses.replace(cfg.build, vocab_size=vocab_size, on_r_drift="flag")

@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import pkgutil
+import signal
 import sys
+import traceback
 from collections.abc import Iterator
 
 from archsearch import __version__
@@ -112,9 +115,6 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate_like_interrupt() -> None:
-    import os
-    import signal
-
     pid = os.getpid()
 
     def raise_terminated(signum, frame):
@@ -169,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
-        import traceback
-
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1
 
@@ -179,8 +177,6 @@ def _closed_pipe() -> int:
     """The reader of stdout went away (``archsearch ... --json | head -c 10``): stop quietly
     with 141 (128 + SIGPIPE), as a POSIX tool killed by SIGPIPE does. Stdout now points at
     /dev/null so the interpreter's last flush does not complain."""
-    import os
-
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -166,8 +167,7 @@ def _plan(args: argparse.Namespace) -> int:
     # per candidate: its own calibration (--calibrate-lora), else the given one, else none
     cals: dict[str, pl.LoraCalibration | str | None] = {c.name: None for c in candidates}
     if args.calibrate_lora:  # the measurements the fine-tune budget check below needs
-        import dataclasses  # the memory limit needs no time: checked before calibrating
-
+        # the memory limit needs no time: checked before calibrating
         _fail_if_unreachable(pl.finetune_unreachable({c.name: c.spec for c in candidates}, dataclasses.replace(
             finetune, max_hours=None, max_cost_usd=None)), args)
         cals = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)

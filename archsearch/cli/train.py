@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
+import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from archsearch.cli._common import (add_arch_args, add_overrides_arg, add_print_config_arg, arch_from_args,
@@ -95,8 +98,6 @@ def register(sub) -> None:
 
 
 def _configs(args: argparse.Namespace):
-    from dataclasses import fields
-
     raw = load_yaml(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
     unknown = set(raw) - {"train", "data"}
     if unknown:
@@ -201,8 +202,6 @@ def _train(args: argparse.Namespace) -> int:
 def _clear_run_folder(out: Path, spec, tc) -> None:
     """``--overwrite``: delete a run of other settings in ``out`` (a folder with a run record;
     any other folder is left alone and the run's own checks refuse it)."""
-    import shutil
-
     try:
         check_run_folder(out, spec, tc, "--out")
     except ArchsearchError:
@@ -213,8 +212,6 @@ def _clear_run_folder(out: Path, spec, tc) -> None:
 
 
 def _launch(args, spec, tc, dc) -> int:
-    import subprocess
-
     if not args.out:
         raise ArchsearchError("--out", "is required with --launch", "every process must write to the same folder")
     if args.num_processes is None:

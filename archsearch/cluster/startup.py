@@ -26,6 +26,7 @@ scheduler, the engine), so they are measured, not assumed:
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import statistics
@@ -225,8 +226,6 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     group, its seconds (``trial_read_s``); per worker, the seconds between one trial's end and its
     next trial's start (``trial_gap_s``). A trial that read a pair another worker measured (it
     may have waited for that worker's group on the pair's lock) is not a sample."""
-    import datetime as dt
-
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= since]
     ends = [r.ended for r in results.values() if r.ended is not None and r.submitted is not None
             and r.submitted >= since]

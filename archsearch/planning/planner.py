@@ -27,8 +27,11 @@ token, peak memory and a fine-tuning time budget.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -291,8 +294,6 @@ class LoraCalibration:
 
     @classmethod
     def load(cls, path: str | Path, field_name: str = "--lora-calibration") -> LoraCalibration:
-        import json
-
         p = Path(path)
         try:
             d = json.loads(read_text(p, field_name))
@@ -378,9 +379,6 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
     ``OUT/lora_calibration/<candidate>.json`` and reused when the plan is run again (resume; a
     one-point calibration from an earlier version is measured again). A candidate whose
     measurement fails maps to the reason (its time stays uncalibrated, and says why)."""
-    import re
-    import statistics
-
     folder = out / CALIBRATIONS
     if measure_fn is None:
         measure_fn = measure_lora_step

@@ -15,6 +15,7 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -270,8 +271,6 @@ def with_held_out_error(law, runs, cfg: StudyConfig):
     ``law.holdout_size`` held one out, else the progressive protocol's last step
     (``archsearch.laws.diagnostics.held_out_error``); with one proxy size none can be measured,
     and the law says so (its margins then rest on the bootstrap alone)."""
-    import dataclasses
-
     held = (law.metrics or {}).get("holdout")
     if held and held.get("n"):
         err = {"relative_sd": held["rmsre"], "n": held["n"], "mare": held["mare"],

@@ -5,6 +5,7 @@ the table the fit stage reads."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,6 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
             reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
             log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
         if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
-            from dataclasses import replace
-
             t_sub = time.time()
             jobs = run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name,
                                   study=out)

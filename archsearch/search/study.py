@@ -17,11 +17,14 @@ store, so nothing is lost or measured twice.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import platform
+import sqlite3
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -189,8 +192,6 @@ def _connect_timeout(url: str) -> dict[str, Any]:
 
 
 def _check_sqlite_file(path: Path, shown: str, field: str) -> None:
-    import sqlite3
-
     try:
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
             conn.execute("PRAGMA schema_version").fetchone()
@@ -531,8 +532,6 @@ def create_study(ctx: SearchContext, load_only: bool = False):
         study = optuna.create_study(study_name=cfg.name, storage=storage, sampler=make_sampler(cfg),
                                     directions=directions, load_if_exists=True)
         if study.metric_names is None:
-            import warnings
-
             with warnings.catch_warnings():  # experimental since Optuna 3.2, stable in use
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 names = PAIRED_METRIC_NAMES if ctx.baseline is not None else METRIC_NAMES
@@ -863,8 +862,6 @@ def run_study(ctx: SearchContext, progress: bool = True):
     if retried and not short:  # only the retries: no new proposals
         left = len(retried)
     if (short or retried) and left > 0:
-        import logging
-
         optuna_log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
         if _no_traceback_for_failed_measurements not in optuna_log.filters:
             optuna_log.addFilter(_no_traceback_for_failed_measurements)

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec
@@ -318,8 +319,6 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pathlib import Path
-
     import numpy as np
 
     shapes = [(label, rows) for label, rows in shapes if rows]
