@@ -28,7 +28,7 @@ from archsearch.trainers.loop import RUN_FILE, read_record, run_id_for, token_bu
 from archsearch.trainers.sweep import failed_record, sweep_specs
 
 
-def _log(msg: str) -> None:
+def _log(msg: str) -> None:  # a line of the study's progress (archsearch.search.log)
     get_logger("search").info(f"[search] {msg}")
 
 

@@ -236,7 +236,6 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     # one record per measured pair; a group of k shapes measured in one process (optuna.seeds_together)
     # is written as k-1 pair records sharing its timing (group_size k): counted once, its engines'
     # starts the baseline's and each shape's
-
     groups: dict[tuple, list[dict]] = {}
     walls: dict[str, tuple[float, bool]] = {}  # measurement key -> (its engine process's wall, in a group)
     for rec in read_jsonl_lines(measurements):  # the measurement store's own reader

@@ -16,17 +16,13 @@ from archsearch.cluster import startup
 from archsearch.cluster.executor import Task, TaskResult, run_tasks
 from archsearch.fileio import atomic_write
 from archsearch.hardware import local_device_name
-from archsearch.logs import get_logger
+from archsearch.search import log
 from archsearch.search.checks import check_reference_batch
 from archsearch.search.context import load_study, search_context
 from archsearch.search.study import distinct_measured, run_study
 
 # the folder of a study's job ledgers and logs
 JOBS_DIR = "cluster"
-
-
-def _log(msg: str) -> None:
-    get_logger("search").info(f"[search] {msg}")
 
 
 def search_worker(cfg, out: str, marker: str) -> None:
@@ -59,7 +55,7 @@ def run_search_workers(cfg, out: Path, stage_start: float | None = None) -> dict
         marker = folder / f"worker-{i}.done"
         tasks.append(Task(key=f"search-worker-{i}", fn=search_worker, args=(inline, str(out), str(marker)),
                           is_done=lambda m=marker: m.is_file() or study_done(), gpus=gpus))
-    _log(f"search: {len(tasks)} Optuna workers as {cfg.cluster.executor} jobs")
+    log(f"search: {len(tasks)} Optuna workers as {cfg.cluster.executor} jobs")
     results = run_tasks(tasks, cfg.cluster, folder)
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
     startup.record(out, "search", cfg.cluster.executor,
