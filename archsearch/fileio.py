@@ -13,6 +13,7 @@ or a law is as readable by the group as the user's umask allows.
 from __future__ import annotations
 
 import contextlib
+import csv
 import io
 import json
 import os
@@ -172,8 +173,6 @@ def truncate_jsonl(path: str | Path, keep: Callable[[Any], bool]) -> None:
 def read_table(path: Path, what: str) -> list[Any]:
     """The rows of a user's ``.csv`` (dicts by header) or JSON-lines file; a broken line is an
     error naming ``what`` and the line."""
-    import csv
-
     text = read_text(path, what)
     if path.suffix == ".csv":
         return list(csv.DictReader(io.StringIO(text, newline="")))
@@ -191,8 +190,6 @@ def read_table(path: Path, what: str) -> list[Any]:
 def write_table(path: str | Path, rows: list[dict[str, Any]], first: tuple[str, ...] = ()) -> Path:
     """``rows`` as CSV, atomically: the columns are ``first``, then every other key in order of
     appearance; a missing or None value is an empty cell."""
-    import csv
-
     with atomic_open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys([*first, *(k for r in rows for k in r)])))
         w.writeheader()

@@ -10,7 +10,10 @@ it.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -119,8 +122,6 @@ def local_device_name() -> str | None:
 @functools.lru_cache(maxsize=1)
 def host_memory_bytes() -> float:
     """This machine's physical memory in bytes (0 where the OS does not say)."""
-    import os
-
     try:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -174,9 +175,6 @@ def measure_gpu(n: int = 8192, repeats: int = 10) -> Device:
 def cpu_profile_path() -> Path:
     """This machine's CPU profile: ``$ARCHSEARCH_CACHE`` (or ``~/.cache/archsearch``)
     ``/machine/cpu-<host>-<threads>t.json`` (the peak depends on torch's thread count)."""
-    import os
-    import platform
-
     import torch
 
     root = Path(os.environ["ARCHSEARCH_CACHE"]) if os.environ.get("ARCHSEARCH_CACHE") else \
@@ -190,9 +188,6 @@ def cpu_device() -> Device:
     (:func:`cpu_profile_path`) and read back from it: a prediction for ``cpu`` is then a
     deterministic function of its inputs instead of moving with the load of the moment. The entry's
     ``source`` names the file and when it was measured; delete the file to measure again."""
-    import datetime
-    import json
-
 
     path = cpu_profile_path()
 

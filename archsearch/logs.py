@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,8 +90,6 @@ _library_console.addFilter(_library_record)
 def _capture_warnings() -> None:
     """Python warnings to the ``py.warnings`` logger, even where something (a test runner's
     ``catch_warnings``) put its own ``showwarning`` back since the last call."""
-    import warnings
-
     if warnings.showwarning is not getattr(logging, "_showwarning", None):
         logging.captureWarnings(False)
         logging.captureWarnings(True)

@@ -95,3 +95,11 @@ def provenance(extra_packages: Iterable[str] = (), device: bool = True) -> dict[
         "command": redact(" ".join(sys.argv)),
         "speed_env": speed_env(),
     }
+
+
+def stage_provenance() -> dict[str, Any]:
+    """Where and when a stage ran (the full versions are in config.json's summary and in each
+    measurement's own record)."""
+    p = provenance()
+    return {"time_utc": p["time_utc"], "host": p["host"], "git": p["git"],
+            "device": (p.get("device") or {}).get("name"), "command": p["command"]}

@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar
 from archsearch.configio import KEY, PlainData
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines
+from archsearch.hardware import host_memory_bytes
 
 BACKENDS: dict[str, str] = {
     "vllm": "archsearch.benchmarks.vllm_backend:VLLMBackend",
@@ -87,8 +88,6 @@ class BenchSettings(PlainData):
         # cheap arithmetic before any engine starts: the prompt and output token ids alone (8
         # bytes each) of the largest batch must fit in this machine's memory
         # (the analytic backend builds no prompts: it records a batch that cannot fit as failed)
-        from archsearch.hardware import host_memory_bytes
-
         need, have = max(self.batch_sizes) * (self.input_len + self.output_len) * 8, host_memory_bytes()
         if self.backend != "analytic" and have and need > have:
             raise ArchsearchError("batch_sizes/input_len", f"{max(self.batch_sizes)} sequences of "

@@ -31,6 +31,7 @@ import archsearch
 from archsearch.benchmarks.base import load_backend
 from archsearch.benchmarks.loop import describe_error
 from archsearch.benchmarks.scratch import scratch_dir, watch_owner
+from archsearch.fileio import write_json  # atomic: the parent never reads half a file
 from archsearch.logs import get_logger
 
 # the folder holding the ``archsearch`` package this process runs (a checkout or site-packages):
@@ -167,8 +168,6 @@ def _crash_reason(rc: int | None, tail: str) -> str:
 def _child_main(job_path: str, result_path: str) -> int:
     if os.environ.get("ARCHSEARCH_OWNER_PID"):  # before any engine starts a worker
         watch_owner(int(os.environ["ARCHSEARCH_OWNER_PID"]))
-    from archsearch.fileio import write_json  # atomic: the parent never reads half a file
-
     out = Path(result_path)
     job = json.loads(Path(job_path).read_text())
     state: dict[str, Any] = {}

@@ -7,6 +7,7 @@ with its reason, so a search can go on to its next candidate.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from archsearch.errors import ArchsearchError
 from archsearch.presets import load_arch
 from archsearch.provenance import provenance
 from archsearch.benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
+from archsearch.benchmarks.isolate import run_isolated
+from archsearch.benchmarks.scratch import scratch_dir
 
 
 def resolve_arch(arch: ArchSpec | str | Path | None, model_path: str | Path | None) -> ArchSpec:
@@ -43,8 +46,6 @@ def check_lengths(spec: ArchSpec, settings: BenchSettings) -> None:
 
 def _batch_of_event(event: str | None) -> int | None:
     """The batch size an engine process was measuring at its last progress event, if it said."""
-    import re
-
     m = re.match(r"batch (\d+):", event or "")
     return int(m.group(1)) if m else None
 
@@ -67,8 +68,6 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
 
     per_batch: list[BatchResult] = []
     runs: list[dict[str, Any]] = []
-    from archsearch.benchmarks.scratch import scratch_dir
-
     with scratch_dir("model") as tmp:
         if model_path is not None:
             model_dir, real = str(Path(model_path).resolve()), True
@@ -84,8 +83,6 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
                    "settings": settings.to_dict(), "batch_sizes": group}
             failed_at = None
             if backend.isolated:
-                from archsearch.benchmarks.isolate import run_isolated
-
                 out = run_isolated(job, settings.timeout_s, log_path=log_path)
                 res = out.result
                 run = {"ok": out.ok, "error": out.error, "returncode": out.returncode,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +201,6 @@ class PairedResult(PlainData):
     def pair(self, i: int) -> PairedResult:
         """The reference and shape ``i`` alone (and the twin): their columns of every round
         (paired data, as if compared by themselves, with the group's stopping rule)."""
-        from dataclasses import replace
-
         cols = [0, i, len(self.specs) - 1] if self.twin else [0, i]
         pick = lambda xs: [xs[c] for c in cols] if len(xs) == len(self.specs) else xs  # noqa: E731
         return replace(self, specs=pick(self.specs), rounds=[pick(r) for r in self.rounds], ttft=pick(self.ttft),

@@ -12,6 +12,7 @@ removes those whose owner is gone (:func:`reap_stale`); the engine process start
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -81,8 +82,6 @@ def watch_owner(owner_pid: int, poll_s: float = 0.2) -> int | None:
     (None where it could not start: the owner is then still the only one to end the group)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     if not hasattr(os, "fork"):

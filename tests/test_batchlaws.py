@@ -170,7 +170,7 @@ def test_sparse_and_dense_moe_finetune_memory_and_flops():
     from archsearch.planning.batchlaws import with_active_experts
     from archsearch.planning.lora import LoraSettings
     from archsearch.planning.finetune import predict_finetune_memory
-    from archsearch.planning.planner import lora_step_flops
+    from archsearch.planning.lora import lora_step_flops
     from archsearch.presets import get_preset
 
     sparse = get_preset("mixtral-8x7b")

@@ -28,7 +28,7 @@ def test_calibration_grid_over_a_study_box_is_measured_as_the_study_measures():
     from archsearch.benchmarks.scripts.bench_engines_cpu import study_shapes
     from archsearch.search.checks import vocab_size
     from archsearch.search.config import load_study_config
-    from archsearch.search.study import build_settings, expand
+    from archsearch.search.derived import build_settings, expand
 
     cfg = load_study_config(Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml")
     shapes = study_shapes(cfg)

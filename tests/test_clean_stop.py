@@ -132,7 +132,7 @@ def test_a_storage_password_is_never_written_or_printed(tmp_path, monkeypatch, c
     import yaml
 
     from archsearch.cli import main
-    from archsearch.search import study
+    from archsearch.search import checks, study
 
     sys.path.insert(0, str(REPO / "tests"))
     from test_search import study_config
@@ -146,7 +146,7 @@ def test_a_storage_password_is_never_written_or_printed(tmp_path, monkeypatch, c
         opened.append(u)
         return real_make(f"sqlite:///{tmp_path / 'stand-in.db'}")
 
-    monkeypatch.setattr(study, "check_storage", lambda u, field="optuna.storage": opened.append(u))
+    monkeypatch.setattr(checks, "check_storage", lambda u, field="optuna.storage": opened.append(u))
     monkeypatch.setattr(study, "make_storage", make_storage)
     argv = ["search", "--config", cfg["_path"], f"optuna.storage={url}"]
     monkeypatch.setattr(sys, "argv", ["archsearch", *argv])

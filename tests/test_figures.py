@@ -26,9 +26,10 @@ def drawn(monkeypatch):
     monkeypatch.setattr(figures, "save", keep)
     import archsearch.laws.plots as plots
     import archsearch.search.report as report
+    import archsearch.search.targets as targets
 
-    monkeypatch.setattr(plots, "save", keep)
-    monkeypatch.setattr(report, "save", keep)
+    for module in (plots, report, targets):
+        monkeypatch.setattr(module, "save", keep)
     return out
 
 

@@ -59,7 +59,7 @@ def test_fit_recovers_known_parameters_from_synthetic_points():
     """Points made by a known calibration (a separate KV efficiency, per-step and per-sequence
     overheads, a capped batch among them) are fitted back to its parameters."""
     from archsearch.benchmarks.analytic import predict_batch
-    from archsearch.benchmarks.calibration import Point, fit_points
+    from archsearch.benchmarks.calibration_fit import Point, fit_points
     from archsearch.hardware import get_device
 
     truth, dev = _truth(), get_device("H200")
@@ -77,7 +77,8 @@ def test_fit_recovers_known_parameters_from_synthetic_points():
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_calibration_states_its_source_and_reproduces_its_fit(path):
     from archsearch.benchmarks.analytic import predict_batch
-    from archsearch.benchmarks.calibration import Calibration, file_name, read_table
+    from archsearch.benchmarks.calibration import Calibration
+    from archsearch.benchmarks.calibration_fit import file_name, read_table
     from archsearch.hardware import get_device
 
     cal = Calibration.load(path)
@@ -100,7 +101,8 @@ def test_shipped_calibration_states_its_source_and_reproduces_its_fit(path):
 
 def test_shipped_h200_vllm_held_out_errors_recomputed():
     """The stated leave-one-shape-out and leave-one-batch-out errors come back from the table."""
-    from archsearch.benchmarks.calibration import Calibration, table_devices, held_out_errors, shape_key, model_variants, read_table
+    from archsearch.benchmarks.calibration import Calibration
+    from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_table, shape_key, table_devices
 
     cal = Calibration.load(CAL_DIR / "h200-vllm.json")
     pts, _ = read_table(TABLE)
@@ -136,7 +138,7 @@ def test_calibrated_kv_reduction_is_smaller_than_the_roofline_says():
 def test_bad_table_names_the_field(tmp_path, edit, field):
     import csv
 
-    from archsearch.benchmarks.calibration import read_table
+    from archsearch.benchmarks.calibration_fit import read_table
 
     with open(TABLE) as fh:
         rows = edit(list(csv.DictReader(fh)))
@@ -154,7 +156,8 @@ def test_calibrate_command_writes_one_file_per_device_and_engine(tmp_path):
     """The command on a table (here: one setup's rows, one form) writes <device>-<engine>.json."""
     import csv
 
-    from archsearch.benchmarks.calibration import Calibration, main
+    from archsearch.benchmarks.calibration import Calibration
+    from archsearch.benchmarks.calibration_fit import main
 
     with open(TABLE) as fh:
         rows = [r for r in csv.DictReader(fh) if r["device"] == "H200" and r["engine"] == "sglang"]
@@ -215,7 +218,8 @@ def _rehearsal(tmp_path, calibration: str | None):
 def test_seed_ranking_and_dry_run_plan_use_the_calibration(tmp_path):
     from archsearch.laws import load_law
     from archsearch.search.plan import measurement_cost
-    from archsearch.search.study import SearchContext, analytic_throughput_fn, build_settings, calibration_label
+    from archsearch.search.derived import build_settings
+    from archsearch.search.study import SearchContext, analytic_throughput_fn, calibration_label
 
     cal = str(CAL_DIR / "h200-vllm.json")
     plain, calibrated = _rehearsal(tmp_path, None), _rehearsal(tmp_path, cal)

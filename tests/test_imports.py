@@ -4,7 +4,9 @@ that uses one is called. Each module is imported in a fresh interpreter; the tab
 declared dependency graph (a new edge is a decision: add it here, with a reason, or lazy-import).
 
 No module reaches into another's privates: what a second module uses is public where it belongs
-(:func:`test_no_module_imports_another_modules_private_name`).
+(:func:`test_no_module_imports_another_modules_private_name`). A project module is imported at the
+top of the file, not inside a function, but for the few kept there with a reason
+(:func:`test_project_modules_are_imported_at_the_top_of_the_file`).
 
 The same check by hand: ``python -c "import archsearch.trainers, sys; print(sorted(m for m in
 sys.modules if m.startswith('archsearch.')))"``.
@@ -38,7 +40,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "archsearch.planning": (set(), {"numpy"}),
     "archsearch.trainers": (set(), set()),
     "archsearch.trainers.config": (set(), set()),
-    "archsearch.trainers.loop": (set(), set()),            # torch only inside train()
+    "archsearch.trainers.loop": ({"modelcard"}, set()),    # torch only inside train(); a run writes its model card
     "archsearch.benchmarks": (set(), set()),
     "archsearch.benchmarks.paired": (set(), set()),
     "archsearch.benchmarks.vllm_backend": (set(), set()),  # vLLM only when an engine starts
@@ -50,9 +52,12 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     # the study's schema nests the types it configures: build settings, measurement settings,
     # limits, sweeps/training, cluster, the law fit's options
     "archsearch.search.config": ({"benchmarks", "planning", "trainers", "cluster", "laws"}, {"numpy"}),
-    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster", "laws", "modelcard"}, {"numpy"}),
-    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "laws", "figures", "modelcard"},
-                                 {"numpy"}),
+    # the study's checks name the evaluation's tasks at load (archsearch.evaluation.suites), and the
+    # deployment targets draw their figure (archsearch.figures: matplotlib only when drawn)
+    "archsearch.search.pipeline": ({"benchmarks", "planning", "trainers", "cluster", "laws", "modelcard", "evaluation",
+                                    "figures"}, {"numpy"}),
+    "archsearch.search.report": ({"benchmarks", "planning", "trainers", "cluster", "laws", "figures", "modelcard",
+                                  "evaluation"}, {"numpy"}),
 }
 
 _PROBE = """
@@ -150,3 +155,69 @@ def test_the_private_reach_in_check_sees_each_form():
     assert private_reach_ins(ROOT / "archsearch" / "search" / "_probe_for_test.py", text) == [f"archsearch/search/_probe_for_test.py:{n} archsearch.{d}" for n, d in
                                       ((1, "laws.fit._x"), (5, "laws.fit._y"), (5, "laws.forms._z"),
                                        (5, "search.report._w"))]
+
+
+# (file, project module) pairs imported inside a function, and why; every other project module is
+# imported at the top of the file, so that a file's header says what it depends on
+IN_FUNCTION: dict[tuple[str, str], str] = {
+    ("archsearch/cluster/executor.py", "archsearch.cluster._job"): "imports submitit: local and Slurm executors only",
+    # the import-cost table above keeps these modules free of numpy, which planning, the data
+    # pipeline and the law fit import
+    ("trainers/config.py", "archsearch.planning.lora"): "numpy",
+    ("trainers/loop.py", "archsearch.planning.lora"): "numpy",
+    ("trainers/loop.py", "archsearch.trainers.data"): "numpy",
+    ("trainers/loop.py", "archsearch.laws.fit"): "numpy",
+    # looked up at call time, where the tests patch them (the paired measurement, the trainer and
+    # its data); the active plan's file lock is the measurement store's, a trainer reaching into search/
+    ("archsearch/search/measure.py", "archsearch.benchmarks.paired"): "patched by tests/test_paired.py",
+    ("trainers/active.py", "archsearch.trainers.data"): "patched by tests/test_active.py",
+    ("trainers/active.py", "archsearch.trainers.loop"): "patched by tests/test_active.py",
+    ("trainers/active.py", "archsearch.laws.active"): "numpy",
+}
+
+
+def in_function_project_imports(path: Path, text: str | None = None) -> set[tuple[str, str]]:
+    """(file, project module) of every import of a project module inside a function of ``path``."""
+    tree = ast.parse(path.read_text() if text is None else text, str(path))
+    me = _module_name(path)
+    package = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+    found = set()
+
+    def walk(node, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+                if isinstance(child, ast.Import):
+                    mods = [a.name for a in child.names]
+                else:
+                    base = child.module or ""
+                    if child.level:
+                        base = ".".join(package[:len(package) - child.level + 1] + ([base] if base else []))
+                    mods = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in child.names]
+                for m in mods:
+                    if m.split(".")[0] in ("archsearch", "trainers", "benchmarks"):
+                        found.add((str(path.relative_to(ROOT)), m))
+            walk(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    walk(tree, False)
+    return found
+
+
+def _library_sources():
+    for folder in ("archsearch", "trainers", "benchmarks"):
+        yield from (p for p in sorted((ROOT / folder).rglob("*.py")) if "scripts" not in p.relative_to(ROOT).parts)
+
+
+def test_project_modules_are_imported_at_the_top_of_the_file():
+    found = set().union(*(in_function_project_imports(p) for p in _library_sources()))
+    new = sorted(found - set(IN_FUNCTION))
+    assert not new, f"import these at the top of the file (or say in IN_FUNCTION why not): {new}"
+    gone = sorted(set(IN_FUNCTION) - found)
+    assert not gone, f"no longer imported inside a function: {gone}; drop them from IN_FUNCTION"
+
+
+def test_the_in_function_check_sees_each_form():
+    text = ("import json\nfrom archsearch.arch import x\ndef f():\n    from archsearch.fileio import y\n"
+            "    import archsearch.errors\n    from . import report\n    import numpy\n")
+    assert in_function_project_imports(ROOT / "archsearch" / "search" / "_probe_for_test.py", text) == {
+        ("archsearch/search/_probe_for_test.py", m)
+        for m in ("archsearch.fileio", "archsearch.errors", "archsearch.search.report")}

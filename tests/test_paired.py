@@ -159,7 +159,8 @@ class _PairedFake:
 def _gqa_ctx(tmp_path, measurer, spec=None, **over):
     from archsearch.arch import non_embedding_params
     from archsearch.laws import load_law
-    from archsearch.search.study import SearchContext, build_settings
+    from archsearch.search.derived import build_settings
+    from archsearch.search.study import SearchContext
     from tests.test_search import load, study_config
 
     cfg = load(study_config(tmp_path, **({"params": non_embedding_params(spec)} if spec else {}), **over))
@@ -210,7 +211,8 @@ def test_calibration_recovers_known_efficiencies_and_labels_uncalibrated(tmp_pat
     import dataclasses
 
     from archsearch.benchmarks import measure
-    from archsearch.benchmarks.calibration import Calibration, fit_calibration
+    from archsearch.benchmarks.calibration import Calibration
+    from archsearch.benchmarks.calibration_fit import fit_calibration
 
     truth = Calibration("dev", "vllm", "float32", 0.2, 0.05, 2e-3, peak_flops=1e12, memory_bandwidth=1e11)
     truth.save(tmp_path / "truth.json")
@@ -452,7 +454,8 @@ def test_calibration_chooses_the_model_variant_by_leave_one_shape_out_error(tmp_
     import dataclasses
 
     from archsearch.benchmarks import measure
-    from archsearch.benchmarks.calibration import CPU_TERMS, Calibration, fit_calibration
+    from archsearch.benchmarks.calibration import Calibration
+    from archsearch.benchmarks.calibration_fit import CPU_TERMS, fit_calibration
 
     truth = Calibration("dev", "vllm", "float32", 0.3, 0.2, 1e-3, 2e-4, 5e-6, 0.0, "sum", peak_flops=1e12,
                         memory_bandwidth=1e11)

@@ -119,12 +119,12 @@ def test_measuring_device_is_known_only_where_it_can_be():
 
 
 def test_a_slurm_measurement_job_checks_its_own_gpu_before_measuring(tmp_path, monkeypatch):
-    import archsearch.hardware
-    from archsearch.cluster.study import search_worker
+    import archsearch.search.workers
+    from archsearch.search.workers import search_worker
 
     cfg = _paper3b("measure.reference_batch_size=128", "cluster.executor=slurm")
     assert check_reference_batch(cfg, measuring_device(cfg)) is None  # the coordinator cannot know
-    monkeypatch.setattr(archsearch.hardware, "local_device_name", lambda: "H100")  # the job's GPU
+    monkeypatch.setattr(archsearch.search.workers, "local_device_name", lambda: "H100")  # the job's GPU
     with pytest.raises(ArchsearchError, match="does not fit on H100-SXM"):
         search_worker(cfg, str(tmp_path / "study"), str(tmp_path / "done"))
     assert not (tmp_path / "done").exists()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from archsearch.errors import ArchsearchError
-from archsearch.search import checks, study
+from archsearch.search import checks, derived
 from archsearch.search.config import load_study_config
 from archsearch.search.resolved import ResolvedStudy, as_resolved, derive, fit_options, resolve
 from archsearch.trainers.sweep import sweep_specs
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # each derivation and each check of the config, by its code (whatever name a module imported it by)
 WATCHED = {f.__code__: name for name, f in {
-    "vocab_size": checks.vocab_size, "build_settings": study.build_settings, "baseline_spec": checks.baseline_spec,
+    "vocab_size": checks.vocab_size, "build_settings": derived.build_settings, "baseline_spec": checks.baseline_spec,
     "measured_baseline": checks.measured_baseline, "check_settings": checks.check_settings,
     "check_search_space": checks.check_search_space, "check_study": checks.check_study,
     "check_reference_batches": checks.check_reference_batches, "sweep_specs": sweep_specs}.items()}
@@ -64,7 +64,7 @@ def test_the_resolved_values_are_the_config_s_derivations(config):
     cfg = load_study_config(REPO / "configs" / f"{config}.yaml")
     s = derive(cfg)
     vocab = checks.vocab_size(cfg)
-    build = study.build_settings(cfg, vocab)
+    build = derived.build_settings(cfg, vocab)
     assert (s.vocab_size, s.build) == (vocab, build)
     assert s.baseline == checks.baseline_spec(cfg)
     assert s.measured_baseline == checks.measured_baseline(cfg)

@@ -217,7 +217,8 @@ def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
     from archsearch.search.measure import Measurement
     from archsearch.laws import load_law
     from archsearch.search.gqa import gqa_pairs, local_gqa_search
-    from archsearch.search.study import SearchContext, build_settings
+    from archsearch.search.derived import build_settings
+    from archsearch.search.study import SearchContext
 
     spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192,
                     vocab_size=256)
@@ -279,9 +280,13 @@ class FakeTraining:
         from types import SimpleNamespace
 
         self.calls = []
-        monkeypatch.setattr("archsearch.trainers.loop.train", self.train)
-        monkeypatch.setattr("archsearch.trainers.data.prepare_data",
-                            lambda data_cfg, min_train_tokens=0: SimpleNamespace(vocab_size=512))
+        prepare = lambda data_cfg, min_train_tokens=0: SimpleNamespace(vocab_size=512)  # noqa: E731
+        # where the loop and the data preparation are called: sweeps, proxy jobs, the GQA walk
+        for where in ("archsearch.trainers.loop", "archsearch.trainers.sweep", "archsearch.trainers.jobs"):
+            monkeypatch.setattr(f"{where}.train", self.train)
+        for where in ("archsearch.trainers.data", "archsearch.trainers.sweep", "archsearch.trainers.jobs",
+                      "archsearch.search.gqa"):
+            monkeypatch.setattr(f"{where}.prepare_data", prepare)
 
     def train(self, spec, tc, data_cfg, out_dir, progress=True, data=None):
         from archsearch.trainers.loop import RUN_FILE
@@ -316,7 +321,8 @@ def _throughput_measurer(calls):
 
 def _gqa_ctx(cfg, tmp_path, out, calls):
     from archsearch.laws import load_law
-    from archsearch.search.study import SearchContext, build_settings
+    from archsearch.search.derived import build_settings
+    from archsearch.search.study import SearchContext
 
     return SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
                          measurer=_throughput_measurer(calls), out=out, build=build_settings(cfg, 256))
@@ -402,7 +408,7 @@ def test_gqa_proxies_train_as_the_cluster_jobs_and_a_failed_run_stops_the_walk(t
                 out[t.key] = TaskResult(t.key, "failed", 2, reason="node lost")
         return out
 
-    monkeypatch.setattr("archsearch.cluster.study.run_tasks", run_tasks)
+    monkeypatch.setattr("archsearch.trainers.jobs.run_tasks", run_tasks)
     cfg = replace(_gqa_study(tmp_path), cluster=ClusterConfig(executor="local", jobs_at_once=2))
     res = local_gqa_search(ArchSpec(**GQA_SPEC), _gqa_ctx(cfg, tmp_path, tmp_path / "s1", []), log=False)
     up = res.steps[1]
@@ -657,7 +663,8 @@ def test_an_analytic_study_honours_a_ttft_limit(tmp_path):
 
 def test_enqueue_solution_zero_seeds_nothing(tmp_path):
     from archsearch.laws import load_law
-    from archsearch.search.study import SearchContext, build_settings, seed_points
+    from archsearch.search.derived import build_settings
+    from archsearch.search.study import SearchContext, seed_points
 
     cfg0 = load(study_config(tmp_path, optuna={"enqueue_solution": 0}))
     cfg2 = load(study_config(tmp_path, optuna={"enqueue_solution": 2}))
@@ -681,12 +688,13 @@ def test_a_second_worker_finds_the_seeds_enqueued_not_an_empty_study(tmp_path, m
 
     from archsearch.laws import load_law
     from archsearch.search import study as S
+    from archsearch.search.derived import build_settings
 
     cfg = load(study_config(tmp_path, optuna={"enqueue_solution": 2}))
     out = cfg.out_dir()
     out.mkdir(parents=True)
     ctx = S.SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=None,
-                          out=out, build=S.build_settings(cfg, 256))
+                          out=out, build=build_settings(cfg, 256))
     seeding, seed_points = threading.Event(), S.seed_points
 
     def slow_seed_points(c):  # the first worker is still ranking its seeds when the second arrives

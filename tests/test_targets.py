@@ -49,7 +49,7 @@ def test_bad_target_objective(tmp_path):
 
 
 def test_target_takes_the_measure_block_where_it_says_nothing(tmp_path):
-    from archsearch.search.targets import target_measure
+    from archsearch.search.deployment import target_measure
 
     cfg = load(targets_config(tmp_path))
     small, big = (target_measure(cfg.measure, t) for t in cfg.measure.targets)
@@ -84,6 +84,7 @@ def test_two_target_study_end_to_end(tmp_path):
     from optuna.trial import TrialState
 
     from archsearch.search import pipeline
+    from archsearch.search.context import search_context
     from archsearch.search.study import create_study
     from archsearch.search.targets import aggregate, predicted_ratio_fn
 
@@ -103,7 +104,7 @@ def test_two_target_study_end_to_end(tmp_path):
     assert "## Deployment targets" in report and "| answer | x" in report and "(pred.)" in report
 
     # every measured trial: its objective is the aggregate of its per-target ratios, both recorded
-    ctx = pipeline.search_context(cfg, out)
+    ctx = search_context(cfg, out)
     study, _ = create_study(ctx, load_only=True)
     measured = [x for x in study.get_trials(states=(TrialState.COMPLETE,)) if x.user_attrs.get("target_ratios")]
     assert measured

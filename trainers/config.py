@@ -11,6 +11,7 @@ The method's per-size settings (docs/method.md section 6) are the named presets 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -136,8 +137,6 @@ TRACKERS = {
 
 def check_trackers(names: list[str], field: str = "train.log_with") -> None:
     """Fail before any work when a requested tracker's package is missing."""
-    import importlib.util
-
     for name in names:
         module, how = TRACKERS[name]
         if importlib.util.find_spec(module) is None:
@@ -210,8 +209,6 @@ class TrainConfig:
                 LoraSettings(rank=self.lora_rank, targets=self.lora_targets)
             except ArchsearchError as e:
                 raise ArchsearchError(f"train.{e.field.replace('lora.', 'lora_')}", e.problem, e.fix) from None
-            import importlib.util
-
             if importlib.util.find_spec("peft") is None:
                 raise MissingDependencyError("train.lora_rank", "LoRA fine-tuning needs the peft package, "
                                              "which is not installed", "pip install 'archsearch[lora]'")

@@ -23,8 +23,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -431,9 +433,6 @@ def tokenize_shards(docs: Iterable[str], folder: Path, side: str, tok, sep: int,
                     log(f"{side} shard {i}: written ({done_tokens:,} tokens this session)")
                 else:
                     if pool is None:
-                        import multiprocessing
-                        from concurrent.futures import ProcessPoolExecutor
-
                         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                                    initializer=_worker_init,
                                                    initargs=(tok.backend_tokenizer.to_str(),))

@@ -21,8 +21,10 @@ the reason; ``sweep.json`` counts compliant, retuned and non-compliant runs.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from archsearch.trainers.config import HealthConfig, TrainConfig
@@ -152,9 +154,6 @@ def proxies_health(proxies_dir) -> dict[str, Any] | None:
     ``<sweep>/sweep.json``'s ``health``), summed, with the sweeps named; None when no sweep
     there ran with ``health`` on. For the study's report: how many runs were retuned and how
     many were left out of the law fit as non-compliant."""
-    import json
-    from pathlib import Path
-
     total: dict[str, Any] | None = None
     for p in sorted(Path(proxies_dir).glob("*/sweep.json")):
         try:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from archsearch.arch import ArchSpec, hf_family
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write
@@ -70,8 +72,6 @@ def accelerate_config(spec: ArchSpec, *, num_processes: int, num_machines: int =
 
 
 def write_accelerate_config(path: str | Path, cfg: dict[str, Any]) -> Path:
-    import yaml
-
     return atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
 
 

@@ -41,6 +41,7 @@ from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import truncate_jsonl, write_json
 from archsearch.hardware import GPUS, detect_gpu_name, get_device, measure_cpu
+from archsearch.modelcard import write_run_card
 from archsearch.provenance import provenance
 from archsearch.trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
 
@@ -262,9 +263,7 @@ def apply_lora(model, spec: ArchSpec, rank: int, targets: tuple[str, ...]):
     count is peft's, checked against :func:`archsearch.planning.lora.lora_params`."""
     from peft import LoraConfig, get_peft_model
 
-    from archsearch.planning.lora import LoraSettings, lora_params
-
-    from archsearch.planning.lora import EXPERTS
+    from archsearch.planning.lora import EXPERTS, LoraSettings, lora_params
 
     # expert projections are 3-D parameters in transformers' MoE blocks, not modules: peft
     # adapts them through target_parameters
@@ -498,8 +497,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
 
     flops_tok = train_flops_per_token(spec, seq_len)
     if lora_info is not None:  # forward + backward to the activations (4 N), adapters (6 per param), attention
-        from archsearch.planning.planner import lora_step_flops
-        from archsearch.planning.lora import LoraSettings
+        from archsearch.planning.lora import LoraSettings, lora_step_flops
 
         flops_tok = lora_step_flops(spec, LoraSettings(train_cfg.lora_rank, train_cfg.lora_targets), 1, seq_len)
     peak, device_name, peak_source = _device_peak(accelerator, precision)
@@ -641,8 +639,6 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         accelerator.end_training()
     if accelerator.is_main_process:
         if record["status"] == "ok":  # the model folder's README.md: shape, training, provenance
-            from archsearch.modelcard import write_run_card
-
             write_run_card(out_dir / MODEL_DIR, json.loads(json.dumps(record, default=str)))
         write_json(out_dir / RUN_FILE, record, default=str)
     accelerator.wait_for_everyone()

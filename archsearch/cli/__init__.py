@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import pkgutil
+import signal
 import sys
+import traceback
 from collections.abc import Iterator
 
 from archsearch import __version__
-from archsearch.cli._common import finite_float
+from archsearch.cli._common import finite_float, json_stdout
+from archsearch.cli._examples import epilog
 from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
 from archsearch.logs import configure
@@ -96,8 +100,6 @@ def _add_verbosity(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_examples(parser: argparse.ArgumentParser) -> None:
-    from archsearch.cli._examples import epilog
-
     for name, p in subcommands(parser):
         p.epilog = epilog(name)
 
@@ -113,9 +115,6 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate_like_interrupt() -> None:
-    import os
-    import signal
-
     pid = os.getpid()
 
     def raise_terminated(signum, frame):
@@ -140,8 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         # a group without its subcommand (e.g. "archsearch arch"): show that group's help
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
-    from archsearch.cli._common import json_stdout
-
     configure(getattr(args, "verbosity", 0))
     _terminate_like_interrupt()
     try:
@@ -172,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
     except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
-        import traceback
-
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1
 
@@ -182,8 +177,6 @@ def _closed_pipe() -> int:
     """The reader of stdout went away (``archsearch ... --json | head -c 10``): stop quietly
     with 141 (128 + SIGPIPE), as a POSIX tool killed by SIGPIPE does. Stdout now points at
     /dev/null so the interpreter's last flush does not complain."""
-    import os
-
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -15,6 +15,7 @@ from typing import Any
 
 from archsearch.arch import FAMILIES, ArchSpec
 from archsearch.candidates import BuildSettings
+from archsearch.cli._examples import OVERRIDE_EXAMPLES
 from archsearch.configio import number_from_text, to_yaml
 from archsearch.errors import ArchsearchError
 from archsearch.presets import load_arch
@@ -169,8 +170,6 @@ def arch_from_args(args: argparse.Namespace):
 def add_overrides_arg(p: argparse.ArgumentParser) -> None:
     """Positional ``key.sub=value`` overrides of the ``--config`` file (OmegaConf dotlist syntax),
     with an example of the command's own config (``_examples.OVERRIDE_EXAMPLES``)."""
-    from archsearch.cli._examples import OVERRIDE_EXAMPLES
-
     command = p.prog.split()[-1]
     p.add_argument("overrides", nargs="*", metavar="KEY.SUB=VALUE",
                    help=f"override config fields, e.g. {OVERRIDE_EXAMPLES[command]}")

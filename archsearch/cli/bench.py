@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from archsearch.benchmarks import append_jsonl, measure
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
 from archsearch.benchmarks.base import BACKENDS, DTYPES, BenchSettings
@@ -38,7 +39,7 @@ def register(sub) -> None:
     p.add_argument("--device-spec", help="device table entry for --backend analytic (e.g. H200, "
                                          "A100-40GB, cpu); default: this machine")
     p.add_argument("--calibration", metavar="FILE",
-                   help="--backend analytic: a calibration file (python -m archsearch.benchmarks.calibration)")
+                   help="--backend analytic: a calibration file (python -m archsearch calibrate)")
     p.add_argument("--timeout", type=pos_float, default=d["timeout_s"], help="seconds per engine process")
     p.add_argument("--seed", type=nonneg_int, default=d["seed"])
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
@@ -66,8 +67,6 @@ def _engine_args(items: list[str]) -> dict:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from archsearch.benchmarks import BenchSettings, append_jsonl, measure
-
     engine_args = _engine_args(args.engine_arg)
     if args.calibration:
         if args.backend != "analytic":

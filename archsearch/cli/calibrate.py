@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from archsearch.benchmarks.calibration import add_arguments, run
+from archsearch.benchmarks.calibration_fit import add_arguments, run
 
 
 def register(sub) -> None:

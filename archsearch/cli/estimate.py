@@ -11,6 +11,13 @@ from archsearch.cli._common import parse_number, print_json, print_table
 from archsearch.cli._common import fraction, nonneg_float, out_file, pos_int
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
+from archsearch.planning import (estimate_training, fit_time_law, max_inference_batch, max_training_batch, parse_gpus,
+                                 predict_inference_memory, predict_training_memory, resolve_price)
+from archsearch.planning.batchlaws import (estimate_from_batch_laws, fit_max_batch_law, fit_throughput_law, load_batch_laws,
+                                          load_max_batch_law, model_memory_bytes, read_points, with_active_experts)
+from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
+from archsearch.planning.formats import parse_format
+from archsearch.planning.lora import LoraSettings, check_targets, parse_targets
 from archsearch.presets import load_arch
 from archsearch.rundata import read_runs
 
@@ -101,9 +108,6 @@ def _finetune_args(p) -> None:
 
 def _finetune_settings(args: argparse.Namespace, spec):
     """(method, LoraSettings or None, weight format text or None), checked against the model."""
-    from archsearch.planning.formats import parse_format
-    from archsearch.planning.lora import LoraSettings, check_targets, parse_targets
-
     fmt = args.weight_format
     if fmt is not None:
         parsed = parse_format(fmt)
@@ -128,8 +132,6 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from archsearch.planning import estimate_training
-
     _require(args, "arch", "tokens")
     spec = load_arch(args.arch)
     method, lora, fmt = _finetune_settings(args, spec)
@@ -137,8 +139,6 @@ def _estimate(args: argparse.Namespace) -> int:
                             mfu=args.mfu, price_per_hour=args.price, time_law=args.law,
                             dtype=args.dtype, seq_len=args.seq_len, parallelism=args.parallelism)
     if method != "full":
-        from archsearch.planning.finetune import predict_finetune_memory
-
         ft = predict_finetune_memory(spec, method, 1, args.seq_len, args.dtype, lora=lora, weight_format=fmt)
         est.assumptions.update({"finetune": f"{method}: {lora.describe()}", "memory_per_device_gib_at_micro_batch_1":
                                 ft["total_gib"], "memory_bytes_per_param": "frozen base in its format + adapters "
@@ -167,9 +167,6 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _fitted_beside(args: argparse.Namespace, est, method: str = "full", lora=None, fmt=None):
     """The batch/throughput-law answer for the same run (training tokens/s laws only)."""
-    from archsearch.planning import parse_gpus, resolve_price
-    from archsearch.planning.batchlaws import estimate_from_batch_laws, load_batch_laws, model_memory_bytes
-
     tl, ml = load_batch_laws(args.batch_laws)
     n, device = parse_gpus(args.gpus)
     if tl.quantity != "training tokens/s":
@@ -188,8 +185,6 @@ def _fitted_beside(args: argparse.Namespace, est, method: str = "full", lora=Non
 
 
 def _batch_laws(args: argparse.Namespace) -> int:
-    from archsearch.planning.batchlaws import fit_max_batch_law, fit_throughput_law, read_points
-
     quantity, tp, mb, device = read_points(args.data)
     hq, htp, hmb, hdev = read_points(args.holdout) if args.holdout else (quantity, [], [], device)
     if (hq, hdev) != (quantity, device):
@@ -215,8 +210,6 @@ def _batch_laws(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from archsearch.planning import fit_time_law
-
     fit = fit_time_law(read_runs(args.data), holdout=read_runs(args.holdout) if args.holdout else ())
     path = fit.law.save(args.out)
     if args.json:
@@ -238,13 +231,8 @@ def _fit(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from archsearch.planning import (max_inference_batch, max_training_batch, parse_gpus,
-                                     predict_inference_memory, predict_training_memory)
-
     spec = load_arch(args.arch)
     if args.experts_per_token is not None:
-        from archsearch.planning.batchlaws import with_active_experts
-
         if not spec.is_moe or args.experts_per_token > spec.n_experts:
             raise ArchsearchError("--experts-per-token", f"{args.experts_per_token} for "
                                   f"{'a dense model' if not spec.is_moe else f'{spec.n_experts} experts'}",
@@ -253,8 +241,6 @@ def _memory(args: argparse.Namespace) -> int:
     method, lora, fmt = _finetune_settings(args, spec)
     law = None
     if args.max_batch_law:
-        from archsearch.planning.batchlaws import load_max_batch_law
-
         law = load_max_batch_law(args.max_batch_law)
     n, device = parse_gpus(args.gpus)
     inf = predict_inference_memory(spec, args.batch, args.input_len, args.output_len, args.dtype,
@@ -267,8 +253,6 @@ def _memory(args: argparse.Namespace) -> int:
         if (args.parallelism, n, args.tp, args.pp) != ("ddp", 1, 1, 1):
             raise ArchsearchError("--parallelism", f"sharding with --finetune {method}",
                                   "LoRA/QLoRA memory is planned on one device: leave --tp/--pp/--parallelism out")
-        from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
-
         tr = predict_finetune_memory(spec, method, args.micro_batch, args.seq_len, args.dtype, lora=lora,
                                      weight_format=fmt)
         max_tr = max_finetune_batch(spec, method, device.memory_bytes, args.seq_len, args.dtype, lora=lora,
@@ -279,8 +263,6 @@ def _memory(args: argparse.Namespace) -> int:
                                                       args.output_len, args.dtype),
            "max_training_micro_batch": max_tr}
     if law is not None:
-        from archsearch.planning.batchlaws import model_memory_bytes
-
         mm = model_memory_bytes(spec, "training tokens/s", args.dtype, method=method, lora=lora, weight_format=fmt)
         s = law.sparsity_of(spec)
         out["max_batch_law"] = {"law": law.to_dict(), "model_memory_bytes": mm, "sparsity": s,

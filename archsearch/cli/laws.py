@@ -6,6 +6,7 @@ See docs/laws.md for the run-data and law-file formats.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from archsearch.arch import describe, write_hf_config
@@ -168,8 +169,6 @@ def _fit(args: argparse.Namespace) -> int:
 
 def _read_throughputs(path: str):
     """(arch tuple) -> throughput, from a runs-like CSV/JSONL with a ``throughput`` column."""
-    import math
-
 
     need = "needs numbers " + ", ".join(ARCH_COLUMNS) + ", throughput (a positive one)"
     rows = read_table(check_input_file("--throughput", path), "--throughput")

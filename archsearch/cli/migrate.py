@@ -39,7 +39,7 @@ from archsearch.search.config import RENAMED_VALUES, StudyConfig, renamed_values
 from archsearch.search.inputs import INPUTS_FILE, fingerprints, stage_inputs
 from archsearch.search.measure import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
 from archsearch.search.pipeline import STAGES
-from archsearch.search.targets import target_measure
+from archsearch.search.deployment import target_measure
 
 STORE = "measurements.jsonl"
 UNMATCHED = "measurements.unmatched.jsonl"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -13,7 +14,11 @@ from archsearch.benchmarks.base import DTYPES, BenchSettings, get_backend
 from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
-from archsearch.hardware import get_device
+from archsearch.hardware import device_key, get_device, local_device_name
+from archsearch.planning import planner as pl
+from archsearch.planning.cost import resolve_price
+from archsearch.planning.limits import Limits
+from archsearch.planning.lora import LoraSettings, parse_targets
 from archsearch.provenance import provenance
 
 
@@ -84,13 +89,7 @@ def register(sub) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from archsearch.planning import planner as pl
-    from archsearch.planning.limits import Limits
-    from archsearch.planning.lora import LoraSettings
-
     # every check is arithmetic and happens before anything is measured or written
-    from archsearch.planning.lora import parse_targets
-
     for one, many in (("lora_rank", "lora_ranks"), ("lora_targets", "lora_target_sets"),
                       ("finetune_batch_size", "finetune_batch_sizes"), ("max_finetune_hours", "max_finetune_minutes")):
         if getattr(args, one) is not None and getattr(args, many) is not None:
@@ -116,8 +115,6 @@ def _plan(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         raise ArchsearchError("--candidates", f"a candidate is named twice in {names}")
     if args.finetune_device is None:
-        from archsearch.hardware import local_device_name
-
         args.finetune_device = local_device_name() or "cpu"
     calibration = None
     if (args.lora_calibration or args.calibrate_lora) and args.mfu is not None:
@@ -128,8 +125,6 @@ def _plan(args: argparse.Namespace) -> int:
         pl.predict_lora_step_time(candidates[0].spec, LoraSettings(lora.rank, ("q_proj",)), 1, 8,
                                   args.finetune_device, calibration=calibration)
     if args.calibrate_lora:
-        from archsearch.hardware import device_key, local_device_name
-
         here = local_device_name()
         if here is None or device_key(args.finetune_device) != device_key(here):
             raise ArchsearchError("--calibrate-lora", f"this machine is {here}, the fine-tune is planned on "
@@ -143,8 +138,6 @@ def _plan(args: argparse.Namespace) -> int:
                                max_memory_gib=ft_mem, max_cost_usd=args.max_finetune_cost,
                                price_per_hour=args.price)
     if finetune.max_cost_usd is not None:
-        from archsearch.planning.cost import resolve_price
-
         price = resolve_price(get_device(finetune.device), finetune.price_per_hour)
         if price.usd_per_hour is None:
             raise ArchsearchError("--max-finetune-cost", f"a cost limit on {finetune.device}, which has no price",
@@ -174,8 +167,7 @@ def _plan(args: argparse.Namespace) -> int:
     # per candidate: its own calibration (--calibrate-lora), else the given one, else none
     cals: dict[str, pl.LoraCalibration | str | None] = {c.name: None for c in candidates}
     if args.calibrate_lora:  # the measurements the fine-tune budget check below needs
-        import dataclasses  # the memory limit needs no time: checked before calibrating
-
+        # the memory limit needs no time: checked before calibrating
         _fail_if_unreachable(pl.finetune_unreachable({c.name: c.spec for c in candidates}, dataclasses.replace(
             finetune, max_hours=None, max_cost_usd=None)), args)
         cals = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)

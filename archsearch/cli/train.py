@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
+import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from archsearch.cli._common import (add_arch_args, add_overrides_arg, add_print_config_arg, arch_from_args,
@@ -15,8 +18,10 @@ from archsearch.configio import apply_overrides, from_dict, load_config, load_ya
 from archsearch.errors import ArchsearchError
 from archsearch.logs import get_logger
 from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig, get_hparams
+from archsearch.trainers.data import prepare_data
 from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
-from archsearch.trainers.loop import RUN_FILE, check_run_folder
+from archsearch.trainers.loop import (RUN_FILE, check_cpu_threads, check_run_folder, check_train_budget, match_vocab,
+                                      run_id_for, token_budget, train)
 from archsearch.trainers.sweep import run_sweep
 
 _LAUNCH_ONLY = {"launch", "run", "num_processes", "num_machines", "main_process_ip",
@@ -94,8 +99,6 @@ def register(sub) -> None:
 
 
 def _configs(args: argparse.Namespace):
-    from dataclasses import fields
-
     raw = load_yaml(args.config, args.overrides) if args.config else apply_overrides({}, args.overrides)
     unknown = set(raw) - {"train", "data"}
     if unknown:
@@ -164,10 +167,6 @@ def _train(args: argparse.Namespace) -> int:
     if args.launch:
         return _launch(args, spec, tc, dc)
 
-    from archsearch.trainers.data import prepare_data
-    from archsearch.trainers.loop import (check_cpu_threads, check_run_folder, check_train_budget, match_vocab,
-                                          run_id_for, token_budget, train)
-
     if dc.seq_len > spec.max_position_embeddings:
         raise ArchsearchError("--seq-len", f"{dc.seq_len} exceeds the model's max_position_embeddings "
                               f"{spec.max_position_embeddings}", "lower --seq-len")
@@ -204,8 +203,6 @@ def _train(args: argparse.Namespace) -> int:
 def _clear_run_folder(out: Path, spec, tc) -> None:
     """``--overwrite``: delete a run of other settings in ``out`` (a folder with a run record;
     any other folder is left alone and the run's own checks refuse it)."""
-    import shutil
-
     try:
         check_run_folder(out, spec, tc, "--out")
     except ArchsearchError:
@@ -216,8 +213,6 @@ def _clear_run_folder(out: Path, spec, tc) -> None:
 
 
 def _launch(args, spec, tc, dc) -> int:
-    import subprocess
-
     if not args.out:
         raise ArchsearchError("--out", "is required with --launch", "every process must write to the same folder")
     if args.num_processes is None:

@@ -19,6 +19,7 @@ submitted call there and the job unpickles it: both are written by this user for
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -159,8 +160,6 @@ class _Backend:
         now = time.time()
         if self._squeue is not None and now - self._squeue[0] < self.cfg.poll_s / 2:
             return self._squeue[1]
-        import getpass
-
         r = subprocess.run(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i %T"],
                            capture_output=True, text=True, check=False)
         if r.returncode != 0:

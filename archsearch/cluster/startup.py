@@ -26,18 +26,22 @@ scheduler, the engine), so they are measured, not assumed:
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import read_json_tolerant, read_text, write_json
-from archsearch.provenance import provenance
+from archsearch.fileio import read_json_tolerant, read_jsonl_lines, read_text, write_json
+from archsearch.provenance import provenance, stage_provenance
 
 STARTUPS_FILE = "startups.json"
+# a job's own note, in its run folder, of when its process began
+JOB_FILE = "job.json"
 PROFILE_KIND = "archsearch machine profile"
 
 # figure -> (default seconds, what it is); a default is printed as such with the plan
@@ -138,12 +142,6 @@ class StartupProfile:
 
 # -- what a study records ------------------------------------------------------------------------
 
-def _where() -> dict[str, Any]:
-    from archsearch.search.pipeline import stage_provenance
-
-    return stage_provenance()
-
-
 def _clean(samples: dict[str, list[float]]) -> dict[str, list[float]]:
     """Known figures only, finite values rounded to the millisecond, empty lists dropped."""
     for k in samples:
@@ -161,7 +159,7 @@ def record(out: Path, stage: str, executor: str, samples: dict[str, list[float]]
         return
     path = Path(out) / STARTUPS_FILE
     data = _read_startups(path) or {"kind": "archsearch study start-ups", "runs": []}
-    data["runs"].append({"stage": stage, "executor": executor, **_where(), **info, "samples": samples})
+    data["runs"].append({"stage": stage, "executor": executor, **stage_provenance(), **info, "samples": samples})
     write_json(path, data)
 
 
@@ -173,21 +171,29 @@ def _read_startups(path: Path) -> dict | None:
     return data if data is not None and isinstance(data.get("runs"), list) else None
 
 
-def proxy_samples(results: dict, run_dirs: dict[str, Path], lead_s: float | None,
-                  since: float = 0.0) -> dict[str, list[float]]:
+def note_process_start(run_dir: Path) -> None:
+    """``run_dir/job.json``: when this job's process began (after any wait in the scheduler's
+    queue), so that its start-up is measured from there, not from its submission."""
+    import psutil
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / JOB_FILE, {"process_started_unix": psutil.Process().create_time()})
+
+
+def proxy_samples(results: dict, run_dirs: dict[str, Path], records: dict[str, dict | None],
+                  lead_s: float | None, since: float = 0.0) -> dict[str, list[float]]:
     """Per proxy job this coordinator saw run from its first session to its end (one attempt,
     not a resumed run): from its start (its submission, or where the job noted it, when its
     process began: a Slurm job may wait in the queue behind its own array's other jobs, which
     the plan already places one after another) to its first step, and its other non-step
-    seconds; ``queue_wait_s``: submission to process start, where the job noted it."""
-    from archsearch.cluster.study import JOB_FILE
-    from archsearch.trainers.loop import read_record
-
+    seconds; ``queue_wait_s``: submission to process start, where the job noted it.
+    ``records``: each job's training record (``run.json``: its first step's time, its training
+    seconds and sessions), None where it has none."""
     start, end, wait = [], [], []
     for key, r in results.items():
         if r.status != "ok" or r.submitted is None or r.ended is None or r.attempts != 1:
             continue
-        rec = read_record(run_dirs[key]) or {}
+        rec = records.get(key) or {}
         first, train_s = rec.get("first_step_unix"), rec.get("train_time_s")
         if first is None or train_s is None or rec.get("sessions") != 1:
             continue
@@ -220,8 +226,6 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     group, its seconds (``trial_read_s``); per worker, the seconds between one trial's end and its
     next trial's start (``trial_gap_s``). A trial that read a pair another worker measured (it
     may have waited for that worker's group on the pair's lock) is not a sample."""
-    import datetime as dt
-
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= since]
     ends = [r.ended for r in results.values() if r.ended is not None and r.submitted is not None
             and r.submitted >= since]
@@ -232,8 +236,6 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     # one record per measured pair; a group of k shapes measured in one process (optuna.seeds_together)
     # is written as k-1 pair records sharing its timing (group_size k): counted once, its engines'
     # starts the baseline's and each shape's
-    from archsearch.fileio import read_jsonl_lines
-
     groups: dict[tuple, list[dict]] = {}
     walls: dict[str, tuple[float, bool]] = {}  # measurement key -> (its engine process's wall, in a group)
     for rec in read_jsonl_lines(measurements):  # the measurement store's own reader
@@ -307,8 +309,6 @@ def record_tail(out: Path, stage: str, figure: str, results: dict, since: float)
     """``figure``: the coordinator's seconds from seeing the last of ``results``' jobs end (one
     it submitted or adopted, seen ended at or after ``since``) until now, the end of what it
     does after them; added to this run's ``stage`` record."""
-    import time
-
     ends = [r.ended for r in results.values() if r.ended is not None and r.ended >= since]
     if ends:
         add_samples(out, stage, {figure: [time.time() - max(ends)]})

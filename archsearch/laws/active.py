@@ -21,6 +21,7 @@ in log units is what the tolerance bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -283,8 +284,6 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
     1.345 sigma is Huber's constant: 95% of least squares' efficiency when the noise is
     Gaussian, and runs beyond it still count linearly, not quadratically.
     """
-    import dataclasses
-
     if options.reference != "best-observed" or options.reference_law is not None or law not in forms.CONDITIONAL:
         return fit_law(runs, law, options)
     final = options
@@ -539,8 +538,6 @@ def ensemble(pool: Pool, observed: dict[int, float], law: str, options: Any, lev
     plan's own law (multiplicative, every size's L_opt fitted) by :func:`offset_bootstrap`
     (``options.bootstrap`` replicates), another law or reference by the fit's own bootstrap over
     runs. Returns the :class:`Ensemble`, or a sentence saying why there is none yet."""
-    import dataclasses
-
     idx = sorted(observed)
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(observed[i]),
                                 run_id=f"c{i}") for i in idx]

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import os
 import warnings as _warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -563,9 +565,6 @@ def _bootstrap(law, form, X, L, opts: FitOptions, core: _Core, ref_fixed, ref, e
     if opts.n_jobs == 1:
         parts = [_bootstrap_chunk(args[0])]
     else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         # spawned, not forked: a fork taken while another thread (torch's, a logger's) holds a lock
         # can deadlock the child
         with ProcessPoolExecutor(opts.n_jobs, mp_context=multiprocessing.get_context("spawn")) as ex:

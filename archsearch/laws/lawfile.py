@@ -9,6 +9,7 @@ in :mod:`archsearch.laws.fit`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -190,8 +191,6 @@ def check_predicts(law: str, c: dict[str, float], where: str) -> None:
 
 
 def _from_dict(data: Any, where: str) -> FitResult:
-    import difflib
-
     if not isinstance(data, dict):
         raise ArchsearchError(where, "a law must be a JSON object", 'e.g. {"law": ..., "coefficients": {...}}')
     for k in data:

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from archsearch.arch import describe, hidden_over_sqrt_n, mlp_to_attn_ratio
+from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
 from archsearch.laws.forms import CONDITIONAL
+from archsearch.laws.lawfile import quantiles, reference_loss, spec_arrays
 
 if TYPE_CHECKING:
     from archsearch.arch import ArchSpec
-    from archsearch.candidates import BuildSettings
     from archsearch.laws.lawfile import FitResult
 
 
@@ -50,8 +51,6 @@ class Optimum:
 
 def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) -> Optimum:
     """Closed-form optimum (x1* = a2/a1, r* = b2/b1) of a conditional law, with bootstrap intervals."""
-    from archsearch.laws.lawfile import quantiles
-
     if fit.law not in CONDITIONAL:
         raise ArchsearchError("law", f"{fit.law} has no closed-form optimum in (hidden/sqrt(N), r)",
                               "fit a conditional law (conditional-multiplicative / conditional-additive)")
@@ -100,8 +99,6 @@ def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) 
 
 
 def _optimum_loss(law, c, x1, x2, ref, params, tokens) -> float:
-    from archsearch.laws.lawfile import reference_loss
-
     X = {"x1": np.array([x1]), "x2": np.array([x2]),
          "Lref": reference_loss(ref, np.array([float(params)]), np.array([float(tokens)]))}
     return float(forms.predict(law, c, X)[0])
@@ -200,8 +197,6 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
     range (``FitResult.shape_range()``): shapes whose realised ratios lie outside it are never
     feasible, and a closed-form optimum outside it is not the architecture.
     """
-    from archsearch.candidates import BuildSettings, build_candidate
-
     _check_budget(params, tokens)
     if fit.law == "chinchilla":
         raise ArchsearchError("law", "the chinchilla law does not depend on the architecture",
@@ -315,8 +310,6 @@ def _inside(spec, within: dict[str, Any] | None) -> bool:
 
 def _predict_specs(fit, specs, tokens, can_predict, params) -> list[float]:
     """Losses of the shapes' ratios at the budget ``params`` (snapping moves each one's own N)."""
-    from archsearch.laws.lawfile import spec_arrays
-
     if not specs:
         return []
     if not can_predict:

@@ -17,6 +17,7 @@ constant denominator.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -202,8 +203,6 @@ def fit_throughput_law(points: Sequence[ThroughputPoint], quantity: str = "outpu
 
 
 def _with(law, **changes):
-    import dataclasses
-
     return dataclasses.replace(law, **changes)
 
 
@@ -250,9 +249,7 @@ def fit_max_batch_law(points: Sequence[MaxBatchPoint], device: str | None = None
 # -- points from measurements --------------------------------------------------------------------
 
 def _spec_of(architecture: dict[str, Any]):
-    import dataclasses as dc
-
-    names = {f.name for f in dc.fields(ArchSpec)}
+    names = {f.name for f in dataclasses.fields(ArchSpec)}
     return ArchSpec.from_dict({k: v for k, v in architecture.items() if k in names})
 
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 from archsearch.arch import FAMILIES, ArchSpec, active_ffn_width, dtype_bytes
 from archsearch.errors import ArchsearchError
+from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
 from archsearch.planning.memory import predict_training_memory
+from archsearch.planning.time import compute_params
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -210,8 +212,6 @@ def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq
     * ``runtime``: the framework's allowance (:data:`RUNTIME_ALLOWANCE_BYTES`).
 
     The total is meant as an upper bound of the peak (the planner's memory limit)."""
-    from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
-
     fmt = parse_format(weight_format, dtype)
     full = predict_training_memory(spec, batch_size, seq_len, dtype)
     n = lora_params(spec, lora)
@@ -225,3 +225,17 @@ def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq
     out["trainable_params"] = n
     out["ffn_width_for_activations"] = active_ffn_width(spec)
     return out
+
+
+def lora_step_flops(spec: ArchSpec, lora: LoraSettings, tokens: int, seq_len: int | None = None) -> float:
+    """FLOPs of one LoRA step on ``tokens`` tokens: the forward (2 N) and the backward to the
+    activations only (2 N, the frozen weights get no gradient) through the compute parameters,
+    plus full training (6 per parameter) of the adapters; with ``seq_len``, attention's
+    score and value matmuls too (``6 L S dq`` per token, forward + backward, as
+    :func:`archsearch.trainers.loop.train_flops_per_token` counts them: attention has no
+    weights, so LoRA does not shorten its backward)."""
+    attention = 0.0 if seq_len is None else 6.0 * spec.n_layers * seq_len * spec.q_dim
+    return float(tokens) * (4.0 * compute_params(spec) + 6.0 * lora_params(spec, lora) + attention)
+
+
+LORA_STEP_FORMULA = "tokens x (4 N_compute + 6 N_adapters + 6 L S dq)"

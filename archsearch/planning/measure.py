@@ -13,6 +13,7 @@ is ``torch.cuda.max_memory_allocated``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -54,8 +55,6 @@ def _build(spec: ArchSpec):
 
 
 def _child(kind: str, spec: ArchSpec, batch: int, a: int, b: int, threads: int) -> dict[str, Any]:
-    import gc
-
     import torch
 
     torch.set_num_threads(threads)
@@ -152,8 +151,6 @@ def measure_training_time(spec: ArchSpec, tokens: int, batch_size: int, seq_len:
 
 def _lora_child(job: dict[str, Any]) -> dict[str, Any]:
     """One LoRA fine-tuning measurement in this (fresh) process: see :func:`measure_lora_step`."""
-    import gc
-
     import torch
 
     torch.set_num_threads(job["threads"])

@@ -60,6 +60,7 @@ from typing import Any
 from archsearch.arch import (ArchSpec, active_ffn_width, bias_params, dtype_bytes, kv_cache_bytes_per_token,
                              non_embedding_params, norm_params, total_params)
 from archsearch.errors import ArchsearchError
+from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
 
 GIB = 2**30
 PARALLELISMS = ("ddp", "zero1", "zero2", "fsdp")
@@ -125,8 +126,6 @@ def predict_inference_memory(spec: ArchSpec, batch_size: int, input_len: int, ou
     per sequence) or ``prompt`` (a forward that returns every prompt position's logits, as a
     profiler's plain forward does), each ``vocab`` values of ``logits_dtype``.
     """
-    from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
-
     _positive_int("batch_size", batch_size, allow_zero=True)
     _positive_int("input_len", input_len)
     _positive_int("output_len", output_len, allow_zero=True)

@@ -27,8 +27,11 @@ token, peak memory and a fine-tuning time budget.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -43,8 +46,10 @@ from archsearch.hardware import device_key, get_device
 from archsearch.planning.cost import resolve_price
 from archsearch.planning.formats import base_weight_bytes, parse_format
 from archsearch.planning.limits import Limits, check_limits
-from archsearch.planning.lora import VARIANTS, LoraSettings, check_targets, lora_params, predict_lora_memory
-from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE, compute_params
+from archsearch.planning.lora import (LORA_STEP_FORMULA, VARIANTS, LoraSettings, check_targets, lora_step_flops,
+                                     predict_lora_memory)
+from archsearch.planning.measure import measure_lora_step
+from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
 from archsearch.presets import PRESETS, load_arch
 from archsearch.provenance import provenance
 
@@ -185,20 +190,6 @@ class FinetunePlan:
         return len(self.settings()) > 1 or len(self.batches()) > 1
 
 
-def lora_step_flops(spec: ArchSpec, lora: LoraSettings, tokens: int, seq_len: int | None = None) -> float:
-    """FLOPs of one LoRA step on ``tokens`` tokens: the forward (2 N) and the backward to the
-    activations only (2 N, the frozen weights get no gradient) through the compute parameters,
-    plus full training (6 per parameter) of the adapters; with ``seq_len``, attention's
-    score and value matmuls too (``6 L S dq`` per token, forward + backward, as
-    :func:`archsearch.trainers.loop.train_flops_per_token` counts them: attention has no
-    weights, so LoRA does not shorten its backward)."""
-    attention = 0.0 if seq_len is None else 6.0 * spec.n_layers * seq_len * spec.q_dim
-    return float(tokens) * (4.0 * compute_params(spec) + 6.0 * lora_params(spec, lora) + attention)
-
-
-LORA_STEP_FORMULA = "tokens x (4 N_compute + 6 N_adapters + 6 L S dq)"
-
-
 @dataclass(frozen=True)
 class LoraCalibration:
     """The speed real LoRA steps reached on one device, measured on one model and used to predict
@@ -303,8 +294,6 @@ class LoraCalibration:
 
     @classmethod
     def load(cls, path: str | Path, field_name: str = "--lora-calibration") -> LoraCalibration:
-        import json
-
         p = Path(path)
         try:
             d = json.loads(read_text(p, field_name))
@@ -390,12 +379,9 @@ def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, thr
     ``OUT/lora_calibration/<candidate>.json`` and reused when the plan is run again (resume; a
     one-point calibration from an earlier version is measured again). A candidate whose
     measurement fails maps to the reason (its time stays uncalibrated, and says why)."""
-    import re
-    import statistics
-
     folder = out / CALIBRATIONS
     if measure_fn is None:
-        from archsearch.planning.measure import measure_lora_step as measure_fn
+        measure_fn = measure_lora_step
     seq = min(ft.seq_len, 128)
     threads = threads or os.cpu_count() or 1
     result: dict[str, LoraCalibration | str] = {}

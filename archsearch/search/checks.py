@@ -14,13 +14,16 @@ from archsearch.benchmarks.base import resolve_dtype
 from archsearch.candidates import BuildSettings, box_shape_bound, build_candidate
 from archsearch.cluster.executor import check_cluster
 from archsearch.errors import ArchsearchError
-from archsearch.hardware import get_device, host_memory_bytes
+from archsearch.evaluation.suites import check_task_names
+from archsearch.hardware import get_device, host_memory_bytes, local_device_name
 from archsearch.laws import load_law
 from archsearch.laws.solve import inside_range
 from archsearch.presets import get_preset
 from archsearch.rundata import read_runs
 from archsearch.search.config import StudyConfig
+from archsearch.search.derived import build_settings, expand, measure_scale, proxy_sweeps
 from archsearch.search.measure import resolve_backend
+from archsearch.search.study import SearchContext, check_storage, scan_law
 from archsearch.search.targets import study_views
 from archsearch.trainers import sweep_specs, token_budget
 from archsearch.trainers.config import check_trackers
@@ -55,8 +58,6 @@ def baseline_spec(cfg: StudyConfig, build: BuildSettings | None = None) -> ArchS
     """The study's baseline shape: a preset, an explicit ``arch``, or built from its knobs with
     the study's build settings (``build``: those of :func:`archsearch.search.resolved.resolve`,
     derived here where not given)."""
-    from archsearch.search.study import build_settings
-
     if build is None:
         build = build_settings(cfg, vocab_size(cfg))
     b = cfg.baseline
@@ -76,8 +77,6 @@ def measured_baseline(cfg: StudyConfig, base: ArchSpec | None = None,
                       build: BuildSettings | None = None) -> ArchSpec:
     """The baseline as the study measures it: rebuilt at ``measure.params`` where that is set
     (``base``, ``build``: the resolved baseline and build settings, derived here where not given)."""
-    from archsearch.search.study import build_settings, measure_scale
-
     if build is None:
         build = build_settings(cfg, vocab_size(cfg))
     base = baseline_spec(cfg, build) if base is None else base
@@ -101,8 +100,6 @@ def measuring_device(cfg: StudyConfig) -> str | None:
         return cfg.measure.bench.device_spec
     if cfg.cluster.executor == "slurm":
         return None
-    from archsearch.hardware import local_device_name
-
     return local_device_name()
 
 
@@ -180,8 +177,6 @@ def check_settings(cfg: StudyConfig) -> None:
 
 def check_search_space(cfg: StudyConfig, build: BuildSettings) -> None:
     """The search space can build shapes at the study's budget (its corners and centre, each GQA)."""
-    from archsearch.search.study import expand
-
     s = cfg.search_space
     ok = 0
     errors = []
@@ -209,8 +204,6 @@ def check_study(cfg: StudyConfig, build: BuildSettings, base: ArchSpec, views, s
     check_baseline_size(cfg, base)
     check_trials_fit_the_box(cfg, build)
     if cfg.optuna.storage:
-        from archsearch.search.study import check_storage
-
         check_storage(cfg.optuna.storage)  # opened now: not after the proxies are trained
     if not for_plan:
         for view in views:  # each deployment target's engine, or the measure block's
@@ -241,7 +234,7 @@ def check_reference_batches(views, measured: ArchSpec, for_plan: bool = False) -
 
 def target_views(cfg: StudyConfig):
     """The study as each deployment target measures it (``measure`` replaced by the target's own
-    block, :func:`archsearch.search.targets.target_measure`), or the study itself without targets."""
+    block, :func:`archsearch.search.deployment.target_measure`), or the study itself without targets."""
     return study_views(cfg)
 
 
@@ -261,8 +254,6 @@ def check_trials_fit_the_box(cfg: StudyConfig, build) -> None:
 def check_later_stages(cfg: StudyConfig) -> None:
     """Names that only later stages use, checked now: a study must not train for hours and then
     fail on a task name or a training field."""
-    from archsearch.evaluation.suites import check_task_names
-
     check_task_names(cfg.evaluation.tasks, field="evaluation.tasks")
     for name in ("max_tpot_s", "max_peak_memory_gib"):
         # every candidate is measured paired with the baseline, which records throughput and TTFT
@@ -289,11 +280,6 @@ def check_baseline_size(cfg: StudyConfig, base: ArchSpec, max_gap: float = 0.10)
         raise ArchsearchError("baseline", f"its N is {n:.4g}, {n / cfg.params - 1:+.0%} from the study's "
                               f"params {cfg.params:.4g} (more than {max_gap:.0%})",
                               f"set params to {n:.4g}, or choose a baseline of this size")
-
-
-def proxy_sweeps(cfg: StudyConfig) -> list:
-    """The study's proxy sweeps as validated ``archsearch.trainers.SweepConfig`` objects."""
-    return cfg.proxy.sweep_list() if cfg.proxy is not None else []
 
 
 def planned_groups(cfg: StudyConfig) -> set[tuple[float, float]]:
@@ -357,8 +343,6 @@ def target_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
 def check_target(cfg: StudyConfig, law, lt: float, build: BuildSettings) -> None:
     """A target below the law's lowest loss in the search box (shapes built with ``build``, the
     resolved build settings) has no feasible shape."""
-    from archsearch.search.study import SearchContext, scan_law
-
     ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."), build=build)
     res, _ = scan_law(ctx)
     losses = [p.predicted_loss for p in res.points if p.predicted_loss is not None]

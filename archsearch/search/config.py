@@ -25,7 +25,7 @@ from archsearch.fileio import check_name, check_output
 from archsearch.laws.active import INITIAL_DESIGNS
 from archsearch.laws.fit import MAX_BOOTSTRAP, FitOptions
 from archsearch.planning.limits import Limits
-from archsearch.search.targets import AGGREGATES, DeploymentTarget, check_targets
+from archsearch.search.deployment import AGGREGATES, DeploymentTarget, check_targets
 from archsearch.trainers.config import TRACKERS, DataConfig, SweepConfig, TrainConfig
 
 LAW_FORMS = ("conditional-multiplicative", "conditional-additive")

@@ -10,24 +10,22 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError
+from archsearch.evaluation.runner import evaluate
 from archsearch.fileio import atomic_write, write_json
 from archsearch.search.answer import Answer
 from archsearch.search.checks import final_train_configs
 from archsearch.search.config import StudyConfig
+from archsearch.search.report import top_k_candidates
+from archsearch.trainers.loop import train
 
 
 def train_final(cfg: StudyConfig, out: Path, ctx, study, answer: Answer) -> dict[str, Any] | None:
     """Train the chosen shape; in predict-rank-select mode, train the top-k and release one
     (returned, and written to ``predict_rank_select.json``)."""
-    from archsearch.trainers import train
-
     tc, data_cfg = final_train_configs(cfg)
     if cfg.mode != "predict-rank-select":
         train(answer.spec, tc, data_cfg, out / "final")
         return None
-    from archsearch.evaluation import evaluate
-    from archsearch.search.report import top_k_candidates
-
     results = []
     for i, c in enumerate(top_k_candidates(study, ctx, cfg.top_k)):
         run_dir = out / "final" / f"candidate-{i}"
@@ -79,8 +77,6 @@ def release_best(results: list[dict[str, Any]], target_loss: float,
 
 
 def evaluate_final(cfg: StudyConfig, out: Path, prs: dict[str, Any] | None) -> None:
-    from archsearch.evaluation import evaluate
-
     released = (prs or {}).get("released")
     if released and (Path(released["run_dir"]) / "eval.json").is_file():
         # predict-rank-select already evaluated every candidate on these tasks

@@ -45,11 +45,12 @@ from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio, non
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.search import log as search_log
-from archsearch.search.checks import proxy_sweeps
+from archsearch.search.derived import proxy_sweeps
 from archsearch.search.config import gqa_bound_violation
 from archsearch.search.proxies import train_runs
 from archsearch.search.study import loss_bound
 from archsearch.search.targets import gqa_paired_visit
+from archsearch.trainers.data import prepare_data
 from archsearch.trainers.loop import run_id_for, token_budget
 
 
@@ -179,8 +180,6 @@ class ProxyLossCheck:
     def _prepare(self) -> None:
         """The sweep's data, prepared (cached) once for the largest budget; the variants are
         rebuilt with its tokenizer's vocabulary (N and r do not depend on it)."""
-        from archsearch.trainers.data import prepare_data
-
         budgets = [item["tokens"] for item in self.sizes if item["base"] is not None]
         self.data = prepare_data(self.sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
         if self.data.vocab_size != self.vocab:
@@ -193,13 +192,11 @@ class ProxyLossCheck:
         if g not in self._losses:
             if self.data is None and any(proxy_gqa(item, g) is not None for item in self.sizes):
                 self._prepare()
-            from archsearch.search import log
-
             runs = proxy_runs(self.sizes, self.seeds, g)
             records, trained = train_runs(self.cfg, self.sweep, [(rid, v, tc) for _, _, rid, v, tc in runs],
                                           self.folder, data=self.data, progress=self.progress)
             if runs:
-                log(f"GQA {g} at proxy scale: {len(runs)} run(s) in {self.folder}, {len(trained)} trained now")
+                search_log(f"GQA {g} at proxy scale: {len(runs)} run(s) in {self.folder}, {len(trained)} trained now")
             self.trained_now |= set(trained)
             self.used |= {rid for _, _, rid, _, _ in runs}
             self._losses[g] = {

@@ -15,6 +15,7 @@ study itself is shared through its storage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -24,36 +25,30 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.cluster.startup import record_tail
-from archsearch.cluster.study import run_search_workers
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.laws import fit_law, load_law
+from archsearch.laws.active import fit_profiled
 from archsearch.laws.diagnostics import held_out_error
+from archsearch.laws.plots import write_plots
 from archsearch.logs import study_log
-from archsearch.provenance import provenance
+from archsearch.provenance import stage_provenance
 from archsearch.rundata import read_runs
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
-from archsearch.search.checks import check_target
 from archsearch.search.config import StudyConfig
+from archsearch.search.context import load_study, search_context
 from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
 from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, plan_resume,
                                       stage_inputs, supersede)
-from archsearch.search.measure import MeasurementStore, Measurer, file_lock, spec_key
+from archsearch.search.measure import MeasurementStore, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
-from archsearch.search.resolved import ResolvedStudy, as_resolved, resolve
-from archsearch.search.study import SearchContext, create_study, recover_stale_trials, run_study
-from archsearch.search.targets import build_targets
-
-
-def stage_provenance() -> dict[str, Any]:
-    """Where and when a stage ran (the full versions are in config.json's summary and in each
-    measurement's own record)."""
-    p = provenance()
-    return {"time_utc": p["time_utc"], "host": p["host"], "git": p["git"],
-            "device": (p.get("device") or {}).get("name"), "command": p["command"]}
+from archsearch.search.resolved import ResolvedStudy, resolve
+from archsearch.search.report import chosen_from_study, write_report
+from archsearch.search.study import recover_stale_trials, run_study
+from archsearch.search.workers import run_search_workers
 
 
 class StudyState:
@@ -258,15 +253,11 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if cfg.law.file or not fresh:
         r.law = load_law(cfg.law.file or law_path)
     else:
-        from archsearch.laws.plots import write_plots
-
         runs = [x for x in read_runs(r.runs_path) if x.status == "ok"]
         log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
         if cfg.proxy is not None and cfg.proxy.plan == "active":
             # the plan trains few runs at some sizes: fit every size's L_opt, as the plan did
             # (a best-observed L_opt biases the shape there; archsearch.laws.active.fit_profiled)
-            from archsearch.laws.active import fit_profiled
-
             r.law = fit_profiled(runs, cfg.law.form, r.resolved.fit)
         else:
             r.law = fit_law(runs, cfg.law.form, r.resolved.fit)
@@ -286,8 +277,6 @@ def with_held_out_error(law, runs, study: ResolvedStudy):
     ``law.holdout_size`` held one out, else the progressive protocol's last step
     (``archsearch.laws.diagnostics.held_out_error``); with one proxy size none can be measured,
     and the law says so (its margins then rest on the bootstrap alone)."""
-    import dataclasses
-
     cfg = study.cfg
     held = (law.metrics or {}).get("holdout")
     if held and held.get("n"):
@@ -310,8 +299,6 @@ def with_held_out_error(law, runs, study: ResolvedStudy):
 def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """The Optuna study (it resumes from its storage; several workers may share it), then the
     best feasible measured shape."""
-    from archsearch.search.report import chosen_from_study
-
     cfg, ctx, info = r.cfg, r.ctx, None
     if fresh:
         t = time.time()
@@ -414,8 +401,6 @@ def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """``report.md``, ``summary.json``, ``trials.csv`` and the plots, rewritten on every run."""
     if not fresh:
         return None
-    from archsearch.search.report import write_report
-
     log("writing the report, trials.csv and plots")
     r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs)
     return {}
@@ -436,24 +421,6 @@ STAGES: tuple[Stage, ...] = (
 STAGE_NAMES = tuple(st.name for st in STAGES)
 
 
-def search_context(study: ResolvedStudy | StudyConfig, out: Path, law=None):
-    """The search's context (law, target loss, measurer on the study's store) from the resolved
-    study (a config is resolved unchecked, :func:`~archsearch.search.resolved.derive`); the law is
-    read from the study folder (or ``law.file``) when not given, as a measurement worker does."""
-    study = as_resolved(study)
-    cfg = study.cfg
-    if law is None:
-        law = load_law(cfg.law.file or out / "law.json")
-    lt = study.target_loss(law)
-    check_target(cfg, law, lt, study.build)
-    store = MeasurementStore(out / "measurements.jsonl")
-
-    targets = build_targets(cfg, store, study.scale)  # with targets, the first one's measurer is the study's
-    measurer = targets[0].measurer if targets else Measurer(cfg.measure, store, scale=study.scale)
-    return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                         build=study.build, baseline=study.baseline, targets=targets)
-
-
 def _runs_path(cfg: StudyConfig, out: Path) -> Path:
     return Path(cfg.proxy.runs) if cfg.proxy.runs else out / "proxies" / "runs.csv"
 
@@ -461,18 +428,6 @@ def _runs_path(cfg: StudyConfig, out: Path) -> Path:
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A stage's JSON output; None where it is missing or cut short by a killed write."""
     return read_json_tolerant(path, "that stage's result")
-
-
-def load_study(ctx):
-    """The stored study, or None when the search stage has not created it yet."""
-
-    try:
-        study, _ = create_study(ctx, load_only=True)
-    except KeyError:  # optuna: no study of that name in the storage
-        return None
-    return study
-
-
 
 
 def _wait_for_running(study, timeout_s: float = 3600, poll_s: float = 2.0) -> list[int]:

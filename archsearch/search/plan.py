@@ -20,14 +20,15 @@ from archsearch.planning import estimate_training
 from archsearch.planning.time import parse_gpus, split_gpus
 from archsearch.search.checks import check_reference_batch, data_budgets, planned_groups, source_tokens
 from archsearch.search.config import StudyConfig
+from archsearch.search.derived import expand
 from archsearch.search.gqa import bounded_pairs, gqa_pairs, proxy_runs, proxy_variants
 from archsearch.search.margins import range_summary
 from archsearch.search.measure import resolve_backend
 from archsearch.search.resolved import ResolvedStudy, as_resolved
-from archsearch.search.study import expand
 from archsearch.search.targets import price_targets
 from archsearch.trainers import token_budget
 from archsearch.trainers.data import cache_state, default_workers, token_dtype
+from archsearch.trainers.jobs import content_key, has_record
 from archsearch.trainers.loop import run_id_for
 
 # -- assumptions, each printed with the plan ------------------------------------------------------
@@ -357,8 +358,6 @@ def plan(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = None,
                                     "train": tc})
         # runs already trained cost nothing: in the shared store (another study trained them) or in
         # this study folder (a resumed study)
-        from archsearch.cluster.study import has_record, content_key
-
         for item in proxy_specs:
             own = out / "proxies" / item["sweep"].name / "runs" / item["run"]
             shared = (Path(cfg.proxy.store).expanduser() / content_key(item["run"], item["train"], item["sweep"].data)

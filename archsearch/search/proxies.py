@@ -5,21 +5,24 @@ the table the fit stage reads."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from archsearch.cluster.startup import record_tail
-from archsearch.cluster.study import (JOBS_DIR, content_key, has_record, link_shared_runs, link_to_store,
-                                      run_proxy_jobs, run_train_jobs)
 from archsearch.fileio import atomic_write
 from archsearch.rundata import write_runs
 from archsearch.search import log
-from archsearch.search.checks import proxy_sweeps
+from archsearch.search.derived import proxy_sweeps
 from archsearch.search.config import StudyConfig
 from archsearch.search.measure import file_lock
 from archsearch.search.resolved import fit_options
+from archsearch.search.report import active_markdown, active_plan_summary, active_plot
+from archsearch.search.workers import JOBS_DIR
 from archsearch.trainers import run_sweep
 from archsearch.trainers.active import run_active
+from archsearch.trainers.jobs import (content_key, has_record, link_shared_runs, link_to_store, run_proxy_jobs,
+                                      run_train_jobs)
 from archsearch.trainers.loop import read_record, token_budget
 from archsearch.trainers.sweep import train_or_fail
 
@@ -35,8 +38,6 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
             reused = link_shared_runs(sweep, out / "proxies" / sweep.name, Path(cfg.proxy.store))
             log(f"proxy store {cfg.proxy.store}: {len(reused)} run(s) of {sweep.name} already trained there")
         if cfg.cluster.parallel:  # train the runs as jobs; the sweep below then only collects them
-            from dataclasses import replace
-
             t_sub = time.time()
             jobs = run_proxy_jobs(sweep, out / "proxies" / sweep.name, cfg.cluster, out / JOBS_DIR / sweep.name,
                                   study=out)
@@ -69,8 +70,6 @@ def write_active_plan_report(out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from archsearch.search.report import active_markdown, active_plot, active_plan_summary
 
     plan = active_plan_summary(out)
     (out / "plots").mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -547,8 +548,6 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
                  prs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study folder's summary, report and plots. The baseline's throughput is the mean of
     its paired rounds across trials (it is measured beside every candidate)."""
-    import statistics
-
     cfg = ctx.cfg
     out = ctx.out
     b = ctx.ref_batch

@@ -24,9 +24,9 @@ from archsearch.benchmarks import BenchSettings
 from archsearch.candidates import BuildSettings
 from archsearch.laws.fit import FitOptions
 from archsearch.search import checks
-from archsearch.search.checks import baseline_spec, measured_baseline, proxy_sweeps, vocab_size
+from archsearch.search.checks import baseline_spec, measured_baseline, vocab_size
 from archsearch.search.config import StudyConfig
-from archsearch.search.study import build_settings, measure_scale
+from archsearch.search.derived import build_settings, measure_scale, proxy_sweeps
 from archsearch.search.targets import StudyView, study_views
 from archsearch.trainers.sweep import sweep_specs
 

@@ -17,11 +17,14 @@ store, so nothing is lost or measured twice.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import platform
+import sqlite3
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -29,25 +32,22 @@ from typing import Any, Iterator
 from archsearch.arch import ArchSpec, describe
 from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.calibration import Calibration
-from archsearch.candidates import BuildSettings, build_candidate
+from archsearch.candidates import BuildSettings
 from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
+from archsearch.hardware import local_device_name
 from archsearch.laws import solve
 from archsearch.logs import get_logger
 from archsearch.search import log, margins
-from archsearch.search.checks import proxy_sweeps
 from archsearch.search.config import StudyConfig, gqa_bound_violation
-from archsearch.search.measure import Measurer, check_result_limits, file_lock, measured_shape, spec_key
-from archsearch.search.targets import (multi_target_objective, predicted_ratio_fn, ranking_label,
-                                       target_measure)
+from archsearch.search.derived import expand, measure_scale, proxy_sweeps
+from archsearch.search.measure import Measurer, check_result_limits, file_lock, spec_key
+from archsearch.search.targets import multi_target_objective, predicted_ratio_fn, ranking_label
+from archsearch.search.trials import MeasurementFailed, record_measurement, set_constraint
 from archsearch.trainers.config import check_trackers
 
 # Constraint value of a trial whose shape could not be built (never feasible).
 UNBUILDABLE = 1e6
-
-
-class MeasurementFailed(Exception):
-    """A candidate's measurement failed: its trial fails, the study goes on."""
 
 
 def _no_traceback_for_failed_measurements(record) -> bool:
@@ -76,34 +76,6 @@ class SearchContext:
     @property
     def ref_batch(self) -> int:
         return self.cfg.measure.ref_batch
-
-
-def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:
-    """The search space's build settings with the study's vocabulary and embedding tying, and a
-    context long enough for the measured lengths."""
-    import dataclasses
-
-    b = cfg.search_space.build
-    need = max(m.bench.input_len + m.bench.output_len for m in
-               [cfg.measure, *(target_measure(cfg.measure, t) for t in cfg.measure.targets or ())])
-    return dataclasses.replace(b, vocab_size=vocab_size, tie_embeddings=cfg.tie_embeddings,
-                               max_position_embeddings=max(b.max_position_embeddings, need))
-
-
-def expand(cfg: StudyConfig, build: BuildSettings, x1: float, r: float, gqa: int) -> ArchSpec:
-    """The one function from knobs to a shape, used by every trial."""
-    return build_candidate(cfg.params, cfg.n_layers, x1, r, gqa=gqa,
-                           head_dim=cfg.search_space.head_dim, settings=build).spec
-
-
-def measure_scale(cfg: StudyConfig, build: BuildSettings):
-    """``measure.params``: the function from a study shape to the shape measured (the same realised
-    ratios rebuilt at N_m); None where shapes are measured as built."""
-    if cfg.measure.params is None:
-        return None
-    from functools import partial
-
-    return partial(measured_shape, params=cfg.measure.params, head_dim=cfg.search_space.head_dim, build=build)
 
 
 def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
@@ -220,8 +192,6 @@ def _connect_timeout(url: str) -> dict[str, Any]:
 
 
 def _check_sqlite_file(path: Path, shown: str, field: str) -> None:
-    import sqlite3
-
     try:
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
             conn.execute("PRAGMA schema_version").fetchone()
@@ -281,21 +251,6 @@ def _driver_emits_no_begin(dbapi_connection, _record) -> None:
 
 def _begin_immediate(conn) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-# The constraints of every trial, in this order (feasible iff every value <= 0).
-CONSTRAINT_KEYS = ("predicted_loss_minus_target", "limits_violated")
-
-
-def set_constraint(trial, key: str, value: float) -> None:
-    """Record one constraint value, named in ``user_attrs['constraints']``. The samplers and
-    optuna-dashboard read the values from the system attribute ``constraints`` as a list, the
-    form Optuna's own ``constraints_func`` writes (the dashboard does not read the keyed form
-    of ``Trial.set_constraint``), so the list is written here, in CONSTRAINT_KEYS order."""
-    cons = {**trial.user_attrs.get("constraints", {}), key: float(value)}
-    trial.set_user_attr("constraints", cons)
-    trial.storage.set_trial_system_attr(trial._trial_id, "constraints",
-                                        [cons[k] for k in CONSTRAINT_KEYS if k in cons])
 
 
 def make_sampler(cfg: StudyConfig):
@@ -488,17 +443,6 @@ def _objective(trial, ctx: SearchContext):
     return _measured(trial, ctx, result.batch(ctx.ref_batch), tput, loss)
 
 
-def record_measurement(trial, m, backend: str | None, failure: str | None) -> None:
-    """Record where a trial's measurement is stored; a failed one fails the trial."""
-    trial.set_user_attr("measurement_key", m.key)
-    trial.set_user_attr("measurement_cached", m.cached)
-    trial.set_user_attr("backend", backend)
-    if failure is not None:
-        trial.set_user_attr("failure_reason", failure)
-        set_constraint(trial, "limits_violated", 0.0)
-        raise MeasurementFailed(failure)
-
-
 def _measured(trial, ctx: SearchContext, batch, value: float, loss: float):
     """A measured trial's limits (on its reference batch, a constraint) and objective value(s)."""
     trial.set_user_attr("measured", True)
@@ -588,8 +532,6 @@ def create_study(ctx: SearchContext, load_only: bool = False):
         study = optuna.create_study(study_name=cfg.name, storage=storage, sampler=make_sampler(cfg),
                                     directions=directions, load_if_exists=True)
         if study.metric_names is None:
-            import warnings
-
             with warnings.catch_warnings():  # experimental since Optuna 3.2, stable in use
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 names = PAIRED_METRIC_NAMES if ctx.baseline is not None else METRIC_NAMES
@@ -657,8 +599,6 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     law's optimum seeds the study."""
     if cfg.measure.bench.device_spec:
         return cfg.measure.bench.device_spec
-    from archsearch.hardware import local_device_name
-
     name = local_device_name()
     if name is None:
         get_logger("search").warning("[search] this GPU is not in the device table: seeds are not ranked by a "
@@ -922,8 +862,6 @@ def run_study(ctx: SearchContext, progress: bool = True):
     if retried and not short:  # only the retries: no new proposals
         left = len(retried)
     if (short or retried) and left > 0:
-        import logging
-
         optuna_log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
         if _no_traceback_for_failed_measurements not in optuna_log.filters:
             optuna_log.addFilter(_no_traceback_for_failed_measurements)

@@ -21,96 +21,19 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import check_name
-from archsearch.hardware import device_key
+from archsearch.figures import save
 from archsearch.logs import get_logger
-
-TARGET_BACKENDS = ("analytic", "vllm", "sglang", "hf")
-AGGREGATES = ("worst", "geomean")
-
-
-@dataclass(frozen=True)
-class DeploymentTarget:
-    """One place the model will serve. Unset fields take the ``measure`` block's value (dtype,
-    repeats, the paired settings and the rest always do); ``batch_size`` is the target's
-    objective batch (default: the largest of ``batch_sizes``; alone, the only one measured)."""
-
-    name: str
-    backend: str | None = None
-    device_spec: str | None = None
-    calibration: str | None = None  # a roofline calibration of this device (and engine), analytic targets
-    batch_sizes: list[int] | None = None
-    batch_size: int | None = None
-    input_len: int | None = None
-    output_len: int | None = None
-    weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_name("name", self.name)
-        if self.backend is not None and self.backend not in TARGET_BACKENDS:
-            raise ArchsearchError("backend", f"unknown backend {self.backend!r}", f"use one of {list(TARGET_BACKENDS)}")
-        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
-                or not (math.isfinite(self.weight) and self.weight > 0):
-            raise ArchsearchError("weight", f"must be a positive number, got {self.weight!r}", "e.g. 1.0")
-        if self.batch_size is not None and (isinstance(self.batch_size, bool) or self.batch_size <= 0):
-            raise ArchsearchError("batch_size", f"must be a positive integer, got {self.batch_size!r}")
-        if self.batch_sizes is not None and self.batch_size is not None and self.batch_size not in self.batch_sizes:
-            raise ArchsearchError("batch_size", f"{self.batch_size} is not among batch_sizes {self.batch_sizes}",
-                                  "add it to batch_sizes, or give only one of the two")
-        if self.device_spec is not None:
-            try:
-                device_key(self.device_spec)
-            except ArchsearchError as e:
-                raise ArchsearchError("device_spec", e.problem, e.fix) from None
-        if self.calibration is not None and self.backend not in (None, "analytic"):
-            raise ArchsearchError("calibration", f"a {self.backend} target is measured, not predicted",
-                                  "drop calibration, or set backend: analytic to predict this target")
-
-
-def check_targets(measure) -> None:
-    """The ``measure.targets`` list as a whole (each target checked itself at load): unique names,
-    and every target valid as a ``measure`` block of its own (its calibration fitted on its device
-    and engine, its lengths and batch sizes measurable). Errors name ``targets[i].field``."""
-    targets = measure.targets
-    if targets is None:
-        return
-    if not targets:
-        raise ArchsearchError("targets", "is empty", "name at least one target, or leave measure.targets out")
-    seen: dict[str, int] = {}
-    for i, t in enumerate(targets):
-        if t.name in seen:
-            raise ArchsearchError(f"targets[{i}].name", f"{t.name!r} is also the name of targets[{seen[t.name]}]",
-                                  "give every target its own name")
-        seen[t.name] = i
-        try:
-            target_measure(measure, t)
-        except ArchsearchError as e:
-            name = e.field.removeprefix("measure.")
-            name = {"reference_batch_size": "batch_size"}.get(name, name)
-            raise ArchsearchError(f"targets[{i}].{name}", e.problem, e.fix) from None
-
-
-def target_measure(measure, t: DeploymentTarget):
-    """The ``measure`` block this target measures with: the study's, with the target's device,
-    engine, calibration, batch sizes and lengths (a calibration is never inherited: the study's
-    belongs to another device or engine)."""
-    b = measure.bench
-    batch_sizes = list(t.batch_sizes) if t.batch_sizes is not None else (
-        [t.batch_size] if t.batch_size is not None else list(b.batch_sizes))
-    ref = t.batch_size if t.batch_size is not None else (
-        measure.reference_batch_size if t.batch_sizes is None and measure.reference_batch_size in batch_sizes
-        else None)
-    bench = dataclasses.replace(
-        b, backend=t.backend or b.backend, device_spec=t.device_spec if t.device_spec is not None else b.device_spec,
-        batch_sizes=batch_sizes, input_len=b.input_len if t.input_len is None else t.input_len,
-        output_len=b.output_len if t.output_len is None else t.output_len)
-    return dataclasses.replace(measure, bench=bench, targets=None, calibration=t.calibration, reference_batch_size=ref)
+from archsearch.search.deployment import AGGREGATES, DeploymentTarget, target_measure
+from archsearch.search.derived import measure_scale
+from archsearch.search.measure import Measurer, check_result_limits
+from archsearch.search.trials import record_measurement, set_constraint
 
 
 @dataclass(frozen=True)
@@ -176,8 +99,6 @@ class Target:
 
 def build_targets(cfg, store, scale=None) -> list[Target] | None:
     """The study's targets, each with its own Measurer on the study's store (None: no targets)."""
-    from archsearch.search.measure import Measurer
-
     if not cfg.measure.targets:
         return None
     out = []
@@ -262,9 +183,6 @@ def multi_target_objective(trial, ctx, spec: ArchSpec, loss: float):
     """The trial's objective with targets: ``spec`` compared with the baseline on every target, the
     aggregate of its ratios; each target's ratio (measured with its interval, or predicted) kept in
     the trial's ``ratio.per_target`` and ``target_ratios`` user attributes."""
-    from archsearch.search.measure import check_result_limits
-    from archsearch.search.study import record_measurement, set_constraint
-
     cfg = ctx.cfg
     if spec == ctx.baseline:
         trial.set_user_attr("measured", False)
@@ -315,8 +233,6 @@ def predicted_ratio_fn(ctx):
     its calibration, its batch and lengths; a measuring target's device and engine predicted by
     the roofline and the calibration it names, uncalibrated without one), the ratio of a shape's
     predicted throughput to the baseline's on it, aggregated as the objective is."""
-    from archsearch.search.study import measure_scale
-
     scale = measure_scale(ctx.cfg, ctx.build) or (lambda spec: spec)
     fns = []
     for t in ctx.targets:
@@ -404,8 +320,6 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pathlib import Path
-
     import numpy as np
 
     shapes = [(label, rows) for label, rows in shapes if rows]
@@ -432,8 +346,6 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    from archsearch.figures import save
-
     png = save(fig, Path(path).with_suffix(".png"), dpi=120)
     return [str(png), str(png.with_suffix(".pdf"))]
 

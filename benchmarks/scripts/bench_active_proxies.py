@@ -53,7 +53,16 @@ import time
 
 import numpy as np
 
+from archsearch.arch import non_embedding_params
+from archsearch.candidates import BuildSettings, build_candidate
+from archsearch.errors import ArchsearchError
 from archsearch.fileio import append_line
+from archsearch.laws import FitOptions, fit_law, forms
+from archsearch.laws.active import WEIGHTS, Pool, bootstrap_optima, ensemble, fit_profiled, optimum_interval, propose
+from archsearch.laws.metrics import cluster
+from archsearch.laws.synthetic import default_layers
+from archsearch.provenance import provenance
+from archsearch.rundata import RunRecord, read_runs
 
 TRUE = {"a0": 2.697, "a1": 0.0974, "a2": 0.0078, "b0": 0.3870, "b1": 0.0063, "b2": 0.0065}
 CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}  # Hoffmann et al. 2022
@@ -66,12 +75,6 @@ BOX_X1, BOX_R = (0.04, 0.16), (0.5, 5.0)
 
 def paper_pool(sizes=(80e6, 145e6, 297e6), tokens_per_param=100.0, box_x1=BOX_X1, box_r=BOX_R, k=5):
     """The paper-like candidate grid as an active-plan Pool (distinct shapes only)."""
-    from archsearch.arch import non_embedding_params
-    from archsearch.candidates import BuildSettings, build_candidate
-    from archsearch.errors import ArchsearchError
-    from archsearch.laws.active import Pool
-    from archsearch.laws.synthetic import default_layers
-
     st = BuildSettings(hidden_multiple=64, ffn_multiple=64)
     specs, toks, lev, seen = [], [], [], set()
     for li, n in enumerate(sizes):
@@ -115,7 +118,6 @@ def regret(est, coefs=TRUE) -> float:
     inf when there is no estimate."""
     if est is None or None in est:
         return math.inf
-    from archsearch.laws import forms
 
     def f(c0, c1, c2, x):
         return c0 + c1 * math.log(x) + c2 / x
@@ -131,7 +133,6 @@ def box_optimum(coefs, box_x1=BOX_X1, box_r=BOX_R):
     the closed-form optimum clipped to the box when the factor is U-shaped, else the better edge."""
     if coefs is None:
         return None
-    from archsearch.laws import forms
 
     out = []
     for (c0, c1, c2), (lo, hi) in (((coefs["a0"], coefs["a1"], coefs["a2"]), box_x1),
@@ -160,8 +161,6 @@ def cramer_rao_sd(pool, idx, noise, coefs=TRUE) -> tuple[float, float]:
     The law ``log L = c_size + log(1 + a h(x1 / x1*)) + log(1 + b h(r / r*))``, ``h(t) = log t +
     1/t - 1``, is the multiplicative law re-parametrised; its Jacobian at the truth gives the
     Fisher information. No design, plan or fit does better than this on average."""
-    from archsearch.laws import forms
-
     fa = coefs["a0"] + coefs["a1"] * (1 + math.log(coefs["a2"] / coefs["a1"]))
     fb = coefs["b0"] + coefs["b1"] * (1 + math.log(coefs["b2"] / coefs["b1"]))
     a, u1 = coefs["a1"] / fa, math.log(coefs["a2"] / coefs["a1"])
@@ -181,11 +180,6 @@ def point_optimum(pool, idx, losses, options, profiled=False, box=None, coeffici
     """(closed-form optimum, optimum within the box) of the law fitted to runs ``idx`` (None
     when there is none);
     ``profiled``: every size's L_opt fitted (:func:`archsearch.laws.active.fit_profiled`)."""
-    from archsearch.errors import ArchsearchError
-    from archsearch.laws import fit_law, forms
-    from archsearch.laws.active import fit_profiled
-    from archsearch.rundata import RunRecord
-
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(losses[i]))
             for i in idx]
     try:
@@ -203,8 +197,6 @@ def run_plan(pool, losses, options, budget, batch, initial="grid3", estimate_opt
     interval half-width (None before a fit has one), and the estimate the study would take from
     those runs: the law refitted on them with ``estimate_options`` (the fit stage's settings, as
     for the grid; every size's L_opt fitted), its closed-form optimum and its optimum in ``box``."""
-    from archsearch.laws.active import propose
-
     observed, traj, spent = {}, [], 0.0
     while spent < budget:
         p = propose(pool, observed, [], LAW, options, k=batch, initial=initial, max_cost=budget - spent,
@@ -302,8 +294,6 @@ def coverage(flags, level) -> dict:
 
 
 def other_weights(w):
-    from archsearch.laws.active import WEIGHTS
-
     return next(x for x in WEIGHTS if x != w)
 
 
@@ -338,8 +328,6 @@ def plan_record(apool, losses, loop_opts, budget, args, grid_opts, weights, trut
 
 
 def synthetic(args) -> dict:
-    from archsearch.laws import FitOptions, forms
-
     def with_truth(pool):
         X = dict(pool.X)
         X["Lref"] = forms.predict("chinchilla", CHINCHILLA, X)
@@ -501,11 +489,6 @@ def replay(args) -> dict:
     tell designs apart; ``shape_rms_vs_grid`` compares the laws themselves: the RMS over the
     grid's shapes of the difference in log relative loss (each law's shape factor over its
     minimum), the quantity the search's feasibility test reads."""
-    from archsearch.laws import FitOptions, fit_law, forms
-    from archsearch.laws.active import Pool, fit_profiled
-    from archsearch.laws.metrics import cluster
-    from archsearch.rundata import read_runs
-
     def closed(c):
         o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
         return None if None in o else o
@@ -650,10 +633,6 @@ def coverage_mode(args) -> dict:
     (:func:`archsearch.laws.active.ensemble`: parametric bootstrap, offsets refitted, simultaneous)
     and, on the same draw, the earlier one (the fit's bootstrap over runs, ``--old-bootstrap``
     resamples, every size's L_opt held, percentile at the level per coordinate) for comparison."""
-    from archsearch.laws import FitOptions, forms
-    from archsearch.laws.active import bootstrap_optima, ensemble, fit_profiled, optimum_interval
-    from archsearch.rundata import RunRecord
-
     apool = paper_pool(k=args.active_resolution)
     X = dict(apool.X)
     X["Lref"] = forms.predict("chinchilla", CHINCHILLA, X)
@@ -734,7 +713,6 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a free note stored with the record (e.g. what changed)")
     ap.add_argument("--out", default="results/bench/active_proxies.jsonl")
     args = ap.parse_args()
-    from archsearch.provenance import provenance
 
     load = os.getloadavg()
     prov = provenance(device=False)   # at the start: the code that runs, not the code at the end

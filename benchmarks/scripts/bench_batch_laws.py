@@ -19,24 +19,24 @@ import os
 import sys
 from pathlib import Path
 
+from archsearch.arch import ArchSpec, sparsity
 from archsearch.benchmarks.scripts import emit
 from archsearch.fileio import atomic_write, write_json
+from archsearch.planning.batchlaws import fit_max_batch_law, fit_throughput_law, read_points
+from archsearch.planning.measure import measure_peak_memory, measure_training_time
+from archsearch.provenance import provenance
 
 BATCHES = [1, 2, 4, 8, 16]
 SEQ = 128
 
 
 def _specs():
-    from archsearch.arch import ArchSpec
-
     common = dict(n_layers=2, hidden_size=128, n_heads=2, n_kv_heads=1, head_dim=64, vocab_size=2048)
     return [ArchSpec(name="dense", ffn=512, **common),
             ArchSpec(name="moe-8e-top2", ffn=128, family="mixtral", n_experts=8, experts_per_token=2, **common)]
 
 
 def measure(spec, batches, repeats: int, threads: int) -> list[dict]:
-    from archsearch.planning.measure import measure_peak_memory, measure_training_time
-
     rows = []
     for b in batches:
         runs = [measure_training_time(spec, 3 * b * SEQ, b, SEQ, threads=threads) for _ in range(repeats)]
@@ -57,10 +57,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="folder for timings.jsonl, holdout.jsonl, laws.json, result.json")
     args = ap.parse_args()
-
-    from archsearch.arch import sparsity
-    from archsearch.planning.batchlaws import fit_max_batch_law, fit_throughput_law, read_points
-    from archsearch.provenance import provenance
 
     load0 = os.getloadavg()
     rows = [r for s in _specs() for r in measure(s, BATCHES, 1 if args.quick else args.repeats, args.threads)]

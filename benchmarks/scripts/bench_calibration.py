@@ -36,19 +36,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.provenance import provenance
-from archsearch.benchmarks import append_jsonl, read_jsonl
+from archsearch.benchmarks import BenchSettings, append_jsonl, measure, read_jsonl
+from archsearch.benchmarks.calibration_fit import fit_calibration
 
 
 def _spec(r):
-    from archsearch.arch import ArchSpec
-
     return ArchSpec.from_record(r.architecture)
 
 
 def _predict(results, batch: int, cal_path: str | None, device_spec: str) -> list[float]:
-    from archsearch.benchmarks import BenchSettings, measure
-
     out = []
     for r in results:
         s = BenchSettings(backend="analytic", batch_sizes=[batch], input_len=r.settings["input_len"],
@@ -61,8 +59,6 @@ def _predict(results, batch: int, cal_path: str | None, device_spec: str) -> lis
 def corners(results) -> list:
     """The results at the four corners of the (d/sqrt(N), r) box: extremes of log x +- log r."""
     import math
-
-    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
 
     xr = [(math.log(hidden_over_sqrt_n(_spec(r))), math.log(mlp_to_attn_ratio(_spec(r)))) for r in results]
     picks = {min(range(len(xr)), key=lambda i: xr[i][0] + xr[i][1]), max(range(len(xr)), key=lambda i: xr[i][0] + xr[i][1]),
@@ -77,8 +73,6 @@ def d_optimal(results, k: int = 4) -> list:
     import math
 
     import numpy as np
-
-    from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio
 
     feats = [[1.0, math.log(hidden_over_sqrt_n(_spec(r))), math.log(mlp_to_attn_ratio(_spec(r))),
               math.log(_spec(r).n_heads // _spec(r).n_kv_heads)] for r in results]
@@ -95,8 +89,6 @@ def _metrics(pred: list[float], meas: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from archsearch.benchmarks.calibration import fit_calibration
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", action="append",
                     help="bench JSONL of the grid (repeatable: independent passes); default "

@@ -56,7 +56,7 @@ def study_shapes(cfg) -> list:
     import numpy as np
 
     from archsearch.search.resolved import derive
-    from archsearch.search.study import expand
+    from archsearch.search.derived import expand
 
     study = derive(cfg)
     box, build, scale = cfg.search_space, study.build, study.measured

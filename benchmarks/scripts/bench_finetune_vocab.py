@@ -18,7 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from archsearch.arch import ArchSpec
+from archsearch.benchmarks import append_jsonl
 from archsearch.benchmarks.scripts import emit
+from archsearch.planning.lora import ATTENTION, LoraSettings, predict_lora_memory
+from archsearch.planning.measure import measure_lora_step
+from archsearch.provenance import provenance
 
 OUT = "results/bench/finetune_vocab.jsonl"
 SHAPE = dict(n_layers=2, hidden_size=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=688, tie_embeddings=False)
@@ -32,12 +37,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=OUT, help="JSONL to append to")
     args = ap.parse_args()
-
-    from archsearch.arch import ArchSpec
-    from archsearch.benchmarks import append_jsonl
-    from archsearch.planning.lora import ATTENTION, LoraSettings, predict_lora_memory
-    from archsearch.planning.measure import measure_lora_step
-    from archsearch.provenance import provenance
 
     lora = LoraSettings(args.rank, ATTENTION)
     rows = []

@@ -17,6 +17,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from archsearch.benchmarks import append_jsonl
+from archsearch.benchmarks.analytic import predict_batch
+from archsearch.benchmarks.calibration import Calibration
+from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_table, shape_key, table_devices
 from archsearch.provenance import provenance
 
 PAIR = ("LLaMA-3.2-3B", "Qwen2.5-3B")  # same size, 8 vs 2 KV heads (28 vs 36 layers)
@@ -25,9 +29,6 @@ PAIR = ("LLaMA-3.2-3B", "Qwen2.5-3B")  # same size, 8 vs 2 KV heads (28 vs 36 la
 def evaluate(path: Path) -> dict:
     """One calibration file's held-out errors, the roofline's beside them, and the KV-reduction ratio."""
     import numpy as np
-
-    from archsearch.benchmarks.analytic import predict_batch
-    from archsearch.benchmarks.calibration import Calibration, table_devices, held_out_errors, shape_key, model_variants, read_table
 
     cal = Calibration.load(path)
     pts, source = read_table(cal.source["path"])
@@ -65,8 +66,6 @@ def evaluate(path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from archsearch.benchmarks import append_jsonl
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", action="append", help="calibration files (default: configs/calibration/*.json)")
     ap.add_argument("--out-dir", default="results/bench")

@@ -15,6 +15,9 @@ import math
 import os
 import time
 
+from archsearch.laws import FitOptions, fit_law, optimum
+from archsearch.laws.synthetic import synthetic_runs
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -23,9 +26,6 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-
-    from archsearch.laws import FitOptions, fit_law, optimum
-    from archsearch.laws.synthetic import synthetic_runs
 
     x1s, rs = 0.08, 2.0
     if args.law == "conditional-additive":

@@ -58,6 +58,16 @@ import statistics
 import sys
 from pathlib import Path
 
+from archsearch import figures
+from archsearch.arch import ArchSpec
+from archsearch.fileio import append_line, read_jsonl_lines
+from archsearch.planning.lora import LoraSettings, lora_step_flops, predict_lora_memory
+from archsearch.planning.measure import measure_lora_schedule, measure_lora_step
+from archsearch.planning.memory import predict_training_memory
+from archsearch.planning.planner import LoraCalibration, predict_lora_step_time
+from archsearch.presets import get_preset
+from archsearch.provenance import provenance
+
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL = ATTN + ("gate_proj", "up_proj", "down_proj")
 # a 31M-parameter LLaMA proxy (12.6M non-embedding) on SmolLM2's vocabulary (random weights)
@@ -82,8 +92,6 @@ DESIGNS = {
 
 
 def _source(model: str) -> dict:
-    from archsearch.presets import get_preset
-
     if model == PROXY["name"]:
         return {"spec": dict(PROXY)}
     return {"spec": get_preset(model.split(":", 1)[1]).to_dict()} if model.startswith("preset:") else {"model": model}
@@ -120,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.rounds < 1 or args.threads < 1:
         ap.error("--steps, --rounds and --threads must be >= 1")
 
-    from archsearch.provenance import provenance
-
     prov = provenance(extra_packages=("peft", "gguf"))
     load0 = os.getloadavg()
     blocks = [(c, h[:1] if args.quick else h) for c, h in DESIGNS[args.design]]
@@ -134,13 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         doc.update(time_part(blocks, args, prov))
     doc.update({"load_avg_after": os.getloadavg(), "cpu_count": os.cpu_count(), "provenance": prov})
     if args.out:
-        from archsearch.fileio import append_line
-
         out = Path(args.out)
         append_line(out / "lora_step.jsonl", json.dumps(doc, default=str))
         if "calibration" in doc:
-            from archsearch.planning.planner import LoraCalibration
-
             LoraCalibration(**doc["calibration"]["wall"]).save(out / "calibration-cpu.json")
         if "rows" in doc:
             png = plot(doc["rows"], doc.get("memory"), out / f"lora_step_{args.design}.png")
@@ -154,9 +156,6 @@ def main(argv: list[str] | None = None) -> int:
 def reanalyse(out: Path, when: str) -> int:
     """:func:`two_point_check` on a recorded time run, appended as its own document (its
     provenance: this analysis; ``source``: the run's)."""
-    from archsearch.fileio import append_line, read_jsonl_lines
-    from archsearch.provenance import provenance
-
     docs = [d for d in read_jsonl_lines(out / "lora_step.jsonl", "LoRA step results")
             if d.get("rows") and d.get("design") and d["provenance"]["time_utc"].startswith(when)]
     if len(docs) != 1:
@@ -178,11 +177,6 @@ def reanalyse(out: Path, when: str) -> int:
 def memory_part(blocks, threads: int) -> dict:
     """Peak memory, one fresh process per configuration, against the LoRA accounting (and the
     earlier full-training activation count)."""
-    from archsearch.arch import ArchSpec
-    from archsearch.planning.lora import LoraSettings, predict_lora_memory
-    from archsearch.planning.measure import measure_lora_step
-    from archsearch.planning.memory import predict_training_memory
-
     configs = [c for cal, held in blocks for c in [cal] + held]
     rows = []
     for i, cfg in enumerate(configs, 1):
@@ -225,11 +219,6 @@ def memory_part(blocks, threads: int) -> dict:
 
 
 def time_part(blocks, args, prov) -> dict:
-    from archsearch.arch import ArchSpec
-    from archsearch.planning.lora import LoraSettings
-    from archsearch.planning.measure import measure_lora_schedule
-    from archsearch.planning.planner import LoraCalibration, lora_step_flops, predict_lora_step_time
-
     schedule, where = [], []  # where: block index per entry
     for _ in range(args.rounds):
         for bi, (cal, held) in enumerate(blocks):
@@ -397,8 +386,6 @@ def plot(rows: list[dict], memory: dict | None, png: Path) -> Path:
     tokens per step, predicted from the adjacent calibrations (drift cancelled; bars: the
     interval) and from the block's first calibration (the planner's), one colour per model.
     Right: measured / predicted peak memory per configuration."""
-    from archsearch import figures
-
     @figures.styled
     def draw() -> Path:
         import matplotlib.pyplot as plt

@@ -24,7 +24,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from archsearch.benchmarks import append_jsonl
 from archsearch.benchmarks.scripts import emit
+from archsearch.hardware import get_device
+from archsearch.planning.batchlaws import PUBLISHED_MAX_BATCH, model_memory_bytes, with_active_experts
+from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
+from archsearch.planning.lora import LoraSettings, lora_step_flops, parse_targets
+from archsearch.presets import get_preset
+from archsearch.provenance import provenance
 
 PUBLISHED = {"max_batch": {"A40 (48 GB)": (48e9, 4, "measured"), "A100/H100 (80 GB)": (80e9, 17, "measured"),
                            "100 GB": (100e9, 28, "projected by Eq. 1"), "120 GB": (120e9, 35, "projected by Eq. 1")},
@@ -42,15 +49,6 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank (the paper's is not quoted: assumed)")
     ap.add_argument("--out", default=OUT, help="JSONL to append to")
     args = ap.parse_args()
-
-    from archsearch.benchmarks import append_jsonl
-    from archsearch.hardware import get_device
-    from archsearch.planning.batchlaws import PUBLISHED_MAX_BATCH, model_memory_bytes, with_active_experts
-    from archsearch.planning.lora import LoraSettings, parse_targets
-    from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
-    from archsearch.planning.planner import lora_step_flops
-    from archsearch.presets import get_preset
-    from archsearch.provenance import provenance
 
     spec = get_preset("mixtral-8x7b")
     dense = with_active_experts(spec, spec.n_experts)

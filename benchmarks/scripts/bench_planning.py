@@ -19,7 +19,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from archsearch.arch import ArchSpec
 from archsearch.benchmarks.scripts import emit
+from archsearch.planning import fit_time_law, predict_inference_memory, predict_training_memory
+from archsearch.planning.measure import measure_peak_memory, measure_training_time
+from archsearch.provenance import provenance
+from archsearch.rundata import RunRecord, write_runs
 
 # (n_layers, hidden, heads, kv_heads, ffn); head_dim 64, vocab 2048
 SHAPES = [(2, 64, 1, 1, 192), (2, 128, 2, 1, 384), (4, 128, 2, 1, 384), (4, 192, 3, 1, 512),
@@ -33,16 +38,11 @@ MEMORY_POINTS = [("inference", (4, 256, 4, 2, 768, 8000), 8, 512, 32),
 
 
 def _spec(n_layers, hidden, heads, kv, ffn, vocab=2048):
-    from archsearch.arch import ArchSpec
-
     return ArchSpec(n_layers=n_layers, hidden_size=hidden, n_heads=heads, n_kv_heads=kv,
                     head_dim=64, ffn=ffn, vocab_size=vocab)
 
 
 def time_runs(shapes, tokens, threads: int) -> list:
-    from archsearch.planning.measure import measure_training_time
-    from archsearch.rundata import RunRecord
-
     runs = []
     for sh in shapes:
         spec = _spec(*sh)
@@ -59,9 +59,6 @@ def time_runs(shapes, tokens, threads: int) -> list:
 
 
 def memory_points(points) -> list[dict]:
-    from archsearch.planning import predict_inference_memory, predict_training_memory
-    from archsearch.planning.measure import measure_peak_memory
-
     out = []
     for kind, sh, b, a, o in points:
         spec = _spec(*sh)
@@ -83,10 +80,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="folder for runs.csv, time_law.json and result.json")
     args = ap.parse_args()
-
-    from archsearch.planning import fit_time_law
-    from archsearch.provenance import provenance
-    from archsearch.rundata import write_runs
 
     shapes = SHAPES[::2] + SHAPES[-1:] if args.quick else SHAPES
     runs = time_runs(shapes, TOKENS, args.threads)

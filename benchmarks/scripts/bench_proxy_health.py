@@ -30,7 +30,12 @@ import time
 from pathlib import Path
 
 from archsearch.benchmarks.scripts import emit
+from archsearch.candidates import BuildSettings
 from archsearch.fileio import read_jsonl_lines
+from archsearch.provenance import provenance
+from archsearch.trainers import run_sweep
+from archsearch.trainers.config import DataConfig, HealthConfig, SweepConfig, TrainConfig
+from archsearch.trainers.health import curve_violation, size_violation
 
 PARAMS = [3e4, 6e4]
 START = {"lr": 3e-4, "global_batch_size": 8}
@@ -43,9 +48,6 @@ VIOLATING = [{"lr": 4.8e-3, "global_batch_size": 4}, {"lr": 3e-4, "global_batch_
 
 
 def _cfg(name, params, lr, batch, health=None):
-    from archsearch.candidates import BuildSettings
-    from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig
-
     return SweepConfig(name=name, params=params, n_layers=2, hidden_over_sqrt_n=[0.25], mlp_to_attn=[1.0],
                        gqa=2, head_dim=32, build=BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15),
                        train=TrainConfig(tokens=TOKENS, global_batch_size=batch, lr=lr, eval_batches=4,
@@ -60,11 +62,6 @@ def main() -> int:
     ap.add_argument("--retries", type=int, default=6, help="retune attempts per run")
     ap.add_argument("--out")
     args = ap.parse_args()
-
-    from archsearch.provenance import provenance
-    from archsearch.trainers import run_sweep
-    from archsearch.trainers.config import HealthConfig
-    from archsearch.trainers.health import curve_violation, size_violation
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="proxy-health-"))
     load0, t0 = os.getloadavg(), time.perf_counter()

@@ -8,7 +8,7 @@ space finds?
    (``archsearch.search.checks.target_loss``).
 2. The exhaustive grid: ``--resolution`` log-spaced values of d/sqrt(N) and of r over the
    config's search box, times every GQA choice, each built with
-   ``archsearch.search.study.expand``; identical shapes are merged, the feasible ones (predicted
+   ``archsearch.search.derived.expand``; identical shapes are merged, the feasible ones (predicted
    loss <= target) are all measured through a ``Measurer`` on a ``MeasurementStore`` in
    ``--out``. That store is first seeded with the study's own measurements (``--seed-store``,
    default ``measurements.jsonl`` next to the law) whose keys this benchmark's settings
@@ -67,7 +67,7 @@ def enumerate_grid(cfg, build, law, resolution: int):
     import numpy as np
 
     from archsearch.errors import ArchsearchError
-    from archsearch.search.study import expand
+    from archsearch.search.derived import expand
 
     s = cfg.search_space
     shapes: dict[Any, dict[str, Any]] = {}

@@ -70,7 +70,8 @@ def main() -> None:
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
     from archsearch.search.resolved import derive
-    from archsearch.search.targets import aggregate, target_measure
+    from archsearch.search.deployment import target_measure
+    from archsearch.search.targets import aggregate
 
     t0 = time.perf_counter()
     cfg = load_study_config(args.multi_config)

@@ -39,7 +39,7 @@ def feasible_shapes(study, law, target: float, n: int = 4):
     (``study``: the resolved study, archsearch.search.resolved)."""
     import numpy as np
 
-    from archsearch.search.study import expand
+    from archsearch.search.derived import expand
 
     cfg = study.cfg
     s, build = cfg.search_space, study.build

@@ -26,14 +26,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from archsearch.benchmarks.paired import ratio_estimate
 from archsearch.fileio import append_line
+from archsearch.provenance import provenance
+from archsearch.trainers.config import default_cache_dir
+from archsearch.trainers.corpus import shakespeare_split
+from archsearch.trainers.data import token_dtype, tokenize_shards
+from archsearch.trainers.tokenizer import load_tokenizer, separator_id
 
 OUT = Path("results/bench/tokenize.jsonl")
 
 
 def corpus_paragraphs() -> list[str]:
-    from archsearch.trainers.corpus import shakespeare_split
-
     train, _ = shakespeare_split()
     docs = []
     for f in train:
@@ -55,10 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.one is not None:
         return _child(a)
 
-    from archsearch.provenance import provenance
-    from archsearch.trainers.config import default_cache_dir
-    from archsearch.trainers.tokenizer import load_tokenizer
-
     docs = corpus_paragraphs()
     chars = sum(len(d) for d in docs)
     tok = load_tokenizer(f"bpe:{a.vocab}", default_cache_dir(), bpe_texts=lambda: iter(docs),
@@ -76,9 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 def _child(a) -> int:
     import numpy as np
     from transformers import PreTrainedTokenizerFast
-
-    from archsearch.trainers.data import token_dtype, tokenize_shards
-    from archsearch.trainers.tokenizer import separator_id
 
     tok = PreTrainedTokenizerFast.from_pretrained(a.tokenizer_dir)
     docs = corpus_paragraphs() * a.copies
@@ -111,8 +108,6 @@ def _measure(a, tdir: str, docs: list[str], chars: int, provenance) -> list[dict
     every round (1 2, 2 1, ...) so a drift of the machine's load cancels within two rounds. The
     speed-up of each count over the first is the geometric mean of the per-round ratios with a
     90% t interval on their logs (``archsearch.benchmarks.paired.ratio_estimate``)."""
-    from archsearch.benchmarks.paired import ratio_estimate
-
     rates: dict[int, list[float]] = {w: [] for w in a.workers}
     n_tokens = 0
     for rnd in range(a.repeats):

@@ -24,6 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from archsearch.arch import ArchSpec, non_embedding_params
+from archsearch.benchmarks.base import append_jsonl
+from archsearch.hardware import measure_cpu, measure_gpu
+from archsearch.provenance import provenance
+from archsearch.trainers import DataConfig, TrainConfig, prepare_data, train
+from archsearch.trainers.loop import build_model, cpu_threads_for, lr_schedule, train_flops_per_token
+
 
 def plain_loop(spec, data, steps: int, batch: int, lr: float, seed: int) -> float:
     """tokens/s of the textbook loop: forward, backward, clip, AdamW step."""
@@ -31,8 +38,6 @@ def plain_loop(spec, data, steps: int, batch: int, lr: float, seed: int) -> floa
 
     import torch
     from accelerate.utils import set_seed
-
-    from archsearch.trainers.loop import build_model, lr_schedule
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -78,13 +83,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-
-    from archsearch.arch import ArchSpec, non_embedding_params
-    from archsearch.hardware import measure_cpu, measure_gpu
-    from archsearch.provenance import provenance
-    from archsearch.benchmarks.base import append_jsonl
-    from archsearch.trainers import DataConfig, TrainConfig, prepare_data, train
-    from archsearch.trainers.loop import cpu_threads_for, train_flops_per_token
 
     heads = args.hidden // args.head_dim
     spec = ArchSpec(n_layers=args.layers, hidden_size=args.hidden, n_heads=heads,

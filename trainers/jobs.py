@@ -1,18 +1,20 @@
-"""A study's stages as jobs: one job per proxy run, one job per Optuna measurement worker.
+"""Proxy training runs as scheduler jobs: the job a run is, the distinct runs of a sweep, a run's
+key in a shared proxy store, and a sweep's runs submitted and waited for.
 
-The job functions here are what the scheduler runs; they write only into the study folder
-(the proxy run's folder, the shared Optuna storage and measurement store) and their result is
-read from there, so a restarted coordinator finds it whatever happened to itself.
+A job writes only into its run folder and its result is read from there (``run.json``), so a
+restarted coordinator finds it whatever happened to itself.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
+
+import yaml
 
 from archsearch.cluster import startup
 from archsearch.cluster.executor import Task, TaskResult, run_tasks
@@ -20,14 +22,13 @@ from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, write_json
 from archsearch.logs import get_logger
+from archsearch.trainers.data import SHARD_DOCS, check_epochs, prepare_data
 from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
-from archsearch.trainers.loop import RUN_FILE, read_record, run_id_for, token_budget
+from archsearch.trainers.loop import RUN_FILE, read_record, run_id_for, token_budget, train
 from archsearch.trainers.sweep import failed_record, sweep_specs
 
-JOBS_DIR = "cluster"
 
-
-def _log(msg: str) -> None:
+def _log(msg: str) -> None:  # a line of the study's progress (archsearch.search.log)
     get_logger("search").info(f"[search] {msg}")
 
 
@@ -38,30 +39,14 @@ def has_record(run_dir: Path) -> bool:
     return rec is not None and rec.get("status") in ("ok", "failed")
 
 
-JOB_FILE = "job.json"
-
-
-def _note_process_start(run_dir: Path) -> None:
-    """``run_dir/job.json``: when this job's process began (after any wait in the scheduler's
-    queue), so that its start-up is measured from there, not from its submission."""
-    import psutil
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / JOB_FILE, {"process_started_unix": psutil.Process().create_time()})
-
-
 def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
     """Job: train one proxy run into ``run_dir`` (resumes from its checkpoint); with more than
     one GPU through ``accelerate launch`` of ``archsearch train`` on the same folder."""
-    from archsearch.trainers.loop import train
-
     out = Path(run_dir)
-    _note_process_start(out)
+    startup.note_process_start(out)
     if gpus <= 1:
         train(spec, tc, data_cfg, out, progress=False)
         return
-    import yaml
-
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "spec.json", spec.to_dict())
     atomic_write(out / "train.yaml", yaml.safe_dump({"train": to_dict(tc), "data": to_dict(data_cfg)}))
@@ -81,8 +66,6 @@ def sweep_runs(sweep, data_info: dict | None = None) -> list[tuple[str, object, 
     """(run id, spec, train config) of every distinct run of ``sweep``, after the data check
     (the coordinator tokenizes once into the shared cache; every job then reads it from there).
     ``data_info``: filled with the prepared data's info (``shards_tokenized_now``...)."""
-    from archsearch.trainers.data import check_epochs, prepare_data
-
     budgets = [token_budget(s, sweep.train_for(p["level"])) for p, s, _ in sweep_specs(sweep, 32000) if s]
     data = prepare_data(sweep.data, min_train_tokens=int(max(budgets, default=0)) + 1)
     check_epochs(data, max(budgets, default=0), sweep.data.max_epochs, f"sweep {sweep.name}'s largest run")
@@ -103,16 +86,12 @@ def sweep_runs(sweep, data_info: dict | None = None) -> list[tuple[str, object, 
 def content_key(run_id: str, tc, data_cfg) -> str:
     """A run's key in a shared store: its id (shape, D, seed) plus a hash of every setting that
     determines its result (training and data settings, not logging or checkpoint cadence)."""
-    import hashlib
-
     what = {"train": {k: v for k, v in to_dict(tc).items() if k not in _NOT_DETERMINING["train"]},
             "data": {k: v for k, v in to_dict(data_cfg).items() if k not in _NOT_DETERMINING["data"]}}
     if any(s.startswith("hf:") for s in data_cfg.sources):
         # a streamed source: the run reads the shortest run of shards holding its own budget
         # (its D is in the run id), so the shard size determines its sequences too; runs trained
         # before this, on the prefix of their sweep's largest budget, have other keys
-        from archsearch.trainers.data import SHARD_DOCS
-
         what["data_prefix"] = {"read": "own budget", "shard_docs": SHARD_DOCS}
     return f"{run_id}-{hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:10]}"
 
@@ -189,8 +168,10 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
         # this coordinator's own submissions (not the jobs it adopted from an earlier one)
         subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
         lead = min(subs) - t_enter - prep_s if subs else None
+        run_dirs = {t.key: Path(t.args[3]) for t in tasks}
         startup.record(study, "proxy", cluster.executor,
-                       {**startup.proxy_samples(results, {t.key: Path(t.args[3]) for t in tasks}, lead, since=t_enter),
+                       {**startup.proxy_samples(results, run_dirs, {k: read_record(d) for k, d in run_dirs.items()},
+                                                lead, since=t_enter),
                         "data_cached_s": [prep_s] if cached else []},
                        data_prep_s=round(prep_s, 3), data_tokenized_shards=data_info.get("shards_tokenized_now"))
     for t in tasks:
@@ -201,61 +182,4 @@ def run_proxy_jobs(sweep, out_dir: Path, cluster, jobs_dir: Path, study: Path | 
             run_dir.mkdir(parents=True, exist_ok=True)
             write_json(run_dir / RUN_FILE, failed_record(spec, t.key, token_budget(spec, tc), tc.seed,
                                                          f"{r.attempts} job(s) failed: {r.reason}"), default=str)
-    return results
-
-
-def search_worker(study, out: str, marker: str) -> None:
-    """Job: one Optuna worker on the study's shared storage, measuring on this job's device
-    until the study has its ``n_trials`` shapes (the workers share the count); then ``marker``.
-    ``study``: the coordinator's resolved study (archsearch.search.resolved), or a config."""
-    from archsearch.hardware import local_device_name
-    from archsearch.search.checks import check_reference_batch
-    from archsearch.search.pipeline import search_context
-    from archsearch.search.resolved import as_resolved
-    from archsearch.search.study import run_study
-
-    study = as_resolved(study)
-    cfg = study.cfg
-    # on Slurm the coordinator cannot know the jobs' GPUs: each worker checks its own before measuring
-    check_reference_batch(cfg, cfg.measure.bench.device_spec or local_device_name(), study.measured_baseline)
-    run_study(search_context(study, Path(out)), progress=False)
-    atomic_write(marker, "done\n")
-
-
-def run_search_workers(study, out: Path, stage_start: float | None = None) -> dict[str, TaskResult]:
-    """The search stage as ``measure_workers`` jobs (one engine, one GPU each where GPUs are
-    used); a worker is done once the study has its trials. ``study``: the resolved study
-    (archsearch.search.resolved), handed to each job as it is. ``stage_start``: when the search
-    stage began (its lead is measured from there; default: this call)."""
-    from archsearch.search.pipeline import search_context
-    from archsearch.search.study import distinct_measured
-
-    t_enter = time.time()
-    stage_start = t_enter if stage_start is None else min(stage_start, t_enter)
-    cfg = study.cfg
-    ctx = search_context(study, out)
-    inline = study.with_cluster(replace(cfg.cluster, executor="inline", jobs_at_once=1, measure_workers=1))
-    gpus = min(1, cfg.cluster.gpus_per_job)
-
-    def study_done() -> bool:
-        from archsearch.search.pipeline import load_study
-
-        study = load_study(ctx)
-        return study is not None and distinct_measured(study) >= cfg.optuna.n_trials
-
-    folder = out / JOBS_DIR / "search"
-    folder.mkdir(parents=True, exist_ok=True)
-    tasks = []
-    for i in range(cfg.cluster.measure_workers):
-        marker = folder / f"worker-{i}.done"
-        tasks.append(Task(key=f"search-worker-{i}", fn=search_worker, args=(inline, str(out), str(marker)),
-                          is_done=lambda m=marker: m.is_file() or study_done(), gpus=gpus))
-    _log(f"search: {len(tasks)} Optuna workers as {cfg.cluster.executor} jobs")
-    results = run_tasks(tasks, cfg.cluster, folder)
-    from archsearch.search.pipeline import load_study
-
-    subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
-    startup.record(out, "search", cfg.cluster.executor,
-                   startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.bench.backend,
-                                          min(subs) - stage_start if subs else None, since=t_enter))
     return results

@@ -1,0 +1,93 @@
+"""A deployment target (``measure.targets``): one place the model will serve, and the ``measure``
+block it is measured with (the study's, with the target's device, engine, lengths and batches)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from archsearch.errors import ArchsearchError
+from archsearch.fileio import check_name
+from archsearch.hardware import device_key
+
+TARGET_BACKENDS = ("analytic", "vllm", "sglang", "hf")
+AGGREGATES = ("worst", "geomean")
+
+
+@dataclass(frozen=True)
+class DeploymentTarget:
+    """One place the model will serve. Unset fields take the ``measure`` block's value (dtype,
+    repeats, the paired settings and the rest always do); ``batch_size`` is the target's
+    objective batch (default: the largest of ``batch_sizes``; alone, the only one measured)."""
+
+    name: str
+    backend: str | None = None
+    device_spec: str | None = None
+    calibration: str | None = None  # a roofline calibration of this device (and engine), analytic targets
+    batch_sizes: list[int] | None = None
+    batch_size: int | None = None
+    input_len: int | None = None
+    output_len: int | None = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_name("name", self.name)
+        if self.backend is not None and self.backend not in TARGET_BACKENDS:
+            raise ArchsearchError("backend", f"unknown backend {self.backend!r}", f"use one of {list(TARGET_BACKENDS)}")
+        if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
+                or not (math.isfinite(self.weight) and self.weight > 0):
+            raise ArchsearchError("weight", f"must be a positive number, got {self.weight!r}", "e.g. 1.0")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or self.batch_size <= 0):
+            raise ArchsearchError("batch_size", f"must be a positive integer, got {self.batch_size!r}")
+        if self.batch_sizes is not None and self.batch_size is not None and self.batch_size not in self.batch_sizes:
+            raise ArchsearchError("batch_size", f"{self.batch_size} is not among batch_sizes {self.batch_sizes}",
+                                  "add it to batch_sizes, or give only one of the two")
+        if self.device_spec is not None:
+            try:
+                device_key(self.device_spec)
+            except ArchsearchError as e:
+                raise ArchsearchError("device_spec", e.problem, e.fix) from None
+        if self.calibration is not None and self.backend not in (None, "analytic"):
+            raise ArchsearchError("calibration", f"a {self.backend} target is measured, not predicted",
+                                  "drop calibration, or set backend: analytic to predict this target")
+
+
+def check_targets(measure) -> None:
+    """The ``measure.targets`` list as a whole (each target checked itself at load): unique names,
+    and every target valid as a ``measure`` block of its own (its calibration fitted on its device
+    and engine, its lengths and batch sizes measurable). Errors name ``targets[i].field``."""
+    targets = measure.targets
+    if targets is None:
+        return
+    if not targets:
+        raise ArchsearchError("targets", "is empty", "name at least one target, or leave measure.targets out")
+    seen: dict[str, int] = {}
+    for i, t in enumerate(targets):
+        if t.name in seen:
+            raise ArchsearchError(f"targets[{i}].name", f"{t.name!r} is also the name of targets[{seen[t.name]}]",
+                                  "give every target its own name")
+        seen[t.name] = i
+        try:
+            target_measure(measure, t)
+        except ArchsearchError as e:
+            name = e.field.removeprefix("measure.")
+            name = {"reference_batch_size": "batch_size"}.get(name, name)
+            raise ArchsearchError(f"targets[{i}].{name}", e.problem, e.fix) from None
+
+
+def target_measure(measure, t: DeploymentTarget):
+    """The ``measure`` block this target measures with: the study's, with the target's device,
+    engine, calibration, batch sizes and lengths (a calibration is never inherited: the study's
+    belongs to another device or engine)."""
+    b = measure.bench
+    batch_sizes = list(t.batch_sizes) if t.batch_sizes is not None else (
+        [t.batch_size] if t.batch_size is not None else list(b.batch_sizes))
+    ref = t.batch_size if t.batch_size is not None else (
+        measure.reference_batch_size if t.batch_sizes is None and measure.reference_batch_size in batch_sizes
+        else None)
+    bench = dataclasses.replace(
+        b, backend=t.backend or b.backend, device_spec=t.device_spec if t.device_spec is not None else b.device_spec,
+        batch_sizes=batch_sizes, input_len=b.input_len if t.input_len is None else t.input_len,
+        output_len=b.output_len if t.output_len is None else t.output_len)
+    return dataclasses.replace(measure, bench=bench, targets=None, calibration=t.calibration, reference_batch_size=ref)
