@@ -1,8 +1,8 @@
-"""The active proxy plan (issue 16): the acquisition math, one planning step on a known law,
+"""The active proxy plan: the acquisition math, one planning step on a known law,
 the config, and the driver's claims (a killed worker's run is proposed again; another worker's
 run in flight is not). The driver tests replace training with the known law (the trainer
 itself is tested in test_train.py); the plan trains for real in the demo study
-(configs/demo-cpu-active.yaml) and benchmarks/scripts/bench_active_proxies.py."""
+(configs/demo-cpu-acquisition.yaml) and benchmarks/scripts/bench_active_proxies.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from archsearch.errors import ArchsearchError
-from archsearch.laws import active
+from archsearch.laws import acquisition
 
 
 def test_acquire_picks_the_informative_run_and_its_reduction_is_the_gaussian_one():
@@ -23,7 +23,7 @@ def test_acquire_picks_the_informative_run_and_its_reduction_is_the_gaussian_one
     y_good = t[:, 0] + 0.1 * rng.standard_normal(B)        # tells about log x1*
     y_none = rng.standard_normal(B)                         # tells nothing
     pred = np.stack([y_none, y_good], axis=1)
-    picks = active.acquire(t, pred, np.ones(2), 0.01, np.array([True, True]))
+    picks = acquisition.acquire(t, pred, np.ones(2), 0.01, np.array([True, True]))
     assert picks[0].index == 1
     # Var(t0) = 1 (weight 1/1), Cov(t0, y) = 1, Var(y) = 1.01: reduction 1/(1.01 + 0.01)
     assert picks[0].variance_reduction == pytest.approx(1 / 1.02, rel=0.08)
@@ -39,10 +39,10 @@ def test_acquire_log_weights_serve_the_coordinate_known_worse():
     t = rng.standard_normal((B, 2)) * np.array([0.01, 0.1])
     pred = np.stack([t[:, 0], t[:, 1] + 0.1 * rng.standard_normal(B)], axis=1)
     avail = np.ones(2, bool)
-    assert active.acquire(t, pred, np.ones(2), 1e-8, avail)[0].index == 1
-    assert active.acquire(t, pred, np.ones(2), 1e-8, avail, weights="relative")[0].index == 0
+    assert acquisition.acquire(t, pred, np.ones(2), 1e-8, avail)[0].index == 1
+    assert acquisition.acquire(t, pred, np.ones(2), 1e-8, avail, weights="relative")[0].index == 0
     with pytest.raises(ValueError, match="weights"):
-        active.acquire(t, pred, np.ones(2), 1e-8, avail, weights="max")
+        acquisition.acquire(t, pred, np.ones(2), 1e-8, avail, weights="max")
 
 
 def test_acquire_weighs_cost_and_conditions_on_runs_in_flight():
@@ -53,13 +53,13 @@ def test_acquire_weighs_cost_and_conditions_on_runs_in_flight():
     y2 = t[:, 1] + 0.1 * rng.standard_normal(B)
     pred = np.stack([y1, y1 + 1e-3 * rng.standard_normal(B), y2], axis=1)  # 0 and 1: the same information
     # equal information, cost decides
-    p = active.acquire(t, pred, np.array([4.0, 1.0, 4.0]), 0.01, np.ones(3, bool))
+    p = acquisition.acquire(t, pred, np.array([4.0, 1.0, 4.0]), 0.01, np.ones(3, bool))
     assert p[0].index == 1
     # a batch of two never takes both copies: after one, the other tells nothing new
-    p = active.acquire(t, pred, np.ones(3), 0.01, np.ones(3, bool), k=2)
+    p = acquisition.acquire(t, pred, np.ones(3), 0.01, np.ones(3, bool), k=2)
     assert {q.index for q in p} in ({0, 2}, {1, 2})
     # with run 0 in flight (another worker), its copy is worth nothing: run 2 is next
-    p = active.acquire(t, pred, np.ones(3), 0.01, np.ones(3, bool), pending=[0])
+    p = acquisition.acquire(t, pred, np.ones(3), 0.01, np.ones(3, bool), pending=[0])
     assert p[0].index == 2
 
 
@@ -67,9 +67,9 @@ def test_interval_half_widths_and_bootstrap_optima():
     coefs = [{"a1": 0.1, "a2": 0.1 * x, "b1": 0.01, "b2": 0.01 * r} for x, r in
              [(0.08, 1.0), (0.09, 1.2), (0.085, 1.1), (0.082, 0.9)]]
     coefs.append({"a1": -0.1, "a2": 0.01, "b1": 0.01, "b2": 0.01})  # not U-shaped: left out
-    log_opt, keep = active.bootstrap_optima(coefs)
+    log_opt, keep = acquisition.bootstrap_optima(coefs)
     assert keep.tolist() == [0, 1, 2, 3]
-    iv = active.optimum_interval(log_opt, level=0.999999)
+    iv = acquisition.optimum_interval(log_opt, level=0.999999)
     assert iv.hidden_over_sqrt_n == pytest.approx((0.08, 0.09), rel=1e-4)
     assert iv.half_widths[1] == pytest.approx(0.5 * math.log(1.2 / 0.9), rel=1e-4)
     assert iv.width == max(iv.half_widths)
@@ -79,13 +79,13 @@ def test_initial_design_and_space_filling():
     lv = np.array([0] * 9 + [1])
     x1 = np.array([a for a in (0.05, 0.1, 0.2) for _ in range(3)] + [0.1])
     r = np.array([0.5, 1.0, 2.0] * 3 + [1.0])
-    cc = active.initial_design(lv, x1, r, "corners-centre")
+    cc = acquisition.initial_design(lv, x1, r, "corners-centre")
     assert sorted(cc.tolist()) == [0, 2, 4, 6, 8]
-    assert sorted(active.initial_design(lv, x1, r, "grid3").tolist()) == list(range(9))
+    assert sorted(acquisition.initial_design(lv, x1, r, "grid3").tolist()) == list(range(9))
     obs = np.zeros(10, bool)
     obs[0] = True
     cost = np.array([1.0] * 9 + [50.0])
-    i = active.space_filling(np.log(np.stack([x1, r], 1)), obs, cost, ~obs)
+    i = acquisition.space_filling(np.log(np.stack([x1, r], 1)), obs, cost, ~obs)
     assert i == 8  # the far corner, at the cheap size
 
 
@@ -107,7 +107,7 @@ def _pool_and_truth(sizes=(2e6, 4e6)):
                     specs.append(s)
                     toks.append(20 * n)
                     lev.append(li)
-    pool = active.Pool.of(specs, toks, lev)
+    pool = acquisition.Pool.of(specs, toks, lev)
     truth = {"a0": 1.0, "a1": 0.05, "a2": 0.005, "b0": 0.98, "b1": 0.02, "b2": 0.03}
     X = dict(pool.X, Lref=forms.predict("chinchilla", TRUE_CHINCHILLA, pool.X))
     return pool, forms.predict("conditional-multiplicative", truth, X)
@@ -118,17 +118,17 @@ def test_propose_initial_design_then_acquisition():
 
     pool, loss = _pool_and_truth()
     opts = FitOptions(reference="best-observed", bootstrap=16, n_starts=2)
-    p = active.propose(pool, {}, [], "conditional-multiplicative", opts, k=20)
+    p = acquisition.propose(pool, {}, [], "conditional-multiplicative", opts, k=20)
     design = [q["index"] for q in p.picks]
     assert len(design) == 9 and all(pool.level[i] == 0 for i in design)
     assert all(q["reason"].startswith("initial design") for q in p.picks)
     # a best-observed L_opt needs a run at the target size: its box centre joins the design
-    pa = active.propose(pool, {}, [], "conditional-multiplicative", opts, k=20, anchors=[1])
+    pa = acquisition.propose(pool, {}, [], "conditional-multiplicative", opts, k=20, anchors=[1])
     assert [q["index"] for q in pa.picks][:9] == design and len(pa.picks) == 10
     assert pool.level[pa.picks[-1]["index"]] == 1 and "target size" in pa.picks[-1]["reason"]
     rng = np.random.default_rng(0)
     observed = {i: loss[i] * math.exp(0.002 * rng.standard_normal()) for i in design}
-    p = active.propose(pool, observed, [], "conditional-multiplicative", opts, k=2)
+    p = acquisition.propose(pool, observed, [], "conditional-multiplicative", opts, k=2)
     assert p.interval is not None and p.optimum is not None
     assert len(p.picks) == 2 and not {q["index"] for q in p.picks} & set(observed)
     assert all(q["reason"].startswith("largest expected shrinkage") for q in p.picks)
@@ -213,7 +213,7 @@ def _one_run_budget():
     from archsearch.arch import training_flops
     from archsearch.configio import from_dict
     from archsearch.trainers import SweepConfig
-    from archsearch.trainers.active import build_pool
+    from archsearch.trainers.active_proxies import build_pool
 
     return 1.01 * max(training_flops(e["spec"], e["tokens"])
                       for e in build_pool([from_dict(SweepConfig, SWEEP)], 256) if e["level"] == 0)
@@ -224,7 +224,7 @@ def _run(tmp_path, **active_over):
     from archsearch.laws import FitOptions
     from archsearch.search.config import ActiveProxyConfig
     from archsearch.trainers import SweepConfig
-    from archsearch.trainers.active import run_active
+    from archsearch.trainers.active_proxies import run_active
 
     sweep = from_dict(SweepConfig, SWEEP)
     cfg = ActiveProxyConfig(**{"bootstrap": 24, "tolerance": 0.02, **active_over})
@@ -240,7 +240,7 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     from archsearch.arch import training_flops
     from archsearch.configio import from_dict
     from archsearch.trainers import SweepConfig
-    from archsearch.trainers.active import build_pool
+    from archsearch.trainers.active_proxies import build_pool
 
     pool = build_pool([from_dict(SweepConfig, SWEEP)], 256)
     # every small run (tiny shapes snap: the initial design takes them all), then room for one large
@@ -284,7 +284,7 @@ def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
 
 
 def test_driver_reproposes_a_dead_workers_run_and_skips_a_live_ones(tmp_path, fake_training):
-    from archsearch.trainers.active import _Claims
+    from archsearch.trainers.active_proxies import _Claims
 
     # first pass: learn the order of the initial design
     _run(tmp_path / "a", budget_flops=_one_run_budget())
@@ -335,14 +335,14 @@ def test_fit_profiled_removes_the_bias_of_a_sparse_size():
         o = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
         return max(abs(o[i] / truth[i] - 1) for i in range(2))
 
-    plain, prof = fit_law(runs, "conditional-multiplicative", opts), active.fit_profiled(runs, "conditional-multiplicative", opts)
+    plain, prof = fit_law(runs, "conditional-multiplicative", opts), acquisition.fit_profiled(runs, "conditional-multiplicative", opts)
     assert err(plain) > 0.05            # the bias this fixes
     assert err(prof) < 0.01
     assert prof.reference["law"] == "best-observed" and len(prof.reference["groups"]) == 2
     assert prof.options["reference_law"]["law"] == "best-observed"   # the options serialise
     # with every size complete the two agree (the full grid is what the method fits)
     full = [RunRecord.from_arch(s, tokens=float(t), loss=float(v)) for s, t, v in zip(pool.specs, pool.tokens, loss)]
-    assert err(active.fit_profiled(full, "conditional-multiplicative", opts)) < 0.01
+    assert err(acquisition.fit_profiled(full, "conditional-multiplicative", opts)) < 0.01
 
 
 def test_fit_profiled_scales_the_huber_delta_to_the_noise():
@@ -359,13 +359,13 @@ def test_fit_profiled_scales_the_huber_delta_to_the_noise():
     def runs(v):
         return [RunRecord.from_arch(s, tokens=float(t), loss=float(x)) for s, t, x in zip(pool.specs, pool.tokens, v)]
 
-    fit = active.fit_profiled(runs(noisy), "conditional-multiplicative", opts)
-    assert 0.5 * active.HUBER_K * sigma < fit.options["huber_delta"] < 2.0 * active.HUBER_K * sigma
-    assert active.fit_profiled(runs(noisy), "conditional-multiplicative", opts,
+    fit = acquisition.fit_profiled(runs(noisy), "conditional-multiplicative", opts)
+    assert 0.5 * acquisition.HUBER_K * sigma < fit.options["huber_delta"] < 2.0 * acquisition.HUBER_K * sigma
+    assert acquisition.fit_profiled(runs(noisy), "conditional-multiplicative", opts,
                                scale_huber=False).options["huber_delta"] == opts.huber_delta
-    assert active.fit_profiled(runs(loss), "conditional-multiplicative", opts).options["huber_delta"] == opts.huber_delta
-    assert active.robust_scale(np.array([0.0, 0.0, 0.0, 1.0, -1.0])) == 0.0   # MAD: two outliers of five
-    assert active.robust_scale(np.array([])) == 0.0
+    assert acquisition.fit_profiled(runs(loss), "conditional-multiplicative", opts).options["huber_delta"] == opts.huber_delta
+    assert acquisition.robust_scale(np.array([0.0, 0.0, 0.0, 1.0, -1.0])) == 0.0   # MAD: two outliers of five
+    assert acquisition.robust_scale(np.array([])) == 0.0
 
 
 def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(tmp_path):
@@ -395,25 +395,25 @@ def test_size_noise_counts_the_offset_of_each_size_and_acquire_skips_what_tells_
     pool, _ = _pool_and_truth()
     small = np.flatnonzero(pool.level == 0)
     bo = SimpleNamespace(reference={"law": "best-observed"})
-    v = active.size_noise(pool, small[:3].tolist(), [int(small[3])], 1.0, bo)
+    v = acquisition.size_noise(pool, small[:3].tolist(), [int(small[3])], 1.0, bo)
     assert np.allclose(v[pool.level == 0], 1.25)      # 4 runs there (one in flight): 1 + 1/4
     assert np.allclose(v[pool.level == 1], 2.0)       # no run there: valued as the second of a pair
-    assert np.allclose(active.size_noise(pool, [], [], 1.0, SimpleNamespace(reference={"law": "chinchilla"})), 1.0)
+    assert np.allclose(acquisition.size_noise(pool, [], [], 1.0, SimpleNamespace(reference={"law": "chinchilla"})), 1.0)
     # an observation with infinite noise, or one uncorrelated with the optimum, is never picked
     rng = np.random.default_rng(2)
     t = rng.standard_normal((500, 2))
     pred = np.stack([t[:, 0] + 0.1 * rng.standard_normal(500), np.zeros(500)], axis=1)
-    assert active.acquire(t, pred, np.ones(2), np.array([np.inf, 0.01]), np.ones(2, bool), k=2) == []
+    assert acquisition.acquire(t, pred, np.ones(2), np.array([np.inf, 0.01]), np.ones(2, bool), k=2) == []
 
 
 def test_an_interval_pinned_at_the_fits_bound_never_meets_the_tolerance():
     rng = np.random.default_rng(3)
     lo = np.stack([np.log(0.08) + 0.01 * rng.standard_normal(40), np.full(40, 3.0985)], axis=1)
     lo[0, 1] = 2.9                                          # all resamples but one at the bound of log r*
-    iv = active.optimum_interval(lo)
+    iv = acquisition.optimum_interval(lo)
     assert iv.pinned == (False, True) and iv.half_widths[1] < 0.05
     assert iv.width == math.inf and iv.to_dict()["pinned_at_bound"] == [False, True]
-    free = active.optimum_interval(lo[:, [0, 0]])
+    free = acquisition.optimum_interval(lo[:, [0, 0]])
     assert free.pinned == (False, False) and math.isfinite(free.width)
 
 
@@ -470,15 +470,15 @@ def test_offset_bootstrap_refits_every_sizes_offset_and_its_spread_is_the_inform
     sigma = 0.003
     pool, idx, noisy = _unbalanced_runs(sigma, 4)
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(noisy[i])) for i in idx]
-    fit = active.fit_profiled(runs, "conditional-multiplicative", FitOptions(reference="best-observed", n_starts=3))
+    fit = acquisition.fit_profiled(runs, "conditional-multiplicative", FitOptions(reference="best-observed", n_starts=3))
     X = {k: v[idx] for k, v in pool.X.items()}
-    ob = active.offset_bootstrap(fit, X, noisy[idx], 300, seed=1)
+    ob = acquisition.offset_bootstrap(fit, X, noisy[idx], 300, seed=1)
     c = fit.coefficients
     assert math.exp(ob.estimate[1]) == pytest.approx(c["a2"] / c["a1"], rel=0.02)
     assert math.exp(ob.estimate[3]) == pytest.approx(c["b2"] / c["b1"], rel=0.02)
     assert ob.dof == idx.size - 4 - 2 and 0.5 * sigma < ob.sigma < 1.6 * sigma
-    _, group = np.unique(active.size_group_keys(X, 0.05), return_inverse=True)
-    y, J = active._shape_logpred(ob.estimate[:4], np.log(X["x1"]), np.log(X["x2"]))
+    _, group = np.unique(acquisition.size_group_keys(X, 0.05), return_inverse=True)
+    y, J = acquisition._shape_logpred(ob.estimate[:4], np.log(X["x1"]), np.log(X["x2"]))
     J = np.concatenate([J, np.eye(2)[group]], axis=1)
     sd = ob.sigma * np.sqrt(np.diag(np.linalg.pinv(J.T @ J)))[[1, 3]]
     spread = np.subtract(*np.quantile(ob.log_optima, [0.8413, 0.1587], axis=0)) / 2   # a robust sd
@@ -488,22 +488,22 @@ def test_offset_bootstrap_refits_every_sizes_offset_and_its_spread_is_the_inform
     # the acquisition's ensemble: every replicate's log shape factor at every candidate
     assert ob.log_shape(pool.X).shape == (300, len(pool))
     # 5 runs at one size: 4 shape parameters and 1 offset leave no degree of freedom for the noise
-    assert active.offset_bootstrap(fit, {k: v[idx[:5]] for k, v in pool.X.items()}, noisy[idx[:5]], 10) is None
+    assert acquisition.offset_bootstrap(fit, {k: v[idx[:5]] for k, v in pool.X.items()}, noisy[idx[:5]], 10) is None
 
 
 def test_simultaneous_interval_is_sidak_and_names_its_method():
     rng = np.random.default_rng(0)
     lo = rng.standard_normal((20000, 2)) * 0.1
-    iv = active.optimum_interval(lo, 0.9)
+    iv = acquisition.optimum_interval(lo, 0.9)
     z = 1.9545   # the standard normal's quantile at (1 + sqrt(0.9)) / 2
     assert iv.method == "simultaneous" and iv.half_widths[0] == pytest.approx(0.1 * z, rel=0.03)
-    per = active.optimum_interval(lo, 0.9, method="percentile")
+    per = acquisition.optimum_interval(lo, 0.9, method="percentile")
     assert per.half_widths[0] == pytest.approx(0.1 * 1.6449, rel=0.03) and per.to_dict()["method"] == "percentile"
     with pytest.raises(ValueError, match="method"):
-        active.optimum_interval(lo, 0.9, method="bca")
+        acquisition.optimum_interval(lo, 0.9, method="bca")
     # resamples at the fit's bound (within 1e-3 of its span) pin the coordinate
     lo[:6000, 1] = 2.0
-    assert active.optimum_interval(lo, 0.9, bounds=np.array([[-2.0, 2.0], [-2.0, 2.0]])).pinned == (False, True)
+    assert acquisition.optimum_interval(lo, 0.9, bounds=np.array([[-2.0, 2.0], [-2.0, 2.0]])).pinned == (False, True)
 
 
 @pytest.mark.slow
@@ -521,7 +521,7 @@ def test_the_optimums_interval_covers_at_its_level():
     hits = 0
     for seed in range(60):
         _, idx, noisy = _unbalanced_runs(0.01, 100 + seed)
-        ens = active.ensemble(pool, {int(i): float(noisy[i]) for i in idx}, "conditional-multiplicative", opts)
+        ens = acquisition.ensemble(pool, {int(i): float(noisy[i]) for i in idx}, "conditional-multiplicative", opts)
         iv = ens.interval
         hits += iv.hidden_over_sqrt_n[0] <= truth[0] <= iv.hidden_over_sqrt_n[1] and \
             iv.mlp_to_attn_ratio[0] <= truth[1] <= iv.mlp_to_attn_ratio[1]

@@ -196,7 +196,7 @@ def test_local_jobs_need_the_gpus_they_ask_for(monkeypatch):
 
 
 def test_makespan_places_longest_first():
-    from archsearch.search.plan import makespan
+    from archsearch.search.dryrun import makespan
 
     assert makespan([4, 3, 3, 2], 2) == 6
     assert makespan([5.0], 3) == 5.0
@@ -209,20 +209,20 @@ def test_dry_run_prices_proxies_as_the_executor_runs_them():
     time is about an eighth of the GPU-hours, in one process it is all of them."""
     from dataclasses import replace
 
-    from archsearch.search.plan import plan
+    from archsearch.search.dryrun import dry_run
     from archsearch.search.config import load_study_config
 
     repo = Path(__file__).resolve().parent.parent
     cfg = load_study_config(repo / "configs" / "paper-1b.yaml")
-    p = plan(cfg, Path("unused"), gpus="8xH100")["compute"]
+    p = dry_run(cfg, Path("unused"), gpus="8xH100")["compute"]
     runs = p["proxy_runs"]
-    stage = plan(cfg, Path("unused"))["stages"][0]
+    stage = dry_run(cfg, Path("unused"))["stages"][0]
     assert len(runs) == stage["runs"] > 40 and len({r["run"] for r in runs}) == len(runs)
     assert sum(r["train_flops"] for r in runs) == pytest.approx(p["proxy_train_flops"])
     assert p["proxy_jobs_at_once"] == 8
     assert p["proxy_gpu_hours"] / 8 <= p["proxy_wall_hours"] <= p["proxy_gpu_hours"] / 8 * 1.1
     assert any("8 proxy job(s) at once" in a for a in p["assumptions"])
-    inline = plan(replace(cfg, cluster=ClusterConfig()), Path("unused"), gpus="8xH100")["compute"]
+    inline = dry_run(replace(cfg, cluster=ClusterConfig()), Path("unused"), gpus="8xH100")["compute"]
     assert inline["proxy_wall_hours"] == pytest.approx(inline["proxy_gpu_hours"])
 
 

@@ -1,4 +1,4 @@
-"""The dry-run plan tells the whole cost (issue 17): data needed against data available with
+"""The dry-run plan tells the whole cost: data needed against data available with
 the repetition it implies, the tokenisation's size, disk and time, per-stage GPU-hours and wall
 time on the named cluster, measurement time, one FLOP figure per run, assumptions printed."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from archsearch.search.config import load_study_config
 from archsearch.cluster.startup import FIGURES
-from archsearch.search.plan import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES,
-                                    TOKENIZE_TOKENS_PER_S_PER_PROCESS, plan, render, run_flops)
+from archsearch.search.dryrun import (CHECKPOINT_BYTES_PER_PARAM, DATA_PROCESSES,
+                                    TOKENIZE_TOKENS_PER_S_PER_PROCESS, dry_run, render, run_flops)
 
 # the defaults a plan uses where nothing was measured (no profile, no study record)
 JOB_START_S, WORKER_START_S = FIGURES["job_start_s"][0], FIGURES["worker_start_s"][0]
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def paper():
     cfg = load_study_config(REPO / "configs" / "paper-1b.yaml")
-    return cfg, plan(cfg, Path("unused"), gpus="8xH100")
+    return cfg, dry_run(cfg, Path("unused"), gpus="8xH100")
 
 
 def test_paper_plan_checks_data_needed_against_available(paper):
@@ -43,7 +43,7 @@ def test_paper_plan_checks_data_needed_against_available(paper):
     assert d["wall_hours"] == pytest.approx(d["tokens_to_tokenize"] / (TOKENIZE_TOKENS_PER_S_PER_PROCESS
                                                                         * d["processes"]) / 3600)
     slurm = replace(cfg, cluster=replace(cfg.cluster, executor="slurm"))
-    assert plan(slurm, Path("unused"))["data"][0]["processes"] == DATA_PROCESSES
+    assert dry_run(slurm, Path("unused"))["data"][0]["processes"] == DATA_PROCESSES
 
 
 def test_paper_plan_gives_every_stage_its_cost(paper):
@@ -104,16 +104,16 @@ def test_plan_says_plainly_when_a_source_is_too_small(tmp_path):
     from tests.test_cluster_study import _config
 
     cfg = load_study_config(_config(tmp_path))
-    (d,) = plan(cfg, tmp_path / "o")["data"]
+    (d,) = dry_run(cfg, tmp_path / "o")["data"]
     assert d["epochs"] < 1 and d["verdict"].startswith("one pass")
     sweep = cfg.proxy.sweep
     big = replace(sweep, train=sweep.train.replace(tokens_per_param=2000.0))
     cfg2 = replace(cfg, proxy=replace(cfg.proxy, sweep=big))
-    (d2,) = plan(cfg2, tmp_path / "o")["data"]
+    (d2,) = dry_run(cfg2, tmp_path / "o")["data"]
     assert d2["epochs"] > 1 and d2["verdict"].startswith("REFUSED before training")
     allowed = replace(big, data=replace(big.data, max_epochs=d2["epochs"] + 1))
     cfg3 = replace(cfg2, proxy=replace(cfg2.proxy, sweep=allowed))
-    (d3,) = plan(cfg3, tmp_path / "o")["data"]
+    (d3,) = dry_run(cfg3, tmp_path / "o")["data"]
     assert "allowed by data.max_epochs" in d3["verdict"]
 
 
@@ -122,7 +122,7 @@ def test_plan_prices_measurements_at_the_measured_scale(paper):
     rebuilt baseline's (a smaller N_m: a shorter batch), and measured shapes take no disk."""
     cfg, p = paper
     small = replace(cfg, measure=replace(cfg.measure, params=2e8))
-    q = plan(small, Path("unused"), gpus="8xH100")
+    q = dry_run(small, Path("unused"), gpus="8xH100")
     m, m0 = q["compute"]["measure"], p["compute"]["measure"]
     assert m["measured_params"] == 2e8 and m["batch_seconds"] < m0["batch_seconds"] / 2
     assert any("rebuilt at measure.params = 2e+08" in a for a in m["assumptions"])
@@ -131,11 +131,11 @@ def test_plan_prices_measurements_at_the_measured_scale(paper):
     from archsearch.errors import ArchsearchError
 
     with pytest.raises(ArchsearchError) as e:
-        plan(replace(cfg, measure=replace(cfg.measure, params=1e8)), Path("unused"), gpus="8xH100")
+        dry_run(replace(cfg, measure=replace(cfg.measure, params=1e8)), Path("unused"), gpus="8xH100")
     assert e.value.field == "measure.params" and "baseline cannot be rebuilt" in e.value.problem
 
     # without seeds_together every shape is a pair
-    apart = plan(replace(cfg, optuna=replace(cfg.optuna, seeds_together=False)), Path("unused"), gpus="8xH100")
+    apart = dry_run(replace(cfg, optuna=replace(cfg.optuna, seeds_together=False)), Path("unused"), gpus="8xH100")
     ma = apart["compute"]["measure"]
     assert ma["seed_group"] == 0 and ma["pairs"] == {"low": 40, "high": 47}
 
@@ -171,7 +171,7 @@ def test_a_machine_profile_prices_the_start_ups_and_says_where_they_were_measure
     assert (figs["job_start_s"].low, figs["job_start_s"].high) == (10.0, 20.0)
     assert figs["engine_process_start_s"].value == 8.0 and figs["engine_start_s.vllm"].value == 42.0
 
-    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
+    p = dry_run(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
     c, c0 = p["compute"], p0["compute"]
     # each proxy job pays the measured start and end instead of the default 30 s
     for r, r0 in zip(c["proxy_runs"], c0["proxy_runs"]):
@@ -186,7 +186,7 @@ def test_a_machine_profile_prices_the_start_ups_and_says_where_they_were_measure
         p["startups"]["figures"]["worker_end_s"]["source"] == "default"
     assert "(default: not measured)" in text  # worker_end_s, search_lead_s were not measured
     # cluster.profile names the same profile
-    q = plan(replace(cfg, cluster=replace(cfg.cluster, profile=str(prof))), tmp_path / "fresh", gpus="8xH100")
+    q = dry_run(replace(cfg, cluster=replace(cfg.cluster, profile=str(prof))), tmp_path / "fresh", gpus="8xH100")
     assert q["compute"]["proxy_wall_hours"] == pytest.approx(c["proxy_wall_hours"])
 
 
@@ -197,7 +197,7 @@ def test_a_study_s_own_record_wins_over_the_profile(tmp_path, paper):
     cfg, _ = paper
     write_json(tmp_path / "prof.json", build_profile([_study_record(tmp_path / "a", [10.0], [6.0])]))
     own = _study_record(tmp_path / "study", [50.0], [6.0])  # the study folder the plan is for
-    p = plan(cfg, own, gpus="8xH100", profile=tmp_path / "prof.json")
+    p = dry_run(cfg, own, gpus="8xH100", profile=tmp_path / "prof.json")
     f = p["startups"]["figures"]["job_start_s"]
     assert f["value"] == 50.0 and f["origin"] == str(own / "startups.json")
     assert p["startups"]["study_record"] == str(own / "startups.json")
@@ -218,7 +218,7 @@ def test_a_bad_profile_is_a_clear_error(tmp_path, paper, content, needle, capsys
     bad = tmp_path / "bad.json"
     bad.write_text(content)
     with pytest.raises(ArchsearchError) as e:
-        plan(cfg, tmp_path / "o", gpus="8xH100", profile=bad)
+        dry_run(cfg, tmp_path / "o", gpus="8xH100", profile=bad)
     assert e.value.field == "profile" and needle in e.value.problem
     rc = main(["search", "--config", str(REPO / "configs" / "paper-1b.yaml"), "--out", str(tmp_path / "o"),
                "--dry-run", "--gpus", "8xH100", "--profile", str(bad)])
@@ -236,7 +236,7 @@ def test_plan_prices_only_the_proxy_runs_not_yet_trained(tmp_path):
 
     cfg = load_study_config(REPO / "configs" / "ci-cluster.yaml")
     cfg = replace(cfg, proxy=replace(cfg.proxy, store=str(tmp_path / "store")))
-    before = plan(cfg, tmp_path / "study", gpus="2xcpu")
+    before = dry_run(cfg, tmp_path / "study", gpus="2xcpu")
     (sweep,) = proxy_sweeps(cfg)
     point, spec, _ = next(x for x in sweep_specs(sweep, 512) if x[1] is not None)
     tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
@@ -244,7 +244,7 @@ def test_plan_prices_only_the_proxy_runs_not_yet_trained(tmp_path):
     done = tmp_path / "store" / content_key(run, tc, sweep.data)
     done.mkdir(parents=True)
     (done / "run.json").write_text('{"status": "ok"}')
-    after = plan(cfg, tmp_path / "study", gpus="2xcpu")
+    after = dry_run(cfg, tmp_path / "study", gpus="2xcpu")
     st = after["stages"][0]
     assert st["runs"] == before["stages"][0]["runs"] and st["runs_already_trained"] == 1
     assert "1 in the store" in st["action"]
@@ -276,7 +276,7 @@ def test_the_search_stage_s_trials_and_coordinator_tail_are_priced_from_the_prof
     cfg, p0 = paper
     prof = _profile(tmp_path, "search", {"trial_overhead_s": [0.5, 0.9, 0.7], "trial_gap_s": [0.1, 0.3],
                                          "trial_read_s": [0.2], "search_tail_s": [4.0]})
-    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
+    p = dry_run(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
     m, m0 = p["compute"]["measure"], p0["compute"]["measure"]
     ov, gap, read, tail = 0.7, 0.2, 0.2, 4.0
     k0, w = m0["seed_group"], m0["workers"]
@@ -341,13 +341,13 @@ def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_
 
     monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))
     cfg = load_study_config(REPO / "configs" / "ci-cluster.yaml")
-    cold = plan(cfg, tmp_path / "a", gpus="2xcpu")
+    cold = dry_run(cfg, tmp_path / "a", gpus="2xcpu")
     (d,) = cold["data"]
     assert d["cache"]["status"] == "missing" and d["tokens_to_tokenize"] > 0
     assert d["wall_hours"] == pytest.approx(d["cpu_hours"] / d["processes"])
     sweep = proxy_sweeps(cfg)[0]
     prepare_data(sweep.data, min_train_tokens=int(d["tokens_needed"]) + 1, workers=1)
-    warm = plan(cfg, tmp_path / "a", gpus="2xcpu")
+    warm = dry_run(cfg, tmp_path / "a", gpus="2xcpu")
     (w,) = warm["data"]
     assert w["cache"]["status"] == "complete" and w["tokens_to_tokenize"] == 0 and w["tokens_in_cache"] > 0
     assert w["wall_hours"] * 3600 == pytest.approx(FIGURES["data_cached_s"][0])
@@ -356,7 +356,7 @@ def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_
     assert "cache complete (every shard the runs read is in the cache, read in 5 s (default: not measured))" in text
     # measured: a study that found its shards cached recorded data_cached_s
     prof = _profile(tmp_path, "proxy", {"data_cached_s": [3.0, 3.4, 3.2]}, executor="local", host="vm", device="cpu")
-    m = plan(cfg, tmp_path / "a", gpus="2xcpu", profile=prof)
+    m = dry_run(cfg, tmp_path / "a", gpus="2xcpu", profile=prof)
     assert m["data"][0]["wall_hours"] * 3600 == pytest.approx(3.2)
     st = m["stages"][0]
     assert st["data_wall_hours"] * 3600 == pytest.approx(3.2) and st["data_tokens"] == 0
@@ -369,7 +369,7 @@ def test_dry_run_prices_training_with_a_given_mfu(tmp_path, paper, capsys):
     from archsearch.cli import main
 
     cfg, p0 = paper
-    p = plan(cfg, tmp_path / "o", gpus="8xH100", mfu=0.2)
+    p = dry_run(cfg, tmp_path / "o", gpus="8xH100", mfu=0.2)
     r, r0 = p["compute"]["proxy_runs"][0], p0["compute"]["proxy_runs"][0]
     start_h = (JOB_START_S + FIGURES["job_end_s"][0]) / 3600
     assert r["hours"] - start_h == pytest.approx(2 * (r0["hours"] - start_h))
@@ -384,11 +384,11 @@ def test_dry_run_prices_training_with_a_given_mfu(tmp_path, paper, capsys):
 def test_the_proxy_stage_s_job_gaps_and_tail_are_priced_from_the_profile(tmp_path, paper):
     """The coordinator's seconds between a proxy job's end and the next submission in its place
     (each job after a slot's first) and after a sweep's last job (per sweep) are measured figures."""
-    from archsearch.search.plan import makespan
+    from archsearch.search.dryrun import makespan
 
     cfg, p0 = paper
     prof = _profile(tmp_path, "proxy", {"job_gap_s": [400.0, 500.0, 600.0], "proxy_tail_s": [900.0]})
-    p = plan(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
+    p = dry_run(cfg, tmp_path / "fresh", gpus="8xH100", profile=prof)
     c, c0 = p["compute"], p0["compute"]
     from archsearch.search.derived import proxy_sweeps
 

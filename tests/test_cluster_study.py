@@ -86,9 +86,9 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     # the dry-run plan listed what the study then did: its stages, its proxy runs, at most its
     # measurements (counts, not timings: bench_plan_accuracy compares the times)
     from archsearch.search.config import load_study_config
-    from archsearch.search.plan import plan
+    from archsearch.search.dryrun import dry_run
 
-    p = plan(load_study_config(cfg), out)
+    p = dry_run(load_study_config(cfg), out)
     state = json.loads((out / "state.json").read_text())
     done = [k for k, v in state.items() if isinstance(v, dict) and v.get("status") == "done"]
     assert sorted(s["stage"] for s in p["stages"]) == sorted(done)

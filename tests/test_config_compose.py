@@ -13,7 +13,7 @@ from archsearch.configio import from_dict, key_values, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.laws.fit import FitOptions
 from archsearch.search.config import LawConfig, MeasureConfig, StudyConfig, load_study_config
-from archsearch.search.measure import key_settings
+from archsearch.search.measurements import key_settings
 
 REPO = Path(__file__).resolve().parent.parent
 STUDIES = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "baseline" in yaml.safe_load(p.read_text()))

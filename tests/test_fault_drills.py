@@ -25,7 +25,7 @@ def fail_next_paired_measurement(monkeypatch) -> list[int]:
     empties once it has."""
     import dataclasses
 
-    from archsearch.search.measure import Measurer
+    from archsearch.search.measurements import Measurer
 
     real, fail_next = Measurer._paired, [1]
 

@@ -99,11 +99,11 @@ def test_throughput_caption_names_only_the_colours_drawn(tmp_path, drawn):
 
 def test_planner_limit_lines_are_labelled(tmp_path, drawn):
     from archsearch.planning.limits import Limits
-    from archsearch.planning.planner import CandidatePlan, GridPoint, plot_tradeoff
+    from archsearch.planning.planner import OptionPlan, GridPoint, plot_tradeoff
 
     pts = [GridPoint("tiny", b, 64, 64, True, 0.01 * b, 0.002 * b, 0.5 + 0.01 * b, 100.0, b < 8, "")
            for b in (1, 4, 16)]
-    plan = CandidatePlan("tiny", "preset", 1000, 1000, pts, {}, True, True, pts[0], [])
+    plan = OptionPlan("tiny", "preset", 1000, 1000, pts, {}, True, True, pts[0], [])
     plot_tradeoff([plan], tmp_path / "plan.png", Limits(max_tpot_s=0.02, max_peak_memory_gib=4.0))
     (tpot_legend, _, _), (ttft_legend, _, _) = drawn["plan.png"][:2]
     assert "limit: TPOT <= 20 ms" in _legend_texts(tpot_legend)

@@ -153,14 +153,14 @@ def test_file_lock_excludes_other_processes_and_dies_with_its_holder(tmp_path):
 
     from filelock import FileLock, Timeout
 
-    from archsearch.search.measure import file_lock
+    from archsearch.search.measurements import file_lock
 
     path = tmp_path / "sub" / "x.lock"
     with file_lock(path):
         assert path.is_file()
         with pytest.raises(Timeout):
             FileLock(path, timeout=0).acquire()
-    hold = (f"import time\nfrom pathlib import Path\nfrom archsearch.search.measure import file_lock\n"
+    hold = (f"import time\nfrom pathlib import Path\nfrom archsearch.search.measurements import file_lock\n"
             f"with file_lock(Path({str(path)!r})):\n    print('held', flush=True)\n    time.sleep(60)\n")
     holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     try:

@@ -217,7 +217,7 @@ def _rehearsal(tmp_path, calibration: str | None):
 
 def test_seed_ranking_and_dry_run_plan_use_the_calibration(tmp_path):
     from archsearch.laws import load_law
-    from archsearch.search.plan import measurement_cost
+    from archsearch.search.dryrun import measurement_cost
     from archsearch.search.derived import build_settings
     from archsearch.search.study import SearchContext, analytic_throughput_fn, calibration_label
 
@@ -273,7 +273,7 @@ def test_a_refitted_calibration_re_keys_analytic_measurements(tmp_path):
     """Stored predictions follow the calibration's content: the same file name refitted is a new key."""
     import shutil
 
-    from archsearch.search.measure import key_settings
+    from archsearch.search.measurements import key_settings
 
     path = tmp_path / "cal.json"
     shutil.copy(CAL_DIR / "h200-vllm.json", path)

@@ -48,7 +48,7 @@ def test_measured_lora_step_runs_peft_and_reports_time_and_peak():
 
     if not sys.platform.startswith("linux"):
         pytest.skip("peak RSS via Linux /proc")
-    from archsearch.planning.measure import measure_lora_step
+    from archsearch.planning.measured import measure_lora_step
 
     spec = ArchSpec(n_layers=2, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=128, vocab_size=256)
     r = measure_lora_step(spec=spec, rank=4, targets=("q_proj", "v_proj"), batch_size=2, seq_len=32, steps=2)

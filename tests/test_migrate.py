@@ -14,7 +14,7 @@ from archsearch.cli import main
 from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
 from archsearch.search.config import StudyConfig, load_study_config
-from archsearch.search.measure import MeasurementStore, Measurer
+from archsearch.search.measurements import MeasurementStore, Measurer
 from tests.test_bench import TINY
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,7 +81,7 @@ def test_an_old_store_is_refused_with_the_command_then_migrated_once_and_read_ba
     def never(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr("archsearch.search.measure.measure", never)
+    monkeypatch.setattr("archsearch.search.measurements.measure", never)
     monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", never)
     m = Measurer(cfg.measure, store)
     assert m.key(TINY) == NEW_SINGLE and m.pair_key([TINY, OTHER], 1) == NEW_PAIR

@@ -150,7 +150,7 @@ class _PairedFake:
             rounds.append([100.0] + [100.0 * table[s.gqa] * (wig if i == len(specs) - 2 else 1)
                                      for i, s in enumerate(specs[1:])])
         from archsearch.benchmarks.paired import PairedResult
-        from archsearch.search.measure import Measurement
+        from archsearch.search.measurements import Measurement
 
         return Measurement(PairedResult(specs=[s.to_dict() for s in specs], rounds=rounds, settings={},
                                         paired={"level": 0.9}, batch_size=8), key="k", cached=False)
@@ -271,7 +271,7 @@ def test_measure_params_valid_only_where_feasibility_is_the_same_at_every_n():
 def test_measured_shape_keeps_the_realised_ratios_at_the_measured_n():
     from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
     from archsearch.candidates import BuildSettings, build_candidate
-    from archsearch.search.measure import measured_shape
+    from archsearch.search.measurements import measured_shape
 
     build = BuildSettings(hidden_multiple=32, ffn_multiple=32, tolerance=0.15, on_r_drift="flag")
     small = build_candidate(2e5, 2, 0.3, 2.0, gqa=2, head_dim=32, settings=build).spec
@@ -284,7 +284,7 @@ def test_measured_shape_keeps_the_realised_ratios_at_the_measured_n():
 
 def test_measurer_measures_the_rescaled_shape_keyed_by_the_study_shape(tmp_path, monkeypatch):
     from archsearch.search.config import MeasureConfig
-    from archsearch.search.measure import MeasurementStore, Measurer
+    from archsearch.search.measurements import MeasurementStore, Measurer
 
     seen = []
 
@@ -308,7 +308,7 @@ def _keyed(tmp_path, backend="vllm", paired=None, **measure):
     """A Measurer of a CPU demo's measure block keyed as if ``backend`` measured (vLLM, with the
     demo's hf fallback, need not be installed here)."""
     from archsearch.search.config import MeasureConfig
-    from archsearch.search.measure import MeasurementStore, Measurer
+    from archsearch.search.measurements import MeasurementStore, Measurer
 
     cfg = replace(from_dict(MeasureConfig, {"backend": "vllm", "fallback_backend": "hf", "batch_sizes": [16],
                                             "input_len": 64, "output_len": 64, "repeats": 3, "dtype": "float32",
@@ -329,7 +329,7 @@ _OLD_STEP = {**_OLD_BASELINE, "hidden_size": 192, "n_heads": 2, "n_kv_heads": 1,
 
 def test_the_migration_reproduces_a_key_stored_in_the_older_layout(tmp_path):
     from archsearch.cli.migrate import old_key_settings
-    from archsearch.search.measure import measurement_key, paired_key, spec_key
+    from archsearch.search.measurements import measurement_key, paired_key, spec_key
 
     m = _keyed(tmp_path)
     keys = [spec_key(ArchSpec.from_dict(_OLD_BASELINE)), spec_key(ArchSpec.from_dict(_OLD_STEP))]
@@ -370,7 +370,7 @@ def test_measurement_key_changes_with_what_changes_a_measurement_only(tmp_path):
 
 def test_compare_together_measures_missing_pairs_in_one_group_and_stores_each_pair(tmp_path, monkeypatch):
     from archsearch.search.config import MeasureConfig
-    from archsearch.search.measure import MeasurementStore, Measurer
+    from archsearch.search.measurements import MeasurementStore, Measurer
 
     calls, fail = [], []
 
@@ -512,7 +512,7 @@ def test_measurer_pools_instance_variance_once_per_group(tmp_path):
     from archsearch.benchmarks.paired import instance_variance
     from archsearch.configio import from_dict
     from archsearch.search.config import MeasureConfig
-    from archsearch.search.measure import MeasurementStore, Measurer
+    from archsearch.search.measurements import MeasurementStore, Measurer
 
     cfg = from_dict(MeasureConfig, {"backend": "hf", "paired": {"twin": True}}, "measure")
     store = MeasurementStore(tmp_path / "measurements.jsonl")
@@ -559,7 +559,7 @@ def test_calibration_fit_set_is_chosen_from_features_and_separates_r_from_gqa():
 def test_configured_instance_sd_widens_until_twins_measure_it(tmp_path):
     from archsearch.configio import from_dict
     from archsearch.search.config import MeasureConfig
-    from archsearch.search.measure import MeasurementStore, Measurer
+    from archsearch.search.measurements import MeasurementStore, Measurer
 
     store = MeasurementStore(tmp_path / "measurements.jsonl")
     prior = Measurer(from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": 0.02}}, "measure"), store)

@@ -77,16 +77,16 @@ def test_candidates_resolve_presets_folders_and_study_chosen(tmp_path):
     write_hf_config(spec, tmp_path / "study" / "chosen")
     (tmp_path / "study" / "config.json").write_text("{}")  # the study's own config, not a model
     write_hf_config(spec, tmp_path / "hf")
-    assert pl.resolve_candidate("tiny").source == "preset tiny"
-    assert pl.resolve_candidate(str(tmp_path / "study")).source.startswith("study chosen/")
-    c = pl.resolve_candidate(str(tmp_path / "hf"))
+    assert pl.resolve_option("tiny").source == "preset tiny"
+    assert pl.resolve_option(str(tmp_path / "study")).source.startswith("study chosen/")
+    c = pl.resolve_option(str(tmp_path / "hf"))
     assert c.model_path is None  # a config without weights is measured with dummy weights
     with pytest.raises(ArchsearchError, match="--candidates"):
-        pl.resolve_candidate(str(tmp_path / "nothing"))
+        pl.resolve_option(str(tmp_path / "nothing"))
 
 
 def test_grid_is_measured_once_and_resumes(tmp_path):
-    cands = [pl.resolve_candidate("tiny"), pl.resolve_candidate("smollm2-135m")]
+    cands = [pl.resolve_option("tiny"), pl.resolve_option("smollm2-135m")]
     grid = pl.PlanGrid((1, 2), (16,), (4, 8))
     calls: list = []
     kw = {"backend": "hf", "repeats": 1}
@@ -104,12 +104,12 @@ def test_grid_is_measured_once_and_resumes(tmp_path):
 
 
 def _plans(tmp_path, limits, ft=None):
-    cands = [pl.resolve_candidate("tiny"), pl.resolve_candidate("smollm2-135m")]
+    cands = [pl.resolve_option("tiny"), pl.resolve_option("smollm2-135m")]
     grid = pl.PlanGrid((1, 4), (16,), (4,))
     done = pl.measure_grid(cands, grid, {"backend": "hf"}, tmp_path, progress=lambda s: None,
                            measure_fn=_fake_measure([]))
     ft = ft or pl.FinetunePlan(tokens=1e4, seq_len=64, device="H100")
-    return [pl.plan_candidate(c, grid, done, "hf", limits, ft) for c in cands], ft
+    return [pl.plan_option(c, grid, done, "hf", limits, ft) for c in cands], ft
 
 
 def test_recommends_the_largest_within_limits(tmp_path):
@@ -147,10 +147,10 @@ def test_a_non_positive_tpot_is_no_point_within_limits(tmp_path):
                            output_throughput=1.0) for b in settings.batch_sizes]
         return BenchResult("hf", "x", "cpu", "float32", settings.to_dict(), {}, per)
 
-    c = pl.resolve_candidate("tiny")
+    c = pl.resolve_option("tiny")
     grid = pl.PlanGrid((1,), (8,), (4,))
     done = pl.measure_grid([c], grid, {"backend": "hf"}, tmp_path, progress=lambda s: None, measure_fn=measure)
-    cp = pl.plan_candidate(c, grid, done, "hf", Limits(max_tpot_s=1.0), pl.FinetunePlan(device="H100"))
+    cp = pl.plan_option(c, grid, done, "hf", Limits(max_tpot_s=1.0), pl.FinetunePlan(device="H100"))
     assert not cp.serves and "<= 0" in cp.points[0].reason
 
 
@@ -209,7 +209,7 @@ def test_calibrate_lora_measures_each_candidate_once_and_resumes(tmp_path):
         t = [3.0, 1.0, 2.0] if kw["batch_size"] == 1 else [7.0, 5.0, 6.0]
         return {"weights": "random", "threads": kw["threads"], "step_wall_s": t, "step_cpu_s": [4.0] * 3}
 
-    cands = [pl.resolve_candidate("smollm2-135m"), pl.resolve_candidate("tiny")]
+    cands = [pl.resolve_option("smollm2-135m"), pl.resolve_option("tiny")]
     ft = pl.FinetunePlan(seq_len=512, device="cpu")
     cals = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
     assert [c["spec"] for c in calls] == [cands[0].spec, cands[1].spec, cands[1].spec]
@@ -229,10 +229,10 @@ def test_calibrate_lora_measures_each_candidate_once_and_resumes(tmp_path):
     grid = pl.PlanGrid((1,), (8,), (4,))
     m = {1: {"ok": True, "ttft_mean": 0.1, "tpot_mean": 0.01, "peak_memory_bytes": 1, "output_throughput": 1.0}}
     plans_ft = pl.FinetunePlan(seq_len=128, batch_size=1, device="H100")
-    cp = pl.plan_candidate(cands[1], grid, {pl._key(cands[1], "hf", 8, 4): m}, "hf", Limits(),
+    cp = pl.plan_option(cands[1], grid, {pl._key(cands[1], "hf", 8, 4): m}, "hf", Limits(),
                            pl.FinetunePlan(seq_len=128, batch_size=1, device="cpu"), cal)
     assert cp.lora["time_calibrated"] and cp.lora["step_s"] == pytest.approx(2.0)
-    cp = pl.plan_candidate(cands[0], grid, {pl._key(cands[0], "hf", 8, 4): m}, "hf", Limits(), plans_ft,
+    cp = pl.plan_option(cands[0], grid, {pl._key(cands[0], "hf", 8, 4): m}, "hf", Limits(), plans_ft,
                            cals["smollm2-135m"])
     assert not cp.lora["time_calibrated"] and "uncalibrated" in cp.lora["time_method"] and "killed" in cp.lora["time_method"]
 
@@ -285,7 +285,7 @@ def test_search_keeps_the_fastest_configuration_within_the_finetune_limits(tmp_p
     fits = [x for x in lo["search"] if x["within_limits"]]
     assert lo["hours"] == min(x["hours"] for x in fits)
     assert all(x["variant"] == "qlora" for x in fits)
-    cmd, note = pl.finetune_command(cp, pl.resolve_candidate("smollm2-135m"), ft, tmp_path)
+    cmd, note = pl.finetune_command(cp, pl.resolve_option("smollm2-135m"), ft, tmp_path)
     assert cmd[cmd.index("--global-batch-size") + 1] == str(lo["batch_size"]) and "bitsandbytes" in note
 
 

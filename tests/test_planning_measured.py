@@ -1,5 +1,5 @@
 """Predicted vs measured peak memory on this CPU (fp32, real LlamaForCausalLM, one fresh
-subprocess per point; peak RSS above the pre-model baseline, see archsearch.planning.measure).
+subprocess per point; peak RSS above the pre-model baseline, see archsearch.planning.measured).
 
 Stated tolerance: the predicted total is within 15% of the measured peak (the benchmark's
 points land within 8%), and the weights term within 5% of the RSS the model adds.
@@ -13,7 +13,7 @@ import pytest
 
 from archsearch.arch import ArchSpec
 from archsearch.planning import predict_inference_memory, predict_training_memory
-from archsearch.planning.measure import measure_peak_memory
+from archsearch.planning.measured import measure_peak_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS via Linux /proc")
 

@@ -1,4 +1,4 @@
-"""A study's reference batch must fit its measuring device (issue 17): every paired comparison
+"""A study's reference batch must fit its measuring device: every paired comparison
 runs the baseline at that batch, and an engine whose KV cache cannot hold it queues or preempts
 sequences, so the figure would not be the batch's. Refused before any work, with the numbers
 and the largest batch that fits."""
@@ -58,11 +58,11 @@ def test_a_reference_batch_that_does_not_fit_is_refused_with_the_numbers():
 
 
 def test_the_shipped_paper_configs_fit_the_gpus_they_name():
-    from archsearch.search.plan import plan
+    from archsearch.search.dryrun import dry_run
 
     for name in ("paper-1b", "paper-3b"):
         cfg = load_study_config(REPO / "configs" / f"{name}.yaml")
-        p = plan(cfg, Path("unused"), gpus="8xH100")
+        p = dry_run(cfg, Path("unused"), gpus="8xH100")
         assert p["reference_batch"]["reference_batch"] <= p["reference_batch"]["capacity"]
         assert "gpu_hours" in p["compute"]["measure"]  # the measurements are priced, not skipped
 

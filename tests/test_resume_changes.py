@@ -191,7 +191,7 @@ def test_the_measured_dtype_is_read_from_this_studys_settings_only(tmp_path):
     """A store that also holds a resumed study's earlier float16 measurements: the chosen
     config's dtype comes from measurements taken with the study's own dtype setting."""
     from archsearch.search.config import MeasureConfig
-    from archsearch.search.measure import MeasurementStore, Measurer
+    from archsearch.search.measurements import MeasurementStore, Measurer
     from tests.test_bench import TINY
 
     store = MeasurementStore(tmp_path / "m.jsonl")

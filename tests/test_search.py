@@ -214,7 +214,7 @@ def test_gqa_pairs_keep_the_attention_share():
 def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
     from archsearch.arch import ArchSpec, non_embedding_params
     from archsearch.benchmarks.base import BatchResult, BenchResult
-    from archsearch.search.measure import Measurement
+    from archsearch.search.measurements import Measurement
     from archsearch.laws import load_law
     from archsearch.search.gqa import gqa_pairs, local_gqa_search
     from archsearch.search.derived import build_settings
@@ -303,7 +303,7 @@ class FakeTraining:
 def _throughput_measurer(calls):
     """Throughput rises with GQA without end: throughput alone would walk to one KV head."""
     from archsearch.benchmarks.base import BatchResult, BenchResult
-    from archsearch.search.measure import Measurement
+    from archsearch.search.measurements import Measurement
 
     class FakeMeasurer:
         note = None
@@ -495,10 +495,10 @@ def test_bad_gqa_search_settings_are_refused_at_load(tmp_path, gqa_search, field
 
 
 def test_dry_run_counts_the_gqa_proxy_runs(tmp_path):
-    from archsearch.search.plan import plan, render
+    from archsearch.search.dryrun import dry_run, render
 
     cfg = _gqa_study(tmp_path)
-    p = plan(cfg, tmp_path / "planned", gpus="8xH100")
+    p = dry_run(cfg, tmp_path / "planned", gpus="8xH100")
     st = next(s for s in p["stages"] if s["stage"] == "gqa")
     lc = p["compute"]["gqa_proxy"]
     # each variant walked to: 2 sizes x 2 seeds; low: GQA 4 and one step each way
@@ -508,7 +508,7 @@ def test_dry_run_counts_the_gqa_proxy_runs(tmp_path):
     assert 0 < lc["gpu_hours"]["low"] < lc["gpu_hours"]["high"] and st["proxy_gpu_hours"] == lc["gpu_hours"]["high"]
     assert "each variant's loss checked at proxy scale" in st["action"]
     assert any(line.startswith("  GQA loss check: 12-") for line in render(p))
-    unverified = plan(load(study_config(tmp_path)), tmp_path / "planned2")
+    unverified = dry_run(load(study_config(tmp_path)), tmp_path / "planned2")
     st = next(s for s in unverified["stages"] if s["stage"] == "gqa")
     assert "unverified" in st["action"] and "gqa_proxy_runs_high" not in st
 

@@ -59,7 +59,7 @@ def test_target_takes_the_measure_block_where_it_says_nothing(tmp_path):
 
 
 def test_no_targets_keys_measurements_as_before(tmp_path):
-    from archsearch.search.measure import key_settings
+    from archsearch.search.measurements import key_settings
 
     cfg = load(study_config(tmp_path))
     assert cfg.measure.targets is None and "targets" not in key_settings(cfg.measure, "analytic")
@@ -144,7 +144,7 @@ def test_two_measured_engine_targets_with_fake_engines(tmp_path, monkeypatch):
     """Two targets measured by real-engine code paths (the paired runner in its own process), the
     engines themselves the project's fakes: both targets measured, with intervals, none predicted."""
     from archsearch.benchmarks.base import BACKENDS
-    from archsearch.search import measure as measure_mod
+    from archsearch.search import measurements as measure_mod
     from archsearch.search import pipeline
 
     monkeypatch.setitem(BACKENDS, "vllm", "tests.fakes:SleepBackend")

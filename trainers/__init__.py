@@ -22,7 +22,7 @@ _LAZY = {
     "run_sweep": "archsearch.trainers.sweep",
     "sweep_specs": "archsearch.trainers.sweep",
     "to_run_record": "archsearch.trainers.sweep",
-    "run_active": "archsearch.trainers.active",
+    "run_active": "archsearch.trainers.active_proxies",
 }
 
 __all__ = list(_LAZY)

@@ -1,7 +1,7 @@
 """``archsearch migrate STUDY_DIR``: re-key a study's stored measurements to this version's key layout.
 
 A measurement is stored under a key built from its shape and the ``measure`` fields marked as
-keying it (:func:`archsearch.search.measure.key_settings`). Stores written before those marks keyed
+keying it (:func:`archsearch.search.measurements.key_settings`). Stores written before those marks keyed
 an older layout: the settings under the names of the first flat ``measure`` block (``paired.level``
 as ``ci_level``, ``paired.rel_halfwidth`` as ``ci_rel_halfwidth``), a setting added later only away
 from its default. This version refuses such a store and names this command, which rewrites it once:
@@ -37,7 +37,7 @@ from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, read_jsonl_lines
 from archsearch.search.config import RENAMED_VALUES, StudyConfig, renamed_values
 from archsearch.search.inputs import INPUTS_FILE, fingerprints, stage_inputs
-from archsearch.search.measure import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
+from archsearch.search.measurements import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
 from archsearch.search.pipeline import STAGES
 from archsearch.search.deployment import target_measure
 

@@ -110,7 +110,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ArchsearchError("--finetune-tokens", f"must be positive, got {args.finetune_tokens!r}")
     limits = Limits(max_ttft_s=args.max_ttft_s, max_tpot_s=args.max_tpot_s, max_peak_memory_gib=serve_mem)
     grid = pl.PlanGrid(tuple(args.batch_sizes), tuple(args.prefill_lens), tuple(args.decode_lens))
-    candidates = [pl.resolve_candidate(c) for c in args.candidates]
+    candidates = [pl.resolve_option(c) for c in args.candidates]
     names = [c.name for c in candidates]
     if len(set(names)) != len(names):
         raise ArchsearchError("--candidates", f"a candidate is named twice in {names}")
@@ -175,7 +175,7 @@ def _plan(args: argparse.Namespace) -> int:
         {c.name: c.spec for c in candidates}, finetune,
         {n: (v if isinstance(v, pl.LoraCalibration) else None) for n, v in cals.items()}), args)
     measured = pl.measure_grid(candidates, grid, settings_kw, out)
-    plans = [pl.plan_candidate(c, grid, measured, args.backend, limits, finetune, cals[c.name]) for c in candidates]
+    plans = [pl.plan_option(c, grid, measured, args.backend, limits, finetune, cals[c.name]) for c in candidates]
     best = pl.recommend(plans)
     problems = pl.unsatisfiable(plans, limits, finetune)
     command = note = None

@@ -10,7 +10,7 @@ from archsearch.planning.time import TimeLaw
 from archsearch.search import pipeline
 from archsearch.search.config import load_study_config
 from archsearch.search.pipeline import STAGE_NAMES as STAGES
-from archsearch.search.plan import plan as study_plan, render
+from archsearch.search.dryrun import dry_run, render
 from archsearch.search.resolved import resolve
 
 
@@ -64,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
         TimeLaw.load(args.time_law, "--time-law")  # read and checked now, not after the plan is built
     if args.dry_run:
         study = resolve(cfg, for_plan=True)  # checked once, before the plan
-        plan = study_plan(study, out, gpus=args.gpus, profile=args.profile, mfu=args.mfu,
+        plan = dry_run(study, out, gpus=args.gpus, profile=args.profile, mfu=args.mfu,
                           time_law=args.time_law)
         if args.json:
             print_json(plan)

@@ -1,6 +1,6 @@
 """Start-ups: the seconds a study spends around its work, measured where it runs.
 
-The plan (``archsearch search --dry-run``, archsearch/search/plan.py) prices a stage's wall time as
+The plan (``archsearch search --dry-run``, archsearch/search/dryrun.py) prices a stage's wall time as
 its work (training FLOPs at the planner's MFU, measurement batches at the roofline) plus the
 start-ups around it. Those depend on the machine or cluster (process spawn, imports, the
 scheduler, the engine), so they are measured, not assumed:

@@ -48,7 +48,7 @@ from archsearch.planning.formats import base_weight_bytes, parse_format
 from archsearch.planning.limits import Limits, check_limits
 from archsearch.planning.lora import (LORA_STEP_FORMULA, VARIANTS, LoraSettings, check_targets, lora_step_flops,
                                      predict_lora_memory)
-from archsearch.planning.measure import measure_lora_step
+from archsearch.planning.measured import measure_lora_step
 from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
 from archsearch.presets import PRESETS, load_arch
 from archsearch.provenance import provenance
@@ -58,7 +58,7 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 
 
 @dataclass(frozen=True)
-class Candidate:
+class ModelOption:
     """A model to plan for: ``spec`` for accounting; ``model_path`` when it has real weights
     (a folder with a config and weights), else it is measured with dummy weights (same speed)."""
 
@@ -68,17 +68,17 @@ class Candidate:
     model_path: str | None = None
 
 
-def resolve_candidate(text: str) -> Candidate:
+def resolve_option(text: str) -> ModelOption:
     """A preset name, a Hugging Face folder (config.json, weights optional), or a study folder
     whose ``chosen/`` holds one."""
     if text.lower() in PRESETS:
-        return Candidate(text, load_arch(text.lower()), f"preset {text.lower()}")
+        return ModelOption(text, load_arch(text.lower()), f"preset {text.lower()}")
     p = Path(text).expanduser()
     # a study folder has its own config.json (the study's): its chosen/ comes first
     for folder, kind in ((p / "chosen", "study chosen/"), (p / "model", "trainers run model/"), (p, "folder")):
         if (folder / "config.json").is_file():
             real = any((folder / w).is_file() for w in _WEIGHT_FILES)
-            return Candidate(text, load_arch(folder), f"{kind} {folder.resolve()}",
+            return ModelOption(text, load_arch(folder), f"{kind} {folder.resolve()}",
                              str(folder.resolve()) if real else None)
     raise ArchsearchError("--candidates", f"{text!r} is neither a preset, nor a folder with config.json, "
                           "nor a study folder with chosen/config.json",
@@ -367,11 +367,11 @@ CALIBRATIONS = "lora_calibration"
 CALIBRATION_BATCHES = (1, 4)  # the two measured steps of a calibration (batch sizes at one sequence length)
 
 
-def calibrate_lora(candidates: list[Candidate], ft: FinetunePlan, out: Path, threads: int | None = None,
+def calibrate_lora(candidates: list[ModelOption], ft: FinetunePlan, out: Path, threads: int | None = None,
                    progress: Callable[[str], None] = print,
                    measure_fn: Callable | None = None) -> dict[str, LoraCalibration | str]:
     """Each candidate's own LoRA step calibration: two short real LoRA fine-tunes (peft,
-    :func:`archsearch.planning.measure.measure_lora_step`; random weights of its shape, the same
+    :func:`archsearch.planning.measured.measure_lora_step`; random weights of its shape, the same
     speed) at batch 1 and 4 x min(seq_len, 128), one warm-up and two timed steps each, on this
     machine, and the line through them (:meth:`LoraCalibration.from_steps`: a per-step overhead
     plus FLOPs over an achieved FLOP/s). A small model reaches a far lower FLOP/s than a large
@@ -440,7 +440,7 @@ def _calibration_lora(spec: ArchSpec, ft: FinetunePlan) -> LoraSettings:
 
 # -- measuring the grid ------------------------------------------------------------------------
 
-def _key(candidate: Candidate, backend: str, prefill: int, decode: int) -> str:
+def _key(candidate: ModelOption, backend: str, prefill: int, decode: int) -> str:
     return f"{candidate.name}|{backend}|{prefill}|{decode}"
 
 
@@ -455,7 +455,7 @@ def load_measured(out: Path) -> dict[str, dict[int, dict]]:
     return done
 
 
-def measure_grid(candidates: list[Candidate], grid: PlanGrid, settings_kw: dict[str, Any], out: Path,
+def measure_grid(candidates: list[ModelOption], grid: PlanGrid, settings_kw: dict[str, Any], out: Path,
                  progress: Callable[[str], None] = print, measure_fn: Callable | None = None) -> dict[str, dict[int, dict]]:
     """Measure every candidate at every grid point not already in ``OUT/measurements.jsonl``."""
     measure_fn = measure_fn or measure
@@ -504,7 +504,7 @@ class GridPoint:
 
 
 @dataclass
-class CandidatePlan:
+class OptionPlan:
     name: str
     source: str
     params: int
@@ -525,8 +525,8 @@ def _gib(v: Any) -> float | None:
     return None if v is None else float(v) / 2**30
 
 
-def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, dict]], backend: str,
-                   limits: Limits, ft: FinetunePlan, calibration: LoraCalibration | str | None = None) -> CandidatePlan:
+def plan_option(c: ModelOption, grid: PlanGrid, measured: dict[str, dict[int, dict]], backend: str,
+                   limits: Limits, ft: FinetunePlan, calibration: LoraCalibration | str | None = None) -> OptionPlan:
     """``calibration``: this candidate's own (:func:`calibrate_lora`; a string: why it failed),
     else ``ft.calibration``, else the step time is uncalibrated."""
     points = []
@@ -561,7 +561,7 @@ def plan_candidate(c: Candidate, grid: PlanGrid, measured: dict[str, dict[int, d
     finetunes = chosen["within_limits"]
     if not finetunes:
         reasons += chosen["broken"]
-    return CandidatePlan(c.name, c.source, total_params(c.spec), active_params(c.spec), points, lora,
+    return OptionPlan(c.name, c.source, total_params(c.spec), active_params(c.spec), points, lora,
                          bool(serving), finetunes, best, reasons)
 
 
@@ -650,7 +650,7 @@ _LIMIT_VALUES = {"max_ttft_s": ("ttft_s", "s"), "max_tpot_s": ("tpot_s", "s"),
                  "max_peak_memory_gib": ("peak_memory_gib", "GiB")}
 
 
-def unsatisfiable(plans: list[CandidatePlan], limits: Limits, ft: FinetunePlan) -> list[str]:
+def unsatisfiable(plans: list[OptionPlan], limits: Limits, ft: FinetunePlan) -> list[str]:
     """One line per limit that no candidate meets anywhere, with the best value reached."""
     lines = []
     for name, (attr, unit) in _LIMIT_VALUES.items():
@@ -680,13 +680,13 @@ def unsatisfiable(plans: list[CandidatePlan], limits: Limits, ft: FinetunePlan) 
     return lines
 
 
-def recommend(plans: list[CandidatePlan]) -> CandidatePlan | None:
+def recommend(plans: list[OptionPlan]) -> OptionPlan | None:
     """The largest candidate (total parameters) within every limit; None when none is."""
     ok = [cp for cp in plans if cp.feasible]
     return max(ok, key=lambda cp: (cp.params, cp.name)) if ok else None
 
 
-def finetune_command(cp: CandidatePlan, c: Candidate, ft: FinetunePlan, out: Path) -> tuple[list[str], str]:
+def finetune_command(cp: OptionPlan, c: ModelOption, ft: FinetunePlan, out: Path) -> tuple[list[str], str]:
     """The ``archsearch train`` argument list that LoRA-fine-tunes the recommended candidate, and
     a note. A candidate with weights starts from them (``--init-from``, its tokenizer when the
     folder has one); one without (a preset, a study's chosen/ config) needs its trained weights:
@@ -712,13 +712,13 @@ def finetune_command(cp: CandidatePlan, c: Candidate, ft: FinetunePlan, out: Pat
     return cmd, note
 
 
-def plan_to_dict(cp: CandidatePlan) -> dict[str, Any]:
+def plan_to_dict(cp: OptionPlan) -> dict[str, Any]:
     d = asdict(cp)
     d["feasible"] = cp.feasible
     return d
 
 
-def plot_tradeoff(plans: list[CandidatePlan], png: Path, limits: Limits | None = None) -> Path:
+def plot_tradeoff(plans: list[OptionPlan], png: Path, limits: Limits | None = None) -> Path:
     """Time per output token and time to first token against peak memory, every grid point of
     every candidate; points within the limits filled, others hollow; the limits dashed."""
     @figures.styled

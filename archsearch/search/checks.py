@@ -22,7 +22,7 @@ from archsearch.presets import get_preset
 from archsearch.rundata import read_runs
 from archsearch.search.config import StudyConfig
 from archsearch.search.derived import build_settings, expand, measure_scale, proxy_sweeps
-from archsearch.search.measure import resolve_backend
+from archsearch.search.measurements import resolve_backend
 from archsearch.search.study import SearchContext, check_storage, scan_law
 from archsearch.search.targets import study_views
 from archsearch.trainers import sweep_specs, token_budget

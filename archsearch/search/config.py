@@ -22,7 +22,7 @@ from archsearch.cluster.config import ClusterConfig
 from archsearch.configio import KEY, from_dict, inline, load_yaml
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name, check_output
-from archsearch.laws.active import INITIAL_DESIGNS
+from archsearch.laws.acquisition import INITIAL_DESIGNS
 from archsearch.laws.fit import MAX_BOOTSTRAP, FitOptions
 from archsearch.planning.limits import Limits
 from archsearch.search.deployment import AGGREGATES, DeploymentTarget, check_targets
@@ -116,10 +116,10 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class ActiveProxyConfig:
-    """``proxy.plan: active`` (issue 16): the sweeps' grid is the pool of candidate runs; the plan
+    """``proxy.plan: active``: the sweeps' grid is the pool of candidate runs; the plan
     trains an initial design, then one batch at a time the runs that most shrink the interval of
     the optimum (d/sqrt(N)*, r*) per FLOP, until the interval is within ``tolerance`` or the
-    FLOPs reach ``budget_flops`` (see ``archsearch.laws.active``)."""
+    FLOPs reach ``budget_flops`` (see ``archsearch.laws.acquisition``)."""
 
     initial: str = "grid3"              # corners-centre | grid3, at the smallest size
     tolerance: float = 0.05             # relative half-width of the optimum's interval (both coordinates)
@@ -235,7 +235,7 @@ class MeasureConfig:
     engine, the objective's batch size and a roofline calibration.
 
     Fields marked ``metadata=KEY`` (here and in the components) key a stored measurement
-    (:func:`archsearch.search.measure.key_settings`); the others choose among engines or batch
+    (:func:`archsearch.search.measurements.key_settings`); the others choose among engines or batch
     sizes, or retry, and change no measurement."""
 
     bench: BenchSettings = inline(lambda: BenchSettings(backend="vllm", batch_sizes=[16, 32, 64, 128], input_len=4096,

@@ -8,7 +8,7 @@ from pathlib import Path
 from archsearch.laws import load_law
 from archsearch.search.checks import check_target
 from archsearch.search.config import StudyConfig
-from archsearch.search.measure import MeasurementStore, Measurer
+from archsearch.search.measurements import MeasurementStore, Measurer
 from archsearch.search.resolved import ResolvedStudy, as_resolved
 from archsearch.search.study import SearchContext, create_study
 from archsearch.search.targets import build_targets

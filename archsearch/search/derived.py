@@ -10,7 +10,7 @@ from archsearch.arch import ArchSpec
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.search.config import StudyConfig
 from archsearch.search.deployment import target_measure
-from archsearch.search.measure import measured_shape
+from archsearch.search.measurements import measured_shape
 
 
 def build_settings(cfg: StudyConfig, vocab_size: int) -> BuildSettings:

@@ -15,7 +15,7 @@ half-way is known too); on the next start :func:`plan_resume` compares them with
   refused with one error before anything is written.
 
 Measurements need no such step: the store keys each one by the settings that change it
-(:func:`archsearch.search.measure.key_settings`), so changed settings are measured anew.
+(:func:`archsearch.search.measurements.key_settings`), so changed settings are measured anew.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.search.config import StudyConfig, renamed_values
-from archsearch.search.measure import key_settings, resolve_backend
+from archsearch.search.measurements import key_settings, resolve_backend
 from archsearch.search.resolved import fit_options
 
 INPUTS_FILE = "stage_inputs.json"

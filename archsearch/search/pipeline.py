@@ -29,7 +29,7 @@ from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.laws import fit_law, load_law
-from archsearch.laws.active import fit_profiled
+from archsearch.laws.acquisition import fit_profiled
 from archsearch.laws.diagnostics import held_out_error
 from archsearch.laws.plots import write_plots
 from archsearch.logs import study_log
@@ -43,7 +43,7 @@ from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
 from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, plan_resume,
                                       stage_inputs, supersede)
-from archsearch.search.measure import MeasurementStore, file_lock, spec_key
+from archsearch.search.measurements import MeasurementStore, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
 from archsearch.search.resolved import ResolvedStudy, resolve
 from archsearch.search.report import chosen_from_study, write_report
@@ -257,7 +257,7 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
         log(f"fitting {cfg.law.form} on {len(runs)} proxy runs")
         if cfg.proxy is not None and cfg.proxy.plan == "active":
             # the plan trains few runs at some sizes: fit every size's L_opt, as the plan did
-            # (a best-observed L_opt biases the shape there; archsearch.laws.active.fit_profiled)
+            # (a best-observed L_opt biases the shape there; archsearch.laws.acquisition.fit_profiled)
             r.law = fit_profiled(runs, cfg.law.form, r.resolved.fit)
         else:
             r.law = fit_law(runs, cfg.law.form, r.resolved.fit)

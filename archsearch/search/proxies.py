@@ -15,12 +15,12 @@ from archsearch.rundata import write_runs
 from archsearch.search import log
 from archsearch.search.derived import proxy_sweeps
 from archsearch.search.config import StudyConfig
-from archsearch.search.measure import file_lock
+from archsearch.search.measurements import file_lock
 from archsearch.search.resolved import fit_options
 from archsearch.search.report import active_markdown, active_plan_summary, active_plot
 from archsearch.search.workers import JOBS_DIR
 from archsearch.trainers import run_sweep
-from archsearch.trainers.active import run_active
+from archsearch.trainers.active_proxies import run_active
 from archsearch.trainers.jobs import (content_key, has_record, link_shared_runs, link_to_store, run_proxy_jobs,
                                       run_train_jobs)
 from archsearch.trainers.loop import read_record, token_budget
@@ -50,7 +50,7 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
 
 
 def train_active_proxies(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
-    """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active``)
+    """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active_proxies``)
     into ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
     log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design

@@ -41,7 +41,7 @@ from archsearch.logs import get_logger
 from archsearch.search import log, margins
 from archsearch.search.config import StudyConfig, gqa_bound_violation
 from archsearch.search.derived import expand, measure_scale, proxy_sweeps
-from archsearch.search.measure import Measurer, check_result_limits, file_lock, spec_key
+from archsearch.search.measurements import Measurer, check_result_limits, file_lock, spec_key
 from archsearch.search.targets import multi_target_objective, predicted_ratio_fn, ranking_label
 from archsearch.search.trials import MeasurementFailed, record_measurement, set_constraint
 from archsearch.trainers.config import check_trackers

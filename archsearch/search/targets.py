@@ -3,7 +3,7 @@
 
 A study may name several targets under ``measure.targets`` (a device, an engine, a batch size and
 lengths, and a weight). Every candidate is compared with the baseline on every target, each
-through its own :class:`~archsearch.search.measure.Measurer` (the ``measure`` block with the
+through its own :class:`~archsearch.search.measurements.Measurer` (the ``measure`` block with the
 target's settings, so its measurements are keyed apart in the one store): measured paired by a
 real engine where the target names one, predicted by the analytic roofline with the target's
 calibration where it names ``analytic`` (a prediction: labelled so, its interval zero-width).
@@ -32,7 +32,7 @@ from archsearch.figures import save
 from archsearch.logs import get_logger
 from archsearch.search.deployment import AGGREGATES, DeploymentTarget, target_measure
 from archsearch.search.derived import measure_scale
-from archsearch.search.measure import Measurer, check_result_limits
+from archsearch.search.measurements import Measurer, check_result_limits
 from archsearch.search.trials import record_measurement, set_constraint
 
 

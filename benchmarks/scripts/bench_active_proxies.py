@@ -1,4 +1,4 @@
-"""Benchmark (issue 16): the active proxy plan against the fixed grid, on proxy FLOPs.
+"""Benchmark: the active proxy plan against the fixed grid, on proxy FLOPs.
 
 Synthetic arm (``--mode synthetic``, default): ground truth is a known conditional law, the
 method's published multiplicative coefficients (a0 2.697, a1 0.0974, a2 0.0078, b0 0.3870,
@@ -11,9 +11,9 @@ the true law times exp(noise z); grid and plan see the same draw for the same ru
 * grid: every run of the box, fitted once (the method's plan); also its size-by-size prefixes,
   and a coarse 3 x 3 grid at the three sizes (about a third of the FLOPs: the grid at equal
   compute). Each grid is fitted twice: with the method's best-observed L_opt and with every
-  size's L_opt fitted (``archsearch.laws.active.fit_profiled``, what the plan fits), so that a
+  size's L_opt fitted (``archsearch.laws.acquisition.fit_profiled``, what the plan fits), so that a
   difference between the designs is not a difference between estimators.
-* active: ``archsearch.laws.active.propose`` over a finer box of candidates at the same sizes
+* active: ``archsearch.laws.acquisition.propose`` over a finer box of candidates at the same sizes
   (``--active-resolution`` 9 x 9; the plan is not bound to the grid's points), grid3 initial
   design at the smallest size, then the acquisition, batches of ``--batch``, up to
   ``--budget-fraction`` (a third) of the grid's FLOPs. Inside the loop the law is fitted with
@@ -58,7 +58,7 @@ from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import append_line
 from archsearch.laws import FitOptions, fit_law, forms
-from archsearch.laws.active import WEIGHTS, Pool, bootstrap_optima, ensemble, fit_profiled, optimum_interval, propose
+from archsearch.laws.acquisition import WEIGHTS, Pool, bootstrap_optima, ensemble, fit_profiled, optimum_interval, propose
 from archsearch.laws.metrics import cluster
 from archsearch.laws.synthetic import default_layers
 from archsearch.provenance import provenance
@@ -67,7 +67,7 @@ from archsearch.rundata import RunRecord, read_runs
 TRUE = {"a0": 2.697, "a1": 0.0974, "a2": 0.0078, "b0": 0.3870, "b1": 0.0063, "b2": 0.0065}
 CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}  # Hoffmann et al. 2022
 LAW = "conditional-multiplicative"
-LEVEL = 0.9   # the plan's interval level (archsearch.laws.active.propose's default): both coordinates together
+LEVEL = 0.9   # the plan's interval level (archsearch.laws.acquisition.propose's default): both coordinates together
 
 
 BOX_X1, BOX_R = (0.04, 0.16), (0.5, 5.0)
@@ -179,7 +179,7 @@ def cramer_rao_sd(pool, idx, noise, coefs=TRUE) -> tuple[float, float]:
 def point_optimum(pool, idx, losses, options, profiled=False, box=None, coefficients=False, scale_huber=True):
     """(closed-form optimum, optimum within the box) of the law fitted to runs ``idx`` (None
     when there is none);
-    ``profiled``: every size's L_opt fitted (:func:`archsearch.laws.active.fit_profiled`)."""
+    ``profiled``: every size's L_opt fitted (:func:`archsearch.laws.acquisition.fit_profiled`)."""
     runs = [RunRecord.from_arch(pool.specs[i], tokens=float(pool.tokens[i]), loss=float(losses[i]))
             for i in idx]
     try:
@@ -418,7 +418,7 @@ def synthetic(args) -> dict:
                             "(every seed) and where the tolerance stop would have fired (seeds that reach it; "
                             "chosen for being narrow, so optional stopping may lower it)",
                     "method": "parametric bootstrap of the plan's law, every size's L_opt refitted per replicate "
-                              "(archsearch.laws.active.offset_bootstrap); simultaneous percentile interval (Sidak)",
+                              "(archsearch.laws.acquisition.offset_bootstrap); simultaneous percentile interval (Sidak)",
                     "end": coverage([r["active"]["covered_end"] for r in rows], LEVEL),
                     "at_stop": coverage([r["active"]["covered_at_stop"] for r in rows], LEVEL)},
                 "flops_to_by_bound": {}}
@@ -630,7 +630,7 @@ def coverage_mode(args) -> dict:
     same known law), fits, and asks whether the interval holds the true optimum. The designs were
     chosen adaptively on other draws, so this measures the interval on realistic designs, not
     the plan's optional stopping. Each draw is judged with the plan's interval
-    (:func:`archsearch.laws.active.ensemble`: parametric bootstrap, offsets refitted, simultaneous)
+    (:func:`archsearch.laws.acquisition.ensemble`: parametric bootstrap, offsets refitted, simultaneous)
     and, on the same draw, the earlier one (the fit's bootstrap over runs, ``--old-bootstrap``
     resamples, every size's L_opt held, percentile at the level per coordinate) for comparison."""
     apool = paper_pool(k=args.active_resolution)
@@ -707,7 +707,7 @@ def main() -> None:
                          "filter, 0.5 5); default none: the generated law holds at every r, and the box's "
                          "snapped edge shapes (r 0.47-0.49 and 5.1-5.5, 12 of the grid's 59 runs) would be "
                          "paid for and then dropped")
-    ap.add_argument("--weights", default="log", help="the plan's acquisition weights (archsearch.laws.active.acquire)")
+    ap.add_argument("--weights", default="log", help="the plan's acquisition weights (archsearch.laws.acquisition.acquire)")
     ap.add_argument("--compare-weights", action="store_true",
                     help="synthetic arm: also run the plan with the other weights on the same draws")
     ap.add_argument("--label", default="", help="a free note stored with the record (e.g. what changed)")

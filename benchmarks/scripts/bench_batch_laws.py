@@ -23,7 +23,7 @@ from archsearch.arch import ArchSpec, sparsity
 from archsearch.benchmarks.scripts import emit
 from archsearch.fileio import atomic_write, write_json
 from archsearch.planning.batchlaws import fit_max_batch_law, fit_throughput_law, read_points
-from archsearch.planning.measure import measure_peak_memory, measure_training_time
+from archsearch.planning.measured import measure_peak_memory, measure_training_time
 from archsearch.provenance import provenance
 
 BATCHES = [1, 2, 4, 8, 16]

@@ -3,7 +3,7 @@ full-sequence logits and the cross-entropy around them grow with the vocabulary 
 largest block at 256k (docs/planning.md). Prints a table and one JSON object and appends it
 with provenance to ``results/bench/finetune_vocab.jsonl``.
 
-Measured: :func:`archsearch.planning.measure.measure_lora_step` (fp32 on this CPU, a fresh
+Measured: :func:`archsearch.planning.measured.measure_lora_step` (fp32 on this CPU, a fresh
 subprocess per point, peak resident set (VmHWM) above the RSS after the model is loaded,
 glibc told to return freed blocks at once); predicted:
 :func:`archsearch.planning.lora.predict_lora_memory` less its weights term (the measurement
@@ -22,7 +22,7 @@ from archsearch.arch import ArchSpec
 from archsearch.benchmarks import append_jsonl
 from archsearch.benchmarks.scripts import emit
 from archsearch.planning.lora import ATTENTION, LoraSettings, predict_lora_memory
-from archsearch.planning.measure import measure_lora_step
+from archsearch.planning.measured import measure_lora_step
 from archsearch.provenance import provenance
 
 OUT = "results/bench/finetune_vocab.jsonl"

@@ -1,6 +1,6 @@
 """Benchmark: time to fit the conditional law to 200 runs with 1000 bootstrap resamples.
 
-Target (issue 3): under 30 s on 2 CPU cores. The runs are synthetic but real buildable specs
+Target: under 30 s on 2 CPU cores. The runs are synthetic but real buildable specs
 (5 sizes x 2 token budgets x 5 hidden/sqrt(N) x 4 r); the reference L_opt is a Chinchilla law
 refitted on every resample, as in a real fit. Prints one JSON line.
 

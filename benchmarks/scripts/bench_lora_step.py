@@ -24,12 +24,12 @@ Designs (``--design``):
 Two parts, because the two quantities need different set-ups (``--only`` runs one):
 
 * **peak memory**: one fresh process per configuration
-  (:func:`archsearch.planning.measure.measure_lora_step`: the RSS high-water mark above the
+  (:func:`archsearch.planning.measured.measure_lora_step`: the RSS high-water mark above the
   loaded model's RSS, against :func:`archsearch.planning.lora.predict_lora_memory` less its
   weights term; also against the earlier full-training activation count, for comparison).
   Memory does not drift with the machine's load: it need not run quiet;
 * **time**: one process with the models loaded once
-  (:func:`archsearch.planning.measure.measure_lora_schedule`), each block's calibration
+  (:func:`archsearch.planning.measured.measure_lora_schedule`), each block's calibration
   configuration run before and after every held-out one, ``--rounds`` times. Each held-out
   time is compared with the prediction from the block's first calibration (what the planner
   does) and from the two calibrations measured just before and after it (the machine's slow
@@ -62,7 +62,7 @@ from archsearch import figures
 from archsearch.arch import ArchSpec
 from archsearch.fileio import append_line, read_jsonl_lines
 from archsearch.planning.lora import LoraSettings, lora_step_flops, predict_lora_memory
-from archsearch.planning.measure import measure_lora_schedule, measure_lora_step
+from archsearch.planning.measured import measure_lora_schedule, measure_lora_step
 from archsearch.planning.memory import predict_training_memory
 from archsearch.planning.planner import LoraCalibration, predict_lora_step_time
 from archsearch.presets import get_preset

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --copies >= 2, --processes >= 1, --rounds >= 2")
     from archsearch.benchmarks.paired import measure_paired
     from archsearch.search.config import load_study_config
-    from archsearch.search.measure import resolve_backend
+    from archsearch.search.measurements import resolve_backend
     from archsearch.search.resolved import bench_settings, derive
 
     cfg = load_study_config(args.config)

@@ -1,4 +1,4 @@
-"""Benchmark (issue 17): the dry-run plan's predicted wall time per stage against what the study
+"""Benchmark: the dry-run plan's predicted wall time per stage against what the study
 then records, on the CI-sized local-cluster study (configs/ci-cluster.yaml: 6 proxies as jobs
 two at a time, 2 Optuna workers with the hf engine, all on this CPU), with start-ups measured on
 this machine.
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.cluster.startup import STARTUPS_FILE, build_profile, load_profile
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
-    from archsearch.search.plan import plan
+    from archsearch.search.dryrun import dry_run
 
     cfg = load_study_config(a.config)
     gpus = f"{cfg.cluster.jobs_at_once}xcpu"
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             study = root / f"run-{i}"
             if a.fresh_cache:  # the plan reads the same (empty) cache the study will fill
                 os.environ["ARCHSEARCH_CACHE"] = env_for(f"run-{i}")["ARCHSEARCH_CACHE"]
-            p = plan(cfg, study, gpus=gpus, profile=profile, mfu=mfu)
+            p = dry_run(cfg, study, gpus=gpus, profile=profile, mfu=mfu)
             total = _run_study(a.config, study, env_for(f"run-{i}"))
             state = json.loads((study / "state.json").read_text())
             own = json.loads((study / STARTUPS_FILE).read_text())["runs"]

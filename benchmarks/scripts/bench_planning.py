@@ -22,7 +22,7 @@ from pathlib import Path
 from archsearch.arch import ArchSpec
 from archsearch.benchmarks.scripts import emit
 from archsearch.planning import fit_time_law, predict_inference_memory, predict_training_memory
-from archsearch.planning.measure import measure_peak_memory, measure_training_time
+from archsearch.planning.measured import measure_peak_memory, measure_training_time
 from archsearch.provenance import provenance
 from archsearch.rundata import RunRecord, write_runs
 

@@ -1,4 +1,4 @@
-"""Benchmark: the search's sample efficiency against an exhaustive grid (issue 6).
+"""Benchmark: the search's sample efficiency against an exhaustive grid.
 
 On a study config (default the demo), how many measured trials does the Optuna search need
 before its best feasible shape is within 2% of the best shape an exhaustive grid over the same
@@ -93,7 +93,7 @@ def seed_store(measurer, src: Path) -> tuple[int, int]:
     """Copy into the measurer's store the records of ``src`` whose key this measurer computes
     for their shape (same shape, same measurement settings and backend). (copied, offered)."""
     from archsearch.arch import ArchSpec
-    from archsearch.search.measure import MeasurementStore
+    from archsearch.search.measurements import MeasurementStore
 
     if not src.is_file() or src.resolve() == measurer.store.path.resolve():
         return 0, 0
@@ -116,7 +116,7 @@ def seed_store(measurer, src: Path) -> tuple[int, int]:
 def measured_throughput(cfg, result) -> float | None:
     """Throughput at the reference batch size of a ``BenchResult``, None if failed or over the
     config's limits."""
-    from archsearch.search.measure import check_result_limits
+    from archsearch.search.measurements import check_result_limits
 
     b = cfg.measure.ref_batch
     tput = result.throughput(b)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.laws import load_law
     from archsearch.provenance import provenance
     from archsearch.search.config import load_study_config
-    from archsearch.search.measure import MeasurementStore, Measurer
+    from archsearch.search.measurements import MeasurementStore, Measurer
     from archsearch.search.resolved import derive
     from archsearch.search.study import trial_is_feasible
     from optuna.trial import TrialState

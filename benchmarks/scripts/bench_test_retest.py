@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return reanalyse(Path(args.out_dir) / "test_retest.jsonl")
     from archsearch.laws import load_law
     from archsearch.search.config import load_study_config
-    from archsearch.search.measure import resolve_backend
+    from archsearch.search.measurements import resolve_backend
     from archsearch.search.resolved import bench_settings, derive
     from archsearch.benchmarks.paired import instance_var_or_prior, instance_variance, measure_paired
 

@@ -1,4 +1,4 @@
-"""Benchmark (issue 17): tokenisation throughput of the sharded, multi-process tokenizer.
+"""Benchmark: tokenisation throughput of the sharded, multi-process tokenizer.
 
 Tokenizes the offline corpus's training side (split into paragraphs, so there are many shards)
 with a byte-level BPE (``--vocab``, trained once and cached) through

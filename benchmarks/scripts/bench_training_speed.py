@@ -10,7 +10,7 @@ command (CPU: fp32, archsearch.hardware.measure_cpu; GPU: bf16, archsearch.hardw
 Prints one JSON line.
 
     python -m archsearch.benchmarks.scripts.bench_training_speed [--steps 30] [--layers 4 --hidden 128]
-    # GPU, a ~85M-non-embedding proxy in bf16 (issue 13):
+    # GPU, a ~85M-non-embedding proxy in bf16:
     python -m archsearch.benchmarks.scripts.bench_training_speed --layers 12 --hidden 768 --seq-len 1024 \
         --head-dim 64 --batch 32 --steps 300 --repeats 1 --vocab 8192 --out results/gpu/training_speed.jsonl
 """

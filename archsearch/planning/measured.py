@@ -1,6 +1,6 @@
 """Measured counterparts of the predictions, on this machine: peak memory and training time.
 
-Each memory point runs in a fresh Python subprocess (``python -m archsearch.planning.measure``)
+Each memory point runs in a fresh Python subprocess (``python -m archsearch.planning.measured``)
 so that no allocator state or cached tensor of an earlier point leaks into it. The peak is the
 process's resident-set high-water mark (``VmHWM``), reset with ``/proc/self/clear_refs`` after
 the imports so that only the model and the work count; the baseline RSS before the model is
@@ -260,7 +260,7 @@ def _run_child(job: dict[str, Any], timeout: float, what: str) -> dict[str, Any]
     """``job`` (a memory or LoRA measurement) run by this module in a fresh subprocess
     (``threads`` OpenMP threads); its last stdout line is the result."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(job["threads"]))
-    p = subprocess.run([sys.executable, "-m", "archsearch.planning.measure", json.dumps(job)],
+    p = subprocess.run([sys.executable, "-m", "archsearch.planning.measured", json.dumps(job)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     if p.returncode != 0:
         raise RuntimeError(f"{what} failed ({p.returncode}): {p.stderr[-3000:]}")

@@ -23,7 +23,7 @@ from archsearch.search.config import StudyConfig
 from archsearch.search.derived import expand
 from archsearch.search.gqa import bounded_pairs, gqa_pairs, proxy_runs, proxy_variants
 from archsearch.search.margins import range_summary
-from archsearch.search.measure import resolve_backend
+from archsearch.search.measurements import resolve_backend
 from archsearch.search.resolved import ResolvedStudy, as_resolved
 from archsearch.search.targets import price_targets
 from archsearch.trainers import token_budget
@@ -317,7 +317,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None,
     return out
 
 
-def plan(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = None,
+def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = None,
          profile: str | Path | None = None, mfu: float | None = None,
          time_law: str | Path | None = None) -> dict[str, Any]:
     """What the study would do, with its compute, without doing any of it. ``study``: the study

@@ -1,5 +1,5 @@
 """Active proxy plan: which proxy run to train next so that the optimum's interval shrinks most
-per training FLOP (issue 16). Pure math on arrays; the driver that trains is ``archsearch.trainers.active``.
+per training FLOP. Pure math on arrays; the driver that trains is ``archsearch.trainers.active_proxies``.
 
 What the study needs from the proxies is the loss-optimal shape ``(d/sqrt(N)*, r*)`` of the
 conditional law (docs/method.md section 3). The law's bootstrap gives an ensemble: for every resample ``b``, the

@@ -1,4 +1,4 @@
-"""The active proxy plan's driver (issue 16): train the runs ``archsearch.laws.active`` proposes.
+"""The active proxy plan's driver: train the runs ``archsearch.laws.acquisition`` proposes.
 
 The pool of candidate runs is every buildable, distinct point of the study's sweeps (their
 shapes, token budgets and training settings, exactly as ``run_sweep`` would train them). Each
@@ -115,7 +115,7 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     ``anchor_params``: sizes whose box centre joins the initial design (the nearest level)."""
     import dataclasses
 
-    from archsearch.laws.active import Pool, propose
+    from archsearch.laws.acquisition import Pool, propose
     from archsearch.trainers.data import prepare_data
     from archsearch.trainers.loop import RUN_FILE, read_record, train
 
