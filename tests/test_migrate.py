@@ -11,7 +11,7 @@ import optuna
 import pytest
 
 from archsearch.cli import main
-from archsearch.configio import from_dict
+from archsearch.configio import from_dict, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.search.config import StudyConfig, load_study_config
 from archsearch.search.measurements import MeasurementStore, Measurer
@@ -123,3 +123,48 @@ def test_a_recorded_study_migrates_and_resumes_with_its_stages_and_measurements(
     applies = {st.name: st.applies(cfg) for st in STAGES}
     plan = plan_resume(cfg, study, StudyState(study).data, set(STAGE_NAMES), applies, default_storage=True)
     assert plan.stale == {}  # no stage is redone for the new names of its measurement settings
+
+
+def test_the_old_search_mode_name_is_refused_naming_the_new_one(tmp_path):
+    (tmp_path / "law.json").write_text(json.dumps(LAW))
+    study = {**STUDY, "law": {"file": str(tmp_path / "law.json")}}
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(StudyConfig, {**study, "mode": "algorithm5"})
+    assert e.value.field == "mode" and "constrained" in str(e.value) and "archsearch migrate" in str(e.value)
+    assert from_dict(StudyConfig, study).mode == "constrained"
+
+
+def test_a_folder_that_recorded_an_old_setting_name_is_refused_then_migrated(tmp_path, monkeypatch):
+    from archsearch.search.config import renamed_values
+    from archsearch.search.inputs import INPUTS_FILE, fingerprints, plan_resume, stage_inputs
+    from archsearch.search.pipeline import STAGE_NAMES, STAGES, StudyState
+
+    study = tmp_path / "study"
+    shutil.copytree(EXAMPLE, study)
+    monkeypatch.chdir(REPO)
+    assert main(["migrate", str(study)]) == 0
+    assert json.loads((study / "config.json").read_text())["mode"] == "constrained"
+    cfg = load_study_config(REPO / "configs" / "paper-1b-rehearsal.yaml")
+    # a study whose train stage applies (the final training), as a version before the rename recorded it
+    cfg = dataclasses.replace(cfg, final_train=dataclasses.replace(cfg.final_train, enabled=True))
+    applies = {st.name: st.applies(cfg) for st in STAGES}
+    assert applies["train"]
+    old_in = {st: renamed_values(v, back=True)[0] for st, v in stage_inputs(cfg).items()}
+    assert old_in["train"]["mode"] == "algorithm5"
+    record = json.loads((study / INPUTS_FILE).read_text())
+    record["train"] = {"fingerprint": fingerprints(cfg, applies, old_in)["train"],
+                       "inputs": json.loads(json.dumps(old_in["train"], default=str))}
+    (study / INPUTS_FILE).write_text(json.dumps(record))
+    stored = json.loads(json.dumps(to_dict(cfg), default=str))
+    (study / "config.json").write_text(json.dumps({**stored, "mode": "algorithm5"}))
+    with pytest.raises(ArchsearchError) as e:
+        plan_resume(cfg, study, StudyState(study).data, set(STAGE_NAMES), applies, default_storage=True)
+    assert "archsearch migrate" in str(e.value) and "mode: algorithm5 -> constrained" in str(e.value)
+
+    assert main(["migrate", str(study)]) == 0
+    record = json.loads((study / INPUTS_FILE).read_text())
+    assert record["train"]["inputs"]["mode"] == "constrained"
+    assert record["train"]["fingerprint"] == fingerprints(cfg, applies)["train"]
+    assert json.loads((study / "config.json").read_text())["mode"] == "constrained"
+    assert plan_resume(cfg, study, StudyState(study).data, set(STAGE_NAMES), applies, default_storage=True).stale == {}
+    assert main(["migrate", str(study)]) == 0  # idempotent: nothing left to do

@@ -101,8 +101,9 @@ class Plan:
         if self.unmatched:
             lines.append(f"  {len(self.unmatched)} record(s) no input of this study reproduces (other settings), "
                          f"moved to {UNMATCHED}: " + ", ".join(r["key"] for r in self.unmatched))
-        lines += [f"  {p}: " + ("the stages' recorded measurement settings rewritten" if p.name == INPUTS_FILE
-                               else "measurement keys rewritten") for p in self.files]
+        what = {INPUTS_FILE: "the stages' recorded settings rewritten",
+                "config.json": "setting values renamed" + (" and measurement keys rewritten" if self.keys else "")}
+        lines += [f"  {p}: " + what.get(p.name, "measurement keys rewritten") for p in self.files]
         if self.trial_attrs:
             lines.append(f"  {self.storage}: {len(self.trial_attrs)} trial attribute(s) rewritten")
         return "\n".join(lines)
