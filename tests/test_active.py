@@ -177,7 +177,7 @@ def fake_training(monkeypatch):
     from archsearch.laws.lawfile import spec_arrays
     from archsearch.laws.synthetic import TRUE_CHINCHILLA
     import archsearch.trainers.data
-    import archsearch.trainers.loop
+    import archsearch.trainers.active_proxies
 
     truth = {"a0": 1.0, "a1": 0.05, "a2": 0.005, "b0": 0.98, "b1": 0.02, "b2": 0.03}
     trained = []
@@ -205,7 +205,7 @@ def fake_training(monkeypatch):
         return rec
 
     monkeypatch.setattr(archsearch.trainers.data, "prepare_data", lambda *a, **k: Data())
-    monkeypatch.setattr(archsearch.trainers.loop, "train", train)
+    monkeypatch.setattr(archsearch.trainers.active_proxies, "train", train)
     return trained
 
 

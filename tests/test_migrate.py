@@ -82,7 +82,7 @@ def test_an_old_store_is_refused_with_the_command_then_migrated_once_and_read_ba
         raise AssertionError("measured again")
 
     monkeypatch.setattr("archsearch.search.measurements.measure", never)
-    monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", never)
+    monkeypatch.setattr("archsearch.search.measurements.measure_paired", never)
     m = Measurer(cfg.measure, store)
     assert m.key(TINY) == NEW_SINGLE and m.pair_key([TINY, OTHER], 1) == NEW_PAIR
     assert m.measure(TINY).cached and m.compare([TINY, OTHER], attempt=1).cached and m.measured_now == 0

@@ -293,7 +293,7 @@ def test_measurer_measures_the_rescaled_shape_keyed_by_the_study_shape(tmp_path,
         return PairedResult(specs=[s.to_dict() for s in specs], rounds=[[1.0, 2.0], [1.0, 2.0]], settings={},
                             paired={"level": 0.9}, batch_size=b)
 
-    monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", fake_paired)
+    monkeypatch.setattr("archsearch.search.measurements.measure_paired", fake_paired)
     store = MeasurementStore(tmp_path / "m.jsonl")
     double = lambda s: ArchSpec(**{**s.to_dict(), "hidden_size": 2 * s.hidden_size})  # noqa: E731
     plain = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
@@ -381,7 +381,7 @@ def test_compare_together_measures_missing_pairs_in_one_group_and_stores_each_pa
                             paired={"level": 0.9}, batch_size=b, ok=not fail, ttft=[0.1 * i for i in range(len(specs))],
                             timing={"engine_start_s": [1.0] * len(specs)})
 
-    monkeypatch.setattr("archsearch.benchmarks.paired.measure_paired", fake_paired)
+    monkeypatch.setattr("archsearch.search.measurements.measure_paired", fake_paired)
     store = MeasurementStore(tmp_path / "m.jsonl")
     m = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
     ref, b, c, d = _spec(32), _spec(64), _spec(96), _spec(128)

@@ -31,7 +31,7 @@ from archsearch.errors import ArchsearchError
 from archsearch.fileio import append_line, read_jsonl_lines, write_json
 from archsearch.logs import get_logger
 from archsearch.rundata import RunRecord, write_runs
-from archsearch.trainers.loop import run_id_for, token_budget
+from archsearch.trainers.loop import RUN_FILE, read_record, run_id_for, token_budget, train
 from archsearch.trainers.sweep import failed_record, sweep_specs, to_run_record
 
 DECISIONS = "decisions.jsonl"
@@ -115,9 +115,8 @@ def run_active(sweeps: list, law: str, fit_options, cfg, out_dir: str | Path, *,
     ``anchor_params``: sizes whose box centre joins the initial design (the nearest level)."""
     import dataclasses
 
-    from archsearch.laws.acquisition import Pool, propose
+    from archsearch.laws.acquisition import Pool, propose  # numpy: imported where the plan runs
     from archsearch.trainers.data import prepare_data
-    from archsearch.trainers.loop import RUN_FILE, read_record, train
 
     datas = {json.dumps(dataclasses.asdict(s.data), sort_keys=True, default=str) for s in sweeps}
     if len(datas) != 1:

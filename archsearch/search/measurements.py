@@ -23,7 +23,7 @@ from filelock import FileLock
 from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.benchmarks import measure
 from archsearch.benchmarks.base import BenchResult
-from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior
+from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior, measure_paired
 from archsearch.candidates import build_candidate
 from archsearch.configio import key_values
 from archsearch.errors import ArchsearchError, MissingDependencyError
@@ -251,8 +251,6 @@ class Measurer:
         return instance_var_or_prior(list(groups.values()), self.cfg.paired)
 
     def _paired(self, specs: list[ArchSpec]):
-        from archsearch.benchmarks.paired import measure_paired
-
         return measure_paired([self.scale(s) for s in specs], self.settings(), self.cfg.paired, self.cfg.ref_batch)
 
     def measured_dtype(self, spec: ArchSpec) -> str | None:
