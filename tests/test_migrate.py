@@ -168,3 +168,12 @@ def test_a_folder_that_recorded_an_old_setting_name_is_refused_then_migrated(tmp
     assert json.loads((study / "config.json").read_text())["mode"] == "constrained"
     assert plan_resume(cfg, study, StudyState(study).data, set(STAGE_NAMES), applies, default_storage=True).stale == {}
     assert main(["migrate", str(study)]) == 0  # idempotent: nothing left to do
+
+
+def test_a_config_json_this_version_cannot_read_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    study, _, _ = _old_study(tmp_path)
+    (study / "config.json").write_text(json.dumps({**STUDY, "search_space": {"hidden_multiple": 64}}))
+    assert main(["migrate", str(study)]) == 2
+    err = capsys.readouterr().err
+    assert "config.json: search_space.hidden_multiple" in err and "run the study anew" in err

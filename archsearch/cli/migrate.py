@@ -200,7 +200,13 @@ def plan_migration(study: str | Path) -> Plan:
     raw, plan.renamed = _renamed_config(json.loads(cfg_path.read_text()))
     if plan.renamed:
         plan.files[cfg_path] = json.dumps(raw, indent=2, default=str)
-    cfg = from_dict(StudyConfig, raw)
+    try:
+        cfg = from_dict(StudyConfig, raw)
+    except ArchsearchError as e:  # a config.json from a schema this version no longer reads
+        raise ArchsearchError(f"{cfg_path}: {e.field}", e.problem,
+                              "the folder's config.json was written by a version whose config this one no longer "
+                              "reads, so its keys cannot be recomputed: run the study anew with --out (its "
+                              "records stay readable as files)") from None
     if all(r.get("layout") == KEY_LAYOUT for r in records):
         _rekey_stage_inputs(plan, cfg, [b for b in (cfg.measure.bench.backend, cfg.measure.fallback_backend) if b],
                             layouts=(key_settings,))
