@@ -251,7 +251,7 @@ def installed_version(packages: tuple[str, ...]) -> tuple[str | None, str | None
 @dataclass
 class Session:
     """A started engine for one shape: ``generate(prompts)`` runs one static batch and returns
-    the requests' ``archsearch.benchmarks.loop.RequestTiming``. Kept resident by paired measurement."""
+    the requests' ``archsearch.benchmarks.engine_loop.RequestTiming``. Kept resident by paired measurement."""
 
     generate: Callable[[list[list[int]]], list[Any]]
     vocab_size: int

@@ -101,7 +101,7 @@ _INT_COLUMNS = ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", 
                 "output_len", "batch_size")
 
 
-def read_table(path: str | Path) -> tuple[list[Point], dict[str, Any]]:
+def read_throughput_table(path: str | Path) -> tuple[list[Point], dict[str, Any]]:
     """The rows of a throughput table (CSV with :data:`TABLE_COLUMNS`; optional ``family``, ``dtype``
     (default bfloat16) and ``source``) as points, and a description of the file (path, checksum,
     rows). Every problem names its row and column."""
@@ -381,7 +381,7 @@ def calibrate(table: str | None = None, results: list[str] | None = None, device
         raise ArchsearchError("--table/--results", "give exactly one of them",
                               "--table FILE.csv (published figures) or --results FILE.jsonl (bench --out)")
     if table:
-        pts, source = read_table(table)
+        pts, source = read_throughput_table(table)
     else:
         pts = points_from_results([r for f in results for r in read_jsonl(f)], device_spec)
         source = {"path": list(results), "table_rows": len(pts)}
@@ -420,7 +420,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     out.add_argument("--out-dir", help="one file per device x engine, named <device>-<engine>.json")
 
 
-def run(args: argparse.Namespace) -> int:
+def calibrate_cli(args: argparse.Namespace) -> int:
+    """``archsearch calibrate``: fit and write the calibration files the arguments ask for."""
     cals = calibrate(args.table, args.results, args.device_spec, args.device, args.engine, args.variant)
     if args.out and len(cals) > 1:
         raise ArchsearchError("--out", f"the data hold {len(cals)} device x engine groups "
@@ -437,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     try:
-        return run(ap.parse_args(argv))
+        return calibrate_cli(ap.parse_args(argv))
     except ArchsearchError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2

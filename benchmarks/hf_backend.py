@@ -20,7 +20,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.benchmarks.base import Backend, Report, Session, resolve_dtype
-from archsearch.benchmarks.loop import RequestTiming, process_tree_rss, run_batches
+from archsearch.benchmarks.engine_loop import RequestTiming, process_tree_rss, run_batches
 from archsearch.hardware import cpu_name
 
 

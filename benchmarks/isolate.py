@@ -29,7 +29,7 @@ from typing import Any
 
 import archsearch
 from archsearch.benchmarks.base import load_backend
-from archsearch.benchmarks.loop import describe_error
+from archsearch.benchmarks.engine_loop import describe_error
 from archsearch.benchmarks.scratch import scratch_dir, watch_owner
 from archsearch.fileio import write_json  # atomic: the parent never reads half a file
 from archsearch.logs import get_logger

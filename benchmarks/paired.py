@@ -39,7 +39,7 @@ from archsearch.provenance import provenance
 from archsearch.benchmarks.base import (BACKENDS, BatchResult, BenchSettings, Report, get_backend,
                                         load_backend, mean, std)
 from archsearch.benchmarks.isolate import run_isolated
-from archsearch.benchmarks.loop import PromptSource
+from archsearch.benchmarks.engine_loop import PromptSource
 from archsearch.benchmarks.measure import check_lengths, measure
 from archsearch.benchmarks.scratch import scratch_dir
 

@@ -24,7 +24,7 @@ from typing import Any
 from archsearch.arch import ArchSpec
 from archsearch.errors import MissingDependencyError
 from archsearch.benchmarks.base import Backend, Report, require_module, resolve_dtype
-from archsearch.benchmarks.loop import RequestTiming, cuda_memory_in_use, run_batches
+from archsearch.benchmarks.engine_loop import RequestTiming, cuda_memory_in_use, run_batches
 
 INSTALL_FIX = "SGLang runs on a CUDA GPU only: pip install -e '.[sglang]' on a GPU machine"
 

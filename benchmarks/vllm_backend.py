@@ -33,7 +33,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token
 from archsearch.benchmarks.base import Backend, Report, Session, require_module, resolve_dtype
-from archsearch.benchmarks.loop import RequestTiming, cuda_memory_in_use, process_tree_rss, run_batches
+from archsearch.benchmarks.engine_loop import RequestTiming, cuda_memory_in_use, process_tree_rss, run_batches
 from archsearch.hardware import cpu_name
 
 INSTALL_FIX = ("install vLLM: bash scripts/setup.sh (it picks vLLM's GPU or CPU build), or by hand "

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from archsearch.benchmarks.base import Backend, Report, Session
-from archsearch.benchmarks.loop import RequestTiming, run_batches
+from archsearch.benchmarks.engine_loop import RequestTiming, run_batches
 
 
 class FakeVLLM:

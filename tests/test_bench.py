@@ -398,7 +398,7 @@ def test_gpu_engines_measure_for_real(backend):
 # -- helpers of the measurement loop and the benchmark scripts ------------------------------
 
 def test_prompts_are_fresh_and_reproducible():
-    from archsearch.benchmarks.loop import PromptSource
+    from archsearch.benchmarks.engine_loop import PromptSource
 
     a, b = PromptSource(512, 16, seed=3), PromptSource(512, 16, seed=3)
     first, second = a.batch(4), a.batch(4)

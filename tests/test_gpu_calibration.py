@@ -78,13 +78,13 @@ def test_fit_recovers_known_parameters_from_synthetic_points():
 def test_shipped_calibration_states_its_source_and_reproduces_its_fit(path):
     from archsearch.benchmarks.analytic import predict_batch
     from archsearch.benchmarks.calibration import Calibration
-    from archsearch.benchmarks.calibration_fit import file_name, read_table
+    from archsearch.benchmarks.calibration_fit import file_name, read_throughput_table
     from archsearch.hardware import get_device
 
     cal = Calibration.load(path)
     assert file_name(cal.device, cal.engine) == path.name
     assert cal.source["path"].endswith("published-throughput.csv") and cal.source["tables"]
-    pts, source = read_table(TABLE)
+    pts, source = read_throughput_table(TABLE)
     assert source["sha256"] == cal.source["sha256"]
     mine = [p for p in pts if (p.device, p.engine) == (cal.device, cal.engine)]
     assert len(mine) == cal.fit["n_batches"] == len(cal.fit["rows"])
@@ -102,10 +102,10 @@ def test_shipped_calibration_states_its_source_and_reproduces_its_fit(path):
 def test_shipped_h200_vllm_held_out_errors_recomputed():
     """The stated leave-one-shape-out and leave-one-batch-out errors come back from the table."""
     from archsearch.benchmarks.calibration import Calibration
-    from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_table, shape_key, table_devices
+    from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_throughput_table, shape_key, table_devices
 
     cal = Calibration.load(CAL_DIR / "h200-vllm.json")
-    pts, _ = read_table(TABLE)
+    pts, _ = read_throughput_table(TABLE)
     devices = table_devices(pts)
     v = next(v for v in model_variants(pts, devices) if v.name == cal.fit["variant"])
     for held, key in (("leave_one_shape_out", shape_key), ("leave_one_batch_out", lambda p: p.batch)):
@@ -138,7 +138,7 @@ def test_calibrated_kv_reduction_is_smaller_than_the_roofline_says():
 def test_bad_table_names_the_field(tmp_path, edit, field):
     import csv
 
-    from archsearch.benchmarks.calibration_fit import read_table
+    from archsearch.benchmarks.calibration_fit import read_throughput_table
 
     with open(TABLE) as fh:
         rows = edit(list(csv.DictReader(fh)))
@@ -148,7 +148,7 @@ def test_bad_table_names_the_field(tmp_path, edit, field):
         w.writeheader()
         w.writerows(rows)
     with pytest.raises(ArchsearchError) as e:
-        read_table(bad)
+        read_throughput_table(bad)
     assert e.value.field.endswith(field) and "bad.csv" in e.value.field
 
 

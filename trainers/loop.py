@@ -382,7 +382,7 @@ def _load_checkpoint(accelerator, ckpt: Path) -> dict:
 
 # -- evaluation -------------------------------------------------------------------------------
 
-def evaluate(accelerator, model, data, n_seqs: int, mbs: int) -> float:
+def eval_loss(accelerator, model, data, n_seqs: int, mbs: int) -> float:
     """Mean next-token loss over the first ``n_seqs`` validation sequences (split over processes)."""
     import torch
 
@@ -596,7 +596,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
                      "tokens_per_s": tps})
                 window_t, window_tok = now, 0
             if train_cfg.eval_interval and (step + 1) % train_cfg.eval_interval == 0 and not last:
-                ev = evaluate(accelerator, model, data, plan["eval_seqs"], mbs)
+                ev = eval_loss(accelerator, model, data, plan["eval_seqs"], mbs)
                 state["evals"].append({"step": step + 1, "eval_loss": ev})
                 log({"step": step + 1, "eval_loss": ev})
                 window_t = time.perf_counter()
@@ -620,7 +620,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         "eval_history": state["evals"],
     })
     if failure is None:
-        ev = evaluate(accelerator, model, data, plan["eval_seqs"], mbs)
+        ev = eval_loss(accelerator, model, data, plan["eval_seqs"], mbs)
         state["evals"].append({"step": steps, "eval_loss": ev})
         log({"step": steps, "eval_loss": ev})
         record["final_eval_loss"] = ev

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from archsearch.benchmarks.calibration_fit import add_arguments, run
+from archsearch.benchmarks.calibration_fit import add_arguments, calibrate_cli
 
 
 def register(sub) -> None:
@@ -15,4 +15,4 @@ def register(sub) -> None:
                     "leave-one-batch-out errors. Use it as measure.calibration in a study, or "
                     "bench --backend analytic --calibration FILE.")
     add_arguments(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=calibrate_cli)

@@ -17,7 +17,7 @@ from archsearch.planning.batchlaws import (estimate_from_batch_laws, fit_max_bat
                                           load_max_batch_law, model_memory_bytes, read_points, with_active_experts)
 from archsearch.planning.finetune import max_finetune_batch, predict_finetune_memory
 from archsearch.planning.formats import parse_format
-from archsearch.planning.lora import LoraSettings, check_targets, parse_targets
+from archsearch.planning.lora import LoraSettings, check_lora_targets, parse_targets
 from archsearch.presets import load_arch
 from archsearch.rundata import read_runs
 
@@ -120,7 +120,7 @@ def _finetune_settings(args: argparse.Namespace, spec):
     if args.finetune == "full":
         return "full", None, fmt
     lora = LoraSettings(args.lora_rank, parse_targets(args.lora_targets))
-    check_targets(spec, lora)
+    check_lora_targets(spec, lora)
     return args.finetune, lora, fmt
 
 

@@ -348,7 +348,7 @@ def apply_migration(plan: Plan) -> None:
         atomic_write(plan.study / STORE, "".join(json.dumps(r, default=str) + "\n" for r in plan.records))
 
 
-def run(args: argparse.Namespace) -> int:
+def migrate(args: argparse.Namespace) -> int:
     plan = plan_migration(args.study_dir)
     print(plan.describe())
     if args.dry_run:
@@ -371,4 +371,4 @@ def register(sub) -> None:
                     "(its config.json's relative paths resolve there). See docs/search.md.")
     p.add_argument("study_dir", metavar="STUDY_DIR", help="the study folder (runs/<name>)")
     p.add_argument("--dry-run", action="store_true", help="list the keys and files it would change; write nothing")
-    p.set_defaults(func=run)
+    p.set_defaults(func=migrate)

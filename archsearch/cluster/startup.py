@@ -402,7 +402,7 @@ def load_profile(path: Path) -> dict[str, Startup]:
     return out
 
 
-def resolve(out: Path | None, profile: str | Path | None) -> StartupProfile:
+def startup_profile(out: Path | None, profile: str | Path | None) -> StartupProfile:
     """Per figure: the study folder's own record, else the profile's, else the default."""
     figs = load_profile(Path(profile).expanduser()) if profile else {}
     if out is not None:

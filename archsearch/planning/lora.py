@@ -67,7 +67,7 @@ class LoraSettings:
         return f"rank {self.rank} on {','.join(self.targets)}"
 
 
-def check_targets(spec: ArchSpec, lora: LoraSettings) -> None:
+def check_lora_targets(spec: ArchSpec, lora: LoraSettings) -> None:
     """Targets must exist in the model: expert tensors only in a mixture-of-experts spec; the
     dense MLP names in one only where it has a shared expert (qwen2_moe's, which they adapt)."""
     experts = [t for t in lora.targets if t in EXPERTS]
@@ -98,7 +98,7 @@ def _shapes(spec: ArchSpec) -> dict[str, tuple[int, int, int]]:
 def lora_params(spec: ArchSpec, lora: LoraSettings) -> int:
     """Trainable adapter parameters: ``rank * (in + out)`` per targeted linear per layer;
     ``rank * E * (in + out)`` per targeted expert tensor (equal to peft's trainable count)."""
-    check_targets(spec, lora)
+    check_lora_targets(spec, lora)
     shapes = _shapes(spec)
     return spec.n_layers * sum(lora.rank * (shapes[t][0] + shapes[t][1]) * shapes[t][2] for t in lora.targets)
 

@@ -46,7 +46,7 @@ from archsearch.hardware import device_key, get_device
 from archsearch.planning.cost import resolve_price
 from archsearch.planning.formats import base_weight_bytes, parse_format
 from archsearch.planning.limits import Limits, check_limits
-from archsearch.planning.lora import (LORA_STEP_FORMULA, VARIANTS, LoraSettings, check_targets, lora_step_flops,
+from archsearch.planning.lora import (LORA_STEP_FORMULA, VARIANTS, LoraSettings, check_lora_targets, lora_step_flops,
                                      predict_lora_memory)
 from archsearch.planning.measured import measure_lora_step
 from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
@@ -431,7 +431,7 @@ def _calibration_lora(spec: ArchSpec, ft: FinetunePlan) -> LoraSettings:
     applies to it (the calibration carries to the others by their FLOPs)."""
     for _, lo in ft.settings():
         try:
-            check_targets(spec, lo)
+            check_lora_targets(spec, lo)
             return lo
         except ArchsearchError:
             continue
@@ -573,7 +573,7 @@ def search_finetune(spec: ArchSpec, ft: FinetunePlan, calibration: LoraCalibrati
     out = []
     for variant, lo in ft.settings():
         try:
-            check_targets(spec, lo)
+            check_lora_targets(spec, lo)
         except ArchsearchError:
             continue  # e.g. expert targets on a dense candidate: that set is not this model's
         fmt = VARIANTS[variant]

@@ -330,7 +330,7 @@ def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = No
     cfg = study.cfg
     p: dict[str, Any] = {"study": cfg.name, "out": str(out), "stages": []}
     profile = profile or cfg.cluster.profile
-    su = startup.resolve(out, profile)
+    su = startup.startup_profile(out, profile)
     p["startups"] = {"profile": str(profile) if profile else None,
                      "study_record": str(out / startup.STARTUPS_FILE) if (out / startup.STARTUPS_FILE).is_file() else None,
                      "figures": {k: asdict(su.get(k)) for k in startup.FIGURES}}

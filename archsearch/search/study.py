@@ -78,7 +78,7 @@ class SearchContext:
         return self.cfg.measure.ref_batch
 
 
-def predict(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
+def predict_loss(ctx: SearchContext, spec: ArchSpec) -> tuple[float, tuple[float, float] | None]:
     """Predicted loss (and bootstrap interval) of a shape's ratios at the study's N and D: every
     shape, candidate or baseline, is compared at one budget (snapping moves each one's own N)."""
     loss = float(ctx.law.predict(spec, ctx.cfg.tokens, params=ctx.cfg.params))
@@ -389,7 +389,7 @@ def _objective(trial, ctx: SearchContext):
     trial.set_user_attr("spec_key", spec_key(spec))
     for k, v in realised_attrs(spec).items():
         trial.set_user_attr(k, v)
-    loss, interval = predict(ctx, spec)
+    loss, interval = predict_loss(ctx, spec)
     trial.set_user_attr("predicted_loss", loss)
     trial.set_user_attr("predicted_loss_interval", interval)
     trial.set_user_attr("loss_margin", loss_margin(ctx, spec))

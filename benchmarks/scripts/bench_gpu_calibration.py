@@ -20,7 +20,7 @@ from pathlib import Path
 from archsearch.benchmarks import append_jsonl
 from archsearch.benchmarks.analytic import predict_batch
 from archsearch.benchmarks.calibration import Calibration
-from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_table, shape_key, table_devices
+from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_throughput_table, shape_key, table_devices
 from archsearch.provenance import provenance
 
 PAIR = ("LLaMA-3.2-3B", "Qwen2.5-3B")  # same size, 8 vs 2 KV heads (28 vs 36 layers)
@@ -31,7 +31,7 @@ def evaluate(path: Path) -> dict:
     import numpy as np
 
     cal = Calibration.load(path)
-    pts, source = read_table(cal.source["path"])
+    pts, source = read_throughput_table(cal.source["path"])
     devices = table_devices(pts)
     variant = next(v for v in model_variants(pts, devices) if v.name == cal.fit["variant"])
     mine = [p for p in pts if (p.device, p.engine) == (cal.device, cal.engine)]
