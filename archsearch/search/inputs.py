@@ -35,7 +35,6 @@ from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.search.config import StudyConfig, renamed_values
 from archsearch.search.measurements import key_settings, resolve_backend
-from archsearch.search.resolved import fit_options
 
 INPUTS_FILE = "stage_inputs.json"
 SUPERSEDED_DIR = "superseded"
@@ -86,7 +85,7 @@ def stage_inputs(cfg: StudyConfig, measure_key=key_settings, backend: str | None
     proxy = _pick(d, "proxy", drop=("proxy.runs",))
     if cfg.proxy is not None and cfg.proxy.plan == "active":  # the plan fits the law as it goes
         proxy.update(_pick(d, "params", "law", drop=("law.file", "law.bootstrap")))
-    fit = {**{f"law.{k}": v for k, v in _flat(to_dict(fit_options(cfg)), "").items()},
+    fit = {**{f"law.{k}": v for k, v in _flat(to_dict(cfg.fit_options()), "").items()},
            "law.form": cfg.law.form}
     if cfg.proxy is not None and cfg.proxy.runs:
         fit["proxy.runs"] = cfg.proxy.runs

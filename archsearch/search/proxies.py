@@ -16,7 +16,6 @@ from archsearch.search import log
 from archsearch.search.derived import proxy_sweeps
 from archsearch.search.config import StudyConfig
 from archsearch.search.measurements import file_lock
-from archsearch.search.resolved import fit_options
 from archsearch.search.report import active_markdown, active_plan_summary, active_plot
 from archsearch.search.workers import JOBS_DIR
 from archsearch.trainers import run_sweep
@@ -55,7 +54,7 @@ def train_active_proxies(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[s
     log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design
     anchors = [cfg.params] if cfg.law.fit.reference == "best-observed" else []
-    records = run_active(proxy_sweeps(cfg), cfg.law.form, fit_options(cfg), cfg.proxy.active,
+    records = run_active(proxy_sweeps(cfg), cfg.law.form, cfg.fit_options(), cfg.proxy.active,
                          out / "proxies" / "active", anchor_params=anchors)
     write_active_plan_report(out)
     with file_lock(out / ".stage.lock"):

@@ -6,10 +6,6 @@ in their order, deriving each value where the next check needs it. The stages, t
 measurement jobs and the benchmark scripts read these values from it instead of deriving them
 again; :func:`derive` builds the same object without the checks, for code handed a config that
 is checked elsewhere (a job, a benchmark script, a test).
-
-The law's fit options and the benchmark settings of a ``measure`` block are read through
-:func:`fit_options` and :func:`bench_settings`: the one place that knows where the study config
-keeps them.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from archsearch.arch import ArchSpec
-from archsearch.benchmarks import BenchSettings
 from archsearch.candidates import BuildSettings
 from archsearch.laws.fit import FitOptions
 from archsearch.search import checks
@@ -36,18 +31,6 @@ if TYPE_CHECKING:
 
 # one proxy sweep's shapes: (grid point, spec or None where it does not build, error or None)
 SweepShapes = tuple[tuple[dict[str, Any], ArchSpec | None, str | None], ...]
-
-
-def fit_options(cfg: StudyConfig) -> FitOptions:
-    """The :class:`FitOptions` the study's law is fitted with (its ``law`` block, with the
-    study's defaults for the seed and the size tolerance)."""
-    return cfg.fit_options()
-
-
-def bench_settings(measure, backend: str) -> BenchSettings:
-    """The :class:`BenchSettings` a ``measure`` block (the study's or a target's) runs with on
-    ``backend``."""
-    return measure.bench_settings(backend)
 
 
 @dataclass(frozen=True)
@@ -119,4 +102,4 @@ def _assemble(cfg: StudyConfig, vocab: int, build: BuildSettings, base: ArchSpec
     return ResolvedStudy(cfg=cfg, vocab_size=vocab, build=build, baseline=base,
                          scale=measure_scale(cfg, build),
                          measured_baseline=measured_baseline(cfg, base, build),
-                         fit=fit_options(cfg), sweeps=sweeps, sweep_shapes=shapes, views=views)
+                         fit=cfg.fit_options(), sweeps=sweeps, sweep_shapes=shapes, views=views)

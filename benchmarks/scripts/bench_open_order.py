@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.benchmarks.paired import measure_paired
     from archsearch.search.config import load_study_config
     from archsearch.search.measurements import resolve_backend
-    from archsearch.search.resolved import bench_settings, derive
+    from archsearch.search.resolved import derive
 
     cfg = load_study_config(args.config)
     base = derive(cfg).measured_baseline  # rebuilt at measure.params where set, as the study measures it
     backend, note = resolve_backend(cfg.measure)
-    settings = bench_settings(cfg.measure, backend)
+    settings = cfg.measure.bench_settings(backend)
     paired = replace(cfg.measure.paired, twin=False, min_rounds=args.rounds, max_rounds=args.rounds)
     processes = []
     for k in range(args.processes):

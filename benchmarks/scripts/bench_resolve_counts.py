@@ -32,12 +32,13 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-# function name -> the file that defines it (a call of that name anywhere is a call site)
-DERIVATIONS = {"vocab_size": "search/checks.py", "build_settings": "search/study.py",
-               "baseline_spec": "search/checks.py", "measured_baseline": "search/checks.py",
-               "measure_scale": "search/study.py", "fit_options": "search/config.py",
-               "proxy_sweeps": "search/checks.py", "sweep_specs": "trainers/sweep.py",
-               "study_views": "search/targets.py", "target_views": "search/checks.py"}
+# function name -> the files that define it, in the code before and after the redesign (a call of
+# that name anywhere is a call site)
+DERIVATIONS = {"vocab_size": ("search/checks.py",), "build_settings": ("search/study.py", "search/derived.py"),
+               "baseline_spec": ("search/checks.py",), "measured_baseline": ("search/checks.py",),
+               "measure_scale": ("search/study.py", "search/derived.py"), "fit_options": ("search/config.py",),
+               "proxy_sweeps": ("search/checks.py", "search/derived.py"), "sweep_specs": ("trainers/sweep.py",),
+               "study_views": ("search/targets.py",), "target_views": ("search/checks.py",)}
 # the config's checks: the one entry point before, the steps resolve runs after
 CHECKS = ("validate", "resolve", "check_settings", "check_search_space", "check_study",
           "check_reference_batches")

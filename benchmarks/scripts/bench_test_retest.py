@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.laws import load_law
     from archsearch.search.config import load_study_config
     from archsearch.search.measurements import resolve_backend
-    from archsearch.search.resolved import bench_settings, derive
+    from archsearch.search.resolved import derive
     from archsearch.benchmarks.paired import instance_var_or_prior, instance_variance, measure_paired
 
     cfg = load_study_config(args.config)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     measured = study.measured  # measure.params: measured rebuilt at N_m, as the study does
     backend, note = resolve_backend(cfg.measure)
-    settings = bench_settings(cfg.measure, backend)
+    settings = cfg.measure.bench_settings(backend)
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.burn else None
     load_before = list(os.getloadavg())
     paired = replace(cfg.measure.paired, twin=args.twin or cfg.measure.paired.twin,
