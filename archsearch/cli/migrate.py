@@ -35,7 +35,7 @@ from archsearch.arch import ArchSpec
 from archsearch.configio import field_defaults, from_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, read_jsonl_lines
-from archsearch.search.config import RENAMED_VALUES, StudyConfig, renamed_values
+from archsearch.search.config import StudyConfig, renamed_values
 from archsearch.search.inputs import INPUTS_FILE, fingerprints, stage_inputs
 from archsearch.search.measurements import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
 from archsearch.search.pipeline import STAGES
@@ -197,7 +197,7 @@ def plan_migration(study: str | Path) -> Plan:
     cfg_path = study / "config.json"
     if not cfg_path.is_file():
         raise ArchsearchError("STUDY_DIR", f"{str(study)!r} holds no config.json", "give a study folder (runs/<name>)")
-    raw, plan.renamed = _renamed_config(json.loads(cfg_path.read_text()))
+    raw, plan.renamed = renamed_values(json.loads(cfg_path.read_text()))
     if plan.renamed:
         plan.files[cfg_path] = json.dumps(raw, indent=2, default=str)
     try:
@@ -271,20 +271,6 @@ def plan_migration(study: str | Path) -> Plan:
             if changed:
                 plan.trial_attrs.append((i, json.dumps(out[k])))
     return plan
-
-
-def _renamed_config(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """A stored config with each setting value renamed since (:data:`RENAMED_VALUES`) given its new name."""
-    raw, renamed = json.loads(json.dumps(raw)), []
-    for dotted, names in RENAMED_VALUES.items():
-        *parents, leaf = dotted.split(".")
-        d = raw
-        for p in parents:
-            d = d.get(p) if isinstance(d, dict) else None
-        if isinstance(d, dict) and isinstance(d.get(leaf), str) and d[leaf] in names:
-            renamed.append(f"{dotted}: {d[leaf]} -> {names[d[leaf]]}")
-            d[leaf] = names[d[leaf]]
-    return raw, renamed
 
 
 def _rekey_stage_inputs(plan: Plan, cfg: StudyConfig, backends: list[str],

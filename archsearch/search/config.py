@@ -9,6 +9,7 @@ name the dotted field (``search_space.gqa[1]``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -466,15 +467,20 @@ MODES = ("constrained", "predict-rank-select")
 RENAMED_VALUES: dict[str, dict[str, str]] = {"mode": {"algorithm5": "constrained"}}
 
 
-def renamed_values(flat: dict[str, Any], back: bool = False) -> tuple[dict[str, Any], list[str]]:
-    """``flat`` ({dotted setting: value}) with each old value of :data:`RENAMED_VALUES` given its
-    new name (``back``: new names given the old ones), and the settings renamed."""
-    out, renamed = dict(flat), []
-    for key, names in RENAMED_VALUES.items():
+def renamed_values(data: dict[str, Any], back: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """``data`` (a stage's {dotted setting: value}, or a config's nested blocks) with each old value
+    of :data:`RENAMED_VALUES` given its new name (``back``: new names given the old ones), and the
+    settings renamed; ``data`` itself is left as it is."""
+    out, renamed = json.loads(json.dumps(data, default=str)), []
+    for dotted, names in RENAMED_VALUES.items():
         names = {v: k for k, v in names.items()} if back else names
-        if isinstance(out.get(key), str) and out[key] in names:
-            out[key] = names[out[key]]
-            renamed.append(f"{key}: {flat[key]} -> {out[key]}")
+        *parents, leaf = [dotted] if dotted in out else dotted.split(".")
+        block = out
+        for p in parents:
+            block = block.get(p) if isinstance(block, dict) else None
+        if isinstance(block, dict) and isinstance(block.get(leaf), str) and block[leaf] in names:
+            renamed.append(f"{dotted}: {block[leaf]} -> {names[block[leaf]]}")
+            block[leaf] = names[block[leaf]]
     return out, renamed
 
 
