@@ -25,15 +25,20 @@ from archsearch.planning.time import compute_params
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
-TARGET_GROUPS = {"attention": ATTENTION, "mlp": MLP, "experts": EXPERTS, "all-dense": ATTENTION + MLP,
-                 "all-moe": ATTENTION + EXPERTS}
+# the router of a mixture-of-experts block: a 2-D parameter (E x d) in transformers >= 5
+# (``mlp.gate.weight``), adapted through peft's target_parameters with ``r * (d + E)`` parameters;
+# the MoE cost paper fine-tunes it beside the experts (rank 16 on experts and router)
+ROUTER = ("mlp.gate.weight",)
+TARGET_GROUPS = {"attention": ATTENTION, "mlp": MLP, "experts": EXPERTS, "router": ROUTER,
+                 "all-dense": ATTENTION + MLP, "all-moe": ATTENTION + EXPERTS}
+PARAMETER_TARGETS = EXPERTS + ROUTER  # adapted as parameters (peft target_parameters), not modules
 # LoRA variants the planner searches: the base weights' format (adapters stay in floating point)
 VARIANTS = {"lora": None, "qlora": "nf4", "lora-int8": "int8"}
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
-    """``q_proj,v_proj`` or group names (``attention``, ``mlp``, ``experts``, ``all-dense``,
-    ``all-moe``) joined by commas -> module names, in order, without repeats."""
+    """``q_proj,v_proj`` or group names (``attention``, ``mlp``, ``experts``, ``router``,
+    ``all-dense``, ``all-moe``) joined by commas -> module names, in order, without repeats."""
     out: list[str] = []
     for t in (x.strip() for x in str(text).split(",")):
         if not t:
@@ -55,10 +60,10 @@ class LoraSettings:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ArchsearchError("lora.rank", f"must be an integer >= 1, got {self.rank!r}")
         object.__setattr__(self, "targets", tuple(self.targets))
-        bad = [t for t in self.targets if t not in ATTENTION + MLP + EXPERTS]
+        bad = [t for t in self.targets if t not in ATTENTION + MLP + PARAMETER_TARGETS]
         if bad or not self.targets:
             raise ArchsearchError("lora.targets", f"unknown target(s) {bad}" if bad else "empty",
-                                  f"use some of {list(ATTENTION + MLP + EXPERTS)} or a group "
+                                  f"use some of {list(ATTENTION + MLP + PARAMETER_TARGETS)} or a group "
                                   f"{sorted(TARGET_GROUPS)}")
         if len(set(self.targets)) != len(self.targets):
             raise ArchsearchError("lora.targets", f"a target is named twice in {list(self.targets)}")
@@ -70,9 +75,9 @@ class LoraSettings:
 def check_lora_targets(spec: ArchSpec, lora: LoraSettings) -> None:
     """Targets must exist in the model: expert tensors only in a mixture-of-experts spec; the
     dense MLP names in one only where it has a shared expert (qwen2_moe's, which they adapt)."""
-    experts = [t for t in lora.targets if t in EXPERTS]
+    experts = [t for t in lora.targets if t in PARAMETER_TARGETS]
     if experts and not spec.is_moe:
-        raise ArchsearchError("lora.targets", f"expert targets {experts} on a dense model "
+        raise ArchsearchError("lora.targets", f"expert / router targets {experts} on a dense model "
                               f"({spec.name or spec.family})", f"use the MLP projections {list(MLP)}")
     dense = [t for t in lora.targets if t in MLP]
     if dense and spec.is_moe and not spec.shared_expert_ffn:
@@ -91,7 +96,8 @@ def _shapes(spec: ArchSpec) -> dict[str, tuple[int, int, int]]:
            "gate_proj": (d, f, 1), "up_proj": (d, f, 1), "down_proj": (f, d, 1)}
     if spec.is_moe:
         e = spec.n_experts
-        out.update({"experts.gate_up_proj": (d, 2 * spec.ffn, e), "experts.down_proj": (spec.ffn, d, e)})
+        out.update({"experts.gate_up_proj": (d, 2 * spec.ffn, e), "experts.down_proj": (spec.ffn, d, e),
+                    "mlp.gate.weight": (d, e, 1)})
     return out
 
 
@@ -165,7 +171,7 @@ def lora_activation_bytes(spec: ArchSpec, lora: LoraSettings, dtype: str = "floa
     for width, readers, shared in groups:
         if readers:
             inputs += 4.0 * width * (len(readers) if cb != 4 else (0 if shared else 1))
-    intermediates = 4.0 * lora.rank * len(t - set(EXPERTS))
+    intermediates = 4.0 * lora.rank * len(t - set(PARAMETER_TARGETS))
     rope = cb * 2.0 * spec.head_dim
     # per token, once: the final norm's input; pre-norm families do not save the first layer's
     # attention norm input (the frozen embedding's output needs no gradient), the same size
@@ -175,7 +181,9 @@ def lora_activation_bytes(spec: ArchSpec, lora: LoraSettings, dtype: str = "floa
     # (its weight now needs a gradient): a per-layer block independent of the tokens
     shapes = _shapes(spec) if spec.is_moe else {}
     expert_inputs = sum(cb * spec.experts_per_token * shapes[x][0] for x in t & set(EXPERTS))
-    merged = sum(cb * shapes[x][0] * shapes[x][1] * shapes[x][2] for x in t & set(EXPERTS))
+    merged = sum(cb * shapes[x][0] * shapes[x][1] * shapes[x][2] for x in t & set(PARAMETER_TARGETS))
+    # a router adapter (ParamWrapper): the router's matmul now saves its input, every token's
+    expert_inputs += sum(cb * shapes[x][0] for x in t & set(ROUTER))
     return {"norms": norms, "attention": attention, "mlp": mlp, "adapter_inputs": inputs,
             "adapter_intermediates": intermediates, "expert_adapter_inputs": expert_inputs,
             "rope_per_position": rope, "final_norm_per_token": final, "expert_merged_weights_per_layer": merged}
