@@ -254,6 +254,24 @@ def test_router_adapter_activations_match_autograd():
         assert lora_saved_bytes(spec, LoraSettings(4, targets), 2, 16, "float32") == pytest.approx(saved, rel=0.01)
 
 
+def test_per_expert_layout_counts_each_expert_linear_and_merges_nothing():
+    """transformers 4.x (the MoE cost paper's) holds w1/w3/w2 per expert: rank x (in + out) per
+    expert linear, and no merged E x in x out block in the activations."""
+    from archsearch.planning.lora import EXPERTS, ROUTER, lora_activation_bytes
+
+    spec = ArchSpec(**MOE_SPEC)
+    d, f, e, r = spec.hidden_size, spec.ffn, spec.n_experts, 4
+    per = LoraSettings(r, EXPERTS + ROUTER, expert_layout="per-expert")
+    assert lora_params(spec, per) == spec.n_layers * (r * e * (2 * (d + f) + (f + d)) + r * (d + e))
+    acts = lora_activation_bytes(spec, per, "bfloat16")
+    assert acts["expert_merged_weights_per_layer"] == 2 * d * e   # the router's only
+    assert lora_activation_bytes(spec, LoraSettings(r, EXPERTS + ROUTER), "bfloat16")[
+        "expert_merged_weights_per_layer"] > 100 * acts["expert_merged_weights_per_layer"]
+    with pytest.raises(ArchsearchError) as err:
+        LoraSettings(r, EXPERTS, expert_layout="grouped")
+    assert err.value.field == "lora.expert_layout"
+
+
 def test_targets_are_checked_against_the_model():
     from archsearch.planning.lora import EXPERTS, parse_targets
 
