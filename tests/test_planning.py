@@ -326,3 +326,16 @@ def test_time_law_recovers_a_log_constant_outside_the_old_box():
     with pytest.raises(ArchsearchError) as e:
         TimeLaw.from_coefficients("amdahl", Nc=0.0, Dc=1.0, aN=1.0, aD=1.0)
     assert e.value.field == "time_law.Nc"
+
+
+def test_a_law_flat_in_tokens_is_flagged():
+    """Coefficients whose token term is lost beside the parameter term (wrong units, log base or
+    form) predict one time for every token count: estimate says so; a sound law is not flagged."""
+    spec = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=768, vocab_size=32000)
+    sound = TimeLaw.from_coefficients("amdahl", Nc=math.exp(-70.0), Dc=math.exp(-9.0), aN=2.0, aD=0.5)
+    flat = TimeLaw.from_coefficients("amdahl", Nc=1.0, Dc=math.exp(-9.0), aN=2.0, aD=0.5)
+    assert sound.token_elasticity(spec, 1e9) == pytest.approx(0.5, abs=0.01)
+    assert flat.token_elasticity(spec, 1e9) < 1e-3
+    assert "time_law_warning" not in estimate_training(spec, 1e9, "H100", time_law=sound).assumptions
+    warn = estimate_training(spec, 1e9, "H100", time_law=flat).assumptions["time_law_warning"]
+    assert "flat in tokens" in warn
