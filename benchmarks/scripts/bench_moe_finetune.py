@@ -172,6 +172,13 @@ def main() -> int:
               "source": SOURCE, "max_batch": rows, "within": WITHIN,
               "rows_outside_without_cause": [r["row"] for r in rows if r["cause"] is None and r["ratio_paper_setting"]
                                              is not None and not 1 / WITHIN <= r["ratio_paper_setting"] <= WITHIN],
+              "column_causes": {
+                  "rank8_attention": "not the paper's setting: small adapters on the attention only, no expert or "
+                                     "router adapters, so far less memory per sequence (the earlier comparison)",
+                  "paper_setting_fused_experts": "transformers >= 5 fuses the experts and peft merges W + BA for all "
+                                                 "of them: ~86 GiB at any batch, beyond every GPU here",
+                  "eq1_our_M_model": "the paper's Eq. 1 at 174 tokens: its seq_len is not the query length "
+                                     "(its projections imply ~815 tokens at top-2); see implied_by_published"},
               "published_law": law.to_dict(), "model_memory_gb_paper_setting": mm / 1e9,
               "step_memory_batch1_gib": {"per-expert": step["total"] / 2**30, "fused (peft on transformers 5)":
                                          step_fused["total"] / 2**30},
