@@ -208,6 +208,21 @@ def test_estimate_memory_cli_formats_and_bad_inputs(capsys):
         assert name in err and err.count("\n") <= 3, err
 
 
+def test_the_moe_papers_own_setting_plans(capsys):
+    """Rank 16 on the experts and the router: through peft on transformers 5 (fused experts,
+    merged adapters) no batch fits an 80 GB GPU; in the paper's per-expert layout it does."""
+    from archsearch.cli import main
+
+    base = ["estimate", "memory", "--arch", "mixtral-8x7b", "--gpus", "A100-80GB", "--finetune", "qlora",
+            "--seq-len", "174", "--lora-rank", "16", "--lora-targets", "experts,router", "--json"]
+    assert main(base) == 0
+    fused = json.loads(capsys.readouterr().out)
+    assert main([*base, "--lora-expert-layout", "per-expert"]) == 0
+    per = json.loads(capsys.readouterr().out)
+    assert fused["max_training_micro_batch"] == 0 and fused["training"]["total"] > 100 * 2**30
+    assert per["max_training_micro_batch"] >= 10 and per["training"]["total"] < 30 * 2**30
+
+
 def test_estimate_with_the_published_law_and_a_quantised_base(tmp_path, capsys):
     """The issue's case: Mixtral-8x7B with C0 = 82, C1 = 0.95 was refused beside 696 GiB of
     full-training model memory; with --finetune qlora the model term is the NF4 base + adapters."""

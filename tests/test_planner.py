@@ -289,6 +289,22 @@ def test_search_keeps_the_fastest_configuration_within_the_finetune_limits(tmp_p
     assert cmd[cmd.index("--global-batch-size") + 1] == str(lo["batch_size"]) and "bitsandbytes" in note
 
 
+def test_finetune_batch_is_the_largest_within_the_limits():
+    """The planner paper's rule: the largest batch that fits the limits, not batch 1 by a tie.
+    Uncalibrated, a LoRA fine-tune's hours do not depend on the batch (same FLOPs, fewer steps)
+    but for the rounding of the last step, so the fastest alone picked batch 1; the rule picks 16, and under a memory limit that batch
+    16 breaks, the largest batch below it."""
+    spec = get_preset("smollm2-135m")
+    every = pl.search_finetune(spec, _search_plan(variants=("lora",), ranks=(8,)))
+    hours = [x["hours"] for x in every]
+    assert max(hours) / min(hours) < 1.005   # equal but for the last, partial step: batch 1 won on that
+    assert pl.choose_finetune(every)["batch_size"] == 16
+    mem = {x["batch_size"]: x["peak_memory_gib"] for x in every}
+    capped = pl.search_finetune(spec, _search_plan(variants=("lora",), ranks=(8,), max_memory_gib=(mem[4] + mem[16]) / 2))
+    assert pl.choose_finetune(capped)["batch_size"] == 4
+    assert "largest batch" in pl.FINETUNE_RULE
+
+
 def test_unreachable_finetune_limits_name_the_limit_and_the_best_value():
     specs = {"tiny": get_preset("tiny"), "smollm2-135m": get_preset("smollm2-135m")}
     every = [x for s in specs.values() for x in pl.search_finetune(s, _search_plan())]

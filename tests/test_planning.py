@@ -280,14 +280,17 @@ def test_unknown_device_says_why_there_is_no_mfu():
 
 
 def test_full_prompt_logits_in_their_dtype():
-    """The planner paper's profile: fp32 logits at a 256,000 vocabulary are 62.5 MiB per
-    sequence of 64 prompt tokens (64 x 256,000 x 4 B), ~2 GB at batch 32; generate and serving
-    engines keep the last position only (the default)."""
+    """fp32 logits at a 256,000 vocabulary: 31.25 MiB for the planner paper's 32-token prefill
+    (its 62.5 MB is twice that: 8 B per entry, not one fp32 tensor; docs/planning.md), 62.5 MiB
+    for 64 tokens, ~2 GB at batch 32 x 64; generate and serving engines keep the last position
+    only (the default)."""
     from archsearch.arch import ArchSpec
 
     spec = ArchSpec(n_layers=2, hidden_size=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=688, vocab_size=256_000)
     one = predict_inference_memory(spec, 1, 64, 8, "bfloat16", logits_positions="prompt")
     assert one["logits"] == 64 * 256_000 * 4 == 62.5 * 2**20
+    paper = predict_inference_memory(spec, 1, 32, 8, "bfloat16", logits_positions="prompt")
+    assert paper["logits"] == 32 * 256_000 * 4 == 31.25 * 2**20
     assert predict_inference_memory(spec, 32, 64, 8, "bfloat16", logits_positions="prompt")["logits"] == 32 * 62.5 * 2**20
     last = predict_inference_memory(spec, 1, 64, 8, "bfloat16")
     assert last["logits"] == 256_000 * 4 and one["total"] - one["logits"] == last["total"] - last["logits"]
@@ -326,3 +329,16 @@ def test_time_law_recovers_a_log_constant_outside_the_old_box():
     with pytest.raises(ArchsearchError) as e:
         TimeLaw.from_coefficients("amdahl", Nc=0.0, Dc=1.0, aN=1.0, aD=1.0)
     assert e.value.field == "time_law.Nc"
+
+
+def test_a_law_flat_in_tokens_is_flagged():
+    """Coefficients whose token term is lost beside the parameter term (wrong units, log base or
+    form) predict one time for every token count: estimate says so; a sound law is not flagged."""
+    spec = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=768, vocab_size=32000)
+    sound = TimeLaw.from_coefficients("amdahl", Nc=math.exp(-70.0), Dc=math.exp(-9.0), aN=2.0, aD=0.5)
+    flat = TimeLaw.from_coefficients("amdahl", Nc=1.0, Dc=math.exp(-9.0), aN=2.0, aD=0.5)
+    assert sound.token_elasticity(spec, 1e9) == pytest.approx(0.5, abs=0.01)
+    assert flat.token_elasticity(spec, 1e9) < 1e-3
+    assert "time_law_warning" not in estimate_training(spec, 1e9, "H100", time_law=sound).assumptions
+    warn = estimate_training(spec, 1e9, "H100", time_law=flat).assumptions["time_law_warning"]
+    assert "flat in tokens" in warn

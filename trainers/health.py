@@ -1,4 +1,7 @@
-"""Proxy health: scaling-law-guided retuning of a sweep's runs.
+"""Proxy health: scaling-law-guided retuning of a sweep's runs. This is the project's form of
+the training-time paper's Scaling Laws Smart Tuning (SLST; Wang et al., MLArchSys 2025: "an
+intelligent tuning algorithm ... for efficient sample data collection"), compared with grid
+search as that paper's Table II does by ``bench_proxy_health`` (docs/planning.md, docs/training.md).
 
 A proxy sweep feeds a scaling-law fit only if its losses behave like one:
 

@@ -263,12 +263,12 @@ def apply_lora(model, spec: ArchSpec, rank: int, targets: tuple[str, ...]):
     count is peft's, checked against :func:`archsearch.planning.lora.lora_params`."""
     from peft import LoraConfig, get_peft_model
 
-    from archsearch.planning.lora import EXPERTS, LoraSettings, lora_params
+    from archsearch.planning.lora import PARAMETER_TARGETS, LoraSettings, lora_params
 
-    # expert projections are 3-D parameters in transformers' MoE blocks, not modules: peft
-    # adapts them through target_parameters
-    modules = [t for t in targets if t not in EXPERTS]
-    params = [t for t in targets if t in EXPERTS]
+    # expert projections (3-D) and the router (2-D) are parameters in transformers' MoE blocks,
+    # not modules: peft adapts them through target_parameters
+    modules = [t for t in targets if t not in PARAMETER_TARGETS]
+    params = [t for t in targets if t in PARAMETER_TARGETS]
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                              target_modules=modules, target_parameters=params or None,
                                              bias="none"))

@@ -102,8 +102,11 @@ def _finetune_args(p) -> None:
                                             "nf4-nodq (default: the dtype; nf4 with --finetune qlora)")
     g.add_argument("--lora-rank", type=pos_int, default=8, help="adapter rank (lora, qlora)")
     g.add_argument("--lora-targets", default="attention",
-                   help="modules or groups: attention, mlp, experts, all-dense, all-moe, or names "
-                        "(q_proj,...,experts.gate_up_proj) (default attention)")
+                   help="modules or groups: attention, mlp, experts, router, all-dense, all-moe, or names "
+                        "(q_proj,...,experts.gate_up_proj,mlp.gate.weight) (default attention)")
+    g.add_argument("--lora-expert-layout", choices=["fused", "per-expert"], default="fused",
+                   help="experts as transformers >= 5 holds them (fused 3-D tensors; peft merges W + BA) or as "
+                        "transformers 4.x did (per-expert nn.Linear, the MoE cost paper's) (default fused)")
 
 
 def _finetune_settings(args: argparse.Namespace, spec):
@@ -119,7 +122,7 @@ def _finetune_settings(args: argparse.Namespace, spec):
                                   "leave --weight-format out, or use --finetune lora with it")
     if args.finetune == "full":
         return "full", None, fmt
-    lora = LoraSettings(args.lora_rank, parse_targets(args.lora_targets))
+    lora = LoraSettings(args.lora_rank, parse_targets(args.lora_targets), args.lora_expert_layout)
     check_lora_targets(spec, lora)
     return args.finetune, lora, fmt
 

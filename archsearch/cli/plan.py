@@ -190,7 +190,7 @@ def _plan(args: argparse.Namespace) -> int:
            "finetune": {"variants": list(finetune.variants), "ranks": list(ranks),
                         "target_sets": [list(t) for t in sets], "batch_sizes": list(finetune.batches()),
                         "tokens": finetune.tokens, "dtype": finetune.compute_dtype,
-                        "seq_len": finetune.seq_len, "device": finetune.device,
+                        "seq_len": finetune.seq_len, "device": finetune.device, "rule": pl.FINETUNE_RULE,
                         "step_time": ("calibrated on each candidate's own real LoRA step (--calibrate-lora)"
                                       if args.calibrate_lora else finetune.calibration.describe() if finetune.calibration
                                       else "uncalibrated: MFU x peak (pass --calibrate-lora or --lora-calibration)"),
@@ -253,6 +253,7 @@ def _print(plans, best, command, note, problems, out: Path, png: Path) -> None:
               f"{'within every limit' if cp.feasible else '; '.join(cp.reasons)}")
         print(f"  targets {','.join(lo['targets'])}; {len(lo['search'])} configurations searched, "
               f"{sum(x['within_limits'] for x in lo['search'])} within the fine-tuning limits")
+    print(f"  fine-tune chosen: {pl.FINETUNE_RULE}")
     for cp in plans:
         print(f"  {cp.name}: LoRA step time {cp.lora['time_method']}")
     for line in problems:

@@ -25,15 +25,21 @@ from archsearch.planning.time import compute_params
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
-TARGET_GROUPS = {"attention": ATTENTION, "mlp": MLP, "experts": EXPERTS, "all-dense": ATTENTION + MLP,
-                 "all-moe": ATTENTION + EXPERTS}
+# the router of a mixture-of-experts block: a 2-D parameter (E x d) in transformers >= 5
+# (``mlp.gate.weight``), adapted through peft's target_parameters with ``r * (d + E)`` parameters;
+# the MoE cost paper fine-tunes it beside the experts (rank 16 on experts and router)
+ROUTER = ("mlp.gate.weight",)
+TARGET_GROUPS = {"attention": ATTENTION, "mlp": MLP, "experts": EXPERTS, "router": ROUTER,
+                 "all-dense": ATTENTION + MLP, "all-moe": ATTENTION + EXPERTS}
+PARAMETER_TARGETS = EXPERTS + ROUTER  # adapted as parameters (peft target_parameters), not modules
+EXPERT_LAYOUTS = ("fused", "per-expert")
 # LoRA variants the planner searches: the base weights' format (adapters stay in floating point)
 VARIANTS = {"lora": None, "qlora": "nf4", "lora-int8": "int8"}
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
-    """``q_proj,v_proj`` or group names (``attention``, ``mlp``, ``experts``, ``all-dense``,
-    ``all-moe``) joined by commas -> module names, in order, without repeats."""
+    """``q_proj,v_proj`` or group names (``attention``, ``mlp``, ``experts``, ``router``,
+    ``all-dense``, ``all-moe``) joined by commas -> module names, in order, without repeats."""
     out: list[str] = []
     for t in (x.strip() for x in str(text).split(",")):
         if not t:
@@ -50,29 +56,37 @@ class LoraSettings:
 
     rank: int = 8
     targets: tuple[str, ...] = ATTENTION
+    # how the experts are held: "fused" 3-D tensors (transformers >= 5, installed here; peft's
+    # ParamWrapper merges W + B A per forward) or "per-expert" nn.Linear w1/w3/w2 per expert
+    # (transformers 4.x, the MoE cost paper's): one adapter per expert linear, nothing merged.
+    # The per-expert layout is accounted by the same rules but not checked against peft here.
+    expert_layout: str = "fused"
 
     def __post_init__(self) -> None:
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ArchsearchError("lora.expert_layout", f"{self.expert_layout!r}", f"use one of {list(EXPERT_LAYOUTS)}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ArchsearchError("lora.rank", f"must be an integer >= 1, got {self.rank!r}")
         object.__setattr__(self, "targets", tuple(self.targets))
-        bad = [t for t in self.targets if t not in ATTENTION + MLP + EXPERTS]
+        bad = [t for t in self.targets if t not in ATTENTION + MLP + PARAMETER_TARGETS]
         if bad or not self.targets:
             raise ArchsearchError("lora.targets", f"unknown target(s) {bad}" if bad else "empty",
-                                  f"use some of {list(ATTENTION + MLP + EXPERTS)} or a group "
+                                  f"use some of {list(ATTENTION + MLP + PARAMETER_TARGETS)} or a group "
                                   f"{sorted(TARGET_GROUPS)}")
         if len(set(self.targets)) != len(self.targets):
             raise ArchsearchError("lora.targets", f"a target is named twice in {list(self.targets)}")
 
     def describe(self) -> str:
-        return f"rank {self.rank} on {','.join(self.targets)}"
+        layout = "" if self.expert_layout == "fused" else f" ({self.expert_layout} experts)"
+        return f"rank {self.rank} on {','.join(self.targets)}{layout}"
 
 
 def check_lora_targets(spec: ArchSpec, lora: LoraSettings) -> None:
     """Targets must exist in the model: expert tensors only in a mixture-of-experts spec; the
     dense MLP names in one only where it has a shared expert (qwen2_moe's, which they adapt)."""
-    experts = [t for t in lora.targets if t in EXPERTS]
+    experts = [t for t in lora.targets if t in PARAMETER_TARGETS]
     if experts and not spec.is_moe:
-        raise ArchsearchError("lora.targets", f"expert targets {experts} on a dense model "
+        raise ArchsearchError("lora.targets", f"expert / router targets {experts} on a dense model "
                               f"({spec.name or spec.family})", f"use the MLP projections {list(MLP)}")
     dense = [t for t in lora.targets if t in MLP]
     if dense and spec.is_moe and not spec.shared_expert_ffn:
@@ -81,17 +95,22 @@ def check_lora_targets(spec: ArchSpec, lora: LoraSettings) -> None:
                               f"target the experts: {list(EXPERTS)} (or the group 'experts')")
 
 
-def _shapes(spec: ArchSpec) -> dict[str, tuple[int, int, int]]:
+def _shapes(spec: ArchSpec, expert_layout: str = "fused") -> dict[str, tuple[int, int, int]]:
     """(in, out, adapters per layer) of every target: one adapter per linear; for the 3-D expert
-    tensors one adapter pair ``r*E`` wide (peft ParamWrapper); on a MoE spec the dense MLP
-    names are its shared expert's."""
+    tensors one adapter pair ``r*E`` wide (peft ParamWrapper); in the per-expert layout
+    ``experts.gate_up_proj`` stands for each expert's w1 and w3 (2 E adapters d -> ffn) and
+    ``experts.down_proj`` for its w2 (E adapters); on a MoE spec the dense MLP names are its
+    shared expert's."""
     d, dq, dkv = spec.hidden_size, spec.q_dim, spec.kv_dim
     f = spec.shared_expert_ffn if spec.is_moe else spec.ffn
     out = {"q_proj": (d, dq, 1), "k_proj": (d, dkv, 1), "v_proj": (d, dkv, 1), "o_proj": (dq, d, 1),
            "gate_proj": (d, f, 1), "up_proj": (d, f, 1), "down_proj": (f, d, 1)}
     if spec.is_moe:
         e = spec.n_experts
-        out.update({"experts.gate_up_proj": (d, 2 * spec.ffn, e), "experts.down_proj": (spec.ffn, d, e)})
+        out.update({"experts.gate_up_proj": (d, 2 * spec.ffn, e), "experts.down_proj": (spec.ffn, d, e),
+                    "mlp.gate.weight": (d, e, 1)})
+        if expert_layout == "per-expert":
+            out["experts.gate_up_proj"] = (d, spec.ffn, 2 * e)
     return out
 
 
@@ -99,7 +118,7 @@ def lora_params(spec: ArchSpec, lora: LoraSettings) -> int:
     """Trainable adapter parameters: ``rank * (in + out)`` per targeted linear per layer;
     ``rank * E * (in + out)`` per targeted expert tensor (equal to peft's trainable count)."""
     check_lora_targets(spec, lora)
-    shapes = _shapes(spec)
+    shapes = _shapes(spec, lora.expert_layout)
     return spec.n_layers * sum(lora.rank * (shapes[t][0] + shapes[t][1]) * shapes[t][2] for t in lora.targets)
 
 
@@ -165,7 +184,7 @@ def lora_activation_bytes(spec: ArchSpec, lora: LoraSettings, dtype: str = "floa
     for width, readers, shared in groups:
         if readers:
             inputs += 4.0 * width * (len(readers) if cb != 4 else (0 if shared else 1))
-    intermediates = 4.0 * lora.rank * len(t - set(EXPERTS))
+    intermediates = 4.0 * lora.rank * len(t - set(PARAMETER_TARGETS))
     rope = cb * 2.0 * spec.head_dim
     # per token, once: the final norm's input; pre-norm families do not save the first layer's
     # attention norm input (the frozen embedding's output needs no gradient), the same size
@@ -173,9 +192,20 @@ def lora_activation_bytes(spec: ArchSpec, lora: LoraSettings, dtype: str = "floa
     # expert adapters (peft ParamWrapper): the adapted 3-D tensor is merged, W + B A, for all E
     # experts each forward, and the grouped matmul saves that merged tensor and its routed input
     # (its weight now needs a gradient): a per-layer block independent of the tokens
-    shapes = _shapes(spec) if spec.is_moe else {}
+    shapes = _shapes(spec, lora.expert_layout) if spec.is_moe else {}
     expert_inputs = sum(cb * spec.experts_per_token * shapes[x][0] for x in t & set(EXPERTS))
-    merged = sum(cb * shapes[x][0] * shapes[x][1] * shapes[x][2] for x in t & set(EXPERTS))
+    merged = sum(cb * shapes[x][0] * shapes[x][1] * shapes[x][2] for x in t & set(PARAMETER_TARGETS))
+    if lora.expert_layout == "per-expert":
+        # nothing merged and the frozen expert linears save nothing: each routed expert's
+        # adapters keep their input in fp32 (peft's upcast: w1 and w3 share it in fp32, each
+        # casts its own in a lower precision) and their rank-wide intermediate, per routed token
+        k, per = spec.experts_per_token, {"experts.gate_up_proj": 2, "experts.down_proj": 1}
+        merged = sum(cb * shapes[x][0] * shapes[x][1] for x in t & set(ROUTER))
+        expert_inputs = sum(cb * shapes[x][0] for x in t & set(ROUTER)) + sum(
+            4.0 * k * shapes[x][0] * (1 if cb == 4 else per[x]) for x in t & set(EXPERTS))
+        intermediates += sum(4.0 * lora.rank * k * per[x] for x in t & set(EXPERTS))
+    # a router adapter (ParamWrapper): the router's matmul now saves its input, every token's
+    expert_inputs += sum(cb * shapes[x][0] for x in t & set(ROUTER))
     return {"norms": norms, "attention": attention, "mlp": mlp, "adapter_inputs": inputs,
             "adapter_intermediates": intermediates, "expert_adapter_inputs": expert_inputs,
             "rope_per_position": rope, "final_norm_per_token": final, "expert_merged_weights_per_layer": merged}

@@ -16,8 +16,8 @@ Inference (one forward at a time, HF/vLLM style):
   routed experts' summed width, ``arch.active_ffn_width``); plus the logits: the last
   position's, ``batch * vocab`` in fp32, by default (what generate and serving engines compute),
   or every prompt position's, ``batch * input_len * vocab`` in their dtype, for a plain
-  forward (``logits_positions="prompt"``: fp32 at a 256,000 vocabulary is 62.5 MiB per
-  sequence of 64 tokens, 2 GB at batch 32). A quantised base (``weight_format``) adds one
+  forward (``logits_positions="prompt"``: fp32 at a 256,000 vocabulary is 31.25 MiB per
+  sequence of 32 tokens, 62.5 MiB of 64, 2 GB at batch 32 x 64). A quantised base (``weight_format``) adds one
   dequantised weight. Attention scores (``S x S``) are assumed not
   materialised (SDPA / flash kernels); pass ``materialised_scores=True`` for eager attention.
   Paged engines (vLLM) reserve a fixed share of device memory up front and add CUDA graphs and

@@ -15,8 +15,9 @@ token, peak memory and a fine-tuning time budget.
    same device (:class:`LoraCalibration`), else uncalibrated (assumed MFU x peak) and labelled
    so (checked against peft by ``bench_lora_step``).
    The fine-tune is searched per candidate: LoRA variant (LoRA, QLoRA on an NF4 base, LoRA on
-   an int8 base), rank, target set and batch size (:func:`search_finetune`); the fastest
-   configuration within the fine-tuning limits (step memory, wall time, cost) is kept.
+   an int8 base), rank, target set and batch size (:func:`search_finetune`); per variant, rank
+   and target set the largest batch within the fine-tuning limits (step memory, wall time,
+   cost) is kept, the planner paper's rule, and of those the fastest (:func:`choose_finetune`).
 4. Serving and fine-tuning have separate limits (``Limits`` for serving, ``FinetunePlan`` for
    the fine-tune). The recommendation is the largest candidate (total parameters) within every
    limit, with its variant and batch and the command that runs it. A fine-tuning limit no
@@ -607,12 +608,23 @@ def search_finetune(spec: ArchSpec, ft: FinetunePlan, calibration: LoraCalibrati
     return out
 
 
+FINETUNE_RULE = ("per variant, rank and target set the largest batch within every fine-tuning limit (the planner "
+                 "paper's rule); of those, the fastest (ties: less memory, fewer trainable parameters)")
+
+
 def choose_finetune(configs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fastest configuration within every fine-tuning limit (ties: less memory, fewer
-    trainable parameters); when none is, the one breaking fewest limits, then the fastest."""
+    """:data:`FINETUNE_RULE`: the planner paper fine-tunes at the largest batch that fits its limits,
+    and an uncalibrated step time does not depend on the batch (the same FLOPs in fewer steps), so
+    "fastest" alone would tie and hand batch 1 the win on memory. When no configuration is within
+    every limit: the one breaking fewest limits, then the fastest."""
     ok = [x for x in configs if x["within_limits"]]
     if ok:
-        return min(ok, key=lambda x: (x["hours"], x["peak_memory_gib"], x["trainable_params"]))
+        largest: dict[tuple, dict[str, Any]] = {}
+        for x in ok:
+            key = (x["variant"], x["rank"], tuple(x["targets"]))
+            if key not in largest or x["batch_size"] > largest[key]["batch_size"]:
+                largest[key] = x
+        return min(largest.values(), key=lambda x: (x["hours"], x["peak_memory_gib"], x["trainable_params"]))
     return min(configs, key=lambda x: (len(x["broken"]), x["hours"], x["peak_memory_gib"]))
 
 

@@ -182,6 +182,10 @@ def _fit_form(form: str, X: np.ndarray, logT: np.ndarray, starts: int = 8,
     return p, notes
 
 
+# below this d log T / d log D a law's time barely grows with the tokens: flagged by estimate_training
+FLAT_ELASTICITY = 0.1
+
+
 @dataclass
 class TimeLaw(PlainData):
     """A fitted training-time law. ``predict`` gives wall seconds per data-parallel replica."""
@@ -229,6 +233,12 @@ class TimeLaw(PlainData):
         par = {"g": g, "h": h} if form == "amdahl" else {"aTP": aTP, "aPP": aPP}
         return cls(form=form, params={"log_Nc": math.log(Nc), "log_Dc": math.log(Dc), "r": aN / aD, "aD": aD, **par},
                    device=device, notes=[f"from published coefficients{': ' + source if source else ''}"])
+
+    def token_elasticity(self, spec: ArchSpec, tokens: float, tp: int = 1, pp: int = 1) -> float:
+        """d log T / d log D around ``tokens`` (over a 10x span): ~1 where time grows with the
+        tokens as it must; ~0 for a law whose token term is lost beside its parameter term, as
+        published coefficients read in the wrong units, log base or form give (docs/planning.md)."""
+        return math.log10(self.predict(spec, tokens * 10 ** 0.5, tp, pp) / self.predict(spec, tokens / 10 ** 0.5, tp, pp))
 
     def predict_array(self, X: np.ndarray, shape: np.ndarray) -> np.ndarray:
         logT = _log_time(self.form, self.params, X)
@@ -480,6 +490,13 @@ def estimate_training(spec: ArchSpec, tokens: float, gpus: str = "8xH100", *, tp
                             "time_law_residual_model": time_law.residual_model,
                             "time_law_params": time_law.params, "time_law_runs": time_law.n_runs,
                             "time_law_device": time_law.device, "time_law_notes": time_law.notes})
+        elasticity = time_law.token_elasticity(spec, tokens, tp, pp)
+        assumptions["time_law_token_elasticity"] = elasticity
+        if elasticity < FLAT_ELASTICITY:
+            assumptions["time_law_warning"] = (
+                f"the law is flat in tokens here (d log T / d log D = {elasticity:.3g}): its token term is lost "
+                "beside its parameter term, so it predicts about the same time for any token count; check the "
+                "coefficients' units (N and D in raw counts?), log base and form (docs/planning.md)")
     method = (f"fitted law ({time_law.form}{' + boosted residual' if time_law.residual_model else ''})"
               if time_law is not None else "analytic: training FLOPs / (MFU x peak x devices)")
     return TrainingEstimate(hours=hours, gpu_hours=hours * n, cost_usd=training_cost(hours, n, price),
