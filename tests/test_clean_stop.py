@@ -59,7 +59,7 @@ def test_a_search_stops_once_the_box_has_no_new_shape():
     max_trials, and records why."""
     import optuna
 
-    from archsearch.search.study import ExhaustedSpaceCallback
+    from archsearch.search.callbacks import ExhaustedSpaceCallback
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
@@ -132,14 +132,14 @@ def test_a_storage_password_is_never_written_or_printed(tmp_path, monkeypatch, c
     import yaml
 
     from archsearch.cli import main
-    from archsearch.search import checks, study
+    from archsearch.search import checks, storage
 
     sys.path.insert(0, str(REPO / "tests"))
     from test_search import study_config
 
     cfg = study_config(tmp_path, optuna={"n_trials": 1, "enqueue_solution": 1})
     url = f"postgresql+psycopg://u:{SECRET}@db.example:5432/studies"
-    real_make = study.make_storage
+    real_make = storage.make_storage
     opened = []
 
     def make_storage(u):
@@ -147,7 +147,7 @@ def test_a_storage_password_is_never_written_or_printed(tmp_path, monkeypatch, c
         return real_make(f"sqlite:///{tmp_path / 'stand-in.db'}")
 
     monkeypatch.setattr(checks, "check_storage", lambda u, field="optuna.storage": opened.append(u))
-    monkeypatch.setattr(study, "make_storage", make_storage)
+    monkeypatch.setattr(storage, "make_storage", make_storage)
     argv = ["search", "--config", cfg["_path"], f"optuna.storage={url}"]
     monkeypatch.setattr(sys, "argv", ["archsearch", *argv])
     assert main(argv) == 0

@@ -175,7 +175,7 @@ def test_two_workers_share_a_postgresql_study(tmp_path, postgres):
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read()
     study = optuna.load_study(study_name="t", storage=postgres)
-    from archsearch.search.study import was_measured
+    from archsearch.search.objective import was_measured
 
     # measured trials (loss-infeasible ones complete unmeasured and do not count)
     complete = [t for t in study.get_trials(states=(TrialState.COMPLETE,)) if was_measured(t)]

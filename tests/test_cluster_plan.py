@@ -302,6 +302,8 @@ def test_search_samples_measure_trials_outside_their_comparisons(tmp_path):
     from types import SimpleNamespace
 
     from archsearch.cluster.startup import search_samples
+    from archsearch.search.measurements import MeasurementStore
+    from archsearch.search.trials import trial_times
 
     t0 = 1_800_000_000.0
     at = lambda s: dt.datetime.fromtimestamp(t0 + s)
@@ -322,7 +324,10 @@ def test_search_samples_measure_trials_outside_their_comparisons(tmp_path):
     ])
     results = {"w1": SimpleNamespace(submitted=t0 + 1.0, ended=t0 + 11.5),
                "w2": SimpleNamespace(submitted=t0 + 1.2, ended=t0 + 11.0)}
-    s = search_samples(results, study, tmp_path / "m.jsonl", "hf", 0.5, since=t0)
+    # the search layer hands the cluster layer typed records of its trials and its store's timings
+    trials, comparisons = trial_times(study), MeasurementStore(tmp_path / "m.jsonl").comparison_times()
+    assert [t.measured_key for t in trials] == ["pair", None, "seed2"] and len(comparisons) == 3
+    s = search_samples(results, trials, comparisons, "hf", 0.5, since=t0)
     assert s["trial_overhead_s"] == [pytest.approx(1.5)]
     assert s["trial_read_s"] == [pytest.approx(0.1)]
     assert s["trial_gap_s"] == [pytest.approx(0.2)]

@@ -126,7 +126,7 @@ def test_a_worker_whose_peer_died_takes_over_within_seconds(tmp_path):
     import optuna
     from optuna.distributions import FloatDistribution
 
-    from archsearch.search.pipeline import _wait_for_running
+    from archsearch.search.stages import wait_for_running
 
     storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'o.db'}")
     study = optuna.create_study(study_name="s", storage=storage)
@@ -134,7 +134,7 @@ def test_a_worker_whose_peer_died_takes_over_within_seconds(tmp_path):
     dead = study.ask(dist)
     dead.set_user_attr("worker", {"host": platform.node(), "pid": _dead_pid()})
     t = time.time()
-    assert _wait_for_running(study, timeout_s=600) == [dead.number]
+    assert wait_for_running(study, timeout_s=600) == [dead.number]
     assert time.time() - t < 10
     waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
     assert [w.user_attrs["retry_of"] for w in waiting] == [dead.number]
@@ -145,15 +145,15 @@ def test_a_worker_whose_peer_died_takes_over_within_seconds(tmp_path):
     for trial, beat in ((silent, time.time() - 120), (beating, time.time())):
         trial.set_user_attr("worker", {"host": "another-host", "pid": 1})
         storage.set_trial_system_attr(trial._trial_id, "heartbeat", beat)
-    assert _wait_for_running(study, timeout_s=600) == [silent.number]
-    assert _wait_for_running(study, timeout_s=1, poll_s=0.2) == []
+    assert wait_for_running(study, timeout_s=600) == [silent.number]
+    assert wait_for_running(study, timeout_s=1, poll_s=0.2) == []
     assert study.get_trials()[beating.number].state.name == "RUNNING"
 
 
 def test_the_heartbeat_beats_while_a_trial_runs(tmp_path):
     import optuna
 
-    from archsearch.search.study import heartbeat
+    from archsearch.search.storage import heartbeat
 
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'o.db'}")
     trial = study.ask()

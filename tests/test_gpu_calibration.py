@@ -218,15 +218,17 @@ def _rehearsal(tmp_path, calibration: str | None):
 def test_seed_ranking_and_dry_run_plan_use_the_calibration(tmp_path):
     from archsearch.laws import load_law
     from archsearch.search.dryrun import measurement_cost
-    from archsearch.search.derived import build_settings
-    from archsearch.search.study import SearchContext, analytic_throughput_fn, calibration_label
+    from archsearch.search.context import SearchContext
+    from archsearch.search.resolved import derive
+    from archsearch.search.solution import analytic_throughput_fn, calibration_label
 
     cal = str(CAL_DIR / "h200-vllm.json")
     plain, calibrated = _rehearsal(tmp_path, None), _rehearsal(tmp_path, cal)
     speeds = []
     for cfg in (plain, calibrated):
-        ctx = SearchContext(cfg=cfg, law=load_law(cfg.law.file), target_loss=100.0, measurer=None, out=tmp_path,
-                            build=build_settings(cfg, 128256))
+        ctx = SearchContext(study=derive(cfg), law=load_law(cfg.law.file), target_loss=100.0, measurer=None,
+                            out=tmp_path)
+        assert ctx.build.vocab_size == 128256
         speeds.append(analytic_throughput_fn(ctx, "H200")(LLAMA_1B))
     assert speeds[1] < 0.6 * speeds[0]
     label = calibration_label(cal)

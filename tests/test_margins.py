@@ -103,7 +103,10 @@ def test_range_refuses_outside_and_narrows_the_search_box(spec):
 
 
 def test_study_refuses_out_of_range_shapes_unless_extrapolation_is_allowed(tmp_path, spec):
-    from archsearch.search.study import SearchContext, loss_bound, loss_margin, out_of_range, seed_points
+    from archsearch.search.constraint import loss_bound, loss_margin, out_of_range
+    from archsearch.search.context import SearchContext
+    from archsearch.search.resolved import derive
+    from archsearch.search.solution import seed_points
     from tests.test_search import LAW, load, study_config
 
     law = {**LAW, "fitted_range": {"hidden_over_sqrt_n": [0.1, 0.3], "mlp_to_attn": [0.7, 1.5], "source": "test"}}
@@ -112,7 +115,7 @@ def test_study_refuses_out_of_range_shapes_unless_extrapolation_is_allowed(tmp_p
         Path(raw["law"]["file"]).write_text(json.dumps(law))
         cfg = load(raw)
         fit = load_law(cfg.law.file)
-        ctx = SearchContext(cfg=cfg, law=fit, target_loss=10.0, measurer=None, out=tmp_path)
+        ctx = SearchContext(study=derive(cfg), law=fit, target_loss=10.0, measurer=None, out=tmp_path)
         far = build_candidate(4e5, 2, 0.12, 2.0, gqa=1, head_dim=32).spec
         assert bool(out_of_range(ctx, far)) is not allow
         assert math.isinf(loss_bound(ctx, far)) is not allow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import replace
@@ -159,14 +160,14 @@ class _PairedFake:
 def _gqa_ctx(tmp_path, measurer, spec=None, **over):
     from archsearch.arch import non_embedding_params
     from archsearch.laws import load_law
-    from archsearch.search.derived import build_settings
-    from archsearch.search.study import SearchContext
+    from archsearch.search.context import SearchContext
+    from archsearch.search.resolved import derive
     from tests.test_search import load, study_config
 
     cfg = load(study_config(tmp_path, **({"params": non_embedding_params(spec)} if spec else {}), **over))
     base = ArchSpec(n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=64, ffn=8192, vocab_size=256)
-    return SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=measurer,
-                         out=tmp_path, build=build_settings(cfg, 256), baseline=base)
+    return SearchContext(study=dataclasses.replace(derive(cfg), baseline=base), law=load_law(tmp_path / "law.json"),
+                         target_loss=100.0, measurer=measurer, out=tmp_path)
 
 
 def test_gqa_stop_needs_significantly_slower_else_remeasures(tmp_path):
@@ -490,7 +491,7 @@ def test_a_trial_proposing_the_baseline_is_not_measured(tmp_path):
     """Its ratio to itself is 1 by definition; it does not count as a measured shape."""
     import optuna
 
-    from archsearch.search.study import _paired_objective, was_measured
+    from archsearch.search.objective import _paired_objective, was_measured
 
     class NoMeasure:
         def compare(self, specs, attempt=0):

@@ -140,7 +140,7 @@ def test_infeasible_trials_complete_unmeasured_and_read_right_in_the_dashboard(t
     from optuna.trial import TrialState
 
     from archsearch.search import pipeline
-    from archsearch.search.study import was_measured
+    from archsearch.search.objective import was_measured
 
     # the law's optimum here predicts ~11.49 (Chinchilla reference ~11.44 times factors >= 1): a
     # target just above it leaves most of the box infeasible
@@ -218,7 +218,8 @@ def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
     from archsearch.laws import load_law
     from archsearch.search.gqa import gqa_pairs, local_gqa_search
     from archsearch.search.derived import build_settings
-    from archsearch.search.study import SearchContext
+    from archsearch.search.resolved import derive
+    from archsearch.search.context import SearchContext
 
     spec = ArchSpec(n_layers=16, hidden_size=2048, n_heads=24, n_kv_heads=6, head_dim=64, ffn=8192,
                     vocab_size=256)
@@ -242,8 +243,9 @@ def test_gqa_search_walks_out_from_baseline_and_stops_early(tmp_path):
                                            per_batch=[BatchResult(batch_size=8, ok=True, output_throughput=t)]),
                                key=f"k{s.gqa}", cached=False)
 
-    ctx = SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
-                        measurer=FakeMeasurer(), out=tmp_path, build=build)
+    ctx = SearchContext(study=derive(cfg), law=load_law(tmp_path / "law.json"), target_loss=100.0,
+                        measurer=FakeMeasurer(), out=tmp_path, paired=False)
+    assert ctx.build == build
     res = local_gqa_search(spec, ctx, baseline_gqa=4)
     up = [g for g in pairs if g > 4]
     first_slow_up = next(g for g in up if g > 9)
@@ -321,11 +323,11 @@ def _throughput_measurer(calls):
 
 def _gqa_ctx(cfg, tmp_path, out, calls):
     from archsearch.laws import load_law
-    from archsearch.search.derived import build_settings
-    from archsearch.search.study import SearchContext
+    from archsearch.search.resolved import derive
+    from archsearch.search.context import SearchContext
 
-    return SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0,
-                         measurer=_throughput_measurer(calls), out=out, build=build_settings(cfg, 256))
+    return SearchContext(study=derive(cfg), law=load_law(tmp_path / "law.json"), target_loss=100.0,
+                         measurer=_throughput_measurer(calls), out=out, paired=False)
 
 
 def test_gqa_walk_stops_at_the_first_variant_whose_proxy_loss_is_worse(tmp_path, monkeypatch):
@@ -469,14 +471,15 @@ def test_a_study_that_cannot_train_samples_no_head_pair_beyond_the_gqa_bound(tmp
     """Where no proxy checks GQA's effect on loss, the Optuna search refuses (unmeasured) the
     shapes the GQA walk could not admit, so its best trial is one the walk can start from."""
     from archsearch.arch import ArchSpec
-    from archsearch.search.study import outside_gqa_bounds
+    from archsearch.search.constraint import outside_gqa_bounds
+    from archsearch.search.resolved import derive
 
     spec = ArchSpec(**GQA_SPEC)
     few_kv = spec.replace(n_heads=spec.n_heads + spec.n_kv_heads - 1, n_kv_heads=1)
-    bounded = load(study_config(tmp_path, gqa_search={"min_kv_heads": 2}))
+    bounded = derive(load(study_config(tmp_path, gqa_search={"min_kv_heads": 2})))
     assert "1 KV heads < 2" in outside_gqa_bounds(bounded, few_kv)
     assert outside_gqa_bounds(bounded, spec.replace(n_heads=8, n_kv_heads=2)) is None
-    unbounded = load(study_config(tmp_path))  # no bound, no proxies: no further than baseline_gqa
+    unbounded = derive(load(study_config(tmp_path)))  # no bound, no proxies: no further than baseline_gqa
     assert "GQA 8 > 4" in outside_gqa_bounds(unbounded, spec.replace(n_heads=16, n_kv_heads=2))
     assert outside_gqa_bounds(unbounded, spec.replace(n_heads=8, n_kv_heads=2)) is None
 
@@ -595,7 +598,7 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     import optuna
     from optuna.trial import TrialState
 
-    from archsearch.search.study import was_measured
+    from archsearch.search.objective import was_measured
 
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}")
     complete = [t for t in study.get_trials(states=(TrialState.COMPLETE,)) if was_measured(t)]
@@ -617,7 +620,7 @@ def test_two_workers_share_one_study(tmp_path):
     import optuna
     from optuna.trial import TrialState
 
-    from archsearch.search.study import was_measured
+    from archsearch.search.objective import was_measured
 
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}")
     complete = [t for t in study.get_trials(states=(TrialState.COMPLETE,)) if was_measured(t)]
@@ -663,14 +666,15 @@ def test_an_analytic_study_honours_a_ttft_limit(tmp_path):
 
 def test_enqueue_solution_zero_seeds_nothing(tmp_path):
     from archsearch.laws import load_law
-    from archsearch.search.derived import build_settings
-    from archsearch.search.study import SearchContext, seed_points
+    from archsearch.search.resolved import derive
+    from archsearch.search.context import SearchContext
+    from archsearch.search.solution import seed_points
 
     cfg0 = load(study_config(tmp_path, optuna={"enqueue_solution": 0}))
     cfg2 = load(study_config(tmp_path, optuna={"enqueue_solution": 2}))
     law = load_law(tmp_path / "law.json")
-    mk = lambda c: SearchContext(cfg=c, law=law, target_loss=100.0, measurer=None, out=tmp_path,  # noqa: E731
-                                 build=build_settings(c, 256))
+    mk = lambda c: SearchContext(study=derive(c), law=law, target_loss=100.0, measurer=None, out=tmp_path,  # noqa: E731
+                                 paired=False)
     assert seed_points(mk(cfg0)) == []
     pts = seed_points(mk(cfg2))
     assert len(pts) == 2
@@ -688,13 +692,13 @@ def test_a_second_worker_finds_the_seeds_enqueued_not_an_empty_study(tmp_path, m
 
     from archsearch.laws import load_law
     from archsearch.search import study as S
-    from archsearch.search.derived import build_settings
+    from archsearch.search.resolved import derive
 
     cfg = load(study_config(tmp_path, optuna={"enqueue_solution": 2}))
     out = cfg.out_dir()
     out.mkdir(parents=True)
-    ctx = S.SearchContext(cfg=cfg, law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=None,
-                          out=out, build=build_settings(cfg, 256))
+    ctx = S.SearchContext(study=derive(cfg), law=load_law(tmp_path / "law.json"), target_loss=100.0, measurer=None,
+                          out=out, paired=False)
     seeding, seed_points = threading.Event(), S.seed_points
 
     def slow_seed_points(c):  # the first worker is still ranking its seeds when the second arrives
@@ -762,7 +766,7 @@ _OPEN_AT = """
 import sys, time
 import optuna
 from pathlib import Path
-from archsearch.search.study import open_storage
+from archsearch.search.storage import open_storage
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 t0 = float(sys.argv[2])
 while time.time() < t0:
@@ -788,7 +792,7 @@ def test_two_workers_opening_a_new_storage_at_once(tmp_path):
 _POP_AT = """
 import json, sys, time
 import optuna
-from archsearch.search.study import make_storage
+from archsearch.search.storage import make_storage
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 study = optuna.load_study(study_name="s", storage=make_storage(sys.argv[1]))
 while time.time() < float(sys.argv[2]):
@@ -803,7 +807,7 @@ def test_two_workers_never_pop_the_same_enqueued_trial(tmp_path):
     # handed out 6-8 of 40 enqueued trials twice on every try here
     import optuna
 
-    from archsearch.search.study import make_storage
+    from archsearch.search.storage import make_storage
 
     url = f"sqlite:///{tmp_path / 'o.db'}"
     study = optuna.create_study(study_name="s", storage=make_storage(url))
@@ -950,7 +954,7 @@ def test_a_trial_orphaned_before_its_worker_named_itself_is_recovered(tmp_path):
     # trial with no worker: the next start fails it (a live worker's trial keeps running)
     import optuna
 
-    from archsearch.search.study import recover_stale_trials
+    from archsearch.search.storage import recover_stale_trials
 
     storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'o.db'}")
     study = optuna.create_study(study_name="s", storage=storage)

@@ -26,7 +26,6 @@ scheduler, the engine), so they are measured, not assumed:
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
 import statistics
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import read_json_tolerant, read_jsonl_lines, read_text, write_json
+from archsearch.fileio import read_json_tolerant, read_text, write_json
 from archsearch.provenance import provenance, stage_provenance
 
 STARTUPS_FILE = "startups.json"
@@ -215,8 +214,31 @@ def proxy_samples(results: dict, run_dirs: dict[str, Path], records: dict[str, d
             "proxy_lead_s": [lead_s] if lead_s is not None else []}
 
 
-def search_samples(results: dict, study, measurements: Path, backend: str, lead_s: float | None,
-                   since: float = 0.0) -> dict[str, list[float]]:
+@dataclass(frozen=True)
+class TrialTimes:
+    """One search trial as the start-up figures read it (the search layer builds these from its
+    Optuna trials: ``archsearch.search.trials.trial_times``): when it ran, on which worker, and
+    the measurement it took itself."""
+    started: float                       # unix seconds
+    completed: float | None              # unix seconds; None: not finished
+    worker: tuple[str | None, int | None]  # (host, process id)
+    measured_key: str | None             # the key of the measurement it took itself (None: none, or read)
+
+
+@dataclass(frozen=True)
+class ComparisonTimes:
+    """One measured comparison's engine process as the start-up figures read it (from the
+    measurement store: ``archsearch.search.measurements.MeasurementStore.comparison_times``)."""
+    key: str
+    ended: float                         # unix seconds: when its record was written
+    wall_s: float                        # the engine process's wall time
+    rounds_s: float                      # its timed rounds
+    engine_start_s: tuple[float, ...]    # each engine's start, the first one's first
+    group_size: int | None               # a seed group's shapes (its k-1 pair records share this timing)
+
+
+def search_samples(results: dict, trials: list[TrialTimes], comparisons: list[ComparisonTimes], backend: str,
+                   lead_s: float | None, since: float = 0.0) -> dict[str, list[float]]:
     """The search workers' start (submission to the first trial they started) and end (last
     trial's end to the last worker seen ended), and each paired comparison's engine process and
     engine starts (from its measurement record's timing) that ran after the workers' submission;
@@ -236,49 +258,40 @@ def search_samples(results: dict, study, measurements: Path, backend: str, lead_
     # one record per measured pair; a group of k shapes measured in one process (optuna.seeds_together)
     # is written as k-1 pair records sharing its timing (group_size k): counted once, its engines'
     # starts the baseline's and each shape's
-    groups: dict[tuple, list[dict]] = {}
+    groups: dict[tuple, list[ComparisonTimes]] = {}
     walls: dict[str, tuple[float, bool]] = {}  # measurement key -> (its engine process's wall, in a group)
-    for rec in read_jsonl_lines(measurements):  # the measurement store's own reader
-        res = rec.get("result") or {}
-        tm, when = res.get("timing") or {}, (res.get("provenance") or {}).get("time_utc")
-        starts = tm.get("engine_start_s") or []
-        if not res.get("ok") or not when or not starts or None in starts or tm.get("wall_s") is None \
-                or tm.get("rounds_s") is None:
+    for c in comparisons:
+        if c.ended + 1 < t0 + c.wall_s:  # an earlier run's
             continue
-        if dt.datetime.fromisoformat(when).timestamp() + 1 < t0 + tm["wall_s"]:  # an earlier run's
-            continue
-        walls[rec.get("key")] = (tm["wall_s"], bool(tm.get("group_size")))
-        groups.setdefault((when, tm["wall_s"], tm["rounds_s"], tm.get("group_size")), []).append(tm)
-    trials = [t for t in (study.get_trials(deepcopy=False) if study is not None else [])
-              if t.datetime_start and t.datetime_start.timestamp() >= t0]
+        walls[c.key] = (c.wall_s, bool(c.group_size))
+        groups.setdefault((c.ended, c.wall_s, c.rounds_s, c.group_size), []).append(c)
+    trials = [t for t in trials if t.started >= t0]
     if trials:
-        out["worker_start_s"] = [min(t.datetime_start.timestamp() for t in trials) - t0]
-        done = [t.datetime_complete.timestamp() for t in trials if t.datetime_complete]
+        out["worker_start_s"] = [min(t.started for t in trials) - t0]
+        done = [t.completed for t in trials if t.completed is not None]
         if done and ends:
             out["worker_end_s"] = [max(ends) - max(done)]
-    by_worker: dict[tuple, list] = {}
+    by_worker: dict[tuple, list[TrialTimes]] = {}
     for t in trials:
-        if t.datetime_complete is not None:
-            w = t.user_attrs.get("worker") or {}
-            by_worker.setdefault((w.get("host"), w.get("pid")), []).append(t)
+        if t.completed is not None:
+            by_worker.setdefault(t.worker, []).append(t)
     over, read, gap = [], [], []
     for ts in by_worker.values():
-        ts.sort(key=lambda t: t.datetime_start)
-        gap += [max(0.0, b.datetime_start.timestamp() - a.datetime_complete.timestamp()) for a, b in zip(ts, ts[1:])]
+        ts.sort(key=lambda t: t.started)
+        gap += [max(0.0, b.started - a.completed) for a, b in zip(ts, ts[1:])]
         for t in ts:
-            ua = t.user_attrs
-            if ua.get("measurement_cached") is not False or ua.get("measurement_key") not in walls:
+            if t.measured_key is None or t.measured_key not in walls:
                 continue  # not measured, or read from the store (another worker's, or an earlier run's)
-            wall, grouped = walls[ua["measurement_key"]]
-            secs = t.datetime_complete.timestamp() - t.datetime_start.timestamp()
+            wall, grouped = walls[t.measured_key]
+            secs = t.completed - t.started
             if grouped:  # measured in its worker's seed group before the trial began
                 read.append(secs)
             else:
                 over.append(max(0.0, secs - wall))
     out.update({"trial_overhead_s": over, "trial_read_s": read, "trial_gap_s": gap})
     proc, first, nxt = [], [], []
-    for (_, wall, rounds, _k), tms in groups.items():
-        starts = [tms[0]["engine_start_s"][0]] + [x for tm in tms for x in tm["engine_start_s"][1:]]
+    for (_, wall, rounds, _k), cs in groups.items():
+        starts = [cs[0].engine_start_s[0]] + [x for c in cs for x in c.engine_start_s[1:]]
         proc.append(wall - sum(starts) - rounds)
         first.append(starts[0])
         nxt += starts[1:]

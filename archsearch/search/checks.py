@@ -23,7 +23,8 @@ from archsearch.rundata import read_runs
 from archsearch.search.config import StudyConfig
 from archsearch.search.derived import build_settings, expand, measure_scale, proxy_sweeps
 from archsearch.search.measurements import resolve_backend
-from archsearch.search.study import SearchContext, check_storage, scan_law
+from archsearch.search.solution import solve_law
+from archsearch.search.storage import check_storage
 from archsearch.search.targets import study_views
 from archsearch.trainers import sweep_specs, token_budget
 from archsearch.trainers.config import check_trackers
@@ -343,8 +344,7 @@ def target_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
 def check_target(cfg: StudyConfig, law, lt: float, build: BuildSettings) -> None:
     """A target below the law's lowest loss in the search box (shapes built with ``build``, the
     resolved build settings) has no feasible shape."""
-    ctx = SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=None, out=Path("."), build=build)
-    res, _ = scan_law(ctx)
+    res, _ = solve_law(cfg, law, lt, build)
     losses = [p.predicted_loss for p in res.points if p.predicted_loss is not None]
     within = None if cfg.law.allow_extrapolation else law.shape_range()
     if res.optimum is not None and res.optimum.loss is not None and \

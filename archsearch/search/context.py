@@ -1,17 +1,61 @@
-"""The search stage's context (the law, the target loss, the measurer on the study's store), as
-the coordinator and every measurement worker build it, and the study's stored Optuna study."""
+"""The study's context as its search works on it (:class:`SearchContext`: the resolved study with
+the law, the target loss and the measurer on the study's store), built once per process by
+:func:`search_context`, as the coordinator and every measurement worker build it.
+
+One study is carried down in one chain, each value in one place: the
+:class:`~archsearch.search.resolved.ResolvedStudy` (every value the config gives, resolved once) is
+held by the :class:`SearchContext` (adds what the fit gives), which is held by the stage run
+(:class:`archsearch.search.stages.StudyRun`: adds each stage's result). Nothing below derives a
+config value again."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from archsearch.arch import ArchSpec
+from archsearch.candidates import BuildSettings
 from archsearch.laws import load_law
 from archsearch.search.checks import check_target
 from archsearch.search.config import StudyConfig
 from archsearch.search.measurements import MeasurementStore, Measurer
 from archsearch.search.resolved import ResolvedStudy, as_resolved
-from archsearch.search.study import SearchContext, create_study
 from archsearch.search.targets import build_targets
+
+
+@dataclass
+class SearchContext:
+    """The resolved study with what the fit gives: the law, the target loss, the measurer on the
+    study's store and the deployment targets. The config, the build settings and the baseline are
+    the resolved study's (``study``), read through, never derived again."""
+    study: ResolvedStudy
+    law: Any  # archsearch.laws.FitResult
+    target_loss: float
+    measurer: Measurer | None
+    out: Path
+    # measure.targets (archsearch.search.targets): each with its Measurer; None: the measure block
+    targets: list[Any] | None = None
+    # False: each candidate is measured alone and the objective is its absolute throughput (the
+    # sampler's benchmark, tests); True: paired with the baseline (archsearch.benchmarks.paired)
+    paired: bool = True
+
+    @property
+    def cfg(self) -> StudyConfig:
+        return self.study.cfg
+
+    @property
+    def build(self) -> BuildSettings:
+        return self.study.build
+
+    @property
+    def baseline(self) -> ArchSpec | None:
+        """The shape every candidate is compared with (None: measured alone)."""
+        return self.study.baseline if self.paired else None
+
+    @property
+    def ref_batch(self) -> int:
+        return self.cfg.measure.ref_batch
 
 
 def search_context(study: ResolvedStudy | StudyConfig, out: Path, law=None):
@@ -28,15 +72,4 @@ def search_context(study: ResolvedStudy | StudyConfig, out: Path, law=None):
 
     targets = build_targets(cfg, store, study.scale)  # with targets, the first one's measurer is the study's
     measurer = targets[0].measurer if targets else Measurer(cfg.measure, store, scale=study.scale)
-    return SearchContext(cfg=cfg, law=law, target_loss=lt, measurer=measurer, out=out,
-                         build=study.build, baseline=study.baseline, targets=targets)
-
-
-def load_study(ctx):
-    """The stored study, or None when the search stage has not created it yet."""
-
-    try:
-        study, _ = create_study(ctx, load_only=True)
-    except KeyError:  # optuna: no study of that name in the storage
-        return None
-    return study
+    return SearchContext(study=study, law=law, target_loss=lt, measurer=measurer, out=out, targets=targets)

@@ -25,6 +25,7 @@ from archsearch.search.gqa import bounded_pairs, gqa_pairs, proxy_runs, proxy_va
 from archsearch.search.margins import range_summary
 from archsearch.search.measurements import resolve_backend
 from archsearch.search.resolved import ResolvedStudy, as_resolved
+from archsearch.search.stages import PlanInputs, table
 from archsearch.search.targets import price_targets
 from archsearch.trainers import token_budget
 from archsearch.trainers.data import cache_state, default_workers, token_dtype
@@ -183,7 +184,7 @@ def gqa_proxy_runs(study: ResolvedStudy, shape, g0: int, pairs: dict) -> dict[st
     trained (in the store or the study folder) are not told apart here."""
     sweep = study.sweeps[0]
     seeds = list(sweep.seeds) if sweep.seeds is not None else [sweep.train.seed]
-    sizes = proxy_variants(study.cfg, shape, g0, study.vocab_size)
+    sizes = proxy_variants(study, shape, g0)
     up, down = sorted(g for g in pairs if g > g0), sorted((g for g in pairs if g < g0), reverse=True)
     low = [g0] + up[:1] + down[:1] if len(pairs) > 1 else []
     high = sorted(pairs) if len(pairs) > 1 else []
@@ -317,6 +318,33 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None,
     return out
 
 
+def planned_proxy_runs(study: ResolvedStudy, out: Path) -> list[dict[str, Any]]:
+    """The proxy runs the proxy stage would train (none where the law is given or the runs
+    reused), each marked ``done`` where already trained: in the shared store (another study
+    trained it) or in this study folder (a resumed study)."""
+    cfg = study.cfg
+    if cfg.proxy is None or cfg.proxy.runs:
+        return []
+    specs = []
+    for sweep, shapes in zip(study.sweeps, study.sweep_shapes):
+        seen = set()
+        for point, spec, _err in shapes:
+            tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
+            if spec is None or (spec, point["seed"]) in seen:  # unbuildable, or a duplicate after snapping
+                continue
+            seen.add((spec, point["seed"]))
+            tokens = token_budget(spec, tc)
+            specs.append({"spec": spec, "tokens": tokens, "flops": run_flops(spec, tokens),
+                          "run": run_id_for(spec, tokens, point["seed"]), "sweep": sweep, "train": tc})
+    for item in specs:
+        own = out / "proxies" / item["sweep"].name / "runs" / item["run"]
+        shared = (Path(cfg.proxy.store).expanduser() / content_key(item["run"], item["train"], item["sweep"].data)
+                  if cfg.proxy.store else None)
+        item["done"] = ("store" if shared is not None and has_record(shared) else
+                        "study" if has_record(own) else None)
+    return specs
+
+
 def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = None,
          profile: str | Path | None = None, mfu: float | None = None,
          time_law: str | Path | None = None) -> dict[str, Any]:
@@ -334,92 +362,20 @@ def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = No
     p["startups"] = {"profile": str(profile) if profile else None,
                      "study_record": str(out / startup.STARTUPS_FILE) if (out / startup.STARTUPS_FILE).is_file() else None,
                      "figures": {k: asdict(su.get(k)) for k in startup.FIGURES}}
-    runs_n, proxy_tokens, proxy_flops = 0, 0.0, 0.0
-    proxy_specs = []
-    if cfg.proxy is None:
-        p["stages"].append({"stage": "proxy", "action": f"none: the law comes from {cfg.law.file}"})
-    elif cfg.proxy.runs:
-        p["stages"].append({"stage": "proxy", "action": f"reuse runs from {cfg.proxy.runs}"})
-    else:
-        sweeps = study.sweeps
-        for sweep, shapes in zip(sweeps, study.sweep_shapes):
-            seen = set()
-            for point, spec, _err in shapes:
-                tc = sweep.train_for(point["level"]).replace(seed=point["seed"])
-                if spec is None or (spec, point["seed"]) in seen:  # unbuildable, or a duplicate after snapping
-                    continue
-                seen.add((spec, point["seed"]))
-                tokens = token_budget(spec, tc)
-                runs_n += 1
-                proxy_tokens += tokens
-                proxy_flops += run_flops(spec, tokens)
-                proxy_specs.append({"spec": spec, "tokens": tokens, "flops": run_flops(spec, tokens),
-                                    "run": run_id_for(spec, tokens, point["seed"]), "sweep": sweep,
-                                    "train": tc})
-        # runs already trained cost nothing: in the shared store (another study trained them) or in
-        # this study folder (a resumed study)
-        for item in proxy_specs:
-            own = out / "proxies" / item["sweep"].name / "runs" / item["run"]
-            shared = (Path(cfg.proxy.store).expanduser() / content_key(item["run"], item["train"], item["sweep"].data)
-                      if cfg.proxy.store else None)
-            item["done"] = ("store" if shared is not None and has_record(shared) else
-                            "study" if has_record(own) else None)
-        n_done = sum(1 for i in proxy_specs if i["done"])
-        active = cfg.proxy.plan == "active"
-        a = cfg.proxy.active
-        p["stages"].append({"stage": "proxy", "action": (
-                            f"active plan over the grid of {len(sweeps)} sweep(s) (at most the runs and FLOPs "
-                            f"below; stops at interval half-width {a.tolerance} or budget {a.budget_flops}): "
-                            if active else f"train {len(sweeps)} proxy sweep(s): ")
-                            + ", ".join(s.name for s in sweeps)
-                            + (f" ({n_done} of the runs already trained: "
-                               f"{sum(1 for i in proxy_specs if i['done'] == 'store')} in the store {cfg.proxy.store}, "
-                               f"{sum(1 for i in proxy_specs if i['done'] == 'study')} in this study folder; "
-                               "they cost nothing below)" if n_done else ""), "runs": runs_n,
-                            "runs_already_trained": n_done,
-                            "tokens": proxy_tokens, "train_flops": proxy_flops,
-                            "nd_groups": len(planned_groups(cfg))})
-    p["stages"].append({"stage": "fit", "action": f"fit {cfg.law.form} (reference {cfg.law.fit.reference}, "
-                        f"{cfg.law.fit.bootstrap} bootstrap resamples)" if not cfg.law.file
-                        else f"load {cfg.law.file}"})
-
+    proxy_specs = planned_proxy_runs(study, out)
     try:
         backend, engine_note = resolve_backend(cfg.measure)
     except ArchsearchError as e:
         backend, engine_note = None, f"cannot measure here: {e}"
     n_meas = search_comparisons(cfg)
     gqa_n = gqa_comparisons(study)
-    p["stages"].append({"stage": "search", "action": f"Optuna {cfg.optuna.sampler} study, "
-                        f"{cfg.optuna.n_trials} measured trials (objective {cfg.optuna.objective})",
-                        "backend": cfg.measure.bench.backend, "engine_here": backend or "missing",
-                        **({"engine_note": engine_note} if engine_note else {}),
-                        "batch_sizes": cfg.measure.bench.batch_sizes,
-                        "input_len": cfg.measure.bench.input_len, "output_len": cfg.measure.bench.output_len,
-                        "measurements_at_most": n_meas["shapes_high"]})
-    if cfg.gqa_search.enabled:
-        lc = gqa_n.get("loss_check") or {}
-        b = gqa_n.get("bounds") or {}
-        check = ("GQA's effect on loss unverified (no proxies to train): the walk stays within "
-                 + ", ".join(x for x in (f"GQA <= {b.get('max_gqa')}" if b.get("max_gqa") is not None else "",
-                                         f"KV heads >= {b.get('min_kv_heads')}" if b.get("min_kv_heads") is not None
-                                         else "") if x) + f" ({b.get('from')})" if lc.get("unverified") else
-                 f"each variant's loss checked at proxy scale: {lc.get('runs_low', 0)}-{lc.get('runs_high', 0)} "
-                 f"proxy runs of GQA variants ({len(lc.get('sizes', []))} sizes of sweep {lc.get('sweep')} x "
-                 f"{len(lc.get('seeds', []))} seed(s) per variant walked to)")
-        p["stages"].append({"stage": "gqa", "action": f"local GQA search from GQA={cfg.gqa_search.baseline_gqa}; {check}",
-                            "gqa_values": gqa_n["variants"], "comparisons_at_most": len(gqa_n["high"]),
-                            **({"gqa_proxy_runs_low": lc["runs_low"], "gqa_proxy_runs_high": lc["runs_high"],
-                                "gqa_proxy_train_flops": lc["flops_high"]} if not lc.get("unverified") and lc else {})})
     base = study.baseline
     final_tokens = cfg.final_train.tokens or cfg.tokens
     final_flops = run_flops(base, final_tokens)
-    if cfg.final_train.enabled or cfg.mode == "predict-rank-select":
-        k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
-        p["stages"].append({"stage": "train", "action": f"train {k} chosen shape(s) on {final_tokens:.3g} tokens",
-                            "train_flops": k * final_flops})
-    if cfg.evaluation.enabled:
-        p["stages"].append({"stage": "eval", "action": f"lm-eval tasks {cfg.evaluation.tasks}"})
-    p["stages"].append({"stage": "report", "action": "summary.json, report.md, trials.csv, plots"})
+    inputs = PlanInputs(study, out, proxy_specs, backend, engine_note, n_meas, gqa_n, final_tokens, final_flops,
+                        nd_groups=len(planned_groups(cfg)) if cfg.proxy is not None and not cfg.proxy.runs else 0)
+    p["stages"] = [entry for st in table() if (entry := st.plan(inputs)) is not None]
+    proxy_flops = sum((i["flops"] for i in proxy_specs), 0.0)
     p["baseline"] = describe(base)
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
     p["data"] = data_needs(study, proxy_specs, su)
@@ -428,7 +384,7 @@ def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = No
     p["law"] = law_trust(cfg)
     data_wall = sum(d["wall_hours"] for d in p["data"])
     if p["data"]:  # the proxy stage prepares its data (in the coordinator) before any run trains
-        p["stages"][0].update({"data_tokens": sum(d["tokens_to_tokenize"] for d in p["data"]),
+        next(st for st in p["stages"] if st["stage"] == "proxy").update({"data_tokens": sum(d["tokens_to_tokenize"] for d in p["data"]),
                                "data_disk_gb": sum(d["disk_gb"] for d in p["data"]),
                                "data_cpu_hours": sum(d["cpu_hours"] for d in p["data"]),
                                "data_wall_hours": data_wall})

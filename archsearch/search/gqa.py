@@ -39,19 +39,21 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding_params
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.search import log as search_log
-from archsearch.search.derived import proxy_sweeps
 from archsearch.search.config import gqa_bound_violation
 from archsearch.search.proxies import train_runs
-from archsearch.search.study import loss_bound
+from archsearch.search.constraint import loss_bound
 from archsearch.search.targets import gqa_paired_visit
 from archsearch.trainers.data import prepare_data
 from archsearch.trainers.loop import run_id_for, token_budget
+
+if TYPE_CHECKING:
+    from archsearch.search.resolved import ResolvedStudy
 
 
 def gqa_pairs(spec: ArchSpec, params: float, build: BuildSettings) -> dict[int, ArchSpec]:
@@ -85,14 +87,14 @@ def slower_than_baseline(step: "GQAStep", base: "GQAStep") -> bool:
 
 # -- the loss check at proxy scale ---------------------------------------------------------------
 
-def proxy_variants(cfg, spec: ArchSpec, g0: int, vocab: int) -> list[dict[str, Any]]:
+def proxy_variants(study: ResolvedStudy, spec: ArchSpec, g0: int) -> list[dict[str, Any]]:
     """For every proxy size of the study's (first) proxy sweep: the chosen shape's d/sqrt(N) and r
     built there with GQA ``g0`` as that sweep builds its shapes (its layers, head size and
     snapping), each GQA variant the head pair of the same total (:func:`gqa_pairs`, so the same N
     and r within the sweep's tolerances), and the training every variant shares: the sweep's
     settings at that size with the ``g0`` variant's token budget (one data prefix and order).
     A size where the ``g0`` variant does not build has ``base`` None and a ``note``."""
-    sweep = proxy_sweeps(cfg)[0]
+    sweep, vocab = study.sweeps[0], study.vocab_size
     x1, r = hidden_over_sqrt_n(spec), mlp_to_attn_ratio(spec)
     settings = replace(sweep.build, vocab_size=vocab, on_r_drift="flag")
     out = []
@@ -167,11 +169,11 @@ class ProxyLossCheck:
     def __init__(self, ctx, spec: ArchSpec, g0: int, progress: bool = True):
         cfg = ctx.cfg
         self.cfg, self.g0, self.progress = cfg, g0, progress
-        self.sweep = proxy_sweeps(cfg)[0]
+        self.sweep = ctx.study.sweeps[0]
         self.seeds = list(self.sweep.seeds) if self.sweep.seeds is not None else [self.sweep.train.seed]
         self.folder = Path(ctx.out) / "gqa" / "proxies"
         self.vocab = ctx.build.vocab_size  # the study's vocabulary (the resolved study's build settings)
-        self.sizes = proxy_variants(cfg, spec, g0, self.vocab)
+        self.sizes = proxy_variants(ctx.study, spec, g0)
         self.data = None
         self.trained_now: set[str] = set()  # run ids this search trained
         self.used: set[str] = set()  # run ids it compared
@@ -302,7 +304,7 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         raise ArchsearchError("gqa_search", f"no GQA variant of the chosen shape keeps N and r in tolerance "
                               f"(heads {spec.n_heads}+{spec.n_kv_heads})",
                               "raise search_space.build.tolerance or r_tolerance")
-    can_train = bool(proxy_sweeps(cfg))
+    can_train = bool(ctx.study.sweeps)
     max_gqa, min_kv, why = gs.bounds(can_train)
     pairs = bounded_pairs(all_pairs, max_gqa, min_kv)
     if not pairs:

@@ -1,15 +1,17 @@
 """What each stage of a study was computed with, so that a resumed study with a changed config
 reuses what is still valid, redoes what is not, or refuses before it writes anything.
 
-Every stage reads a known part of the config (:func:`stage_inputs`: exactly the settings it
+Every stage reads a known part of the config (its record's ``settings`` in
+:data:`archsearch.search.stages.STAGES`, gathered by :func:`stage_inputs`: exactly the settings it
 reads, by dotted name, plus the content of a file it reads such as ``proxy.runs`` or
 ``law.file``). A stage's fingerprint is a hash of its own inputs and of the fingerprint of the
 stage before it, so a change redoes the stage that reads it and every stage after. The inputs
 of a stage are recorded in ``stage_inputs.json`` when the stage starts its work (a stage killed
 half-way is known too); on the next start :func:`plan_resume` compares them with the config's:
 
-- a stage whose inputs changed (or that no longer applies) is *stale*: its outputs are moved
-  into ``superseded/<stage>-<time>/`` (nothing is deleted) and it is redone, with every stage after;
+- a stage whose inputs changed (or that no longer applies) is *stale*: its outputs (its record's
+  ``outputs``) are moved into ``superseded/<time>/`` (nothing is deleted) and it is redone, with
+  every stage after;
 - a change the folder cannot honour (the Optuna study in a storage outside the folder, or a
   stale stage deselected by ``--only``/``--skip`` while a later selected stage needs it) is
   refused with one error before anything is written.
@@ -35,77 +37,23 @@ from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.search.config import StudyConfig, renamed_values
 from archsearch.search.measurements import key_settings, resolve_backend
+from archsearch.search.settings import flat
+from archsearch.search.stages import fingerprinted
 
 INPUTS_FILE = "stage_inputs.json"
 SUPERSEDED_DIR = "superseded"
 
-# the study's outputs each stage writes (relative to the study folder), moved aside when the stage is redone
-STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
-    "proxy": ("proxies",),
-    "fit": ("law.json",),
-    # the default storage lives in the folder; chosen/ is the search's answer
-    "search": ("optuna.db", "chosen"),
-    "gqa": ("gqa.json",),
-    "train": ("final", "predict_rank_select.json"),
-    "eval": ("eval.json",),
-}
-# stages whose inputs are fingerprinted, in order (the report is rewritten on every run)
-FINGERPRINTED = tuple(STAGE_OUTPUTS)
-
-
-def _flat(obj: Any, prefix: str) -> dict[str, Any]:
-    """A nested mapping as {dotted name: leaf}."""
-    if isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):  # e.g. proxy.sweeps.0.name
-        obj = {str(i): v for i, v in enumerate(obj)}
-    if isinstance(obj, dict) and obj:
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: obj}
-
-
-def _file_hash(path: str | Path) -> str | None:
-    p = Path(path)
-    if not p.is_file():
-        return None
-    return hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-
-
-def _pick(d: dict[str, Any], *names: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    flat = _flat({n: d.get(n) for n in names}, "")
-    return {k: v for k, v in flat.items() if not any(k == x or k.startswith(x + ".") for x in drop)}
-
 
 def stage_inputs(cfg: StudyConfig, measure_key=key_settings, backend: str | None = None) -> dict[str, dict[str, Any]]:
-    """Each fingerprinted stage's inputs: {dotted setting: value} of exactly what it reads.
-    ``measure_key`` and ``backend`` (default: the engine that measures here) name the search's
-    measurement settings; ``archsearch migrate`` passes an earlier key layout's."""
-    d = to_dict(cfg)
-    proxy = _pick(d, "proxy", drop=("proxy.runs",))
-    if cfg.proxy is not None and cfg.proxy.plan == "active":  # the plan fits the law as it goes
-        proxy.update(_pick(d, "params", "law", drop=("law.file", "law.bootstrap")))
-    fit = {**{f"law.{k}": v for k, v in _flat(to_dict(cfg.fit_options()), "").items()},
-           "law.form": cfg.law.form}
-    if cfg.proxy is not None and cfg.proxy.runs:
-        fit["proxy.runs"] = cfg.proxy.runs
-        fit["proxy.runs (content)"] = _file_hash(cfg.proxy.runs)
+    """Each fingerprinted stage's inputs: {dotted setting: value} of exactly what it reads (its
+    record's ``settings``). ``measure_key`` and ``backend`` (default: the engine that measures
+    here) name the search's measurement settings; ``archsearch migrate`` passes an earlier key layout's."""
     try:
         backend = backend or resolve_backend(cfg.measure)[0]
     except ArchsearchError:  # the engine is not installed here: the search stage says so when it runs
         backend = cfg.measure.bench.backend
-    search = _pick(d, "name", "params", "tokens", "n_layers", "baseline", "target", "search_space",
-                   "vocab_size", "tie_embeddings", "limits")
-    search.update({"optuna.objective": cfg.optuna.objective, "optuna.measure_infeasible": cfg.optuna.measure_infeasible,
-                   "measure.reference_batch_size": cfg.measure.ref_batch, "measure.params": cfg.measure.params})
-    search.update({f"measure.{k}": v for k, v in _flat(to_dict(measure_key(cfg.measure, backend)), "").items()})
-    if cfg.law.file:
-        search["law.file"] = cfg.law.file
-        search["law.file (content)"] = _file_hash(cfg.law.file)
-    gqa = _pick(d, "gqa_search")
-    train = _pick(d, "mode", "top_k", "release_accuracy_tolerance", "final_train", "evaluation")
-    ev = _pick(d, "evaluation")
-    return {"proxy": proxy, "fit": fit, "search": search, "gqa": gqa, "train": train, "eval": ev}
+    keyed = flat(to_dict(measure_key(cfg.measure, backend)), "")
+    return {st.name: st.settings(cfg, keyed) for st in fingerprinted()}
 
 
 def fingerprints(cfg: StudyConfig, applies: dict[str, bool], inputs: dict[str, dict[str, Any]] | None = None) \
@@ -113,7 +61,7 @@ def fingerprints(cfg: StudyConfig, applies: dict[str, bool], inputs: dict[str, d
     """Each stage's fingerprint: its own inputs (default: :func:`stage_inputs`) and the previous
     applicable stage's fingerprint."""
     inputs, prev, out = inputs or stage_inputs(cfg), "", {}
-    for stage in FINGERPRINTED:
+    for stage in (st.name for st in fingerprinted()):
         blob = json.dumps({"inputs": inputs[stage], "after": prev}, sort_keys=True, default=str)
         out[stage] = hashlib.sha256(blob.encode()).hexdigest()[:16]
         if applies[stage]:
@@ -191,7 +139,8 @@ def plan_resume(cfg: StudyConfig, out: Path, state_data: dict[str, Any], selecte
         if renamed:
             raise ArchsearchError("out", f"{out} recorded its stages with setting values named otherwise since "
                                   f"({'; '.join(renamed)})", f"run archsearch migrate {out} once, then again")
-    for stage in FINGERPRINTED:
+    order = [st.name for st in fingerprinted()]
+    for stage in order:
         rec = record.data.get(stage)
         started = rec is not None or stage in state_data
         if not started:
@@ -218,9 +167,9 @@ def plan_resume(cfg: StudyConfig, out: Path, state_data: dict[str, Any], selecte
             upstream_stale = stage
     if not plan.stale:
         return plan
-    later = [s for s in FINGERPRINTED if s in selected and applies[s]]
+    later = [s for s in order if s in selected and applies[s]]
     for stage, why in plan.stale.items():
-        needed_by = [s for s in later if FINGERPRINTED.index(s) > FINGERPRINTED.index(stage)] + \
+        needed_by = [s for s in later if order.index(s) > order.index(stage)] + \
             (["report"] if "report" in selected else [])
         if stage not in selected and applies[stage] and needed_by:
             raise ArchsearchError(
@@ -238,8 +187,12 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(d, default=str))
 
 
+def _outputs(stage: str) -> tuple[str, ...]:
+    return next(st.outputs for st in fingerprinted() if st.name == stage)
+
+
 def _has_outputs(out: Path, stage: str) -> bool:
-    return any((out / p).exists() for p in STAGE_OUTPUTS[stage])
+    return any((out / p).exists() for p in _outputs(stage))
 
 
 def supersede(out: Path, plan: ResumePlan, state_data: dict[str, Any]) -> Path | None:
@@ -252,7 +205,7 @@ def supersede(out: Path, plan: ResumePlan, state_data: dict[str, Any]) -> Path |
         n += 1
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
     for stage in plan.stale:
-        for rel in () if stage in plan.keep else STAGE_OUTPUTS[stage]:
+        for rel in () if stage in plan.keep else _outputs(stage):
             src = out / rel
             if src.exists() or src.is_symlink():
                 target = dest / rel

@@ -11,6 +11,7 @@ work, and what keeps two workers from measuring the same shape twice.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import hashlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ from archsearch.benchmarks import measure
 from archsearch.benchmarks.base import BenchResult
 from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior, measure_paired
 from archsearch.candidates import build_candidate
+from archsearch.cluster.startup import ComparisonTimes
 from archsearch.configio import key_values
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines
@@ -77,6 +79,22 @@ class MeasurementStore:
 
     def all(self) -> dict[str, dict[str, Any]]:
         return self._read()
+
+    def comparison_times(self) -> list[ComparisonTimes]:
+        """Each successful measurement's engine process as the start-up figures read it
+        (``cluster.startup.search_samples``): records without a complete timing are left out."""
+        out = []
+        for rec in read_jsonl_lines(self.path):
+            res = rec.get("result") or {}
+            tm, when = res.get("timing") or {}, (res.get("provenance") or {}).get("time_utc")
+            starts = tm.get("engine_start_s") or []
+            if not res.get("ok") or not when or not starts or None in starts or tm.get("wall_s") is None \
+                    or tm.get("rounds_s") is None or rec.get("key") is None:
+                continue
+            out.append(ComparisonTimes(key=rec["key"], ended=dt.datetime.fromisoformat(when).timestamp(),
+                                       wall_s=tm["wall_s"], rounds_s=tm["rounds_s"],
+                                       engine_start_s=tuple(starts), group_size=tm.get("group_size")))
+        return out
 
     def put(self, key: str, result: dict[str, Any]) -> None:
         with file_lock(self._lock):

@@ -13,7 +13,7 @@ from archsearch.cluster.startup import record_tail
 from archsearch.fileio import atomic_write
 from archsearch.rundata import write_runs
 from archsearch.search import log
-from archsearch.search.derived import proxy_sweeps
+from archsearch.search.resolved import ResolvedStudy
 from archsearch.search.config import StudyConfig
 from archsearch.search.measurements import file_lock
 from archsearch.search.report import active_markdown, active_plan_summary, active_plot
@@ -26,11 +26,11 @@ from archsearch.trainers.loop import read_record, token_budget
 from archsearch.trainers.sweep import train_or_fail
 
 
-def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
+def train_proxy_grid(study: ResolvedStudy, out: Path, runs_path: Path) -> dict[str, Any]:
     """Train every proxy sweep (each resumes and skips its finished runs) into
     ``proxies/<sweep name>/`` and merge their tables into ``proxies/runs.csv``."""
-    records = []
-    for sweep in proxy_sweeps(cfg):
+    cfg, records = study.cfg, []
+    for sweep in study.sweeps:
         jobs = None
         log(f"proxy sweep {sweep.name} into {out / 'proxies' / sweep.name}")
         if cfg.proxy.store:  # runs live in the shared store, keyed by content; this study links them
@@ -48,13 +48,14 @@ def train_proxy_grid(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, 
     return {"proxy_runs": len(records), "ok": sum(1 for x in records if x.status == "ok")}
 
 
-def train_active_proxies(cfg: StudyConfig, out: Path, runs_path: Path) -> dict[str, Any]:
+def train_active_proxies(study: ResolvedStudy, out: Path, runs_path: Path) -> dict[str, Any]:
     """``proxy.plan: active``: train the runs the active plan chooses (``archsearch.trainers.active_proxies``)
     into ``proxies/active/``; its table becomes ``proxies/runs.csv``."""
+    cfg = study.cfg
     log(f"active proxy plan into {out / 'proxies' / 'active'}")
     # a best-observed L_opt exists only at a trained size: the target size joins the initial design
     anchors = [cfg.params] if cfg.law.fit.reference == "best-observed" else []
-    records = run_active(proxy_sweeps(cfg), cfg.law.form, cfg.fit_options(), cfg.proxy.active,
+    records = run_active(list(study.sweeps), cfg.law.form, study.fit, cfg.proxy.active,
                          out / "proxies" / "active", anchor_params=anchors)
     write_active_plan_report(out)
     with file_lock(out / ".stage.lock"):

@@ -17,7 +17,10 @@ from archsearch.search import margins
 from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.checks import baseline_loss, baseline_note
 from archsearch.search.margins import describe_margin
-from archsearch.search.study import calibration_label, loss_margin, storage_url, trial_is_feasible, was_measured
+from archsearch.search.constraint import loss_margin
+from archsearch.search.objective import trial_is_feasible, was_measured
+from archsearch.search.solution import calibration_label
+from archsearch.search.storage import storage_url
 from archsearch.search.targets import targets_figure, targets_markdown, targets_summary
 from archsearch.trainers.health import proxies_health
 

@@ -31,7 +31,6 @@ from archsearch.errors import ArchsearchError
 from archsearch.figures import save
 from archsearch.logs import get_logger
 from archsearch.search.deployment import AGGREGATES, DeploymentTarget, target_measure
-from archsearch.search.derived import measure_scale
 from archsearch.search.measurements import Measurer, check_result_limits
 from archsearch.search.trials import record_measurement, set_constraint
 
@@ -233,7 +232,7 @@ def predicted_ratio_fn(ctx):
     its calibration, its batch and lengths; a measuring target's device and engine predicted by
     the roofline and the calibration it names, uncalibrated without one), the ratio of a shape's
     predicted throughput to the baseline's on it, aggregated as the objective is."""
-    scale = measure_scale(ctx.cfg, ctx.build) or (lambda spec: spec)
+    scale = ctx.study.measured  # the shape as measured (measure.params)
     fns = []
     for t in ctx.targets:
         m = t.measure

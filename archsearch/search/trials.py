@@ -3,6 +3,8 @@ value <= 0) and where its measurement is stored; a failed measurement fails the 
 
 from __future__ import annotations
 
+from archsearch.cluster.startup import TrialTimes
+
 
 class MeasurementFailed(Exception):
     """A candidate's measurement failed: its trial fails, the study goes on."""
@@ -32,3 +34,18 @@ def record_measurement(trial, m, backend: str | None, failure: str | None) -> No
         trial.set_user_attr("failure_reason", failure)
         set_constraint(trial, "limits_violated", 0.0)
         raise MeasurementFailed(failure)
+
+
+def trial_times(study) -> list[TrialTimes]:
+    """The study's started trials as the start-up figures read them (``cluster.startup``): the
+    worker each names on itself, and the measurement it took itself (not one read from the store)."""
+    out = []
+    for t in study.get_trials(deepcopy=False) if study is not None else []:
+        if not t.datetime_start:
+            continue
+        w, ua = t.user_attrs.get("worker") or {}, t.user_attrs
+        out.append(TrialTimes(started=t.datetime_start.timestamp(),
+                              completed=t.datetime_complete.timestamp() if t.datetime_complete else None,
+                              worker=(w.get("host"), w.get("pid")),
+                              measured_key=ua.get("measurement_key") if ua.get("measurement_cached") is False else None))
+    return out

@@ -18,9 +18,11 @@ from archsearch.fileio import atomic_write
 from archsearch.hardware import local_device_name
 from archsearch.search import log
 from archsearch.search.checks import check_reference_batch
-from archsearch.search.context import load_study, search_context
+from archsearch.search.context import search_context
 from archsearch.search.resolved import as_resolved
-from archsearch.search.study import distinct_measured, run_study
+from archsearch.search.callbacks import distinct_measured
+from archsearch.search.study import load_study, run_study
+from archsearch.search.trials import trial_times
 
 # the folder of a study's job ledgers and logs
 JOBS_DIR = "cluster"
@@ -65,6 +67,7 @@ def run_search_workers(study, out: Path, stage_start: float | None = None) -> di
     results = run_tasks(tasks, cfg.cluster, folder)
     subs = [r.submitted for r in results.values() if r.submitted is not None and r.submitted >= t_enter]
     startup.record(out, "search", cfg.cluster.executor,
-                   startup.search_samples(results, load_study(ctx), out / "measurements.jsonl", cfg.measure.bench.backend,
-                                          min(subs) - stage_start if subs else None, since=t_enter))
+                   startup.search_samples(results, trial_times(load_study(ctx)), ctx.measurer.store.comparison_times(),
+                                          cfg.measure.bench.backend, min(subs) - stage_start if subs else None,
+                                          since=t_enter))
     return results

@@ -52,7 +52,7 @@ def main() -> None:
     from archsearch.search.resolved import derive
     from archsearch.candidates import build_candidate
     from archsearch.search import margins
-    from archsearch.search.study import outside_gqa_bounds
+    from archsearch.search.constraint import outside_gqa_bounds
     from archsearch.benchmarks.calibration import Calibration
     from archsearch.benchmarks.analytic import predict_batch
     from archsearch.benchmarks.base import append_jsonl, resolve_dtype
@@ -76,7 +76,7 @@ def main() -> None:
 
     def allowed(spec) -> bool:  # what the study refuses unmeasured, the scan refuses too
         return ((cfg.law.allow_extrapolation or margins.outside_range(law, spec) is None)
-                and outside_gqa_bounds(cfg, spec) is None)
+                and outside_gqa_bounds(study, spec) is None)
 
     s = cfg.search_space
     box, seen = [], set()

@@ -140,21 +140,25 @@ def relative_noise(results: list, batch: int) -> dict[str, Any]:
 
 # -- the Optuna runs ---------------------------------------------------------------------------
 
-def run_arm(cfg, law, lt, measurer, build, out: Path, sampler: str, seeded: bool, seed: int,
+def run_arm(resolved, law, lt, measurer, out: Path, sampler: str, seeded: bool, seed: int,
             max_trials: int):
-    """One fresh study through ``run_study``; returns it. ``seeded=False`` pre-sets the study's
+    """One fresh study of the resolved study ``resolved`` through ``run_study``, each candidate
+    measured alone (its absolute throughput the objective); returns it. ``seeded=False`` pre-sets the study's
     attributes so that ``run_study`` (which enqueues the law's points only into a new study)
     adds none."""
-    from archsearch.search.study import SearchContext, create_study, run_study
+    from archsearch.search.context import SearchContext
+    from archsearch.search.study import create_study, run_study
 
     name = f"{sampler}{'' if seeded else '-unseeded'}-seed{seed}"
     db = out / "studies" / f"{measurer.backend}-{name}.db"
     db.parent.mkdir(parents=True, exist_ok=True)
     db.unlink(missing_ok=True)  # a fresh study each time (our own output)
+    cfg = resolved.cfg
     scfg = dataclasses.replace(cfg, optuna=dataclasses.replace(
         cfg.optuna, sampler=sampler, seed=seed, storage=f"sqlite:///{db.resolve()}",
         n_trials=max_trials, max_trials=10 * max_trials))
-    ctx = SearchContext(cfg=scfg, law=law, target_loss=lt, measurer=measurer, out=out, build=build)
+    ctx = SearchContext(study=dataclasses.replace(resolved, cfg=scfg), law=law, target_loss=lt, measurer=measurer,
+                        out=out, paired=False)
     if not seeded:
         study, _ = create_study(ctx)
         for k, v in (("target_loss", lt), ("params", cfg.params), ("tokens", cfg.tokens),
@@ -166,7 +170,7 @@ def run_arm(cfg, law, lt, measurer, build, out: Path, sampler: str, seeded: bool
 
 def trials_to_threshold(study, target: float, n_trials: int) -> dict[str, Any]:
     """Measured trials until the best feasible throughput so far >= target."""
-    from archsearch.search.study import trial_is_feasible, was_measured
+    from archsearch.search.objective import trial_is_feasible, was_measured
 
     complete = 0
     keys: set[str] = set()
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from archsearch.search.config import load_study_config
     from archsearch.search.measurements import MeasurementStore, Measurer
     from archsearch.search.resolved import derive
-    from archsearch.search.study import trial_is_feasible
+    from archsearch.search.objective import trial_is_feasible
     from optuna.trial import TrialState
 
     t0 = time.time()
@@ -235,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             b = dataclasses.replace(b, device_spec="cpu")  # the roofline of this CPU, as the seeding does
         cfg = dataclasses.replace(cfg, measure=dataclasses.replace(cfg.measure, bench=b))
     law = load_law(args.law)
-    study = derive(cfg)
-    lt, build = study.target_loss(law), study.build
+    resolved = derive(cfg)
+    lt, build = resolved.target_loss(law), resolved.build
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     measurer = Measurer(cfg.measure, MeasurementStore(out / "measurements.jsonl"))
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         per_seed = []
         for seed in range(args.seeds):
             t = time.time()
-            study = run_arm(cfg, law, lt, measurer, build, out, sampler, seeded, seed, max_trials)
+            study = run_arm(resolved, law, lt, measurer, out, sampler, seeded, seed, max_trials)
             r = trials_to_threshold(study, target, n_trials)
             for tr in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
                 if tr.user_attrs.get("measurement_key"):

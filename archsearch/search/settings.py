@@ -1,0 +1,36 @@
+"""A stage's settings as it records them: picked from the config by dotted name (``pick``), with
+the content hash of a file it reads (``file_hash``). The stages' records
+(:mod:`archsearch.search.stages`) say which settings each stage reads; :mod:`archsearch.search.inputs`
+fingerprints them."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+
+def flat(obj: Any, prefix: str) -> dict[str, Any]:
+    """A nested mapping as {dotted name: leaf}."""
+    if isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):  # e.g. proxy.sweeps.0.name
+        obj = {str(i): v for i, v in enumerate(obj)}
+    if isinstance(obj, dict) and obj:
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: obj}
+
+
+def file_hash(path: str | Path) -> str | None:
+    """The first 16 hex digits of a file's SHA-256 (None: no such file)."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    return hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+
+
+def pick(d: dict[str, Any], *names: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The settings under ``names`` of the config dict ``d``, flat, less those under ``drop``."""
+    found = flat({n: d.get(n) for n in names}, "")
+    return {k: v for k, v in found.items() if not any(k == x or k.startswith(x + ".") for x in drop)}
