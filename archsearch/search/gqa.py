@@ -383,8 +383,9 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
                 add_note(step, "re-measured (not significantly slower)")
             if slower_than_baseline(step, base):
                 q = step.ratio_vs_start
-                stop = (f"significantly slower than GQA {g0} (x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}])"
-                        if q else "slower than the baseline GQA")
+                stop = ("slower than the baseline GQA" if not q else
+                        f"predicted slower than GQA {g0} (x{q['ratio']:.3f}, no interval)" if q.get("predicted") else
+                        f"significantly slower than GQA {g0} (x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}])")
                 add_note(step, f"{stop}: stop")
                 res.stops[name] = f"GQA {g}: {stop}"
                 break

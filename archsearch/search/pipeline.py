@@ -302,7 +302,8 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     cfg, ctx, info = r.cfg, r.ctx, None
     if fresh:
         t = time.time()
-        log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
+        log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_shapes} shapes, "
+            f"at most {cfg.optuna.n_trials} trials) "
             f"measuring with {ctx.measurer.backend}")
         if cfg.cluster.parallel:
             workers = run_search_workers(r.resolved, r.out, stage_start=t)

@@ -168,7 +168,9 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
         cy = chosen.ratio["ratio"] if paired and chosen.ratio else chosen.throughput
         ax.scatter([chosen.predicted_loss], [cy], marker="D", s=90, c="tab:green", label="chosen", zorder=6)
     ax.set_xlabel("predicted loss")
-    ax.set_ylabel(f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
+    predicted = any((p["ratio"] or {}).get("predicted") for p in pts)
+    ax.set_ylabel(f"throughput / baseline's, predicted (no interval) (batch {ctx.ref_batch})" if predicted else
+                  f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
                   else f"measured output tokens/s (batch {ctx.ref_batch})")
     ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
     legend(ax, fontsize=8)  # a one-shape front's step line draws nothing: no entry for it
@@ -213,7 +215,10 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
               + (" (chosen)" if json.dumps(p["spec"], sort_keys=True) == chosen_spec else "") for p in shapes]
     r = [p["ratio"]["ratio"] for p in shapes]
     err = [[p["ratio"]["ratio"] - p["ratio"]["lo"] for p in shapes], [p["ratio"]["hi"] - p["ratio"]["ratio"] for p in shapes]]
-    colors = ["tab:green" if p["ratio"]["significantly_faster"] else
+    predicted = any(p["ratio"].get("predicted") for p in shapes)
+    # a prediction has no noise: its colour says only which side of 1 it falls on, never significance
+    colors = [("tab:olive" if p["ratio"]["ratio"] > 1 else "tab:purple") if p["ratio"].get("predicted") else
+              "tab:green" if p["ratio"]["significantly_faster"] else
               "tab:red" if p["ratio"]["significantly_slower"] else "tab:gray" for p in shapes]
     # points with intervals on an axis around 1 (bars from 0 would hide differences of a few %)
     for i, (x, lo, hi, c) in enumerate(zip(r, err[0], err[1], colors)):
@@ -223,9 +228,11 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
     ax.set_yticks(range(len(shapes)), labels, fontsize=8)
     ax.invert_yaxis()
     meaning = {"tab:green": "green: significantly faster", "tab:red": "red: significantly slower",
-               "tab:gray": "grey: tied with the baseline"}
+               "tab:gray": "grey: tied with the baseline", "tab:olive": "olive: predicted faster",
+               "tab:purple": "purple: predicted slower"}
     drawn = [meaning[c] for c in meaning if c in colors] + ["black line: the baseline"]  # only colours drawn
-    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval);\n" + ", ".join(drawn), fontsize=9)
+    ax.set_xlabel(("throughput / baseline's, predicted by a formula (no noise: no interval);\n" if predicted else
+                   f"throughput / baseline's (paired, {_level(pts)} interval);\n") + ", ".join(drawn), fontsize=9)
     fig.tight_layout()
     return _save(fig, out, "throughput", plt)
 
@@ -562,6 +569,9 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
                   "predicted_loss_interval": predicted_interval(base, ctx),
                   "size_note": baseline_note(cfg, base)}
     chosen_point = chosen.summary(base_point["throughput"], out / "chosen" / "config.json") if chosen else None
+    if chosen_point and not chosen_point["is_baseline"]:
+        chosen_point["baseline_throughput_same_rounds"], chosen_point["measurement_key"] = \
+            paired_baseline_throughput(study, chosen)
     _add_margins(ctx, chosen, chosen_point, base_point)
     q = (chosen_point or {}).get("ratio")
     gain = q["ratio"] - 1.0 if q else (0.0 if chosen_point and chosen_point["is_baseline"] else None)
@@ -687,7 +697,31 @@ def active_markdown(p: dict[str, Any]) -> list[str]:
 def _ratio_txt(q: dict[str, Any] | None) -> str:
     if not q:
         return "-"
+    if q.get("predicted"):  # a deterministic prediction: no noise, so no interval and no rounds
+        return f"x{q['ratio']:.3f}, predicted (a formula: no interval)"
     return f"x{q['ratio']:.3f}, {q['level']:.0%} interval [{q['lo']:.3f}, {q['hi']:.3f}] over {q['n']} rounds"
+
+
+def ratio_verdict(q: dict[str, Any] | None) -> str:
+    """How a ratio to the baseline reads: a significance verdict for a measured ratio, the side
+    of 1 it falls on for a prediction (which has no noise to be significant against)."""
+    if not q:
+        return "not compared"
+    if q.get("predicted"):
+        return ("predicted faster than the baseline" if q["ratio"] > 1 else
+                "predicted slower than the baseline" if q["ratio"] < 1 else "predicted equal to the baseline")
+    return ("**significantly faster** than the baseline" if q["significantly_faster"] else
+            "not significantly faster than the baseline")
+
+
+def paired_baseline_throughput(study, chosen: Answer | None) -> tuple[float | None, str | None]:
+    """The baseline's throughput in the chosen trial's own paired rounds (the rounds its ratio
+    comes from) and that measurement's key; (None, None) where the answer came from elsewhere
+    (a GQA step, the kept baseline)."""
+    if chosen is None or chosen.is_baseline or chosen.gqa is not None or chosen.trial is None:
+        return None, None
+    t = next((t for t in study.get_trials(deepcopy=False) if t.number == chosen.trial), None)
+    return (t.user_attrs.get("baseline_throughput"), t.user_attrs.get("measurement_key")) if t is not None else (None, None)
 
 
 def render_markdown(s: dict[str, Any]) -> str:
@@ -715,14 +749,18 @@ def render_markdown(s: dict[str, Any]) -> str:
                 "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
                 f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput relative to the "
                 f"baseline {_ratio_txt(q)}, " + (
+                    f"{ratio_verdict(q)}." if q.get("predicted") else
                     "entirely below 1 (significantly slower)." if q.get("hi") is not None and q["hi"] < 1 else
                     "which includes 1 (a tie within the measurement's noise).")
                 if q else "", ""]
         else:
             q = ch.get("ratio")
-            verdict = ("**significantly faster** than the baseline" if q and q["significantly_faster"] else
-                       "not significantly faster than the baseline" if q else "not compared")
+            verdict = ratio_verdict(q)
             t = s.get("targets")
+            pb = ch.get("baseline_throughput_same_rounds")
+            same = ((f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
+                     f"{pb:.1f} in the same paired rounds (trial {ch['trial']})") if pb is not None else
+                    f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s, the mean of its own rounds")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
                 (f"- Over {len(t['targets'])} deployment targets (the {t['objective']} of their ratios, each "
@@ -733,8 +771,7 @@ def render_markdown(s: dict[str, Any]) -> str:
                  f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
                 f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}"
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
-                + f"): {verdict}" + (f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s beside the "
-                                     f"baseline's {(base['throughput'] or float('nan')):.1f}." if not t else ".")
+                + f"): {verdict}" + (same + "." if not t else ".")
                 if q else
                 f"- Measured with **{s['backend']}** at batch {b}: {(ch['throughput'] or float('nan')):.1f} tokens/s.",
                 f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
@@ -757,7 +794,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     front = s["pareto"]
     for p in front[:10]:
         a = describe(ArchSpec.from_dict(p["spec"]))
-        rt = f"x{p['ratio']['ratio']:.3f} [{p['ratio']['lo']:.3f}, {p['ratio']['hi']:.3f}]" if p.get("ratio") else "-"
+        rt = ("-" if not p.get("ratio") else f"x{p['ratio']['ratio']:.3f} (predicted)" if p["ratio"].get("predicted")
+              else f"x{p['ratio']['ratio']:.3f} [{p['ratio']['lo']:.3f}, {p['ratio']['hi']:.3f}]")
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "

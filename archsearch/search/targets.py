@@ -144,6 +144,7 @@ def combine(rows: list[dict[str, Any]], how: str, level: float) -> dict[str, Any
     binding = min(rows, key=lambda r: r["ratio"] if r["ratio"] is not None else -math.inf)["target"]
     return {"ratio": est, "lo": lo, "hi": hi, "level": level, "n": min(int(r.get("n") or 0) for r in rows),
             "significantly_faster": lo > 1.0, "significantly_slower": hi < 1.0,
+            "predicted": all(r.get("source") == "predicted" for r in rows),  # no noise anywhere: no interval
             "aggregate": how, "binding": binding, "per_target": rows}
 
 
