@@ -140,12 +140,13 @@ def test_a_search_says_why_it_stopped_and_labels_predictions(tmp_path, capsys):
     report = (cfg.out_dir() / "report.md").read_text()
     assert "significantly" not in report.split("## Baseline")[0]
     assert "interval [" not in report.split("## Baseline")[0]
-    assert "predicted (a formula: no interval)" in report
+    assert "a formula's figure: no noise, so no interval" in report
     ch = s["chosen"]
     if not ch["is_baseline"]:
         assert ch["ratio"]["predicted"] and ch["baseline_throughput_same_rounds"] is not None
         assert f"beside the baseline's {ch['baseline_throughput_same_rounds']:.1f} in the same paired rounds" in report
     assert "x1 by definition" in err or "predicted (no interval)" in err
+    assert "plots/optuna_history.png" in s["plots"]  # Optuna's own figure, beside the project's
 
 
 def test_the_dry_run_ends_with_the_whole_cost():
@@ -225,3 +226,105 @@ def test_cards_go_through_modelcard_and_say_where_each_number_came_from(tmp_path
     assert "**predicted, not measured**: the analytic roofline of H200, calibrated by h200-vllm.json" in text
     assert "predicted (no interval)" in text and "significantly" not in text and "interval [1.150" not in text
     assert "NVIDIA H100 80GB" not in text.split("## Provenance")[0]
+
+
+def _tiny_model(folder):
+    """A one-layer Llama with a byte-level BPE tokenizer trained on one line: an HF folder that
+    lm-eval loads from its path in a second."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["To be, or not to be, that is the question."] * 10,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                                 eos_token_id=fast.eos_token_id)).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_eval_writes_lm_eval_s_layout_quietly_and_resumes_from_its_request_cache(tmp_path, cli, monkeypatch):
+    """--output_path DIR gets lm-eval's own layout (results and, with --log_samples, samples),
+    stdout lm-eval's markdown table, and -q keeps lm-eval's warnings and bars off stderr. The
+    request cache under DIR answers a rerun: the model is never asked again."""
+    import glob
+    import sqlite3
+
+    model = _tiny_model(tmp_path / "tiny")
+    out = tmp_path / "ev"
+    p = cli("eval", "--model", str(model), "--tasks", "shakespeare_lastword", "--limit", "4", "--batch_size", "2",
+            "--output_path", str(out), "--log_samples", "--bootstrap_iters", "0", "-q")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stderr == "", p.stderr[-2000:]
+    assert "|shakespeare_lastword|" in p.stdout and "|perplexity|" in p.stdout.replace(" ", "")
+    folder = out / str(model).replace("/", "__")
+    results = glob.glob(str(folder / "results_*.json"))
+    assert len(results) == 1 and glob.glob(str(folder / "samples_shakespeare_lastword_*.jsonl"))
+    res = json.loads(open(results[0]).read())
+    assert res["config"]["batch_size"] == 2 and res["archsearch"]["batch_size"] == 2
+    cache = glob.glob(str(out / "requests-cache" / "*_rank0.db"))
+    assert len(cache) == 1
+    with sqlite3.connect(cache[0]) as db:
+        assert db.execute("select count(*) from unnamed").fetchone()[0] == 4  # one per document
+
+    # the rerun reads every answer from the cache: the model's loglikelihood is never called
+    from lm_eval.models.huggingface import HFLM
+
+    from archsearch.evaluation import evaluate
+
+    def asked(*a, **k):
+        raise AssertionError("the rerun asked the model again")
+
+    monkeypatch.setattr(HFLM, "loglikelihood", asked)
+    again = evaluate(model, "shakespeare_lastword", limit=4, batch_size=2, output_path=out, bootstrap_iters=0)
+    first = res["results"]["shakespeare_lastword"]["perplexity,none"]
+    assert again["results"]["shakespeare_lastword"]["perplexity,none"] == pytest.approx(first)
+    assert again["archsearch"]["request_cache"] == cache[0].removesuffix("_rank0.db")
+
+
+def test_a_sweep_draws_its_loss_curves(tmp_path):
+    """One line per run from its metrics.jsonl (a torn last line skipped), a panel per size."""
+    import csv
+
+    from archsearch.figures import sweep_loss_curves
+
+    assert sweep_loss_curves(tmp_path) == []  # no runs.csv: nothing to draw
+    rows = []
+    for n, x in ((1e5, 0.12), (1e5, 0.2), (2e5, 0.12)):
+        run = tmp_path / "runs" / f"r{int(n)}-{x}"
+        run.mkdir(parents=True)
+        (run / "run.json").write_text(json.dumps({"global_batch_size": 4, "seq_len": 8}))
+        lines = [json.dumps({"step": s, "smoothed_loss": 7 - s / 10}) for s in range(1, 20)]
+        (run / "metrics.jsonl").write_text("\n".join(lines + [json.dumps({"step": 19, "eval_loss": 5.3}), '{"step": 2'])
+                                           + "\n")
+        rows.append({"run_id": run.name, "requested_params": n, "requested_hidden_over_sqrt_n": x})
+    with open(tmp_path / "runs.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    made = sweep_loss_curves(tmp_path)
+    assert made == [str(tmp_path / "plots/loss_curves.png"), str(tmp_path / "plots/loss_curves.pdf")]
+    assert all(os.path.getsize(p) > 1000 for p in made)
+
+
+def test_every_interrupt_message_is_true_for_its_command():
+    """Ctrl-C: a resuming command says to run it again; eval says whether its request cache kept
+    anything; a command that does not resume does not claim to."""
+    import argparse
+
+    from archsearch.cli import build_parser, interrupt_note
+
+    parse = build_parser().parse_args
+    assert interrupt_note(parse(["search", "--config", "c.yaml"])) == "run the same command again to resume"
+    assert "does not resume" in interrupt_note(parse(["estimate", "--arch", "llama-3.2-1b", "--tokens", "1e9",
+                                                      "--gpus", "8xH100"]))
+    assert "nothing was kept" in interrupt_note(parse(["eval", "--model", "m"]))
+    assert "resume" in interrupt_note(parse(["eval", "--model", "m", "--output_path", "o"]))
+    assert "does not resume" in interrupt_note(argparse.Namespace())

@@ -299,9 +299,11 @@ def _rekey_stage_inputs(plan: Plan, cfg: StudyConfig, backends: list[str],
                 for stage, rec in record.items():
                     if stage in old_fp and rec.get("fingerprint") == old_fp[stage] and \
                             rec.get("inputs") == json.loads(json.dumps(old_in[stage], default=str)):
-                        record[stage] = {"fingerprint": new_fp[stage],
-                                         "inputs": json.loads(json.dumps(new_in[stage], default=str))}
-                        changed = True
+                        new = {"fingerprint": new_fp[stage], "inputs": json.loads(json.dumps(new_in[stage], default=str))}
+                        # a record already in this version's form matches its own "old" form where no name
+                        # changed: rewriting it would change nothing, and saying so would be untrue
+                        changed |= new != rec
+                        record[stage] = new
     if changed:
         plan.files[path] = json.dumps(record, indent=2, default=str)
 

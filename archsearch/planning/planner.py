@@ -718,9 +718,11 @@ def plan_to_dict(cp: OptionPlan) -> dict[str, Any]:
     return d
 
 
-def plot_tradeoff(plans: list[OptionPlan], png: Path, limits: Limits | None = None) -> Path:
+def plot_tradeoff(plans: list[OptionPlan], png: Path, limits: Limits | None = None,
+                  recommended: OptionPlan | None = None) -> Path:
     """Time per output token and time to first token against peak memory, every grid point of
-    every candidate; points within the limits filled, others hollow; the limits dashed."""
+    every candidate; points within the limits filled, others hollow; the limits dashed; the
+    recommended candidate's serving point ringed and named."""
     @figures.styled
     def draw() -> Path:
         import matplotlib.pyplot as plt
@@ -748,9 +750,17 @@ def plot_tradeoff(plans: list[OptionPlan], png: Path, limits: Limits | None = No
                 if limits.max_peak_memory_gib is not None:
                     ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1,
                                label=f"limit: peak memory <= {limits.max_peak_memory_gib:g} GiB")
+        bp = recommended.best_point if recommended is not None else None
+        if bp is not None and bp.peak_memory_gib:
+            for ax, attr in zip(axes, ("tpot_s", "ttft_s")):
+                if getattr(bp, attr):
+                    ax.scatter([bp.peak_memory_gib], [getattr(bp, attr) * 1e3], s=320, facecolors="none",
+                               edgecolors="k", linewidths=2, zorder=5,
+                               label=f"recommended: {recommended.name}, batch {bp.batch_size}")
         for ax in axes:
             figures.legend(ax, loc="best", fontsize=7)
-        fig.suptitle("planner: measured grid (marker size = batch size)")
+        fig.suptitle("planner: measured grid (marker size = batch size)"
+                     + (f"; recommended {recommended.name}" if recommended is not None else ""))
         return figures.save(fig, png)
 
     return draw()

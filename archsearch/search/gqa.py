@@ -341,7 +341,8 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         res.steps.append(step)
         tp = f"{step.throughput:.1f} tok/s" if step.throughput is not None else "-"
         if step.ratio:
-            tp += f", x{step.ratio['ratio']:.3f} [{step.ratio['lo']:.3f}, {step.ratio['hi']:.3f}] vs baseline"
+            tp += (f", x{step.ratio['ratio']:.3f} vs baseline, predicted (no interval)" if step.ratio.get("predicted")
+                   else f", x{step.ratio['ratio']:.3f} [{step.ratio['lo']:.3f}, {step.ratio['hi']:.3f}] vs baseline")
         say(f"GQA {g} ({v.n_heads}+{v.n_kv_heads} heads): {tp} {step.note}".rstrip())
         return step
 

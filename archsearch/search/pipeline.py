@@ -122,6 +122,12 @@ class Stage:
     resumes_itself: bool = False  # runs even when done (the Optuna study tops itself up)
 
 
+def law_plot_box(cfg: StudyConfig) -> dict[str, tuple[float, float]]:
+    """The search box as the law's factor plots shade it."""
+    s = cfg.search_space
+    return {"x1": tuple(s.hidden_over_sqrt_n), "x2": tuple(s.mlp_to_attn)}
+
+
 def _in_study_log(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``fn(cfg, out, ...)`` with its progress lines and libraries' warnings also appended to
     ``out/study.log`` (created with the folder, never for a config refused before any work)."""
@@ -263,7 +269,7 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             r.law = fit_law(runs, cfg.law.form, r.resolved.fit)
         r.law = with_held_out_error(r.law, runs, r.resolved)
         r.law.save(law_path)
-        write_plots(r.law, runs, [], r.out / "plots")
+        write_plots(r.law, runs, [], r.out / "plots", box=law_plot_box(r.cfg))
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
     r.ctx = search_context(r.resolved, r.out, r.law)
     if r.ctx.measurer.note:

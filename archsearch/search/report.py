@@ -13,7 +13,7 @@ from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, read_jsonl_lines, write_json, write_table
 from archsearch.modelcard import write_study_cards
 from archsearch.provenance import provenance
-from archsearch.search import margins
+from archsearch.search import log, margins
 from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.checks import baseline_loss, baseline_note
 from archsearch.search.margins import describe_margin
@@ -183,9 +183,48 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     if chosen:
         marks.append(("chosen", describe(chosen.spec), "tab:green"))
     made += _ucurves(ctx, out, plt, marks)
+    made += optuna_figures(study, out, plt)
     plan = active_plan_summary(ctx.out)
     if plan is not None:
         made += active_plot(plan, out, plt)
+    return made
+
+
+def optuna_figures(study, out: Path, plt) -> list[str]:
+    """Optuna's own figures (``optuna.visualization.matplotlib``): the optimisation history and,
+    with at least two completed trials that vary a knob, the knobs' importances (fANOVA) for the
+    first objective. A figure Optuna cannot draw for this study is left out, and said so."""
+    import warnings
+
+    import optuna
+    from optuna.trial import TrialState
+    from optuna.visualization import matplotlib as ovm
+
+    name = (study.metric_names or ["objective"])[0]
+    target = (lambda t: t.values[0]) if len(study.directions) > 1 else None  # noqa: E731
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    made = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        for fig_name, draw, enough in (
+                ("optuna_history", ovm.plot_optimization_history, len(complete) >= 1),
+                ("optuna_importances", ovm.plot_param_importances,
+                 len(complete) >= 2 and any(len({t.params.get(k) for t in complete}) > 1
+                                            for k in complete[0].params))):
+            if not enough:
+                continue
+            try:
+                ax = draw(study, target=target, target_name=name)
+            except (ValueError, RuntimeError) as e:  # e.g. every trial's value equal: no importance to give
+                log(f"plots: Optuna's {fig_name.split('_')[1]} figure not drawn ({e})")
+                continue
+            fig = ax.figure
+            fig.set_size_inches(7, 4.5)
+            for loc in ("left", "center"):  # Optuna titles some figures on the left
+                if ax.get_title(loc=loc):
+                    ax.set_title(f"study {study.study_name}: {ax.get_title(loc=loc)}", loc=loc)
+            fig.tight_layout()
+            made += _save(fig, out, fig_name, plt)
     return made
 
 
@@ -242,7 +281,7 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
     d/sqrt(N) at the box's best r, and against r at the box's best d/sqrt(N), with the bootstrap
     band where the law has one, the target loss, and where the baseline and chosen shapes
     (``marks``: label, ``describe`` dict, colour) sit on each axis, each with a dot at its own
-    predicted loss. The curves run past the box to every marked shape (the part outside the box
+    predicted loss on its own curve (the law at that shape's other coordinate, in its colour). The curves run past the box to every marked shape (the part outside the box
     shaded), so a shape outside the box still reads off a curve."""
     import numpy as np
 
@@ -274,7 +313,7 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
              "r = MLP / attention")):
         a, b = (xs, np.full_like(xs, fixed)) if key == "hidden_over_sqrt_n" else (np.full_like(xs, fixed), xs)
         y, boot = curve(a, b)
-        ax.plot(xs, y, c="tab:blue", label="law")
+        ax.plot(xs, y, c="tab:blue", label="law at the box's best")
         if boot is not None:
             lo, hi = np.quantile(boot, [0.05, 0.95], axis=0)
             ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, label="90% bootstrap band")
@@ -284,6 +323,12 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
         ax.axhline(ctx.target_loss, ls="--", c="tab:red", label=f"target loss {ctx.target_loss:.4g}")
         for label, arch, color in marks:
             own, _ = curve(np.array([float(arch["hidden_over_sqrt_n"])]), np.array([float(arch["mlp_to_attn_ratio"])]))
+            # the shape's own curve (its other coordinate held), so its dot lies on a curve drawn for it
+            mine = float(arch["mlp_to_attn_ratio"] if key == "hidden_over_sqrt_n" else arch["hidden_over_sqrt_n"])
+            if not np.isclose(mine, fixed, rtol=1e-3):
+                a2, b2 = (xs, np.full_like(xs, mine)) if key == "hidden_over_sqrt_n" else (np.full_like(xs, mine), xs)
+                ax.plot(xs, curve(a2, b2)[0], c=color, lw=1.2, alpha=0.85,
+                        label=f"law at the {label}'s {'r' if key == 'hidden_over_sqrt_n' else 'd/sqrt(N)'} = {mine:.3g}")
             ax.axvline(arch[key], ls=":", c=color, label=f"{label} ({arch[key]:.3g}; its loss {float(own[0]):.4g})")
             ax.scatter([arch[key]], [float(own[0])], c=color, s=30, zorder=5)
         log_axis(ax, "x")
@@ -329,6 +374,18 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
             "interval_trace": [{"flops_spent": f["flops_spent"], "n_runs": f["n_runs"], "interval": f["interval"],
                                 "optimum": f["optimum"]} for f in fits],
             "pool": pool, "folder": str(folder)}
+
+
+def interval_trend(trace: list[dict[str, Any]]) -> str:
+    """How the optimum's interval changed over the plan, as a title says it: ``shrank``, ``grew``
+    or ``changed`` (one coordinate each way), from the first to the last finite half-widths."""
+    keys = ("half_width_hidden_over_sqrt_n", "half_width_mlp_to_attn_ratio")
+    ends = [[t["interval"].get(k) for t in trace if (t["interval"].get(k) or 0) > 1e-4] for k in keys]
+    moves = {("shrank" if w[-1] < w[0] else "grew" if w[-1] > w[0] else "held") for w in ends if len(w) > 1}
+    if not moves:
+        return "changed (too few intervals to compare)"
+    return moves.pop() if len(moves) == 1 else "changed (" + ", ".join(
+        f"{lab} {'shrank' if w[-1] < w[0] else 'grew'}" for lab, w in zip(("d/sqrt(N)*", "r*"), ends) if len(w) > 1) + ")"
 
 
 def _interval_label(iv: dict[str, Any] | None) -> str:
@@ -404,7 +461,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     log_axis(a1, "y")
     a1.set_xlabel(xlab)
     a1.set_ylabel(f"relative half-width of the {lab_iv} interval")
-    a1.set_title("how the optimum's interval shrank")
+    a1.set_title(f"how the optimum's interval {interval_trend(tr)}")
     legend(a1, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
 
     pool = plan["pool"]
@@ -769,7 +826,8 @@ def render_markdown(s: dict[str, Any]) -> str:
                  f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
                  f"at batch {b}: " if s["backend"] == "analytic" else
                  f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
-                f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}"
+                f"throughput **x{q['ratio']:.3f}** the baseline's ("
+                + ("a formula's figure: no noise, so no interval" if q.get("predicted") else _ratio_txt(q))
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
                 + f"): {verdict}" + (same + "." if not t else ".")
                 if q else
