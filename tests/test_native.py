@@ -328,3 +328,30 @@ def test_every_interrupt_message_is_true_for_its_command():
     assert "nothing was kept" in interrupt_note(parse(["eval", "--model", "m"]))
     assert "resume" in interrupt_note(parse(["eval", "--model", "m", "--output_path", "o"]))
     assert "does not resume" in interrupt_note(argparse.Namespace())
+
+
+def test_the_planner_s_progress_goes_to_stderr_not_between_its_tables(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    from archsearch.planning import planner as pl
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_planner import _fake_measure
+
+    pl.measure_grid([pl.resolve_option("tiny")], pl.PlanGrid((1,), (16,), (4,)), {"backend": "hf", "repeats": 1},
+                    tmp_path, measure_fn=_fake_measure([]))
+    cap = capsys.readouterr()
+    assert cap.out == "" and "plan: [1/1] tiny" in cap.err
+
+
+def test_the_active_plan_s_title_says_whether_the_interval_shrank_or_grew():
+    from archsearch.search.report import interval_trend
+
+    def trace(*hws):
+        return [{"interval": {"half_width_hidden_over_sqrt_n": a, "half_width_mlp_to_attn_ratio": b}} for a, b in hws]
+
+    assert interval_trend(trace((0.4, 0.3), (0.2, 0.1))) == "shrank"
+    assert interval_trend(trace((0.1, 0.1), (0.3, 0.2))) == "grew"
+    assert interval_trend(trace((0.4, 0.1), (0.2, 0.3))) == "changed (d/sqrt(N)* shrank, r* grew)"
+    assert interval_trend(trace((0.4, 0.1))).startswith("changed (too few")

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # the commands whose work survives an interrupt and resumes when run again (README, Conventions);
 # a command can say more through its parser's ``on_interrupt`` default (args -> line)
-RESUMING = frozenset({"search", "sweep", "train"})
+RESUMING = frozenset({"search", "sweep", "train", "plan"})  # plan: its measured grid points are kept
 
 
 def interrupt_note(args: argparse.Namespace) -> str:

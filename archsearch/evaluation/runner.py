@@ -259,10 +259,12 @@ def lm_model_args(resolved: ResolvedModel, backend: str, device: str,
         if resolved.gguf_file and importlib.util.find_spec("gguf") is None:
             raise MissingDependencyError("model", f"{resolved.name!r} is a GGUF file and the "
                                          "'gguf' package is not installed", "pip install gguf")
-        args = {"pretrained": src, "tokenizer": src, "device": device,
+        args = {"pretrained": src, "device": device,
                 "dtype": "float32" if device == "cpu" else "bfloat16", "trust_remote_code": False}
-        if resolved.gguf_file:
+        if resolved.gguf_file:  # HFLM reads a GGUF's own tokenizer only when given no other
             args["gguf_file"] = resolved.gguf_file
+        else:
+            args["tokenizer"] = src
         return "hf", {**args, **extra, "trust_remote_code": False}
     if importlib.util.find_spec("vllm") is None:
         raise MissingDependencyError("backend", "vllm backend unavailable (vllm is not installed)",

@@ -43,6 +43,7 @@ from archsearch.benchmarks.measure import measure
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_jsonl_lines, read_text, write_json
 from archsearch.hardware import device_key, get_device
+from archsearch.logs import get_logger
 from archsearch.planning.cost import resolve_price
 from archsearch.planning.formats import base_weight_bytes, parse_format
 from archsearch.planning.limits import Limits, check_limits
@@ -367,8 +368,14 @@ CALIBRATIONS = "lora_calibration"
 CALIBRATION_BATCHES = (1, 4)  # the two measured steps of a calibration (batch sizes at one sequence length)
 
 
+def plan_progress(msg: str) -> None:
+    """The planner's progress lines: on stderr through the project's logging (the result tables
+    alone go to stdout)."""
+    get_logger("plan").info(msg)
+
+
 def calibrate_lora(candidates: list[ModelOption], ft: FinetunePlan, out: Path, threads: int | None = None,
-                   progress: Callable[[str], None] = print,
+                   progress: Callable[[str], None] = plan_progress,
                    measure_fn: Callable | None = None) -> dict[str, LoraCalibration | str]:
     """Each candidate's own LoRA step calibration: two short real LoRA fine-tunes (peft,
     :func:`archsearch.planning.measured.measure_lora_step`; random weights of its shape, the same
@@ -456,7 +463,7 @@ def load_measured(out: Path) -> dict[str, dict[int, dict]]:
 
 
 def measure_grid(candidates: list[ModelOption], grid: PlanGrid, settings_kw: dict[str, Any], out: Path,
-                 progress: Callable[[str], None] = print, measure_fn: Callable | None = None) -> dict[str, dict[int, dict]]:
+                 progress: Callable[[str], None] = plan_progress, measure_fn: Callable | None = None) -> dict[str, dict[int, dict]]:
     """Measure every candidate at every grid point not already in ``OUT/measurements.jsonl``."""
     measure_fn = measure_fn or measure
     done = load_measured(out)
