@@ -57,6 +57,8 @@ def _section(cls: type) -> Any:
         if not isinstance(data, dict):
             return data
         for key in data:
+            if key in getattr(cls, "RENAMED_KEYS", {}):  # a key an earlier version took
+                raise ArchsearchError(str(key), "is a key of an earlier version", cls.RENAMED_KEYS[key])
             if key not in keys:
                 close = difflib.get_close_matches(str(key), keys, n=1)
                 hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"

@@ -108,3 +108,63 @@ def save(fig, png: str | Path, dpi: int = 150) -> Path:
         fig.savefig(fh, format="pdf")
     plt.close(fig)
     return png
+
+
+@styled
+def sweep_loss_curves(sweep_dir: str | Path) -> list[str]:
+    """``SWEEP/plots/loss_curves.png`` (+ .pdf): every run's smoothed training loss against the
+    tokens it has seen, read from its ``runs/<id>/metrics.jsonl``, with its held-out evaluations
+    as dots; one panel per parameter budget, each run coloured by its d/sqrt(N) (from
+    ``runs.csv``). Returns the files written ([] when no run logged a step)."""
+    import csv
+    import json
+
+    import matplotlib.pyplot as plt
+
+    sweep_dir = Path(sweep_dir)
+    table = sweep_dir / "runs.csv"
+    if not table.is_file():
+        return []
+    with open(table, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if (sweep_dir / "runs" / r["run_id"] / "metrics.jsonl").is_file()]
+    curves = []
+    for r in rows:
+        run = sweep_dir / "runs" / r["run_id"]
+        rec = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
+        per_step = (rec.get("global_batch_size") or 1) * (rec.get("seq_len") or 1)
+        steps, loss, evals = [], [], []
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            try:
+                m = json.loads(line)
+            except ValueError:  # a torn last line
+                continue
+            if m.get("smoothed_loss") is not None:
+                steps.append(m["step"] * per_step)
+                loss.append(m["smoothed_loss"])
+            if m.get("eval_loss") is not None:
+                evals.append((m["step"] * per_step, m["eval_loss"]))
+        if steps:
+            curves.append((float(r.get("requested_params") or 0), float(r.get("requested_hidden_over_sqrt_n") or 0),
+                           r["run_id"], steps, loss, evals))
+    if not curves:
+        return []
+    sizes = sorted({c[0] for c in curves})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False, sharey=True)
+    xs = sorted({c[1] for c in curves})
+    cmap = plt.get_cmap("viridis")
+    for ax, n in zip(axes[0], sizes):
+        for size, x, run_id, steps, loss, evals in (c for c in curves if c[0] == n):
+            color = cmap(xs.index(x) / max(1, len(xs) - 1))
+            ax.plot(steps, loss, color=color, lw=1, alpha=0.8)
+            if evals:
+                ax.plot(*zip(*evals), "o", color=color, ms=3)
+        ax.set_title(f"N = {count(n)} ({sum(c[0] == n for c in curves)} runs)")
+        ax.set_xlabel("tokens seen")
+        log_axis(ax, "x", count)
+    axes[0][0].set_ylabel("smoothed training loss (dots: held-out eval loss)")
+    handles = [plt.Line2D([], [], color=cmap(i / max(1, len(xs) - 1)), label=f"d/sqrt(N) = {x:g}")
+               for i, x in enumerate(xs)]
+    axes[0][-1].legend(handles=handles, fontsize=8)
+    fig.suptitle(f"sweep {sweep_dir.name}: loss curves")
+    png = save(fig, sweep_dir / "plots" / "loss_curves.png", dpi=120)
+    return [str(png), str(png.with_suffix(".pdf"))]

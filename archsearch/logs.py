@@ -111,7 +111,8 @@ def configure(verbosity: int = 0) -> None:
     root = logging.getLogger()
     if _library_console not in root.handlers:  # (else Python's last-resort handler prints them bare)
         root.addHandler(_library_console)
-    _library_console.setLevel(logging.INFO if verbosity > 0 else logging.WARNING)
+    # --quiet: other libraries' warnings (lm-eval's, transformers') and progress bars off the console too
+    _library_console.setLevel(logging.INFO if verbosity > 0 else logging.ERROR if verbosity < 0 else logging.WARNING)
     if verbosity > 0:
         root.setLevel(logging.INFO)
     _capture_warnings()

@@ -9,6 +9,10 @@ Hugging Face Hub, which shows a folder's README.md as its card) to read what the
   training run (tokens, losses, device) and provenance.
 
 Every card names the config it came from by hash (:func:`config_hash`, secrets masked first).
+Cards are written through huggingface_hub's ``ModelCard``/``ModelCardData``: license, datasets,
+pipeline tag, library and a results block (model-index: the held-out eval loss and lm-eval's
+scores), which the Hub reads; each throughput figure says whether it was measured (engine,
+device, at which N) or predicted (which roofline and calibration).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from archsearch.configio import mask_secrets
 from archsearch.fileio import atomic_write, read_jsonl_lines
 
 CARD = "README.md"
+LICENSE = "apache-2.0"  # the project's (pyproject.toml): the code that wrote the shape and trained the weights
 _SHAPE = (("n_layers", "layers"), ("hidden_size", "hidden size"), ("n_heads", "query heads"),
           ("n_kv_heads", "KV heads"), ("head_dim", "head dim"), ("ffn", "SwiGLU intermediate size"),
           ("vocab_size", "vocabulary"), ("tie_embeddings", "tied embeddings"), ("family", "family"),
@@ -82,8 +87,9 @@ def _load_lines(path: str, trained: bool, tokens: float | None = None) -> list[s
     return ["## How to load it", "", *how]
 
 
-def _measurement(out: Path, arch: dict[str, Any], batch: int | None) -> dict[str, Any] | None:
-    """The latest measurement record of the study that holds ``arch`` at the reference batch."""
+def _measurement(out: Path, arch: dict[str, Any], batch: int | None, key: str | None = None) -> dict[str, Any] | None:
+    """The measurement record of the chosen shape: the one its trial names (``key``), else the
+    latest record that holds ``arch`` at the reference batch."""
     path = out / "measurements.jsonl"
     if not path.is_file():
         return None
@@ -92,6 +98,8 @@ def _measurement(out: Path, arch: dict[str, Any], batch: int | None) -> dict[str
     found = None
     for rec in read_jsonl_lines(path):
         res = (rec or {}).get("result") or {}
+        if key is not None and rec.get("key") == key:
+            return res
         specs = res.get("specs") or ([res["spec"]] if res.get("spec") else [])
         if any(all(s.get(k) == shape[k] for k in keys) for s in specs if isinstance(s, dict)) and \
                 (batch is None or res.get("batch_size") in (None, batch)):
@@ -100,34 +108,112 @@ def _measurement(out: Path, arch: dict[str, Any], batch: int | None) -> dict[str
 
 
 def _engine_lines(s: dict[str, Any], measured: dict[str, Any] | None) -> list[str]:
+    """Where the throughput figures came from: measured on which engine and device, or predicted
+    by which roofline and calibration; and at which N (``measure.params`` rebuilds every shape)."""
     backend = s.get("backend")
+    cfg = s.get("config") or {}
+    measure = cfg.get("measure") or {}
+    n_measured = s.get("measured_params")
+    at_n = (f"the shape rebuilt at N = {n_measured:,.0f} non-embedding parameters (measure.params; same "
+            f"d/sqrt(N), r and GQA), not at the study's N = {_num(cfg.get('params'))}" if n_measured else
+            f"at the study's N = {_num(cfg.get('params'))}")
+    if backend == "analytic" or (measured or {}).get("predicted"):
+        device = (((measured or {}).get("settings") or {}).get("device_spec")
+                  or (measure.get("bench") or {}).get("device_spec") or "n/a")  # the device predicted for
+        return [f"- **predicted, not measured**: the analytic roofline of {device}, "
+                f"{s.get('calibration') or 'uncalibrated (peak figures)'}; {at_n}"]
     if measured is None:
-        return [f"- engine: {backend or 'n/a'}; device: n/a (no measurement record found)"]
+        return [f"- engine: {backend or 'n/a'}; device: not recorded (no measurement record of this shape "
+                f"in the study folder); {at_n}"]
     prov = measured.get("provenance") or {}
     versions = prov.get("versions") or {}
-    version = versions.get(backend) or versions.get(f"{backend}-cpu")
+    version = measured.get("backend_version") or versions.get(backend) or versions.get(f"{backend}-cpu")
     device = measured.get("device") or (prov.get("device") or {}).get("name")
     settings = measured.get("settings") or {}
-    line = (f"- engine: {backend}{' ' + version if version else ''}; device: {device or 'n/a'}; dtype "
+    return [f"- engine: {backend}{' ' + version if version else ''}; device: {device or 'n/a'}; dtype "
             f"{measured.get('dtype') or settings.get('dtype') or 'n/a'}; input {settings.get('input_len')} / "
-            f"output {settings.get('output_len')} tokens; measured {prov.get('time_utc', 'n/a')}")
-    out = [line]
-    if backend == "analytic":
-        out.append("- the analytic backend predicts throughput from a roofline: a prediction, not a measurement")
+            f"output {settings.get('output_len')} tokens; measured {prov.get('time_utc', 'n/a')}",
+            f"- measured {at_n}"]
+
+
+def _ratio_line(q: dict[str, Any], b: Any) -> str:
+    if q.get("predicted"):  # a formula has no noise: no interval, no significance
+        return f"- x{q['ratio']:.3f} the baseline's throughput at batch {b}, predicted (no interval)"
+    return (f"- x{q['ratio']:.3f} the baseline's throughput at batch {b}, {q.get('level', 0.9):.0%} "
+            f"interval [{q['lo']:.3f}, {q['hi']:.3f}] over {q.get('n', 'n/a')} paired rounds "
+            f"({'significantly faster' if q.get('significantly_faster') else 'not significantly faster'})")
+
+
+def _datasets(data_config: dict[str, Any] | None) -> list[str]:
+    """The training data's names as a card's ``datasets`` lists them (a Hub id where it is one)."""
+    src = (data_config or {}).get("source")
+    srcs = src if isinstance(src, list) else [src] if src else []
+    return [str(x).removeprefix("hf:").split(":")[0] for x in srcs]
+
+
+def _eval_results(model_name: str, eval_loss: float | None, data_config: dict[str, Any] | None,
+                  lm_eval: dict[str, Any] | None) -> list[Any]:
+    """The card's results block (model-index): the held-out eval loss and lm-eval's scores."""
+    from huggingface_hub import EvalResult
+
+    out = []
+    data = (_datasets(data_config) or ["n/a"])[0]
+    if eval_loss is not None:
+        out.append(EvalResult(task_type="text-generation", dataset_type=data, dataset_name=f"{data} (held-out split)",
+                              metric_type="loss", metric_value=float(eval_loss), metric_name="eval loss"))
+    for task, metrics in ((lm_eval or {}).get("results") or {}).items():
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or "_stderr" in metric or not filt:
+                continue
+            out.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=task,
+                                  metric_type=metric, metric_value=float(value), metric_name=f"{task} {metric} (lm-evaluation-harness)"))
     return out
 
 
-def study_card(summary: dict[str, Any], out: Path, path: str, run: dict[str, Any] | None = None) -> str:
+def _card(body: list[str], *, model_name: str, data_config: dict[str, Any] | None = None,
+          eval_loss: float | None = None, lm_eval: dict[str, Any] | None = None) -> str:
+    """A card through huggingface_hub's ModelCard: its metadata (license, datasets, pipeline tag,
+    library, results) above ``body``."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    results = _eval_results(model_name, eval_loss, data_config, lm_eval)
+    data = ModelCardData(license=LICENSE, library_name="transformers", pipeline_tag="text-generation",
+                         tags=["archsearch"], datasets=_datasets(data_config) or None,
+                         model_name=model_name if results else None, eval_results=results or None)
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)))
+
+
+def _lm_eval_lines(lm_eval: dict[str, Any] | None, where: str) -> list[str]:
+    rows = [(t, k.partition(",")[0], v) for t, m in ((lm_eval or {}).get("results") or {}).items()
+            for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and "_stderr" not in k and "," in k]
+    if not rows:
+        return []
+    version = (((lm_eval or {}).get("provenance") or {}).get("versions") or {}).get("lm_eval")
+    return ["## lm-evaluation-harness", "", f"From `{where}`" + (f" (lm-eval {version})." if version else "."),
+            "", "| task | metric | value |", "|---|---|---|", *[f"| {t} | {m} | {_num(v)} |" for t, m, v in rows], ""]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def study_card(summary: dict[str, Any], out: Path, path: str, run: dict[str, Any] | None = None,
+               lm_eval: dict[str, Any] | None = None) -> str:
     """The card of a study's chosen shape (``summary``: the study's ``summary.json``); with
-    ``run`` (a trained model's ``run.json``), that model's training added."""
+    ``run`` (a trained model's ``run.json``), that model's training added, and with ``lm_eval``
+    (its ``eval.json``) its lm-eval scores."""
     c = summary["chosen"]
     arch = c["architecture"]
     cfg = summary.get("config") or {}
     law = summary.get("law") or {}
     iv = c.get("predicted_loss_interval")
     level = f"{cfg.get('target', {}).get('confidence') or 0.9:.0%}" if iv else ""
-    lines = ["---", "library_name: transformers", "tags: [archsearch]", "---", "",
-             f"# {summary['study']}: the chosen architecture", "",
+    lines = [f"# {summary['study']}: the chosen architecture", "",
              f"Chosen by an archsearch study ({c.get('source')}): the fastest shape whose predicted loss "
              f"meets the target. The study folder's `report.md` has the evidence in full.", "",
              "## Shape", "", *_shape_table(arch), "",
@@ -143,17 +229,21 @@ def study_card(summary: dict[str, Any], out: Path, path: str, run: dict[str, Any
     if c.get("is_baseline"):
         lines.append("- this is the baseline: no feasible shape measured significantly faster")
     if q:
-        lines.append(f"- x{q['ratio']:.3f} the baseline's throughput at batch {b}, {q.get('level', 0.9):.0%} "
-                     f"interval [{q['lo']:.3f}, {q['hi']:.3f}] over {q.get('n', 'n/a')} paired rounds "
-                     f"({'significantly faster' if q.get('significantly_faster') else 'not significantly faster'})")
+        lines.append(_ratio_line(q, b))
     if c.get("throughput"):
-        lines.append(f"- {c['throughput']:,.0f} output tokens/s at batch {b}")
-    lines += [*_engine_lines(summary, _measurement(out, arch, b)), ""]
+        pb = c.get("baseline_throughput_same_rounds")
+        lines.append(f"- {c['throughput']:,.0f} output tokens/s at batch {b}"
+                     + (f", beside the baseline's {pb:,.0f} in the same paired rounds" if pb else "")
+                     + (" (predicted)" if (q or {}).get("predicted") or summary.get("backend") == "analytic" else ""))
+    lines += [*_engine_lines(summary, _measurement(out, arch, b, c.get("measurement_key"))), ""]
     if run is not None:
         lines += _run_lines(run) + [""]
+        lines += _lm_eval_lines(lm_eval, "eval.json")
     lines += ["## Provenance", "", *_provenance_lines(summary.get("provenance"), config_hash(cfg)), "",
               *_load_lines(path, trained=run is not None, tokens=cfg.get("tokens")), ""]
-    return "\n".join(lines)
+    data_cfg = (run or {}).get("data_config") or (((cfg.get("proxy") or {}).get("sweep") or {}).get("data"))
+    return _card(lines, model_name=f"{summary['study']}-chosen", data_config=data_cfg,
+                 eval_loss=(run or {}).get("final_eval_loss"), lm_eval=lm_eval if run is not None else None)
 
 
 def _run_lines(run: dict[str, Any]) -> list[str]:
@@ -168,17 +258,18 @@ def _run_lines(run: dict[str, Any]) -> list[str]:
             f"{_num(run.get('wall_time_s'))} s, {_num(run.get('tokens_per_s'))} tokens/s"]
 
 
-def run_card(run: dict[str, Any], path: str) -> str:
-    """The card of a trained model (``run``: its ``run.json``)."""
+def run_card(run: dict[str, Any], path: str, lm_eval: dict[str, Any] | None = None) -> str:
+    """The card of a trained model (``run``: its ``run.json``; ``lm_eval``: its ``eval.json``)."""
     spec = ArchSpec.from_record(run["spec"])
     cfg = {"train": run.get("train_config"), "data": run.get("data_config")}
-    lines = ["---", "library_name: transformers", "tags: [archsearch]", "---", "",
-             f"# {run.get('run_id') or 'archsearch run'}", "",
+    lines = [f"# {run.get('run_id') or 'archsearch run'}", "",
              "A decoder trained from scratch with `archsearch train`.", "",
              "## Shape", "", *_shape_table(describe(spec)), "", *_run_lines(run), "",
+             *_lm_eval_lines(lm_eval, "eval.json"),
              "## Provenance", "", *_provenance_lines(run.get("provenance"), config_hash(cfg)), "",
              *_load_lines(path, trained=True), ""]
-    return "\n".join(lines)
+    return _card(lines, model_name=str(run.get("run_id") or "archsearch-run"), data_config=run.get("data_config"),
+                 eval_loss=run.get("final_eval_loss"), lm_eval=lm_eval)
 
 
 def write_run_card(model_dir: str | Path, run: dict[str, Any]) -> Path:
@@ -202,5 +293,8 @@ def write_study_cards(out: Path, summary: dict[str, Any]) -> list[Path]:
             continue
         model = run_file.parent / "model"
         if run.get("status") == "ok" and model.is_dir() and all(run["spec"].get(k) == arch[k] for k in keys):
-            written.append(atomic_write(model / CARD, study_card(summary, out, str(model), run)))
+            # its lm-eval scores: its own eval.json (predict-rank-select), else the study's (the final model's)
+            ev = _read_json(run_file.parent / "eval.json") or (_read_json(out / "eval.json")
+                                                                  if run_file.parent == out / "final" else None)
+            written.append(atomic_write(model / CARD, study_card(summary, out, str(model), run, ev)))
     return written

@@ -38,6 +38,7 @@ import csv
 import hashlib
 import math
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from archsearch.benchmarks.analytic import predict_batch
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import detect_gpu_name, device_key, get_device
+from archsearch.logs import get_logger
 from archsearch.provenance import provenance
 
 
@@ -307,8 +309,15 @@ def fit_points(pts: list[Point], variant: str | None = None, terms=None) -> dict
         scores = {g: {} for g in groups}
         chosen = {g: variant for g in groups}
     else:  # per group, the variant that predicts its held-out rows best (the fewest parameters among ties)
-        held = {name: (held_out_errors(pts, v, devices, shape_key), held_out_errors(pts, v, devices, lambda p: p.batch))
-                for name, v in variants.items()}
+        held = {}
+        t0 = time.monotonic()
+        log = get_logger("calibrate").info
+        log(f"[calibrate] {len(pts)} rows, {len(groups)} device/engine group(s): scoring {len(variants)} model "
+            "variants by refitting without each shape and each batch size (minutes on a CPU)")
+        for i, (name, v) in enumerate(variants.items(), 1):  # the long part: a line per variant
+            held[name] = (held_out_errors(pts, v, devices, shape_key),
+                          held_out_errors(pts, v, devices, lambda p: p.batch))
+            log(f"[calibrate] variant {i}/{len(variants)} ({name}) scored, {time.monotonic() - t0:.0f} s")
         scores = {g: {name: _score(part(s, g), part(b, g)) for name, (s, b) in held.items()} for g in groups}
         chosen = {}
         for g in groups:

@@ -86,6 +86,9 @@ class RatioEstimate:
     hi: float
     level: float
     n: int
+    # a deterministic prediction (the analytic backend): no noise, so its "interval" is a point and
+    # carries no significance; reports label it a prediction and state neither
+    predicted: bool = False
 
     @property
     def rel_halfwidth(self) -> float:
@@ -194,9 +197,11 @@ class PairedResult(PlainData):
         the reference, over both its engines with a twin). ``instance_var``
         (:func:`instance_variance`) widens the interval by both sides' engine-instance effects."""
         if ref == 0:
-            return ratio_estimate(self.ref_series(), self.series(i), self.paired["level"],
-                                  instance_var * (1 + (0.5 if self.twin else 1.0)))
-        return ratio_estimate(self.series(ref), self.series(i), self.paired["level"], 2 * instance_var)
+            est = ratio_estimate(self.ref_series(), self.series(i), self.paired["level"],
+                                 instance_var * (1 + (0.5 if self.twin else 1.0)))
+        else:
+            est = ratio_estimate(self.series(ref), self.series(i), self.paired["level"], 2 * instance_var)
+        return replace(est, predicted=self.settings.get("backend") == "analytic")
 
     def pair(self, i: int) -> PairedResult:
         """The reference and shape ``i`` alone (and the twin): their columns of every round

@@ -46,7 +46,7 @@ STUDY = {"name": "st", "params": 200000, "tokens": 300000, "n_layers": 2, "vocab
                           "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.15, "on_r_drift": "flag"}},
          "law": {"file": "law.json"},
          "measure": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64},
-         "optuna": {"n_trials": 2, "enqueue_solution": 1},
+         "optuna": {"n_shapes": 2, "enqueue_solution": 1},
          "gqa_search": {"enabled": True, "baseline_gqa": 2}}
 
 # the password every storage case carries: it must never be printed
@@ -377,7 +377,8 @@ CONFIG_CASES = [
     ("study-measure-batch-huge", "study", {"measure.backend": "hf", "measure.batch_sizes": [10 ** 9]}, "measure.batch"),
     ("study-measure-timeout-neg", "study", {"measure.timeout_s": -1}, "measure.timeout"),
     ("study-optuna-trials-zero", "study", {"optuna.n_trials": 0}, "optuna.n_trials"),
-    ("study-optuna-max-trials-neg", "study", {"optuna.max_trials": -3}, "optuna.max_trials"),
+    ("study-optuna-shapes-neg", "study", {"optuna.n_shapes": -3}, "optuna.n_shapes"),
+    ("study-optuna-shapes-beyond-trials", "study", {"optuna.n_shapes": 5, "optuna.n_trials": 3}, "optuna.n_shapes"),
     ("study-optuna-sampler", "study", {"optuna.sampler": "grid"}, "optuna.sampler"),
     ("study-optuna-storage-bogus", "study", {"optuna.storage": "bogus://x"}, "optuna.storage"),
     ("study-gqa-baseline-zero", "study", {"gqa_search.baseline_gqa": 0}, "gqa_search.baseline_gqa"),
@@ -447,7 +448,7 @@ CONFIG_CASES = [
     ("study-active-bootstrap-huge", "study", {"law.file": None, "proxy": {"sweep": SWEEP, "plan": "active",
                                                                           "active": {"bootstrap": 10 ** 8}}},
      "proxy.active.bootstrap"),
-    ("study-trials-beyond-the-box", "study", {"optuna.n_trials": 1000}, "optuna.n_trials"),
+    ("study-trials-beyond-the-box", "study", {"optuna.n_shapes": 1000}, "optuna.n_shapes"),
     # limits a study's measurements cannot show to hold
     ("study-limits-tpot", "study", {"limits": {"max_tpot_s": 1.0}}, "limits.max_tpot_s"),
     ("study-limits-memory", "study", {"limits": {"max_peak_memory_gib": 80}}, "limits.max_peak_memory_gib"),

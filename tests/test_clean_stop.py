@@ -56,7 +56,7 @@ def test_sigterm_raises_in_the_main_process_only():
 
 def test_a_search_stops_once_the_box_has_no_new_shape():
     """A sampler that can only propose three shapes: the study stops after the patience, not at
-    max_trials, and records why."""
+    optuna.n_trials, and records why."""
     import optuna
 
     from archsearch.search.callbacks import ExhaustedSpaceCallback
@@ -68,7 +68,7 @@ def test_a_search_stops_once_the_box_has_no_new_shape():
         t.set_user_attr("spec_key", str(t.suggest_int("k", 0, 2)))
         return 1.0
 
-    cb = ExhaustedSpaceCallback(study, n_trials=10)
+    cb = ExhaustedSpaceCallback(study, n_shapes=10)
     study.optimize(objective, n_trials=1000, callbacks=[cb])
     n = len(study.trials)
     assert 100 <= n < 200, n  # three shapes seen, then 100 trials without a new one
@@ -137,7 +137,7 @@ def test_a_storage_password_is_never_written_or_printed(tmp_path, monkeypatch, c
     sys.path.insert(0, str(REPO / "tests"))
     from test_search import study_config
 
-    cfg = study_config(tmp_path, optuna={"n_trials": 1, "enqueue_solution": 1})
+    cfg = study_config(tmp_path, optuna={"n_shapes": 1, "enqueue_solution": 1})
     url = f"postgresql+psycopg://u:{SECRET}@db.example:5432/studies"
     real_make = storage.make_storage
     opened = []

@@ -59,7 +59,7 @@ def test_paper_plan_gives_every_stage_its_cost(paper):
     # measurements: the 5 seeds with the baseline in one engine process (a group of 6), then
     # every other shape paired with the baseline, two engine starts; 8 workers share the count
     m = c["measure"]
-    n, seeds = cfg.optuna.n_trials, cfg.optuna.enqueue_solution
+    n, seeds = cfg.optuna.n_shapes, cfg.optuna.enqueue_solution
     assert st["search"]["measurements_at_most"] == m["measurements"] == n + 7 and m["workers"] == 8
     assert m["seed_group"] == seeds == 5 and m["pairs"] == {"low": n - seeds, "high": n - seeds + 7}
     w, r = cfg.measure.bench.warmup, cfg.measure.paired.min_rounds

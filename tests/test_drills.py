@@ -64,7 +64,7 @@ STUDY = {"name": "drill", "params": 8.0e4, "tokens": 2.0e4, "n_layers": 2, "voca
          "target": {"slack": 0.02},
          "measure": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64,
                      "device_spec": "H100"},
-         "optuna": {"n_trials": 4, "enqueue_solution": 1, "seed": 0},
+         "optuna": {"n_shapes": 4, "enqueue_solution": 1, "seed": 0},
          "gqa_search": {"enabled": True, "baseline_gqa": 2}}
 PROXIES = Path("proxies") / SWEEP["name"]
 
@@ -271,7 +271,7 @@ def _all_fail_study(root: Path) -> subprocess.CompletedProcess:
            "proxy": {"runs": "runs.csv"},
            "law": {"reference": "chinchilla", "bootstrap": 0},
            "measure": {"backend": "hf", "batch_sizes": [2], "input_len": 8, "output_len": 8, "timeout_s": 0.05},
-           "optuna": {"n_trials": 2, "max_trials": 4, "enqueue_solution": 1, "seed": 0},
+           "optuna": {"n_shapes": 2, "n_shapes": 4, "enqueue_solution": 1, "seed": 0},
            "gqa_search": {"enabled": True, "baseline_gqa": 2}}
     (folder / "study.yaml").write_text(yaml.safe_dump(cfg))
     return subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", "study.yaml", "--out", "s"],

@@ -171,7 +171,7 @@ def test_a_failed_measurement_is_measured_again_on_resume_up_to_max_attempts(tmp
     from archsearch.search import pipeline
     from tests.test_search import load, study_config
 
-    cfg = load(study_config(tmp_path, optuna={"n_trials": 2, "enqueue_solution": 1, "max_trials": 6},
+    cfg = load(study_config(tmp_path, optuna={"n_shapes": 2, "enqueue_solution": 1, "n_shapes": 6},
                             gqa_search={"enabled": False}, measure={"max_attempts": 2}))
     out = cfg.out_dir()
     fail_next = fail_next_paired_measurement(monkeypatch)
@@ -197,7 +197,7 @@ def test_a_failed_measurement_is_measured_again_on_resume_up_to_max_attempts(tmp
     assert len(records()) == n
 
     # with one more attempt allowed, the shape is measured and its trial completes
-    cfg3 = load(study_config(tmp_path, optuna={"n_trials": 2, "enqueue_solution": 1, "max_trials": 6},
+    cfg3 = load(study_config(tmp_path, optuna={"n_shapes": 2, "enqueue_solution": 1, "n_shapes": 6},
                              gqa_search={"enabled": False}, measure={"max_attempts": 3}))
     s = pipeline.run(cfg3, out, only={"search", "report"})
     assert [r["result"]["ok"] for r in records() if r["key"] == key] == [False, False, True]
@@ -210,7 +210,7 @@ def test_a_torn_measurement_record_is_measured_again(tmp_path, capsys):
     from archsearch.search import pipeline
     from tests.test_search import load, study_config
 
-    cfg = load(study_config(tmp_path, optuna={"n_trials": 2}, gqa_search={"enabled": False}))
+    cfg = load(study_config(tmp_path, optuna={"n_shapes": 2}, gqa_search={"enabled": False}))
     out = cfg.out_dir()
     pipeline.run(cfg, out, only={"search"})
     store = out / "measurements.jsonl"
@@ -271,7 +271,7 @@ def test_a_failed_gqa_measurement_is_measured_again_on_resume(tmp_path, monkeypa
     space = {"hidden_over_sqrt_n": [0.08, 0.3], "mlp_to_attn": [0.7, 5.0], "gqa": [1, 2, 4], "head_dim": 32,
              "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05, "r_tolerance": 0.5,
                        "on_r_drift": "flag"}}  # GQA variants 1..4 of the best shape keep r within 50%
-    cfg = load(study_config(tmp_path, optuna={"n_trials": 2}, search_space=space))
+    cfg = load(study_config(tmp_path, optuna={"n_shapes": 2}, search_space=space))
     out = cfg.out_dir()
     pipeline.run(cfg, out, only={"search"})
     fail_next = fail_next_paired_measurement(monkeypatch)

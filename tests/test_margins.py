@@ -267,7 +267,7 @@ def test_the_report_states_margins_and_the_range(tmp_path):
     from archsearch.search import pipeline
     from tests.test_search import LAW, load, study_config
 
-    raw = study_config(tmp_path, optuna={"n_trials": 3, "seed": 1, "enqueue_solution": 1},
+    raw = study_config(tmp_path, optuna={"n_shapes": 3, "seed": 1, "enqueue_solution": 1},
                        gqa_search={"enabled": False})
     law = {**LAW, "prediction_error": {"relative_sd": 0.5, "source": "a test law that resolves nothing"},
            "fitted_range": {"hidden_over_sqrt_n": None, "mlp_to_attn": [0.7, 2.5], "source": "test"}}

@@ -102,7 +102,7 @@ EXAMPLE = REPO / "results" / "examples" / "paper-1b-rehearsal"  # written by the
 
 
 @pytest.mark.skipif(not (EXAMPLE / "measurements.jsonl").is_file(), reason="the recorded rehearsal study is not here")
-def test_a_recorded_study_migrates_and_resumes_with_its_stages_and_measurements(tmp_path, monkeypatch):
+def test_a_recorded_study_migrates_and_resumes_with_its_stages_and_measurements(tmp_path, monkeypatch, capsys):
     from archsearch.search.inputs import plan_resume
     from archsearch.search.pipeline import STAGE_NAMES, STAGES, StudyState
 
@@ -123,6 +123,12 @@ def test_a_recorded_study_migrates_and_resumes_with_its_stages_and_measurements(
     applies = {st.name: st.applies(cfg) for st in STAGES}
     plan = plan_resume(cfg, study, StudyState(study).data, set(STAGE_NAMES), applies, default_storage=True)
     assert plan.stale == {}  # no stage is redone for the new names of its measurement settings
+    # idempotent in what it says too: run again on the folder it just wrote, it finds nothing to do
+    before = {p.name: p.read_bytes() for p in study.glob("*.json*")}
+    capsys.readouterr()
+    assert main(["migrate", str(study)]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert before == {p.name: p.read_bytes() for p in study.glob("*.json*")}
 
 
 def test_the_old_search_mode_name_is_refused_naming_the_new_one(tmp_path):

@@ -34,7 +34,7 @@ def _rewrite(cfg: dict, **over) -> dict:
 def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, capsys):
     from archsearch.search import pipeline
 
-    raw = study_config(tmp_path, measure={"batch_sizes": [4, 8]}, optuna={"n_trials": 2})
+    raw = study_config(tmp_path, measure={"batch_sizes": [4, 8]}, optuna={"n_shapes": 2})
     cfg = load(raw)
     out = cfg.out_dir()
     pipeline.run(cfg, out)
@@ -70,7 +70,7 @@ def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, cap
 def test_a_change_that_cannot_be_honoured_is_refused_before_any_write(tmp_path):
     from archsearch.search import pipeline
 
-    raw = study_config(tmp_path, optuna={"n_trials": 2}, gqa_search={"enabled": False})
+    raw = study_config(tmp_path, optuna={"n_shapes": 2}, gqa_search={"enabled": False})
     cfg = load(raw)
     out = cfg.out_dir()
     pipeline.run(cfg, out)
@@ -85,7 +85,7 @@ def test_a_change_that_cannot_be_honoured_is_refused_before_any_write(tmp_path):
 
     # an Optuna storage outside the folder cannot be set aside: refused, unless the study is renamed
     (tmp_path / "j").mkdir()
-    jraw = study_config(tmp_path / "j", optuna={"n_trials": 2, "storage": str(tmp_path / "j" / "journal.log")},
+    jraw = study_config(tmp_path / "j", optuna={"n_shapes": 2, "storage": str(tmp_path / "j" / "journal.log")},
                         gqa_search={"enabled": False})
     jcfg = load(jraw)
     pipeline.run(jcfg, jcfg.out_dir())
@@ -135,7 +135,7 @@ def test_changed_law_form_and_run_table_refit_the_law(tmp_path, capsys):
 def test_torn_state_files_are_redone_not_fatal(tmp_path, capsys):
     from archsearch.search import pipeline
 
-    cfg = load(study_config(tmp_path, optuna={"n_trials": 2}))
+    cfg = load(study_config(tmp_path, optuna={"n_shapes": 2}))
     out = cfg.out_dir()
     pipeline.run(cfg, out)
     gqa = (out / "gqa.json").read_text()

@@ -51,7 +51,7 @@ def study_config(tmp_path: Path, **over) -> dict:
                          "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05, "on_r_drift": "flag"}},
         "measure": {"backend": "analytic", "device_spec": "H100", "batch_sizes": [8], "input_len": 64,
                     "output_len": 16, "repeats": 1, "warmup": 0},
-        "optuna": {"n_trials": 6, "seed": 1, "enqueue_solution": 2},
+        "optuna": {"n_shapes": 6, "seed": 1, "enqueue_solution": 2},
         "out": str(tmp_path / "study"),
     }
     for k, v in over.items():
@@ -556,7 +556,7 @@ def _hf_cfg(tmp_path, n_trials=5, **over):
                                            "timeout_s": 120,
                                            # durability, not precision: the fewest paired rounds
                                            "paired": {"min_rounds": 2, "max_rounds": 2}},
-                        optuna={"n_trials": n_trials, "seed": 3, "enqueue_solution": 1},
+                        optuna={"n_shapes": n_trials, "seed": 3, "enqueue_solution": 1},
                         gqa_search={"enabled": False}, **over)
 
 
@@ -635,7 +635,7 @@ def test_two_workers_share_one_study(tmp_path):
 def test_journal_storage(tmp_path):
     from archsearch.search import pipeline
 
-    cfg = load(study_config(tmp_path, optuna={"storage": str(tmp_path / "journal.log"), "n_trials": 3}))
+    cfg = load(study_config(tmp_path, optuna={"storage": str(tmp_path / "journal.log"), "n_shapes": 3}))
     s = pipeline.run(cfg, cfg.out_dir(), only={"search", "report"})
     assert (tmp_path / "journal.log").is_file()
     assert s["trials"]["distinct_shapes"] == 3
@@ -644,7 +644,7 @@ def test_journal_storage(tmp_path):
 def test_limits_make_candidates_infeasible(tmp_path):
     from archsearch.search import pipeline
 
-    cfg = load(study_config(tmp_path, limits={"max_ttft_s": 1e-12}, optuna={"n_trials": 3}))
+    cfg = load(study_config(tmp_path, limits={"max_ttft_s": 1e-12}, optuna={"n_shapes": 3}))
     s = pipeline.run(cfg, cfg.out_dir(), only={"search", "report"})
     assert s["chosen"] is None  # nothing meets an impossible TTFT limit
     with open(cfg.out_dir() / "trials.csv") as fh:
@@ -658,7 +658,7 @@ def test_an_analytic_study_honours_a_ttft_limit(tmp_path):
     meets leaves them feasible (it used to read as "not measured", every shape infeasible)."""
     from archsearch.search import pipeline
 
-    cfg = load(study_config(tmp_path, limits={"max_ttft_s": 1e3}, optuna={"n_trials": 3}))
+    cfg = load(study_config(tmp_path, limits={"max_ttft_s": 1e3}, optuna={"n_shapes": 3}))
     s = pipeline.run(cfg, cfg.out_dir(), only={"search", "report"})
     assert s["chosen"] is not None
     assert s["trials"]["feasible"] >= 1
@@ -726,7 +726,7 @@ def test_predict_rank_select_trains_top_k_and_releases_one(tmp_path):
 
     cfg = load(study_config(
         tmp_path, vocab_size=512, mode="predict-rank-select", top_k=2,
-        optuna={"n_trials": 4, "seed": 1, "enqueue_solution": 2}, gqa_search={"enabled": False},
+        optuna={"n_shapes": 4, "seed": 1, "enqueue_solution": 2}, gqa_search={"enabled": False},
         final_train={"tokens": 20480, "train": {"global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2,
                                                 "cpu_threads": 1},
                      "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}},

@@ -38,7 +38,7 @@ def test_tiny_study_end_to_end(tmp_path):
         "target": {"slack": 0.02},
         "measure": {"backend": "hf", "batch_sizes": [2], "input_len": 16, "output_len": 8, "repeats": 1,
                     "warmup": 0, "timeout_s": 120, "engine_args": {"torch_threads": 1}},
-        "optuna": {"n_trials": 3, "seed": 0, "enqueue_solution": 2},
+        "optuna": {"n_shapes": 3, "seed": 0, "enqueue_solution": 2},
         "gqa_search": {"enabled": True, "baseline_gqa": 2},
         "out": str(tmp_path / "study"),
     }

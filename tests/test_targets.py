@@ -19,7 +19,7 @@ TWO = [{"name": "h100-small", "backend": "analytic", "device_spec": "H100", "bat
 
 
 def targets_config(tmp_path, targets=TWO, **optuna):
-    return study_config(tmp_path, measure={"targets": targets}, optuna={"n_trials": 6, "seed": 1,
+    return study_config(tmp_path, measure={"targets": targets}, optuna={"n_shapes": 6, "seed": 1,
                                                                          "enqueue_solution": 2, **optuna})
 
 
@@ -88,7 +88,7 @@ def test_two_target_study_end_to_end(tmp_path):
     from archsearch.search.study import create_study
     from archsearch.search.targets import aggregate, predicted_ratio_fn
 
-    cfg = load(targets_config(tmp_path, target_objective="geomean", n_trials=4))
+    cfg = load(targets_config(tmp_path, target_objective="geomean", n_shapes=4))
     out = cfg.out_dir()
     pipeline.run(cfg, out)
     s = json.loads((out / "summary.json").read_text())
@@ -154,7 +154,7 @@ def test_two_measured_engine_targets_with_fake_engines(tmp_path, monkeypatch):
                {"name": "cpu-hf", "backend": "hf", "batch_size": 1}]
     cfg = study_config(tmp_path, measure={"targets": targets, "device_spec": None, "dtype": "float32",
                                           "paired": {"min_rounds": 2, "max_rounds": 3}},
-                       optuna={"n_trials": 2, "seed": 1, "enqueue_solution": 1}, gqa_search={"enabled": False})
+                       optuna={"n_shapes": 2, "seed": 1, "enqueue_solution": 1}, gqa_search={"enabled": False})
     cfg = load(cfg)
     out = cfg.out_dir()
     pipeline.run(cfg, out)

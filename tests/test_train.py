@@ -387,11 +387,37 @@ def test_launch_writes_config_and_valid_multi_node_commands(cli, tmp_path):
     cmds = [line.split() for line in r.stdout.splitlines() if not line.startswith("#")]
     assert len(cmds) == 2
     for rank, cmd in enumerate(cmds):
-        ns = launch_command_parser().parse_args(cmd[3:])  # accelerate's own parser accepts it
+        assert cmd[:2] == ["accelerate", "launch"]  # printed as a person types it
+        ns = launch_command_parser().parse_args(cmd[2:])  # accelerate's own parser accepts it
         assert ns.machine_rank == rank and ns.config_file == str(out / "accelerate_config.yaml")
         assert ns.module and ns.training_script == "archsearch"
         assert "--launch" not in ns.training_script_args and "--hparams" in ns.training_script_args
         assert ns.training_script_args[-2:] == ["--out", str(out)]
+    # several nodes: an sbatch script, one launcher per node, its rank from Slurm
+    script = (out / "launch.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+    assert '--machine_rank "$SLURM_NODEID"' in script and "srun bash -c" in script
+    assert subprocess.run(["bash", "-n", str(out / "launch.sbatch")]).returncode == 0
+
+
+def test_launch_uses_the_user_s_accelerate_config(tmp_path, monkeypatch, capsys):
+    """Without --num-processes, the user's `accelerate config` default is used as it is: no config
+    written, accelerate reads its own default (no --config_file)."""
+    from accelerate.commands.config import config_args
+
+    from archsearch.cli import main
+
+    mine = tmp_path / "default_config.yaml"
+    monkeypatch.setattr(config_args, "default_config_file", str(mine))
+    out = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--tokens", "1e4", "--launch", "--out", str(out)]
+    assert main(args) == 2  # none yet: --num-processes is required, and accelerate config named
+    assert "accelerate config" in capsys.readouterr().err
+    mine.write_text("compute_environment: LOCAL_MACHINE\nnum_processes: 2\n")
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("accelerate launch -m archsearch train ") and "--config_file" not in cap.out
+    assert f"using your accelerate config {mine}" in cap.err and not (out / "accelerate_config.yaml").exists()
 
 
 @pytest.mark.gpu

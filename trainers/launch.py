@@ -1,14 +1,17 @@
 """Multi-GPU / multi-node training through ``accelerate launch``.
 
 :func:`accelerate_config` writes the config that ``accelerate launch --config_file`` reads
-(DDP, or FSDP2 wrapping each decoder layer); :func:`launch_commands` gives the command for
-every machine as an argument list (run with ``subprocess.run(cmd)``, never through a shell).
+(DDP, or FSDP2 wrapping each decoder layer), unless the user's own ``accelerate config`` default
+is used (:func:`user_accelerate_config`); :func:`launch_commands` gives the command for every
+machine as an argument list (run with ``subprocess.run(cmd)``, never through a shell), and
+:func:`sbatch_script` a Slurm batch script for several nodes.
 The launched processes run ``archsearch train`` with the same flags and output folder; the
 training loop reads the process group from accelerate.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,12 +78,54 @@ def write_accelerate_config(path: str | Path, cfg: dict[str, Any]) -> Path:
     return atomic_write(path, yaml.safe_dump(cfg, sort_keys=False))
 
 
-def launch_commands(config_path: str | Path, train_args: list[str], num_machines: int = 1,
-                    python: str | None = None) -> list[list[str]]:
-    """One ``accelerate launch ... -m archsearch train ARGS`` argument list per machine rank."""
-    base = [python or sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(config_path)]
+# how the commands are printed for a person: accelerate's own console script
+ACCELERATE_LAUNCH = ("accelerate", "launch")
+
+
+def user_accelerate_config() -> Path | None:
+    """The user's default accelerate config (what ``accelerate config`` wrote, where ``accelerate
+    launch`` reads it without ``--config_file``), or None."""
+    from accelerate.commands.config.config_args import default_config_file
+
+    path = Path(default_config_file)
+    return path if path.is_file() else None
+
+
+def launch_commands(config_path: str | Path | None, train_args: list[str], num_machines: int = 1,
+                    python: str | None = None, program: tuple[str, ...] | None = None) -> list[list[str]]:
+    """One ``accelerate launch ... -m archsearch train ARGS`` argument list per machine rank.
+    ``config_path`` None: accelerate's default config (the user's ``accelerate config``).
+    ``program``: how accelerate is started (default this Python's ``-m accelerate.commands.launch``,
+    which runs in this environment; :data:`ACCELERATE_LAUNCH` to print it for a person)."""
+    base = list(program or (python or sys.executable, "-m", "accelerate.commands.launch"))
+    if config_path is not None:
+        base += ["--config_file", str(config_path)]
     tail = ["-m", "archsearch", "train", *train_args]
     if num_machines == 1:
         return [base + tail]
     return [base + ["--machine_rank", str(r)] + tail for r in range(num_machines)]
+
+
+def sbatch_script(config_path: str | Path, train_args: list[str], *, num_machines: int, num_processes: int,
+                  main_process_port: int, out: str | Path) -> str:
+    """A Slurm batch script that runs the launch on ``num_machines`` nodes: one ``accelerate
+    launch`` per node (``srun``, one task each), its rank from ``SLURM_NODEID`` and the rank-0
+    address from the allocation's first node. Every argument is shell-quoted."""
+    per_node = num_processes // num_machines
+    cmd = shlex.join([*ACCELERATE_LAUNCH, "--config_file", str(config_path), "--num_machines", str(num_machines),
+                      "--num_processes", str(num_processes), "--main_process_port", str(main_process_port)])
+    train = shlex.join(["-m", "archsearch", "train", *train_args])
+    return "\n".join([
+        "#!/bin/bash",
+        "# written by archsearch train --launch: submit with `sbatch` (edit the partition, account and time)",
+        "#SBATCH --job-name=archsearch-train",
+        f"#SBATCH --nodes={num_machines}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={per_node}",
+        f"#SBATCH --output={shlex.quote(str(Path(out) / 'slurm-%j.out'))}",
+        "set -euo pipefail",
+        'MAIN_PROCESS_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "export MAIN_PROCESS_IP",
+        "# one launcher per node; quoted whole, so that each node's own shell reads its SLURM_NODEID",
+        "srun bash -c " + shlex.quote(f'{cmd} --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_PROCESS_IP" {train}'),
+        ""])

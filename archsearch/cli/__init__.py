@@ -162,15 +162,29 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     except Terminated as e:
-        print(f"archsearch: terminated (signal {e.signum}); run the same command again to resume",
-              file=sys.stderr)
+        print(f"archsearch: terminated (signal {e.signum}); {interrupt_note(args)}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
-        print("archsearch: interrupted; run the same command again to resume", file=sys.stderr)
+        print(f"archsearch: interrupted; {interrupt_note(args)}", file=sys.stderr)
         return 130
     except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1
+
+
+# the commands whose work survives an interrupt and resumes when run again (README, Conventions);
+# a command can say more through its parser's ``on_interrupt`` default (args -> line)
+RESUMING = frozenset({"search", "sweep", "train", "plan"})  # plan: its measured grid points are kept
+
+
+def interrupt_note(args: argparse.Namespace) -> str:
+    """What an interrupted command kept, true for that command: it resumes, or nothing was kept."""
+    own = getattr(args, "on_interrupt", None)
+    if own is not None:
+        return own(args)
+    if getattr(args, "command", None) in RESUMING:
+        return "run the same command again to resume"
+    return "this command does not resume: run it again to start over"
 
 
 def _closed_pipe() -> int:

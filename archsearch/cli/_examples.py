@@ -60,7 +60,7 @@ EXAMPLES: dict[str, list[str]] = {
     "profile": [f"archsearch profile --study results/my-study --out profile.json   "
                 f"{SLOW} needs a study that ran jobs (its startups.json)"],
     "search": [
-        "archsearch search --config configs/demo-cpu.yaml --print-config optuna.n_trials=12 params=200K",
+        "archsearch search --config configs/demo-cpu.yaml --print-config optuna.n_shapes=12 params=200K",
         "archsearch search --config configs/paper-1b.yaml --dry-run --gpus 8xH100",
         f"archsearch search --config configs/demo-cpu.yaml   {SLOW} trains proxies and measures shapes",
     ],
@@ -76,7 +76,7 @@ EXAMPLES: dict[str, list[str]] = {
 }
 
 # the ``KEY.SUB=VALUE`` example in the overrides' help, per command with a config
-OVERRIDE_EXAMPLES = {"search": "optuna.n_trials=12 params=200K", "train": "train.lr=2e-3 data.seq_len=256",
+OVERRIDE_EXAMPLES = {"search": "optuna.n_shapes=12 params=200K", "train": "train.lr=2e-3 data.seq_len=256",
                      "sweep": "train.lr=2e-3 seeds=[0,1]"}
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 
-from archsearch.cli._common import out_file, pos_int, print_json
+from archsearch.cli._common import out_dir, out_file, pos_int, print_json
 from archsearch.errors import ArchsearchError
 from archsearch.evaluation.runner import evaluate
 from archsearch.evaluation.suites import list_tasks
@@ -23,7 +25,8 @@ def register(sub) -> None:
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
                    help="hf: in-process transformers model (default); vllm: lm-eval's vLLM backend")
     p.add_argument("--limit", type=_limit, help="at most N documents per task (a float < 1 is a fraction)")
-    p.add_argument("--batch-size", type=pos_int, default=8)
+    p.add_argument("--batch_size", "--batch-size", dest="batch_size", type=pos_int, default=8,
+                   help="requests per forward pass, as in lm-eval (default 8)")
     p.add_argument("--model_args", "--model-args", dest="model_args", metavar="K=V,...",
                    help="passed to lm-eval's model class, as in lm-eval (e.g. max_length=512)")
     p.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int,
@@ -33,9 +36,19 @@ def register(sub) -> None:
                                          "(default 100000; 0 skips them)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present, else cpu)")
     p.add_argument("--json", action="store_true", help="print lm-eval's results structure as JSON")
-    p.add_argument("--out", type=out_file, metavar="FILE", help="also write the JSON results to FILE")
+    p.add_argument("--output_path", "--output-path", dest="output_path", type=out_dir, metavar="DIR",
+                   help="write lm-eval's own layout under DIR (DIR/<model>/results_<time>.json, as lm_eval "
+                        "--output_path), and keep a request cache there: a rerun resumes where it stopped")
+    p.add_argument("--log_samples", "--log-samples", dest="log_samples", action="store_true",
+                   help="with --output_path: also write every document's prompt and answers "
+                        "(samples_<task>_<time>.jsonl), as lm_eval --log_samples")
+    p.add_argument("--use_cache", "--use-cache", dest="use_cache", metavar="PATH",
+                   help="lm-eval's request cache (a SQLite file prefix): answered requests are kept as they "
+                        "come, so an interrupted run resumes (default with --output_path: under DIR)")
+    p.add_argument("--out", type=out_file, metavar="FILE", help="also write the JSON results (lm-eval's "
+                                                               "structure and provenance) to FILE")
     p.add_argument("--list-tasks", action="store_true", help="list the suites and their tasks, then exit")
-    p.set_defaults(func=_eval)
+    p.set_defaults(func=_eval, on_interrupt=_on_interrupt)
 
 
 def _nonneg_int(text: str) -> int:
@@ -73,40 +86,46 @@ def _eval(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise ArchsearchError("--model", "is required", "e.g. --model smollm2-135m, or a model folder")
+    if args.log_samples and not args.output_path:
+        raise ArchsearchError("--log_samples", "needs --output_path DIR (where lm-eval writes the samples)",
+                              "add --output_path DIR, as with lm_eval")
 
-    res = evaluate(args.model, args.tasks, backend=args.backend, limit=args.limit,
-                   batch_size=args.batch_size, device=args.device, out=args.out,
-                   model_args=args.model_args, num_fewshot=args.num_fewshot,
-                   bootstrap_iters=args.bootstrap_iters)
+    # -q: lm-eval's progress bars pass disable= themselves (so TQDM_DISABLE cannot reach them) and
+    # write to the sys.stderr of the moment; its log records are already held back by -q
+    quiet = getattr(args, "verbosity", 0) < 0
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        res = evaluate(args.model, args.tasks, backend=args.backend, limit=args.limit,
+                       batch_size=args.batch_size, device=args.device, out=args.out,
+                       model_args=args.model_args, num_fewshot=args.num_fewshot,
+                       bootstrap_iters=args.bootstrap_iters, output_path=args.output_path,
+                       log_samples=args.log_samples, use_cache=args.use_cache)
     if args.json:
         print_json(res)
     else:
         print_results(res)
         if args.out:
             print(f"results written to {args.out}")
+        if res["archsearch"].get("output_path"):
+            print(f"lm-eval's results{' and samples' if args.log_samples else ''} written under "
+                  f"{res['archsearch']['output_path']}")
     return 0
 
 
+def _on_interrupt(args: argparse.Namespace) -> str:
+    """What an interrupted ``eval`` keeps: with a request cache, every answered request."""
+    if args.output_path or args.use_cache:
+        return ("the requests answered so far are in lm-eval's request cache: "
+                "run the same command again to resume")
+    return "nothing was kept (give --output_path DIR to keep answered requests and resume)"
+
+
 def print_results(res: dict) -> None:
-    """A table: task, metric, value, standard error, documents evaluated."""
+    """lm-eval's markdown table (as ``lm_eval`` prints it), under one line naming the model."""
+    from lm_eval.utils import make_table
+
     a = res["archsearch"]
     print(f"model {a['model']['name']} ({a['model']['kind']}), backend {a['backend']}, "
-          f"device {a['device']}, limit {a['limit']}")
-    rows = [("task", "metric", "value", "stderr", "n")]
-    for task, metrics in res["results"].items():
-        n = res.get("n-samples", {}).get(task, {}).get("effective", "")
-        for key, value in metrics.items():
-            if key in ("alias", "name", "sample_len") or "_stderr," in key:
-                continue
-            metric, _, _filter = key.partition(",")
-            err = metrics.get(f"{metric}_stderr,{_filter}", "")
-            rows.append((task, metric, _fmt(value), _fmt(err), str(n)))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4f}" if abs(v) < 1000 else f"{v:,.1f}"
-    return str(v)
+          f"device {a['device']}, limit {a['limit']}, batch_size {a['batch_size']}")
+    print(make_table(res))
+    if res.get("groups"):
+        print(make_table(res, "groups"))

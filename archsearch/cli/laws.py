@@ -18,7 +18,7 @@ from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_input_file, read_table, write_json, write_table
 from archsearch.laws import fit_law, load_law, optimum, progressive_validation, solve
-from archsearch.laws.diagnostics import PROTOCOLS
+from archsearch.laws.diagnostics import DEFAULT_MAX_MARE, PROTOCOLS, validation_verdict
 from archsearch.laws.fit import METHODS, REFERENCES, FitOptions, split_holdout
 from archsearch.laws.forms import LAWS
 from archsearch.laws.plots import write_plots
@@ -117,6 +117,9 @@ def register(sub) -> None:
     p.add_argument("--protocol", choices=["all", "progressive", "previous-size", "leave-one-size-out"],
                    default="all")
     p.add_argument("--out", type=out_file, metavar="TABLE.csv", help="also write the table as CSV")
+    p.add_argument("--max-mare", type=_fraction, default=DEFAULT_MAX_MARE, metavar="F",
+                   help=f"the verdict's bound on the held-out mean absolute relative error (default "
+                        f"{DEFAULT_MAX_MARE}: 1%% of the loss)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_validate)
 
@@ -299,4 +302,15 @@ def _validate(args: argparse.Namespace) -> int:
         else:
             print(f"{head} {f(r['mse'], '10.3g')} {f(r['r2'], '7.3f')} {f(r['mare'], '8.4f')} "
                   f"{f(r['spearman'], '8.3f')}")
+    print(validation_verdict(rows, args.max_mare)["line"])
     return 0
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a fraction of the loss in (0, 1), e.g. 0.01")
+    return v

@@ -35,7 +35,7 @@ from archsearch.arch import ArchSpec
 from archsearch.configio import field_defaults, from_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_write, read_jsonl_lines
-from archsearch.search.config import StudyConfig, renamed_values
+from archsearch.search.config import StudyConfig, renamed_optuna_keys, renamed_values
 from archsearch.search.inputs import INPUTS_FILE, fingerprints, stage_inputs
 from archsearch.search.measurements import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
 from archsearch.search.pipeline import STAGES
@@ -198,6 +198,8 @@ def plan_migration(study: str | Path) -> Plan:
     if not cfg_path.is_file():
         raise ArchsearchError("STUDY_DIR", f"{str(study)!r} holds no config.json", "give a study folder (runs/<name>)")
     raw, plan.renamed = renamed_values(json.loads(cfg_path.read_text()))
+    raw, keys_renamed = renamed_optuna_keys(raw)
+    plan.renamed += keys_renamed
     if plan.renamed:
         plan.files[cfg_path] = json.dumps(raw, indent=2, default=str)
     try:
@@ -297,9 +299,11 @@ def _rekey_stage_inputs(plan: Plan, cfg: StudyConfig, backends: list[str],
                 for stage, rec in record.items():
                     if stage in old_fp and rec.get("fingerprint") == old_fp[stage] and \
                             rec.get("inputs") == json.loads(json.dumps(old_in[stage], default=str)):
-                        record[stage] = {"fingerprint": new_fp[stage],
-                                         "inputs": json.loads(json.dumps(new_in[stage], default=str))}
-                        changed = True
+                        new = {"fingerprint": new_fp[stage], "inputs": json.loads(json.dumps(new_in[stage], default=str))}
+                        # a record already in this version's form matches its own "old" form where no name
+                        # changed: rewriting it would change nothing, and saying so would be untrue
+                        changed |= new != rec
+                        record[stage] = new
     if changed:
         plan.files[path] = json.dumps(record, indent=2, default=str)
 

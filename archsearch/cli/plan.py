@@ -200,7 +200,7 @@ def _plan(args: argparse.Namespace) -> int:
            "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
 
     write_json(out / "plan.json", {**doc, "provenance": provenance(extra_packages=("peft",))})
-    png = pl.plot_tradeoff(plans, out / "plan.png", limits)
+    png = pl.plot_tradeoff(plans, out / "plan.png", limits, best)
     doc["figure"] = str(png)
     if args.json:
         print_json(doc)

@@ -16,10 +16,13 @@ from archsearch.cli._common import print_config, print_json, print_table
 from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file, port, pos_float, pos_int
 from archsearch.configio import apply_overrides, from_dict, load_config, load_yaml
 from archsearch.errors import ArchsearchError
+from archsearch.figures import sweep_loss_curves
+from archsearch.fileio import atomic_write
 from archsearch.logs import get_logger
 from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig, get_hparams
 from archsearch.trainers.data import prepare_data
-from archsearch.trainers.launch import accelerate_config, launch_commands, write_accelerate_config
+from archsearch.trainers.launch import (ACCELERATE_LAUNCH, accelerate_config, launch_commands, sbatch_script,
+                                        user_accelerate_config, write_accelerate_config)
 from archsearch.trainers.loop import (RUN_FILE, check_cpu_threads, check_run_folder, check_train_budget, match_vocab,
                                       run_id_for, token_budget, train)
 from archsearch.trainers.sweep import run_sweep
@@ -215,25 +218,39 @@ def _clear_run_folder(out: Path, spec, tc) -> None:
 def _launch(args, spec, tc, dc) -> int:
     if not args.out:
         raise ArchsearchError("--out", "is required with --launch", "every process must write to the same folder")
-    if args.num_processes is None:
-        raise ArchsearchError("--num-processes", "is required with --launch", "the total GPU count")
+    own = user_accelerate_config() if args.num_processes is None else None
+    if args.num_processes is None and own is None:
+        raise ArchsearchError("--num-processes", "is required with --launch (no accelerate config of yours found)",
+                              "give the total GPU count, or run `accelerate config` once: its default is then used")
     if args.run and args.num_machines > 1:
         raise ArchsearchError("--run", "runs this machine's rank only when there are several machines",
-                              "run the printed command on each machine (rank i on machine i)")
+                              "submit the written sbatch script, or run the printed command on each machine")
     out = Path(args.out)
-    mp = {"auto": "bf16", "bfloat16": "bf16", "float32": "no"}[tc.dtype]
-    cfg = accelerate_config(spec, num_processes=args.num_processes, num_machines=args.num_machines,
-                            main_process_ip=args.main_process_ip,
-                            main_process_port=args.main_process_port, fsdp=args.fsdp,
-                            mixed_precision=mp)
-    path = write_accelerate_config(args.accelerate_config or out / "accelerate_config.yaml", cfg)
-    cmds = launch_commands(path, _forwarded_args(args, out), args.num_machines)
-    print(f"accelerate config: {path}", file=sys.stderr)
+    fwd = _forwarded_args(args, out)
+    if own is not None:  # the user's `accelerate config` default: accelerate reads it itself
+        path = None
+        print(f"using your accelerate config {own} (from `accelerate config`; give --num-processes to write "
+              "one for this run instead)", file=sys.stderr)
+    else:
+        mp = {"auto": "bf16", "bfloat16": "bf16", "float32": "no"}[tc.dtype]
+        cfg = accelerate_config(spec, num_processes=args.num_processes, num_machines=args.num_machines,
+                                main_process_ip=args.main_process_ip,
+                                main_process_port=args.main_process_port, fsdp=args.fsdp,
+                                mixed_precision=mp)
+        path = write_accelerate_config(args.accelerate_config or out / "accelerate_config.yaml", cfg)
+        print(f"accelerate config: {path}", file=sys.stderr)
+        if args.num_machines > 1:
+            script = atomic_write(out / "launch.sbatch", sbatch_script(
+                path, fwd, num_machines=args.num_machines, num_processes=args.num_processes,
+                main_process_port=args.main_process_port, out=out))
+            print(f"Slurm: sbatch {script} (one launcher per node, rank 0's address from the allocation)",
+                  file=sys.stderr)
+    cmds = launch_commands(path, fwd, args.num_machines, program=ACCELERATE_LAUNCH)
     for rank, cmd in enumerate(cmds):
         prefix = f"# machine rank {rank}\n" if len(cmds) > 1 else ""
         print(prefix + shlex.join(cmd))
-    if args.run:
-        return subprocess.run(cmds[0], check=False).returncode
+    if args.run:  # the same launch, through this Python (its environment's accelerate)
+        return subprocess.run(launch_commands(path, fwd)[0], check=False).returncode
     return 0
 
 
@@ -244,6 +261,9 @@ def _sweep(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.out) if args.out else Path("runs/sweeps") / cfg.name
     rows = run_sweep(cfg, out, progress=not args.no_progress)
+    figure = sweep_loss_curves(out)  # every run's loss curve, from its metrics.jsonl
+    if figure:
+        get_logger("train").info(f"loss curves: {figure[0]}")
     if args.json:
         print_json([r.to_row() for r in rows])
     else:

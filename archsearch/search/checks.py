@@ -240,16 +240,17 @@ def target_views(cfg: StudyConfig):
 
 
 def check_trials_fit_the_box(cfg: StudyConfig, build) -> None:
-    """``optuna.n_trials`` distinct shapes must exist in the box: shapes snap to multiples, so a
-    box holds finitely many, and a budget beyond them would have the sampler repeat known shapes
-    until ``max_trials`` (the search also stops once the box gives no new shape)."""
+    """``optuna.n_shapes`` distinct shapes must exist in the box: shapes snap to multiples, so a
+    box holds finitely many, and a count beyond them would have the sampler repeat known shapes
+    until ``optuna.n_trials`` (the search also stops once the box gives no new shape)."""
     s = cfg.search_space
     bound = box_shape_bound(cfg.params, cfg.n_layers, s.hidden_over_sqrt_n, s.mlp_to_attn, s.gqa, s.head_dim, build)
-    if cfg.optuna.n_trials > bound:
-        raise ArchsearchError("optuna.n_trials", f"{cfg.optuna.n_trials} distinct shapes asked, but the search "
+    if cfg.optuna.n_shapes > bound:
+        given = "n_shapes" if cfg.optuna.n_shapes != cfg.optuna.n_trials else "n_trials"
+        raise ArchsearchError(f"optuna.{given}", f"{cfg.optuna.n_shapes} distinct shapes asked, but the search "
                               f"space holds at most {bound} at this budget (shapes snap to multiples of "
                               f"{build.hidden_multiple} wide, {build.ffn_multiple} in the FFN)",
-                              f"give optuna.n_trials <= {bound}, or widen search_space / use smaller multiples")
+                              f"give optuna.n_shapes <= {bound}, or widen search_space / use smaller multiples")
 
 
 def check_later_stages(cfg: StudyConfig) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from archsearch.arch import SUPPORTED_HEAD_DIMS
 from archsearch.benchmarks.base import BACKENDS, BenchSettings
@@ -315,8 +315,13 @@ class OptunaConfig:
     storage: str | None = None  # default: sqlite:///<study dir>/optuna.db
     sampler: str = "tpe"
     seed: int = 0
-    n_trials: int = 12  # distinct shapes to measure in total, across workers and resumes
-    max_trials: int | None = None  # cap incl. pruned/failed ones; default 10 x n_trials
+    # Optuna's trial budget, as in study.optimize(n_trials=...): every trial counts (one that
+    # proposes an already-measured shape, a pruned or a failed one), across workers and resumes;
+    # default 10 x n_shapes, a cap that only a box with few shapes reaches
+    n_trials: int | None = None
+    # distinct shapes to measure: the search stops once it has them (default: n_trials when that
+    # is given, else 12); versions before 0.9 called this n_trials (docs/search.md)
+    n_shapes: int | None = None
     objective: str = "throughput"  # or "pareto": throughput vs predicted loss, two objectives
     # seed the study with this many shapes from the law's solution (the loss optimum first, then
     # the feasible shapes a roofline ranks fastest); 0: the sampler starts on its own
@@ -329,6 +334,10 @@ class OptunaConfig:
     # with measure.targets: the objective over the targets' throughput ratios to the baseline, the
     # worst one (every target must hold) or their weighted geometric mean
     target_objective: str = "worst"
+    # keys of earlier versions: what to write instead (read by configio.from_dict)
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "max_trials": "write optuna.n_trials (every Optuna trial counts, as in Optuna); what earlier versions "
+                      "called n_trials, the distinct shapes to measure, is now optuna.n_shapes"}
 
     def __post_init__(self) -> None:
         trackers = [self.log_with] if isinstance(self.log_with, str) else list(self.log_with or [])
@@ -344,11 +353,19 @@ class OptunaConfig:
         if self.target_objective not in AGGREGATES:
             raise ArchsearchError("optuna.target_objective", f"{self.target_objective!r} is unknown",
                                   f"use one of {list(AGGREGATES)}")
-        if self.n_trials <= 0:
-            raise ArchsearchError("optuna.n_trials", "must be positive")
-        if self.max_trials is not None and self.max_trials < self.n_trials:
-            raise ArchsearchError("optuna.max_trials", f"{self.max_trials} is below n_trials={self.n_trials}",
-                                  "leave it out (10 x n_trials) or give at least n_trials")
+        if self.n_trials is not None and self.n_trials <= 0:
+            raise ArchsearchError("optuna.n_trials", "must be positive", "give a number of Optuna trials, or leave "
+                                  "it out (10 x optuna.n_shapes)")
+        if self.n_shapes is not None and self.n_shapes <= 0:
+            raise ArchsearchError("optuna.n_shapes", "must be positive", "give the number of distinct shapes to measure")
+        if self.n_shapes is not None and self.n_trials is not None and self.n_shapes > self.n_trials:
+            raise ArchsearchError("optuna.n_shapes", f"{self.n_shapes} distinct shapes cannot be measured in "
+                                  f"optuna.n_trials={self.n_trials} trials (each trial measures at most one)",
+                                  f"give optuna.n_trials >= {self.n_shapes}, or leave it out (10 x n_shapes)")
+        # resolved once: the stored config carries both numbers
+        n_shapes = self.n_shapes or self.n_trials or 12
+        object.__setattr__(self, "n_shapes", n_shapes)
+        object.__setattr__(self, "n_trials", self.n_trials or 10 * n_shapes)
         if self.storage is not None:
             _check_storage_url(self.storage)
         if self.enqueue_solution < 0:
@@ -465,6 +482,22 @@ MODES = ("constrained", "predict-rank-select")
 # setting values renamed since a study folder may have recorded them: {dotted setting: {old: new}};
 # a run refuses a folder that recorded an old one and archsearch migrate rewrites it
 RENAMED_VALUES: dict[str, dict[str, str]] = {"mode": {"algorithm5": "constrained"}}
+
+
+def renamed_optuna_keys(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A stored config (nested blocks) of a version before ``optuna.n_shapes`` rewritten to this
+    one's keys: its ``n_trials`` counted distinct shapes (now ``n_shapes``) and its ``max_trials``
+    counted Optuna trials (now ``n_trials``); with what was renamed. ``data`` is left as it is."""
+    block = data.get("optuna")
+    if not isinstance(block, dict) or "max_trials" not in block:
+        return data, []
+    out = json.loads(json.dumps(data, default=str))
+    o = out["optuna"]
+    shapes, trials = o.pop("n_trials", None), o.pop("max_trials")
+    o["n_shapes"] = shapes
+    o["n_trials"] = trials
+    return out, [f"optuna.n_trials: {shapes} -> optuna.n_shapes (distinct shapes); optuna.max_trials: "
+                 f"{trials} -> optuna.n_trials (Optuna trials{'' if trials else ', default 10 x n_shapes'})"]
 
 
 def renamed_values(data: dict[str, Any], back: bool = False) -> tuple[dict[str, Any], list[str]]:

@@ -126,16 +126,16 @@ def search_comparisons(cfg: StudyConfig) -> dict[str, int]:
     """The search stage's comparisons, as the study takes them. With ``optuna.seeds_together``
     (a paired study's default) the seed shapes (``enqueue_solution`` of them, when at least two)
     are first compared with the baseline in one group, in one engine process; the other workers
-    wait for it. Then pairs (the baseline and one shape) up to ``n_trials`` distinct shapes, and up
+    wait for it. Then pairs (the baseline and one shape) up to ``optuna.n_shapes`` distinct shapes, and up
     to one more per extra worker (the workers share the count, so a trial a worker started before
     the count was reached still finishes). Seeds the law finds infeasible are not measured, and a
-    failed measurement costs another trial, up to ``optuna.max_trials``: neither is counted."""
+    failed measurement costs another trial, up to ``optuna.n_trials``: neither is counted."""
     workers = cfg.cluster.measure_workers if cfg.cluster.parallel else 1
-    seeds = min(cfg.optuna.enqueue_solution, cfg.optuna.n_trials) if cfg.optuna.seeds_together else 0
+    seeds = min(cfg.optuna.enqueue_solution, cfg.optuna.n_shapes) if cfg.optuna.seeds_together else 0
     seeds = seeds if seeds >= 2 else 0
-    pairs = cfg.optuna.n_trials - seeds
+    pairs = cfg.optuna.n_shapes - seeds
     return {"seed_group": seeds, "low": pairs, "high": pairs + max(0, workers - 1),
-            "shapes_low": cfg.optuna.n_trials, "shapes_high": cfg.optuna.n_trials + max(0, workers - 1)}
+            "shapes_low": cfg.optuna.n_shapes, "shapes_high": cfg.optuna.n_shapes + max(0, workers - 1)}
 
 
 def gqa_comparisons(study: ResolvedStudy) -> dict[str, Any] | None:
@@ -276,7 +276,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None,
             (f"search: the {k0} seed shapes compared with the baseline in one group of {k0 + 1} "
              f"(optuna.seeds_together{'; priced before every other comparison: the other workers may meanwhile measure pairs of their own, counted below, so this is a high end' if workers > 1 else ''}), then " if k0 else "search: ")
             + f"{n['low']}" + (f"-{n['high']}" if n["high"] > n["low"] else "") + " paired comparisons of the "
-            f"baseline and one shape ({cfg.optuna.n_trials} measured shapes in all"
+            f"baseline and one shape ({cfg.optuna.n_shapes} measured shapes in all"
             + (f", and up to {n['high'] - n['low']} more started by the other workers before the count was reached"
                if n["high"] > n["low"] else "")
             + "; seeds the law finds infeasible and failed measurements are not counted); the busiest worker "
@@ -508,7 +508,60 @@ def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = No
                         "download time and BPE training are not counted",
                         "data: a source's size comes from its dataset card or its file bytes; every run of "
                         "the same source and tokenizer shares one tokenisation"]
+    p["total"] = bottom_line(p)
     return p
+
+
+def bottom_line(p: dict[str, Any]) -> dict[str, Any] | None:
+    """The study's whole cost in one place, low and high: GPU-hours, dollars and days of wall
+    time, summed over its stages (which run one after another), from the stages' own figures;
+    with the final training of the chosen shape added where it is not a stage of the study.
+    None without a GPU count (``--gpus``: nothing is priced)."""
+    c = p["compute"]
+    ft = c.get("final_train")
+    if ft is None:
+        return None
+    gpu = {"low": 0.0, "high": 0.0}
+    wall = {"low": 0.0, "high": 0.0}
+    for st in p["stages"]:
+        for k in ("low", "high"):
+            for what, acc in (("gpu_hours", gpu), ("wall_hours", wall)):
+                for pre in ("", "proxy_"):  # the GQA stage's own proxy runs beside its comparisons
+                    v = st.get(f"{pre}{what}_low" if k == "low" else f"{pre}{what}", st.get(f"{pre}{what}"))
+                    acc[k] += float(v or 0.0)
+    rate = (ft.get("cost_usd") or 0.0) / ft["gpu_hours"] if ft.get("gpu_hours") else None  # $ per GPU-hour
+    train_stage = any(st["stage"] == "train" for st in p["stages"])
+    out = {"gpus": c.get("gpus"), "gpu_hours": gpu, "wall_hours": wall,
+           "days": {k: v / 24 for k, v in wall.items()},
+           "cost_usd": {k: v * rate for k, v in gpu.items()} if rate is not None else None,
+           "usd_per_gpu_hour": rate, "stages": [st["stage"] for st in p["stages"]],
+           "final_training_included": train_stage}
+    if not train_stage:
+        out["with_final_training"] = {"gpu_hours": {k: v + ft["gpu_hours"] for k, v in gpu.items()},
+                                      "days": {k: (v + ft["hours"]) / 24 for k, v in wall.items()},
+                                      "cost_usd": ({k: v * rate + (ft.get("cost_usd") or 0.0) for k, v in gpu.items()}
+                                                   if rate is not None else None)}
+    return out
+
+
+def render_bottom_line(t: dict[str, Any] | None) -> str:
+    """The dry run's last line: the whole study's GPU-hours, cost and days."""
+    if t is None:
+        return "total: not priced (give --gpus, e.g. --gpus 8xH100, for GPU-hours, cost and days)"
+
+    def rng(d: dict[str, float] | None, fmt: str, unit: str = "") -> str:
+        if d is None:
+            return "n/a"
+        lo, hi = format(d["low"], fmt), format(d["high"], fmt)
+        return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+    line = (f"total on {t['gpus']}: {rng(t['gpu_hours'], ',.0f')} GPU-h, ${rng(t['cost_usd'], ',.0f')}, "
+            f"{rng(t['days'], '.1f')} days ({' + '.join(t['stages'])}, one after another)")
+    w = t.get("with_final_training")
+    if w:
+        line += (f"; with the final training of the chosen shape: {rng(w['gpu_hours'], ',.0f')} GPU-h, "
+                 f"${rng(w['cost_usd'], ',.0f')}, {rng(w['days'], '.1f')} days")
+    return line
 
 
 def law_trust(cfg: StudyConfig) -> str:
@@ -607,6 +660,7 @@ def render(p: dict[str, Any]) -> list[str]:
             lines.append(f"  assumption: {a}")
     for a in p.get("assumptions", []) + (dk or {}).get("assumptions", []):
         lines.append(f"  assumption: {a}")
+    lines.append(render_bottom_line(p.get("total")))
     return lines
 
 

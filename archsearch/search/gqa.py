@@ -343,7 +343,8 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
         res.steps.append(step)
         tp = f"{step.throughput:.1f} tok/s" if step.throughput is not None else "-"
         if step.ratio:
-            tp += f", x{step.ratio['ratio']:.3f} [{step.ratio['lo']:.3f}, {step.ratio['hi']:.3f}] vs baseline"
+            tp += (f", x{step.ratio['ratio']:.3f} vs baseline, predicted (no interval)" if step.ratio.get("predicted")
+                   else f", x{step.ratio['ratio']:.3f} [{step.ratio['lo']:.3f}, {step.ratio['hi']:.3f}] vs baseline")
         say(f"GQA {g} ({v.n_heads}+{v.n_kv_heads} heads): {tp} {step.note}".rstrip())
         return step
 
@@ -385,8 +386,9 @@ def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = Tru
                 add_note(step, "re-measured (not significantly slower)")
             if slower_than_baseline(step, base):
                 q = step.ratio_vs_start
-                stop = (f"significantly slower than GQA {g0} (x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}])"
-                        if q else "slower than the baseline GQA")
+                stop = ("slower than the baseline GQA" if not q else
+                        f"predicted slower than GQA {g0} (x{q['ratio']:.3f}, no interval)" if q.get("predicted") else
+                        f"significantly slower than GQA {g0} (x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}])")
                 add_note(step, f"{stop}: stop")
                 res.stops[name] = f"GQA {g}: {stop}"
                 break

@@ -35,7 +35,7 @@ def make_sampler(cfg: StudyConfig):
 
     o = cfg.optuna
     if o.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=o.seed, n_startup_trials=min(5, o.n_trials), multivariate=True)
+        return optuna.samplers.TPESampler(seed=o.seed, n_startup_trials=min(5, o.n_shapes), multivariate=True)
     if o.sampler == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=o.seed)
     if o.sampler == "gp":

@@ -13,7 +13,7 @@ from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, read_jsonl_lines, write_json, write_table
 from archsearch.modelcard import write_study_cards
 from archsearch.provenance import provenance
-from archsearch.search import margins
+from archsearch.search import log, margins
 from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.checks import baseline_loss, baseline_note
 from archsearch.search.margins import describe_margin
@@ -171,7 +171,9 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
         cy = chosen.ratio["ratio"] if paired and chosen.ratio else chosen.throughput
         ax.scatter([chosen.predicted_loss], [cy], marker="D", s=90, c="tab:green", label="chosen", zorder=6)
     ax.set_xlabel("predicted loss")
-    ax.set_ylabel(f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
+    predicted = any((p["ratio"] or {}).get("predicted") for p in pts)
+    ax.set_ylabel(f"throughput / baseline's, predicted (no interval) (batch {ctx.ref_batch})" if predicted else
+                  f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
                   else f"measured output tokens/s (batch {ctx.ref_batch})")
     ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
     legend(ax, fontsize=8)  # a one-shape front's step line draws nothing: no entry for it
@@ -184,9 +186,48 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
     if chosen:
         marks.append(("chosen", describe(chosen.spec), "tab:green"))
     made += _ucurves(ctx, out, plt, marks)
+    made += optuna_figures(study, out, plt)
     plan = active_plan_summary(ctx.out)
     if plan is not None:
         made += active_plot(plan, out, plt)
+    return made
+
+
+def optuna_figures(study, out: Path, plt) -> list[str]:
+    """Optuna's own figures (``optuna.visualization.matplotlib``): the optimisation history and,
+    with at least two completed trials that vary a knob, the knobs' importances (fANOVA) for the
+    first objective. A figure Optuna cannot draw for this study is left out, and said so."""
+    import warnings
+
+    import optuna
+    from optuna.trial import TrialState
+    from optuna.visualization import matplotlib as ovm
+
+    name = (study.metric_names or ["objective"])[0]
+    target = (lambda t: t.values[0]) if len(study.directions) > 1 else None  # noqa: E731
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    made = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        for fig_name, draw, enough in (
+                ("optuna_history", ovm.plot_optimization_history, len(complete) >= 1),
+                ("optuna_importances", ovm.plot_param_importances,
+                 len(complete) >= 2 and any(len({t.params.get(k) for t in complete}) > 1
+                                            for k in complete[0].params))):
+            if not enough:
+                continue
+            try:
+                ax = draw(study, target=target, target_name=name)
+            except (ValueError, RuntimeError) as e:  # e.g. every trial's value equal: no importance to give
+                log(f"plots: Optuna's {fig_name.split('_')[1]} figure not drawn ({e})")
+                continue
+            fig = ax.figure
+            fig.set_size_inches(7, 4.5)
+            for loc in ("left", "center"):  # Optuna titles some figures on the left
+                if ax.get_title(loc=loc):
+                    ax.set_title(f"study {study.study_name}: {ax.get_title(loc=loc)}", loc=loc)
+            fig.tight_layout()
+            made += _save(fig, out, fig_name, plt)
     return made
 
 
@@ -216,7 +257,10 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
               + (" (chosen)" if json.dumps(p["spec"], sort_keys=True) == chosen_spec else "") for p in shapes]
     r = [p["ratio"]["ratio"] for p in shapes]
     err = [[p["ratio"]["ratio"] - p["ratio"]["lo"] for p in shapes], [p["ratio"]["hi"] - p["ratio"]["ratio"] for p in shapes]]
-    colors = ["tab:green" if p["ratio"]["significantly_faster"] else
+    predicted = any(p["ratio"].get("predicted") for p in shapes)
+    # a prediction has no noise: its colour says only which side of 1 it falls on, never significance
+    colors = [("tab:olive" if p["ratio"]["ratio"] > 1 else "tab:purple") if p["ratio"].get("predicted") else
+              "tab:green" if p["ratio"]["significantly_faster"] else
               "tab:red" if p["ratio"]["significantly_slower"] else "tab:gray" for p in shapes]
     # points with intervals on an axis around 1 (bars from 0 would hide differences of a few %)
     for i, (x, lo, hi, c) in enumerate(zip(r, err[0], err[1], colors)):
@@ -226,9 +270,11 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
     ax.set_yticks(range(len(shapes)), labels, fontsize=8)
     ax.invert_yaxis()
     meaning = {"tab:green": "green: significantly faster", "tab:red": "red: significantly slower",
-               "tab:gray": "grey: tied with the baseline"}
+               "tab:gray": "grey: tied with the baseline", "tab:olive": "olive: predicted faster",
+               "tab:purple": "purple: predicted slower"}
     drawn = [meaning[c] for c in meaning if c in colors] + ["black line: the baseline"]  # only colours drawn
-    ax.set_xlabel(f"throughput / baseline's (paired, {_level(pts)} interval);\n" + ", ".join(drawn), fontsize=9)
+    ax.set_xlabel(("throughput / baseline's, predicted by a formula (no noise: no interval);\n" if predicted else
+                   f"throughput / baseline's (paired, {_level(pts)} interval);\n") + ", ".join(drawn), fontsize=9)
     fig.tight_layout()
     return _save(fig, out, "throughput", plt)
 
@@ -238,7 +284,7 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
     d/sqrt(N) at the box's best r, and against r at the box's best d/sqrt(N), with the bootstrap
     band where the law has one, the target loss, and where the baseline and chosen shapes
     (``marks``: label, ``describe`` dict, colour) sit on each axis, each with a dot at its own
-    predicted loss. The curves run past the box to every marked shape (the part outside the box
+    predicted loss on its own curve (the law at that shape's other coordinate, in its colour). The curves run past the box to every marked shape (the part outside the box
     shaded), so a shape outside the box still reads off a curve."""
     import numpy as np
 
@@ -270,7 +316,7 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
              "r = MLP / attention")):
         a, b = (xs, np.full_like(xs, fixed)) if key == "hidden_over_sqrt_n" else (np.full_like(xs, fixed), xs)
         y, boot = curve(a, b)
-        ax.plot(xs, y, c="tab:blue", label="law")
+        ax.plot(xs, y, c="tab:blue", label="law at the box's best")
         if boot is not None:
             lo, hi = np.quantile(boot, [0.05, 0.95], axis=0)
             ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, label="90% bootstrap band")
@@ -280,6 +326,12 @@ def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) 
         ax.axhline(ctx.target_loss, ls="--", c="tab:red", label=f"target loss {ctx.target_loss:.4g}")
         for label, arch, color in marks:
             own, _ = curve(np.array([float(arch["hidden_over_sqrt_n"])]), np.array([float(arch["mlp_to_attn_ratio"])]))
+            # the shape's own curve (its other coordinate held), so its dot lies on a curve drawn for it
+            mine = float(arch["mlp_to_attn_ratio"] if key == "hidden_over_sqrt_n" else arch["hidden_over_sqrt_n"])
+            if not np.isclose(mine, fixed, rtol=1e-3):
+                a2, b2 = (xs, np.full_like(xs, mine)) if key == "hidden_over_sqrt_n" else (np.full_like(xs, mine), xs)
+                ax.plot(xs, curve(a2, b2)[0], c=color, lw=1.2, alpha=0.85,
+                        label=f"law at the {label}'s {'r' if key == 'hidden_over_sqrt_n' else 'd/sqrt(N)'} = {mine:.3g}")
             ax.axvline(arch[key], ls=":", c=color, label=f"{label} ({arch[key]:.3g}; its loss {float(own[0]):.4g})")
             ax.scatter([arch[key]], [float(own[0])], c=color, s=30, zorder=5)
         log_axis(ax, "x")
@@ -325,6 +377,18 @@ def active_plan_summary(out: Path) -> dict[str, Any] | None:
             "interval_trace": [{"flops_spent": f["flops_spent"], "n_runs": f["n_runs"], "interval": f["interval"],
                                 "optimum": f["optimum"]} for f in fits],
             "pool": pool, "folder": str(folder)}
+
+
+def interval_trend(trace: list[dict[str, Any]]) -> str:
+    """How the optimum's interval changed over the plan, as a title says it: ``shrank``, ``grew``
+    or ``changed`` (one coordinate each way), from the first to the last finite half-widths."""
+    keys = ("half_width_hidden_over_sqrt_n", "half_width_mlp_to_attn_ratio")
+    ends = [[t["interval"].get(k) for t in trace if (t["interval"].get(k) or 0) > 1e-4] for k in keys]
+    moves = {("shrank" if w[-1] < w[0] else "grew" if w[-1] > w[0] else "held") for w in ends if len(w) > 1}
+    if not moves:
+        return "changed (too few intervals to compare)"
+    return moves.pop() if len(moves) == 1 else "changed (" + ", ".join(
+        f"{lab} {'shrank' if w[-1] < w[0] else 'grew'}" for lab, w in zip(("d/sqrt(N)*", "r*"), ends) if len(w) > 1) + ")"
 
 
 def _interval_label(iv: dict[str, Any] | None) -> str:
@@ -400,7 +464,7 @@ def active_plot(plan: dict[str, Any], out: Path, plt) -> list[str]:
     log_axis(a1, "y")
     a1.set_xlabel(xlab)
     a1.set_ylabel(f"relative half-width of the {lab_iv} interval")
-    a1.set_title("how the optimum's interval shrank")
+    a1.set_title(f"how the optimum's interval {interval_trend(tr)}")
     legend(a1, fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1, borderaxespad=0.0)
 
     pool = plan["pool"]
@@ -565,6 +629,9 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
                   "predicted_loss_interval": predicted_interval(base, ctx),
                   "size_note": baseline_note(cfg, base)}
     chosen_point = chosen.summary(base_point["throughput"], out / "chosen" / "config.json") if chosen else None
+    if chosen_point and not chosen_point["is_baseline"]:
+        chosen_point["baseline_throughput_same_rounds"], chosen_point["measurement_key"] = \
+            paired_baseline_throughput(study, chosen)
     _add_margins(ctx, chosen, chosen_point, base_point)
     q = (chosen_point or {}).get("ratio")
     gain = q["ratio"] - 1.0 if q else (0.0 if chosen_point and chosen_point["is_baseline"] else None)
@@ -690,7 +757,31 @@ def active_markdown(p: dict[str, Any]) -> list[str]:
 def _ratio_txt(q: dict[str, Any] | None) -> str:
     if not q:
         return "-"
+    if q.get("predicted"):  # a deterministic prediction: no noise, so no interval and no rounds
+        return f"x{q['ratio']:.3f}, predicted (a formula: no interval)"
     return f"x{q['ratio']:.3f}, {q['level']:.0%} interval [{q['lo']:.3f}, {q['hi']:.3f}] over {q['n']} rounds"
+
+
+def ratio_verdict(q: dict[str, Any] | None) -> str:
+    """How a ratio to the baseline reads: a significance verdict for a measured ratio, the side
+    of 1 it falls on for a prediction (which has no noise to be significant against)."""
+    if not q:
+        return "not compared"
+    if q.get("predicted"):
+        return ("predicted faster than the baseline" if q["ratio"] > 1 else
+                "predicted slower than the baseline" if q["ratio"] < 1 else "predicted equal to the baseline")
+    return ("**significantly faster** than the baseline" if q["significantly_faster"] else
+            "not significantly faster than the baseline")
+
+
+def paired_baseline_throughput(study, chosen: Answer | None) -> tuple[float | None, str | None]:
+    """The baseline's throughput in the chosen trial's own paired rounds (the rounds its ratio
+    comes from) and that measurement's key; (None, None) where the answer came from elsewhere
+    (a GQA step, the kept baseline)."""
+    if chosen is None or chosen.is_baseline or chosen.gqa is not None or chosen.trial is None:
+        return None, None
+    t = next((t for t in study.get_trials(deepcopy=False) if t.number == chosen.trial), None)
+    return (t.user_attrs.get("baseline_throughput"), t.user_attrs.get("measurement_key")) if t is not None else (None, None)
 
 
 def render_markdown(s: dict[str, Any]) -> str:
@@ -718,14 +809,18 @@ def render_markdown(s: dict[str, Any]) -> str:
                 "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
                 f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput relative to the "
                 f"baseline {_ratio_txt(q)}, " + (
+                    f"{ratio_verdict(q)}." if q.get("predicted") else
                     "entirely below 1 (significantly slower)." if q.get("hi") is not None and q["hi"] < 1 else
                     "which includes 1 (a tie within the measurement's noise).")
                 if q else "", ""]
         else:
             q = ch.get("ratio")
-            verdict = ("**significantly faster** than the baseline" if q and q["significantly_faster"] else
-                       "not significantly faster than the baseline" if q else "not compared")
+            verdict = ratio_verdict(q)
             t = s.get("targets")
+            pb = ch.get("baseline_throughput_same_rounds")
+            same = ((f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
+                     f"{pb:.1f} in the same paired rounds (trial {ch['trial']})") if pb is not None else
+                    f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s, the mean of its own rounds")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
                 (f"- Over {len(t['targets'])} deployment targets (the {t['objective']} of their ratios, each "
@@ -734,10 +829,10 @@ def render_markdown(s: dict[str, Any]) -> str:
                  f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
                  f"at batch {b}: " if s["backend"] == "analytic" else
                  f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
-                f"throughput **x{q['ratio']:.3f}** the baseline's ({_ratio_txt(q)}"
+                f"throughput **x{q['ratio']:.3f}** the baseline's ("
+                + ("a formula's figure: no noise, so no interval" if q.get("predicted") else _ratio_txt(q))
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
-                + f"): {verdict}" + (f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s beside the "
-                                     f"baseline's {(base['throughput'] or float('nan')):.1f}." if not t else ".")
+                + f"): {verdict}" + (same + "." if not t else ".")
                 if q else
                 f"- Measured with **{s['backend']}** at batch {b}: {(ch['throughput'] or float('nan')):.1f} tokens/s.",
                 f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
@@ -760,7 +855,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     front = s["pareto"]
     for p in front[:10]:
         a = describe(ArchSpec.from_dict(p["spec"]))
-        rt = f"x{p['ratio']['ratio']:.3f} [{p['ratio']['lo']:.3f}, {p['ratio']['hi']:.3f}]" if p.get("ratio") else "-"
+        rt = ("-" if not p.get("ratio") else f"x{p['ratio']['ratio']:.3f} (predicted)" if p["ratio"].get("predicted")
+              else f"x{p['ratio']['ratio']:.3f} [{p['ratio']['lo']:.3f}, {p['ratio']['hi']:.3f}]")
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "

@@ -230,6 +230,12 @@ def _proxy_plan(p: PlanInputs) -> dict[str, Any]:
 
 # -- fit: the law ------------------------------------------------------------------------------
 
+def law_plot_box(cfg: StudyConfig) -> dict[str, tuple[float, float]]:
+    """The search box as the law's factor plots shade it."""
+    s = cfg.search_space
+    return {"x1": tuple(s.hidden_over_sqrt_n), "x2": tuple(s.mlp_to_attn)}
+
+
 def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """Fit the law on the proxies' runs (or read ``law.file`` / the study's ``law.json``), then
     build the search context once: the target loss and the measurer every later stage uses."""
@@ -247,7 +253,7 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             r.law = fit_law(runs, cfg.law.form, r.resolved.fit)
         r.law = with_held_out_error(r.law, runs, r.resolved)
         r.law.save(law_path)
-        write_plots(r.law, runs, [], r.out / "plots")
+        write_plots(r.law, runs, [], r.out / "plots", box=law_plot_box(r.cfg))
         info = {"law_status": r.law.status, "warnings": list(r.law.warnings)}
     r.ctx = search_context(r.resolved, r.out, r.law)
     if r.ctx.measurer.note:
@@ -302,7 +308,8 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     cfg, ctx, info = r.cfg, r.ctx, None
     if fresh:
         t = time.time()
-        log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_trials} trials) "
+        log(f"target loss {ctx.target_loss:.4f}; Optuna study {cfg.name} ({cfg.optuna.n_shapes} shapes, "
+            f"at most {cfg.optuna.n_trials} trials) "
             f"measuring with {ctx.measurer.backend}")
         if cfg.cluster.parallel:
             workers = run_search_workers(r.resolved, r.out, stage_start=t)
@@ -364,7 +371,8 @@ def _search_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str,
 def _search_plan(p: PlanInputs) -> dict[str, Any]:
     cfg = p.cfg
     return {"stage": "search", "action": f"Optuna {cfg.optuna.sampler} study, "
-            f"{cfg.optuna.n_trials} measured trials (objective {cfg.optuna.objective})",
+            f"{cfg.optuna.n_shapes} distinct shapes measured, at most {cfg.optuna.n_trials} trials "
+            f"(objective {cfg.optuna.objective})",
             "backend": cfg.measure.bench.backend, "engine_here": p.backend or "missing",
             **({"engine_note": p.engine_note} if p.engine_note else {}),
             "batch_sizes": cfg.measure.bench.batch_sizes,

@@ -1,7 +1,7 @@
 """The Optuna study of the search stage: created or resumed in its storage
 (:mod:`archsearch.search.storage`), seeded once with the law's constrained solution
 (:mod:`archsearch.search.solution`), then run trial by trial (:mod:`archsearch.search.objective`,
-with :mod:`archsearch.search.callbacks`) until ``n_trials`` distinct shapes are measured.
+with :mod:`archsearch.search.callbacks`) until ``optuna.n_shapes`` distinct shapes are measured.
 
 Durability: a trial that was running when its process died is failed on the next start and its
 parameters are enqueued again; its measurement, if it had finished, is read back from the
@@ -19,7 +19,7 @@ from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError
 from archsearch.search import log
 from archsearch.search.callbacks import (DistinctShapesCallback, ExhaustedSpaceCallback, TrackerCallback,
-                                         distinct_measured, progress_callback)
+                                         distinct_measured, progress_callback, stop_reason)
 from archsearch.search.constraint import loss_bound
 from archsearch.search.context import SearchContext
 from archsearch.search.derived import expand
@@ -157,7 +157,8 @@ def restore_lost_measurements(study, ctx: SearchContext) -> list[int]:
 
 
 def run_study(ctx: SearchContext, progress: bool = True):
-    """Create or resume the study and run it until ``n_trials`` trials have completed."""
+    """Create or resume the study and run it until it has ``optuna.n_shapes`` distinct shapes
+    measured or has spent ``optuna.n_trials`` trials; logs why it stopped."""
     import optuna
     cfg = ctx.cfg
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -166,16 +167,15 @@ def run_study(ctx: SearchContext, progress: bool = True):
     seed_study(ctx, study)
     restore_lost_measurements(study, ctx)
     # failed measurements are retried even by a study that has its shapes: a failed shape may be
-    # the law's solution; the retries are trials beyond max_trials' count of new proposals
+    # the law's solution; the retries are trials beyond optuna.n_trials' count of new proposals
     retried = retry_failed_measurements(study, ctx)
     if retried:
         log(f"measuring again the failed measurements of trials {retried} "
             f"(at most {cfg.measure.max_attempts} attempts each: measure.max_attempts)")
     if ctx.baseline is not None and cfg.optuna.seeds_together:
         measure_seeds_together(ctx, study, progress)
-    max_trials = cfg.optuna.max_trials or 10 * cfg.optuna.n_trials
-    left = max_trials - len(study.get_trials(deepcopy=False)) + len(retried)
-    short = distinct_measured(study) < cfg.optuna.n_trials
+    left = cfg.optuna.n_trials - len(study.get_trials(deepcopy=False)) + len(retried)
+    short = distinct_measured(study) < cfg.optuna.n_shapes
     if retried and not short:  # only the retries: no new proposals
         left = len(retried)
     if (short or retried) and left > 0:
@@ -186,15 +186,17 @@ def run_study(ctx: SearchContext, progress: bool = True):
             if cfg.optuna.log_with else None
         try:
             study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                           callbacks=([DistinctShapesCallback(cfg.optuna.n_trials),
-                                        ExhaustedSpaceCallback(study, cfg.optuna.n_trials)] if short else [])
-                           + ([progress_callback(cfg.optuna.n_trials)] if progress else [])
+                           callbacks=([DistinctShapesCallback(cfg.optuna.n_shapes),
+                                        ExhaustedSpaceCallback(study, cfg.optuna.n_shapes)] if short else [])
+                           + ([progress_callback(cfg.optuna.n_shapes)] if progress else [])
                            + ([tracking] if tracking else []),
                            catch=(MeasurementFailed,), gc_after_trial=False,
                            show_progress_bar=False)
         finally:
             if tracking:
                 tracking.close()
+    if progress:
+        log(stop_reason(study, cfg.optuna.n_shapes, cfg.optuna.n_trials))
     return study, recovered
 
 

@@ -143,6 +143,7 @@ def combine(rows: list[dict[str, Any]], how: str, level: float) -> dict[str, Any
     binding = min(rows, key=lambda r: r["ratio"] if r["ratio"] is not None else -math.inf)["target"]
     return {"ratio": est, "lo": lo, "hi": hi, "level": level, "n": min(int(r.get("n") or 0) for r in rows),
             "significantly_faster": lo > 1.0, "significantly_slower": hi < 1.0,
+            "predicted": all(r.get("source") == "predicted" for r in rows),  # no noise anywhere: no interval
             "aggregate": how, "binding": binding, "per_target": rows}
 
 
@@ -312,9 +313,11 @@ def targets_markdown(s: dict[str, Any]) -> list[str]:
 
 
 def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: str) -> list[str]:
-    """Grouped bars: each target's throughput ratio to the baseline for each shape (``shapes``:
-    label and per-target rows), measured ratios with their interval, predicted ones hatched;
-    written as ``path`` .png and .pdf. Returns the files written."""
+    """Each target's throughput ratio to the baseline for each shape (``shapes``: label and
+    per-target rows, the answer first): points on an axis around 1 (bars from 0 would hide 1.07
+    against 1.18), measured ratios with their interval, predicted ones hollow and without one; the
+    answer's binding target (its lowest ratio) shaded and named. Written as ``path`` .png and .pdf;
+    returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,21 +330,32 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
     names = [r["target"] for r in shapes[0][1]]
     x = np.arange(len(names))
     w = 0.8 / len(shapes)
+    answer = [r for r in shapes[0][1] if r.get("ratio") is not None]
+    binding = min(answer, key=lambda r: r["ratio"])["target"] if answer else None
     fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
+    if binding is not None:
+        ax.axvspan(names.index(binding) - 0.45, names.index(binding) + 0.45, color="tab:red", alpha=0.08,
+                   label=f"binding target of {shapes[0][0]}: {binding}")
     for i, (label, rows) in enumerate(shapes):
         by = {r["target"]: r for r in rows}
-        vals = [by[n]["ratio"] if by.get(n) and by[n]["ratio"] is not None else 0.0 for n in names]
-        lo = [v - (by[n]["lo"] if by.get(n) and by[n]["lo"] is not None else v) for n, v in zip(names, vals)]
-        hi = [(by[n]["hi"] if by.get(n) and by[n]["hi"] is not None else v) - v for n, v in zip(names, vals)]
-        hatch = ["//" if by.get(n, {}).get("source") == "predicted" else "" for n in names]
-        bars = ax.bar(x + (i - (len(shapes) - 1) / 2) * w, vals, w, yerr=[lo, hi], capsize=3, label=label)
-        for b, h in zip(bars, hatch):
-            b.set_hatch(h)
-        for xi, v in zip(x + (i - (len(shapes) - 1) / 2) * w, vals):
-            ax.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        xs = x + (i - (len(shapes) - 1) / 2) * w
+        color = f"C{i}"
+        for xi, n in zip(xs, names):
+            r = by.get(n)
+            if not r or r.get("ratio") is None:
+                continue
+            predicted = r.get("source") == "predicted"
+            err = None if predicted or r.get("lo") is None else [[r["ratio"] - r["lo"]], [r["hi"] - r["ratio"]]]
+            ax.errorbar([xi], [r["ratio"]], yerr=err, fmt="o", ms=8, capsize=4, color=color,
+                        mfc="none" if predicted else color)
+            ax.annotate(f"{r['ratio']:.3f}", (xi, r["ratio"]), xytext=(6, 0), textcoords="offset points",
+                        fontsize=8, va="center")
+        ax.plot([], [], "o", color=color, label=label)
+    ax.plot([], [], "o", color="k", mfc="none", label="hollow: predicted (no interval)")
     ax.axhline(1.0, c="k", lw=0.8, ls="--", label="baseline")
-    ax.set_xticks(x, names)
-    ax.set_ylabel("throughput / baseline's (hatched: predicted)")
+    ax.margins(y=0.25)
+    ax.set_xticks(x, [f"{n}\n(binding)" if n == binding else n for n in names])
+    ax.set_ylabel("throughput / baseline's (filled: measured, with interval)")
     ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -2,7 +2,7 @@
 storage, each measuring on its own job's device until the study has its trials.
 
 A worker writes only into the study folder (the shared storage and measurement store) and is
-done once the study has its ``n_trials`` shapes, so a restarted coordinator finds its result
+done once the study has its ``optuna.n_shapes`` shapes, so a restarted coordinator finds its result
 whatever happened to itself.
 """
 
@@ -30,7 +30,7 @@ JOBS_DIR = "cluster"
 
 def search_worker(study, out: str, marker: str) -> None:
     """Job: one Optuna worker on the study's shared storage, measuring on this job's device
-    until the study has its ``n_trials`` shapes (the workers share the count); then ``marker``.
+    until the study has its ``optuna.n_shapes`` shapes (the workers share the count); then ``marker``.
     ``study``: the coordinator's resolved study (archsearch.search.resolved), or a config."""
     study = as_resolved(study)
     cfg = study.cfg
@@ -54,7 +54,7 @@ def run_search_workers(study, out: Path, stage_start: float | None = None) -> di
 
     def study_done() -> bool:
         study = load_study(ctx)
-        return study is not None and distinct_measured(study) >= cfg.optuna.n_trials
+        return study is not None and distinct_measured(study) >= cfg.optuna.n_shapes
 
     folder = out / JOBS_DIR / "search"
     folder.mkdir(parents=True, exist_ok=True)
