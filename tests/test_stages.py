@@ -40,7 +40,7 @@ def test_a_stage_added_in_one_place_runs_resumes_is_priced_and_reported(tmp_path
     calls: list = []
     at = stages.STAGE_NAMES.index("report")
     monkeypatch.setattr(stages, "STAGES", stages.STAGES[:at] + (_toy_stage(calls),) + stages.STAGES[at:])
-    raw = study_config(tmp_path, optuna={"n_trials": 2}, gqa_search={"enabled": False})
+    raw = study_config(tmp_path, optuna={"n_shapes": 2}, gqa_search={"enabled": False})
     cfg = load(raw)
     out = cfg.out_dir()
 
