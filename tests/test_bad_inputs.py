@@ -70,6 +70,19 @@ TRAIN_CMD = ["train", *ARCH, "--vocab-size", "2048", "--config", "{d}/train.yaml
 EST = ["estimate", "--arch", "llama-3.2-1b", "--tokens", "20B"]
 MEM = ["estimate", "memory", "--arch", "llama-3.2-1b"]
 
+# HF config.json values of the wrong type: (the key named, the config.json's changed entries)
+HF_GOOD = {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 128, "num_hidden_layers": 2,
+           "intermediate_size": 256, "vocab_size": 2048, "num_key_value_heads": 2}
+HF_BAD = {"heads-text": ("num_attention_heads", {"num_attention_heads": "eight"}),
+          "heads-null": ("num_attention_heads", {"num_attention_heads": None}),
+          "heads-nan": ("num_attention_heads", {"num_attention_heads": float("nan")}),
+          "layers-inf": ("num_hidden_layers", {"num_hidden_layers": float("inf")}),
+          "hidden-list": ("hidden_size", {"hidden_size": [128]}),
+          "model-type-list": ("model_type", {"model_type": ["llama"]}),
+          "vocab-bool": ("vocab_size", {"vocab_size": True}),
+          "eps-text": ("rms_norm_eps", {"rms_norm_eps": "small"}),
+          "tie-text": ("tie_word_embeddings", {"tie_word_embeddings": "yes"})}
+
 # (case id, argv, fragment of the one error line: the field it names)
 CLI_CASES = [
     # arch
@@ -330,6 +343,39 @@ CLI_CASES = [
     ("bench-trust-remote-code", [*BENCH, "--engine-arg", "trust_remote_code=true"], "trust_remote_code"),
     # a run folder holding another run
     ("train-out-other-run", [*TRAIN_CMD, "--out", "{d}/otherrun"], "--out"),
+    # an HF config.json read by type: every command that reads --arch DIR names the key
+    *[(f"{cmd}-hf-{case}", [*argv[:i], "{d}/hf-" + case, *argv[i:]], key)
+      for case, (key, _) in HF_BAD.items()
+      for cmd, argv, i in (("describe", ["arch", "describe", "--arch"], 3),
+                           ("estimate", ["estimate", "--tokens", "1e9", "--arch"], 5),
+                           ("bench", [*BENCH[:3], "--batch-sizes", "1", "--arch"], 6),
+                           ("train", ["train", "--config", "{d}/train.yaml", "--arch"], 4))],
+    # bench records read by type
+    ("calibrate-results-list-line", ["calibrate", "--results", "{d}/rec-list.jsonl", "--out", "{d}/c.json"],
+     "rec-list.jsonl"),
+    ("calibrate-results-scalar-line", ["calibrate", "--results", "{d}/rec-scalar.jsonl", "--out", "{d}/c.json"],
+     "rec-scalar.jsonl"),
+    ("calibrate-results-bare-object", ["calibrate", "--results", "{d}/rec-bare.jsonl", "--out", "{d}/c.json"],
+     "backend"),
+    ("calibrate-results-bad-batch", ["calibrate", "--results", "{d}/rec-batch.jsonl", "--out", "{d}/c.json"],
+     "per_batch"),
+    # YAML read within limits: duplicate keys (top level and nested), alias bombs, depth, huge integers
+    ("search-yaml-duplicate-key", ["search", "--config", "{d}/dup.yaml"], "params"),
+    ("search-yaml-duplicate-nested", ["search", "--config", "{d}/dup-nested.yaml"], "bootstrap"),
+    ("search-yaml-alias-bomb", ["search", "--config", "{d}/bomb.yaml", "--print-config"], "aliases"),
+    ("sweep-yaml-alias-bomb", ["sweep", "--config", "{d}/bomb.yaml"], "aliases"),
+    ("search-yaml-recursive-alias", ["search", "--config", "{d}/recursive.yaml", "--print-config"], "alias"),
+    ("search-yaml-huge-int", ["search", "--config", "{d}/bigint.yaml"], "digits"),
+    ("search-yaml-deep", ["search", "--config", "{d}/deep.yaml"], "nested"),
+    ("train-yaml-duplicate-key", [*TRAIN_CMD[:-1], "{d}/dup.yaml"], "params"),
+    ("override-list-index", ["search", "--config", "{d}/study.yaml", "search_space.gqa.0=4"], "search_space.gqa"),
+    # engine and model arguments normalised before the remote-code check
+    ("bench-trust-remote-code-upper", [*BENCH, "--engine-arg", "TRUST_REMOTE_CODE=true"], "trust_remote_code"),
+    ("bench-trust-remote-code-dashes", [*BENCH, "--engine-arg", "trust-remote-code=1"], "trust_remote_code"),
+    ("bench-engine-arg-two-spellings", [*BENCH, "--engine-arg", "max-model-len=8", "--engine-arg",
+                                        "max_model_len=9"], "max_model_len"),
+    ("eval-trust-remote-code-dashes", ["eval", "--model", "smollm2-135m", "--model_args", "Trust-Remote-Code=True"],
+     "trust_remote_code"),
 ]
 
 # (case id, fixture config, {dotted key: new value; None deletes the key}, fragment)
@@ -562,6 +608,26 @@ def _make_fixtures(d: Path) -> None:
     (d / "biglaw.json").write_text(json.dumps({**LAW, "coefficients": {**LAW["coefficients"], "a2": 1e308}}))
     (d / "negexp.json").write_text(json.dumps({"law": "chinchilla", "coefficients": {**LAW["reference"]["coefficients"],
                                                                                       "alpha": -0.34}}))
+    # HF folders whose config.json holds a value of the wrong type
+    for case, (_, changes) in HF_BAD.items():
+        (d / f"hf-{case}").mkdir()
+        (d / f"hf-{case}" / "config.json").write_text(json.dumps({**HF_GOOD, **changes}))
+    # bench records that are not records
+    (d / "rec-list.jsonl").write_text("[1, 2]\n")
+    (d / "rec-scalar.jsonl").write_text("3\n")
+    (d / "rec-bare.jsonl").write_text('{"a": 1}\n')
+    (d / "rec-batch.jsonl").write_text(json.dumps({"backend": "hf", "settings": {}, "architecture": {},
+                                                   "per_batch": [{"batch_size": "one"}]}) + "\n")
+    # YAML beyond the loader's limits
+    study = yaml.safe_dump(STUDY)
+    (d / "dup.yaml").write_text(study + "params: 300000\n")
+    (d / "dup-nested.yaml").write_text(study.replace("law:\n", "law:\n  bootstrap: 5\n  bootstrap: 7\n"))
+    levels = "abcdefghi"
+    (d / "bomb.yaml").write_text("".join(f"{a}: &{a} [" + ",".join([f"*{b}" if b else "x"] * 9) + "]\n"
+                                         for b, a in zip(["", *levels], levels)))
+    (d / "recursive.yaml").write_text(study + "loop: &x [1, *x]\n")
+    (d / "bigint.yaml").write_text(study.replace("params: 200000", "params: " + "9" * 5000))
+    (d / "deep.yaml").write_text(study.replace("params: 200000", "params: " + "[" * 1000 + "]" * 1000))
     # a finished run of another architecture and budget
     from archsearch.arch import ArchSpec
 

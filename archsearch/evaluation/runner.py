@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from archsearch.configio import normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.evaluation.models import ResolvedModel, check_device, default_device, load_model, resolve_model
 from archsearch.evaluation.suites import TASKS_DIR, check_known, expand_tasks, needs_hub
@@ -192,11 +193,7 @@ def _parse_model_args(text: str | None) -> dict[str, Any]:
                                   "write it like lm-eval: max_length=2048,trust_remote_code=False")
     from lm_eval.utils import simple_parse_args_string
 
-    args = simple_parse_args_string(text)
-    if args.get("trust_remote_code") is True:
-        raise ArchsearchError("--model_args", "trust_remote_code is not run by archsearch",
-                              "use a model whose architecture transformers ships")
-    return args
+    return normalised_engine_args("--model_args", simple_parse_args_string(text))
 
 
 def _make_lm(resolved: ResolvedModel, backend: str, batch_size: int, device: str,
