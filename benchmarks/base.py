@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
+from archsearch.bounds import check_count
 from archsearch.configio import KEY, PlainData, normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines, read_text
@@ -85,6 +86,8 @@ class BenchSettings(PlainData):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ArchsearchError(f, f"must be an integer >= {lo}, got {v!r}")
+        check_count("repeats", self.repeats, "repeats")
+        check_count("warmup", self.warmup, "warmup")
         # cheap arithmetic before any engine starts: the prompt and output token ids alone (8
         # bytes each) of the largest batch must fit in this machine's memory
         # (the analytic backend builds no prompts: it records a batch that cannot fit as failed)

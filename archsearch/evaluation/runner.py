@@ -17,6 +17,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from archsearch.bounds import check_count
 from archsearch.configio import normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.evaluation.models import ResolvedModel, check_device, default_device, load_model, resolve_model
@@ -60,6 +61,7 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     if isinstance(bootstrap_iters, bool) or not isinstance(bootstrap_iters, int) or bootstrap_iters < 0:
         raise ArchsearchError("bootstrap_iters", f"must be a whole number, 0 or more, got {bootstrap_iters!r}",
                               "e.g. 100000 (lm-eval's default) or 0 to skip bootstrapped errors")
+    check_count("bootstrap_iters", bootstrap_iters, "bootstrap")
     if num_fewshot is not None and num_fewshot < 0:
         raise ArchsearchError("num_fewshot", f"must be 0 or more, got {num_fewshot}")
     if limit is not None and not math.isfinite(limit):

@@ -18,6 +18,7 @@ from archsearch.arch import SUPPORTED_HEAD_DIMS
 from archsearch.benchmarks.base import BACKENDS, BenchSettings
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.paired import PairedSettings
+from archsearch.bounds import check_count
 from archsearch.candidates import BuildSettings, check_size
 from archsearch.cluster.config import ClusterConfig
 from archsearch.configio import KEY, from_dict, inline, load_yaml
@@ -349,6 +350,8 @@ class OptunaConfig:
         if self.max_trials is not None and self.max_trials < self.n_trials:
             raise ArchsearchError("optuna.max_trials", f"{self.max_trials} is below n_trials={self.n_trials}",
                                   "leave it out (10 x n_trials) or give at least n_trials")
+        if self.max_trials is not None:
+            check_count("optuna.max_trials", self.max_trials, "attempts_per_trial", scale=self.n_trials)
         if self.storage is not None:
             _check_storage_url(self.storage)
         if self.enqueue_solution < 0:

@@ -43,7 +43,7 @@ from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
 from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, plan_resume,
                                       stage_inputs, supersede)
-from archsearch.search.measurements import MeasurementStore, file_lock, spec_key
+from archsearch.search.measurements import MeasurementStore, check_study_locks, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
 from archsearch.search.resolved import ResolvedStudy, resolve
 from archsearch.search.report import chosen_from_study, write_report
@@ -139,6 +139,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     resolved = resolve(cfg)  # checked before anything is written
     MeasurementStore(out / "measurements.jsonl").check_layout()  # an older store: migrate it first
     selected = select_stages(cfg, out, only, skip)
+    check_study_locks(out)  # a lock path of the wrong kind, before the first write
     out.mkdir(parents=True, exist_ok=True)
     applies = {st.name: st.applies(cfg) for st in STAGES}
     lock = out / ".stage.lock"
