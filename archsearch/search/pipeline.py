@@ -38,6 +38,7 @@ from archsearch.rundata import read_runs
 from archsearch.search import log
 from archsearch.search.answer import Answer, decide, write_chosen
 from archsearch.search.config import StudyConfig
+from archsearch.search.checks import check_target
 from archsearch.search.context import load_study, search_context
 from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
@@ -145,7 +146,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     lock = out / ".stage.lock"
     with file_lock(lock):
         state = StudyState(out)
-        _resume(cfg, out, state, selected, applies)  # refuses a change it cannot honour, before any write
+        _resume(cfg, out, state, selected, applies, resolved)  # refuses a change it cannot honour, before any write
         write_json(out / "config.json", to_dict(cfg), default=str)  # the change is accepted
     inputs, fps, record = stage_inputs(cfg), fingerprints(cfg, applies), StageInputs(out)
     r = StudyRun(resolved, out, state, progress)
@@ -169,7 +170,8 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
         {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
 
 
-def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool]) -> None:
+def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool],
+            resolved: ResolvedStudy) -> None:
     """Compare the folder's stages with ``cfg`` (archsearch.search.inputs): keep what is valid,
     move aside and redo what a changed setting touches, refuse what cannot be honoured."""
     torn = [stage for stage, name in (("fit", "law.json"), ("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
@@ -182,6 +184,7 @@ def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], 
         state.data.pop("gqa")
         torn.append("gqa")
     plan = plan_resume(cfg, out, state.data, selected, applies, default_storage=cfg.optuna.storage is None)
+    _check_target_on_kept_law(resolved, out, state, plan)  # a refusal logs nothing and moves nothing aside
     done = [st.name for st in STAGES if state.done(st.name) and st.name not in plan.stale]
     if done or plan.stale:
         first = (state.data[done[0]].get("runs") or [{}])[0] if done else {}
@@ -201,6 +204,18 @@ def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], 
     for stage in fps:
         if stage in state.data and stage not in record.data:
             record.record(stage, fps[stage], inputs[stage])
+
+
+def _check_target_on_kept_law(resolved: ResolvedStudy, out: Path, state: StudyState, plan: ResumePlan) -> None:
+    """The target checked against the law the study fitted into its folder, where that law is kept
+    (its fit done and not redone), before anything is moved aside or rewritten: the search stage
+    would refuse an unreachable target only after the resume had superseded the outputs it
+    replaces (``resolve`` checks a ``law.file`` law itself)."""
+    cfg = resolved.cfg
+    if cfg.law.file or not state.done("fit") or "fit" in plan.stale or _read_json(out / "law.json") is None:
+        return
+    law = load_law(out / "law.json")
+    check_target(cfg, law, resolved.target_loss(law), resolved.build)
 
 
 def _gqa_retries(cfg: StudyConfig, out: Path) -> bool:
