@@ -231,3 +231,21 @@ def test_every_refused_change_to_a_finished_study_changes_not_one_byte(tmp_path)
         assert e.value.field == field, str(e.value)
         assert _every_byte(out) == before, f"refusing {change} changed the folder"
         assert not (out / "superseded").exists()
+
+
+def test_only_proxy_on_a_new_folder_asks_for_no_law(tmp_path):
+    """``--only proxy`` on a new folder stops after the proxies: no stage after the last selected one
+    runs when it was never done (the fit it was told not to make is not read)."""
+    from archsearch.laws.synthetic import synthetic_runs
+    from archsearch.rundata import write_runs
+    from archsearch.search import pipeline
+
+    coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
+    write_runs(tmp_path / "a.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6),
+                                                  tokens_per_param=(10, 20)))
+    raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0},
+                       proxy={"runs": str(tmp_path / "a.csv")})
+    cfg = load(raw)
+    out = cfg.out_dir()
+    s = pipeline.run(cfg, out, only={"proxy"})
+    assert not (out / "law.json").exists() and s["target_loss"] is None

@@ -151,6 +151,8 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     inputs, fps, record = stage_inputs(cfg), fingerprints(cfg, applies), StageInputs(out)
     r = StudyRun(resolved, out, state, progress)
     for stage in STAGES:
+        if _nothing_to_read(stage.name, selected, state):
+            continue
         locked = stage.locked(cfg)
         with file_lock(lock) if locked else contextlib.nullcontext():
             state.reload()
@@ -167,7 +169,17 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             log("no Optuna study yet: run the search stage to measure candidates")
             return {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
     return r.summary if r.summary is not None else \
-        {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
+        {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss if r.ctx else None}
+
+
+def _nothing_to_read(name: str, selected: set[str], state: StudyState) -> bool:
+    """Whether stage ``name`` is skipped: after the last selected stage and not done. A stage that
+    is not selected otherwise runs unfresh, to read what it made (the law, the study, the report);
+    after the last selected one, a stage never done has nothing to read (``--only proxy`` on a new
+    folder must not then ask for the law it was told not to fit)."""
+    names = [st.name for st in STAGES]
+    last = max((names.index(n) for n in selected), default=-1)
+    return names.index(name) > last and not state.done(name)
 
 
 def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool],
