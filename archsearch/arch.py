@@ -454,47 +454,99 @@ def _moe_hf_fields(spec: ArchSpec) -> dict[str, Any]:
     return cfg
 
 
-def _moe_from_hf(cfg: dict[str, Any]) -> dict[str, int]:
-    mt = cfg["model_type"]
+class _HFFields:
+    """The typed reader of an HF ``config.json`` mapping: every field read through it is checked
+    for its type (a whole number, a finite number, a flag, a name), so a value of the wrong kind
+    (``"eight"``, ``null``, ``NaN``, a list) is one error naming the file and key, not a traceback.
+    An optional key given as ``null`` keeps its default, as transformers reads it."""
+
+    def __init__(self, cfg: dict[str, Any], where: str):
+        self.cfg, self.where = cfg, where
+
+    def _fail(self, key: str, value: Any, kind: str) -> ArchsearchError:
+        return ArchsearchError(f"{self.where}:{key}", f"{value!r} is not {kind}",
+                               f"set {key} to {kind} (as transformers writes it)")
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key not in self.cfg:
+            if default is dataclasses.MISSING:
+                raise ArchsearchError(f"{self.where}:{key}", "missing key",
+                                      "a decoder config needs the standard transformers keys")
+            return default
+        value = self.cfg[key]
+        if value is None and default is not dataclasses.MISSING:
+            return default
+        return value
+
+    def int(self, key: str, default: Any = dataclasses.MISSING) -> int:
+        value = self._get(key, default)
+        ok = (isinstance(value, int) and not isinstance(value, bool)
+              or isinstance(value, float) and math.isfinite(value) and value.is_integer())
+        if not ok or value < 0:
+            raise self._fail(key, value, "a whole number >= 0")
+        return int(value)
+
+    def float(self, key: str, default: Any = dataclasses.MISSING) -> float:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self._fail(key, value, "a finite number")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self._fail(key, value, "true or false")
+        return value
+
+    def name(self, key: str) -> Any:
+        value = self.cfg.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self._fail(key, value, "a name (text)")
+        return value
+
+
+def _moe_from_hf(f: _HFFields, mt: str) -> dict[str, int]:
     if mt not in MOE_FAMILIES:
         return {}
-    return {"n_experts": int(cfg["num_local_experts"] if mt == "mixtral" else cfg["num_experts"]),
-            "experts_per_token": int(cfg["num_experts_per_tok"]),
-            "ffn": int(cfg["intermediate_size"] if mt in ("mixtral", "olmoe") else cfg["moe_intermediate_size"]),
-            "shared_expert_ffn": int(cfg.get("shared_expert_intermediate_size") or 0)}
+    return {"n_experts": f.int("num_local_experts" if mt == "mixtral" else "num_experts"),
+            "experts_per_token": f.int("num_experts_per_tok"),
+            "ffn": f.int("intermediate_size" if mt in ("mixtral", "olmoe") else "moe_intermediate_size"),
+            "shared_expert_ffn": f.int("shared_expert_intermediate_size", 0)}
 
 
 _MODEL_TYPE_TO_FAMILY = {v[1]: k for k, v in FAMILIES.items()}
 
 
-def from_hf_config(cfg: dict[str, Any], name: str | None = None) -> ArchSpec:
-    """Read an HF ``config.json`` dict of a supported family back into a spec."""
-    mt = cfg.get("model_type")
+def from_hf_config(cfg: dict[str, Any], name: str | None = None, where: str = "config.json") -> ArchSpec:
+    """Read an HF ``config.json`` dict of a supported family back into a spec; every field is
+    read by type (:class:`_HFFields`), and an error names ``where`` (the file) and the key."""
+    f = _HFFields(cfg, where)
+    mt = f.name("model_type")
     if mt not in _MODEL_TYPE_TO_FAMILY:
-        raise ArchsearchError("model_type", f"{mt!r} is not a supported decoder family",
+        raise ArchsearchError(f"{where}:model_type", f"{mt!r} is not a supported decoder family",
                               f"supported: {sorted(_MODEL_TYPE_TO_FAMILY)}")
     if mt == "mistral" and cfg.get("sliding_window") is not None:
-        raise ArchsearchError("config.json:sliding_window", f"{cfg['sliding_window']} (sliding-window "
+        raise ArchsearchError(f"{where}:sliding_window", f"{cfg['sliding_window']} (sliding-window "
                               "attention is not the dense decoder archsearch accounts for)",
                               "set sliding_window to null")
-    try:
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        moe = _moe_from_hf(cfg)
-        fields = {"ffn": int(cfg["intermediate_size"]), **moe}
-        return ArchSpec(
-            n_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden, n_heads=heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(cfg["vocab_size"]),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            family=_MODEL_TYPE_TO_FAMILY[mt], name=name, **fields)
-    except KeyError as e:
-        raise ArchsearchError(f"config.json:{e.args[0]}", "missing key",
-                              "a decoder config needs the standard transformers keys") from None
+    heads = f.int("num_attention_heads")
+    hidden = f.int("hidden_size")
+    if heads == 0:
+        raise f._fail("num_attention_heads", heads, "a whole number >= 1")
+    rope = cfg.get("rope_parameters")
+    rope_theta = (f.float("rope_theta") if cfg.get("rope_theta") is not None
+                  else _HFFields(rope, f"{where}:rope_parameters").float("rope_theta", 10000.0)
+                  if isinstance(rope, dict) else 10000.0)
+    fields = {"ffn": f.int("intermediate_size"), **_moe_from_hf(f, mt)}
+    return ArchSpec(
+        n_layers=f.int("num_hidden_layers"), hidden_size=hidden, n_heads=heads,
+        n_kv_heads=f.int("num_key_value_heads", heads) or heads,
+        head_dim=f.int("head_dim", hidden // heads) or hidden // heads,
+        vocab_size=f.int("vocab_size"),
+        tie_embeddings=f.flag("tie_word_embeddings", False),
+        max_position_embeddings=f.int("max_position_embeddings", 4096),
+        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
+        rope_theta=rope_theta, family=_MODEL_TYPE_TO_FAMILY[mt], name=name, **fields)
 
 
 def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bfloat16") -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from archsearch.errors import ArchsearchError, redact  # redact: re-exported, what configs are masked with
-from archsearch.fileio import read_text
+from archsearch.yamlio import load_yaml_file
 
 T = TypeVar("T")
 
@@ -220,7 +220,7 @@ def mask_secrets(obj: Any) -> Any:
         return {k: mask_secrets(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [mask_secrets(v) for v in obj]
-    if isinstance(obj, str) and "://" in obj:
+    if isinstance(obj, str):
         return redact(obj)
     return obj
 
@@ -257,6 +257,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     try:
         merged = OmegaConf.merge(OmegaConf.create(data), OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_container(merged, resolve=True)
+    except TypeError:  # OmegaConf merges a dotted index (gqa.0=4) as a mapping into a list
+        raise ArchsearchError(" ".join(overrides), "an override cannot set one item of a list",
+                              "give the whole list, e.g. search_space.gqa=[4,2]") from None
     except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ArchsearchError(" ".join(overrides), f"cannot apply the overrides: {e}".splitlines()[0],
                               "write KEY.SUB=VALUE, e.g. optuna.n_trials=12") from None
@@ -264,16 +267,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Parse a YAML file into a mapping (then apply ``key.sub=value`` overrides), with a clear
-    error for a missing or broken file."""
-    import yaml
-
+    error for a missing or broken file; read by :mod:`archsearch.yamlio` (duplicate keys, alias
+    expansion, depth and integer size limited)."""
     p = Path(path)
     if not p.is_file():
         raise ArchsearchError("--config", f"no such file {str(p)!r}")
-    try:
-        data = yaml.safe_load(read_text(p))
-    except yaml.YAMLError as e:
-        raise ArchsearchError(str(p), f"invalid YAML: {e}") from None
+    data = load_yaml_file(p)
     if not isinstance(data, dict):
         raise ArchsearchError(str(p), "the top level must be a mapping of keys to values")
     return apply_overrides(data, overrides)
@@ -282,6 +281,32 @@ def load_yaml(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
 def load_config(cls: type[T], path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """YAML file (+ ``key.sub=value`` overrides) -> validated dataclass."""
     return from_dict(cls, load_yaml(path, overrides), where="")
+
+
+def engine_arg_name(key: Any) -> str:
+    """The one spelling of an engine or model keyword argument (``TRUST-Remote-Code`` ->
+    ``trust_remote_code``), as the engines' own command lines read it: keys are normalised
+    before any is checked, so no spelling passes a check another spelling fails."""
+    return str(key).strip().lower().replace("-", "_")
+
+
+def normalised_engine_args(field: str, args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` with every key in its one spelling (:func:`engine_arg_name`); two spellings of one
+    key, or ``trust_remote_code`` set to anything but false (archsearch runs no remote model code:
+    the shapes it builds and measures are families transformers ships), are errors naming
+    ``field``."""
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        name = engine_arg_name(key)
+        if name in out:
+            raise ArchsearchError(f"{field}.{name}", "given twice (in two spellings)", "give it once")
+        out[name] = value
+    trc = out.get("trust_remote_code")
+    if trc is not None and str(trc).strip().lower() not in ("false", "0", "no", "off"):
+        raise ArchsearchError(f"{field}.trust_remote_code", f"{trc!r}: archsearch runs no remote model code "
+                              "(the shapes it measures are configs of families transformers ships)",
+                              "drop trust_remote_code from the arguments")
+    return out
 
 
 def field_defaults(cls: type) -> dict[str, Any]:

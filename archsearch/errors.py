@@ -11,13 +11,22 @@ import re
 
 # user:password@ in a URL (scheme://user:password@host): the password is what redact() masks
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*:)(?P<password>[^@\s]*)@")
+# a secret in a URL's query string (?password=..., &sslpassword=..., &token=...), any case
+_QUERY_SECRET = re.compile(r"(?P<head>[?&;][\w.\-]*?(?:password|passwd|pwd|secret|token|api_?key|access_?key)"
+                           r"[\w.\-]*=)(?P<secret>[^&;#\s'\"]*)", re.IGNORECASE)
 
 
 def redact(text: str) -> str:
-    """``text`` with the password of every URL in it masked (``postgresql://u:***@host/db``): what
-    the project prints or writes of a config, a command line or an error goes through here, so a
-    storage password is used to connect and never shown or stored."""
-    return _URL_PASSWORD.sub(lambda m: f"{m['head']}***@", text) if isinstance(text, str) and "://" in text else text
+    """``text`` with every secret of a URL in it masked, in each form a URL carries one: the
+    password of ``scheme://user:password@host`` (``postgresql://u:***@host/db``) and a secret
+    query parameter (``?password=***``, ``&sslpassword=***``, ``&token=***``). What the project
+    prints or writes of a config, a command line or an error goes through here (the one mask),
+    so a storage password is used to connect and never shown or stored."""
+    if not isinstance(text, str) or "=" not in text and "://" not in text:
+        return text
+    if "://" in text:
+        text = _URL_PASSWORD.sub(lambda m: f"{m['head']}***@", text)
+    return _QUERY_SECRET.sub(lambda m: f"{m['head']}***", text) if "=" in text else text
 
 
 class ArchsearchError(ValueError):

@@ -40,6 +40,24 @@ def _umask() -> int:
     return mask
 
 
+def follow_umask(path: str | Path) -> None:
+    """Give ``path`` (a file, or a folder and everything under it) the modes a plain ``open`` and
+    ``mkdir`` would have given under the process's umask (0666 / 0777 less it), whoever wrote it:
+    safetensors writes weights 0600 and ``tempfile`` makes folders 0700, which would leave a
+    group-shared run (umask 002) unreadable or unwritable by the group."""
+    mask = _umask()
+    p = Path(path)
+    for q in [p, *(sorted(p.rglob("*")) if p.is_dir() else [])]:
+        if q.is_symlink():
+            continue
+        want = (0o777 if q.is_dir() else 0o666) & ~mask
+        if q.is_file() and q.stat().st_mode & 0o111:  # an executable stays executable
+            want = 0o777 & ~mask
+        with contextlib.suppress(OSError):
+            if q.stat().st_mode & 0o777 != want:
+                os.chmod(q, want)
+
+
 def read_text(path: str | Path, what: str | None = None) -> str:
     """The file at ``path`` as UTF-8 text (a UTF-8 byte-order mark is dropped); a binary file, a
     UTF-16 one or any other encoding is one clear error naming ``what`` (default: the path)."""
@@ -175,16 +193,31 @@ def read_table(path: Path, what: str) -> list[Any]:
     error naming ``what`` and the line."""
     text = read_text(path, what)
     if path.suffix == ".csv":
+        header = next(csv.reader(io.StringIO(text, newline="")), [])
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:  # a DictReader keeps the last column of a name, silently
+            raise ArchsearchError(f"{what} columns", f"{twice} appear more than once in the header",
+                                  "keep one column of each name")
         return list(csv.DictReader(io.StringIO(text, newline="")))
     rows = []
     for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                rows.append(json.loads(line, object_pairs_hook=lambda pairs, i=i: _one_of_each(pairs, what, i)))
             except json.JSONDecodeError as e:
                 raise ArchsearchError(f"{what} line {i}", f"is not valid JSON ({e.msg})",
                                       "one JSON object per line") from None
     return rows
+
+
+def _one_of_each(pairs: list[tuple[str, Any]], what: str, line: int) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (json keeps the last, silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ArchsearchError(f"{what} line {line}", f"the key {k!r} is given twice", "keep one")
+        out[k] = v
+    return out
 
 
 def write_table(path: str | Path, rows: list[dict[str, Any]], first: tuple[str, ...] = ()) -> Path:
@@ -197,13 +230,43 @@ def write_table(path: str | Path, rows: list[dict[str, Any]], first: tuple[str, 
     return Path(path)
 
 
+def _path_limits(p: Path) -> tuple[int, int]:
+    """(longest name, longest path) in bytes on the file system ``p`` would be made on."""
+    for parent in (p.absolute(), *p.absolute().parents):
+        with contextlib.suppress(OSError, ValueError):  # a name over the limit: its stat fails too
+            return os.pathconf(parent, "PC_NAME_MAX"), os.pathconf(parent, "PC_PATH_MAX")
+    return 255, 4096
+
+
+def check_path(flag: str, path: str | Path) -> Path:
+    """The one check of a path a user names for output, before any work: not empty (``''`` would
+    be the current folder), no NUL byte, no name longer than the file system takes (255 bytes on
+    most) and not longer as a whole than the system's limit (4096 bytes on Linux). Returns it."""
+    text = os.fspath(path)
+    if not text.strip():
+        raise ArchsearchError(flag, "is empty (it would write into the current folder)",
+                              "give a path, e.g. runs/my-run (or '.' for the current folder)")
+    if "\x00" in text:
+        raise ArchsearchError(flag, "holds a NUL byte", "give a plain path")
+    p = Path(text)
+    name_max, path_max = _path_limits(p)
+    long = next((part for part in p.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        raise ArchsearchError(flag, f"the name {long[:40]!r}... is {len(os.fsencode(long))} bytes, over this file "
+                              f"system's limit of {name_max}", "give shorter folder and file names")
+    if len(os.fsencode(str(p.absolute()))) >= path_max:
+        raise ArchsearchError(flag, f"the path is {len(os.fsencode(str(p.absolute())))} bytes, over the system's "
+                              f"limit of {path_max - 1}", "give a shorter path")
+    return p
+
+
 def check_output(flag: str, path: str | Path | None, kind: str = "file") -> None:
     """Refuse, before any work, an output ``path`` that cannot be written as a ``kind``
-    ("file" or "dir"): an existing folder where a file goes, a file where a folder goes, or
-    a parent that is a file."""
+    ("file" or "dir"): an empty or over-long path (:func:`check_path`), an existing folder where
+    a file goes, a file where a folder goes, or a parent that is a file."""
     if path is None:
         return
-    p = Path(path)
+    p = check_path(flag, path)
     if kind == "file" and p.is_dir():
         raise ArchsearchError(flag, f"{str(p)!r} is a folder", "give a file path")
     if kind == "dir" and p.exists() and not p.is_dir():

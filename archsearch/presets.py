@@ -155,5 +155,6 @@ def load_arch(source: str | Path) -> ArchSpec:
     if "architecture" in data and isinstance(data["architecture"], dict):
         data = data["architecture"]
     if "model_type" in data:
-        return from_hf_config(data, name=data.get("_name_or_path") or None)
+        name = data.get("_name_or_path")
+        return from_hf_config(data, name=name if isinstance(name, str) and name else None, where=str(p))
     return ArchSpec.from_record(data)

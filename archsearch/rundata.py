@@ -208,6 +208,33 @@ def check_one_loss_kind(runs: Iterable[RunRecord]) -> None:
                               "fit one kind: keep the eval rows, or refit every run on the same loss")
 
 
+def check_run_table(runs: Iterable[RunRecord]) -> None:
+    """Refuse a run table a fit would read silently wrong: a row copied (same shape or N, budget,
+    seed, loss kind and loss: it would weigh double) and runs of several vocabulary sizes (their
+    losses are per token of different tokenizers, not comparable). Errors name the runs and what
+    the fit assumes. Several layer counts are the method's own design (proxies deepen with N) and
+    are not refused: the fit names them (``data_ranges["n_layers"]``)."""
+    seen: dict[tuple, str] = {}
+    vocab: dict[int, str] = {}
+    for i, r in enumerate(runs, 1):
+        if r.status != "ok":
+            continue
+        name = r.run_id or f"row {i}"
+        shape = dataclasses.replace(r.arch, name=None) if r.arch is not None else r.params
+        key = (shape, r.tokens, r.seed, r.loss_kind, r.loss)
+        if key in seen:
+            raise ArchsearchError(f"run {name}", f"repeats run {seen[key]} (same shape, tokens, seed, loss kind and "
+                                  "loss: a copied row); the fit would weigh that point twice",
+                                  "drop the duplicate row")
+        seen[key] = name
+        if r.arch is not None:
+            vocab.setdefault(r.arch.vocab_size, name)
+    if len(vocab) > 1:
+        raise ArchsearchError("vocab_size", f"the runs mix vocabulary sizes ({', '.join(f'{v} in run {n}' for v, n in sorted(vocab.items()))}); "
+                              "the fit assumes one tokenizer, as a loss per token of another is not comparable",
+                              "fit the runs of one tokenizer (a row without vocab_size counts as 32000)")
+
+
 def read_runs(path: str | Path) -> list[RunRecord]:
     """Read runs from ``.csv`` or ``.jsonl``/``.json``; errors name the row and column."""
     p = check_input_file("--data", path)

@@ -27,9 +27,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from archsearch.configio import KEY, PlainData
+from archsearch.bounds import check_count
+from archsearch.configio import KEY, PlainData, normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
-from archsearch.fileio import append_line, read_jsonl_lines
+from archsearch.fileio import append_line, read_jsonl_lines, read_text
 from archsearch.hardware import host_memory_bytes
 
 BACKENDS: dict[str, str] = {
@@ -85,6 +86,8 @@ class BenchSettings(PlainData):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ArchsearchError(f, f"must be an integer >= {lo}, got {v!r}")
+        check_count("repeats", self.repeats, "repeats")
+        check_count("warmup", self.warmup, "warmup")
         # cheap arithmetic before any engine starts: the prompt and output token ids alone (8
         # bytes each) of the largest batch must fit in this machine's memory
         # (the analytic backend builds no prompts: it records a batch that cannot fit as failed)
@@ -100,13 +103,8 @@ class BenchSettings(PlainData):
             raise ArchsearchError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
         if not isinstance(self.engine_args, dict):
             raise ArchsearchError("engine_args", "must be a dict of engine keyword arguments")
-        trc = self.engine_args.get("trust_remote_code")
-        if trc is not None and str(trc).strip().lower() not in ("false", "0", "no", "off"):
-            # as lm-eval's model_args (archsearch eval): a measured shape is an HF config of a family
-            # transformers ships, which needs no remote code, so none is ever run
-            raise ArchsearchError("engine_args.trust_remote_code", f"{trc!r}: archsearch runs no remote model code "
-                                  "(the shapes it measures are configs of families transformers ships)",
-                                  "drop trust_remote_code from the engine arguments")
+        # keys in one spelling before the check (as lm-eval's model_args: archsearch eval)
+        self.engine_args = normalised_engine_args("engine_args", self.engine_args)
 
 
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:
@@ -220,9 +218,36 @@ def append_jsonl(path: str | Path, result: BenchResult | dict) -> Path:
     return Path(path)
 
 
+# the typed fields of a bench record line: what :func:`read_jsonl` checks before reading one
+_RECORD_FIELDS = {"backend": str, "settings": dict, "architecture": dict, "per_batch": list}
+
+
+def _record(d: Any, where: str) -> BenchResult:
+    """One line of a bench JSONL file, its fields checked by type (:data:`_RECORD_FIELDS`, and
+    each batch an object with an integer ``batch_size``), or an error naming the line."""
+    fix = "give the JSONL that bench --out writes: one record object per line"
+    if not isinstance(d, dict):
+        raise ArchsearchError(where, f"holds a {type(d).__name__}, not a bench record object", fix)
+    for key, kind in _RECORD_FIELDS.items():
+        if not isinstance(d.get(key), kind):
+            problem = "is missing" if key not in d else f"is {type(d[key]).__name__}, not {kind.__name__}"
+            raise ArchsearchError(f"{where}:{key}", problem, fix)
+    for b in d["per_batch"]:
+        if not isinstance(b, dict) or type(b.get("batch_size")) is not int:
+            raise ArchsearchError(f"{where}:per_batch", f"{str(b)[:80]} is not a batch record with an integer "
+                                  "batch_size", fix)
+    try:
+        return BenchResult.from_dict(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArchsearchError(where, f"is not a bench record ({type(e).__name__}: {e})", fix) from None
+
+
 def read_jsonl(path: str | Path) -> list[BenchResult]:
-    """Every result of a JSONL file written by :func:`append_jsonl`."""
-    return [BenchResult.from_dict(d) for d in read_jsonl_lines(path)]
+    """Every result of a JSONL file written by :func:`append_jsonl`, each line's fields checked
+    by type (:func:`_record`), so a list, a number or an object without them names its line."""
+    records = read_jsonl_lines(path, str(path))  # a torn last line is skipped: zip stops before it
+    numbers = [i for i, ln in enumerate(read_text(path).splitlines(), 1) if ln.strip()] if records else []
+    return [_record(d, f"{path} line {i}") for i, d in zip(numbers, records)]
 
 
 # -- backends --------------------------------------------------------------------------------

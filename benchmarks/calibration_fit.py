@@ -48,6 +48,7 @@ from archsearch.benchmarks import read_jsonl
 from archsearch.benchmarks.analytic import predict_batch
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import check_output
 from archsearch.hardware import detect_gpu_name, device_key, get_device
 from archsearch.logs import get_logger
 from archsearch.provenance import provenance
@@ -117,7 +118,8 @@ def read_throughput_table(path: str | Path) -> tuple[list[Point], dict[str, Any]
     if not rows or missing:
         raise ArchsearchError(f"{p.name}: columns", f"missing {missing or list(TABLE_COLUMNS)}",
                               f"a throughput table has the columns {', '.join(TABLE_COLUMNS)}")
-    pts = []
+    pts: list[Point] = []
+    seen: dict[tuple, tuple[int, float]] = {}
     for i, r in enumerate(rows, start=2):  # line 1 is the header
         where = f"{p.name} line {i}"
 
@@ -153,6 +155,13 @@ def read_throughput_table(path: str | Path) -> tuple[list[Point], dict[str, Any]
         pts.append(Point(spec, ints["batch_size"], ints["input_len"], ints["output_len"],
                          num("output_tokens_per_s"), device, engine, (r.get("dtype") or "bfloat16").strip(),
                          device, r["model"].strip(), (r.get("source") or "").strip()))
+        point = (replace(spec, name=None), pts[-1].batch, pts[-1].input_len, pts[-1].output_len, *pts[-1].group)
+        if point in seen:  # one figure per point: two would be fitted as if measured twice, or contradict
+            first = seen[point]
+            raise ArchsearchError(f"{where}", f"gives the point of line {first[0]} again (same shape, device, "
+                                  f"engine, dtype, batch and lengths: {first[1]:g} and {pts[-1].measured:g} "
+                                  "tokens/s)", "keep one row per point (a mean of repeats, said in source)")
+        seen[point] = (i, pts[-1].measured)
     return pts, {"path": str(path), "sha256": hashlib.sha256(text.encode()).hexdigest(), "table_rows": len(pts)}
 
 
@@ -431,6 +440,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def calibrate_cli(args: argparse.Namespace) -> int:
     """``archsearch calibrate``: fit and write the calibration files the arguments ask for."""
+    check_output("--out", args.out, "file")
+    check_output("--out-dir", args.out_dir, "dir")
     cals = calibrate(args.table, args.results, args.device_spec, args.device, args.engine, args.variant)
     if args.out and len(cals) > 1:
         raise ArchsearchError("--out", f"the data hold {len(cals)} device x engine groups "

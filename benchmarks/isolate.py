@@ -30,7 +30,7 @@ from typing import Any
 import archsearch
 from archsearch.benchmarks.base import load_backend
 from archsearch.benchmarks.engine_loop import describe_error
-from archsearch.benchmarks.scratch import scratch_dir, watch_owner
+from archsearch.benchmarks.scratch import reap_shared_memory, scratch_dir, shm_segments, watch_owner
 from archsearch.fileio import write_json  # atomic: the parent never reads half a file
 from archsearch.logs import get_logger
 
@@ -100,6 +100,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
         child_env.setdefault("PYTHONUNBUFFERED", "1")
         child_env["ARCHSEARCH_OWNER_PID"] = str(os.getpid())  # the child's group dies with this process
         t0 = time.perf_counter()
+        segments_before = shm_segments()
         with log_file.open("w") as log:  # the child's live output, streamed: a log, not a result
             proc = subprocess.Popen(
                 [sys.executable, "-m", "archsearch.benchmarks.isolate", str(job_path), str(result_path)],
@@ -122,6 +123,8 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
                 _kill_group(proc)
                 if proc.poll() is None:
                     proc.wait()
+                # the engine's segments its group left (the group is dead: none is in use by it)
+                reap_shared_memory(0.0, only=shm_segments() - segments_before)
         wall = time.perf_counter() - t0
         rc = proc.returncode if rc is None else rc
         tail = _tail(log_file)

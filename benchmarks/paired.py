@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe, write_hf_config
+from archsearch.bounds import check_count
 from archsearch.configio import KEY, PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.provenance import provenance
@@ -74,6 +75,7 @@ class PairedSettings:
         if not 2 <= self.min_rounds <= self.max_rounds:
             raise ArchsearchError("min_rounds", f"need 2 <= min_rounds <= max_rounds, got "
                                   f"{self.min_rounds} and {self.max_rounds}")
+        check_count("max_rounds", self.max_rounds, "rounds")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,12 @@ watchdog, the engine it started (which runs in its own process group, see
 Each scratch folder names the process that owns it, so the next measurement on the machine
 removes those whose owner is gone (:func:`reap_stale`); the engine process starts a watchdog
 (:func:`watch_owner`) that kills its whole process group once the owner has died.
+
+An engine's workers also share memory through POSIX segments (``/dev/shm/psm_*``, Python's
+``multiprocessing.shared_memory``, which vLLM's message queues use); a killed group, or an engine
+that exits without unlinking them (four 160 MB segments per vLLM study), leaves them behind, and
+nothing else ever removes them. They are reaped with the scratch (:func:`reap_shared_memory`): a
+segment of this user that no live process maps or holds open is garbage, and goes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Iterator
 from archsearch.logs import get_logger
 
 _NAME = re.compile(r"^archsearch-(bench|model|paired)-(\d+)-")
+SHM = Path("/dev/shm")
+_SEGMENT = "psm_*"  # multiprocessing.shared_memory's names
 
 
 def _alive(pid: int) -> bool:
@@ -65,11 +73,73 @@ def reap_stale(root: str | Path | None = None) -> list[Path]:
     return removed
 
 
+def segments_in_use() -> set[str]:
+    """The ``/dev/shm`` paths some live process maps or holds open (of the processes this user
+    may read: a segment of this user's is mapped by this user's processes or root's)."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            used.update(line.split(None, 5)[5].removesuffix(" (deleted)") for line in (proc / "maps").read_text().splitlines()
+                        if "/dev/shm/" in line and len(line.split(None, 5)) == 6)
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        used.add(target)
+    return used
+
+
+def reap_shared_memory(min_age_s: float = 60.0, only: set[str] | None = None, root: Path = SHM) -> list[Path]:
+    """Remove this user's shared-memory segments (``psm_*``) that no live process maps or holds
+    open and that are older than ``min_age_s`` (a segment just made may not be mapped yet);
+    ``only``: just these names (the segments one measurement made). Returns them."""
+    try:
+        candidates = [p for p in root.glob(_SEGMENT) if only is None or p.name in only]
+    except OSError:
+        return []
+    now, removed = time.time(), []
+    candidates = [p for p in candidates if _own_and_older(p, now - min_age_s)]
+    if not candidates:
+        return removed
+    used = segments_in_use()
+    for p in candidates:
+        if str(p) not in used:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    if removed:
+        get_logger("bench").warning(f"archsearch: removed {len(removed)} shared-memory segment(s) left by engines "
+                                    f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})")
+    return removed
+
+
+def _own_and_older(p: Path, before: float) -> bool:
+    try:
+        st = p.lstat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and st.st_mtime <= before and p.is_file()
+
+
+def shm_segments() -> set[str]:
+    """The names of the shared-memory segments now in ``/dev/shm`` (before a measurement: what it
+    makes is what appears after)."""
+    try:
+        return {p.name for p in SHM.glob(_SEGMENT)}
+    except OSError:
+        return set()
+
+
 @contextlib.contextmanager
 def scratch_dir(kind: str) -> Iterator[str]:
     """A private temporary folder named for this process (reaped by :func:`reap_stale` if it is
-    killed), removed on exit; stale ones of dead processes are reaped first."""
+    killed), removed on exit; stale ones of dead processes are reaped first, and so are the
+    shared-memory segments no process uses (:func:`reap_shared_memory`)."""
     reap_stale()
+    reap_shared_memory()
     with tempfile.TemporaryDirectory(prefix=f"archsearch-{kind}-{os.getpid()}-") as tmp:
         yield tmp
 

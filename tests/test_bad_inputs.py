@@ -70,6 +70,19 @@ TRAIN_CMD = ["train", *ARCH, "--vocab-size", "2048", "--config", "{d}/train.yaml
 EST = ["estimate", "--arch", "llama-3.2-1b", "--tokens", "20B"]
 MEM = ["estimate", "memory", "--arch", "llama-3.2-1b"]
 
+# HF config.json values of the wrong type: (the key named, the config.json's changed entries)
+HF_GOOD = {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 128, "num_hidden_layers": 2,
+           "intermediate_size": 256, "vocab_size": 2048, "num_key_value_heads": 2}
+HF_BAD = {"heads-text": ("num_attention_heads", {"num_attention_heads": "eight"}),
+          "heads-null": ("num_attention_heads", {"num_attention_heads": None}),
+          "heads-nan": ("num_attention_heads", {"num_attention_heads": float("nan")}),
+          "layers-inf": ("num_hidden_layers", {"num_hidden_layers": float("inf")}),
+          "hidden-list": ("hidden_size", {"hidden_size": [128]}),
+          "model-type-list": ("model_type", {"model_type": ["llama"]}),
+          "vocab-bool": ("vocab_size", {"vocab_size": True}),
+          "eps-text": ("rms_norm_eps", {"rms_norm_eps": "small"}),
+          "tie-text": ("tie_word_embeddings", {"tie_word_embeddings": "yes"})}
+
 # (case id, argv, fragment of the one error line: the field it names)
 CLI_CASES = [
     # arch
@@ -330,6 +343,82 @@ CLI_CASES = [
     ("bench-trust-remote-code", [*BENCH, "--engine-arg", "trust_remote_code=true"], "trust_remote_code"),
     # a run folder holding another run
     ("train-out-other-run", [*TRAIN_CMD, "--out", "{d}/otherrun"], "--out"),
+    # an HF config.json read by type: every command that reads --arch DIR names the key
+    *[(f"{cmd}-hf-{case}", [*argv[:i], "{d}/hf-" + case, *argv[i:]], key)
+      for case, (key, _) in HF_BAD.items()
+      for cmd, argv, i in (("describe", ["arch", "describe", "--arch"], 3),
+                           ("estimate", ["estimate", "--tokens", "1e9", "--arch"], 5),
+                           ("bench", [*BENCH[:3], "--batch-sizes", "1", "--arch"], 6),
+                           ("train", ["train", "--config", "{d}/train.yaml", "--arch"], 4))],
+    # bench records read by type
+    ("calibrate-results-list-line", ["calibrate", "--results", "{d}/rec-list.jsonl", "--out", "{d}/c.json"],
+     "rec-list.jsonl"),
+    ("calibrate-results-scalar-line", ["calibrate", "--results", "{d}/rec-scalar.jsonl", "--out", "{d}/c.json"],
+     "rec-scalar.jsonl"),
+    ("calibrate-results-bare-object", ["calibrate", "--results", "{d}/rec-bare.jsonl", "--out", "{d}/c.json"],
+     "backend"),
+    ("calibrate-results-bad-batch", ["calibrate", "--results", "{d}/rec-batch.jsonl", "--out", "{d}/c.json"],
+     "per_batch"),
+    # YAML read within limits: duplicate keys (top level and nested), alias bombs, depth, huge integers
+    ("search-yaml-duplicate-key", ["search", "--config", "{d}/dup.yaml"], "params"),
+    ("search-yaml-duplicate-nested", ["search", "--config", "{d}/dup-nested.yaml"], "bootstrap"),
+    ("search-yaml-alias-bomb", ["search", "--config", "{d}/bomb.yaml", "--print-config"], "aliases"),
+    ("sweep-yaml-alias-bomb", ["sweep", "--config", "{d}/bomb.yaml"], "aliases"),
+    ("search-yaml-recursive-alias", ["search", "--config", "{d}/recursive.yaml", "--print-config"], "alias"),
+    ("search-yaml-huge-int", ["search", "--config", "{d}/bigint.yaml"], "digits"),
+    ("search-yaml-deep", ["search", "--config", "{d}/deep.yaml"], "nested"),
+    ("train-yaml-duplicate-key", [*TRAIN_CMD[:-1], "{d}/dup.yaml"], "params"),
+    ("override-list-index", ["search", "--config", "{d}/study.yaml", "search_space.gqa.0=4"], "search_space.gqa"),
+    # engine and model arguments normalised before the remote-code check
+    ("bench-trust-remote-code-upper", [*BENCH, "--engine-arg", "TRUST_REMOTE_CODE=true"], "trust_remote_code"),
+    ("bench-trust-remote-code-dashes", [*BENCH, "--engine-arg", "trust-remote-code=1"], "trust_remote_code"),
+    ("bench-engine-arg-two-spellings", [*BENCH, "--engine-arg", "max-model-len=8", "--engine-arg",
+                                        "max_model_len=9"], "max_model_len"),
+    # one path check for every output path: empty, a name or a whole path over the system's limits
+    ("train-out-empty", [*TRAIN_CMD, "--out", ""], "--out"),
+    ("search-out-empty", ["search", "--config", "{d}/study.yaml", "--out", ""], "--out"),
+    ("sweep-out-empty", ["sweep", "--config", "{d}/sweep.yaml", "--out", ""], "--out"),
+    ("calibrate-out-empty", ["calibrate", "--results", "{d}/rec-list.jsonl", "--out", ""], "--out"),
+    ("train-out-name-too-long", [*TRAIN_CMD, "--out", "{d}/" + "n" * 300], "--out"),
+    ("bench-out-name-too-long", [*BENCH, "--out", "{d}/" + "n" * 300 + ".jsonl"], "--out"),
+    ("plan-out-name-too-long", [*PLAN[:-1], "{d}/" + "n" * 256], "--out"),
+    ("fit-out-path-too-long", [*FIT, "--out", "{d}/" + "/".join(["p" * 200] * 25) + "/law.json"], "--out"),
+    ("search-out-path-too-long", ["search", "--config", "{d}/study.yaml", "--out", "{d}/" + "/".join(["p" * 250] * 20)],
+     "--out"),
+    # a study folder whose lock paths are of the wrong kind: refused before anything is written
+    ("search-stage-lock-is-folder", ["search", "--config", "{d}/study.yaml", "--out", "{d}/lock-folder"], ".stage.lock"),
+    ("search-locks-folder-is-file", ["search", "--config", "{d}/study.yaml", "--out", "{d}/locks-file"], "locks"),
+    ("search-store-lock-is-folder", ["search", "--config", "{d}/study.yaml", "--out", "{d}/store-lock-folder"],
+     "measurements.lock"),
+    # counts bounded by what a run can do, the bound and its reason stated
+    ("plan-repeats-huge", [*PLAN, "--repeats", "1000000000"], "repeats"),
+    ("plan-warmup-huge", [*PLAN, "--warmup", "1000000000"], "warmup"),
+    ("bench-repeats-huge", [*BENCH, "--repeats", "100000000"], "repeats"),
+    ("bench-warmup-huge", [*BENCH, "--warmup", "1000000000"], "warmup"),
+    ("eval-bootstrap-huge", ["eval", "--model", "smollm2-135m", "--bootstrap_iters", "1000000000000"],
+     "bootstrap_iters"),
+    ("estimate-gpus-huge", [*EST, "--gpus", "100000000xH100"], "gpus"),
+    ("estimate-seq-len-beyond-positions", [*EST, "--seq-len", "1000000000"], "--seq-len"),
+    ("estimate-memory-seq-len-beyond-positions", [*MEM, "--seq-len", "1000000000"], "--seq-len"),
+    ("estimate-lora-rank-huge", [*EST, "--finetune", "lora", "--lora-rank", "1000000000"], "lora.rank"),
+    ("train-launch-beyond-machine", [*TRAIN_CMD, "--launch", "--num-processes", "100000", "--out", "{d}/tl"],
+     "--num-processes"),
+    # data that would silently mix: refused, naming what the fit assumes
+    ("train-data-latin1", [*TRAIN_CMD, "--data", "{d}/latin1.txt"], "latin1.txt"),
+    ("fit-duplicate-row", [*FIT[:2], "{d}/duprow.csv", *FIT[3:], "--out", "{d}/new.json"], "repeats run"),
+    ("fit-duplicate-column", [*FIT[:2], "{d}/dupcol.csv", *FIT[3:], "--out", "{d}/new.json"], "columns"),
+    ("fit-jsonl-duplicate-key", [*FIT[:2], "{d}/dupkey.jsonl", *FIT[3:], "--out", "{d}/new.json"], "dupkey.jsonl"),
+    ("fit-mixed-vocab", [*FIT[:2], "{d}/mixvocab.csv", *FIT[3:], "--out", "{d}/new.json"], "vocab_size"),
+    ("validate-duplicate-row", ["validate", "--data", "{d}/duprow.csv", "--law", "chinchilla"], "repeats run"),
+    ("calibrate-table-conflicting-rows", ["calibrate", "--table", "{d}/conflict.csv", "--out", "{d}/c.json"],
+     "conflict.csv"),
+    # a training run resumed with other settings, or from a damaged checkpoint
+    ("train-resume-other-lr", [*TRAIN_CMD, "--out", "{d}/halfrun"], "train.lr"),
+    ("train-resume-other-seq-len", [*TRAIN_CMD, "--lr", "0.001", "--seq-len", "32", "--out", "{d}/halfrun"],
+     "data.seq_len"),
+    ("train-resume-torn-weights", [*TRAIN_CMD, "--out", "{d}/tornrun"], "model.safetensors"),
+    ("eval-trust-remote-code-dashes", ["eval", "--model", "smollm2-135m", "--model_args", "Trust-Remote-Code=True"],
+     "trust_remote_code"),
 ]
 
 # (case id, fixture config, {dotted key: new value; None deletes the key}, fragment)
@@ -466,6 +555,18 @@ CONFIG_CASES = [
     ("study-storage-sqlite-garbage", "study", {**_PROXIES, "optuna.storage": "sqlite:///afile.txt"}, "optuna.storage"),
     ("study-storage-journal-no-folder", "study", {**_PROXIES, "optuna.storage": "journal:a/b/c/j.log"},
      "optuna.storage"),
+    ("study-storage-query-password", "study", {**_PROXIES, "optuna.storage":
+                                              f"postgresql+psycopg://u@127.0.0.1:1/db?password={SECRET}"},
+     "optuna.storage"),
+    # counts bounded by what a run can do
+    ("study-paired-max-rounds-huge", "study", {"measure.paired.max_rounds": 10 ** 9}, "measure.paired.max_rounds"),
+    ("study-optuna-max-trials-huge", "study", {"optuna.max_trials": 10 ** 9}, "optuna.max_trials"),
+    ("study-cluster-jobs-huge", "study", {"cluster": {"executor": "local", "jobs_at_once": 10 ** 9}},
+     "cluster.jobs_at_once"),
+    ("study-cluster-workers-huge", "study", {"cluster": {"executor": "local", "measure_workers": 10 ** 9}},
+     "cluster.measure_workers"),
+    ("study-law-max-iter-huge", "study", {"law.max_iter": 10 ** 12}, "law.max_iter"),
+    ("study-measure-repeats-huge", "study", {"measure.repeats": 10 ** 8}, "measure.repeats"),
     ("sweep-params-inf", "sweep", {"params": [float("inf")]}, "params"),
     ("sweep-params-huge", "sweep", {"params": [1e30]}, "sweep.params"),
     ("sweep-params-str", "sweep", {"params": "many"}, "params"),
@@ -563,9 +664,64 @@ def _make_fixtures(d: Path) -> None:
     (d / "biglaw.json").write_text(json.dumps({**LAW, "coefficients": {**LAW["coefficients"], "a2": 1e308}}))
     (d / "negexp.json").write_text(json.dumps({"law": "chinchilla", "coefficients": {**LAW["reference"]["coefficients"],
                                                                                       "alpha": -0.34}}))
-    # a finished run of another architecture and budget
+    # HF folders whose config.json holds a value of the wrong type
+    for case, (_, changes) in HF_BAD.items():
+        (d / f"hf-{case}").mkdir()
+        (d / f"hf-{case}" / "config.json").write_text(json.dumps({**HF_GOOD, **changes}))
+    # bench records that are not records
+    (d / "rec-list.jsonl").write_text("[1, 2]\n")
+    (d / "rec-scalar.jsonl").write_text("3\n")
+    (d / "rec-bare.jsonl").write_text('{"a": 1}\n')
+    (d / "rec-batch.jsonl").write_text(json.dumps({"backend": "hf", "settings": {}, "architecture": {},
+                                                   "per_batch": [{"batch_size": "one"}]}) + "\n")
+    # YAML beyond the loader's limits
+    study = yaml.safe_dump(STUDY)
+    (d / "dup.yaml").write_text(study + "params: 300000\n")
+    (d / "dup-nested.yaml").write_text(study.replace("law:\n", "law:\n  bootstrap: 5\n  bootstrap: 7\n"))
+    levels = "abcdefghi"
+    (d / "bomb.yaml").write_text("".join(f"{a}: &{a} [" + ",".join([f"*{b}" if b else "x"] * 9) + "]\n"
+                                         for b, a in zip(["", *levels], levels)))
+    (d / "recursive.yaml").write_text(study + "loop: &x [1, *x]\n")
+    (d / "bigint.yaml").write_text(study.replace("params: 200000", "params: " + "9" * 5000))
+    (d / "deep.yaml").write_text(study.replace("params: 200000", "params: " + "[" * 1000 + "]" * 1000))
     from archsearch.arch import ArchSpec
 
+    # data that would silently mix
+    (d / "latin1.txt").write_bytes("Caf\u00e9 cr\u00e8me, na\u00efve.\n".encode("latin-1") * 50)
+    lines = (d / "runs.csv").read_text().splitlines(keepends=True)
+    (d / "duprow.csv").write_text("".join(lines + [lines[1]]))
+    (d / "dupcol.csv").write_text("".join([lines[0].rstrip("\n") + ",loss\n"]
+                                          + [ln.rstrip("\n") + ",9.9\n" for ln in lines[1:]]))
+    (d / "dupkey.jsonl").write_text(good[:-1] + ', "loss": 9.9}\n')
+    write_runs(d / "mixvocab.csv", [dataclasses.replace(r, arch=r.arch.replace(vocab_size=2048 * (1 + i % 2)))
+                                    for i, r in enumerate(runs)])
+    head = ("model,n_layers,hidden_size,n_heads,n_kv_heads,head_dim,ffn,vocab_size,tie_embeddings,device,engine,"
+            "input_len,output_len,batch_size,output_tokens_per_s\n")
+    row = "m,2,128,4,2,32,256,2048,false,H100,vllm,64,64,{b},{t}\n"
+    (d / "conflict.csv").write_text(head + row.format(b=1, t=100) + row.format(b=8, t=700) + row.format(b=1, t=140))
+    # a half-finished run (killed: status running) of the fixture's shape at lr 0.001, and one of the
+    # same settings whose last checkpoint's weights file was cut short
+    from archsearch.configio import from_dict, to_dict
+    from archsearch.trainers.config import DataConfig, TrainConfig
+
+    shape = ArchSpec(n_layers=2, hidden_size=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab_size=2048)
+    tc, dc = from_dict(TrainConfig, TRAIN["train"]), from_dict(DataConfig, TRAIN["data"])
+    for name, lr in (("halfrun", 1e-3), ("tornrun", tc.lr)):
+        (d / name).mkdir()
+        (d / name / "run.json").write_text(json.dumps({
+            "status": "running", "spec": shape.to_dict(), "tokens_target": tc.tokens, "seed": 0, "init_from": None,
+            "train_config": to_dict(dataclasses.replace(tc, lr=lr)), "data_config": to_dict(dc)}))
+    ckpt = d / "tornrun" / "checkpoints" / "step_00000002"
+    ckpt.mkdir(parents=True)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    (ckpt / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 7)
+    (ckpt / "state.json").write_text(json.dumps({"step": 2}))
+    # study folders whose lock paths are of the wrong kind
+    (d / "lock-folder" / ".stage.lock").mkdir(parents=True)
+    (d / "locks-file").mkdir()
+    (d / "locks-file" / "locks").write_text("")
+    (d / "store-lock-folder" / "measurements.lock").mkdir(parents=True)
+    # a finished run of another architecture and budget
     other = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=4, head_dim=64, ffn=512, vocab_size=2048)
     (d / "otherrun").mkdir()
     (d / "otherrun" / "run.json").write_text(json.dumps({"status": "ok", "spec": other.to_dict(),

@@ -104,3 +104,42 @@ def test_an_inline_component_reads_the_blocks_keys_over_the_fields_default():
 def test_a_given_section_instance_is_kept():
     p = Part(size=4)
     assert from_dict(Whole, {"part": p}).part is p
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("postgresql://u:hunter2@h/db", "postgresql://u:***@h/db"),
+    ("postgresql://u@h/db?password=hunter2", "postgresql://u@h/db?password=***"),
+    ("mysql://u:hunter2@h/db?sslmode=require&sslpassword=hunter2&x=1",
+     "mysql://u:***@h/db?sslmode=require&sslpassword=***&x=1"),
+    ("redis://h:6379/0?Token=hunter2#frag", "redis://h:6379/0?Token=***#frag"),
+    ("sqlite:///runs/optuna.db", "sqlite:///runs/optuna.db"),
+    ("lr=3e-3", "lr=3e-3"),
+])
+def test_one_secret_mask_for_every_form_of_url(url, shown):
+    """The password of user:password@ and a secret query parameter are masked by the one mask
+    that errors, printed configs and stored configs go through."""
+    from archsearch.configio import to_yaml
+    from archsearch.errors import redact
+
+    assert redact(url) == shown
+    assert "hunter2" not in str(ArchsearchError("optuna.storage", f"cannot open {url}"))
+    assert "hunter2" not in to_yaml({"optuna": {"storage": url}})
+
+
+def test_yaml_is_read_within_limits(tmp_path):
+    """A duplicate key (nested too), an alias bomb, deep nesting and a huge integer: one error naming
+    the file and line, fast."""
+    from archsearch.yamlio import load_yaml_file
+
+    cases = {"dup": ("a:\n  b: 1\n  b: 2\n", "line 3"),
+             "bomb": ("".join(f"{a}: &{a} [" + ",".join([f"*{b}" if b else "x"] * 9) + "]\n"
+                              for b, a in zip(["", *"abcdefgh"], "abcdefghi")), "aliases"),
+             "deep": ("a: " + "[" * 200 + "]" * 200 + "\n", "nested"),
+             "int": ("a: " + "9" * 5000 + "\n", "digits")}
+    for name, (text, fragment) in cases.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+        with pytest.raises(ArchsearchError, match=fragment) as e:
+            load_yaml_file(tmp_path / f"{name}.yaml")
+        assert f"{name}.yaml" in e.value.field
+    (tmp_path / "ok.yaml").write_text("base: &b {x: 1}\nuse: *b\nmerged: {<<: *b, y: 2}\n")
+    assert load_yaml_file(tmp_path / "ok.yaml") == {"base": {"x": 1}, "use": {"x": 1}, "merged": {"x": 1, "y": 2}}

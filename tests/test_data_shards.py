@@ -78,6 +78,29 @@ def test_runs_with_the_same_source_and_tokenizer_share_the_cache(tmp_path):
     assert len(list((tmp_path / "c" / "data").iterdir())) == 1
 
 
+@pytest.mark.parametrize("damage", ["odd-shard", "short-shard", "torn-meta", "torn-tokenizer"])
+def test_a_torn_cache_file_is_named_and_rebuilt(tmp_path, damage, caplog):
+    """A shard of an odd byte length, a shard cut short, a truncated meta.json or a truncated
+    tokenizer.json under the cache is named in a warning, removed and built again: the data
+    read afterwards equals the data read before."""
+    f = _jsonl(tmp_path, 120)
+    cfg = DataConfig(source=str(f), tokenizer="bpe:300", seq_len=16, cache_dir=str(tmp_path / "c"))
+    first = prepare_data(cfg, workers=1, shard_docs=40)
+    want = np.array(first.train_tokens), np.array(first.val_tokens)  # copies: the damage hits the mapped files
+    folder = Path(first.info["cache"])
+    shard = sorted(folder.glob("*.bin"))[0]
+    target = {"odd-shard": shard, "short-shard": shard, "torn-meta": folder / "meta.json",
+              "torn-tokenizer": next((tmp_path / "c" / "tokenizers").glob("*/tokenizer.json"))}[damage]
+    data = target.read_bytes()
+    cut = {"odd-shard": len(data) - 1, "short-shard": len(data) - 2 * first.train_tokens.dtype.itemsize}
+    target.write_bytes(data[:cut.get(damage, len(data) // 2)])
+    with caplog.at_level("WARNING"):
+        again = prepare_data(cfg, workers=1, shard_docs=40)
+    assert str(target) in caplog.text or str(target.parent) in caplog.text
+    assert np.array_equal(np.asarray(again.train_tokens), want[0])
+    assert np.array_equal(np.asarray(again.val_tokens), want[1])
+
+
 @pytest.mark.slow
 def test_killed_tokenisation_resumes_without_redoing_shards(tmp_path, monkeypatch):
     n = 3000

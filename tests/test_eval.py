@@ -143,7 +143,7 @@ def test_cli_list_tasks(cli):
     (["--model", "MODEL", "--limit", "0"], "limit: must be positive"),
     (["--model", "SomeOrg/some-model"], "'SomeOrg/some-model' is a Hub id and huggingface.co cannot be reached"),
     (["--model", "MODEL", "--model_args", "max_length"], "--model_args: 'max_length' is not KEY=VALUE"),
-    (["--model", "MODEL", "--model_args", "trust_remote_code=True"], "trust_remote_code is not run"),
+    (["--model", "MODEL", "--model_args", "trust_remote_code=True"], "runs no remote model code"),
     (["--model", "MODEL", "--num_fewshot", "-1"], "num_fewshot: must be 0 or more"),
 ])
 def test_cli_errors_are_one_line_exit_2(cli, tmp_path, args, message):

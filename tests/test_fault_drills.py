@@ -86,6 +86,31 @@ def test_kill_9_of_the_measuring_process_leaves_no_engine_process_or_scratch_fol
     assert [p.name for p in scratch.iterdir()] == [live.name]
 
 
+def test_shared_memory_an_engine_left_is_reaped_and_one_in_use_is_kept():
+    """A segment no process maps or holds (as a killed engine group leaves it) is removed with the
+    scratch; one a live process holds is kept."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    from archsearch.benchmarks.scratch import reap_shared_memory
+
+    leaked = shared_memory.SharedMemory(create=True, size=4096)
+    leaked.close()
+    resource_tracker.unregister(leaked._name, "shared_memory")  # nobody left to unlink it
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom multiprocessing import shared_memory\n"
+                               "s = shared_memory.SharedMemory(create=True, size=4096)\nprint(s.name, flush=True)\n"
+                               "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    used = holder.stdout.readline().strip()
+    try:
+        removed = reap_shared_memory(0.0, only={leaked.name, used})
+        assert [p.name for p in removed] == [leaked.name]
+        assert (Path("/dev/shm") / used).exists() and not (Path("/dev/shm") / leaked.name).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        (Path("/dev/shm") / used).unlink(missing_ok=True)
+        (Path("/dev/shm") / leaked.name).unlink(missing_ok=True)
+
+
 def test_one_hung_batch_size_keeps_the_others(tmp_path, monkeypatch, capsys):
     """``archsearch bench`` on an engine that hangs in batch size 2 of [1, 2, 3]: 2 fails with the
     timeout, 1 is kept and 3 is measured in a fresh engine process; the command succeeds and
@@ -228,9 +253,10 @@ def test_a_torn_measurement_record_is_measured_again(tmp_path, capsys):
 
 def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
     """``archsearch search`` (the transformers engine, isolated like vLLM) killed with SIGKILL while
-    an engine process measures: every process of that engine's group is gone within seconds,
-    and its scratch folders are left only for the next measurement to remove."""
-    from archsearch.benchmarks.scratch import reap_stale
+    an engine process measures: every descendant of the study (the engine, its workers, their
+    children) is gone within seconds, and its scratch folders and shared-memory segments are
+    left only for the next measurement to remove, which leaves no debris in /tmp or /dev/shm."""
+    from archsearch.benchmarks.scratch import reap_shared_memory, reap_stale, segments_in_use, shm_segments
     from tests.test_search import _hf_cfg
 
     cfg = _hf_cfg(tmp_path, n_trials=3)
@@ -250,18 +276,25 @@ def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
         engines[:] = [k for k in kids if "archsearch.benchmarks.isolate" in " ".join(k.cmdline())]
         return bool(engines)
 
+    shm_before = shm_segments()
     try:
         _wait(measuring, 240, "no engine process started")
-        group = [*engines, *(c for e in engines for c in e.children(recursive=True))]
+        group = psutil.Process(study.pid).children(recursive=True)  # grandchildren included
         os.kill(study.pid, signal.SIGKILL)
         study.wait()
-        _wait(lambda: all(_gone(p.pid) for p in group), 10, "engine processes outlived the killed study")
+        _wait(lambda: all(_gone(p.pid) for p in group), 10,
+              f"descendants outlived the killed study: {[p.pid for p in group if not _gone(p.pid)]}")
     finally:
         if study.poll() is None:
             study.kill()
     left = sorted(p.name for p in scratch.iterdir() if p.name.startswith(f"archsearch-bench-{study.pid}-"))
     assert left, "the engine's scratch folder was not where the drill looks"
     assert {p.name for p in reap_stale(scratch)} >= set(left)
+    reap_shared_memory(0.0, only=shm_segments() - shm_before)  # as the next measurement does
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith(f"archsearch-bench-{study.pid}-")]
+    # on a shared machine other processes' engines make segments meanwhile: those they use are theirs
+    in_use = {Path(p).name for p in segments_in_use()}
+    assert not shm_segments() - shm_before - in_use, "shared-memory segments of the killed study remain"
 
 
 def test_a_failed_gqa_measurement_is_measured_again_on_resume(tmp_path, monkeypatch, capsys):

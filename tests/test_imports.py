@@ -26,9 +26,9 @@ import pytest
 HEAVY = ("torch", "vllm", "sglang", "transformers", "lm_eval", "optuna", "matplotlib", "submitit",
          "accelerate", "peft", "datasets", "scipy", "pandas", "psycopg2", "tokenizers")
 # small shared modules any package may use (errors, accounting, the named shapes, files, provenance, messages,
-# the runs table)
+# the runs table, the YAML reader, the bounds on counts)
 BASE = {"_lazy", "errors", "arch", "presets", "configio", "fileio", "provenance", "hardware", "candidates", "logs",
-        "rundata"}
+        "rundata", "yamlio", "bounds"}
 
 # module -> the archsearch subpackages it may import (besides itself and BASE), heavy modules it may import
 ALLOWED: dict[str, tuple[set[str], set[str]]] = {

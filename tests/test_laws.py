@@ -4,6 +4,7 @@ files, solve, validation, and the CLI. Synthetic runs are real buildable specs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -143,6 +144,8 @@ def test_recover_conditional_multiplicative(mult_runs, reference):
     assert abs(o.mlp_to_attn_ratio / R_STAR - 1) < 0.10
     assert abs(fit.coefficients["a1"] / 0.05 - 1) < 0.20
     assert fit.status in ("ok", "warnings") and fit.metrics["fit"]["mare"] < 0.006
+    # the runs deepen with N: the fit names the depths it pooled (no law reads depth beyond N)
+    assert fit.data_ranges["n_layers"] == [8.0, 12.0]
 
 
 def test_recover_conditional_additive():
@@ -297,7 +300,8 @@ def test_warnings_flag_bad_fits(mult_runs):
     fit = fit_law(mult_runs, "conditional-multiplicative", FitOptions(reference_law=wrong, n_starts=3))
     assert any("residual trend" in w and "log N" in w for w in fit.warnings)
     few = synthetic_runs("chinchilla", TRUE_CHINCHILLA, (1e7, 4e7, 1.6e8, 6.4e8), hidden_over_sqrt_n=(0.08,),
-                         mlp_to_attn=(2.5,), seed=2) * 2
+                         mlp_to_attn=(2.5,), seed=2)
+    few += [dataclasses.replace(r, seed=r.seed + 1) for r in few]  # a second seed of each (a copied row is refused)
     fit = fit_law(few, "chinchilla", FitOptions(n_starts=12))
     assert any("D/N constant" in w for w in fit.warnings)
     assert any("too few points" in w for w in fit.warnings)

@@ -200,3 +200,52 @@ def test_the_measured_dtype_is_read_from_this_studys_settings_only(tmp_path):
     assert m.measured_dtype(TINY) is None
     store.put("new", {"dtype": "bfloat16", "settings": {"dtype": "bfloat16", "backend": "analytic"}})
     assert m.measured_dtype(TINY) == "bfloat16"
+
+
+def _every_byte(out: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(out)): (p.read_bytes() if p.is_file() else None) for p in sorted(out.rglob("*"))}
+
+
+def test_every_refused_change_to_a_finished_study_changes_not_one_byte(tmp_path):
+    """A finished study whose law it fitted itself, rerun with each change the folder cannot honour:
+    each is refused, and not one byte of the folder changes (nothing rewritten, nothing set aside)."""
+    from archsearch.laws.synthetic import synthetic_runs
+    from archsearch.rundata import write_runs
+    from archsearch.search import pipeline
+
+    coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
+    write_runs(tmp_path / "a.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6, 2e6, 4e6),
+                                                  tokens_per_param=(10, 20)))
+    raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0},
+                       proxy={"runs": str(tmp_path / "a.csv")}, optuna={"n_trials": 2},
+                       gqa_search={"enabled": False})
+    cfg = load(raw)
+    out = cfg.out_dir()
+    pipeline.run(cfg, out)
+    before = _every_byte(out)
+    refused = [({"target": {"loss": 1.0}}, None, "target.loss"),  # below the folder law's optimum
+               ({"measure": {"dtype": "float16"}}, {"report"}, "--only/--skip")]
+    for change, only, field in refused:
+        with pytest.raises(ArchsearchError) as e:
+            pipeline.run(load(_rewrite(raw, **change)), out, only=only)
+        assert e.value.field == field, str(e.value)
+        assert _every_byte(out) == before, f"refusing {change} changed the folder"
+        assert not (out / "superseded").exists()
+
+
+def test_only_proxy_on_a_new_folder_asks_for_no_law(tmp_path):
+    """``--only proxy`` on a new folder stops after the proxies: no stage after the last selected one
+    runs when it was never done (the fit it was told not to make is not read)."""
+    from archsearch.laws.synthetic import synthetic_runs
+    from archsearch.rundata import write_runs
+    from archsearch.search import pipeline
+
+    coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
+    write_runs(tmp_path / "a.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6),
+                                                  tokens_per_param=(10, 20)))
+    raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0},
+                       proxy={"runs": str(tmp_path / "a.csv")})
+    cfg = load(raw)
+    out = cfg.out_dir()
+    s = pipeline.run(cfg, out, only={"proxy"})
+    assert not (out / "law.json").exists() and s["target_loss"] is None

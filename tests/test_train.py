@@ -7,6 +7,7 @@ $ARCHSEARCH_CACHE or ~/.cache/archsearch, so only the first session pays for the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -267,6 +268,71 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_by_name(done_run, tmp_pat
         train(SPEC, TRAIN, DATA, out, progress=False)
     assert e.value.field == "out" and "--overwrite" in str(e.value)
     assert _snapshot(out) == before
+
+
+def _half_finished(done_run, out: Path) -> Path:
+    """A copy of the finished run marked as killed half-way (its last checkpoint kept)."""
+    import shutil
+
+    shutil.copytree(done_run[0], out)
+    rec = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**rec, "status": "running"}))
+    return out
+
+
+@pytest.mark.parametrize("tc, dc, named", [
+    (dataclasses.replace(TRAIN, lr=TRAIN.lr / 2), DATA, "train.lr"),
+    (dataclasses.replace(TRAIN, global_batch_size=8), DATA, "train.global_batch_size"),
+    (dataclasses.replace(TRAIN, warmup_steps=3), DATA, "train.warmup_steps"),
+    (TRAIN, dataclasses.replace(DATA, seq_len=32), "data.seq_len"),
+    (TRAIN, dataclasses.replace(DATA, tokenizer="bpe:1024"), "data.tokenizer"),
+])
+def test_a_run_resumed_with_other_settings_is_refused(done_run, tmp_path, tc, dc, named):
+    """The run's fingerprint (its trajectory's settings, stored in run.json) is checked on resume:
+    a half-finished run is never continued with another learning rate, batch, warm-up or data."""
+    from archsearch.trainers import train
+
+    out = _half_finished(done_run, tmp_path / "half")
+    before = _snapshot(out)
+    with pytest.raises(ArchsearchError, match=named.replace(".", r"\.")) as e:
+        train(SPEC, tc, dc, out, progress=False)
+    assert e.value.field == "out" and "--overwrite" in str(e.value)
+    assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("damage", ["truncate-weights", "truncate-optimizer", "state-json"])
+def test_a_damaged_checkpoint_is_named_before_any_work(done_run, tmp_path, damage):
+    from archsearch.trainers import train
+
+    out = _half_finished(done_run, tmp_path / "torn")
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    name = {"truncate-weights": "model.safetensors", "truncate-optimizer": "optimizer.bin",
+            "state-json": "state.json"}[damage]
+    data = (ckpt / name).read_bytes()
+    (ckpt / name).write_bytes(data[: len(data) // 2])
+    before = _snapshot(out)
+    with pytest.raises(ArchsearchError, match=name) as e:
+        train(SPEC, TRAIN, DATA, out, progress=False)
+    assert e.value.field == "out" and str(ckpt) in e.value.fix
+    assert _snapshot(out) == before
+
+
+def test_a_run_folder_follows_the_umask(tmp_path):
+    """Under umask 002 every file and folder a run writes is group-writable, the weights and the
+    checkpoints included (safetensors writes 0600 of its own)."""
+    from archsearch.trainers import train
+
+    out = tmp_path / "shared"
+    old = os.umask(0o002)
+    try:
+        rec = train(SPEC, dataclasses.replace(TRAIN, tokens=10 * 16 * 64, checkpoint_interval=5, warmup_steps=2),
+                    DATA, out, progress=False)
+    finally:
+        os.umask(old)
+    assert rec["status"] == "ok"
+    assert (out / "model" / "model.safetensors").is_file() and list((out / "checkpoints").iterdir())
+    private = [str(p.relative_to(out)) for p in out.rglob("*") if not p.stat().st_mode & 0o020]
+    assert not private, f"not group-writable under umask 002: {private}"
 
 
 # -- bad input leaves earlier runs intact --------------------------------------------------------

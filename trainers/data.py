@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import atomic_write, write_json
+from archsearch.fileio import atomic_write, read_text, write_json
 from archsearch.logs import get_logger
 from archsearch.trainers.config import DataConfig
 from archsearch.trainers.corpus import DEFAULT_VAL_WORKS, shakespeare_split
@@ -128,7 +128,7 @@ def _hash_files(files: list[Path]) -> str:
 def _read_docs(files: list[Path], text_field: str) -> Iterator[str]:
     for f in files:
         if f.suffix == ".jsonl":
-            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            for i, line in enumerate(read_text(f, f"data.source {f}").splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -141,7 +141,9 @@ def _read_docs(files: list[Path], text_field: str) -> Iterator[str]:
                                           "set data.text_field to the key holding the text")
                 yield obj[text_field]
         else:
-            yield f.read_text(encoding="utf-8", errors="replace")
+            # UTF-8 or one error naming the file: a Latin-1 corpus read with errors="replace"
+            # would be trained on as replacement characters
+            yield read_text(f, f"data.source {f}")
 
 
 def _shakespeare(cfg: DataConfig) -> _Source:
@@ -582,6 +584,50 @@ def cache_state(cfg: DataConfig, min_train_tokens: float | None = None,
                        "missing": "no shard in the cache yet"}[status])
 
 
+def heal_cache(folder: Path, itemsize: int) -> list[str]:
+    """Validate the token cache ``folder`` on read and remove what is damaged, so that it is
+    tokenized again (each named in a warning; returned): a shard whose byte length is not a whole
+    number of tokens, an end marker or ``meta.json`` that is not the JSON object this module
+    writes, and a ``meta.json`` whose token counts the shards on disk no longer hold (a shard cut
+    short or deleted: then every shard of the folder goes, as which one is short is unknown)."""
+    if not folder.is_dir():
+        return []
+    removed: list[str] = []
+
+    def drop(p: Path, why: str) -> None:
+        get_logger("data").warning(f"archsearch: the token cache file {p} is damaged ({why}); it is tokenized again")
+        p.unlink(missing_ok=True)
+        removed.append(p.name)
+
+    for p in sorted(folder.glob("*.bin")):
+        if p.stat().st_size % itemsize:
+            drop(p, f"{p.stat().st_size} bytes, not a whole number of {itemsize}-byte tokens")
+    for p in sorted(folder.glob("*.json")):
+        try:
+            obj = json.loads(p.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            obj = e
+        want = "shards" if p.name.endswith(".end.json") else None
+        if not isinstance(obj, dict) or (want and not isinstance(obj.get(want), int)):
+            drop(p, f"not the JSON object written there ({type(obj).__name__})")
+    meta_path = folder / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        sides = meta.get("shards")
+        if isinstance(sides, dict):  # a local source: its token totals are known
+            counts = {side: sum(p.stat().st_size // itemsize for p in folder.glob(f"{side}-*.bin"))
+                      for side in ("all", "train", "val")}
+            total = sides.get("train_tokens", 0) + sides.get("val_tokens", 0)
+            held = counts["all"] if "all" in sides else counts["train"] + counts["val"]
+            if held != total:
+                drop(meta_path, f"it records {total:,} tokens, the shards hold {held:,}")
+                for p in sorted(folder.glob("*.bin")) + sorted(folder.glob("*.end.json")):
+                    drop(p, "its folder's record no longer matches its shards")
+        elif "val_docs" not in meta:
+            drop(meta_path, "no shard record")
+    return removed
+
+
 def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
                  progress: bool = False, *, workers: int | None = None,
                  shard_docs: int = SHARD_DOCS) -> PreparedData:
@@ -620,6 +666,7 @@ def prepare_data(cfg: DataConfig, min_train_tokens: int | None = None,
     dtype = token_dtype(len(tok))
     folder = _data_folder(cfg, source, tok, shard_docs)
     meta_path = folder / "meta.json"
+    heal_cache(folder, dtype.itemsize)  # a torn or odd-length file is named and tokenized again
     had = {q.name for q in folder.glob("*.bin")} if folder.is_dir() else set()
     base_meta = {"dtype": dtype.name, "tokenizer": cfg.tokenizer, "tokenizer_fingerprint": fingerprint(tok),
                  "separator_id": sep, "shard_docs": shard_docs, **source.describe}

@@ -33,13 +33,14 @@ import math
 import shutil
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
 from archsearch.arch import ArchSpec, non_embedding_params, to_hf_config, total_params, training_flops
 from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import truncate_jsonl, write_json
+from archsearch.fileio import follow_umask, truncate_jsonl, write_json
 from archsearch.hardware import GPUS, detect_gpu_name, get_device, measure_cpu
 from archsearch.modelcard import write_run_card
 from archsearch.provenance import provenance
@@ -132,13 +133,39 @@ def read_record(out_dir: Path) -> dict | None:
         return None
 
 
+# the settings that make a run's trajectory (its fingerprint, besides the architecture, budget,
+# seed, initial weights and LoRA rank): a run resumed with another of these would continue a
+# curve it did not start; what only logs, checks or places files (intervals, threads, trackers,
+# the stop rule, the cache folder, max_epochs) may change between sessions
+TRAJECTORY_TRAIN = ("global_batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "betas",
+                    "grad_clip", "dtype", "lora_targets")
+TRAJECTORY_DATA = ("source", "tokenizer", "seq_len", "val_works", "val_fraction", "val_tokens", "text_field",
+                   "max_train_tokens", "bpe_train_chars")
+
+
+def settings_changes(rec: dict[str, Any], tc: TrainConfig, dc: DataConfig | None) -> list[str]:
+    """The trajectory settings (:data:`TRAJECTORY_TRAIN`, :data:`TRAJECTORY_DATA`) in which ``tc``
+    and ``dc`` differ from those a run record stored ('lr 0.003 -> 0.001'); a record of an older
+    version without them differs in nothing."""
+    diffs = []
+    for section, cfg, keys in (("train", tc, TRAJECTORY_TRAIN), ("data", dc, TRAJECTORY_DATA)):
+        stored = rec.get(f"{section}_config")
+        if cfg is None or not isinstance(stored, dict):
+            continue
+        now = to_dict(cfg)
+        diffs += [f"{section}.{k} {stored[k]!r} -> {now.get(k)!r}" for k in keys
+                  if k in stored and stored[k] != now.get(k)]
+    return diffs
+
+
 def check_run_folder(out_dir: Path, spec: ArchSpec, tc: TrainConfig, flag: str = "out",
-                     ignore: tuple[str, ...] = ()) -> None:
+                     ignore: tuple[str, ...] = (), dc: DataConfig | None = None) -> None:
     """Refuse a run folder that holds a run (finished or checkpointed) of other settings: its
     record or checkpoints would be returned or resumed as this run's. What makes a run another
     run: its architecture (bar ``ignore``d fields and the display name), its token budget D,
-    its seed, its initial weights and its LoRA rank. An unfinished run whose checkpoint this
-    version cannot read is refused too."""
+    its seed, its initial weights, its LoRA rank, and (with ``dc``) the settings of its
+    trajectory (:func:`settings_changes`: learning rate, batch, warm-up, seq_len, data...). An
+    unfinished run whose checkpoint this version cannot read is refused too."""
     rec = read_record(out_dir)
     ckpts = _checkpoints(Path(out_dir))
     if ckpts and (rec or {}).get("status") != "ok":
@@ -158,6 +185,7 @@ def check_run_folder(out_dir: Path, spec: ArchSpec, tc: TrainConfig, flag: str =
             diffs.append(f"{key} {rec[key]!r} -> {now!r}")
     if (rec.get("lora") or {}).get("rank") != tc.lora_rank and (rec.get("lora") or tc.lora_rank):
         diffs.append("lora rank")
+    diffs += settings_changes(rec, tc, dc)
     if diffs:
         raise ArchsearchError(flag, f"{str(out_dir)!r} holds a run ({rec.get('status')}) of other settings: "
                               + ", ".join(diffs[:6]),
@@ -356,20 +384,58 @@ def _save_checkpoint(accelerator, out_dir: Path, step: int, state: dict, keep: i
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json(tmp / "state.json", {"step": step, **state}, default=str)
+        follow_umask(tmp)  # accelerate's safetensors are 0600: the folder follows the umask
         tmp.rename(final)
         for old in _checkpoints(out_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file at ``path`` cannot be whole (None when its header parses and its
+    size is the header's 8 + N bytes plus the end of its last tensor): a file cut short by a kill
+    or a full disk is found by its size, without reading the tensors."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                return f"its header claims {n:,} bytes but the file has {size:,}"
+            header = json.loads(fh.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"its header is not a safetensors header ({type(e).__name__})"
+    if size != 8 + n + end:
+        return f"it has {size:,} bytes where its header describes {8 + n + end:,}"
+    return None
+
+
 def _check_checkpoint(ckpt: Path, flag: str = "out") -> None:
-    """Refuse a checkpoint in the layout the trainer wrote before it used accelerate's
-    ``save_state`` (it would not load), before any work."""
+    """Refuse, before any work, a checkpoint that would not load: in the layout the trainer wrote
+    before it used accelerate's ``save_state``, or with a file cut short (a weights file whose
+    size is not its header's, a torch file whose zip directory is gone, a ``state.json`` that
+    is not a JSON object with the step)."""
     if (ckpt / "model.pt").is_file():
         raise ArchsearchError(flag, f"{ckpt} is a checkpoint of an earlier archsearch (model.pt, "
                               "optimizer.pt, rng.pt), which this version does not read",
                               "finish the run with the version that started it, or train it from "
                               f"the start (delete its {CKPT_DIR}/ folder, or --overwrite)")
+    fix = (f"delete {ckpt} to resume from the checkpoint before it (or from the start), or start anew "
+           "with --overwrite")
+    for f in sorted(ckpt.rglob("*")):
+        why = None
+        if f.suffix == ".safetensors":
+            why = safetensors_problem(f)
+        elif f.suffix in (".bin", ".pt") and not zipfile.is_zipfile(f):  # torch.save's zip format
+            why = "it is not a whole torch file (its zip directory is missing: cut short?)"
+        if why:
+            raise ArchsearchError(flag, f"the checkpoint file {f} is damaged: {why}", fix)
+    try:
+        state = json.loads((ckpt / "state.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArchsearchError(flag, f"{ckpt / 'state.json'} is not valid JSON ({e})", fix) from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ArchsearchError(flag, f"{ckpt / 'state.json'} does not hold the checkpoint's step", fix)
 
 
 def _load_checkpoint(accelerator, ckpt: Path) -> dict:
@@ -426,7 +492,7 @@ def train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir:
 def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir: str | Path, *,
            progress: bool = True, data=None) -> dict:
     out_dir = Path(out_dir)
-    check_run_folder(out_dir, spec, train_cfg)
+    check_run_folder(out_dir, spec, train_cfg, dc=data_cfg)
     done = read_record(out_dir)
     if done and done.get("status") == "ok":
         return done
@@ -663,4 +729,5 @@ def _save_final_model(accelerator, model, tokenizer, folder: Path, progress: boo
         unwrapped.config.use_cache = True
         unwrapped.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(str(folder))
+        follow_umask(folder)  # safetensors writes the weights 0600; the run folder follows the umask
     accelerator.wait_for_everyone()

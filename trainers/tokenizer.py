@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.fileio import follow_umask
+from archsearch.logs import get_logger
 
 EOS = "<|endoftext|>"  # id 0 in a trained BPE, matching bos/eos 0 in archsearch.arch.to_hf_config
 
@@ -26,10 +28,28 @@ def _atomic_dir_write(final: Path, write: Callable[[Path], None]) -> None:
     tmp = final.with_name(final.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     write(tmp)
+    follow_umask(tmp)
     try:
         tmp.rename(final)
     except OSError:  # another process finished first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _whole_cache(folder: Path) -> bool:
+    """Whether the cached tokenizer ``folder`` is whole: every JSON file in it parses (a file cut
+    short by a full disk or a damaged copy does not). A damaged one is named, removed and False
+    returned, so the caller builds it again instead of failing in the tokenizer's own reader."""
+    if not folder.is_dir():
+        return False
+    for f in sorted(folder.glob("*.json")):
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            get_logger("data").warning(f"archsearch: the cached tokenizer file {f} is damaged ({type(e).__name__}: "
+                                       f"{str(e)[:80]}); removing {folder} and building it again")
+            shutil.rmtree(folder, ignore_errors=True)
+            return False
+    return (folder / "tokenizer.json").is_file()
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int):
@@ -73,10 +93,10 @@ def cached_tokenizer(name: str, cache_dir: Path, bpe_key: str | None = None):
 
     if name.startswith("bpe:"):
         folder = _bpe_folder(cache_dir, int(name[4:]), bpe_key or "")
-        return PreTrainedTokenizerFast.from_pretrained(str(folder)) if (folder / "tokenizer.json").is_file() else None
+        return PreTrainedTokenizerFast.from_pretrained(str(folder)) if _whole_cache(folder) else None
     if name.lower() == "smollm2":
         folder = cache_dir / "tokenizers" / "smollm2"
-        return AutoTokenizer.from_pretrained(str(folder)) if (folder / "tokenizer.json").is_file() else None
+        return AutoTokenizer.from_pretrained(str(folder)) if _whole_cache(folder) else None
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True)  # never trust_remote_code
     except (OSError, ValueError):
@@ -99,7 +119,7 @@ def load_tokenizer(name: str, cache_dir: Path,
         if bpe_texts is None or bpe_key is None:
             raise ArchsearchError("data.tokenizer", "a BPE tokenizer needs training text")
         folder = _bpe_folder(cache_dir, vocab, bpe_key)
-        if not (folder / "tokenizer.json").is_file():
+        if not _whole_cache(folder):
             tok = train_bpe(bpe_texts(), vocab)
             if len(tok) != vocab:
                 raise ArchsearchError("data.tokenizer", f"the training text only supports "
@@ -109,7 +129,7 @@ def load_tokenizer(name: str, cache_dir: Path,
 
     if name.lower() == "smollm2":
         folder = cache_dir / "tokenizers" / "smollm2"
-        if not (folder / "tokenizer.json").is_file():
+        if not _whole_cache(folder):
             # Reading the GGUF takes seconds (it parses the whole file); convert once.
             src, gguf = _smollm2_folder()
             try:

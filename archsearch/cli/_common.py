@@ -18,6 +18,7 @@ from archsearch.candidates import BuildSettings
 from archsearch.cli._examples import OVERRIDE_EXAMPLES
 from archsearch.configio import number_from_text, to_yaml
 from archsearch.errors import ArchsearchError
+from archsearch.fileio import check_path
 from archsearch.presets import load_arch
 
 # Where print_json writes while a --json command runs (see json_stdout); None: sys.stdout.
@@ -68,9 +69,20 @@ def level(text: str) -> float:
     return v
 
 
+def _checked_path(text: str) -> Path:
+    """``text`` through the one path check (:func:`archsearch.fileio.check_path`), as argparse
+    reports a bad value."""
+    try:
+        return check_path("path", text)
+    except ArchsearchError as e:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r}{'...' if len(text) > 60 else ''}: {e.problem}"
+                                         + (f" ({e.fix})" if e.fix else "")) from None
+
+
 def out_file(text: str) -> str:
-    """A file to write (an argparse ``type``): not an existing folder, nor under a file."""
-    p = Path(text)
+    """A file to write (an argparse ``type``): a valid path (:func:`_checked_path`), not an
+    existing folder, nor under a file."""
+    p = _checked_path(text)
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
     if any(a.is_file() for a in p.parents):
@@ -79,8 +91,9 @@ def out_file(text: str) -> str:
 
 
 def out_dir(text: str) -> str:
-    """A folder to write into (an argparse ``type``): not an existing file, nor under one."""
-    p = Path(text)
+    """A folder to write into (an argparse ``type``): a valid path (:func:`_checked_path`), not
+    an existing file, nor under one."""
+    p = _checked_path(text)
     if p.is_file() or any(a.is_file() for a in p.parents):
         raise argparse.ArgumentTypeError(f"{text!r} is a file (or under one); give a folder path")
     return text

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from archsearch.arch import sparsity
+from archsearch.bounds import check_at_most
 from archsearch.cli._common import parse_number, print_json, print_table
 from archsearch.cli._common import fraction, nonneg_float, out_file, pos_int
 from archsearch.errors import ArchsearchError
@@ -41,7 +42,8 @@ def register(sub) -> None:
                    help="fitted max-batch and throughput laws ('estimate batch-laws'): their answer "
                         "is shown beside the analytic one")
     p.add_argument("--dtype", default="bfloat16", help="training compute dtype (default bfloat16)")
-    p.add_argument("--seq-len", type=pos_int, default=2048, help="sequence length for the memory check")
+    p.add_argument("--seq-len", type=pos_int, default=None,
+                   help=f"sequence length for the memory check (default {DEFAULT_SEQ_LEN}; at most the model's positions)")
     p.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
     _finetune_args(p)
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -79,7 +81,8 @@ def register(sub) -> None:
     m.add_argument("--output-len", type=pos_int, default=1024)
     m.add_argument("--dtype", default="bfloat16")
     m.add_argument("--micro-batch", type=pos_int, default=1, help="training micro-batch per device")
-    m.add_argument("--seq-len", type=pos_int, default=2048, help="training sequence length")
+    m.add_argument("--seq-len", type=pos_int, default=None,
+                   help=f"training sequence length (default {DEFAULT_SEQ_LEN}; at most the model's positions)")
     m.add_argument("--tp", type=pos_int, default=1)
     m.add_argument("--pp", type=pos_int, default=1)
     m.add_argument("--parallelism", default="ddp", choices=["ddp", "zero1", "zero2", "fsdp"])
@@ -127,6 +130,20 @@ def _finetune_settings(args: argparse.Namespace, spec):
     return args.finetune, lora, fmt
 
 
+DEFAULT_SEQ_LEN = 2048
+
+
+def _check_seq_len(args: argparse.Namespace, spec) -> None:
+    """``args.seq_len`` set: the given one, no longer than the model's positions (beyond them a
+    run attends where the model never learned to, and the memory answer would be for a run that
+    cannot be made), else :data:`DEFAULT_SEQ_LEN`."""
+    if args.seq_len is None:
+        args.seq_len = DEFAULT_SEQ_LEN
+        return
+    check_at_most("--seq-len", args.seq_len, spec.max_position_embeddings,
+                  f"the model has {spec.max_position_embeddings:,} positions (max_position_embeddings)")
+
+
 def _require(args: argparse.Namespace, *names: str) -> None:
     for n in names:
         if getattr(args, n) is None:
@@ -137,6 +154,7 @@ def _require(args: argparse.Namespace, *names: str) -> None:
 def _estimate(args: argparse.Namespace) -> int:
     _require(args, "arch", "tokens")
     spec = load_arch(args.arch)
+    _check_seq_len(args, spec)
     method, lora, fmt = _finetune_settings(args, spec)
     est = estimate_training(spec, args.tokens, args.gpus, tp=args.tp, pp=args.pp,
                             mfu=args.mfu, price_per_hour=args.price, time_law=args.law,
@@ -235,6 +253,7 @@ def _fit(args: argparse.Namespace) -> int:
 
 def _memory(args: argparse.Namespace) -> int:
     spec = load_arch(args.arch)
+    _check_seq_len(args, spec)
     if args.experts_per_token is not None:
         if not spec.is_moe or args.experts_per_token > spec.n_experts:
             raise ArchsearchError("--experts-per-token", f"{args.experts_per_token} for "

@@ -14,6 +14,7 @@ from archsearch.cli._common import (add_arch_args, add_overrides_arg, add_print_
                                     parse_number)
 from archsearch.cli._common import print_config, print_json, print_table
 from archsearch.cli._common import learning_rate, nonneg_int, out_dir, out_file, port, pos_float, pos_int
+from archsearch.bounds import check_at_most, devices_here
 from archsearch.configio import apply_overrides, from_dict, load_config, load_yaml
 from archsearch.errors import ArchsearchError
 from archsearch.figures import sweep_loss_curves
@@ -177,7 +178,7 @@ def _train(args: argparse.Namespace) -> int:
     check_cpu_threads(tc, "--cpu-threads")
     out = Path(args.out) if args.out else None
     if out is not None and not args.overwrite:  # before the data is prepared
-        check_run_folder(out, spec, tc, "--out", ignore=("vocab_size",) if args.match_vocab else ())
+        check_run_folder(out, spec, tc, "--out", ignore=("vocab_size",) if args.match_vocab else (), dc=dc)
 
     from accelerate import PartialState
 
@@ -190,7 +191,7 @@ def _train(args: argparse.Namespace) -> int:
     elif args.overwrite:
         state = PartialState()  # under accelerate launch: one rank deletes, the others wait for it
         if state.is_main_process:
-            _clear_run_folder(out, spec, tc)
+            _clear_run_folder(out, spec, tc, dc)
         state.wait_for_everyone()
     rec = train(spec, tc, dc, out, progress=not args.no_progress, data=data)
     if args.json:
@@ -203,11 +204,11 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if rec.get("status") == "ok" else 1
 
 
-def _clear_run_folder(out: Path, spec, tc) -> None:
+def _clear_run_folder(out: Path, spec, tc, dc) -> None:
     """``--overwrite``: delete a run of other settings in ``out`` (a folder with a run record;
     any other folder is left alone and the run's own checks refuse it)."""
     try:
-        check_run_folder(out, spec, tc, "--out")
+        check_run_folder(out, spec, tc, "--out", dc=dc)
     except ArchsearchError:
         if not (out / RUN_FILE).is_file():
             raise
@@ -222,6 +223,10 @@ def _launch(args, spec, tc, dc) -> int:
     if args.num_processes is None and own is None:
         raise ArchsearchError("--num-processes", "is required with --launch (no accelerate config of yours found)",
                               "give the total GPU count, or run `accelerate config` once: its default is then used")
+    if args.num_processes is not None and args.num_machines == 1:  # every process on this machine: one per device
+        n, what = devices_here()
+        check_at_most("--num-processes", args.num_processes, n, f"this machine has {n} {what}; one process "
+                      "drives one device (for several machines give --num-machines)")
     if args.run and args.num_machines > 1:
         raise ArchsearchError("--run", "runs this machine's rank only when there are several machines",
                               "submit the written sbatch script, or run the printed command on each machine")

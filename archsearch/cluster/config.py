@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.bounds import check_count
 from archsearch.cluster.startup import load_profile
 from archsearch.errors import ArchsearchError
 
@@ -43,6 +44,7 @@ class ClusterConfig:
         for name in ("jobs_at_once", "measure_workers"):
             if getattr(self, name) < 1:
                 raise ArchsearchError(f"cluster.{name}", f"must be >= 1, got {getattr(self, name)}")
+            check_count(f"cluster.{name}", getattr(self, name), "jobs")
         if self.gpus_per_job < 0:
             raise ArchsearchError("cluster.gpus_per_job", f"must be >= 0, got {self.gpus_per_job}")
         if self.max_retries < 0:

@@ -19,6 +19,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from archsearch.bounds import check_count
+from archsearch.configio import normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.evaluation.models import ResolvedModel, check_device, default_device, resolve_model
 from archsearch.evaluation.suites import TASKS_DIR, check_known, expand_tasks, needs_hub
@@ -73,6 +75,7 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     if isinstance(bootstrap_iters, bool) or not isinstance(bootstrap_iters, int) or bootstrap_iters < 0:
         raise ArchsearchError("bootstrap_iters", f"must be a whole number, 0 or more, got {bootstrap_iters!r}",
                               "e.g. 100000 (lm-eval's default) or 0 to skip bootstrapped errors")
+    check_count("bootstrap_iters", bootstrap_iters, "bootstrap")
     if num_fewshot is not None and num_fewshot < 0:
         raise ArchsearchError("num_fewshot", f"must be 0 or more, got {num_fewshot}")
     if limit is not None and not math.isfinite(limit):
@@ -242,11 +245,7 @@ def _parse_model_args(text: str | None) -> dict[str, Any]:
                                   "write it like lm-eval: max_length=2048,trust_remote_code=False")
     from lm_eval.utils import simple_parse_args_string
 
-    args = simple_parse_args_string(text)
-    if args.get("trust_remote_code") is True:
-        raise ArchsearchError("--model_args", "trust_remote_code is not run by archsearch",
-                              "use a model whose architecture transformers ships")
-    return args
+    return normalised_engine_args("--model_args", simple_parse_args_string(text))
 
 
 def lm_model_args(resolved: ResolvedModel, backend: str, device: str,

@@ -26,7 +26,7 @@ import numpy as np
 from archsearch.errors import ArchsearchError
 from archsearch.laws.fit import FitOptions, fit_split
 from archsearch.laws.metrics import size_groups
-from archsearch.rundata import check_one_loss_kind
+from archsearch.rundata import check_one_loss_kind, check_run_table
 
 if TYPE_CHECKING:
     from archsearch.rundata import RunRecord
@@ -50,6 +50,7 @@ def progressive_validation(runs: "Sequence[RunRecord]", law: str, options: FitOp
     ok = [r for r in runs if r.status == "ok"]
 
     check_one_loss_kind(ok)
+    check_run_table(ok)
     groups = size_groups(ok, opts.size_tolerance)
     if len(groups) < 2:
         raise ArchsearchError("data", f"validation needs at least 2 sizes, found {len(groups)}",

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from archsearch.bounds import BOUNDS, check_count
 from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
 from archsearch.laws.metrics import cluster, metrics, residual_trends, size_groups
@@ -41,7 +42,7 @@ from archsearch.laws.forms import CONDITIONAL, LAWS
 from archsearch.laws.lawfile import (FitResult, check_predicts, parse_reference, reference_coefficients,
                                      reference_loss, run_arrays)
 from archsearch.provenance import provenance
-from archsearch.rundata import check_one_loss_kind
+from archsearch.rundata import check_one_loss_kind, check_run_table
 
 if TYPE_CHECKING:
     from archsearch.rundata import RunRecord
@@ -52,7 +53,7 @@ REFERENCES = ("chinchilla", "best-observed")
 
 # 200 runs x 1000 resamples fit in ~14 s here: beyond 1e5 a bootstrap is hours of work that
 # moves an interval's end by less than its own Monte-Carlo error.
-MAX_BOOTSTRAP = 100_000
+MAX_BOOTSTRAP = BOUNDS["bootstrap"].limit
 # every start is a full L-BFGS-B run over the same data; past 1000 more starts find no other minimum
 MAX_STARTS = 1000
 
@@ -91,6 +92,7 @@ class FitOptions:
         for f in ("n_starts", "max_iter", "n_jobs"):
             if getattr(self, f) < 1:
                 raise ArchsearchError(f, f"must be >= 1, got {getattr(self, f)}")
+        check_count("max_iter", self.max_iter, "iterations")
         if self.bootstrap < 0:
             raise ArchsearchError("bootstrap", f"must be >= 0, got {self.bootstrap}", "0 means no intervals")
         if self.bootstrap > MAX_BOOTSTRAP:
@@ -373,10 +375,15 @@ def _data_warnings(law: str, X: forms.Data, n_params: int, opts: FitOptions) -> 
     return out
 
 
-def _summary_ranges(X: forms.Data) -> dict[str, list[float]]:
+def _summary_ranges(X: forms.Data, runs: Sequence["RunRecord"] = ()) -> dict[str, list[float]]:
+    """The ranges of the fitted variables, and of the runs' layer counts (no law reads depth
+    beyond N and R: a fit over several depths assumes depth acts through them alone, and says
+    so here)."""
     keys = {"N": "params", "D": "tokens", "x1": "hidden_over_sqrt_n", "x2": "mlp_to_attn_ratio",
             "R": "hidden_over_layers"}
-    return {keys[k]: [float(v.min()), float(v.max())] for k, v in X.items() if k in keys and v.size}
+    out = {keys[k]: [float(v.min()), float(v.max())] for k, v in X.items() if k in keys and v.size}
+    layers = sorted({r.arch.n_layers for r in runs if r.arch is not None})
+    return {**out, "n_layers": [float(layers[0]), float(layers[-1])]} if layers else out
 
 
 def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = None) -> FitResult:
@@ -389,6 +396,7 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
 
     check_one_loss_kind(ok)
+    check_run_table(ok)
     shapeless = [r for r in ok if not r.has_arch]
     if shapeless and law != "chinchilla":
         r = shapeless[0]
@@ -489,7 +497,7 @@ def _fit_split_inner(fit_runs, test_runs, law, opts, n_failed):
                 warns.append(f"the {var} factor is not U-shaped ({a}={coefs[a]:.3g}, {b}={coefs[b]:.3g}): "
                              "no interior optimum in " + var)
     result = FitResult(law=law, coefficients=coefs, reference=ref, options=opts.to_dict(),
-                       dropped=dropped, n_runs=int(L.size), data_ranges=_summary_ranges(X))
+                       dropped=dropped, n_runs=int(L.size), data_ranges=_summary_ranges(X, fit_runs))
     pred = result.predict_arrays(X)
     logres = np.log(pred) - np.log(L)
     trend_vars = {"log N": np.log(X["N"]), "log D": np.log(X["D"])}

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from archsearch.arch import FAMILIES, ArchSpec, active_ffn_width, dtype_bytes
+from archsearch.bounds import check_at_most
 from archsearch.errors import ArchsearchError
 from archsearch.planning.formats import base_weight_bytes, largest_matrix, parse_format
 from archsearch.planning.memory import predict_training_memory
@@ -83,7 +84,10 @@ class LoraSettings:
 
 def check_lora_targets(spec: ArchSpec, lora: LoraSettings) -> None:
     """Targets must exist in the model: expert tensors only in a mixture-of-experts spec; the
-    dense MLP names in one only where it has a shared expert (qwen2_moe's, which they adapt)."""
+    dense MLP names in one only where it has a shared expert (qwen2_moe's, which they adapt).
+    The rank is at most the hidden size: an adapter's update d x r x k has rank <= min(d, k)."""
+    check_at_most("lora.rank", lora.rank, spec.hidden_size,
+                  f"an adapter's rank is at most the hidden size {spec.hidden_size:,}; beyond it adds weights, not rank")
     experts = [t for t in lora.targets if t in PARAMETER_TARGETS]
     if experts and not spec.is_moe:
         raise ArchsearchError("lora.targets", f"expert / router targets {experts} on a dense model "

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from archsearch.arch import ArchSpec, active_non_embedding_params, non_embedding_params, training_flops
+from archsearch.bounds import check_count
 from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_text, write_json
@@ -75,6 +76,7 @@ def split_gpus(text: str) -> tuple[int, str]:
     count = int(m.group(1)) if m.group(1) else 1
     if count < 1:
         raise ArchsearchError("gpus", f"device count must be >= 1 in {text!r}")
+    check_count("gpus", count, "devices")
     return count, m.group(2)
 
 

@@ -18,6 +18,7 @@ from archsearch.arch import SUPPORTED_HEAD_DIMS
 from archsearch.benchmarks.base import BACKENDS, BenchSettings
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.paired import PairedSettings
+from archsearch.bounds import check_count
 from archsearch.candidates import BuildSettings, check_size
 from archsearch.cluster.config import ClusterConfig
 from archsearch.configio import KEY, from_dict, inline, load_yaml
@@ -366,6 +367,7 @@ class OptunaConfig:
         n_shapes = self.n_shapes or self.n_trials or 12
         object.__setattr__(self, "n_shapes", n_shapes)
         object.__setattr__(self, "n_trials", self.n_trials or 10 * n_shapes)
+        check_count("optuna.n_trials", self.n_trials, "attempts_per_trial", scale=n_shapes)
         if self.storage is not None:
             _check_storage_url(self.storage)
         if self.enqueue_solution < 0:

@@ -46,9 +46,38 @@ def spec_key(spec: ArchSpec) -> str:
 def file_lock(path: Path) -> FileLock:
     """An exclusive lock on ``path`` (created if needed, with its folder) shared by processes, to
     hold in a ``with`` block. An ``flock``: the OS drops it when its holder dies, and a file system
-    without ``flock`` is an error, not a lock that would outlive a killed worker."""
+    without ``flock`` is an error, not a lock that would outlive a killed worker. A lock path of the
+    wrong kind (a folder where the lock file goes, a file where its folder goes) is an error
+    naming it, not a lock that silently never holds."""
+    fix = "remove it: it is not what archsearch wrote there (check no archsearch process uses this folder)"
+    for parent in (path.parent, *path.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ArchsearchError(str(parent), "is a file where the folder of a lock belongs", fix)
+            break
+    if path.exists() and not path.is_file():
+        raise ArchsearchError(str(path), "is a folder (or not a regular file) where a lock file belongs", fix)
     path.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(path, fallback_to_soft=False)
+
+
+# the lock files of a study folder (by file_lock) and the folder of the per-shape locks
+STUDY_LOCK_FILES = (".stage.lock", ".storage.lock", ".seeding.lock", "measurements.lock")
+STUDY_LOCK_FOLDER = "locks"
+
+
+def check_study_locks(out: Path) -> None:
+    """Refuse, before anything is written, a study folder whose lock paths are of the wrong kind
+    (a folder where a lock file belongs, a file where the locks' folder belongs): the same
+    error :func:`file_lock` gives, but before the first stage writes."""
+    if not out.is_dir():
+        return
+    for name in STUDY_LOCK_FILES:
+        if (out / name).exists() and not (out / name).is_file():
+            file_lock(out / name)  # raises, naming it
+    locks = out / STUDY_LOCK_FOLDER
+    if locks.exists() and not locks.is_dir():
+        file_lock(locks / "any.lock")  # raises, naming it
 
 
 # The layout of the store's keys (key_settings): each record carries it. A store written in an

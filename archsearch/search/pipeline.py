@@ -26,11 +26,13 @@ from archsearch.fileio import write_json
 from archsearch.logs import study_log
 from archsearch.search import log
 from archsearch.search.config import StudyConfig
+from archsearch.laws import load_law
+from archsearch.search.checks import check_target
 from archsearch.search.inputs import ResumePlan, StageInputs, fingerprints, plan_resume, stage_inputs, supersede
-from archsearch.search.measurements import MeasurementStore, file_lock
-from archsearch.search.resolved import resolve
+from archsearch.search.measurements import MeasurementStore, check_study_locks, file_lock
+from archsearch.search.resolved import ResolvedStudy, resolve
 from archsearch.search.stages import (STAGE_NAMES, STAGES, StopStudy, StudyRun, StudyState,  # noqa: F401 (the
-                                      fingerprinted, stage_applies, table)  # table's names, as callers know them)
+                                      fingerprinted, read_result, stage_applies, table)  # table's names, as callers know them)
 
 
 def _in_study_log(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,16 +52,19 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
     resolved = resolve(cfg)  # checked before anything is written
     MeasurementStore(out / "measurements.jsonl").check_layout()  # an older store: migrate it first
     selected = select_stages(cfg, out, only, skip)
+    check_study_locks(out)  # a lock path of the wrong kind, before the first write
     out.mkdir(parents=True, exist_ok=True)
     applies = stage_applies(cfg)
     lock = out / ".stage.lock"
     with file_lock(lock):
         state = StudyState(out)
-        _resume(cfg, out, state, selected, applies)  # refuses a change it cannot honour, before any write
+        _resume(cfg, out, state, selected, applies, resolved)  # refuses a change it cannot honour, before any write
         write_json(out / "config.json", to_dict(cfg), default=str)  # the change is accepted
     inputs, fps, record = stage_inputs(cfg), fingerprints(cfg, applies), StageInputs(out)
     r = StudyRun(resolved, out, state, progress)
     for stage in table():
+        if _nothing_to_read(stage.name, selected, state):
+            continue
         locked = stage.locked(cfg)
         with file_lock(lock) if locked else contextlib.nullcontext():
             state.reload()
@@ -78,7 +83,7 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
             with file_lock(lock) if not locked else contextlib.nullcontext():
                 state.mark(stage.name, time.time() - t, **info)
     return r.summary if r.summary is not None else \
-        {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss}
+        {"study": cfg.name, "stages": state.data, "target_loss": r.ctx.target_loss if r.ctx else None}
 
 
 def _redo_if_outdated(r: StudyRun, name: str, why: str | None) -> None:
@@ -94,7 +99,18 @@ def _redo_if_outdated(r: StudyRun, name: str, why: str | None) -> None:
     log(f"{why}: stages {', '.join(stale)} are redone (earlier outputs in {moved})")
 
 
-def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool]) -> None:
+def _nothing_to_read(name: str, selected: set[str], state: StudyState) -> bool:
+    """Whether stage ``name`` is skipped: after the last selected stage and not done. A stage that
+    is not selected otherwise runs unfresh, to read what it made (the law, the study, the report);
+    after the last selected one, a stage never done has nothing to read (``--only proxy`` on a new
+    folder must not then ask for the law it was told not to fit)."""
+    names = [st.name for st in table()]
+    last = max((names.index(n) for n in selected), default=-1)
+    return names.index(name) > last and not state.done(name)
+
+
+def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool],
+            resolved: ResolvedStudy) -> None:
     """Compare the folder's stages with ``cfg`` (archsearch.search.inputs): keep what is valid,
     move aside and redo what a changed setting touches or a stage's own resume rule
     (``Stage.redo``) refuses, refuse what cannot be honoured."""
@@ -104,6 +120,7 @@ def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], 
             state.data.pop(st.name)
             redone.append(st.name)
     plan = plan_resume(cfg, out, state.data, selected, applies, default_storage=cfg.optuna.storage is None)
+    _check_target_on_kept_law(resolved, out, state, plan)  # a refusal logs nothing and moves nothing aside
     done = [st.name for st in table() if state.done(st.name) and st.name not in plan.stale]
     if done or plan.stale:
         first = (state.data[done[0]].get("runs") or [{}])[0] if done else {}
@@ -123,6 +140,18 @@ def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], 
     for stage in fps:
         if stage in state.data and stage not in record.data:
             record.record(stage, fps[stage], inputs[stage])
+
+
+def _check_target_on_kept_law(resolved: ResolvedStudy, out: Path, state: StudyState, plan: ResumePlan) -> None:
+    """The target checked against the law the study fitted into its folder, where that law is kept
+    (its fit done and not redone), before anything is moved aside or rewritten: the search stage
+    would refuse an unreachable target only after the resume had superseded the outputs it
+    replaces (``resolve`` checks a ``law.file`` law itself)."""
+    cfg = resolved.cfg
+    if cfg.law.file or not state.done("fit") or "fit" in plan.stale or read_result(out / "law.json") is None:
+        return
+    law = load_law(out / "law.json")
+    check_target(cfg, law, resolved.target_loss(law), resolved.build)
 
 
 def select_stages(cfg: StudyConfig, out: Path, only: set[str] | None, skip: set[str]) -> set[str]:
