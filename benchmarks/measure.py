@@ -13,6 +13,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.errors import ArchsearchError
+from archsearch.hardware import get_device
 from archsearch.presets import load_arch
 from archsearch.provenance import provenance
 from archsearch.benchmarks.base import BACKENDS, BatchResult, BenchResult, BenchSettings, get_backend
@@ -64,6 +65,8 @@ def measure(arch: ArchSpec | str | Path | None, settings: BenchSettings,
     check_lengths(spec, settings)
     backend = get_backend(settings.backend)
     backend.check_available()
+    if settings.device_spec and settings.device_spec.lower() != "cpu":
+        get_device(settings.device_spec)  # an unknown device fails before any work (this CPU's profile is measured later)
     groups = [[b] for b in settings.batch_sizes] if settings.engine_per_batch else [settings.batch_sizes]
 
     per_batch: list[BatchResult] = []
