@@ -560,7 +560,7 @@ CONFIG_CASES = [
      "optuna.storage"),
     # counts bounded by what a run can do
     ("study-paired-max-rounds-huge", "study", {"measure.paired.max_rounds": 10 ** 9}, "measure.paired.max_rounds"),
-    ("study-optuna-max-trials-huge", "study", {"optuna.max_trials": 10 ** 9}, "optuna.max_trials"),
+    ("study-optuna-trials-huge", "study", {"optuna.n_trials": 10 ** 9}, "optuna.n_trials"),
     ("study-cluster-jobs-huge", "study", {"cluster": {"executor": "local", "jobs_at_once": 10 ** 9}},
      "cluster.jobs_at_once"),
     ("study-cluster-workers-huge", "study", {"cluster": {"executor": "local", "measure_workers": 10 ** 9}},

@@ -217,7 +217,7 @@ def test_every_refused_change_to_a_finished_study_changes_not_one_byte(tmp_path)
     write_runs(tmp_path / "a.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6, 2e6, 4e6),
                                                   tokens_per_param=(10, 20)))
     raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0},
-                       proxy={"runs": str(tmp_path / "a.csv")}, optuna={"n_trials": 2},
+                       proxy={"runs": str(tmp_path / "a.csv")}, optuna={"n_shapes": 2},
                        gqa_search={"enabled": False})
     cfg = load(raw)
     out = cfg.out_dir()
