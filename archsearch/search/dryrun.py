@@ -26,6 +26,7 @@ from archsearch.search.margins import range_summary
 from archsearch.search.measurements import resolve_backend
 from archsearch.search.resolved import ResolvedStudy, as_resolved
 from archsearch.search.targets import price_targets
+from archsearch.search.verify import verify_plan, verify_price
 from archsearch.trainers import token_budget
 from archsearch.trainers.data import cache_state, default_workers, token_dtype
 from archsearch.trainers.jobs import content_key, has_record
@@ -419,6 +420,8 @@ def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = No
                             "train_flops": k * final_flops})
     if cfg.evaluation.enabled:
         p["stages"].append({"stage": "eval", "action": f"lm-eval tasks {cfg.evaluation.tasks}"})
+    if cfg.verify.enabled:  # archsearch.search.verify
+        p["stages"].append(verify_plan(cfg, final_flops, final_tokens))
     p["stages"].append({"stage": "report", "action": "summary.json, report.md, trials.csv, plots"})
     p["baseline"] = describe(base)
     p["compute"] = {"proxy_train_flops": proxy_flops, "final_train_flops_per_model": final_flops}
@@ -540,6 +543,8 @@ def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = No
             k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
             by_stage["train"] = {"gpu_hours": k * fin.gpu_hours, "wall_hours": k * fin.hours,
                                  "tokens": k * final_tokens}
+        if cfg.verify.enabled:  # archsearch.search.verify
+            by_stage["verify"] = verify_price(cfg, fin)
         for st in p["stages"]:
             st.update({f"{k}": v for k, v in by_stage.get(st["stage"], {}).items() if k not in st})
     p["assumptions"] = [f"data: tokenisation at {TOKENIZE_TOKENS_PER_S_PER_PROCESS:,.0f} tokens/s per process "

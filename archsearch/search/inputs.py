@@ -48,6 +48,7 @@ STAGE_OUTPUTS: dict[str, tuple[str, ...]] = {
     "gqa": ("gqa.json",),
     "train": ("final", "predict_rank_select.json"),
     "eval": ("eval.json",),
+    "verify": ("verify", "verify.json"),  # archsearch.search.verify
 }
 # stages whose inputs are fingerprinted, in order (the report is rewritten on every run)
 FINGERPRINTED = tuple(STAGE_OUTPUTS)
@@ -105,7 +106,8 @@ def stage_inputs(cfg: StudyConfig, measure_key=key_settings, backend: str | None
     gqa = _pick(d, "gqa_search")
     train = _pick(d, "mode", "top_k", "release_accuracy_tolerance", "final_train", "evaluation")
     ev = _pick(d, "evaluation")
-    return {"proxy": proxy, "fit": fit, "search": search, "gqa": gqa, "train": train, "eval": ev}
+    verify = _pick(d, "verify", "final_train", "evaluation", "target")  # archsearch.search.verify
+    return {"proxy": proxy, "fit": fit, "search": search, "gqa": gqa, "train": train, "eval": ev, "verify": verify}
 
 
 def fingerprints(cfg: StudyConfig, applies: dict[str, bool], inputs: dict[str, dict[str, Any]] | None = None) \

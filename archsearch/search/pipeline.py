@@ -46,8 +46,9 @@ from archsearch.search.inputs import (ResumePlan, StageInputs, fingerprints, pla
 from archsearch.search.measurements import MeasurementStore, file_lock, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
 from archsearch.search.resolved import ResolvedStudy, resolve
-from archsearch.search.report import chosen_from_study, write_report
+from archsearch.search.report import chosen_from_study, pareto_set, write_report
 from archsearch.search.study import recover_stale_trials, run_study
+from archsearch.search.verify import VERIFY_FILE, verify_answer
 from archsearch.search.workers import run_search_workers
 
 
@@ -103,6 +104,7 @@ class StudyRun:
     gqa: dict[str, Any] | None = None     # gqa: the local GQA search (as in gqa.json)
     prs: dict[str, Any] | None = None     # train: predict-rank-select's trained candidates and release
     answer: Answer | None = None      # gqa/train: the chosen shape and its evidence
+    verify: dict[str, Any] | None = None   # verify: the answer trained beside the baseline (verify.json)
     summary: dict[str, Any] | None = None  # report
 
     @property
@@ -171,7 +173,8 @@ def run(cfg: StudyConfig, out: Path, *, only: set[str] | None = None, skip: set[
 def _resume(cfg: StudyConfig, out: Path, state: StudyState, selected: set[str], applies: dict[str, bool]) -> None:
     """Compare the folder's stages with ``cfg`` (archsearch.search.inputs): keep what is valid,
     move aside and redo what a changed setting touches, refuse what cannot be honoured."""
-    torn = [stage for stage, name in (("fit", "law.json"), ("gqa", "gqa.json"), ("train", "predict_rank_select.json"))
+    torn = [stage for stage, name in (("fit", "law.json"), ("gqa", "gqa.json"), ("train", "predict_rank_select.json"),
+                                      ("verify", VERIFY_FILE))
             if state.done(stage) and applies[stage] and (stage != "train" or cfg.mode == "predict-rank-select")
             and _read_json(out / name) is None]
     for stage in torn:  # its result was cut by a killed write: the stage is redone
@@ -224,7 +227,7 @@ def select_stages(cfg: StudyConfig, out: Path, only: set[str] | None, skip: set[
     selected = {n for n in names if (only is None or n in only) and n not in skip}
     how = (f"--only {','.join(sorted(only))}" if only is not None else "") + \
         (f" --skip {','.join(sorted(skip))}" if skip else "")
-    needs_law = selected & {"search", "gqa", "train", "eval", "report"}
+    needs_law = selected & {"search", "gqa", "train", "eval", "verify", "report"}
     if "fit" not in selected and needs_law and not cfg.law.file and not (out / "law.json").is_file():
         raise ArchsearchError(how.strip(), f"stage(s) {','.join(sorted(needs_law))} need the law, but fit is "
                               f"not selected and {out / 'law.json'} does not exist",
@@ -347,7 +350,7 @@ def _redo_after_new_best(r: StudyRun) -> None:
         if around is None or around == _best_key(r.best):
             return
         stale = {st: [f"the search's best shape is now trial {r.best['trial'] if r.best else None}"]
-                 for st in ("gqa", "train", "eval") if st in r.state.data}
+                 for st in ("gqa", "train", "eval", "verify") if st in r.state.data}
         moved = supersede(r.out, ResumePlan(stale=stale), r.state.data)
         r.state.save()
         log(f"the search's best shape changed: stages {', '.join(stale)} are redone (earlier outputs in {moved})")
@@ -397,12 +400,23 @@ def _eval(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     return {}
 
 
+def _verify(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """The answer trained, evaluated and measured beside the baseline (archsearch.search.verify)."""
+    if fresh and r.answer is not None:
+        r.verify = verify_answer(r.ctx, r.out, r.answer, pareto_set(r.study) if r.study is not None else [],
+                                 progress=r.progress)
+        return {"verdict": r.verify["verdict"]["loss"], "speed": r.verify["verdict"]["speed"]}
+    r.verify = _read_json(r.out / VERIFY_FILE) if r.cfg.verify.enabled else None  # an earlier run's
+    return None
+
+
 def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     """``report.md``, ``summary.json``, ``trials.csv`` and the plots, rewritten on every run."""
     if not fresh:
         return None
     log("writing the report, trials.csv and plots")
-    r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs)
+    r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs,
+                             verify=r.verify)
     return {}
 
 
@@ -416,6 +430,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("gqa", _gqa, applies=lambda cfg: cfg.gqa_search.enabled),
     Stage("train", _train, applies=lambda cfg: cfg.final_train.enabled or cfg.mode == "predict-rank-select"),
     Stage("eval", _eval, applies=lambda cfg: cfg.evaluation.enabled),
+    Stage("verify", _verify, applies=lambda cfg: cfg.verify.enabled),
     Stage("report", _report, resumes_itself=True),
 )
 STAGE_NAMES = tuple(st.name for st in STAGES)

@@ -19,6 +19,7 @@ from archsearch.search.checks import baseline_loss, baseline_note
 from archsearch.search.margins import describe_margin
 from archsearch.search.study import calibration_label, loss_margin, storage_url, trial_is_feasible, was_measured
 from archsearch.search.targets import targets_figure, targets_markdown, targets_summary
+from archsearch.search.verify import head_to_head_markdown
 from archsearch.trainers.health import proxies_health
 
 
@@ -545,7 +546,7 @@ def gqa_markdown(g: dict[str, Any]) -> list[str]:
 
 
 def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: dict[str, Any] | None = None,
-                 prs: dict[str, Any] | None = None) -> dict[str, Any]:
+                 prs: dict[str, Any] | None = None, verify: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study folder's summary, report and plots. The baseline's throughput is the mean of
     its paired rounds across trials (it is measured beside every candidate)."""
     cfg = ctx.cfg
@@ -606,6 +607,8 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         summary["gqa_search"] = gqa
     if prs is not None:
         summary["predict_rank_select"] = prs
+    if verify is not None:  # archsearch.search.verify: the report opens with it
+        summary["verify"] = verify
     plan = active_plan_summary(out)
     if plan is not None:
         summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
@@ -695,6 +698,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("measurement_note"):
         lines.append(f"**Note: {s['measurement_note']}.**\n")
     lines.append(f"# Study {s['study']}\n")
+    if s.get("verify"):
+        lines += head_to_head_markdown(s["verify"])
     if s.get("measured_params"):
         lines.append(f"Throughput was measured with every shape rebuilt at N = {s['measured_params']:,.0f} "
                      "non-embedding parameters (`measure.params`; same d/sqrt(N), r and GQA); the loss "
