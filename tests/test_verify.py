@@ -174,3 +174,23 @@ def test_a_failed_training_is_reported_not_hidden(tmp_path, monkeypatch):
     report = (out / "report.md").read_text()
     if not v["answer_is_baseline"]:
         assert "NOT VERIFIED" in report and "Failed runs:" in report
+
+
+def test_track_record_appends_each_verification_once_and_counts_coverage(tmp_path):
+    from archsearch.benchmarks.scripts.bench_verifications import collect, coverage
+
+    def study(name, inside, t):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "verify.json").write_text(json.dumps({"track_record": {
+            "study": name, "git": "abc", "time_utc": t, "predicted_loss": 5.0, "realised_loss": 5.1,
+            "loss_inside_interval": inside, "ratio_inside_interval": None, "verdict": {"loss": "missed"}}}))
+        return str(d)
+
+    record = tmp_path / "verifications.jsonl"
+    folders = [study("a", True, "t1"), study("b", False, "t2"), str(tmp_path / "no-verify")]
+    assert len(collect(folders, record)) == 2
+    entries = collect(folders, record)  # again: nothing appended twice
+    assert len(record.read_text().splitlines()) == 2 and len(entries) == 2
+    assert coverage(entries, "loss_inside_interval") == {"n": 2, "inside": 1, "share_inside": 0.5}
+    assert coverage(entries, "ratio_inside_interval") == {"n": 0, "inside": 0, "share_inside": None}
