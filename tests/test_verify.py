@@ -194,3 +194,24 @@ def test_track_record_appends_each_verification_once_and_counts_coverage(tmp_pat
     assert len(record.read_text().splitlines()) == 2 and len(entries) == 2
     assert coverage(entries, "loss_inside_interval") == {"n": 2, "inside": 1, "share_inside": 0.5}
     assert coverage(entries, "ratio_inside_interval") == {"n": 0, "inside": 0, "share_inside": None}
+
+
+def test_the_demo_box_admits_gqa_variants_for_the_walk():
+    # the README's main job: at one layer the per-layer budget holds several heads of 32, so the
+    # shapes of its box (the baseline's among them) have other head pairs at the same attention share
+    from dataclasses import replace
+
+    from archsearch.candidates import build_candidate
+    from archsearch.search.config import load_study_config
+    from archsearch.search.gqa import gqa_pairs
+
+    cfg = load_study_config("configs/demo-cpu.yaml")
+    assert cfg.verify.enabled and len(cfg.verify.seeds) >= 2 and cfg.evaluation.tasks == "offline"
+    build = replace(cfg.search_space.build, vocab_size=2048)
+    walked = 0
+    points = [(x1, r) for x1 in (0.15, 0.2, 0.3, 0.4) for r in (1.0, 2.0, 3.0, 4.5)]
+    for x1, r in points:
+        spec = build_candidate(cfg.params, cfg.n_layers, x1, r, gqa=2, head_dim=cfg.search_space.head_dim,
+                               settings=build).spec
+        walked += len(gqa_pairs(spec, cfg.params, build)) > 1
+    assert walked >= 0.75 * len(points)
