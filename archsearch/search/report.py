@@ -536,7 +536,7 @@ def gqa_markdown(g: dict[str, Any]) -> list[str]:
                      f"(same d/sqrt(N) and r, same token budget, seeds {pr.get('seeds')} and data order), in "
                      f"`{pr.get('folder')}`; {pr.get('trained_now', 0)} run(s) trained by this run, "
                      f"{pr.get('reused', 0)} reused. A variant stops the walk when its mean paired loss difference "
-                     f"exceeds both the slack and the noise margin"
+                     f"exceeds the slack plus the noise margin"
                      + (f" (slack {q['slack']:.2%}; noise: {q['noise_source']}, one-sided {q['level']:.0%})" if q else "")
                      + "." + (f" Bounds: {bound}." if bound else ""))
     for way, why in (g.get("stops") or {}).items():
