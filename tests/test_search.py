@@ -433,6 +433,11 @@ def test_gqa_loss_comparison_counts_the_noise_and_the_slack():
     q = compare_losses(ref, steady, **{**kw, "noise": 0.02})  # a configured noise: margin 1.28 x 0.02 / 2
     assert q["worse"] is False and q["margin"] == pytest.approx(1.2816 * 0.01, rel=1e-3)
     assert q["noise_source"] == "gqa_search.loss_noise"
+    # the method's rule adds the slack to the noise margin (the larger of the two would stop here:
+    # +1% exceeds both the 0.5% slack and the 0.64% margin, but not their sum)
+    both = compare_losses(ref, steady, **{**kw, "slack": 0.005, "noise": 0.01})
+    assert both["threshold"] == pytest.approx(0.005 + 1.2816 * 0.005, rel=1e-3) and both["worse"] is False
+    assert compare_losses(ref, steady, **{**kw, "slack": 0.002, "noise": 0.01})["worse"] is True
     one = compare_losses({(0, 0): 3.0}, {(0, 0): 3.003}, **kw)
     assert one["worse"] is True and one["noise_sd"] is None  # one pair: the slack alone
     assert compare_losses(ref, {(0, 0): float("nan")}, **kw)["worse"] is None  # nothing to compare

@@ -405,7 +405,7 @@ class GQASearchConfig:
     """The local GQA search (``archsearch.search.gqa``): from the ``baseline_gqa`` variant of the chosen
     shape, walk toward more and fewer KV heads. A study that trains proxies trains each variant at
     the proxy sizes beside the baseline GQA variant and stops at the first whose loss is worse
-    beyond ``max(loss_slack, the paired noise at loss_level)``; a study that cannot train (a law
+    by more than ``loss_slack`` plus the paired noise margin at ``loss_level``; a study that cannot train (a law
     file, no proxy sweep) cannot check loss, so its walk stays within ``max_gqa`` / ``min_kv_heads``
     and, where neither is set, does not go past ``baseline_gqa`` toward fewer KV heads."""
 
@@ -480,6 +480,30 @@ class EvalConfig:
             raise ArchsearchError("evaluation.batch_size", f"must be positive, got {self.batch_size}")
 
 
+@dataclass(frozen=True)
+class VerifyConfig:
+    """The verify stage (``archsearch.search.verify``, docs/method.md section 4, step 5): train the
+    answer and the baseline on the same tokens (``final_train``'s budget, optimisation and data;
+    same data order and schedule) once per seed, evaluate both with lm-eval on ``evaluation``'s
+    tasks, measure both paired on the study's engine, and report the head-to-head and a verdict."""
+
+    enabled: bool = False
+    seeds: list[int] = field(default_factory=lambda: [0, 1])  # each model trained once per seed
+    lm_eval: bool = True  # evaluate both with lm-eval (evaluation.tasks / limit / batch_size)
+    level: float = 0.9  # two-sided level of the loss and ratio intervals
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise ArchsearchError("verify.seeds", "is empty", "give at least one seed, e.g. [0, 1] (two give an interval)")
+        for i, sd in enumerate(self.seeds):
+            if isinstance(sd, bool) or not isinstance(sd, int) or sd < 0:
+                raise ArchsearchError(f"verify.seeds[{i}]", f"must be a non-negative integer, got {sd!r}", "e.g. 0")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ArchsearchError("verify.seeds", f"{self.seeds} repeats a seed", "give distinct seeds")
+        if not 0.5 <= self.level < 1:
+            raise ArchsearchError("verify.level", f"must be in [0.5, 1), got {self.level}", "e.g. 0.9")
+
+
 MODES = ("constrained", "predict-rank-select")
 # setting values renamed since a study folder may have recorded them: {dotted setting: {old: new}};
 # a run refuses a folder that recorded an old one and archsearch migrate rewrites it
@@ -543,6 +567,7 @@ class StudyConfig:
     release_accuracy_tolerance: float = 0.01
     final_train: FinalTrainConfig = field(default_factory=FinalTrainConfig)
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)  # the answer trained beside the baseline
     cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where proxy/measurement jobs run
     vocab_size: int | None = None  # default: the proxies' tokenizer's (bpe:N, smollm2); else required
     tie_embeddings: bool = False

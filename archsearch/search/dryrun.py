@@ -496,7 +496,11 @@ def dry_run(study: ResolvedStudy | StudyConfig, out: Path, gpus: str | None = No
             k = cfg.top_k if cfg.mode == "predict-rank-select" else 1
             by_stage["train"] = {"gpu_hours": k * fin.gpu_hours, "wall_hours": k * fin.hours,
                                  "tokens": k * final_tokens}
-        for st in p["stages"]:
+        for st in p["stages"]:  # a stage's plan that names its full-budget trainings: priced as that many
+            if st.get("final_trainings") and st["stage"] not in by_stage:
+                k = st["final_trainings"]
+                by_stage[st["stage"]] = {"gpu_hours": k * fin.gpu_hours, "wall_hours": k * fin.hours,
+                                         "cost_usd": k * (fin.cost_usd or 0.0)}
             st.update({f"{k}": v for k, v in by_stage.get(st["stage"], {}).items() if k not in st})
     p["assumptions"] = [f"data: tokenisation at {TOKENIZE_TOKENS_PER_S_PER_PROCESS:,.0f} tokens/s per process "
                         f"({TOKENIZE_SOURCE}), {data_processes(cfg)} processes (executor {cfg.cluster.executor}: "

@@ -18,8 +18,9 @@ would walk to one KV head; loss stops the walk:
   baseline GQA, each variant the head pair of the same total there (or, where the fewer heads
   there have no such pair, the nearest larger GQA), trained with the same token budget, seeds
   and data order, through the proxy store and executor; a variant whose loss is
-  worse than the baseline GQA variant's beyond the paired noise or ``gqa_search.loss_slack``
-  stops the walk, even if it is faster;
+  worse than the baseline GQA variant's by more than ``gqa_search.loss_slack`` plus the paired
+  noise margin (the method's rule: "worse than the GQA=4 variant by more than the slack plus the
+  noise") stops the walk, even if it is faster;
 - a study that cannot train (a law file, no proxy sweep) cannot check loss: the walk stays
   within ``gqa_search.max_gqa`` / ``min_kv_heads`` (without them, at most ``baseline_gqa``) and
   the result says that GQA's effect on loss is unverified.
@@ -138,8 +139,9 @@ def compare_losses(ref: dict[tuple[int, int], float], var: dict[tuple[int, int],
                    noise: float | None, level: float) -> dict[str, Any]:
     """The paired loss comparison of a variant with the baseline GQA variant: ``ref`` and ``var``
     map (proxy size level, seed) to a run's held-out loss. Per pair d = L_var / L_ref - 1; the
-    variant is worse when the mean of d exceeds both ``slack`` and the one-sided ``level`` margin
-    of the mean's standard error: ``noise`` (the sd of one d) where given, else the d's own
+    variant is worse when the mean of d exceeds ``slack`` plus the one-sided ``level`` margin of
+    the mean's standard error (the slack is what the study tolerates, the margin what the noise
+    could make of a tie: both are added, as the method states the stop rule): ``noise`` (the sd of one d) where given, else the d's own
     spread with Student's t (two pairs or more), else (one pair) the slack alone."""
     from scipy import stats
 
@@ -156,7 +158,7 @@ def compare_losses(ref: dict[tuple[int, int], float], var: dict[tuple[int, int],
         sd, source, q = None, "unknown (one paired run): the slack alone", 0.0
     margin = q * sd / math.sqrt(n) if sd is not None else 0.0
     return {"pairs": n, "mean_rel_diff": m, "noise_sd": sd, "noise_source": source, "level": level,
-            "margin": margin, "slack": slack, "threshold": max(margin, slack), "worse": m > max(margin, slack),
+            "margin": margin, "slack": slack, "threshold": slack + margin, "worse": m > slack + margin,
             "mean_loss": statistics.fmean(var[k] for k in keys), "ref_mean_loss": statistics.fmean(ref[k] for k in keys)}
 
 
@@ -290,7 +292,7 @@ def _loss_why(q: dict[str, Any], g: int, g0: int) -> str:
     if q["worse"] is None:
         return f"loss not checkable at proxy scale ({(q.get('per_size') or [{}])[0].get('note') or 'no run pair'})"
     return (f"proxy loss {q['mean_rel_diff']:+.2%} vs GQA {g0} over {q['pairs']} paired run(s), beyond "
-            f"{q['threshold']:.2%} (slack {q['slack']:.2%}, noise margin {q['margin']:.2%})")
+            f"{q['threshold']:.2%} (slack {q['slack']:.2%} + noise margin {q['margin']:.2%})")
 
 
 def local_gqa_search(spec: ArchSpec, ctx, baseline_gqa: int = 4, log: bool = True,

@@ -64,7 +64,7 @@ def fingerprints(cfg: StudyConfig, applies: dict[str, bool], inputs: dict[str, d
     for stage in (st.name for st in fingerprinted()):
         blob = json.dumps({"inputs": inputs[stage], "after": prev}, sort_keys=True, default=str)
         out[stage] = hashlib.sha256(blob.encode()).hexdigest()[:16]
-        if applies[stage]:
+        if applies.get(stage, False):  # a stage a caller leaves out (added since it was written) does not apply
             prev = out[stage]
     return out
 

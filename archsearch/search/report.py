@@ -22,6 +22,7 @@ from archsearch.search.objective import trial_is_feasible, was_measured
 from archsearch.search.solution import calibration_label
 from archsearch.search.storage import storage_url
 from archsearch.search.targets import targets_figure, targets_markdown, targets_summary
+from archsearch.search.verify import head_to_head_markdown
 from archsearch.trainers.health import proxies_health
 
 
@@ -602,7 +603,7 @@ def gqa_markdown(g: dict[str, Any]) -> list[str]:
                      f"(same d/sqrt(N) and r, same token budget, seeds {pr.get('seeds')} and data order), in "
                      f"`{pr.get('folder')}`; {pr.get('trained_now', 0)} run(s) trained by this run, "
                      f"{pr.get('reused', 0)} reused. A variant stops the walk when its mean paired loss difference "
-                     f"exceeds both the slack and the noise margin"
+                     f"exceeds the slack plus the noise margin"
                      + (f" (slack {q['slack']:.2%}; noise: {q['noise_source']}, one-sided {q['level']:.0%})" if q else "")
                      + "." + (f" Bounds: {bound}." if bound else ""))
     for way, why in (g.get("stops") or {}).items():
@@ -612,7 +613,7 @@ def gqa_markdown(g: dict[str, Any]) -> list[str]:
 
 
 def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: dict[str, Any] | None = None,
-                 prs: dict[str, Any] | None = None) -> dict[str, Any]:
+                 prs: dict[str, Any] | None = None, verify: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study folder's summary, report and plots. The baseline's throughput is the mean of
     its paired rounds across trials (it is measured beside every candidate)."""
     cfg = ctx.cfg
@@ -676,6 +677,8 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         summary["gqa_search"] = gqa
     if prs is not None:
         summary["predict_rank_select"] = prs
+    if verify is not None:  # archsearch.search.verify: the report opens with it
+        summary["verify"] = verify
     plan = active_plan_summary(out)
     if plan is not None:
         summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
@@ -789,6 +792,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("measurement_note"):
         lines.append(f"**Note: {s['measurement_note']}.**\n")
     lines.append(f"# Study {s['study']}\n")
+    if s.get("verify"):
+        lines += head_to_head_markdown(s["verify"])
     if s.get("measured_params"):
         lines.append(f"Throughput was measured with every shape rebuilt at N = {s['measured_params']:,.0f} "
                      "non-embedding parameters (`measure.params`; same d/sqrt(N), r and GQA); the loss "

@@ -43,11 +43,12 @@ from archsearch.search.final import evaluate_final, train_final
 from archsearch.search.gqa import local_gqa_search
 from archsearch.search.measurements import MeasurementStore, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
-from archsearch.search.report import chosen_from_study, write_report
+from archsearch.search.report import chosen_from_study, pareto_set, write_report
 from archsearch.search.resolved import ResolvedStudy
 from archsearch.search.settings import file_hash, flat, pick
 from archsearch.search.storage import recover_stale_trials
 from archsearch.search.study import load_study, run_study
+from archsearch.search.verify import VERIFY_FILE, verify_answer, verify_plan
 from archsearch.search.workers import run_search_workers
 
 
@@ -101,6 +102,7 @@ class StudyRun:
     gqa: dict[str, Any] | None = None     # gqa: the local GQA search (as in gqa.json)
     prs: dict[str, Any] | None = None     # train: predict-rank-select's trained candidates and release
     answer: Answer | None = None      # gqa/train: the chosen shape and its evidence
+    verify: dict[str, Any] | None = None   # verify: the answer trained beside the baseline (verify.json)
     summary: dict[str, Any] | None = None  # report
 
     @property
@@ -493,6 +495,18 @@ def _eval(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     return {}
 
 
+# -- verify: the answer trained beside the baseline ---------------------------------------------
+
+def _verify(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
+    """The answer trained, evaluated and measured beside the baseline (archsearch.search.verify)."""
+    if fresh and r.answer is not None:
+        r.verify = verify_answer(r.ctx, r.out, r.answer, pareto_set(r.study) if r.study is not None else [],
+                                 progress=r.progress)
+        return {"verdict": r.verify["verdict"]["loss"], "speed": r.verify["verdict"]["speed"]}
+    r.verify = read_result(r.out / VERIFY_FILE) if r.cfg.verify.enabled else None  # an earlier run's
+    return None
+
+
 # -- report ------------------------------------------------------------------------------------
 
 def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
@@ -500,7 +514,8 @@ def _report(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
     if not fresh:
         return None
     log("writing the report, trials.csv and plots")
-    r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs)
+    r.summary = write_report(r.ctx, r.study, r.answer, r.ctx.baseline, r.state, gqa=r.gqa, prs=r.prs,
+                             verify=r.verify)
     return {}
 
 
@@ -538,6 +553,10 @@ STAGES: tuple[Stage, ...] = (
           if p.cfg.evaluation.enabled else None,
           settings=lambda cfg, mk: pick(to_dict(cfg), "evaluation"), outputs=("eval.json",), needs=("fit",),
           applies=lambda cfg: cfg.evaluation.enabled),
+    Stage("verify", _verify, lambda p: verify_plan(p.cfg, p.final_flops, p.final_tokens) if p.cfg.verify.enabled
+          else None, settings=lambda cfg, mk: pick(to_dict(cfg), "verify", "final_train", "evaluation", "target"),
+          outputs=("verify", VERIFY_FILE), needs=("fit",), applies=lambda cfg: cfg.verify.enabled,
+          redo=_torn(VERIFY_FILE)),
     Stage("report", _report, lambda p: {"stage": "report", "action": "summary.json, report.md, trials.csv, plots"},
           needs=("fit",), resumes_itself=True),
 )
