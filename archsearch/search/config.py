@@ -25,11 +25,11 @@ from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name, check_output
 from archsearch.laws.acquisition import INITIAL_DESIGNS
 from archsearch.laws.fit import MAX_BOOTSTRAP, FitOptions
+from archsearch.laws.registry import law_form, law_names
 from archsearch.planning.limits import Limits
 from archsearch.search.deployment import AGGREGATES, DeploymentTarget, check_targets
 from archsearch.trainers.config import TRACKERS, DataConfig, SweepConfig, TrainConfig
 
-LAW_FORMS = ("conditional-multiplicative", "conditional-additive")
 SAMPLERS = ("tpe", "random", "nsga2", "gp")
 
 
@@ -211,9 +211,9 @@ class LawConfig:
     allow_extrapolation: bool = False
 
     def __post_init__(self) -> None:
-        if self.form not in LAW_FORMS:
+        if not law_form(self.form, "law.form").searchable:
             raise ArchsearchError("law.form", f"{self.form!r} is not a conditional law",
-                                  f"use one of {list(LAW_FORMS)}")
+                                  f"use one of {[n for n in law_names() if law_form(n).searchable]}")
         self.fit_options(seed=0, size_tolerance=0.05)  # the fit's own checks of the two study-level fields
 
     def fit_options(self, seed: int, size_tolerance: float) -> FitOptions:
@@ -564,7 +564,7 @@ def check_measured_scale(cfg: StudyConfig) -> None:
     f g <= (1 + slack) f_b g_b at every N, so the shapes feasible at N are the ones feasible at N_m
     and their throughputs can be compared there. An absolute ``target.loss`` (or an additive law,
     whose terms do not cancel L_opt) makes feasibility depend on N, so it is refused."""
-    if cfg.law.form != "conditional-multiplicative":
+    if law_form(cfg.law.form).combine != "multiplicative":
         raise ArchsearchError("measure.params", f"needs law.form conditional-multiplicative, not {cfg.law.form!r}: "
                               "only the multiplicative law's loss constraint is the same at every N",
                               "drop measure.params (measure at the study's params) or use the multiplicative law")
