@@ -9,7 +9,7 @@ from typing import Any
 
 from archsearch.arch import describe, hidden_over_sqrt_n, mlp_to_attn_ratio, total_params, training_flops
 from archsearch.benchmarks.analytic import predict_batch
-from archsearch.benchmarks.base import resolve_dtype
+from archsearch.benchmarks.base import backend_class, resolve_dtype
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.cluster import startup
 from archsearch.cluster.startup import DEFAULTS_NOTE, StartupProfile
@@ -215,7 +215,7 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None,
     m = cfg.measure
     n = search_comparisons(cfg)
     gqa = gqa_comparisons(study)
-    if m.bench.backend == "analytic":
+    if backend_class(m.bench.backend).predicted:  # a prediction takes no GPU time
         zero = {"low": 0.0, "high": 0.0}
         return {"device": device, "measurements": n, "workers": 1, "gpu_hours": zero, "wall_hours": zero,
                 **({"gqa": {**{k: v for k, v in gqa.items() if k != "loss_check"}, "gpu_hours": zero,

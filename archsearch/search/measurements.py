@@ -22,7 +22,7 @@ from filelock import FileLock
 
 from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.benchmarks import measure
-from archsearch.benchmarks.base import BenchResult
+from archsearch.benchmarks.base import BenchResult, backend_class
 from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior, measure_paired
 from archsearch.candidates import build_candidate
 from archsearch.configio import key_values
@@ -242,7 +242,7 @@ class Measurer:
         (``measure.paired.twin``; a group stored as several pairs counts once), else, before the
         first twin group or without twins, the configured ``measure.paired.instance_sd`` squared;
         0 for the analytic backend."""
-        if self.backend == "analytic":  # a deterministic prediction has no engine instance
+        if backend_class(self.backend).predicted:  # a deterministic prediction has no engine instance
             return 0.0
         groups: dict[str, PairedResult] = {}
         for key, d in (self.store.all().items() if self.cfg.paired.twin else ()):
