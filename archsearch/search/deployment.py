@@ -53,7 +53,7 @@ class DeploymentTarget:
                                   "drop calibration, or set backend: analytic to predict this target")
 
 
-def check_targets(measure) -> None:
+def check_deployment_targets(measure) -> None:
     """The ``measure.targets`` list as a whole (each target checked itself at load): unique names,
     and every target valid as a ``measure`` block of its own (its calibration fitted on its device
     and engine, its lengths and batch sizes measurable). Errors name ``targets[i].field``."""

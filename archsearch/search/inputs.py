@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archsearch.configio import from_dict, to_dict
+from archsearch.configio import from_dict, nest_components, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.search.config import StudyConfig, renamed_values
@@ -84,7 +84,10 @@ def stage_inputs(cfg: StudyConfig, measure_key=key_settings, backend: str | None
     d = to_dict(cfg)
     proxy = _pick(d, "proxy", drop=("proxy.runs",))
     if cfg.proxy is not None and cfg.proxy.plan == "active":  # the plan fits the law as it goes
-        proxy.update(_pick(d, "params", "law", drop=("law.file", "law.bootstrap")))
+        # the law block as recorded when it was written flat (law.fit's keys beside law's own), so
+        # fingerprints recorded then still match
+        law = {**d["law"]["fit"], **{k: v for k, v in d["law"].items() if k != "fit"}}
+        proxy.update(_pick({**d, "law": law}, "params", "law", drop=("law.file", "law.bootstrap")))
     fit = {**{f"law.{k}": v for k, v in _flat(to_dict(cfg.fit_options()), "").items()},
            "law.form": cfg.law.form}
     if cfg.proxy is not None and cfg.proxy.runs:
@@ -163,7 +166,7 @@ def _legacy_inputs(out: Path) -> dict[str, dict[str, Any]] | None:
     if raw is None:
         return None
     try:
-        return stage_inputs(from_dict(StudyConfig, raw))
+        return stage_inputs(from_dict(StudyConfig, nest_components(StudyConfig, raw)[0]))
     except (ArchsearchError, TypeError, ValueError, KeyError):
         return None
 

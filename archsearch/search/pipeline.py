@@ -274,14 +274,14 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 def with_held_out_error(law, runs, study: ResolvedStudy):
     """The fitted law with its error against trained models it was not fitted on (the loss
     constraint's margins carry it, archsearch.search.margins): the held-out size's error where
-    ``law.holdout_size`` held one out, else the progressive protocol's last step
+    ``law.fit.holdout_size`` held one out, else the progressive protocol's last step
     (``archsearch.laws.diagnostics.held_out_error``); with one proxy size none can be measured,
     and the law says so (its margins then rest on the bootstrap alone)."""
     cfg = study.cfg
     held = (law.metrics or {}).get("holdout")
     if held and held.get("n"):
         err = {"relative_sd": held["rmsre"], "n": held["n"], "mare": held["mare"],
-               "source": f"held out: the size nearest law.holdout_size={cfg.law.fit.holdout_size:.3g} ({held['n']} runs), "
+               "source": f"held out: the size nearest law.fit.holdout_size={cfg.law.fit.holdout_size:.3g} ({held['n']} runs), "
                          "not fitted"}
     else:
         try:
