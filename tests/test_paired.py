@@ -312,7 +312,7 @@ def _keyed(tmp_path, backend="vllm", paired=None, **measure):
 
     bench = {"backend": "vllm", "batch_sizes": [16], "input_len": 64, "output_len": 64, "repeats": 3,
              "dtype": "float32", "timeout_s": 300.0}
-    own = {k: measure.pop(k) for k in list(measure) if k not in bench}  # the measure block's own settings
+    own = {k: measure.pop(k) for k in list(measure) if k not in BenchSettings.__dataclass_fields__}  # the block's own
     cfg = replace(from_dict(MeasureConfig, {"bench": {**bench, **measure}, "fallback_backend": "hf", **own}, "measure"),
                   paired=paired or PairedSettings())
     m = Measurer(cfg, MeasurementStore(tmp_path / "m.jsonl"))
