@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 
 from archsearch.cli._common import nonneg_int, out_dir, parse_int_list, parse_number, pos_float, pos_int, print_json
-from archsearch.benchmarks.base import DTYPES
+from archsearch.benchmarks.base import BACKENDS, DTYPES, backend_class
 from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError
 from archsearch.planning.request import PlanRequest, plan_deployment
@@ -25,7 +25,7 @@ def register(sub) -> None:
     d = field_defaults(PlanRequest)
     p.add_argument("--candidates", nargs="+", required=True, metavar="MODEL",
                    help="preset names, Hugging Face folders (config.json, weights optional), study folders (chosen/)")
-    p.add_argument("--backend", default="hf", choices=["hf", "vllm", "sglang"],
+    p.add_argument("--backend", default="hf", choices=[b for b in BACKENDS if not backend_class(b).predicted],
                    help="the engine that measures (a real engine: the planner never predicts serving speed)")
     p.add_argument("--out", type=out_dir, required=True, help="output folder (measurements resume from it)")
     g = p.add_argument_group("grid")
