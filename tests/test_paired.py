@@ -329,7 +329,7 @@ _OLD_STEP = {**_OLD_BASELINE, "hidden_size": 192, "n_heads": 2, "n_kv_heads": 1,
 
 
 def test_the_migration_reproduces_a_key_stored_in_the_older_layout(tmp_path):
-    from archsearch.search.migrate import old_key_settings
+    from archsearch.search.migration import old_key_settings
     from archsearch.search.measurements import measurement_key, paired_key, spec_key
 
     m = _keyed(tmp_path)

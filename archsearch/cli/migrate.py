@@ -1,12 +1,12 @@
 """``archsearch migrate``: bring a study folder (or a study config) written by an older version to
-this version's layout; the work is :mod:`archsearch.search.migrate`'s."""
+this version's layout; the work is :mod:`archsearch.search.migration`'s."""
 
 from __future__ import annotations
 
 import argparse
 
 from archsearch.errors import ArchsearchError
-from archsearch.search.migrate import apply_migration, migrate_config_file, plan_migration
+from archsearch.search.migration import apply_migration, migrate_config_file, plan_migration
 
 
 def migrate(args: argparse.Namespace) -> int:

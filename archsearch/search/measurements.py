@@ -50,7 +50,7 @@ def file_lock(path: Path) -> FileLock:
 
 
 # The layout of the store's keys (key_settings): each record carries it. A store written in an
-# older layout is migrated once by ``archsearch migrate STUDY_DIR`` (archsearch.cli.migrate).
+# older layout is migrated once by ``archsearch migrate STUDY_DIR`` (archsearch.search.migration).
 KEY_LAYOUT = 2
 
 
