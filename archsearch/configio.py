@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import typing
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -45,13 +46,14 @@ def _number(value: Any) -> Any:
 
 
 def _section(cls: type) -> Any:
-    """The check before a dataclass section is read: unknown keys named with the closest field,
-    and the :func:`inline` components gathered from the block's own keys."""
-    inlined = {f.name: f.default_factory for f in dataclasses.fields(cls) if f.metadata.get("inline")}
-    own = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in inlined]
-    flat = {name: [g.name for g in dataclasses.fields(make()) if g.init and g.name not in own]
-            for name, make in inlined.items()}
-    keys = own + [n for names in flat.values() for n in names]
+    """The check before a dataclass section is read: unknown keys named with the closest field (a
+    key of a :func:`component`, written in the enclosing block as the flat form of old did, named
+    with its nested place), and each component block given in part completed from the field's
+    default."""
+    components = {f.name: f.default_factory for f in dataclasses.fields(cls) if f.metadata.get("component")}
+    keys = [f.name for f in dataclasses.fields(cls) if f.init]
+    owner = {g.name: name for name, make in components.items() for g in dataclasses.fields(make())
+             if g.init and g.name not in keys}
 
     def check(data: Any) -> Any:
         if not isinstance(data, dict):
@@ -59,16 +61,22 @@ def _section(cls: type) -> Any:
         for key in data:
             if key in getattr(cls, "RENAMED_KEYS", {}):  # a key an earlier version took
                 raise ArchsearchError(str(key), "is a key of an earlier version", cls.RENAMED_KEYS[key])
-            if key not in keys:
-                close = difflib.get_close_matches(str(key), keys, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}"
-                raise ArchsearchError(str(key), "unknown key", hint)
-        out = {k: v for k, v in data.items() if k in own}
-        for name, make in inlined.items():  # a key left out keeps the value of the field's default
-            default = make()
-            given = {n: data[n] for n in flat[name] if n in data}
-            base = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
-            out[name] = {**base, **given} if given else default
+            if key in keys:
+                continue
+            if key in owner:
+                raise ArchsearchError(str(key), f"belongs to the {owner[key]!r} block",
+                                      f"write it as {{block}}{owner[key]}.{key}; archsearch migrate rewrites "
+                                      "a config written flat")
+            close = difflib.get_close_matches(str(key), keys + list(owner), n=1)
+            hint = (f"did you mean '{{block}}{owner[close[0]]}.{close[0]}'?" if close and close[0] in owner else
+                    f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(keys)}")
+            raise ArchsearchError(str(key), "unknown key", hint)
+        out = dict(data)
+        for name, make in components.items():  # a key left out keeps the value of the field's default
+            if isinstance(data.get(name), dict):
+                default = make()
+                base = {g.name: getattr(default, g.name) for g in dataclasses.fields(default) if g.init}
+                out[name] = {**base, **data[name]}
         return out
     return check
 
@@ -103,8 +111,8 @@ def _validator(cls: type) -> Any:
 
 def _path(where: str, loc: tuple[Any, ...], data: Any, missing: bool) -> str:
     """Pydantic's error location as a dotted path (``study.search.gqa_choices[2]``), read along
-    the data so that a union member's or an inline component's name, which the data does not
-    hold, is left out (but for the last of a ``missing`` field)."""
+    the data so that a union member's name, which the data does not hold, is left out (but for
+    the last of a ``missing`` field)."""
     path = where
     for i, part in enumerate(loc):
         if isinstance(data, dict) and part in data or missing and i == len(loc) - 1 and isinstance(part, str):
@@ -115,19 +123,52 @@ def _path(where: str, loc: tuple[Any, ...], data: Any, missing: bool) -> str:
     return path
 
 
-def inline(default_factory: Any, key: bool = False) -> Any:
-    """A component config held as a field whose own fields are written in the enclosing block.
-
-    The rule, for a field ``fit: FitOptions = inline(...)`` of ``LawConfig``: the YAML/JSON form
-    of the block is flat, ``law: {bootstrap: 200, form: ...}``, and ``law.bootstrap`` is
-    ``law.fit.bootstrap``. A name the enclosing class declares itself is the enclosing class's
-    (``law.seed`` is ``LawConfig.seed``). A key left out keeps the value of the field's default
+def component(default_factory: Any, key: bool = False) -> Any:
+    """A component config held as a field of an enclosing config, written nested as the
+    dataclasses compose (``law: {fit: {bootstrap: 200}}`` for ``LawConfig.fit: FitOptions``).
+    A block given in part keeps, for the keys it leaves out, the values of the field's default
     (``default_factory()``: the enclosing config's defaults, which may differ from the component
-    class's own). :func:`from_dict` reads this form, :func:`to_dict` writes it, and an error in the
-    component names the flat path (``law.bootstrap``). ``key``: the component's marked fields key
-    a stored result (:func:`key_values`).
-    """
-    return dataclasses.field(default_factory=default_factory, metadata={"inline": True, "key": key})
+    class's own); a component's key written in the enclosing block is refused with its nested
+    place. ``key``: the component's marked fields key a stored result (:func:`key_values`)."""
+    return dataclasses.field(default_factory=default_factory, metadata={"component": True, "key": key})
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field's type hint holds (``X``, ``X | None``), else None."""
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return hint
+    dcs = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a) and isinstance(a, type)]
+    return dcs[0] if len(dcs) == 1 and type(None) in typing.get_args(hint) else None
+
+
+def nest_components(cls: type, data: Any, where: str = "") -> tuple[Any, list[str]]:
+    """``data`` (a config of ``cls`` as a mapping) with every :func:`component`'s keys written in
+    the enclosing block, the flat form of older versions (``law: {bootstrap: 200}``), moved into
+    the component's block (``law: {fit: {bootstrap: 200}}``); and the moved keys' new dotted
+    names. A name the enclosing class declares itself stays its own (``law.seed``). What
+    ``archsearch migrate`` applies to a config file and a study folder's ``config.json``."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
+        return data, []
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):
+        return data, []
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    own = {f.name for f in fields}
+    out, moved = dict(data), []
+    for f in fields:
+        if f.metadata.get("component"):
+            names = {g.name for g in dataclasses.fields(f.default_factory()) if g.init} - own
+            flat = {k: out.pop(k) for k in list(out) if k in names}
+            if flat:
+                block = out.get(f.name) if isinstance(out.get(f.name), dict) else {}
+                out[f.name] = {**flat, **block}
+                moved += [f"{where}{f.name}.{k}" for k in flat]
+        sub = _dataclass_of(hints.get(f.name))
+        if sub is not None and isinstance(out.get(f.name), dict):
+            out[f.name], m = nest_components(sub, out[f.name], f"{where}{f.name}.")
+            moved += m
+    return out, moved
 
 
 KEY = {"key": True}  # field metadata: the field keys a stored result (key_values)
@@ -135,9 +176,10 @@ KEY = {"key": True}  # field metadata: the field keys a stored result (key_value
 
 def key_values(obj: Any) -> dict[str, Any]:
     """The fields of config ``obj`` marked ``metadata=KEY`` (a component field marked so
-    contributes its own marked fields, nested under its name, or flat for an :func:`inline` one),
-    as plain data (:func:`to_dict`): what a result stored under this config is keyed by. A field
-    that changes no result (a fallback, a retry budget) is left unmarked."""
+    contributes its own marked fields, nested under its name, or flat for a :func:`component`,
+    as stored results were keyed when components were written flat: keys stay valid), as plain
+    data (:func:`to_dict`): what a result stored under this config is keyed by. A field that
+    changes no result (a fallback, a retry budget) is left unmarked."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         if not f.metadata.get("key"):
@@ -145,7 +187,7 @@ def key_values(obj: Any) -> dict[str, Any]:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             inner = key_values(value)
-            if f.metadata.get("inline"):
+            if f.metadata.get("component"):
                 out.update(inner)
             else:
                 out[f.name] = inner
@@ -155,8 +197,8 @@ def key_values(obj: Any) -> dict[str, Any]:
 
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass ``cls`` from a mapping, validating keys and types by their hints (an
-    :func:`inline` component read from the block's own keys); the dataclass's own
+    """Build dataclass ``cls`` from a mapping, validating keys and types by their hints (a
+    :func:`component` block given in part completed from its default); the dataclass's own
     ``__post_init__`` then checks values. An error names the dotted path of the bad field."""
     from pydantic import ValidationError
 
@@ -169,7 +211,8 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         if isinstance(cause, ArchsearchError):  # a section's own check: its field under the section
             inside = path and cause.field.startswith(path)
             field = cause.field if inside else ".".join(filter(None, (path, cause.field)))
-            raise ArchsearchError(field, cause.problem, cause.fix) from None
+            fix = cause.fix.replace("{block}", f"{path}." if path else "") if cause.fix else cause.fix
+            raise ArchsearchError(field, cause.problem, fix) from None
         msg = f"{err['msg'][:1].lower()}{err['msg'][1:]}, got {err['input']!r}"
         problem = "is required" if err["type"] == "missing" else msg
         raise ArchsearchError(path or cls.__name__, problem) from None
@@ -192,15 +235,7 @@ def to_dict(obj: Any) -> Any:
     """A dataclass (possibly nested) as plain JSON/YAML-able data, every URL's password masked
     (:func:`redact`): what is written of a config never holds a secret."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out: dict[str, Any] = {}
-        own = {f.name for f in dataclasses.fields(obj)}
-        for f in dataclasses.fields(obj):
-            if f.metadata.get("inline"):  # written flat, in the component's field order
-                for k, v in to_dict(getattr(obj, f.name)).items():
-                    out[k] = to_dict(getattr(obj, k)) if k in own else v
-            elif f.name not in out:
-                out[f.name] = to_dict(getattr(obj, f.name))
-        return out
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

@@ -33,6 +33,10 @@ from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines, read_text
 from archsearch.hardware import host_memory_bytes
 
+# The one list of measurement backends: name -> "module:Class" (imported when used). A new backend
+# is a file holding a Backend subclass plus one line here (or register_backend at run time);
+# everything else (config checks, deployment targets, provenance, whether a result is predicted)
+# asks the class (docs/extending.md).
 BACKENDS: dict[str, str] = {
     "vllm": "archsearch.benchmarks.vllm_backend:VLLMBackend",
     "sglang": "archsearch.benchmarks.sglang_backend:SGLangBackend",
@@ -92,7 +96,7 @@ class BenchSettings(PlainData):
         # bytes each) of the largest batch must fit in this machine's memory
         # (the analytic backend builds no prompts: it records a batch that cannot fit as failed)
         need, have = max(self.batch_sizes) * (self.input_len + self.output_len) * 8, host_memory_bytes()
-        if self.backend != "analytic" and have and need > have:
+        if not backend_class(self.backend).predicted and have and need > have:
             raise ArchsearchError("batch_sizes/input_len", f"{max(self.batch_sizes)} sequences of "
                                   f"{self.input_len}+{self.output_len} tokens need {need / 2**30:,.0f} GiB for "
                                   f"the token ids alone; this machine has {have / 2**30:,.0f} GiB",
@@ -317,11 +321,33 @@ class Backend(ABC):
         """
 
 
+def register_backend(name: str, target: str) -> None:
+    """Add backend ``name`` at run time as its ``"module:Class"`` string (a test's or a plugin's;
+    a backend of the package is a line in :data:`BACKENDS`). The class must be importable by that
+    string in a child process too when it is ``isolated``."""
+    BACKENDS[name] = target
+
+
+def backend_class(name: str, field: str = "backend") -> type[Backend]:
+    """The class of registered backend ``name`` (imports its module, which imports no engine)."""
+    if name not in BACKENDS:
+        raise ArchsearchError(field, f"unknown backend {name!r}", f"use one of {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def backend_packages() -> tuple[str, ...]:
+    """The distributions whose versions every registered engine backend records (a study's
+    provenance names them all, whichever backend it used)."""
+    out: list[str] = []
+    for name in BACKENDS:
+        out += [p for p in backend_class(name).packages if p != "archsearch" and p not in out]
+    return tuple(out)
+
+
 def get_backend(name: str) -> Backend:
     """Instantiate a registered backend by name (imports its module only now)."""
-    if name not in BACKENDS:
-        raise ArchsearchError("backend", f"unknown backend {name!r}", f"use one of {sorted(BACKENDS)}")
-    return load_backend(BACKENDS[name])
+    return backend_class(name)()
 
 
 def load_backend(target: str) -> Backend:

@@ -45,7 +45,7 @@ STUDY = {"name": "st", "params": 200000, "tokens": 300000, "n_layers": 2, "vocab
          "search_space": {"hidden_over_sqrt_n": [0.1, 0.4], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2],
                           "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.15, "on_r_drift": "flag"}},
          "law": {"file": "law.json"},
-         "measure": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64},
+         "measure": {"bench": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64}},
          "optuna": {"n_shapes": 2, "enqueue_solution": 1},
          "gqa_search": {"enabled": True, "baseline_gqa": 2}}
 
@@ -454,17 +454,17 @@ CONFIG_CASES = [
     ("study-proxy-sweep-inf", "study", {"law.file": None, "proxy": {"sweep": {**SWEEP, "params": [float("inf")]}}},
      "proxy.sweep"),
     ("study-law-form", "study", {"law.form": "chinchilla"}, "law.form"),
-    ("study-law-bootstrap-neg", "study", {"law.bootstrap": -1}, "law.bootstrap"),
+    ("study-law-bootstrap-neg", "study", {"law.fit.bootstrap": -1}, "law.fit.bootstrap"),
     ("study-law-file-missing", "study", {"law.file": "nope.json"}, "law.file"),
-    # the law block is the fit's FitOptions: their checks name the field under law.
-    ("study-law-r-range", "study", {"law.r_range": [5.0, 0.5]}, "law.r_range"),
+    # the law block's fit is the fit's FitOptions: their checks name the field under law.fit
+    ("study-law-r-range", "study", {"law.fit.r_range": [5.0, 0.5]}, "law.fit.r_range"),
     ("study-law-size-tol", "study", {"law.size_tolerance": 1.5}, "law.size_tolerance"),
-    ("study-law-starts-zero", "study", {"law.n_starts": 0}, "law.n_starts"),
-    ("study-law-reference-law", "study", {"law.reference_law": {"law": "kaplan"}}, "law.reference_law"),
-    ("study-measure-backend", "study", {"measure.backend": "tensorrt"}, "measure.backend"),
-    ("study-measure-batch-zero", "study", {"measure.batch_sizes": [0]}, "measure.batch"),
-    ("study-measure-batch-huge", "study", {"measure.backend": "hf", "measure.batch_sizes": [10 ** 9]}, "measure.batch"),
-    ("study-measure-timeout-neg", "study", {"measure.timeout_s": -1}, "measure.timeout"),
+    ("study-law-starts-zero", "study", {"law.fit.n_starts": 0}, "law.fit.n_starts"),
+    ("study-law-reference-law", "study", {"law.fit.reference_law": {"law": "kaplan"}}, "law.fit.reference_law"),
+    ("study-measure-backend", "study", {"measure.bench.backend": "tensorrt"}, "measure.bench.backend"),
+    ("study-measure-batch-zero", "study", {"measure.bench.batch_sizes": [0]}, "measure.bench.batch"),
+    ("study-measure-batch-huge", "study", {"measure.bench.backend": "hf", "measure.bench.batch_sizes": [10 ** 9]}, "measure.bench.batch"),
+    ("study-measure-timeout-neg", "study", {"measure.bench.timeout_s": -1}, "measure.bench.timeout"),
     ("study-optuna-trials-zero", "study", {"optuna.n_trials": 0}, "optuna.n_trials"),
     ("study-optuna-shapes-neg", "study", {"optuna.n_shapes": -3}, "optuna.n_shapes"),
     ("study-optuna-shapes-beyond-trials", "study", {"optuna.n_shapes": 5, "optuna.n_trials": 3}, "optuna.n_shapes"),
@@ -532,8 +532,8 @@ CONFIG_CASES = [
     ("sweep-name-dot", "sweep", {"name": "."}, "sweep.name"),
     ("sweep-name-backslash", "sweep", {"name": "a\\b"}, "sweep.name"),
     # counts bounded by the method or the search space
-    ("study-law-bootstrap-huge", "study", {"law.bootstrap": 10 ** 9}, "law.bootstrap"),
-    ("study-law-starts-huge", "study", {"law.n_starts": 10 ** 6}, "law.n_starts"),
+    ("study-law-bootstrap-huge", "study", {"law.fit.bootstrap": 10 ** 9}, "law.fit.bootstrap"),
+    ("study-law-starts-huge", "study", {"law.fit.n_starts": 10 ** 6}, "law.fit.n_starts"),
     ("study-active-bootstrap-huge", "study", {"law.file": None, "proxy": {"sweep": SWEEP, "plan": "active",
                                                                           "active": {"bootstrap": 10 ** 8}}},
      "proxy.active.bootstrap"),
@@ -541,8 +541,8 @@ CONFIG_CASES = [
     # limits a study's measurements cannot show to hold
     ("study-limits-tpot", "study", {"limits": {"max_tpot_s": 1.0}}, "limits.max_tpot_s"),
     ("study-limits-memory", "study", {"limits": {"max_peak_memory_gib": 80}}, "limits.max_peak_memory_gib"),
-    ("study-trust-remote-code", "study", {"measure.engine_args": {"trust_remote_code": True}},
-     "measure.engine_args.trust_remote_code"),
+    ("study-trust-remote-code", "study", {"measure.bench.engine_args": {"trust_remote_code": True}},
+     "measure.bench.engine_args.trust_remote_code"),
     # storage URLs opened at load: before any proxy is trained, the password never shown
     ("study-storage-postgres-port", "study", {**_PROXIES, "optuna.storage": f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/db"},
      "optuna.storage"),

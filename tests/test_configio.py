@@ -1,7 +1,8 @@
 """configio.from_dict reads a mapping as our configs are read: flags only true/false, text only
 text, finite numbers also in the 200K/1e9 syntax, whole floats as integers; an error names the
 dotted path of the field (an unknown key with the closest name, a section's own check under the
-section), and an inline component is read from the block's own keys."""
+section), and a component block given in part is completed from the field's default; a component's
+key written in the enclosing block (the flat form of older versions) is refused with its place."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from archsearch.configio import KEY, from_dict, inline, key_values, to_dict
+from archsearch.configio import KEY, component, from_dict, key_values, nest_components, to_dict
 from archsearch.errors import ArchsearchError
 
 
@@ -31,7 +32,7 @@ class Whole:
     part: Part = dataclasses.field(default_factory=Part)
     parts: list[Part] = dataclasses.field(default_factory=list)
     extra: Part | None = None
-    own: Part = inline(lambda: Part(size=7), key=True)
+    own: Part = component(lambda: Part(size=7), key=True)
     pinned: float = dataclasses.field(default=0.5, metadata=KEY)
 
 
@@ -64,7 +65,8 @@ def test_a_float_reads_integers_and_the_number_syntax_as_floats():
     ({"parts": [{"size": 2}, {"size": "x"}]}, "parts[1].size"),
     ({"part": {"tags": ["a", 2]}}, "part.tags[1]"),
     ({"extra": {"scale": []}}, "extra.scale"),
-    ({"size": "x"}, "size"),  # the inline component's field, written flat
+    ({"size": "x"}, "size"),  # the component's field, written flat: refused
+    ({"own": {"size": "x"}}, "own.size"),
 ])
 def test_a_bad_value_is_named_by_its_path(data, field):
     with pytest.raises(ArchsearchError) as e:
@@ -73,7 +75,7 @@ def test_a_bad_value_is_named_by_its_path(data, field):
 
 
 def test_a_sections_own_check_is_named_under_the_section():
-    for data, field in (({"parts": [{}, {"size": 0}]}, "w.parts[1].size"), ({"size": 0}, "w.size"),
+    for data, field in (({"parts": [{}, {"size": 0}]}, "w.parts[1].size"), ({"own": {"size": 0}}, "w.own.size"),
                         ({"extra": {"size": -1}}, "w.extra.size")):
         with pytest.raises(ArchsearchError) as e:
             from_dict(Whole, data, "w")
@@ -82,19 +84,18 @@ def test_a_sections_own_check_is_named_under_the_section():
 
 def test_an_unknown_key_names_the_closest_field():
     for data, field, fix in (({"part": {"sise": 2}}, "w.part.sise", "did you mean 'size'?"),
-                             ({"scal": 2}, "w.scal", "did you mean 'scale'?"),
-                             ({"own": {"size": 2}}, "w.own",  # the inline component's own name is no key
-                              "valid keys: ['extra', 'flag', 'name', 'part', 'parts', 'pinned', 'scale', 'size', "
-                              "'tags']")):
+                             ({"scal": 2}, "w.scal", "did you mean 'w.own.scale'?"),  # a component's
+                             ({"owm": {"size": 2}}, "w.owm", "did you mean 'own'?"),
+                             ({"nmae": 2}, "w.nmae", "did you mean 'name'?")):
         with pytest.raises(ArchsearchError) as e:
             from_dict(Whole, data, "w")
         assert (e.value.field, e.value.problem, e.value.fix) == (field, "unknown key", fix)
 
 
-def test_an_inline_component_reads_the_blocks_keys_over_the_fields_default():
-    w = from_dict(Whole, {"scale": 2, "name": "n"})
+def test_a_component_block_given_in_part_keeps_the_fields_default():
+    w = from_dict(Whole, {"own": {"scale": 2}, "name": "n"})
     assert (w.own, w.name) == (Part(size=7, scale=2.0), "n")  # size: the field's default, not Part's
-    assert to_dict(w)["size"] == 7 and "own" not in to_dict(w)
+    assert to_dict(w)["own"] == {"size": 7, "scale": 2.0, "tags": []}
     assert from_dict(Whole, to_dict(w)) == w
     assert key_values(w) == {"pinned": 0.5}  # Part marks no field as keying
     a, b = from_dict(Whole, {}), from_dict(Whole, {})
@@ -143,3 +144,13 @@ def test_yaml_is_read_within_limits(tmp_path):
         assert f"{name}.yaml" in e.value.field
     (tmp_path / "ok.yaml").write_text("base: &b {x: 1}\nuse: *b\nmerged: {<<: *b, y: 2}\n")
     assert load_yaml_file(tmp_path / "ok.yaml") == {"base": {"x": 1}, "use": {"x": 1}, "merged": {"x": 1, "y": 2}}
+
+
+def test_a_flat_key_is_named_with_its_nested_place_and_nest_components_moves_it():
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(Whole, {"scale": 2}, "w")
+    assert e.value.field == "w.scale" and "w.own.scale" in e.value.fix and "archsearch migrate" in e.value.fix
+    data, moved = nest_components(Whole, {"scale": 2, "name": "n", "own": {"size": 3}, "part": {"size": 2}})
+    assert data == {"name": "n", "own": {"scale": 2, "size": 3}, "part": {"size": 2}} and moved == ["own.scale"]
+    assert from_dict(Whole, data).own == Part(size=3, scale=2.0)
+    assert nest_components(Whole, data) == (data, [])  # nested already: unchanged

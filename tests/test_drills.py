@@ -59,11 +59,11 @@ STUDY = {"name": "drill", "params": 8.0e4, "tokens": 2.0e4, "n_layers": 2, "voca
                           "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2,
                                     "on_r_drift": "flag"}},
          "proxy": {"sweep": SWEEP},
-         "law": {"form": "conditional-multiplicative", "reference": "best-observed", "bootstrap": 5,
+         "law": {"form": "conditional-multiplicative", "fit": {"reference": "best-observed", "bootstrap": 5},
                  "size_tolerance": 0.2},
          "target": {"slack": 0.02},
-         "measure": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64,
-                     "device_spec": "H100"},
+         "measure": {"bench": {"backend": "analytic", "batch_sizes": [16], "input_len": 64, "output_len": 64,
+                               "device_spec": "H100"}},
          "optuna": {"n_shapes": 4, "enqueue_solution": 1, "seed": 0},
          "gqa_search": {"enabled": True, "baseline_gqa": 2}}
 PROXIES = Path("proxies") / SWEEP["name"]
@@ -269,9 +269,10 @@ def _all_fail_study(root: Path) -> subprocess.CompletedProcess:
                             "head_dim": 64, "build": {"hidden_multiple": 32, "ffn_multiple": 32,
                                                       "tolerance": 0.05, "on_r_drift": "flag"}},
            "proxy": {"runs": "runs.csv"},
-           "law": {"reference": "chinchilla", "bootstrap": 0},
-           "measure": {"backend": "hf", "batch_sizes": [2], "input_len": 8, "output_len": 8, "timeout_s": 0.05},
-           "optuna": {"n_shapes": 2, "n_shapes": 4, "enqueue_solution": 1, "seed": 0},
+           "law": {"fit": {"reference": "chinchilla", "bootstrap": 0}},
+           "measure": {"bench": {"backend": "hf", "batch_sizes": [2], "input_len": 8, "output_len": 8,
+                                 "timeout_s": 0.05}},
+           "optuna": {"n_shapes": 2, "n_trials": 4, "enqueue_solution": 1, "seed": 0},
            "gqa_search": {"enabled": True, "baseline_gqa": 2}}
     (folder / "study.yaml").write_text(yaml.safe_dump(cfg))
     return subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", "study.yaml", "--out", "s"],

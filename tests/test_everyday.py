@@ -154,7 +154,7 @@ def test_search_writes_study_log_and_quiet_keeps_stderr_clean(tmp_path, monkeypa
              "baseline": {"hidden_over_sqrt_n": 0.2, "mlp_to_attn": 3.0, "gqa": 2},
              "search_space": {"head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32,
                                                         "tolerance": 0.15, "on_r_drift": "flag"}},
-             "law": {"file": "law.json"}, "measure": {"backend": "analytic"}}
+             "law": {"file": "law.json"}, "measure": {"bench": {"backend": "analytic"}}}
     monkeypatch.chdir(tmp_path)
     _law(tmp_path)
     (tmp_path / "st.yaml").write_text(json.dumps(study))

@@ -343,5 +343,5 @@ def test_max_attempts_is_bounded_and_named(value):
     from archsearch.search.config import MeasureConfig
 
     with pytest.raises(ArchsearchError) as e:
-        from_dict(MeasureConfig, {"backend": "hf", "max_attempts": value}, "measure")
+        from_dict(MeasureConfig, {"bench": {"backend": "hf"}, "max_attempts": value}, "measure")
     assert e.value.field == "measure.max_attempts"

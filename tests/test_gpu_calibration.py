@@ -177,8 +177,9 @@ def _analytic_measure_cfg(**kw):
     from archsearch.configio import from_dict
     from archsearch.search.config import MeasureConfig
 
-    return from_dict(MeasureConfig, {"backend": "analytic", "device_spec": "H200", "batch_sizes": [128],
-                                     "dtype": "bfloat16", **kw}, "measure")
+    bench = {"backend": "analytic", "device_spec": "H200", "batch_sizes": [128], "dtype": "bfloat16"}
+    own = {k: kw.pop(k) for k in list(kw) if k not in bench}  # the measure block's own settings
+    return from_dict(MeasureConfig, {"bench": {**bench, **kw}, **own}, "measure")
 
 
 def test_study_measurement_applies_its_calibration():

@@ -292,7 +292,7 @@ def test_an_estimated_source_size_is_flagged_not_refused(tmp_path):
 
     sweep = {"name": "p", "params": [4.0e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [1.0], "gqa": 1,
              "train": {"tokens_per_param": 20}}  # 8e6 tokens: more than Shakespeare's bytes / 4
-    cfg = load(study_config(tmp_path, vocab_size=None, law={"file": None, "reference": "best-observed"},
+    cfg = load(study_config(tmp_path, vocab_size=None, law={"file": None, "fit": {"reference": "best-observed"}},
                             proxy={"sweep": sweep}))
     (b,) = check_data_budgets(cfg)
     assert b["status"] == "over (estimate)" and b["epochs"] > 1 and "estimate" in b["verdict"]

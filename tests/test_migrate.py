@@ -9,11 +9,12 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 
 from archsearch.cli import main
-from archsearch.configio import from_dict, to_dict
+from archsearch.configio import from_dict, nest_components, to_dict
 from archsearch.errors import ArchsearchError
-from archsearch.search.config import StudyConfig, load_study_config
+from archsearch.search.config import LawConfig, StudyConfig, load_study_config
 from archsearch.search.measurements import MeasurementStore, Measurer
 from tests.test_bench import TINY
 
@@ -37,7 +38,7 @@ def _old_study(d):
     study = d / "st"
     study.mkdir()
     (study / "config.json").write_text(json.dumps(STUDY))
-    cfg = from_dict(StudyConfig, STUDY)
+    cfg = from_dict(StudyConfig, nest_components(StudyConfig, STUDY)[0])  # STUDY is written flat, as then
     from archsearch.benchmarks import measure
 
     single = {**measure(TINY, cfg.measure.bench_settings("analytic")).to_dict(), "measurement_key": OLD_SINGLE}
@@ -133,7 +134,7 @@ def test_a_recorded_study_migrates_and_resumes_with_its_stages_and_measurements(
 
 def test_the_old_search_mode_name_is_refused_naming_the_new_one(tmp_path):
     (tmp_path / "law.json").write_text(json.dumps(LAW))
-    study = {**STUDY, "law": {"file": str(tmp_path / "law.json")}}
+    study = {**nest_components(StudyConfig, STUDY)[0], "law": {"file": str(tmp_path / "law.json")}}
     with pytest.raises(ArchsearchError) as e:
         from_dict(StudyConfig, {**study, "mode": "algorithm5"})
     assert e.value.field == "mode" and "constrained" in str(e.value) and "archsearch migrate" in str(e.value)
@@ -183,3 +184,51 @@ def test_a_config_json_this_version_cannot_read_is_named_with_the_fix(tmp_path, 
     assert main(["migrate", str(study)]) == 2
     err = capsys.readouterr().err
     assert "config.json: search_space.hidden_multiple" in err and "run the study anew" in err
+
+
+FLAT_YAML = """# a study config as older versions read it: the components' keys in their block
+law:
+  form: conditional-multiplicative
+  # the fit's reference
+  reference: best-observed
+  bootstrap: 20     # intervals
+  seed: 4
+measure:
+  backend: hf
+  batch_sizes:
+  - 2
+  - 4
+  calibration: null
+  max_attempts: 2
+optuna: {n_trials: 2}
+"""
+
+
+def test_a_config_written_flat_is_refused_naming_migrate_which_nests_it_keeping_comments(tmp_path, capsys):
+    path = tmp_path / "old.yaml"
+    path.write_text(FLAT_YAML)
+    raw = yaml.safe_load(FLAT_YAML)
+    with pytest.raises(ArchsearchError) as e:
+        from_dict(LawConfig, raw["law"], "law")
+    assert e.value.field == "law.reference" and "law.fit.reference" in e.value.fix and "migrate" in e.value.fix
+    assert main(["migrate", "--config", str(path), "--dry-run"]) == 0
+    assert path.read_text() == FLAT_YAML and "dry run" in capsys.readouterr().out
+    assert main(["migrate", "--config", str(path)]) == 0
+    text = path.read_text()
+    new = yaml.safe_load(text)
+    assert new["law"] == {"form": "conditional-multiplicative", "seed": 4,  # law.seed is the law block's own
+                          "fit": {"reference": "best-observed", "bootstrap": 20}}
+    assert new["measure"] == {"bench": {"backend": "hf", "batch_sizes": [2, 4]}, "calibration": None,
+                              "max_attempts": 2}
+    for comment in ("# the fit's reference", "# intervals", "# a study config as older versions"):
+        assert comment in text
+    assert main(["migrate", "--config", str(path)]) == 0 and "nothing to do" in capsys.readouterr().out
+
+
+def test_a_study_folders_flat_config_json_is_nested_by_migrate(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    study, _, _ = _old_study(tmp_path)
+    assert main(["migrate", str(study)]) == 0
+    stored = json.loads((study / "config.json").read_text())
+    assert stored["measure"]["bench"]["backend"] == "analytic" and "backend" not in stored["measure"]
+    assert from_dict(StudyConfig, stored) == from_dict(StudyConfig, nest_components(StudyConfig, STUDY)[0])

@@ -49,7 +49,7 @@ def test_paired_settings_errors_name_the_field(kw, field):
     from archsearch.search.config import MeasureConfig
 
     with pytest.raises(ArchsearchError) as e:
-        from_dict(MeasureConfig, {"backend": "hf", "paired": kw}, "measure")
+        from_dict(MeasureConfig, {"bench": {"backend": "hf"}, "paired": kw}, "measure")
     assert e.value.field == field
 
 
@@ -297,8 +297,8 @@ def test_measurer_measures_the_rescaled_shape_keyed_by_the_study_shape(tmp_path,
     monkeypatch.setattr("archsearch.search.measurements.measure_paired", fake_paired)
     store = MeasurementStore(tmp_path / "m.jsonl")
     double = lambda s: ArchSpec(**{**s.to_dict(), "hidden_size": 2 * s.hidden_size})  # noqa: E731
-    plain = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
-    scaled = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4], "params": 4e6}, "measure"), store, scale=double)
+    plain = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf", "batch_sizes": [4]}}, "measure"), store)
+    scaled = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf", "batch_sizes": [4]}, "params": 4e6}, "measure"), store, scale=double)
     a, b = _spec(64), _spec(128)
     scaled.compare([a, b])
     plain.compare([a, b])
@@ -311,9 +311,10 @@ def _keyed(tmp_path, backend="vllm", paired=None, **measure):
     from archsearch.search.config import MeasureConfig
     from archsearch.search.measurements import MeasurementStore, Measurer
 
-    cfg = replace(from_dict(MeasureConfig, {"backend": "vllm", "fallback_backend": "hf", "batch_sizes": [16],
-                                            "input_len": 64, "output_len": 64, "repeats": 3, "dtype": "float32",
-                                            "timeout_s": 300.0, **measure}, "measure"),
+    bench = {"backend": "vllm", "batch_sizes": [16], "input_len": 64, "output_len": 64, "repeats": 3,
+             "dtype": "float32", "timeout_s": 300.0}
+    own = {k: measure.pop(k) for k in list(measure) if k not in BenchSettings.__dataclass_fields__}  # the block's own
+    cfg = replace(from_dict(MeasureConfig, {"bench": {**bench, **measure}, "fallback_backend": "hf", **own}, "measure"),
                   paired=paired or PairedSettings())
     m = Measurer(cfg, MeasurementStore(tmp_path / "m.jsonl"))
     m.backend = backend
@@ -329,7 +330,7 @@ _OLD_STEP = {**_OLD_BASELINE, "hidden_size": 192, "n_heads": 2, "n_kv_heads": 1,
 
 
 def test_the_migration_reproduces_a_key_stored_in_the_older_layout(tmp_path):
-    from archsearch.cli.migrate import old_key_settings
+    from archsearch.search.migration import old_key_settings
     from archsearch.search.measurements import measurement_key, paired_key, spec_key
 
     m = _keyed(tmp_path)
@@ -384,14 +385,14 @@ def test_compare_together_measures_missing_pairs_in_one_group_and_stores_each_pa
 
     monkeypatch.setattr("archsearch.search.measurements.measure_paired", fake_paired)
     store = MeasurementStore(tmp_path / "m.jsonl")
-    m = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
+    m = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf", "batch_sizes": [4]}}, "measure"), store)
     ref, b, c, d = _spec(32), _spec(64), _spec(96), _spec(128)
     assert m.compare_together(ref, [b, c]) == 2 and calls == [[32, 64, 96]]
     got = m.compare([ref, c])
     assert calls == [[32, 64, 96]] and not got.cached  # read back, but taken by this process
     assert got.result.rounds == [[100.0, 120.0 + k] for k in range(3)] and got.result.ttft == [0.0, 0.2]
     assert got.result.timing["group_size"] == 3 and store.get(got.key)["group"]["size"] == 3
-    again = Measurer(from_dict(MeasureConfig, {"backend": "hf", "batch_sizes": [4]}, "measure"), store)
+    again = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf", "batch_sizes": [4]}}, "measure"), store)
     assert again.compare([ref, b]).cached and again.compare_together(ref, [b, c]) == 0
     assert again.compare_together(ref, [b, d]) == 0 and calls == [[32, 64, 96]]  # one missing: its trial measures it
     fail.append(True)
@@ -515,7 +516,7 @@ def test_measurer_pools_instance_variance_once_per_group(tmp_path):
     from archsearch.search.config import MeasureConfig
     from archsearch.search.measurements import MeasurementStore, Measurer
 
-    cfg = from_dict(MeasureConfig, {"backend": "hf", "paired": {"twin": True}}, "measure")
+    cfg = from_dict(MeasureConfig, {"bench": {"backend": "hf"}, "paired": {"twin": True}}, "measure")
     store = MeasurementStore(tmp_path / "measurements.jsonl")
     group = _twin_result([[100.0, 90.0, 106.0], [101.0, 91.0, 107.0], [99.0, 90.0, 105.0]])
     alone = _twin_result([[100.0, 90.0, 98.0], [101.0, 91.0, 99.0], [99.0, 90.0, 97.5]])
@@ -525,7 +526,7 @@ def test_measurer_pools_instance_variance_once_per_group(tmp_path):
     m = Measurer(cfg, store)
     assert m.instance_var() == pytest.approx(instance_variance([group.pair(1), alone])[0])
     assert m.instance_var() != pytest.approx(instance_variance([group.pair(1), group.pair(1), alone])[0])
-    off = Measurer(from_dict(MeasureConfig, {"backend": "hf"}, "measure"), store)
+    off = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf"}}, "measure"), store)
     assert off.instance_var() == 0.0  # without twins in the settings, no widening
 
 
@@ -563,18 +564,18 @@ def test_configured_instance_sd_widens_until_twins_measure_it(tmp_path):
     from archsearch.search.measurements import MeasurementStore, Measurer
 
     store = MeasurementStore(tmp_path / "measurements.jsonl")
-    prior = Measurer(from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": 0.02}}, "measure"), store)
+    prior = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf"}, "paired": {"instance_sd": 0.02}}, "measure"), store)
     assert prior.instance_var() == pytest.approx(0.02 ** 2)  # no twins: the configured value
-    twin = Measurer(from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": 0.02, "twin": True}},
+    twin = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf"}, "paired": {"instance_sd": 0.02, "twin": True}},
                               "measure"), store)
     assert twin.instance_var() == pytest.approx(0.02 ** 2)  # no twin group measured yet
     store.put("g", _twin_result([[100.0, 90.0, 106.0], [101.0, 91.0, 107.0], [99.0, 90.0, 105.0]]).to_dict())
     assert twin.instance_var() != pytest.approx(0.02 ** 2)  # the twins' pooled estimate replaces it
-    analytic = Measurer(from_dict(MeasureConfig, {"backend": "analytic", "paired": {"instance_sd": 0.02}},
+    analytic = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "analytic"}, "paired": {"instance_sd": 0.02}},
                                   "measure"), store)
     assert analytic.instance_var() == 0.0  # a prediction has no engine instance
     with pytest.raises(ArchsearchError) as e:
-        from_dict(MeasureConfig, {"backend": "hf", "paired": {"instance_sd": -0.1}}, "measure")
+        from_dict(MeasureConfig, {"bench": {"backend": "hf"}, "paired": {"instance_sd": -0.1}}, "measure")
     assert "instance_sd" in str(e.value.field)
 
 

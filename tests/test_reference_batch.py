@@ -46,13 +46,13 @@ def test_a_reference_batch_that_does_not_fit_is_refused_with_the_numbers():
                    "measure.reference_batch_size: 64", "up to 120"):
         assert needle in msg, needle
     # the default reference (the largest of batch_sizes) names batch_sizes as the field
-    cfg = load_study_config(REPO / "configs" / "paper-1b.yaml", ["measure.batch_sizes=[16,512]",
+    cfg = load_study_config(REPO / "configs" / "paper-1b.yaml", ["measure.bench.batch_sizes=[16,512]",
                                                                   "measure.reference_batch_size=null"])
     with pytest.raises(ArchsearchError) as e:
         check_reference_batch(cfg, "H100")
-    assert e.value.field == "measure.batch_sizes" and "reference_batch_size: 16" in str(e.value)
+    assert e.value.field == "measure.bench.batch_sizes" and "reference_batch_size: 16" in str(e.value)
     # nothing in batch_sizes fits: the fix says how large one may be
-    cfg = _paper3b("measure.batch_sizes=[256]", "measure.reference_batch_size=256")
+    cfg = _paper3b("measure.bench.batch_sizes=[256]", "measure.reference_batch_size=256")
     with pytest.raises(ArchsearchError, match="a batch size of at most 120"):
         check_reference_batch(cfg, "H100")
 
@@ -76,7 +76,7 @@ def test_the_plan_and_the_study_refuse_before_any_work(tmp_path, cli):
     assert not (tmp_path / "o").exists()
     # a named measuring device is checked by the plan without --gpus, and by the study itself (the
     # config's H200 calibration would be refused for an H100 first)
-    cfg = _paper3b("measure.reference_batch_size=128", "measure.device_spec=H100", "measure.calibration=null",
+    cfg = _paper3b("measure.reference_batch_size=128", "measure.bench.device_spec=H100", "measure.calibration=null",
                    "cluster.executor=inline",
                    "cluster.jobs_at_once=1", "cluster.measure_workers=1")
     with pytest.raises(ArchsearchError, match="holds 120"):
@@ -92,9 +92,9 @@ def test_the_check_is_general_measured_scale_engine_share_and_kv_dtype():
     base = _paper3b()
     cap = reference_batch_fit(base, "H100")["capacity"]
     # vLLM's gpu_memory_utilization and an fp8 KV cache change what fits
-    low = _paper3b("measure.engine_args.gpu_memory_utilization=0.5")
+    low = _paper3b("measure.bench.engine_args.gpu_memory_utilization=0.5")
     assert reference_batch_fit(low, "H100")["capacity"] < cap / 1.5
-    fp8 = _paper3b("measure.engine_args.kv_cache_dtype=fp8")
+    fp8 = _paper3b("measure.bench.engine_args.kv_cache_dtype=fp8")
     assert reference_batch_fit(fp8, "H100")["capacity"] == pytest.approx(2 * cap, abs=12)
     # measure.params: the baseline is measured rebuilt at that N, and that is what must fit
     small = load_study_config(REPO / "configs" / "paper-1b.yaml", ["measure.params=2e8"])
@@ -103,7 +103,7 @@ def test_the_check_is_general_measured_scale_engine_share_and_kv_dtype():
 
 
 def test_measuring_device_is_known_only_where_it_can_be():
-    cfg = _paper3b("measure.device_spec=H200")
+    cfg = _paper3b("measure.bench.device_spec=H200")
     assert measuring_device(cfg) == "H200"
     slurm = _paper3b("cluster.executor=slurm")
     assert measuring_device(slurm) is None and check_reference_batch(slurm, None) is None

@@ -93,7 +93,7 @@ def test_resolve_refuses_on_the_first_failing_check_in_the_checks_order():
         resolve(load_study_config(path, ["measure.params=1e8", "optuna.n_shapes=100000"]), for_plan=True)
     assert e.value.field == "optuna.n_shapes"
     with pytest.raises(ArchsearchError) as e:
-        resolve(load_study_config(path, ["target.confidence=0.9", "law.bootstrap=0", "n_layers=1000"]))
+        resolve(load_study_config(path, ["target.confidence=0.9", "law.fit.bootstrap=0", "n_layers=1000"]))
     assert e.value.field == "target.confidence"
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
-from tests.test_search import load, study_config
+from tests.test_search import load, merged, study_config
 
 
 def _trials(out: Path):
@@ -24,9 +24,7 @@ def _trials(out: Path):
 
 
 def _rewrite(cfg: dict, **over) -> dict:
-    raw = {k: v for k, v in cfg.items() if k != "_path"}
-    for k, v in over.items():
-        raw[k] = {**raw[k], **v} if isinstance(v, dict) and isinstance(raw.get(k), dict) else v
+    raw = merged({k: v for k, v in cfg.items() if k != "_path"}, over)
     Path(cfg["_path"]).write_text(yaml.safe_dump(raw))
     return raw | {"_path": cfg["_path"]}
 
@@ -34,7 +32,7 @@ def _rewrite(cfg: dict, **over) -> dict:
 def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, capsys):
     from archsearch.search import pipeline
 
-    raw = study_config(tmp_path, measure={"batch_sizes": [4, 8]}, optuna={"n_shapes": 2})
+    raw = study_config(tmp_path, measure={"bench": {"batch_sizes": [4, 8]}}, optuna={"n_shapes": 2})
     cfg = load(raw)
     out = cfg.out_dir()
     pipeline.run(cfg, out)
@@ -43,14 +41,14 @@ def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, cap
     capsys.readouterr()
 
     # the objective's batch size and the input length change: every trial is measured anew at batch 4
-    cfg2 = load(_rewrite(raw, measure={"batch_sizes": [4, 8], "reference_batch_size": 4, "input_len": 32}))
+    cfg2 = load(_rewrite(raw, measure={"bench": {"batch_sizes": [4, 8], "input_len": 32}, "reference_batch_size": 4}))
     s = pipeline.run(cfg2, out)
     err = capsys.readouterr().err
     assert "stage search is redone: measure.input_len (64 -> 32); measure.reference_batch_size (8 -> 4)" in err
     assert "stage gqa is redone: after search" in err
     measured = [t for t in _trials(out) if t.user_attrs.get("throughput")]
     assert measured and all(set(t.user_attrs["throughput"]) == {"4"} for t in measured)
-    assert s["reference_batch_size"] == 4 and s["config"]["measure"]["input_len"] == 32
+    assert s["reference_batch_size"] == 4 and s["config"]["measure"]["bench"]["input_len"] == 32
     new_keys = {json.loads(x)["key"] for x in (out / "measurements.jsonl").read_text().splitlines()} - first_keys
     # the report's numbers are the new measurements only: every trial reads a key the first run did not write
     assert {t.user_attrs["measurement_key"] for t in measured} <= new_keys
@@ -75,7 +73,7 @@ def test_a_change_that_cannot_be_honoured_is_refused_before_any_write(tmp_path):
     out = cfg.out_dir()
     pipeline.run(cfg, out)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    changed = load(_rewrite(raw, measure={"dtype": "float16"}))
+    changed = load(_rewrite(raw, measure={"bench": {"dtype": "float16"}}))
     # the report alone would name float16 over float32 measurements
     with pytest.raises(ArchsearchError) as e:
         pipeline.run(changed, out, only={"report"})
@@ -91,7 +89,7 @@ def test_a_change_that_cannot_be_honoured_is_refused_before_any_write(tmp_path):
     pipeline.run(jcfg, jcfg.out_dir())
     config_json = (jcfg.out_dir() / "config.json").read_bytes()
     with pytest.raises(ArchsearchError) as e:
-        pipeline.run(load(_rewrite(jraw, measure={"output_len": 8})), jcfg.out_dir())
+        pipeline.run(load(_rewrite(jraw, measure={"bench": {"output_len": 8}})), jcfg.out_dir())
     assert e.value.field == "optuna.storage" and "measure.output_len (16 -> 8)" in str(e.value)
     assert (jcfg.out_dir() / "config.json").read_bytes() == config_json
 
@@ -105,13 +103,13 @@ def test_changed_law_form_and_run_table_refit_the_law(tmp_path, capsys):
     runs = synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6, 2e6, 4e6), tokens_per_param=(10, 20))
     write_runs(tmp_path / "a.csv", runs)
     write_runs(tmp_path / "b.csv", runs[:-3])
-    raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0}, proxy={"runs": str(tmp_path / "a.csv")})
+    raw = study_config(tmp_path, law={"file": None, "fit": {"reference": "chinchilla", "bootstrap": 0}}, proxy={"runs": str(tmp_path / "a.csv")})
     cfg = load(raw)
     out = cfg.out_dir()
     pipeline.run(cfg, out, only={"fit"})
     assert json.loads((out / "law.json").read_text())["law"] == "conditional-multiplicative"
 
-    cfg2 = load(_rewrite(raw, law={"file": None, "reference": "chinchilla", "bootstrap": 0, "form": "conditional-additive"}))
+    cfg2 = load(_rewrite(raw, law={"file": None, "fit": {"reference": "chinchilla", "bootstrap": 0}, "form": "conditional-additive"}))
     pipeline.run(cfg2, out, only={"fit"})
     assert json.loads((out / "law.json").read_text())["law"] == "conditional-additive"
     assert "stage fit is redone: law.form" in capsys.readouterr().err
@@ -196,7 +194,7 @@ def test_the_measured_dtype_is_read_from_this_studys_settings_only(tmp_path):
 
     store = MeasurementStore(tmp_path / "m.jsonl")
     store.put("old", {"dtype": "float16", "settings": {"dtype": "float16", "backend": "analytic"}})
-    m = Measurer(from_dict(MeasureConfig, {"backend": "analytic", "dtype": "bfloat16"}, "measure"), store)
+    m = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "analytic", "dtype": "bfloat16"}}, "measure"), store)
     assert m.measured_dtype(TINY) is None
     store.put("new", {"dtype": "bfloat16", "settings": {"dtype": "bfloat16", "backend": "analytic"}})
     assert m.measured_dtype(TINY) == "bfloat16"
@@ -224,7 +222,7 @@ def test_every_refused_change_to_a_finished_study_changes_not_one_byte(tmp_path)
     pipeline.run(cfg, out)
     before = _every_byte(out)
     refused = [({"target": {"loss": 1.0}}, None, "target.loss"),  # below the folder law's optimum
-               ({"measure": {"dtype": "float16"}}, {"report"}, "--only/--skip")]
+               ({"measure": {"bench": {"dtype": "float16"}}}, {"report"}, "--only/--skip")]
     for change, only, field in refused:
         with pytest.raises(ArchsearchError) as e:
             pipeline.run(load(_rewrite(raw, **change)), out, only=only)

@@ -49,19 +49,23 @@ def study_config(tmp_path: Path, **over) -> dict:
         "law": {"file": str(law)},
         "search_space": {"hidden_over_sqrt_n": [0.08, 0.3], "mlp_to_attn": [0.7, 5.0], "gqa": [1, 2, 4],
                          "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.05, "on_r_drift": "flag"}},
-        "measure": {"backend": "analytic", "device_spec": "H100", "batch_sizes": [8], "input_len": 64,
-                    "output_len": 16, "repeats": 1, "warmup": 0},
+        "measure": {"bench": {"backend": "analytic", "device_spec": "H100", "batch_sizes": [8], "input_len": 64,
+                              "output_len": 16, "repeats": 1, "warmup": 0}},
         "optuna": {"n_shapes": 6, "seed": 1, "enqueue_solution": 2},
         "out": str(tmp_path / "study"),
     }
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
-            cfg[k] = {**cfg[k], **v}
-        else:
-            cfg[k] = v
+    cfg = merged(cfg, over)
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return cfg | {"_path": str(path)}
+
+
+def merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` merged in, block by block (a nested block merged, not replaced)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def load(cfg: dict):
@@ -524,7 +528,7 @@ def test_dry_run_counts_the_gqa_proxy_runs(tmp_path):
 @pytest.mark.parametrize("over, field", [
     ({"search_space": {"hidden_over_sqrt_n": [0.3, 0.1]}}, "search_space.hidden_over_sqrt_n"),
     ({"search_space": {"gqa": []}}, "search_space.gqa"),
-    ({"measure": {"backend": "tensorrt"}}, "measure.backend"),
+    ({"measure": {"bench": {"backend": "tensorrt"}}}, "measure.bench.backend"),
     ({"target": {"loss": 0.5}}, "target.loss"),
     ({"optuna": {"sampler": "cmaes-magic"}}, "optuna.sampler"),
     ({"n_layers": 0}, "n_layers"),
@@ -556,9 +560,9 @@ def test_dry_run_prints_plan(tmp_path, cli):
 # -- durability: real measurements (hf backend, tiny shapes), real processes --------------------
 
 def _hf_cfg(tmp_path, n_trials=5, **over):
-    return study_config(tmp_path, measure={"backend": "hf", "device_spec": None, "batch_sizes": [2],
-                                           "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0,
-                                           "timeout_s": 120,
+    return study_config(tmp_path, measure={"bench": {"backend": "hf", "device_spec": None, "batch_sizes": [2],
+                                                     "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0,
+                                                     "timeout_s": 120},
                                            # durability, not precision: the fewest paired rounds
                                            "paired": {"min_rounds": 2, "max_rounds": 2}},
                         optuna={"n_shapes": n_trials, "seed": 3, "enqueue_solution": 1},
@@ -862,7 +866,7 @@ def test_paper_configs_validate_completely(cli):
 
 @pytest.mark.parametrize("over, field", [
     ({"evaluation": {"tasks": "paper"}}, "evaluation.tasks"),
-    ({"measure": {"device_spec": "H900"}}, "measure.device_spec"),
+    ({"measure": {"bench": {"device_spec": "H900"}}}, "measure.bench.device_spec"),
     ({"final_train": {"train": {"lr": -1.0}, "data": {"source": "shakespeare", "tokenizer": "bpe:512"}}},
      "final_train.train"),
     ({"baseline": {"preset": "llama-3.2-1b"}}, "baseline"),  # 0.97e9 against a 4e5 budget
@@ -926,7 +930,7 @@ def test_deselected_stage_whose_output_is_missing_is_refused_before_work(tmp_pat
     # quietly run the stage the flags left out
     sweep = {"name": "p", "params": [4.0e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [1.0], "gqa": 1,
              "train": {"tokens_per_param": 20}}
-    cfg = study_config(tmp_path, vocab_size=None, law={"file": None, "reference": "best-observed"},
+    cfg = study_config(tmp_path, vocab_size=None, law={"file": None, "fit": {"reference": "best-observed"}},
                        proxy={"sweep": sweep})
     assert cli("search", "--config", cfg["_path"], "--dry-run").returncode == 0  # the config itself is valid
     r = cli("search", "--config", cfg["_path"], *flags)
@@ -940,7 +944,7 @@ def test_law_block_is_the_fits_options_with_the_study_defaults(tmp_path):
     from archsearch.laws import FitOptions
     from archsearch.search.config import LawConfig
 
-    cfg = load(study_config(tmp_path, law={"file": None, "reference": "best-observed", "n_starts": 4},
+    cfg = load(study_config(tmp_path, law={"file": None, "fit": {"reference": "best-observed", "n_starts": 4}},
                             proxy={"runs": str(tmp_path / "runs.csv")}))
     opts = cfg.fit_options()
     assert type(opts) is FitOptions and isinstance(cfg.law.fit, FitOptions)
@@ -949,9 +953,15 @@ def test_law_block_is_the_fits_options_with_the_study_defaults(tmp_path):
         ("best-observed", 4, 200, 1, 0.05)
     given = LawConfig(seed=7, size_tolerance=0.2).fit_options(seed=1, size_tolerance=0.05)
     assert (given.seed, given.size_tolerance) == (7, 0.2)
-    with pytest.raises(ArchsearchError) as e:  # read from a flat block, the error names law.<field>
-        from_dict(LawConfig, {"max_iter": 0}, "law")
-    assert e.value.field == "law.max_iter"
+    with pytest.raises(ArchsearchError) as e:  # the fit's own check, named under law.fit
+        from_dict(LawConfig, {"fit": {"max_iter": 0}}, "law")
+    assert e.value.field == "law.fit.max_iter"
+    with pytest.raises(ArchsearchError) as e:  # written flat, as older versions read it: its nested place named
+        from_dict(LawConfig, {"max_iter": 10}, "law")
+    assert e.value.field == "law.max_iter" and "law.fit.max_iter" in e.value.fix and "migrate" in e.value.fix
+    with pytest.raises(ArchsearchError) as e:  # the study's seed has one place: law.seed
+        from_dict(LawConfig, {"fit": {"seed": 3}}, "law")
+    assert e.value.field == "law.fit.seed" and "law.seed" in e.value.fix
 
 
 def test_a_trial_orphaned_before_its_worker_named_itself_is_recovered(tmp_path):

@@ -152,7 +152,7 @@ def test_two_measured_engine_targets_with_fake_engines(tmp_path, monkeypatch):
     monkeypatch.setattr(measure_mod, "_ENGINE_MODULE", {})  # the fakes stand in for any engine installed here
     targets = [{"name": "cpu-vllm", "backend": "vllm", "batch_size": 2},
                {"name": "cpu-hf", "backend": "hf", "batch_size": 1}]
-    cfg = study_config(tmp_path, measure={"targets": targets, "device_spec": None, "dtype": "float32",
+    cfg = study_config(tmp_path, measure={"targets": targets, "bench": {"device_spec": None, "dtype": "float32"},
                                           "paired": {"min_rounds": 2, "max_rounds": 3}},
                        optuna={"n_shapes": 2, "seed": 1, "enqueue_solution": 1}, gqa_search={"enabled": False})
     cfg = load(cfg)

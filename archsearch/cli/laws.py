@@ -20,7 +20,7 @@ from archsearch.fileio import check_input_file, read_table, write_json, write_ta
 from archsearch.laws import fit_law, load_law, optimum, progressive_validation, solve
 from archsearch.laws.diagnostics import DEFAULT_MAX_MARE, PROTOCOLS, validation_verdict
 from archsearch.laws.fit import METHODS, REFERENCES, FitOptions, split_holdout
-from archsearch.laws.forms import LAWS
+from archsearch.laws.registry import law_form, law_names
 from archsearch.laws.plots import write_plots
 from archsearch.provenance import provenance
 from archsearch.rundata import ARCH_COLUMNS, read_runs
@@ -30,7 +30,7 @@ from archsearch.rundata import ARCH_COLUMNS, read_runs
 def _add_fit_options(p: argparse.ArgumentParser) -> None:
     d = field_defaults(FitOptions)  # one declaration of the defaults: the options type's
     p.add_argument("--data", required=True, metavar="RUNS", help="proxy runs (.csv or .jsonl; docs/laws.md)")
-    p.add_argument("--law", required=True, choices=LAWS)
+    p.add_argument("--law", required=True, choices=law_names())  # the forms registered when the parser is built
     g = p.add_argument_group("fitting")
     g.add_argument("--method", choices=METHODS, default=d["method"],
                    help="robust log-space Huber + multi-start L-BFGS-B (default), or "
@@ -146,7 +146,7 @@ def _fit(args: argparse.Namespace) -> int:
             print_table(list(ref["coefficients"].items()), title="reference L_opt (chinchilla)")
         else:
             print(f"reference L_opt: {ref['law']}")
-    if fit.law in ("conditional-multiplicative", "conditional-additive"):
+    if law_form(fit.law).optimum is not None:
         try:
             o = optimum(fit, 1.0, 1.0)
             rows = [("hidden_over_sqrt_n*", o.hidden_over_sqrt_n), ("mlp_to_attn_ratio*", o.mlp_to_attn_ratio)]

@@ -8,18 +8,11 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from archsearch.arch import weight_bytes
 from archsearch.cli._common import nonneg_int, out_dir, parse_int_list, parse_number, pos_float, pos_int, print_json
-from archsearch.benchmarks.base import DTYPES, BenchSettings, get_backend
+from archsearch.benchmarks.base import BACKENDS, DTYPES, backend_class
 from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import write_json
-from archsearch.hardware import device_key, get_device, local_device_name
-from archsearch.planning import planner as pl
-from archsearch.planning.cost import resolve_price
-from archsearch.planning.limits import Limits
-from archsearch.planning.lora import LoraSettings, parse_targets
-from archsearch.provenance import provenance
+from archsearch.planning.request import PlanRequest, plan_deployment
 
 
 def register(sub) -> None:
@@ -29,20 +22,20 @@ def register(sub) -> None:
                     "decode length, predict its LoRA fine-tune (adapter parameters, step memory and "
                     "time), keep those within every limit and recommend the largest; writes OUT/plan.json, "
                     "OUT/plan.png/.pdf and OUT/measurements.jsonl (resumable).")
-    d = field_defaults(BenchSettings)
+    d = field_defaults(PlanRequest)
     p.add_argument("--candidates", nargs="+", required=True, metavar="MODEL",
                    help="preset names, Hugging Face folders (config.json, weights optional), study folders (chosen/)")
-    p.add_argument("--backend", default="hf", choices=["hf", "vllm", "sglang"],
+    p.add_argument("--backend", default="hf", choices=[b for b in BACKENDS if not backend_class(b).predicted],
                    help="the engine that measures (a real engine: the planner never predicts serving speed)")
     p.add_argument("--out", type=out_dir, required=True, help="output folder (measurements resume from it)")
     g = p.add_argument_group("grid")
-    g.add_argument("--batch-sizes", type=parse_int_list, default=[1, 4])
-    g.add_argument("--prefill-lens", type=parse_int_list, default=[128], help="prompt lengths, e.g. 128,512")
-    g.add_argument("--decode-lens", type=parse_int_list, default=[32], help="output lengths, e.g. 32,128")
+    g.add_argument("--batch-sizes", type=parse_int_list, default=d["batch_sizes"])
+    g.add_argument("--prefill-lens", type=parse_int_list, default=d["prefill_lens"], help="prompt lengths, e.g. 128,512")
+    g.add_argument("--decode-lens", type=parse_int_list, default=d["decode_lens"], help="output lengths, e.g. 32,128")
     g.add_argument("--repeats", type=pos_int, default=d["repeats"])
     g.add_argument("--warmup", type=nonneg_int, default=d["warmup"])
     g.add_argument("--dtype", default=d["dtype"], choices=list(DTYPES))
-    g.add_argument("--timeout", type=pos_float, default=d["timeout_s"], help="seconds per engine process")
+    g.add_argument("--timeout", type=pos_float, default=d["timeout"], help="seconds per engine process")
     g.add_argument("--torch-threads", type=pos_int, help="hf backend: torch threads (recorded)")
     lim = p.add_argument_group("serving limits (each optional; measured)")
     lim.add_argument("--max-tpot-s", type=pos_float, help="time per output token, seconds (e.g. 0.01)")
@@ -89,143 +82,19 @@ def register(sub) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    # every check is arithmetic and happens before anything is measured or written
-    for one, many in (("lora_rank", "lora_ranks"), ("lora_targets", "lora_target_sets"),
-                      ("finetune_batch_size", "finetune_batch_sizes"), ("max_finetune_hours", "max_finetune_minutes")):
-        if getattr(args, one) is not None and getattr(args, many) is not None:
-            raise ArchsearchError(f"--{many.replace('_', '-')}", f"given together with --{one.replace('_', '-')}",
-                                  "give one of them")
-    for new in ("serve_max_memory_gib", "finetune_max_memory_gib"):
-        if args.max_peak_memory_gib is not None and getattr(args, new) is not None:
-            raise ArchsearchError("--max-peak-memory-gib", f"given together with --{new.replace('_', '-')}",
-                                  "use --serve-max-memory-gib and --finetune-max-memory-gib (the older flag sets both)")
-    serve_mem = args.serve_max_memory_gib if args.max_peak_memory_gib is None else args.max_peak_memory_gib
-    ft_mem = args.finetune_max_memory_gib if args.max_peak_memory_gib is None else args.max_peak_memory_gib
-    max_hours = args.max_finetune_hours if args.max_finetune_minutes is None else args.max_finetune_minutes / 60
-    ranks = tuple(args.lora_ranks) if args.lora_ranks else ((args.lora_rank,) if args.lora_rank else (8,))
-    sets = ([parse_targets(t) for t in args.lora_target_sets.split(";") if t.strip()] if args.lora_target_sets
-            else [parse_targets(args.lora_targets or "attention")])
-    lora = LoraSettings(rank=ranks[0], targets=sets[0])
-    if not (args.finetune_tokens > 0):
-        raise ArchsearchError("--finetune-tokens", f"must be positive, got {args.finetune_tokens!r}")
-    limits = Limits(max_ttft_s=args.max_ttft_s, max_tpot_s=args.max_tpot_s, max_peak_memory_gib=serve_mem)
-    grid = pl.PlanGrid(tuple(args.batch_sizes), tuple(args.prefill_lens), tuple(args.decode_lens))
-    candidates = [pl.resolve_option(c) for c in args.candidates]
-    names = [c.name for c in candidates]
-    if len(set(names)) != len(names):
-        raise ArchsearchError("--candidates", f"a candidate is named twice in {names}")
-    if args.finetune_device is None:
-        args.finetune_device = local_device_name() or "cpu"
-    calibration = None
-    if (args.lora_calibration or args.calibrate_lora) and args.mfu is not None:
-        raise ArchsearchError("--mfu", "given together with a LoRA calibration", "give one of them")
-    if args.lora_calibration:
-        calibration = pl.LoraCalibration.load(args.lora_calibration)
-        # refuses a calibration from another device (q_proj: an adapter every model has)
-        pl.predict_lora_step_time(candidates[0].spec, LoraSettings(lora.rank, ("q_proj",)), 1, 8,
-                                  args.finetune_device, calibration=calibration)
-    if args.calibrate_lora:
-        here = local_device_name()
-        if here is None or device_key(args.finetune_device) != device_key(here):
-            raise ArchsearchError("--calibrate-lora", f"this machine is {here}, the fine-tune is planned on "
-                                  f"{args.finetune_device}", "calibrate on that device and pass --lora-calibration")
-    variants = tuple(v.strip() for v in args.lora_variants.split(",") if v.strip())
-    finetune = pl.FinetunePlan(lora=lora, tokens=args.finetune_tokens, batch_size=args.finetune_batch_size or 8,
-                               seq_len=args.finetune_seq_len, max_hours=max_hours,
-                               device=args.finetune_device, mfu=args.mfu, calibration=calibration,
-                               variants=variants, ranks=ranks, target_sets=tuple(sets),
-                               batch_sizes=tuple(args.finetune_batch_sizes or ()), dtype=args.finetune_dtype,
-                               max_memory_gib=ft_mem, max_cost_usd=args.max_finetune_cost,
-                               price_per_hour=args.price)
-    if finetune.max_cost_usd is not None:
-        price = resolve_price(get_device(finetune.device), finetune.price_per_hour)
-        if price.usd_per_hour is None:
-            raise ArchsearchError("--max-finetune-cost", f"a cost limit on {finetune.device}, which has no price",
-                                  "give --price USD_PER_HOUR, or plan on a device of the table (--finetune-device)")
-    # a lower bound of the weights' memory: "auto" is bfloat16 on a GPU, float32 on CPU
-    dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-    if limits.max_peak_memory_gib is not None:
-        least = min(weight_bytes(c.spec, dtype) / 2**30 for c in candidates)
-        if least > limits.max_peak_memory_gib:
-            flag = "--max-peak-memory-gib" if args.max_peak_memory_gib is not None else "--serve-max-memory-gib"
-            raise ArchsearchError(flag, f"{limits.max_peak_memory_gib:g} GiB is unsatisfiable for serving: the "
-                                  f"smallest candidate's weights alone take {least:.4g} GiB at {dtype}",
-                                  "raise the limit or add a smaller candidate")
-    for c in candidates:  # some target set of the search must apply to every candidate
-        pl.search_finetune(c.spec, finetune)
-    if args.torch_threads and args.backend != "hf":
-        raise ArchsearchError("--torch-threads", f"sets the hf backend's torch threads, not {args.backend}'s",
-                              "leave it out with --backend " + args.backend)
-    engine_args = {"torch_threads": args.torch_threads} if args.torch_threads else {}
-    settings_kw = {"backend": args.backend, "repeats": args.repeats, "warmup": args.warmup, "dtype": args.dtype,
-                   "timeout_s": args.timeout, "engine_args": engine_args}
-    BenchSettings(**settings_kw, batch_sizes=list(grid.batch_sizes), input_len=max(grid.prefill_lens),
-                  output_len=max(grid.decode_lens))  # bad grid/settings fail here, before any work
-
-    get_backend(args.backend).check_available()
-    out = Path(args.out)
-    # per candidate: its own calibration (--calibrate-lora), else the given one, else none
-    cals: dict[str, pl.LoraCalibration | str | None] = {c.name: None for c in candidates}
-    if args.calibrate_lora:  # the measurements the fine-tune budget check below needs
-        # the memory limit needs no time: checked before calibrating
-        _fail_if_unreachable(pl.finetune_unreachable({c.name: c.spec for c in candidates}, dataclasses.replace(
-            finetune, max_hours=None, max_cost_usd=None)), args)
-        cals = pl.calibrate_lora(candidates, finetune, out, threads=args.torch_threads)
-    _fail_if_unreachable(pl.finetune_unreachable(
-        {c.name: c.spec for c in candidates}, finetune,
-        {n: (v if isinstance(v, pl.LoraCalibration) else None) for n, v in cals.items()}), args)
-    measured = pl.measure_grid(candidates, grid, settings_kw, out)
-    plans = [pl.plan_option(c, grid, measured, args.backend, limits, finetune, cals[c.name]) for c in candidates]
-    best = pl.recommend(plans)
-    problems = pl.unsatisfiable(plans, limits, finetune)
-    command = note = None
-    if best is not None:
-        cand = candidates[names.index(best.name)]
-        command, note = pl.finetune_command(best, cand, finetune, out)
-    doc = {"kind": "plan", "backend": args.backend, "grid": {"batch_sizes": list(grid.batch_sizes),
-           "prefill_lens": list(grid.prefill_lens), "decode_lens": list(grid.decode_lens)},
-           "limits": {"serving": limits.to_dict(),
-                      "finetune": {"max_memory_gib": finetune.max_memory_gib, "max_hours": finetune.max_hours,
-                                   "max_cost_usd": finetune.max_cost_usd}},
-           "finetune": {"variants": list(finetune.variants), "ranks": list(ranks),
-                        "target_sets": [list(t) for t in sets], "batch_sizes": list(finetune.batches()),
-                        "tokens": finetune.tokens, "dtype": finetune.compute_dtype,
-                        "seq_len": finetune.seq_len, "device": finetune.device, "rule": pl.FINETUNE_RULE,
-                        "step_time": ("calibrated on each candidate's own real LoRA step (--calibrate-lora)"
-                                      if args.calibrate_lora else finetune.calibration.describe() if finetune.calibration
-                                      else "uncalibrated: MFU x peak (pass --calibrate-lora or --lora-calibration)"),
-                        "calibration": finetune.calibration.to_dict() if finetune.calibration else None},
-           "candidates": [pl.plan_to_dict(cp) for cp in plans],
-           "recommended": best.name if best else None, "finetune_command": command, "finetune_note": note,
-           "unsatisfiable": problems, "measurements": str(out / pl.MEASUREMENTS)}
-
-    write_json(out / "plan.json", {**doc, "provenance": provenance(extra_packages=("peft",))})
-    png = pl.plot_tradeoff(plans, out / "plan.png", limits, best)
-    doc["figure"] = str(png)
+    req = PlanRequest(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanRequest)})
+    r = plan_deployment(req)  # every check before any measurement; then measure, plan, write plan.json
     if args.json:
-        print_json(doc)
+        print_json(r.doc)
     else:
-        _print(plans, best, command, note, problems, out, png)
-        print(f"LoRA step time: {doc['finetune']['step_time']}")
-    if best is None:
+        _print(r.plans, r.best, r.command, r.note, r.problems, r.out, r.figure)
+        print(f"LoRA step time: {r.doc['finetune']['step_time']}")
+    if r.best is None:
         raise ArchsearchError("limits", "no candidate is within every limit: " +
-                              ("; ".join(problems) if problems else
-                               "; ".join(f"{cp.name}: {', '.join(cp.reasons)}" for cp in plans)),
-                              f"see {out / 'plan.json'}")
+                              ("; ".join(r.problems) if r.problems else
+                               "; ".join(f"{cp.name}: {', '.join(cp.reasons)}" for cp in r.plans)),
+                              f"see {r.out / 'plan.json'}")
     return 0
-
-
-def _fail_if_unreachable(problems: list[str], args: argparse.Namespace) -> None:
-    """One error naming the first unreachable fine-tuning limit (the flag as given) and every line."""
-    if not problems:
-        return
-    flags = {"finetune_max_memory_gib": "--max-peak-memory-gib" if args.max_peak_memory_gib is not None
-             else "--finetune-max-memory-gib",
-             "max_finetune_hours": "--max-finetune-minutes" if args.max_finetune_minutes is not None
-             else "--max-finetune-hours", "max_finetune_cost_usd": "--max-finetune-cost"}
-    flag = flags.get(problems[0].split("=")[0], "limits")
-    raise ArchsearchError(flag, "; ".join(problems), "raise the limit, add a smaller candidate, search more "
-                          "variants or batch sizes, or plan fewer --finetune-tokens")
 
 
 def _ms(v) -> str:

@@ -34,6 +34,7 @@ from archsearch.laws import forms
 from archsearch.laws.fit import fit_law
 from archsearch.laws.lawfile import run_arrays, spec_arrays
 from archsearch.laws.metrics import cluster
+from archsearch.laws.registry import law_form
 from archsearch.rundata import RunRecord
 
 
@@ -70,12 +71,14 @@ class OptimumInterval:
                 "pinned_at_bound": list(self.pinned), "method": self.method}
 
 
-def bootstrap_optima(coefficients: Sequence[dict[str, float]]) -> tuple[np.ndarray, np.ndarray]:
-    """(log optima as rows (log x1*, log r*), indices of the usable resamples): resamples whose
-    factors are not both U-shaped have no optimum and are left out."""
+def bootstrap_optima(coefficients: Sequence[dict[str, float]], law: str = "conditional-multiplicative"
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(log optima as rows (log x1*, log r*), indices of the usable resamples) of form ``law``:
+    resamples whose factors are not both U-shaped have no optimum and are left out."""
+    optimum = law_form(law).optimum
     rows, keep = [], []
     for i, c in enumerate(coefficients):
-        o1, o2 = forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"])
+        o1, o2 = optimum(c)
         if o1 is not None and o2 is not None:
             rows.append((math.log(o1), math.log(o2)))
             keep.append(i)
@@ -284,7 +287,7 @@ def fit_profiled(runs: Sequence, law: str, options: Any, rounds: int = 4, tol: f
     1.345 sigma is Huber's constant: 95% of least squares' efficiency when the noise is
     Gaussian, and runs beyond it still count linearly, not quadratically.
     """
-    if options.reference != "best-observed" or options.reference_law is not None or law not in forms.CONDITIONAL:
+    if options.reference != "best-observed" or options.reference_law is not None or not law_form(law).conditional:
         return fit_law(runs, law, options)
     final = options
     options = dataclasses.replace(options, bootstrap=0)   # the rounds need the point fit only
@@ -548,7 +551,7 @@ def ensemble(pool: Pool, observed: dict[int, float], law: str, options: Any, lev
     except ArchsearchError as e:
         return f"no law can be fitted yet ({e})"
     c = fit.coefficients
-    point = (forms.factor_optimum(c["a1"], c["a2"]), forms.factor_optimum(c["b1"], c["b2"]))
+    point = law_form(law).optimum(c)
     r = pool.X["x2"][idx]
     used = [i for i, v in zip(idx, r) if options.r_range is None or options.r_range[0] <= v <= options.r_range[1]]
     X, L = {k: v[used] for k, v in pool.X.items()}, np.array([observed[i] for i in used])
@@ -564,7 +567,7 @@ def ensemble(pool: Pool, observed: dict[int, float], law: str, options: Any, lev
                         optimum_interval(ob.log_optima[ok], level, bounds=ob.bounds[[1, 3]]),
                         ob.log_optima[ok], ob.log_shape(pool.X)[ok], ob.sigma ** 2, int(ok.sum()))
     coefs = [dict(zip(fit.bootstrap["names"], row)) for row in (fit.bootstrap or {}).get("coefficients", [])]
-    log_opt, keep = bootstrap_optima(coefs)
+    log_opt, keep = bootstrap_optima(coefs, law)
     if keep.size < min_resamples:
         return f"only {keep.size} of {len(coefs)} bootstrap fits have an interior optimum"
     # L_opt is common to the resamples unless a Chinchilla reference is refitted per resample;

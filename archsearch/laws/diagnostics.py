@@ -124,7 +124,7 @@ def held_out_error(runs: "Sequence[RunRecord]", law: str, options: "FitOptions |
     m = fit.metrics.get("holdout") or {}
     if not m.get("n"):
         raise ArchsearchError("data", "no run of the largest size is left to hold out (the r filter dropped them)",
-                              "widen law.r_range, or train the largest size inside it")
+                              "widen law.fit.r_range, or train the largest size inside it")
     source = (f"held out: the largest proxy size ({sizes[-1]:.3g}, {m['n']} runs) predicted by the law fitted "
               f"on the smaller sizes ({', '.join(f'{s:.3g}' for s in sizes[:-1])}; "
               f"{len(fit.dropped)} runs dropped by the r filter)")

@@ -38,7 +38,7 @@ from archsearch.bounds import BOUNDS, check_count
 from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
 from archsearch.laws.metrics import cluster, metrics, residual_trends, size_groups
-from archsearch.laws.forms import CONDITIONAL, LAWS
+from archsearch.laws.registry import law_form
 from archsearch.laws.lawfile import (FitResult, check_predicts, parse_reference, reference_coefficients,
                                      reference_loss, run_arrays)
 from archsearch.provenance import provenance
@@ -239,14 +239,15 @@ def _fit_lm(law, form, X, L, opts: FitOptions, starts, check: bool) -> _Core:
 
     nm = forms.Norm.of(X)
     idx = np.arange(L.size)
-    if law in CONDITIONAL:
+    lm = law_form(law).lm
+    if lm is not None:
         def model(_, *p):
-            return forms.lm_model(law, np.array(p), X)[0]
+            return lm.model(np.array(p), X)[0]
 
         def jac(_, *p):
-            return forms.lm_model(law, np.array(p), X)[1]
+            return lm.model(np.array(p), X)[1]
 
-        to_c = lambda p: forms.lm_to_coefficients(law, p)  # noqa: E731
+        to_c = lm.to_coefficients
     else:
         def model(_, *p):
             return np.exp(form.logpred(np.array(p), X, nm)[0])
@@ -284,15 +285,15 @@ def _fit_lm(law, form, X, L, opts: FitOptions, starts, check: bool) -> _Core:
 
 
 def _lm_starts(law, form, X, L, theta_starts):
-    if law not in CONDITIONAL:
+    lm = law_form(law).lm
+    if lm is None:
         return theta_starts
     nm = forms.Norm.of(X)
     # the flat law (f = 1, g = 1: L = L_opt) first, then the robust parametrisation's starts
-    flat = np.array([1.0, 0, 0, 0, 0]) if law == "conditional-multiplicative" else np.zeros(5)
-    out = [flat]
+    out = [np.array(lm.flat, dtype=float)]
     for th in theta_starts:
         try:
-            out.append(forms.lm_from_coefficients(law, form.to_coefficients(th, nm)))
+            out.append(lm.from_coefficients(form.to_coefficients(th, nm)))
         except ValueError:
             continue
     return out
@@ -310,8 +311,9 @@ def _fit_core(law, form, X, L, opts, starts=None, rng=None, check=True) -> _Core
 
 def _vector_from_coefficients(law, form, X, L, opts, coefs) -> np.ndarray:
     """A warm start (for the bootstrap) from fitted coefficients, in the method's parametrisation."""
-    if opts.method == "lm" and law in CONDITIONAL:
-        return forms.lm_from_coefficients(law, coefs)
+    lm = law_form(law).lm
+    if opts.method == "lm" and lm is not None:
+        return lm.from_coefficients(coefs)
     return form.from_coefficients(coefs, forms.Norm.of(X))
 
 
@@ -319,7 +321,7 @@ def _vector_from_coefficients(law, form, X, L, opts, coefs) -> np.ndarray:
 
 def _reference_for(law, X, L, opts: FitOptions, ref_fixed, extra_groups=(), warm=None, check=True):
     """(reference dict, Lref array, warnings) for a conditional fit on runs X, L."""
-    if law not in CONDITIONAL:
+    if not law_form(law).conditional:
         return None, None, []
     if ref_fixed is not None:
         return ref_fixed, reference_loss(ref_fixed, X["N"], X["D"]), []
@@ -355,7 +357,8 @@ def _data_warnings(law: str, X: forms.Data, n_params: int, opts: FitOptions) -> 
     def distinct(v):
         return int(cluster(v, 0.01).max() + 1)
 
-    if law in ("chinchilla", "aspect-ratio"):
+    lf = law_form(law)
+    if not lf.conditional:
         for var, name in (("N", "sizes (N)"), ("D", "token budgets (D)")):
             k = int(cluster(X[var], opts.size_tolerance).max() + 1)
             if k < 3:
@@ -364,7 +367,7 @@ def _data_warnings(law: str, X: forms.Data, n_params: int, opts: FitOptions) -> 
         if n > 1 and np.ptp(ratio) < math.log1p(opts.size_tolerance) * 2:
             out.append("too few points per variable: tokens are a fixed multiple of params (D/N constant), so "
                        "the N and D terms cannot be told apart; predictions at another D/N are unreliable")
-        if law == "aspect-ratio" and distinct(X["R"]) < 3:
+        if "R" in lf.reads and distinct(X["R"]) < 3:
             out.append(f"too few points per variable: {distinct(X['R'])} distinct aspect ratios R")
     else:
         for var, name in (("x1", "hidden/sqrt(N)"), ("x2", "r")):
@@ -389,8 +392,7 @@ def _summary_ranges(X: forms.Data, runs: Sequence["RunRecord"] = ()) -> dict[str
 def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = None) -> FitResult:
     """Fit ``law`` to proxy runs (see the module docstring). Errors name the field to fix."""
     opts = options or FitOptions()
-    if law not in LAWS:
-        raise ArchsearchError("law", f"unknown law {law!r}", f"use one of {list(LAWS)}")
+    lf = law_form(law)  # an unknown name fails here, before any work
     ok = [r for r in runs if r.status == "ok"]
     if not ok:
         raise ArchsearchError("data", "no runs with status ok", "add finished runs to the data file")
@@ -398,7 +400,7 @@ def fit_law(runs: Sequence["RunRecord"], law: str, options: FitOptions | None = 
     check_one_loss_kind(ok)
     check_run_table(ok)
     shapeless = [r for r in ok if not r.has_arch]
-    if shapeless and law != "chinchilla":
+    if shapeless and lf.shaped:
         r = shapeless[0]
         raise ArchsearchError(f"run {r.run_id or ok.index(r) + 1}.params",
                               f"{len(shapeless)} run(s) give N only, and {law} needs the architecture",
@@ -483,7 +485,8 @@ def _fit_split_inner(fit_runs, test_runs, law, opts, n_failed):
                               (f"; {len(dropped)} were dropped by the r filter" if dropped else ""))
     Xt, Lt = run_arrays(test_runs) if test_runs else (None, None)
     ref_fixed = parse_reference(opts.reference_law, "reference_law") if opts.reference_law is not None else None
-    extra = _group_best(Xt, Lt, opts.size_tolerance) if (Xt is not None and law in CONDITIONAL) else []
+    lf = law_form(law)
+    extra = _group_best(Xt, Lt, opts.size_tolerance) if (Xt is not None and lf.conditional) else []
     ref, Lref, warns = _reference_for(law, X, L, opts, ref_fixed, extra)
     if Lref is not None:
         X["Lref"] = Lref
@@ -491,25 +494,26 @@ def _fit_split_inner(fit_runs, test_runs, law, opts, n_failed):
     core = _fit_core(law, form, X, L, opts, rng=rng)
     warns += core.warnings + _data_warnings(law, X, p, opts)
     coefs = core.coefficients
-    if law in CONDITIONAL:
-        for a, b, var in (("a1", "a2", "hidden/sqrt(N)"), ("b1", "b2", "r")):
-            if forms.factor_optimum(coefs[a], coefs[b]) is None:
-                warns.append(f"the {var} factor is not U-shaped ({a}={coefs[a]:.3g}, {b}={coefs[b]:.3g}): "
-                             "no interior optimum in " + var)
+    if lf.optimum is not None:
+        for i, (o, var) in enumerate(zip(lf.optimum(coefs), ("hidden/sqrt(N)", "r"))):
+            if o is None:
+                names = lf.factor_coefficients[i] if i < len(lf.factor_coefficients) else ()
+                detail = f" ({', '.join(f'{k}={coefs[k]:.3g}' for k in names)})" if names else ""
+                warns.append(f"the {var} factor is not U-shaped{detail}: no interior optimum in " + var)
     result = FitResult(law=law, coefficients=coefs, reference=ref, options=opts.to_dict(),
                        dropped=dropped, n_runs=int(L.size), data_ranges=_summary_ranges(X, fit_runs))
     pred = result.predict_arrays(X)
     logres = np.log(pred) - np.log(L)
     trend_vars = {"log N": np.log(X["N"]), "log D": np.log(X["D"])}
-    if law == "aspect-ratio":
+    if "R" in lf.reads:
         trend_vars["log R"] = np.log(X["R"])
-    if law in CONDITIONAL:
+    if lf.conditional:
         trend_vars.update({"log hidden/sqrt(N)": np.log(X["x1"]), "log r": np.log(X["x2"])})
     warns += residual_trends(logres, trend_vars)
     m: dict[str, Any] = {"fit": metrics(L, pred)}
     if Xt is not None and Lt.size:
         m["holdout"] = metrics(Lt, result.predict_arrays(Xt))
-        if law in CONDITIONAL:
+        if lf.conditional:
             m["reference_at_test"] = "observed" if ref["law"] == "best-observed" else ref["law"]
     if n_failed:
         warns.append(f"{n_failed} runs with status failed were not fitted")
@@ -544,7 +548,7 @@ def _bootstrap_fits(law, X, L, opts, warm_coefs, warm_vector, warm_ref, ref_fixe
             ref, Lref, _ = _reference_for(law, Xb, Lb, opts, ref_fixed, extra, warm=warm_ref, check=False)
             if Lref is not None:
                 Xb["Lref"] = Lref
-            if opts.method != "lm" and law in CONDITIONAL:
+            if opts.method != "lm" and law_form(law).conditional:
                 start = warm_vector  # conditional theta does not depend on the normalisation
             else:
                 start = _vector_from_coefficients(law, form, Xb, Lb, opts, warm_coefs)

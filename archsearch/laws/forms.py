@@ -1,4 +1,5 @@
-"""The four law forms (docs/method.md section 3): formulas, fitting parametrisations and their Jacobians.
+"""The four law forms of the method (docs/method.md section 3): formulas, fitting parametrisations
+and their Jacobians, registered in :mod:`archsearch.laws.registry`.
 
 Each form has two faces:
 
@@ -29,25 +30,11 @@ from typing import Callable
 
 import numpy as np
 
-LAWS = ("chinchilla", "aspect-ratio", "conditional-multiplicative", "conditional-additive")
-CONDITIONAL = ("conditional-multiplicative", "conditional-additive")
+from archsearch.laws.registry import LawForm, LmForm, law_form
 
 # Arrays a form reads: N (non-embedding params), D (tokens), x1 = hidden/sqrt(N),
 # x2 = r = mlp/attn params, R = hidden/n_layers, Lref = reference loss L_opt(N, D).
 Data = dict[str, np.ndarray]
-
-
-def coefficient_names(law: str, tie_exponents: bool = True) -> tuple[str, ...]:
-    """Names of the coefficients a law file holds for ``law``."""
-    if law == "chinchilla":
-        return ("E", "A", "alpha", "B", "beta")
-    if law == "aspect-ratio":
-        return ("E", "A", "alpha", "B", "beta", "eps", "gamma")
-    if law == "conditional-multiplicative":
-        return ("a0", "a1", "a2", "b0", "b1", "b2")
-    if law == "conditional-additive":
-        return ("a0", "a1", "a2", "b1", "b2")
-    raise KeyError(law)
 
 
 # -- the published formulas, from coefficients -----------------------------------------------
@@ -58,18 +45,42 @@ def u_factor(c0: float, c1: float, c2: float, x: np.ndarray) -> np.ndarray:
 
 
 def predict(law: str, c: dict[str, float], X: Data) -> np.ndarray:
-    """Predicted loss from the coefficients (arrays in ``X``; ``Lref`` for conditional laws)."""
-    if law in ("chinchilla", "aspect-ratio"):
-        base = c["E"] + c["A"] * X["N"] ** -c["alpha"] + c["B"] * X["D"] ** -c["beta"]
-        if law == "chinchilla":
-            return base
-        return base * (1.0 + c["eps"] * X["R"] ** c["gamma"])
-    f = u_factor(c["a0"], c["a1"], c["a2"], X["x1"])
-    if law == "conditional-multiplicative":
-        return f * u_factor(c["b0"], c["b1"], c["b2"], X["x2"]) * X["Lref"]
-    if law == "conditional-additive":
-        return f + c["b1"] * np.log(X["x2"]) + c["b2"] / X["x2"] + X["Lref"]
-    raise KeyError(law)
+    """Predicted loss of registered form ``law`` from its coefficients (arrays in ``X``; ``Lref``
+    for conditional forms)."""
+    return law_form(law).predict(c, X)
+
+
+def coefficient_names(law: str) -> tuple[str, ...]:
+    """Names of the coefficients a law file holds for ``law``."""
+    return law_form(law).coefficients
+
+
+def _chinchilla(c: dict[str, float], X: Data) -> np.ndarray:
+    return c["E"] + c["A"] * X["N"] ** -c["alpha"] + c["B"] * X["D"] ** -c["beta"]
+
+
+def _aspect_ratio(c: dict[str, float], X: Data) -> np.ndarray:
+    return _chinchilla(c, X) * (1.0 + c["eps"] * X["R"] ** c["gamma"])
+
+
+def _u_factors(c: dict[str, float], key: str, x: np.ndarray) -> np.ndarray:
+    """The conditional forms' factor in ``x1`` (a0, a1, a2) or ``x2`` (b0, b1, b2; b0 = 0 in the
+    additive form, which has none)."""
+    if key == "x1":
+        return u_factor(c["a0"], c["a1"], c["a2"], x)
+    return u_factor(c.get("b0", 0.0), c["b1"], c["b2"], x)
+
+
+def _multiplicative(c: dict[str, float], X: Data) -> np.ndarray:
+    return _u_factors(c, "x1", X["x1"]) * _u_factors(c, "x2", X["x2"]) * X["Lref"]
+
+
+def _additive(c: dict[str, float], X: Data) -> np.ndarray:
+    return _u_factors(c, "x1", X["x1"]) + c["b1"] * np.log(X["x2"]) + c["b2"] / X["x2"] + X["Lref"]
+
+
+def _u_optima(c: dict[str, float]) -> tuple[float | None, float | None]:
+    return factor_optimum(c["a1"], c["a2"]), factor_optimum(c["b1"], c["b2"])
 
 
 def factor_optimum(c1: float, c2: float) -> float | None:
@@ -318,49 +329,69 @@ CONDITIONAL_ADDITIVE = Form(
 
 
 def get_form(law: str, tie_exponents: bool = True) -> Form:
-    """The fitting parametrisation of ``law``."""
-    if law == "chinchilla":
-        return CHINCHILLA
-    if law == "aspect-ratio":
-        return _aspect_form(tie_exponents)
-    if law == "conditional-multiplicative":
-        return CONDITIONAL_MULTIPLICATIVE
-    if law == "conditional-additive":
-        return CONDITIONAL_ADDITIVE
-    raise KeyError(law)
+    """The fitting parametrisation of registered form ``law``."""
+    return law_form(law).fitting(tie_exponents)
 
 
 # -- Levenberg-Marquardt (paper parity): plain least squares on the loss ---------------------
-# Chinchilla / aspect-ratio: the same theta (positive scales as logs), residuals in loss units.
-# Conditional: the raw coefficients (multiplicative with b0 = 1), so nothing forces a U shape.
+# Chinchilla / aspect-ratio: the same theta (positive scales as logs), residuals in loss units
+# (their LawForm has no ``lm``). Conditional: the raw coefficients (multiplicative with b0 = 1),
+# so nothing forces a U shape.
 
-def lm_model(law: str, p: np.ndarray, X: Data) -> tuple[np.ndarray, np.ndarray]:
-    """Loss and Jacobian in the LM parametrisation of a conditional law."""
+def _lm_multiplicative(p: np.ndarray, X: Data) -> tuple[np.ndarray, np.ndarray]:
     a0, a1, a2, b1, b2 = p
     lx1, ix1 = np.log(X["x1"]), 1.0 / X["x1"]
     lx2, ix2 = np.log(X["x2"]), 1.0 / X["x2"]
-    if law == "conditional-multiplicative":
-        f = a0 + a1 * lx1 + a2 * ix1
-        g = 1.0 + b1 * lx2 + b2 * ix2
-        Lr = X["Lref"]
-        J = np.stack([Lr * g, Lr * g * lx1, Lr * g * ix1, Lr * f * lx2, Lr * f * ix2], axis=1)
-        return Lr * f * g, J
+    f = a0 + a1 * lx1 + a2 * ix1
+    g = 1.0 + b1 * lx2 + b2 * ix2
+    Lr = X["Lref"]
+    J = np.stack([Lr * g, Lr * g * lx1, Lr * g * ix1, Lr * f * lx2, Lr * f * ix2], axis=1)
+    return Lr * f * g, J
+
+
+def _lm_additive(p: np.ndarray, X: Data) -> tuple[np.ndarray, np.ndarray]:
+    lx1, ix1 = np.log(X["x1"]), 1.0 / X["x1"]
+    lx2, ix2 = np.log(X["x2"]), 1.0 / X["x2"]
     J = np.stack([np.ones_like(lx1), lx1, ix1, lx2, ix2], axis=1)
     return X["Lref"] + J @ p, J
 
 
-def lm_to_coefficients(law: str, p: np.ndarray) -> dict[str, float]:
+def _lm_to(p: np.ndarray, b0: float | None) -> dict[str, float]:
     a0, a1, a2, b1, b2 = (float(v) for v in p)
     c = {"a0": a0, "a1": a1, "a2": a2, "b1": b1, "b2": b2}
-    if law == "conditional-multiplicative":
-        c["b0"] = 1.0
+    if b0 is not None:
+        c["b0"] = b0
     return c
 
 
-def lm_from_coefficients(law: str, c: dict[str, float]) -> np.ndarray:
-    if law == "conditional-multiplicative":
-        b0 = c["b0"]  # rescale so that b0 = 1 (the LM convention); f absorbs the scale
-        if b0 == 0:
-            raise ValueError("b0 = 0 cannot be rescaled to 1")
-        return np.array([c["a0"] * b0, c["a1"] * b0, c["a2"] * b0, c["b1"] / b0, c["b2"] / b0])
+def _lm_from_multiplicative(c: dict[str, float]) -> np.ndarray:
+    b0 = c["b0"]  # rescale so that b0 = 1 (the LM convention); f absorbs the scale
+    if b0 == 0:
+        raise ValueError("b0 = 0 cannot be rescaled to 1")
+    return np.array([c["a0"] * b0, c["a1"] * b0, c["a2"] * b0, c["b1"] / b0, c["b2"] / b0])
+
+
+def _lm_from_additive(c: dict[str, float]) -> np.ndarray:
     return np.array([c["a0"], c["a1"], c["a2"], c["b1"], c["b2"]])
+
+
+# -- the registered forms (archsearch.laws.registry.FORMS names them) -------------------------
+
+_U_PAIRS = (("a1", "a2"), ("b1", "b2"))
+
+CHINCHILLA_LAW = LawForm(
+    "chinchilla", ("E", "A", "alpha", "B", "beta"), _chinchilla, lambda tie: CHINCHILLA, ("N", "D"),
+    nonnegative=("E", "A", "B"), falling=("alpha", "beta"))
+ASPECT_RATIO_LAW = LawForm(
+    "aspect-ratio", ("E", "A", "alpha", "B", "beta", "eps", "gamma"), _aspect_ratio, _aspect_form,
+    ("N", "D", "R"), nonnegative=("E", "A", "B", "eps"), falling=("alpha", "beta"))
+CONDITIONAL_MULTIPLICATIVE_LAW = LawForm(
+    "conditional-multiplicative", ("a0", "a1", "a2", "b0", "b1", "b2"), _multiplicative,
+    lambda tie: CONDITIONAL_MULTIPLICATIVE, ("x1", "x2", "Lref"), optimum=_u_optima, factor=_u_factors,
+    combine="multiplicative", factor_coefficients=_U_PAIRS,
+    lm=LmForm(_lm_multiplicative, lambda p: _lm_to(p, 1.0), _lm_from_multiplicative, (1.0, 0, 0, 0, 0)))
+CONDITIONAL_ADDITIVE_LAW = LawForm(
+    "conditional-additive", ("a0", "a1", "a2", "b1", "b2"), _additive, lambda tie: CONDITIONAL_ADDITIVE,
+    ("x1", "x2", "Lref"), optimum=_u_optima, factor=_u_factors, combine="additive",
+    factor_coefficients=_U_PAIRS,
+    lm=LmForm(_lm_additive, lambda p: _lm_to(p, None), _lm_from_additive, (0.0, 0, 0, 0, 0)))

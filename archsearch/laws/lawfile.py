@@ -22,7 +22,7 @@ from archsearch.arch import hidden_over_sqrt_n, mlp_to_attn_ratio, non_embedding
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_text, write_json
 from archsearch.laws import forms
-from archsearch.laws.forms import CONDITIONAL, LAWS
+from archsearch.laws.registry import law_form
 
 if TYPE_CHECKING:
     from archsearch.arch import ArchSpec
@@ -74,7 +74,7 @@ class FitResult:
                        reference: dict[str, Any] | None = None) -> np.ndarray:
         """Vectorised prediction on arrays N, D, x1, x2, R (see :mod:`archsearch.laws.forms`)."""
         X = dict(X)
-        if self.law in CONDITIONAL and "Lref" not in X:
+        if law_form(self.law).conditional and "Lref" not in X:
             X["Lref"] = reference_loss(reference or self.reference, X["N"], X["D"])
         return forms.predict(self.law, coefficients or self.coefficients, X)
 
@@ -98,7 +98,7 @@ class FitResult:
             return None
         names = bs["names"]
         refs = bs.get("reference")
-        if not refs and self.law in CONDITIONAL and "Lref" not in X:  # one L_opt for every resample
+        if not refs and law_form(self.law).conditional and "Lref" not in X:  # one L_opt for every resample
             X = {**X, "Lref": reference_loss(self.reference, X["N"], X["D"])}
         out = []
         for i, row in enumerate(bs["coefficients"]):
@@ -171,11 +171,10 @@ def check_predicts(law: str, c: dict[str, float], where: str) -> None:
     with an interval that cannot contain it)."""
     import numpy as np
 
-    if law in ("chinchilla", "aspect-ratio"):
-        for k in ("alpha", "beta"):
-            if not c[k] > 0:
-                raise ArchsearchError(f"{where}: coefficients.{k}", f"must be positive (loss falls with size), "
-                                      f"got {c[k]}", "refit the law (archsearch fit)")
+    for k in law_form(law).falling:
+        if not c[k] > 0:
+            raise ArchsearchError(f"{where}: coefficients.{k}", f"must be positive (loss falls with size), "
+                                  f"got {c[k]}", "refit the law (archsearch fit)")
     axes = np.meshgrid(*(np.geomspace(lo, hi, 7) for lo, hi in _USE_GRID.values()), indexing="ij")
     X = {k: a.ravel() for k, a in zip(_USE_GRID, axes)}
     centre = {k: np.array([v]) for k, v in _USE_CENTRE.items()}
@@ -199,8 +198,7 @@ def _from_dict(data: Any, where: str) -> FitResult:
             raise ArchsearchError(f"{where}: {k}", "unknown key",
                                   f"did you mean {close[0]!r}?" if close else f"valid keys: {sorted(_KNOWN_KEYS)}")
     law = data.get("law")
-    if law not in LAWS:
-        raise ArchsearchError(f"{where}: law", f"unknown law {law!r}", f"use one of {list(LAWS)}")
+    form = law_form(law, f"{where}: law")
     coefs = data.get("coefficients")
     if not isinstance(coefs, dict):
         raise ArchsearchError(f"{where}: coefficients", "missing or not an object",
@@ -217,15 +215,14 @@ def _from_dict(data: Any, where: str) -> FitResult:
             raise ArchsearchError(f"{where}: coefficients.{k}", f"must be a finite number, got {v!r}",
                                   f"{law} needs {list(names)}")
         clean[k] = float(v)
-    if law in ("chinchilla", "aspect-ratio"):
-        for k in ("E", "A", "B") + (("eps",) if law == "aspect-ratio" else ()):
-            if clean[k] < 0:
-                raise ArchsearchError(f"{where}: coefficients.{k}", f"must be >= 0, got {clean[k]}")
+    for k in form.nonnegative:
+        if clean[k] < 0:
+            raise ArchsearchError(f"{where}: coefficients.{k}", f"must be >= 0, got {clean[k]}")
     check_predicts(law, clean, where)
     ref = None
     if "reference" in data and "L_opt" in data:
         raise ArchsearchError(f"{where}: L_opt", "give either reference or L_opt, not both")
-    if law in CONDITIONAL:
+    if form.conditional:
         if data.get("reference") is not None:
             ref = parse_reference(data["reference"], f"{where}: reference")
         elif data.get("L_opt") is not None:

@@ -19,9 +19,9 @@ import numpy as np
 
 from archsearch.errors import ArchsearchError
 from archsearch.figures import count, legend, log_axis, log_ticks, save, styled
-from archsearch.laws import forms
-from archsearch.laws.metrics import metrics
 from archsearch.laws.lawfile import reference_loss, run_arrays
+from archsearch.laws.metrics import metrics
+from archsearch.laws.registry import law_form
 from archsearch.laws.solve import optimum
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
         if not runs:
             return None
         X, L = run_arrays(runs)
-        if fit.law in forms.CONDITIONAL:
+        if law_form(fit.law).conditional:
             X["Lref"] = reference_loss(fit.reference, X["N"], X["D"])
         return X, L, fit.predict_arrays(X)
 
@@ -80,7 +80,7 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
             pts = ax.scatter(X[key], _partial(fit.law, c, X, L, key), s=22, c=X["N"], cmap="viridis",
                              norm=size_norm, marker="o" if name == "fit" else "x", label=name, alpha=0.9)
         log_ticks(fig.colorbar(pts, ax=ax, label="N (non-embedding parameters)").ax.yaxis, count)
-        if fit.law in forms.CONDITIONAL:
+        if law_form(fit.law).factor is not None:
             lo = min(a[0][key].min() for _, a, _ in sets) / 1.3
             hi = max(a[0][key].max() for _, a, _ in sets) * 1.3
             x_opt, iv = best.get(key, (None, None))
@@ -106,7 +106,7 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
                 ax.axvline(x_opt, color="tab:red", ls="--", lw=1)
                 ax.scatter([x_opt], [y_opt], marker="v", s=60, color="tab:red", zorder=5,
                            label=f"optimum {var} = {x_opt:.3g}")
-            ylabel = "loss / (L_opt x other factor)" if fit.law.endswith("multiplicative") \
+            ylabel = "loss / (L_opt x other factor)" if law_form(fit.law).combine == "multiplicative" \
                 else "loss - L_opt - other factor"
         else:
             ylabel = "loss"
@@ -132,7 +132,7 @@ def write_plots(fit: "FitResult", fit_runs: Sequence["RunRecord"], holdout_runs:
 def _optimum(fit: "FitResult") -> dict:
     """The closed-form optimum of each factor (``{"x1": (x*, interval), ...}``, the interval
     None without a bootstrap); empty for a law without one or a factor that is not U-shaped."""
-    if fit.law not in forms.CONDITIONAL:
+    if law_form(fit.law).optimum is None:
         return {}
     try:
         o = optimum(fit, 1.0, 1.0)  # the shape optimum is the same at every N and D
@@ -145,16 +145,15 @@ def _optimum(fit: "FitResult") -> dict:
 
 def _partial(law, c, X, L, key):
     """The run's loss with everything but the factor in ``key`` taken out (conditional laws)."""
-    if law not in forms.CONDITIONAL:
+    form = law_form(law)
+    if form.factor is None:
         return L
     other = "x2" if key == "x1" else "x1"
-    if law == "conditional-multiplicative":
+    if form.combine == "multiplicative":
         return L / (X["Lref"] * _curve(law, c, other, X[other]))
     return L - X["Lref"] - _curve(law, c, other, X[other])
 
 
 def _curve(law, c, key, x):
-    if key == "x1":
-        return forms.u_factor(c["a0"], c["a1"], c["a2"], x)
-    return forms.u_factor(c.get("b0", 0.0), c["b1"], c["b2"], x)
+    return law_form(law).factor(c, key, x)
 

@@ -23,7 +23,7 @@ from archsearch.arch import describe, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
-from archsearch.laws.forms import CONDITIONAL
+from archsearch.laws.registry import law_form
 from archsearch.laws.lawfile import quantiles, reference_loss, spec_arrays
 
 if TYPE_CHECKING:
@@ -50,16 +50,18 @@ class Optimum:
 
 
 def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) -> Optimum:
-    """Closed-form optimum (x1* = a2/a1, r* = b2/b1) of a conditional law, with bootstrap intervals."""
-    if fit.law not in CONDITIONAL:
+    """Closed-form optimum (the form's ``optimum``: x1* = a2/a1, r* = b2/b1 for the U-shaped
+    factors) of a conditional law, with bootstrap intervals."""
+    form = law_form(fit.law)
+    if form.optimum is None:
         raise ArchsearchError("law", f"{fit.law} has no closed-form optimum in (hidden/sqrt(N), r)",
                               "fit a conditional law (conditional-multiplicative / conditional-additive)")
     _check_budget(params, tokens)
     c = fit.coefficients
-    x1 = forms.factor_optimum(c["a1"], c["a2"])
-    x2 = forms.factor_optimum(c["b1"], c["b2"])
+    x1, x2 = form.optimum(c)
     if x1 is None or x2 is None:
-        which = "a1, a2" if x1 is None else "b1, b2"
+        pairs = form.factor_coefficients
+        which = ", ".join(pairs[0 if x1 is None else 1]) if len(pairs) == 2 else ""
         var = "hidden/sqrt(N)" if x1 is None else "r"
         raise ArchsearchError(f"coefficients.{which}", f"the {var} factor has no interior minimum "
                               f"(it needs both coefficients > 0)", "refit with the robust method, or "
@@ -79,7 +81,7 @@ def optimum(fit: "FitResult", params: float, tokens: float, level: float = 0.9) 
         s1, s2, sl = [], [], []
         for i, row in enumerate(bs["coefficients"]):
             cb = dict(zip(names, row))
-            o1, o2 = forms.factor_optimum(cb["a1"], cb["a2"]), forms.factor_optimum(cb["b1"], cb["b2"])
+            o1, o2 = form.optimum(cb)
             if o1 is None or o2 is None:
                 continue
             s1.append(o1)
@@ -198,15 +200,16 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
     feasible, and a closed-form optimum outside it is not the architecture.
     """
     _check_budget(params, tokens)
-    if fit.law == "chinchilla":
-        raise ArchsearchError("law", "the chinchilla law does not depend on the architecture",
+    form = law_form(fit.law)
+    if not form.shaped:
+        raise ArchsearchError("law", f"the {fit.law} law does not depend on the architecture",
                               "fit the aspect-ratio or a conditional law")
     if target_loss is not None and not (target_loss > 0 and math.isfinite(target_loss)):
         raise ArchsearchError("target_loss", f"must be a positive loss, got {target_loss}")
     build = build or BuildSettings()
     notes: list[str] = []
     opt = None
-    if fit.law in CONDITIONAL:
+    if form.optimum is not None:
         try:
             opt = optimum(fit, params, tokens)
         except ArchsearchError as e:
@@ -214,7 +217,7 @@ def solve(fit: "FitResult", params: float, tokens: float, n_layers: int, target_
                 raise
             # a factor that is monotone over the data: the best shape lies on the grid's edge
             notes.append(f"no closed-form optimum ({e.problem}); the scan alone decides")
-    can_predict = fit.law not in CONDITIONAL or fit.reference is not None
+    can_predict = not form.conditional or fit.reference is not None
     if target_loss is not None and not can_predict:
         raise ArchsearchError("reference", "a target loss needs predicted losses, and this law has no "
                               "reference L_opt", "add a reference (--reference-law) or drop --target-loss")

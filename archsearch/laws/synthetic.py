@@ -16,6 +16,7 @@ from archsearch.candidates import BuildSettings, build_candidate
 from archsearch.errors import ArchsearchError
 from archsearch.laws import forms
 from archsearch.laws.lawfile import spec_arrays
+from archsearch.laws.registry import law_form
 from archsearch.rundata import RunRecord
 
 # A reference L_opt in the range of small LLaMA proxies (loss ~3-4 at 10M-1B parameters).
@@ -35,8 +36,7 @@ def synthetic_runs(law: str, coefficients: dict[str, float], sizes: Sequence[flo
                    gqa: int = 4, head_dim: int = 64) -> list[RunRecord]:
     """Runs on the grid sizes x tokens_per_param x hidden_over_sqrt_n x mlp_to_attn; shapes
     that do not build within the 2% budget tolerance are skipped."""
-    if law not in forms.LAWS:
-        raise ArchsearchError("law", f"unknown law {law!r}", f"use one of {list(forms.LAWS)}")
+    form = law_form(law)  # an unknown name fails here
     rng = np.random.default_rng(seed)
     # data, not a search: keep every shape, whatever its realised r (the law reads the realised r)
     settings = BuildSettings(hidden_multiple=32, ffn_multiple=32, on_r_drift="flag")
@@ -55,7 +55,7 @@ def synthetic_runs(law: str, coefficients: dict[str, float], sizes: Sequence[flo
     if not specs:
         raise ArchsearchError("sizes", "no shape of the grid builds", "use larger sizes")
     X = spec_arrays(specs, tokens)
-    if law in forms.CONDITIONAL:
+    if form.conditional:
         X["Lref"] = forms.predict("chinchilla", reference or TRUE_CHINCHILLA, X)
     loss = forms.predict(law, coefficients, X) * np.exp(noise * rng.standard_normal(len(specs)))
     return [RunRecord.from_arch(s, tokens=float(t), loss=float(v), run_id=f"syn{i:04d}", seed=seed)

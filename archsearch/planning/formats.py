@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from archsearch.arch import ArchSpec, bias_params, dtype_bytes, embedding_params, norm_params
 from archsearch.errors import ArchsearchError
 
-FLOAT_FORMATS = ("float32", "bfloat16", "float16")
-FORMATS = FLOAT_FORMATS + ("int8", "nf4")
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "8bit": "int8", "4bit": "nf4"}
 NF4_BLOCK = 64           # bitsandbytes quantize_4bit blocksize (its default, and QLoRA's)
 NF4_STATS_BLOCK = 256    # quantize_blockwise blocksize of the double quantisation
@@ -39,8 +38,48 @@ DQ_MAP_BYTES = 256 * 4   # the dynamic 8-bit map of the second quantisation, one
 
 
 @dataclass(frozen=True)
+class StorageFormat:
+    """One registered weight format: the bytes of one linear weight matrix of ``rows x cols`` (out
+    x in) held in it (``double_quant``: the format's double-quantisation switch, where it has one),
+    the bytes it keeps once for the whole model, and how a report names it. A new format is one of
+    these plus its line in :data:`FORMATS` (docs/extending.md)."""
+
+    name: str
+    matrix_bytes: Callable[[int, int, bool], int]
+    quantised: bool = True
+    shared_bytes: Callable[[bool], int] = lambda double_quant: 0
+    describe: Callable[[bool], str] | None = None
+
+
+def _float(name: str) -> StorageFormat:
+    return StorageFormat(name, lambda rows, cols, dq: rows * cols * dtype_bytes(name), quantised=False)
+
+
+def _nf4_bytes(rows: int, cols: int, double_quant: bool) -> int:
+    n = rows * cols
+    blocks = math.ceil(n / NF4_BLOCK)
+    stats = blocks + 4 * math.ceil(blocks / NF4_STATS_BLOCK) + 4 if double_quant else 4 * blocks
+    return (n + 1) // 2 + stats + NF4_CODE_BYTES
+
+
+# name -> format: the one list of the formats a base model's frozen weights can be held in
+FORMATS: dict[str, StorageFormat] = {
+    "float32": _float("float32"),
+    "bfloat16": _float("bfloat16"),
+    "float16": _float("float16"),
+    "int8": StorageFormat("int8", lambda rows, cols, dq: rows * cols + 4 * rows,
+                          describe=lambda dq: "int8 (LLM.int8(), fp32 scale per row)"),
+    "nf4": StorageFormat("nf4", _nf4_bytes, shared_bytes=lambda dq: DQ_MAP_BYTES if dq else 0,
+                         describe=lambda dq: "nf4 (4-bit NormalFloat, blocks of 64" +
+                         (", double-quantised absmax)" if dq else ", fp32 absmax)")),
+}
+FLOAT_FORMATS = tuple(n for n, f in FORMATS.items() if not f.quantised)
+
+
+@dataclass(frozen=True)
 class WeightFormat:
-    """The storage format of frozen base weights; ``double_quant`` applies to ``nf4`` only."""
+    """The storage format of frozen base weights (a name of :data:`FORMATS`); ``double_quant``
+    applies to a format that has the switch (``nf4``)."""
 
     name: str = "bfloat16"
     double_quant: bool = True
@@ -53,14 +92,15 @@ class WeightFormat:
         object.__setattr__(self, "name", name)
 
     @property
+    def storage(self) -> StorageFormat:
+        return FORMATS[self.name]
+
+    @property
     def quantised(self) -> bool:
-        return self.name not in FLOAT_FORMATS
+        return self.storage.quantised
 
     def describe(self) -> str:
-        if self.name == "nf4":
-            return "nf4 (4-bit NormalFloat, blocks of 64" + (", double-quantised absmax)" if self.double_quant
-                                                           else ", fp32 absmax)")
-        return {"int8": "int8 (LLM.int8(), fp32 scale per row)"}.get(self.name, self.name)
+        return self.storage.describe(self.double_quant) if self.storage.describe else self.name
 
 
 def parse_format(text: str | WeightFormat | None, default: str = "bfloat16") -> WeightFormat:
@@ -77,17 +117,7 @@ def parse_format(text: str | WeightFormat | None, default: str = "bfloat16") -> 
 
 def matrix_bytes(rows: int, cols: int, fmt: WeightFormat, count: int = 1) -> int:
     """Bytes of ``count`` weight matrices of ``rows x cols`` (out x in) in ``fmt`` (module doc)."""
-    n = rows * cols
-    if fmt.name in FLOAT_FORMATS:
-        return count * n * dtype_bytes(fmt.name)
-    if fmt.name == "int8":
-        return count * (n + 4 * rows)
-    blocks = math.ceil(n / NF4_BLOCK)
-    if fmt.double_quant:
-        stats = blocks + 4 * math.ceil(blocks / NF4_STATS_BLOCK) + 4
-    else:
-        stats = 4 * blocks
-    return count * ((n + 1) // 2 + stats + NF4_CODE_BYTES)
+    return count * fmt.storage.matrix_bytes(rows, cols, fmt.double_quant)
 
 
 def linear_matrices(spec: ArchSpec) -> list[tuple[str, int, int, int]]:
@@ -119,7 +149,7 @@ def base_weight_bytes(spec: ArchSpec, fmt: WeightFormat | str | None = None,
     quant = sum(matrix_bytes(r, c, fmt, n) for _, r, c, n in mats)
     other = embedding_params(spec) + norm_params(spec) + bias_params(spec)
     unquant = other * dtype_bytes(compute_dtype)
-    shared = DQ_MAP_BYTES if fmt.name == "nf4" and fmt.double_quant else 0
+    shared = fmt.storage.shared_bytes(fmt.double_quant)
     return {"quantised": float(quant), "unquantised": float(unquant), "shared_constants": float(shared),
             "total": float(quant + unquant + shared), "linear_params": lin_params, "other_params": other,
             "bits_per_linear_param": 8.0 * quant / lin_params, "format": fmt.describe()}

@@ -94,7 +94,7 @@ def measured_baseline(cfg: StudyConfig, base: ArchSpec | None = None,
 
 def measuring_device(cfg: StudyConfig) -> str | None:
     """The device the study's measurements run on, where it is known before any work:
-    ``measure.device_spec``, else this machine's first GPU (or ``cpu``) for inline and local
+    ``measure.bench.device_spec``, else this machine's first GPU (or ``cpu``) for inline and local
     executors; None on Slurm without ``device_spec`` (the jobs' GPUs are not known here) and for
     a GPU the device table does not know."""
     if cfg.measure.bench.device_spec:
@@ -149,12 +149,12 @@ def check_reference_batch(cfg: StudyConfig, device: str | None,
         return f
     m = cfg.measure
     fitting = [x for x in m.bench.batch_sizes if x <= cap]
-    field = "measure.reference_batch_size" if m.reference_batch_size is not None else "measure.batch_sizes"
-    what = "" if m.reference_batch_size is not None else " (the largest of measure.batch_sizes)"
+    field = "measure.reference_batch_size" if m.reference_batch_size is not None else "measure.bench.batch_sizes"
+    what = "" if m.reference_batch_size is not None else " (the largest of measure.bench.batch_sizes)"
     fix = (f"set measure.reference_batch_size: {max(fitting)}, the largest of batch_sizes that fits" if fitting
-           else f"put a batch size of at most {cap} in measure.batch_sizes") + \
+           else f"put a batch size of at most {cap} in measure.bench.batch_sizes") + \
         (f" (or add one up to {cap} to batch_sizes and make it the reference)" if fitting and max(fitting) < cap
-         else "") + ", or measure on a GPU with more memory (measure.device_spec)"
+         else "") + ", or measure on a GPU with more memory (measure.bench.device_spec)"
     raise ArchsearchError(
         field, f"the reference batch{what} of {b} sequences of {m.bench.input_len} + {m.bench.output_len} tokens does not "
         f"fit on {f['device']}: its {f['kv_dtype']} KV cache for the baseline {f['baseline']} takes "
@@ -172,8 +172,8 @@ def check_reference_batch(cfg: StudyConfig, device: str | None,
 def check_settings(cfg: StudyConfig) -> None:
     """What the config alone refuses before anything is derived from it."""
     if cfg.target.confidence is not None and cfg.law.file is None and cfg.law.fit.bootstrap == 0:
-        raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.bootstrap is 0",
-                              "set law.bootstrap (e.g. 200) or drop target.confidence")
+        raise ArchsearchError("target.confidence", "needs the law's bootstrap interval, but law.fit.bootstrap is 0",
+                              "set law.fit.bootstrap (e.g. 200) or drop target.confidence")
 
 
 def check_search_space(cfg: StudyConfig, build: BuildSettings) -> None:
@@ -214,7 +214,7 @@ def check_study(cfg: StudyConfig, build: BuildSettings, base: ArchSpec, views, s
         check_trackers(cfg.optuna.log_with, "optuna.log_with")
     if cfg.law.file:
         law = load_law(cfg.law.file)
-        check_target(cfg, law, target_loss(cfg, law, base), build)
+        check_loss_target(cfg, law, target_loss(cfg, law, base), build)
     if cfg.proxy and cfg.proxy.runs and not Path(cfg.proxy.runs).is_file():
         raise ArchsearchError("proxy.runs", f"no such file {cfg.proxy.runs!r}")
     if cfg.proxy and not cfg.law.file:
@@ -270,7 +270,7 @@ def check_later_stages(cfg: StudyConfig) -> None:
         try:
             get_device(cfg.measure.bench.device_spec)
         except ArchsearchError as e:
-            raise ArchsearchError("measure.device_spec", e.problem, e.fix) from None
+            raise ArchsearchError("measure.bench.device_spec", e.problem, e.fix) from None
     if cfg.final_train.enabled or cfg.mode == "predict-rank-select" or cfg.final_train != type(cfg.final_train)():
         final_train_configs(cfg)  # also when disabled but configured: it may be enabled later
 
@@ -304,7 +304,7 @@ def check_reference_data(cfg: StudyConfig) -> None:
     groups = planned_groups(cfg)
     if cfg.law.fit.reference == "chinchilla" and len(groups) < 5:
         raise ArchsearchError(
-            "law.reference", f"a Chinchilla reference needs proxy runs at >= 5 distinct (N, D); the "
+            "law.fit.reference", f"a Chinchilla reference needs proxy runs at >= 5 distinct (N, D); the "
             f"proxies give {len(groups)}: {sorted(groups)}",
             "add a sweep at other token budgets under proxy.sweeps, or use reference: best-observed "
             "with the target N among the proxy sizes")
@@ -313,7 +313,7 @@ def check_reference_data(cfg: StudyConfig) -> None:
         near = [g for g in groups if abs(g[0] / cfg.params - 1) <= tol and abs(g[1] / cfg.tokens - 1) <= tol]
         if not near:
             raise ArchsearchError(
-                "law.reference", f"best-observed predicts losses only where runs exist, and no proxy "
+                "law.fit.reference", f"best-observed predicts losses only where runs exist, and no proxy "
                 f"group is at N={cfg.params:.3g}, D={cfg.tokens:.3g} (groups: {sorted(groups)})",
                 "use reference: chinchilla, or put the target N and D among the proxy sizes")
 
@@ -342,7 +342,7 @@ def target_loss(cfg: StudyConfig, law, base: ArchSpec) -> float:
     return baseline_loss(cfg, law, base) * (1.0 + cfg.target.slack)
 
 
-def check_target(cfg: StudyConfig, law, lt: float, build: BuildSettings) -> None:
+def check_loss_target(cfg: StudyConfig, law, lt: float, build: BuildSettings) -> None:
     """A target below the law's lowest loss in the search box (shapes built with ``build``, the
     resolved build settings) has no feasible shape."""
     res, _ = solve_law(cfg, law, lt, build)

@@ -21,16 +21,16 @@ from archsearch.benchmarks.paired import PairedSettings
 from archsearch.bounds import check_count
 from archsearch.candidates import BuildSettings, check_size
 from archsearch.cluster.config import ClusterConfig
-from archsearch.configio import KEY, from_dict, inline, load_yaml
+from archsearch.configio import KEY, component, from_dict, load_yaml
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name, check_output
 from archsearch.laws.acquisition import INITIAL_DESIGNS
 from archsearch.laws.fit import MAX_BOOTSTRAP, FitOptions
+from archsearch.laws.registry import law_form, law_names
 from archsearch.planning.limits import Limits
-from archsearch.search.deployment import AGGREGATES, DeploymentTarget, check_targets
+from archsearch.search.deployment import AGGREGATES, DeploymentTarget, check_deployment_targets
 from archsearch.trainers.config import TRACKERS, DataConfig, SweepConfig, TrainConfig
 
-LAW_FORMS = ("conditional-multiplicative", "conditional-additive")
 SAMPLERS = ("tpe", "random", "nsga2", "gp")
 
 
@@ -127,7 +127,7 @@ class ActiveProxyConfig:
     tolerance: float = 0.05             # relative half-width of the optimum's interval (both coordinates)
     budget_flops: float | None = None   # proxy training FLOPs (6ND); None: the pool is the limit
     batch_size: int = 1                 # runs proposed at once (one per worker)
-    bootstrap: int = 200                # replicates of the parametric bootstrap inside the loop (the final fit uses law.bootstrap)
+    bootstrap: int = 200                # replicates of the parametric bootstrap inside the loop (the final fit uses law.fit.bootstrap)
     level: float = 0.9                  # joint level of the optimum's interval (both coordinates together)
     noise_floor: float = 0.002          # smallest log-noise of one run the acquisition assumes
 
@@ -194,11 +194,13 @@ class ProxyConfig:
 @dataclass(frozen=True)
 class LawConfig:
     """The study's ``law`` block: the :class:`~archsearch.laws.FitOptions` of the study's fit
-    (``fit``, written flat in the block: ``law.bootstrap`` is ``law.fit.bootstrap``, see
-    :func:`archsearch.configio.inline`), the law's ``form``, a law ``file`` that skips the fit, and
-    whether shapes outside the law's fitted range may be used (``allow_extrapolation``)."""
+    (``law.fit``, a :func:`archsearch.configio.component`), the law's ``form``, a law ``file`` that
+    skips the fit, and whether shapes outside the law's fitted range may be used
+    (``allow_extrapolation``). The fit's seed and size tolerance are the study's (``law.seed``,
+    ``law.size_tolerance``, derived where left out), so ``law.fit.seed`` and
+    ``law.fit.size_tolerance`` are refused: one place for each."""
 
-    fit: FitOptions = inline(lambda: FitOptions(bootstrap=200))
+    fit: FitOptions = component(lambda: FitOptions(bootstrap=200))
     # the fit's seed and size tolerance, derived from the study where left out (fit_options): the
     # seed is optuna.seed; runs within this relative distance in N (and D) are one size, by default
     # the search space's build tolerance (snapped shapes land anywhere within it of their budget),
@@ -212,9 +214,13 @@ class LawConfig:
     allow_extrapolation: bool = False
 
     def __post_init__(self) -> None:
-        if self.form not in LAW_FORMS:
+        for name in ("seed", "size_tolerance"):  # the study's, never shadowed by a value here that is ignored
+            if getattr(self.fit, name) != getattr(FitOptions(), name):
+                raise ArchsearchError(f"law.fit.{name}", "is the study's, not the fit block's",
+                                      f"write it as law.{name} (default: derived from the study)")
+        if not law_form(self.form, "law.form").searchable:
             raise ArchsearchError("law.form", f"{self.form!r} is not a conditional law",
-                                  f"use one of {list(LAW_FORMS)}")
+                                  f"use one of {[n for n in law_names() if law_form(n).searchable]}")
         self.fit_options(seed=0, size_tolerance=0.05)  # the fit's own checks of the two study-level fields
 
     def fit_options(self, seed: int, size_tolerance: float) -> FitOptions:
@@ -224,15 +230,16 @@ class LawConfig:
             return replace(self.fit, seed=seed if self.seed is None else self.seed,
                            size_tolerance=size_tolerance if self.size_tolerance is None else self.size_tolerance)
         except ArchsearchError as e:
-            raise ArchsearchError(e.field if e.field.startswith("law.") else f"law.{e.field}", e.problem,
+            where = "law" if e.field in ("seed", "size_tolerance") else "law.fit"  # the two the study sets
+            raise ArchsearchError(e.field if e.field.startswith("law.") else f"{where}.{e.field}", e.problem,
                                   e.fix) from None
 
 
 @dataclass
 class MeasureConfig:
     """The study's ``measure`` block: the :class:`BenchSettings` every measurement of the study
-    runs with (``bench``, written flat in the block: ``measure.backend`` is ``measure.bench.backend``,
-    see :func:`archsearch.configio.inline`; its defaults are those of a study at scale), the paired
+    runs with (``measure.bench``, a :func:`archsearch.configio.component`; its defaults are those of a
+    study at scale), the paired
     comparison's :class:`PairedSettings` under ``paired``, and what only a study needs: a fallback
     engine, the objective's batch size and a roofline calibration.
 
@@ -240,7 +247,7 @@ class MeasureConfig:
     (:func:`archsearch.search.measurements.key_settings`); the others choose among engines or batch
     sizes, or retry, and change no measurement."""
 
-    bench: BenchSettings = inline(lambda: BenchSettings(backend="vllm", batch_sizes=[16, 32, 64, 128], input_len=4096,
+    bench: BenchSettings = component(lambda: BenchSettings(backend="vllm", batch_sizes=[16, 32, 64, 128], input_len=4096,
                                                         output_len=1024, repeats=5, timeout_s=1800.0), key=True)
     # Used only where ``bench.backend`` is not installed, and then said in the report's first line.
     fallback_backend: str | None = None
@@ -293,7 +300,7 @@ class MeasureConfig:
             raise ArchsearchError("reference_batch_size",
                                   f"{self.reference_batch_size} is not among batch_sizes {self.bench.batch_sizes}")
 
-        check_targets(self)
+        check_deployment_targets(self)
 
     def bench_settings(self, backend: str) -> BenchSettings:
         """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
@@ -304,7 +311,7 @@ class MeasureConfig:
         try:
             return replace(self.bench, backend=backend, batch_sizes=list(self.bench.batch_sizes), engine_args=engine_args)
         except ArchsearchError as e:
-            raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
+            raise ArchsearchError(f"measure.bench.{e.field}", e.problem, e.fix) from None
 
     @property
     def ref_batch(self) -> int:
@@ -624,7 +631,7 @@ def check_measured_scale(cfg: StudyConfig) -> None:
     f g <= (1 + slack) f_b g_b at every N, so the shapes feasible at N are the ones feasible at N_m
     and their throughputs can be compared there. An absolute ``target.loss`` (or an additive law,
     whose terms do not cancel L_opt) makes feasibility depend on N, so it is refused."""
-    if cfg.law.form != "conditional-multiplicative":
+    if law_form(cfg.law.form).combine != "multiplicative":
         raise ArchsearchError("measure.params", f"needs law.form conditional-multiplicative, not {cfg.law.form!r}: "
                               "only the multiplicative law's loss constraint is the same at every N",
                               "drop measure.params (measure at the study's params) or use the multiplicative law")

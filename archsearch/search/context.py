@@ -17,7 +17,7 @@ from typing import Any
 from archsearch.arch import ArchSpec
 from archsearch.candidates import BuildSettings
 from archsearch.laws import load_law
-from archsearch.search.checks import check_target
+from archsearch.search.checks import check_loss_target
 from archsearch.search.config import StudyConfig
 from archsearch.search.measurements import MeasurementStore, Measurer
 from archsearch.search.resolved import ResolvedStudy, as_resolved
@@ -67,7 +67,7 @@ def search_context(study: ResolvedStudy | StudyConfig, out: Path, law=None):
     if law is None:
         law = load_law(cfg.law.file or out / "law.json")
     lt = study.target_loss(law)
-    check_target(cfg, law, lt, study.build)
+    check_loss_target(cfg, law, lt, study.build)
     store = MeasurementStore(out / "measurements.jsonl")
 
     targets = build_targets(cfg, store, study.scale)  # with targets, the first one's measurer is the study's

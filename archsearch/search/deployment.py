@@ -7,11 +7,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from archsearch.benchmarks.base import backend_class
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name
 from archsearch.hardware import device_key
 
-TARGET_BACKENDS = ("analytic", "vllm", "sglang", "hf")
 AGGREGATES = ("worst", "geomean")
 
 
@@ -33,8 +33,8 @@ class DeploymentTarget:
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
-        if self.backend is not None and self.backend not in TARGET_BACKENDS:
-            raise ArchsearchError("backend", f"unknown backend {self.backend!r}", f"use one of {list(TARGET_BACKENDS)}")
+        if self.backend is not None:
+            backend_class(self.backend)  # a registered backend, or an error naming the field
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
                 or not (math.isfinite(self.weight) and self.weight > 0):
             raise ArchsearchError("weight", f"must be a positive number, got {self.weight!r}", "e.g. 1.0")
@@ -53,7 +53,7 @@ class DeploymentTarget:
                                   "drop calibration, or set backend: analytic to predict this target")
 
 
-def check_targets(measure) -> None:
+def check_deployment_targets(measure) -> None:
     """The ``measure.targets`` list as a whole (each target checked itself at load): unique names,
     and every target valid as a ``measure`` block of its own (its calibration fitted on its device
     and engine, its lengths and batch sizes measurable). Errors name ``targets[i].field``."""

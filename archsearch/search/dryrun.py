@@ -9,7 +9,7 @@ from typing import Any
 
 from archsearch.arch import describe, hidden_over_sqrt_n, mlp_to_attn_ratio, total_params, training_flops
 from archsearch.benchmarks.analytic import predict_batch
-from archsearch.benchmarks.base import resolve_dtype
+from archsearch.benchmarks.base import backend_class, resolve_dtype
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.cluster import startup
 from archsearch.cluster.startup import DEFAULTS_NOTE, StartupProfile
@@ -216,12 +216,12 @@ def measurement_cost(cfg: StudyConfig, device: str, n_gpus: int, startups=None,
     m = cfg.measure
     n = search_comparisons(cfg)
     gqa = gqa_comparisons(study)
-    if m.bench.backend == "analytic":
+    if backend_class(m.bench.backend).predicted:  # a prediction takes no GPU time
         zero = {"low": 0.0, "high": 0.0}
         return {"device": device, "measurements": n, "workers": 1, "gpu_hours": zero, "wall_hours": zero,
                 **({"gqa": {**{k: v for k, v in gqa.items() if k != "loss_check"}, "gpu_hours": zero,
                             "wall_hours": zero}} if gqa else {}),
-                "assumptions": ["measure.backend analytic: roofline predictions, no GPU and no engine"]}
+                "assumptions": ["measure.bench.backend analytic: roofline predictions, no GPU and no engine"]}
     dev = get_device(device)
     dtype = resolve_dtype(m.bench.dtype, on_gpu=dev.name != "cpu")
     cal, other = None, None
@@ -647,7 +647,7 @@ def render(p: dict[str, Any]) -> list[str]:
                          f"(${gp['cost_usd']['low']:,.0f}-${gp['cost_usd']['high']:,.0f})")
         m = c.get("measure", {})
         if "gpu_hours" in m and "pairs" not in m:  # predicted by the analytic backend: no GPU time
-            lines.append("  measurements: no GPU time (measure.backend analytic)")
+            lines.append("  measurements: no GPU time (measure.bench.backend analytic)")
         elif "gpu_hours" in m:
             lines.append(f"  measurements: search {m['measurements_low']}-{m['measurements']} shapes ("
                          + (f"a seed group of {m['seed_group'] + 1}, then " if m["seed_group"] else "")

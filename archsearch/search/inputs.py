@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from archsearch.configio import from_dict, to_dict
+from archsearch.configio import from_dict, nest_components, to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.search.config import StudyConfig, renamed_values
@@ -111,7 +111,7 @@ def _legacy_inputs(out: Path) -> dict[str, dict[str, Any]] | None:
     if raw is None:
         return None
     try:
-        return stage_inputs(from_dict(StudyConfig, raw))
+        return stage_inputs(from_dict(StudyConfig, nest_components(StudyConfig, raw)[0]))
     except (ArchsearchError, TypeError, ValueError, KeyError):
         return None
 

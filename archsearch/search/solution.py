@@ -81,7 +81,7 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
 
 def ranking_device(cfg: StudyConfig) -> str | None:
     """The device whose roofline ranks the seed shapes: the one the study names
-    (``measure.device_spec``), else the one its measurements run on (the local GPU, or this CPU
+    (``measure.bench.device_spec``), else the one its measurements run on (the local GPU, or this CPU
     where there is none). None, with a message, for a GPU the table does not know: then only the
     law's optimum seeds the study."""
     if cfg.measure.bench.device_spec:
@@ -89,7 +89,7 @@ def ranking_device(cfg: StudyConfig) -> str | None:
     name = local_device_name()
     if name is None:
         get_logger("search").warning("[search] this GPU is not in the device table: seeds are not ranked by a "
-                                     "roofline (set measure.device_spec to rank them)")
+                                     "roofline (set measure.bench.device_spec to rank them)")
     return name
 
 

@@ -203,7 +203,10 @@ def _proxy_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str, 
     d = to_dict(cfg)
     s = pick(d, "proxy", drop=("proxy.runs",))
     if cfg.proxy is not None and cfg.proxy.plan == "active":  # the plan fits the law as it goes
-        s.update(pick(d, "params", "law", drop=("law.file", "law.bootstrap")))
+        # the law block as recorded when it was written flat (law.fit's keys beside law's own), so
+        # fingerprints recorded then still match
+        law = {**d["law"]["fit"], **{k: v for k, v in d["law"].items() if k != "fit"}}
+        s.update(pick({**d, "law": law}, "params", "law", drop=("law.file", "law.bootstrap")))
     return s
 
 
@@ -266,14 +269,14 @@ def _fit(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
 def with_held_out_error(law, runs, study: ResolvedStudy):
     """The fitted law with its error against trained models it was not fitted on (the loss
     constraint's margins carry it, archsearch.search.margins): the held-out size's error where
-    ``law.holdout_size`` held one out, else the progressive protocol's last step
+    ``law.fit.holdout_size`` held one out, else the progressive protocol's last step
     (``archsearch.laws.diagnostics.held_out_error``); with one proxy size none can be measured,
     and the law says so (its margins then rest on the bootstrap alone)."""
     cfg = study.cfg
     held = (law.metrics or {}).get("holdout")
     if held and held.get("n"):
         err = {"relative_sd": held["rmsre"], "n": held["n"], "mare": held["mare"],
-               "source": f"held out: the size nearest law.holdout_size={cfg.law.fit.holdout_size:.3g} ({held['n']} runs), "
+               "source": f"held out: the size nearest law.fit.holdout_size={cfg.law.fit.holdout_size:.3g} ({held['n']} runs), "
                          "not fitted"}
     else:
         try:

@@ -26,6 +26,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec
 from archsearch.benchmarks import BenchSettings, measure
+from archsearch.benchmarks.base import backend_class
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.errors import ArchsearchError
 from archsearch.figures import save
@@ -93,7 +94,7 @@ class Target:
 
     @property
     def predicted(self) -> bool:
-        return self.measurer.backend == "analytic"
+        return backend_class(self.measurer.backend).predicted
 
 
 def build_targets(cfg, store, scale=None) -> list[Target] | None:

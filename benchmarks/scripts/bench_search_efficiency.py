@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed-store", default=None,
                     help="measurements to reuse (default: measurements.jsonl next to --law); only "
                          "records whose key these settings reproduce are copied")
-    ap.add_argument("--backend", default=None, help="override measure.backend (vllm, hf, analytic)")
+    ap.add_argument("--backend", default=None, help="override measure.bench.backend (vllm, hf, analytic)")
     ap.add_argument("--resolution", type=int, default=24, help="grid values per continuous knob")
     ap.add_argument("--dense", type=int, default=96, help="knob values per axis of the coverage scan")
     ap.add_argument("--seeds", type=int, default=5)
