@@ -14,6 +14,7 @@ from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.analytic import StepModel, predict_batch
 from archsearch.benchmarks.calibration import Calibration, decode_on_cuda_cores
 from archsearch.benchmarks.simulator import SLO, ServingLoad, kv_capacity_tokens, simulate
+from archsearch.benchmarks.workloads import WORKLOADS, Workload, get_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CAL = {name: Calibration.load(ROOT / "configs" / "calibration" / f"{name}.json")
@@ -117,3 +118,36 @@ def test_decode_attention_term_applies_below_the_engines_tensor_core_group():
     without = StepModel(g4, H200, "bfloat16", replace(sg, attn_core_flops=None)).decode_steps(32, t)[0]
     attn_flops = 32 * 2 * g4.n_layers * g4.q_dim * 4097
     assert with_term - without == pytest.approx(attn_flops / 5e13)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_every_workload_predicts_its_objective(name):
+    """Each preset runs through measure() on the H200/SGLang calibration and yields a positive,
+    higher-is-better score; its backend is the simulator exactly when it is online."""
+    w = WORKLOADS[name]
+    if w.online:
+        w = w.with_overrides(n_requests=40, max_num_seqs=32)  # fast; the preset's rate and SLO
+    s = w.bench_settings("H200", str(ROOT / "configs/calibration/h200-sglang.json"), batch_size=16)
+    assert s.backend == ("simulated" if w.online else "analytic")
+    assert (s.input_len, s.output_len) == (w.input_len, w.output_len)
+    b = measure(replace(SMALL, max_position_embeddings=65536), s).per_batch[0]
+    assert b.ok and w.score(b) > 0
+    if w.objective == "latency":
+        assert b.batch_size == 1 and w.score(b) == pytest.approx(1 / b.e2e_latency_mean)
+
+
+def test_workload_presets_and_bad_input():
+    assert WORKLOADS["offline-4k-1k"].objective == "throughput" and WORKLOADS["chat"].objective == "goodput"
+    assert (WORKLOADS["long-context"].input_len, WORKLOADS["long-context"].output_len) == (32768, 1024)
+    assert WORKLOADS["single-stream"].batch_size == 1 and WORKLOADS["single-stream"].objective == "latency"
+    with pytest.raises(ArchsearchError, match="unknown workload"):
+        get_workload("batch")
+    with pytest.raises(ArchsearchError, match="goodput needs"):
+        Workload("x", "", "goodput", 10, 10)
+    with pytest.raises(ArchsearchError, match="unknown fields"):
+        get_workload("chat").with_overrides(speed=2)
+    with pytest.raises(ArchsearchError, match="slo.ttft_s"):
+        get_workload("chat").with_overrides(slo={"ttft_s": -1, "tpot_s": 0.1})
+    with pytest.raises(ArchsearchError, match="batch_size"):
+        get_workload("offline-4k-1k").bench_settings("H200")
+    assert get_workload("chat").with_overrides(slo={"ttft_s": 2, "tpot_s": 0.05}).slo == SLO(2, 0.05)
