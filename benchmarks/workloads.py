@@ -117,9 +117,9 @@ class Workload:
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("offline-4k-1k", "the paper's reference: a static batch of 4096-token prompts generating 1024 tokens "
              "(docs/method.md section 5)", "throughput", 4096, 1024),
-    Workload("chat", "online chat: 1024-token prompts, 256-token answers, Poisson arrivals at 64 requests/s, "
+    Workload("chat", "online chat: 1024-token prompts, 256-token answers, Poisson arrivals at 48 requests/s, "
              "continuous batching; goodput under TTFT <= 1 s and TPOT <= 10 ms (100 tokens/s per user)",
-             "goodput", 1024, 256, rate=64.0, n_requests=500, slo=SLO(ttft_s=1.0, tpot_s=0.010)),
+             "goodput", 1024, 256, rate=48.0, n_requests=500, slo=SLO(ttft_s=1.0, tpot_s=0.010)),
     Workload("long-context", "a static batch of 32K-token prompts generating 1024 tokens: KV-cache bytes per "
              "token set decode speed and how many sequences fit", "throughput", 32768, 1024),
     Workload("single-stream", "one request at a time (on-device, agents): 4096-token prompt, 1024 tokens out; "
