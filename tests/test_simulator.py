@@ -151,3 +151,20 @@ def test_workload_presets_and_bad_input():
     with pytest.raises(ArchsearchError, match="batch_size"):
         get_workload("offline-4k-1k").bench_settings("H200")
     assert get_workload("chat").with_overrides(slo={"ttft_s": 2, "tpot_s": 0.05}).slo == SLO(2, 0.05)
+
+
+def test_fit_recovers_a_known_cuda_core_attention_rate():
+    """Synthetic SGLang throughput made with a known CUDA-core attention rate (groups 2-4 pay it,
+    group 8 does not): the +seq+attn fit recovers it and the other parameters."""
+    from archsearch.benchmarks.calibration_fit import Point, Variant, _fit_variant, table_devices
+
+    truth = Calibration("H200", "sglang", "bfloat16", 0.5, 0.8, 1e-3, 3e-5, combine="sum", peak_flops=H200.peak_flops_bf16,
+                        memory_bandwidth=H200.memory_bandwidth, attn_core_flops=2e13)
+    shapes = [ArchSpec(n_layers=L, hidden_size=d, n_heads=h, n_kv_heads=kv, head_dim=64, ffn=4 * d, vocab_size=32000)
+              for L, d, h, kv in ((8, 1024, 16, 8), (8, 1536, 24, 8), (12, 1024, 16, 4), (8, 2048, 32, 4))]
+    pts = [Point(s, b, 2048, 32, predict_batch(s, H200, "bfloat16", b, 2048, 32, truth).output_throughput,
+                 "H200", "sglang", "bfloat16", "H200") for s in shapes for b in (8, 32, 128)]
+    assert [decode_on_cuda_cores(truth, s) for s in shapes] == [True, True, True, False]
+    fit = next(iter(_fit_variant(pts, Variant("sum", ("seq", "attn")), table_devices(pts)).values()))
+    assert fit.attn_core_flops == pytest.approx(2e13, rel=0.05)
+    assert fit.seq_overhead_s == pytest.approx(3e-5, rel=0.05) and fit.step_overhead_s == pytest.approx(1e-3, rel=0.05)
