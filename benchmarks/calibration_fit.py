@@ -13,6 +13,9 @@ physically meant parameters on measured batches, by least squares on the log thr
   sequence and step (sampling, input preparation, block tables: a cost that grows with the batch and
   does not shrink with the KV cache; with it the throughput curve bends at small batch), and for CPU
   engines one per sequence, layer and query head or KV head (kernels that work head by head);
+* with ``+attn``, on the rows whose engine decodes on CUDA cores for the shape's GQA group
+  (``calibration.TENSOR_CORE_MIN_GROUP``: SGLang's FlashInfer below a group of 5), the rate of that
+  kernel's attention FLOPs (a cost per query head and KV token that the KV bytes do not show);
 * ``max`` (compute and memory overlap, the roofline's assumption, right on GPUs) or ``sum``.
 
 A batch whose KV cache does not fit is predicted as the engine runs it: at most as many sequences as
@@ -233,7 +236,7 @@ def _predict(pts: list[Point], cals: dict, devices: dict):
     return np.array(out)
 
 
-def _fit_variant(pts: list[Point], v: Variant, devices: dict) -> dict:
+def fit_variant(pts: list[Point], v: Variant, devices: dict) -> dict:
     """Least squares on log throughput for one variant: per group, its ``Calibration``."""
     import numpy as np
     from scipy.optimize import least_squares
@@ -262,7 +265,7 @@ def held_out_errors(pts: list[Point], v: Variant, devices: dict, key) -> dict[st
         test = [p for p in pts if key(p) == k]
         if not {p.group for p in test} <= {p.group for p in train}:
             return None  # a group seen only in the held-out value has no fitted overheads
-        cals = _fit_variant(train, v, devices)
+        cals = fit_variant(train, v, devices)
         for p, q in zip(test, _predict(test, cals, devices)):
             rows.append({**p.row(), "predicted": float(q), "error": float(abs(q / p.measured - 1))})
     errs = np.array([r["error"] for r in rows])
@@ -334,7 +337,7 @@ def fit_points(pts: list[Point], variant: str | None = None, terms=None) -> dict
     out = {}
     for name in dict.fromkeys(chosen.values()):
         v = variants[name]
-        cals = _fit_variant(pts, v, devices)
+        cals = fit_variant(pts, v, devices)
         loso = held_out_errors(pts, v, devices, shape_key)
         lobo = held_out_errors(pts, v, devices, lambda p: p.batch)
         for g in (g for g in groups if chosen[g] == name):

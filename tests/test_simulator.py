@@ -156,7 +156,7 @@ def test_workload_presets_and_bad_input():
 def test_fit_recovers_a_known_cuda_core_attention_rate():
     """Synthetic SGLang throughput made with a known CUDA-core attention rate (groups 2-4 pay it,
     group 8 does not): the +seq+attn fit recovers it and the other parameters."""
-    from archsearch.benchmarks.calibration_fit import Point, Variant, _fit_variant, table_devices
+    from archsearch.benchmarks.calibration_fit import Point, Variant, fit_variant, table_devices
 
     truth = Calibration("H200", "sglang", "bfloat16", 0.5, 0.8, 1e-3, 3e-5, combine="sum", peak_flops=H200.peak_flops_bf16,
                         memory_bandwidth=H200.memory_bandwidth, attn_core_flops=2e13)
@@ -165,6 +165,6 @@ def test_fit_recovers_a_known_cuda_core_attention_rate():
     pts = [Point(s, b, 2048, 32, predict_batch(s, H200, "bfloat16", b, 2048, 32, truth).output_throughput,
                  "H200", "sglang", "bfloat16", "H200") for s in shapes for b in (8, 32, 128)]
     assert [decode_on_cuda_cores(truth, s) for s in shapes] == [True, True, True, False]
-    fit = next(iter(_fit_variant(pts, Variant("sum", ("seq", "attn")), table_devices(pts)).values()))
+    fit = next(iter(fit_variant(pts, Variant("sum", ("seq", "attn")), table_devices(pts)).values()))
     assert fit.attn_core_flops == pytest.approx(2e13, rel=0.05)
     assert fit.seq_overhead_s == pytest.approx(3e-5, rel=0.05) and fit.step_overhead_s == pytest.approx(1e-3, rel=0.05)

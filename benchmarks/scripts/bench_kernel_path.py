@@ -34,7 +34,7 @@ def main() -> int:
     devices = cf.table_devices(pts)
     shipped = Calibration.load(ROOT / "configs" / "calibration" / "h200-sglang.json")
     variant = cf.Variant("sum", ("seq", "attn"), "pooled")
-    cals = cf._fit_variant(pts, variant, devices)
+    cals = cf.fit_variant(pts, variant, devices)
     h200 = get_device("H200")
     base = get_preset("llama-3.2-1b")
     shapes = {"32/4 (hidden 2432, ffn 6912)": replace(base, hidden_size=2432, n_heads=32, n_kv_heads=4, ffn=6912),
