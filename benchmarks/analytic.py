@@ -28,7 +28,7 @@ from archsearch.arch import (ArchSpec, dtype_bytes, inference_flops_per_token,
                              kv_cache_bytes_per_token, max_batch_by_kv, prefill_flops, weight_bytes)
 from archsearch.hardware import Device, detect_gpu_name, get_device
 from archsearch.benchmarks.base import Backend, BatchResult, Report, resolve_dtype
-from archsearch.benchmarks.calibration import Calibration
+from archsearch.benchmarks.calibration import Calibration, decode_on_cuda_cores
 
 MEMORY_FRACTION = 0.9
 
@@ -98,31 +98,86 @@ def _wave_times(spec: ArchSpec, device: Device, dtype: str, n: int, input_len: i
     """(prefill seconds, decode seconds) of ``n`` sequences run together."""
     import numpy as np
 
-    peak, bw = device.peak_flops(dtype), device.memory_bandwidth
-    bw_weights = bw_kv = bw
-    overhead, bound = 0.0, np.maximum
-    if calibration is not None:
-        c = calibration
-        peak = (c.peak_flops or peak) * c.compute_efficiency
-        bw = c.memory_bandwidth or bw
-        bw_weights = bw * c.memory_efficiency
-        bw_kv = bw * (c.kv_efficiency if c.kv_efficiency is not None else c.memory_efficiency)
-        overhead = (c.step_overhead_s + c.seq_overhead_s * n
-                    + c.head_overhead_s * n * spec.n_layers * spec.n_heads
-                    + c.kv_head_overhead_s * n * spec.n_layers * spec.n_kv_heads)
-        if c.combine == "sum":  # compute and memory traffic do not overlap
-            bound = np.add
-    w = weights_read_per_step(spec, dtype)
-    kv = kv_cache_bytes_per_token(spec, dtype)
-    head = 2 * spec.hidden_size * spec.vocab_size
-    prefill = overhead + float(bound(n * (prefill_flops(spec, input_len) + head) / peak,
-                                     w / bw_weights + n * input_len * kv / bw_kv))
-    # decode step at KV length t: flops grow linearly in t (the attention scores)
+    m = StepModel(spec, device, dtype, calibration)
     t = np.arange(input_len + 1, input_len + output_len, dtype=float)
-    f0 = inference_flops_per_token(spec, 0, include_head=True)
-    f1 = inference_flops_per_token(spec, 1, include_head=True) - f0
-    steps = overhead + bound(n * (f0 + f1 * t) / peak, w / bw_weights + n * t * kv / bw_kv)
-    return prefill, float(steps.sum())
+    return m.prefill(n, input_len), float(m.decode_steps(n, t).sum())
+
+
+class StepModel:
+    """Seconds of one engine step of one shape on one device with one calibration: the step-time model
+    behind :func:`predict_batch` and the serving simulator (``archsearch.benchmarks.simulator``).
+
+    A step runs some sequences' decode tokens (each at its KV length) and some prompts' prefill chunks
+    (positions ``start..end``). Its time is the calibration's overhead (fixed, per sequence, per
+    sequence x layer x head) plus the roofline bound of its FLOPs and its bytes (weights once; every
+    sequence's KV cache up to its position), plus, where the engine's decode attention kernel runs on
+    CUDA cores for this shape's GQA group size (:func:`archsearch.benchmarks.calibration.decode_on_cuda_cores`),
+    the decode attention FLOPs at the calibration's fitted CUDA-core rate ``attn_core_flops``."""
+
+    def __init__(self, spec: ArchSpec, device: Device, dtype: str, calibration=None):
+        import numpy as np
+
+        self.spec, self.calibration = spec, calibration
+        peak, bw = device.peak_flops(dtype), device.memory_bandwidth
+        self.bw_weights = self.bw_kv = bw
+        self.bound = np.maximum
+        self.coef = (0.0, 0.0)  # overhead: fixed, per sequence (head terms folded in)
+        self.attn_rate = None
+        if calibration is not None:
+            c = calibration
+            peak = (c.peak_flops or peak) * c.compute_efficiency
+            bw = c.memory_bandwidth or bw
+            self.bw_weights = bw * c.memory_efficiency
+            self.bw_kv = bw * (c.kv_efficiency if c.kv_efficiency is not None else c.memory_efficiency)
+            self.coef = (c.step_overhead_s, c.seq_overhead_s + c.head_overhead_s * spec.n_layers * spec.n_heads
+                         + c.kv_head_overhead_s * spec.n_layers * spec.n_kv_heads)
+            if c.attn_core_flops and decode_on_cuda_cores(c, spec):
+                self.attn_rate = c.attn_core_flops
+            if c.combine == "sum":  # compute and memory traffic do not overlap
+                self.bound = np.add
+        self.peak = peak
+        self.weights = weights_read_per_step(spec, dtype)
+        self.kv = kv_cache_bytes_per_token(spec, dtype)
+        self.head = 2 * spec.hidden_size * spec.vocab_size
+        # a decode token at KV length t costs f0 + f1 * t FLOPs; f1 * t is its attention
+        self.f0 = inference_flops_per_token(spec, 0, include_head=True)
+        self.f1 = inference_flops_per_token(spec, 1, include_head=True) - self.f0
+
+    def overhead(self, n_seqs):
+        return self.coef[0] + self.coef[1] * n_seqs
+
+    def prefill(self, n: int, input_len: int) -> float:
+        """One step prefilling ``n`` whole prompts of ``input_len`` tokens (gives their first token)."""
+        return self.overhead(n) + float(self.bound(n * (prefill_flops(self.spec, input_len) + self.head) / self.peak,
+                                                   self.weights / self.bw_weights + n * input_len * self.kv / self.bw_kv))
+
+    def decode_steps(self, n: int, t):
+        """Per decode step (``t``: an array of KV lengths), seconds with ``n`` sequences all at that length."""
+        step = self.overhead(n) + self.bound(n * (self.f0 + self.f1 * t) / self.peak,
+                                             self.weights / self.bw_weights + n * t * self.kv / self.bw_kv)
+        if self.attn_rate:
+            step = step + n * self.f1 * t / self.attn_rate
+        return step
+
+    def step(self, decode_kv, chunks) -> float:
+        """A mixed step: one decode token for each KV length in ``decode_kv`` (an array), and prefill
+        chunks ``(start, end, last)`` (positions ``start..end`` of a prompt; ``last``: the chunk that ends
+        the prompt and samples its first token). Equals :meth:`prefill` and :meth:`decode_steps` on
+        their batches."""
+        import numpy as np
+
+        t = np.asarray(decode_kv, dtype=float)
+        flops = float(np.sum(self.f0 + self.f1 * t))
+        kv_tokens = float(t.sum())
+        for start, end, last in chunks:
+            flops += prefill_flops(self.spec, end) - (prefill_flops(self.spec, start) if start else 0)
+            flops += self.head if last else 0
+            kv_tokens += end  # reads the context, writes the chunk
+        out = self.overhead(len(t) + len(chunks)) + float(
+            self.bound(flops / self.peak, self.weights / self.bw_weights + kv_tokens * self.kv / self.bw_kv))
+        if self.attn_rate and len(t):
+            out += float(self.f1 * t.sum()) / self.attn_rate
+        return out
 
 
 class AnalyticBackend(Backend):
@@ -156,6 +211,8 @@ class AnalyticBackend(Backend):
                                    "seq_overhead_s": cal.seq_overhead_s,
                                    "head_overhead_s": cal.head_overhead_s,
                                    "kv_head_overhead_s": cal.kv_head_overhead_s, "combine": cal.combine,
+                                   "attn_core_flops": cal.attn_core_flops,
+                                   "decode_attention_on_cuda_cores": decode_on_cuda_cores(cal, spec),
                                    "engine": cal.engine}
                                   if cal else "uncalibrated: peak device figures, an optimistic bound")}
         return {"device": device.name, "dtype": dtype, "engine": engine, "timing": {},

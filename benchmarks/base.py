@@ -42,6 +42,7 @@ BACKENDS: dict[str, str] = {
     "sglang": "archsearch.benchmarks.sglang_backend:SGLangBackend",
     "hf": "archsearch.benchmarks.hf_backend:HFBackend",
     "analytic": "archsearch.benchmarks.analytic:AnalyticBackend",
+    "simulated": "archsearch.benchmarks.simulator:SimulatedBackend",
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -141,6 +142,7 @@ class BatchResult(PlainData):
     # a prediction whose KV cache does not fit: the sequences run at once (the rest queue), and why
     capped_at: int | None = None
     note: str | None = None
+    online: dict[str, Any] | None = None  # online serving metrics (simulator.ServingMetrics), where served online
 
     @classmethod
     def failed(cls, batch_size: int, error: str) -> "BatchResult":

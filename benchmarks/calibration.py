@@ -16,6 +16,17 @@ from archsearch.fileio import read_text, write_json
 from archsearch.hardware import detect_gpu_name, device_key
 
 
+# The GQA group size (query heads per KV head) from which an engine's default decode attention kernel
+# runs on tensor cores; below it the kernel does its math on CUDA cores, which costs time per query
+# head that the KV bytes do not show. SGLang's FlashInfer backend (``should_use_tensor_core`` in
+# python/sglang/srt/layers/attention/flashinfer_backend.py) picks FlashInfer's tensor-core
+# (prefill-style) decode kernel for bf16/fp16 when the group is > 4 in the 2024-25 releases (>= 4 in
+# later ones: a calibration may say so in ``tensor_core_min_group``), since the MMA tile fuses the head
+# group with the token dimension; below, FlashInfer's CUDA-core decode kernel. vLLM's default
+# FlashAttention backend packs the group into tensor-core tiles at every group size.
+TENSOR_CORE_MIN_GROUP = {"sglang": 5, "vllm": 1}
+
+
 @dataclass(frozen=True)
 class Calibration(PlainData):
     """Efficiency of one (device, engine, dtype) relative to the roofline's peaks."""
@@ -39,6 +50,10 @@ class Calibration(PlainData):
     kv_efficiency: float | None = None  # of the bandwidth, reading the KV cache (None: memory_efficiency)
     memory_fraction: float = 0.9  # share of device memory the engine holds weights and KV cache in
     source: dict[str, Any] = field(default_factory=dict)  # what it was fitted on: file, tables, rows
+    # decode attention on CUDA cores (GQA group below the engine's tensor-core threshold): its FLOPs run at
+    # this fitted rate, on top of the step's roofline (None: no such term)
+    attn_core_flops: float | None = None
+    tensor_core_min_group: int | None = None  # None: the engine's rule, TENSOR_CORE_MIN_GROUP
 
     def __post_init__(self) -> None:
         if self.combine not in ("max", "sum"):
@@ -46,6 +61,13 @@ class Calibration(PlainData):
         if not 0 < self.memory_fraction <= 1:
             raise ArchsearchError("calibration.memory_fraction", f"must be in (0, 1], got {self.memory_fraction!r}",
                                   "refit it")
+
+    @property
+    def min_tensor_core_group(self) -> int:
+        """The GQA group size from which this engine's decode attention runs on tensor cores."""
+        if self.tensor_core_min_group is not None:
+            return self.tensor_core_min_group
+        return TENSOR_CORE_MIN_GROUP.get(self.engine, 1)
 
     def save(self, path: str | Path) -> None:
         write_json(path, asdict(self), default=str)
@@ -97,3 +119,11 @@ class Calibration(PlainData):
         if engine and self.engine and engine != "analytic" and engine != self.engine:
             raise ArchsearchError(where, f"the calibration was fitted on {self.engine}, the study serves with {engine}",
                                   f"use a calibration of {engine} (configs/calibration/<device>-{engine}.json)")
+
+
+def decode_on_cuda_cores(calibration: Calibration | None, spec) -> bool:
+    """Whether the calibrated engine's decode attention runs on CUDA cores for ``spec``'s GQA group
+    (:data:`TENSOR_CORE_MIN_GROUP`)."""
+    if calibration is None:
+        return False
+    return spec.n_heads // spec.n_kv_heads < calibration.min_tensor_core_group

@@ -13,6 +13,9 @@ physically meant parameters on measured batches, by least squares on the log thr
   sequence and step (sampling, input preparation, block tables: a cost that grows with the batch and
   does not shrink with the KV cache; with it the throughput curve bends at small batch), and for CPU
   engines one per sequence, layer and query head or KV head (kernels that work head by head);
+* with ``+attn``, on the rows whose engine decodes on CUDA cores for the shape's GQA group
+  (``calibration.TENSOR_CORE_MIN_GROUP``: SGLang's FlashInfer below a group of 5), the rate of that
+  kernel's attention FLOPs (a cost per query head and KV token that the KV bytes do not show);
 * ``max`` (compute and memory overlap, the roofline's assumption, right on GPUs) or ``sum``.
 
 A batch whose KV cache does not fit is predicted as the engine runs it: at most as many sequences as
@@ -46,7 +49,7 @@ from typing import Any
 from archsearch.arch import ArchSpec
 from archsearch.benchmarks import read_jsonl
 from archsearch.benchmarks.analytic import predict_batch
-from archsearch.benchmarks.calibration import Calibration
+from archsearch.benchmarks.calibration import TENSOR_CORE_MIN_GROUP, Calibration
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_output
 from archsearch.hardware import detect_gpu_name, device_key, get_device
@@ -168,10 +171,12 @@ def read_throughput_table(path: str | Path) -> tuple[list[Point], dict[str, Any]
 # overhead terms of each variant: per sequence, per sequence x layer x (query | KV) head; "kv" a
 # separate efficiency for KV-cache reads. The head terms are for CPU engines (kernels that loop over
 # heads) and are tried on a measured CPU only; the KV efficiency on GPUs (attention kernels).
+# "attn" the rate of decode attention on CUDA cores, for the rows whose engine runs it there
+# (calibration.TENSOR_CORE_MIN_GROUP: a GQA group below the engine's tensor-core threshold).
 TERMS = {"": (), "+seq": ("seq",), "+seq+head": ("seq", "head"), "+seq+kvhead": ("seq", "kvhead"),
-         "+seq+kv": ("seq", "kv")}
+         "+seq+kv": ("seq", "kv"), "+seq+attn": ("seq", "attn"), "+seq+kv+attn": ("seq", "kv", "attn")}
 CPU_TERMS = ("", "+seq", "+seq+head", "+seq+kvhead")
-GPU_TERMS = ("", "+seq", "+seq+kv")
+GPU_TERMS = ("", "+seq", "+seq+kv", "+seq+attn", "+seq+kv+attn")
 # a variant within this much leave-one-shape-out error of the best counts as tied; the one with the
 # fewest parameters among the tied is kept
 TIE = 0.002
@@ -196,10 +201,12 @@ def _slots(pts: list[Point], v: Variant, devices: dict) -> tuple[dict, list]:
     slots: dict = {}
     init = {"ec": (0.3, 1e-4, 100.0), "ew": (0.3, 1e-4, 100.0), "kv": (0.3, 1e-4, 100.0),
             "step": (1e-3, 1e-7, 1.0), "seq": (1e-5, 1e-10, 0.1), "head": (1e-5, 1e-10, 0.1),
-            "kvhead": (1e-5, 1e-10, 0.1)}
+            "kvhead": (1e-5, 1e-10, 0.1), "attn": (3e13, 1e11, 1e16)}
     bounds = []
     for p in pts:
         for name in ("ec", "ew", "step", *v.terms):
+            if name == "attn" and not _on_cuda_cores(p):
+                continue  # this row's decode attention runs on tensor cores: the term does not apply
             owner = p.device_spec if (v.sharing == "pooled" and name in ("ec", "ew", "kv")) else p.group
             if (name, owner) not in slots:
                 slots[(name, owner)] = len(slots)
@@ -221,8 +228,13 @@ def _calibrations(theta, slots, v: Variant, pts: list[Point], devices: dict) -> 
         dev = devices[p.device_spec]
         out[p.group] = Calibration(p.device, p.engine, p.dtype, val["ec"], val["ew"], val["step"],
                                    val.get("seq", 0.0), val.get("head", 0.0), val.get("kvhead", 0.0), v.combine,
-                                   dev.peak_flops(p.dtype), dev.memory_bandwidth, kv_efficiency=val.get("kv"))
+                                   dev.peak_flops(p.dtype), dev.memory_bandwidth, kv_efficiency=val.get("kv"),
+                                   attn_core_flops=val.get("attn"))
     return out
+
+
+def _on_cuda_cores(p: Point) -> bool:
+    return p.spec.n_heads // p.spec.n_kv_heads < TENSOR_CORE_MIN_GROUP.get(p.engine, 1)
 
 
 def _predict(pts: list[Point], cals: dict, devices: dict):
@@ -235,7 +247,7 @@ def _predict(pts: list[Point], cals: dict, devices: dict):
     return np.array(out)
 
 
-def _fit_variant(pts: list[Point], v: Variant, devices: dict) -> dict:
+def fit_variant(pts: list[Point], v: Variant, devices: dict) -> dict:
     """Least squares on log throughput for one variant: per group, its ``Calibration``."""
     import numpy as np
     from scipy.optimize import least_squares
@@ -264,7 +276,7 @@ def held_out_errors(pts: list[Point], v: Variant, devices: dict, key) -> dict[st
         test = [p for p in pts if key(p) == k]
         if not {p.group for p in test} <= {p.group for p in train}:
             return None  # a group seen only in the held-out value has no fitted overheads
-        cals = _fit_variant(train, v, devices)
+        cals = fit_variant(train, v, devices)
         for p, q in zip(test, _predict(test, cals, devices)):
             rows.append({**p.row(), "predicted": float(q), "error": float(abs(q / p.measured - 1))})
     errs = np.array([r["error"] for r in rows])
@@ -280,6 +292,8 @@ def model_variants(pts: list[Point], devices: dict, terms=None) -> list[Variant]
     forms), each with max and sum, per group and, where a device has several engines, pooled."""
     terms = terms or (CPU_TERMS if any(d.measured for d in devices.values()) else GPU_TERMS)
     names = list(terms) if len({p.batch for p in pts}) >= 2 else [""]
+    if not any(_on_cuda_cores(p) for p in pts):  # no row for the CUDA-core attention term to fit on
+        names = [t for t in names if "attn" not in TERMS[t]]
     per_device: dict[str, set] = {}
     for p in pts:
         per_device.setdefault(p.device_spec, set()).add(p.group)
@@ -341,7 +355,7 @@ def fit_points(pts: list[Point], variant: str | None = None, terms=None) -> dict
     out = {}
     for name in dict.fromkeys(chosen.values()):
         v = variants[name]
-        cals = _fit_variant(pts, v, devices)
+        cals = fit_variant(pts, v, devices)
         loso = held_out_errors(pts, v, devices, shape_key)
         lobo = held_out_errors(pts, v, devices, lambda p: p.batch)
         for g in (g for g in groups if chosen[g] == name):

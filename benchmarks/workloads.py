@@ -1,0 +1,134 @@
+"""Deployment workloads: named presets of how a model is served, each with its objective.
+
+A workload fixes the lengths, the batching (an offline static batch, or requests arriving at a rate and
+batched continuously by the serving simulator) and what a target optimises: ``throughput`` (output
+tokens/s of the static batch, higher is better), ``goodput`` (requests/s whose TTFT and TPOT both meet
+the SLO, higher is better) or ``latency`` (end-to-end seconds of one request, lower is better).
+:meth:`Workload.score` turns every objective into a higher-is-better figure, so a ratio to the
+baseline reads the same way for all of them.
+
+    w = get_workload("chat")
+    settings = w.bench_settings(device_spec="H200", calibration="configs/calibration/h200-sglang.json")
+    score = w.score(measure(spec, settings).per_batch[0])
+
+The figures a target gets from an ``analytic`` or ``simulated`` backend are predictions (labelled so in
+their records); the presets' rates and SLOs are starting points for a ~1B model on one H200, meant to be
+overridden (``Workload.with_overrides``) for another model, device or service level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from archsearch.errors import ArchsearchError
+from archsearch.benchmarks.base import BatchResult, BenchSettings
+from archsearch.benchmarks.simulator import SLO
+
+OBJECTIVES = ("throughput", "goodput", "latency")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One way of serving: lengths, batching and the objective a target optimises."""
+
+    name: str
+    description: str
+    objective: str
+    input_len: int
+    output_len: int
+    batch_size: int | None = None  # a static batch (None: the target's own batch size)
+    rate: float | None = None  # requests/s, Poisson arrivals, simulated online (None: offline static batch)
+    n_requests: int | None = None  # requests simulated at ``rate``
+    max_num_seqs: int = 256  # the engine's scheduler limits, online
+    max_num_batched_tokens: int = 8192
+    slo: SLO | None = None
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ArchsearchError(f"workload {self.name}: objective", f"{self.objective!r} is unknown",
+                                  f"use one of {list(OBJECTIVES)}")
+        online = self.rate is not None
+        if self.objective == "goodput" and not (online and self.slo is not None):
+            raise ArchsearchError(f"workload {self.name}: slo", "goodput needs a rate and an slo: {ttft_s, tpot_s}",
+                                  "give both, or use objective: throughput")
+        if online and not (isinstance(self.rate, (int, float)) and math.isfinite(self.rate) and self.rate > 0):
+            raise ArchsearchError(f"workload {self.name}: rate", f"must be a positive number, got {self.rate!r}",
+                                  "requests per second, e.g. 32")
+        if online and not self.n_requests:
+            raise ArchsearchError(f"workload {self.name}: n_requests", "an online workload needs a request count",
+                                  "e.g. n_requests: 500")
+
+    @property
+    def online(self) -> bool:
+        return self.rate is not None
+
+    @property
+    def backend(self) -> str:
+        """``simulated`` for an online workload, ``analytic`` (the calibrated static batch) otherwise."""
+        return "simulated" if self.online else "analytic"
+
+    def with_overrides(self, **changes: Any) -> "Workload":
+        """This preset with some fields changed (``slo`` may be a ``{ttft_s, tpot_s}`` dict)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ArchsearchError(f"workload {self.name}", f"unknown fields {sorted(unknown)}",
+                                  f"use {[f.name for f in dataclasses.fields(self)]}")
+        if isinstance(changes.get("slo"), dict):
+            changes["slo"] = SLO(**changes["slo"])
+        return dataclasses.replace(self, **changes)
+
+    def bench_settings(self, device_spec: str, calibration: str | None = None, batch_size: int | None = None,
+                       dtype: str = "bfloat16") -> BenchSettings:
+        """The ``bench`` settings that predict this workload on one device (and engine, by its
+        calibration); ``batch_size`` is the static batch where the workload leaves it to the target."""
+        batch = self.batch_size or batch_size
+        if not self.online and batch is None:
+            raise ArchsearchError(f"workload {self.name}: batch_size", "an offline workload needs a batch size",
+                                  "give the target's batch_size")
+        engine_args: dict[str, Any] = {"calibration": calibration} if calibration else {}
+        if self.online:
+            engine_args.update(rate=self.rate, n_requests=self.n_requests,
+                               max_num_batched_tokens=self.max_num_batched_tokens)
+            if self.slo is not None:
+                engine_args["slo"] = dataclasses.asdict(self.slo)
+            batch = self.max_num_seqs  # the simulated backend's batch size is the engine's max_num_seqs
+        return BenchSettings(backend=self.backend, batch_sizes=[batch], input_len=self.input_len,
+                             output_len=self.output_len, dtype=dtype, device_spec=device_spec,
+                             engine_args=engine_args, warmup=0, repeats=1)
+
+    def score(self, batch: BatchResult) -> float:
+        """The objective as a higher-is-better figure: output tokens/s (throughput), requests/s meeting
+        the SLO (goodput), or 1 / end-to-end seconds (latency)."""
+        if not batch.ok:
+            raise ArchsearchError(f"workload {self.name}", f"the batch failed: {batch.error}", "see the record")
+        if self.objective == "throughput":
+            return float(batch.output_throughput)
+        if self.objective == "goodput":
+            if not batch.online or batch.online.get("goodput") is None:
+                raise ArchsearchError(f"workload {self.name}", "the record holds no goodput",
+                                      "serve it online (backend: simulated) with an slo")
+            return float(batch.online["goodput"])
+        return 1.0 / float(batch.e2e_latency_mean)
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("offline-4k-1k", "the paper's reference: a static batch of 4096-token prompts generating 1024 tokens "
+             "(docs/method.md section 5)", "throughput", 4096, 1024),
+    Workload("chat", "online chat: 1024-token prompts, 256-token answers, Poisson arrivals at 48 requests/s, "
+             "continuous batching; goodput under TTFT <= 1 s and TPOT <= 10 ms (100 tokens/s per user)",
+             "goodput", 1024, 256, rate=48.0, n_requests=500, slo=SLO(ttft_s=1.0, tpot_s=0.010)),
+    Workload("long-context", "a static batch of 32K-token prompts generating 1024 tokens: KV-cache bytes per "
+             "token set decode speed and how many sequences fit", "throughput", 32768, 1024),
+    Workload("single-stream", "one request at a time (on-device, agents): 4096-token prompt, 1024 tokens out; "
+             "end-to-end latency", "latency", 4096, 1024, batch_size=1),
+)}
+
+
+def get_workload(name: str) -> Workload:
+    """A preset by name, or an error naming the known ones."""
+    if name not in WORKLOADS:
+        raise ArchsearchError("workload", f"unknown workload {name!r}", f"use one of {sorted(WORKLOADS)}")
+    return WORKLOADS[name]
