@@ -12,6 +12,7 @@ from archsearch.cli._common import nonneg_int, out_dir, parse_int_list, parse_nu
 from archsearch.benchmarks.base import BACKENDS, DTYPES, backend_class
 from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError
+from archsearch.planning.planner import FINETUNE_RULE
 from archsearch.planning.request import PlanRequest, plan_deployment
 
 
@@ -122,7 +123,7 @@ def _print(plans, best, command, note, problems, out: Path, png: Path) -> None:
               f"{'within every limit' if cp.feasible else '; '.join(cp.reasons)}")
         print(f"  targets {','.join(lo['targets'])}; {len(lo['search'])} configurations searched, "
               f"{sum(x['within_limits'] for x in lo['search'])} within the fine-tuning limits")
-    print(f"  fine-tune chosen: {pl.FINETUNE_RULE}")
+    print(f"  fine-tune chosen: {FINETUNE_RULE}")
     for cp in plans:
         print(f"  {cp.name}: LoRA step time {cp.lora['time_method']}")
     for line in problems:
