@@ -180,6 +180,22 @@ class StepModel:
         return out
 
 
+def predicted_job(job: dict[str, Any]):
+    """(shape, device, dtype, calibration or None) of a predicting backend's job: the device named
+    (else this machine's), the dtype it resolves to there, and the calibration the engine
+    arguments name, checked to be of that device."""
+    s = job["settings"]
+    spec = ArchSpec.from_dict(job["arch"])
+    device = get_device(s.get("device_spec") or default_device_name())
+    dtype = resolve_dtype(s["dtype"], on_gpu=device.name != "cpu")
+    cal_path = (s.get("engine_args") or {}).get("calibration")
+    cal = None
+    if cal_path:
+        cal = Calibration.load(cal_path)
+        cal.check_matches(device.name, None, "calibration")
+    return spec, device, dtype, cal
+
+
 class AnalyticBackend(Backend):
     name = "analytic"
     packages = ("archsearch",)
@@ -188,14 +204,8 @@ class AnalyticBackend(Backend):
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
         s = job["settings"]
-        spec = ArchSpec.from_dict(job["arch"])
-        device = get_device(s.get("device_spec") or default_device_name())
-        dtype = resolve_dtype(s["dtype"], on_gpu=device.name != "cpu")
+        spec, device, dtype, cal = predicted_job(job)
         cal_path = (s.get("engine_args") or {}).get("calibration")
-        cal = None
-        if cal_path:
-            cal = Calibration.load(cal_path)
-            cal.check_matches(device.name, None, "calibration")
         per_batch = [predict_batch(spec, device, dtype, b, s["input_len"], s["output_len"], cal).to_dict()
                      for b in job["batch_sizes"]]
         engine = {"model": "roofline: prefill compute-bound, decode bound by weights + KV reads; a batch beyond "

@@ -27,9 +27,9 @@ from typing import Any
 from archsearch.arch import ArchSpec, kv_cache_bytes_per_token, weight_bytes
 from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
-from archsearch.hardware import Device, get_device
-from archsearch.benchmarks.analytic import MEMORY_FRACTION, StepModel, default_device_name
-from archsearch.benchmarks.base import Backend, BatchResult, Report, resolve_dtype
+from archsearch.hardware import Device
+from archsearch.benchmarks.analytic import MEMORY_FRACTION, StepModel, predicted_job
+from archsearch.benchmarks.base import Backend, BatchResult, Report
 from archsearch.benchmarks.calibration import Calibration, decode_on_cuda_cores
 
 
@@ -279,14 +279,8 @@ class SimulatedBackend(Backend):
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
         s = job["settings"]
-        spec = ArchSpec.from_dict(job["arch"])
-        device = get_device(s.get("device_spec") or default_device_name())
-        dtype = resolve_dtype(s["dtype"], on_gpu=device.name != "cpu")
+        spec, device, dtype, cal = predicted_job(job)
         cal_path = (s.get("engine_args") or {}).get("calibration")
-        cal = None
-        if cal_path:
-            cal = Calibration.load(cal_path)
-            cal.check_matches(device.name, None, "calibration")
         loads = {b: load_from_settings(s, b) for b in job["batch_sizes"]}  # every bad setting before any run
         per_batch = []
         for b, load in loads.items():

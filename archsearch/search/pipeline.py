@@ -27,7 +27,7 @@ from archsearch.logs import study_log
 from archsearch.search import log
 from archsearch.search.config import StudyConfig
 from archsearch.laws import load_law
-from archsearch.search.checks import check_target
+from archsearch.search.checks import check_loss_target
 from archsearch.search.inputs import ResumePlan, StageInputs, fingerprints, plan_resume, stage_inputs, supersede
 from archsearch.search.measurements import MeasurementStore, check_study_locks, file_lock
 from archsearch.search.resolved import ResolvedStudy, resolve
@@ -151,7 +151,7 @@ def _check_target_on_kept_law(resolved: ResolvedStudy, out: Path, state: StudySt
     if cfg.law.file or not state.done("fit") or "fit" in plan.stale or read_result(out / "law.json") is None:
         return
     law = load_law(out / "law.json")
-    check_target(cfg, law, resolved.target_loss(law), resolved.build)
+    check_loss_target(cfg, law, resolved.target_loss(law), resolved.build)
 
 
 def select_stages(cfg: StudyConfig, out: Path, only: set[str] | None, skip: set[str]) -> set[str]:
