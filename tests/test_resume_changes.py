@@ -247,3 +247,19 @@ def test_only_proxy_on_a_new_folder_asks_for_no_law(tmp_path):
     out = cfg.out_dir()
     s = pipeline.run(cfg, out, only={"proxy"})
     assert not (out / "law.json").exists() and s["target_loss"] is None
+
+
+def test_settings_the_search_reads_redo_it_when_changed(tmp_path, capsys):
+    """law.allow_extrapolation and optuna.target_objective decide which shapes the search admits and
+    how it ranks them: changing either on a finished study redoes the search (and the stages after)."""
+    from archsearch.search import pipeline
+
+    raw = study_config(tmp_path, optuna={"n_shapes": 2}, gqa_search={"enabled": False})
+    cfg = load(raw)
+    out = cfg.out_dir()
+    pipeline.run(cfg, out)
+    capsys.readouterr()
+    pipeline.run(load(_rewrite(raw, law={"allow_extrapolation": True})), out)
+    assert "stage search is redone: law.allow_extrapolation (null -> true)" in capsys.readouterr().err
+    pipeline.run(load(_rewrite(raw, law={"allow_extrapolation": True}, optuna={"target_objective": "geomean"})), out)
+    assert "optuna.target_objective (null -> \"geomean\")" in capsys.readouterr().err

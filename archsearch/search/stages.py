@@ -367,6 +367,12 @@ def _search_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str,
     s.update({"optuna.objective": cfg.optuna.objective, "optuna.measure_infeasible": cfg.optuna.measure_infeasible,
               "measure.reference_batch_size": cfg.measure.ref_batch, "measure.params": cfg.measure.params})
     s.update({f"measure.{k}": v for k, v in measure_key.items()})
+    # settings the search reads that were added to its fingerprint after studies were recorded: in it
+    # only away from their defaults, so a recorded study keeps its fingerprint while a change redoes it
+    for name, value, default in (("law.allow_extrapolation", cfg.law.allow_extrapolation, False),
+                                 ("optuna.target_objective", cfg.optuna.target_objective, "worst")):
+        if value != default:
+            s[name] = value
     if cfg.law.file:
         s["law.file"] = cfg.law.file
         s["law.file (content)"] = file_hash(cfg.law.file)
