@@ -118,9 +118,9 @@ def test_a_run_folder_of_other_settings_is_refused(tmp_path):
     assert e.value.field == "--out" and "--overwrite" in e.value.fix
     with pytest.raises(ArchsearchError, match="token budget"):
         check_run_folder(out, spec, TrainConfig(tokens=40000, global_batch_size=8))
-    _clear_run_folder(out, spec, tc)  # same settings: kept
+    _clear_run_folder(out, spec, tc, None)  # same settings: kept
     assert (out / "run.json").is_file()
-    _clear_run_folder(out, spec.replace(ffn=512), tc)
+    _clear_run_folder(out, spec.replace(ffn=512), tc, None)
     assert not out.exists()
 
 

@@ -11,6 +11,7 @@ to ``results/bench/kernel_path.jsonl``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import replace
@@ -28,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "configs" / "calibration" / "published-throughput.csv"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     t0 = time.perf_counter()
     pts, source = cf.read_throughput_table(TABLE)
     devices = cf.table_devices(pts)
