@@ -158,9 +158,11 @@ def test_search_writes_study_log_and_quiet_keeps_stderr_clean(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     _law(tmp_path)
     (tmp_path / "st.yaml").write_text(json.dumps(study))
-    assert main(["search", "--config", "st.yaml", "--out", "s", "--only", "fit", "--quiet"]) == 0
+    # the search alone (the law is given): its progress lines go to the log, not to a quiet console
+    assert main(["search", "--config", "st.yaml", "--out", "s", "--only", "search", "--quiet",
+                 "optuna.n_shapes=2"]) == 0
     assert "[search]" not in capsys.readouterr().err
-    assert "INFO archsearch.search: [search] no Optuna study yet" in (tmp_path / "s/study.log").read_text()
+    assert "INFO archsearch.search: [search] target loss" in (tmp_path / "s/study.log").read_text()
     # a config refused before any work writes no folder, so no log either
     assert main(["search", "--config", "st.yaml", "--out", "bad", "tokens=-1"]) == 2
     assert not (tmp_path / "bad").exists()
