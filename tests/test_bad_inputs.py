@@ -401,7 +401,7 @@ CLI_CASES = [
     ("estimate-seq-len-beyond-positions", [*EST, "--seq-len", "1000000000"], "--seq-len"),
     ("estimate-memory-seq-len-beyond-positions", [*MEM, "--seq-len", "1000000000"], "--seq-len"),
     ("estimate-lora-rank-huge", [*EST, "--finetune", "lora", "--lora-rank", "1000000000"], "lora.rank"),
-    ("train-launch-beyond-machine", [*TRAIN_CMD, "--launch", "--num-processes", "100000", "--out", "{d}/tl"],
+    ("train-launch-beyond-machine", [*TRAIN_CMD, "--launch", "--run", "--num-processes", "100000", "--out", "{d}/tl"],
      "--num-processes"),
     # data that would silently mix: refused, naming what the fit assumes
     ("train-data-latin1", [*TRAIN_CMD, "--data", "{d}/latin1.txt"], "latin1.txt"),

@@ -196,7 +196,7 @@ def test_a_failed_measurement_is_measured_again_on_resume_up_to_max_attempts(tmp
     from archsearch.search import pipeline
     from tests.test_search import load, study_config
 
-    cfg = load(study_config(tmp_path, optuna={"n_shapes": 2, "enqueue_solution": 1, "n_shapes": 6},
+    cfg = load(study_config(tmp_path, optuna={"n_shapes": 2, "enqueue_solution": 1, "n_trials": 6},
                             gqa_search={"enabled": False}, measure={"max_attempts": 2}))
     out = cfg.out_dir()
     fail_next = fail_next_paired_measurement(monkeypatch)
@@ -222,7 +222,7 @@ def test_a_failed_measurement_is_measured_again_on_resume_up_to_max_attempts(tmp
     assert len(records()) == n
 
     # with one more attempt allowed, the shape is measured and its trial completes
-    cfg3 = load(study_config(tmp_path, optuna={"n_shapes": 2, "enqueue_solution": 1, "n_shapes": 6},
+    cfg3 = load(study_config(tmp_path, optuna={"n_shapes": 2, "enqueue_solution": 1, "n_trials": 6},
                              gqa_search={"enabled": False}, measure={"max_attempts": 3}))
     s = pipeline.run(cfg3, out, only={"search", "report"})
     assert [r["result"]["ok"] for r in records() if r["key"] == key] == [False, False, True]

@@ -225,8 +225,12 @@ def _launch(args, spec, tc, dc) -> int:
                               "give the total GPU count, or run `accelerate config` once: its default is then used")
     if args.num_processes is not None and args.num_machines == 1:  # every process on this machine: one per device
         n, what = devices_here()
-        check_at_most("--num-processes", args.num_processes, n, f"this machine has {n} {what}; one process "
-                      "drives one device (for several machines give --num-machines)")
+        why = f"this machine has {n} {what}; one process drives one device (for several machines give --num-machines)"
+        if args.run:  # launched here: refused before any process starts
+            check_at_most("--num-processes", args.num_processes, n, why)
+        elif args.num_processes > n:  # written for another machine (a GPU node): said, not refused
+            get_logger("train").warning(f"archsearch: --num-processes {args.num_processes} is more than {why}: the "
+                                        "written launch is for a machine that has them")
     if args.run and args.num_machines > 1:
         raise ArchsearchError("--run", "runs this machine's rank only when there are several machines",
                               "submit the written sbatch script, or run the printed command on each machine")
