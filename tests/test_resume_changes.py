@@ -214,7 +214,7 @@ def test_every_refused_change_to_a_finished_study_changes_not_one_byte(tmp_path)
     coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
     write_runs(tmp_path / "a.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6, 2e6, 4e6),
                                                   tokens_per_param=(10, 20)))
-    raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0},
+    raw = study_config(tmp_path, law={"file": None, "fit": {"reference": "chinchilla", "bootstrap": 0}},
                        proxy={"runs": str(tmp_path / "a.csv")}, optuna={"n_shapes": 2},
                        gqa_search={"enabled": False})
     cfg = load(raw)
@@ -241,7 +241,7 @@ def test_only_proxy_on_a_new_folder_asks_for_no_law(tmp_path):
     coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
     write_runs(tmp_path / "a.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6),
                                                   tokens_per_param=(10, 20)))
-    raw = study_config(tmp_path, law={"file": None, "reference": "chinchilla", "bootstrap": 0},
+    raw = study_config(tmp_path, law={"file": None, "fit": {"reference": "chinchilla", "bootstrap": 0}},
                        proxy={"runs": str(tmp_path / "a.csv")})
     cfg = load(raw)
     out = cfg.out_dir()
