@@ -181,9 +181,9 @@ class StepModel:
 
 
 def predicted_job(job: dict[str, Any]):
-    """(shape, device, dtype, calibration or None) of a predicting backend's job: the device named
-    (else this machine's), the dtype it resolves to there, and the calibration the engine
-    arguments name, checked to be of that device."""
+    """(shape, device, dtype, calibration or None, its path or None) of a predicting backend's job:
+    the device named (else this machine's), the dtype it resolves to there, and the calibration the
+    engine arguments name, checked to be of that device."""
     s = job["settings"]
     spec = ArchSpec.from_dict(job["arch"])
     device = get_device(s.get("device_spec") or default_device_name())
@@ -193,7 +193,7 @@ def predicted_job(job: dict[str, Any]):
     if cal_path:
         cal = Calibration.load(cal_path)
         cal.check_matches(device.name, None, "calibration")
-    return spec, device, dtype, cal
+    return spec, device, dtype, cal, cal_path
 
 
 class AnalyticBackend(Backend):
@@ -204,8 +204,7 @@ class AnalyticBackend(Backend):
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
         s = job["settings"]
-        spec, device, dtype, cal = predicted_job(job)
-        cal_path = (s.get("engine_args") or {}).get("calibration")
+        spec, device, dtype, cal, cal_path = predicted_job(job)
         per_batch = [predict_batch(spec, device, dtype, b, s["input_len"], s["output_len"], cal).to_dict()
                      for b in job["batch_sizes"]]
         engine = {"model": "roofline: prefill compute-bound, decode bound by weights + KV reads; a batch beyond "

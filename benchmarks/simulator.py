@@ -279,8 +279,7 @@ class SimulatedBackend(Backend):
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
         s = job["settings"]
-        spec, device, dtype, cal = predicted_job(job)
-        cal_path = (s.get("engine_args") or {}).get("calibration")
+        spec, device, dtype, cal, cal_path = predicted_job(job)
         loads = {b: load_from_settings(s, b) for b in job["batch_sizes"]}  # every bad setting before any run
         per_batch = []
         for b, load in loads.items():

@@ -30,6 +30,12 @@ def file_hash(path: str | Path) -> str | None:
     return hashlib.sha256(p.read_bytes()).hexdigest()[:16]
 
 
+def named_file(name: str, path: str | Path) -> dict[str, Any]:
+    """A setting that names a file, as a stage's settings hold it: the name, and the file's content
+    (``file_hash``), so that an edited file redoes the stage as a changed name does."""
+    return {name: path, f"{name} (content)": file_hash(path)}
+
+
 def pick(d: dict[str, Any], *names: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """The settings under ``names`` of the config dict ``d``, flat, less those under ``drop``."""
     found = flat({n: d.get(n) for n in names}, "")

@@ -45,7 +45,7 @@ from archsearch.search.measurements import MeasurementStore, spec_key
 from archsearch.search.proxies import train_active_proxies, train_proxy_grid
 from archsearch.search.report import chosen_from_study, pareto_set, write_report
 from archsearch.search.resolved import ResolvedStudy
-from archsearch.search.settings import file_hash, flat, pick
+from archsearch.search.settings import flat, named_file, pick
 from archsearch.search.storage import recover_stale_trials
 from archsearch.search.study import load_study, run_study
 from archsearch.search.verify import VERIFY_FILE, verify_answer, verify_plan
@@ -294,8 +294,7 @@ def with_held_out_error(law, runs, study: ResolvedStudy):
 def _fit_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str, Any]:
     s = {**{f"law.{k}": v for k, v in flat(to_dict(cfg.fit_options()), "").items()}, "law.form": cfg.law.form}
     if cfg.proxy is not None and cfg.proxy.runs:
-        s["proxy.runs"] = cfg.proxy.runs
-        s["proxy.runs (content)"] = file_hash(cfg.proxy.runs)
+        s.update(named_file("proxy.runs", cfg.proxy.runs))
     return s
 
 
@@ -374,8 +373,7 @@ def _search_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str,
         if value != default:
             s[name] = value
     if cfg.law.file:
-        s["law.file"] = cfg.law.file
-        s["law.file (content)"] = file_hash(cfg.law.file)
+        s.update(named_file("law.file", cfg.law.file))
     return s
 
 
