@@ -331,14 +331,24 @@ def test_time_law_recovers_a_log_constant_outside_the_old_box():
     assert e.value.field == "time_law.Nc"
 
 
-def test_a_law_flat_in_tokens_is_flagged():
-    """Coefficients whose token term is lost beside the parameter term (wrong units, log base or
-    form) predict one time for every token count: estimate says so; a sound law is not flagged."""
+def test_a_degenerate_law_is_flagged(caplog):
+    """Coefficients one of whose terms is lost beside the other (wrong units, log base or form)
+    predict one time for every token count (or model size): estimate says so in its assumptions
+    and logs it once; a sound law is not flagged."""
     spec = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=768, vocab_size=32000)
-    sound = TimeLaw.from_coefficients("amdahl", Nc=math.exp(-70.0), Dc=math.exp(-9.0), aN=2.0, aD=0.5)
+    # both terms of the same order at N = 11.2M, D = 1e9: T ~ N^1 D^0.5 there
+    sound = TimeLaw.from_coefficients("amdahl", Nc=math.exp(-53.2), Dc=math.exp(-9.0), aN=2.0, aD=0.5)
     flat = TimeLaw.from_coefficients("amdahl", Nc=1.0, Dc=math.exp(-9.0), aN=2.0, aD=0.5)
-    assert sound.token_elasticity(spec, 1e9) == pytest.approx(0.5, abs=0.01)
-    assert flat.token_elasticity(spec, 1e9) < 1e-3
+    flat_n = TimeLaw.from_coefficients("amdahl", Nc=math.exp(-90.0), Dc=1.0, aN=2.0, aD=0.5)
+    assert sound.elasticities(spec, 1e9)["tokens"] == pytest.approx(0.25, abs=0.02)
+    assert sound.elasticities(spec, 1e9)["params"] == pytest.approx(1.0, abs=0.02)
+    assert sound.degeneracy(spec, 1e9) is None
+    assert flat.elasticities(spec, 1e9)["tokens"] < 1e-3 and flat.elasticities(spec, 1e9)["params"] > 0.9
+    assert flat_n.elasticities(spec, 1e9)["params"] < 1e-3 and flat_n.elasticities(spec, 1e9)["tokens"] > 0.49
     assert "time_law_warning" not in estimate_training(spec, 1e9, "H100", time_law=sound).assumptions
-    warn = estimate_training(spec, 1e9, "H100", time_law=flat).assumptions["time_law_warning"]
-    assert "flat in tokens" in warn
+    with caplog.at_level("WARNING", logger="archsearch"):
+        a = estimate_training(spec, 1e9, "H100", time_law=flat).assumptions
+        estimate_training(spec, 2e9, "H100", time_law=flat)
+    assert "flat in tokens" in a["time_law_warning"] and a["time_law_elasticities"]["tokens"] < 1e-3
+    assert sum("flat in tokens" in r.getMessage() for r in caplog.records) == 1
+    assert "flat in params" in estimate_training(spec, 1e9, "H100", time_law=flat_n).assumptions["time_law_warning"]

@@ -47,6 +47,7 @@ from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_text, write_json
 from archsearch.hardware import Device, get_device
+from archsearch.logs import get_logger
 from archsearch.planning.cost import resolve_price, training_cost
 from archsearch.planning.memory import check_parallelism, max_training_batch, predict_training_memory
 from archsearch.rundata import MAX_TOKENS
@@ -184,7 +185,9 @@ def _fit_form(form: str, X: np.ndarray, logT: np.ndarray, starts: int = 8,
     return p, notes
 
 
-# below this d log T / d log D a law's time barely grows with the tokens: flagged by estimate_training
+# below this elasticity (d log T / d log D, or / d log N) a law's time barely moves with its input:
+# a degenerate law (published coefficients read in the wrong units, log base or form give one),
+# flagged by estimate_training
 FLAT_ELASTICITY = 0.1
 
 
@@ -215,6 +218,7 @@ class TimeLaw(PlainData):
         if bad:
             raise ArchsearchError(f"time_law.params.{bad[0]}", f"must be a finite number, got {self.params[bad[0]]!r}")
         self._booster = None
+        self._warned = False  # a degenerate law is logged once, not once per estimate
         if self.residual_model:
             if len(self.train_features) < 3:
                 raise ArchsearchError("time_law.train_features", "a residual model needs its training points")
@@ -236,11 +240,35 @@ class TimeLaw(PlainData):
         return cls(form=form, params={"log_Nc": math.log(Nc), "log_Dc": math.log(Dc), "r": aN / aD, "aD": aD, **par},
                    device=device, notes=[f"from published coefficients{': ' + source if source else ''}"])
 
-    def token_elasticity(self, spec: ArchSpec, tokens: float, tp: int = 1, pp: int = 1) -> float:
-        """d log T / d log D around ``tokens`` (over a 10x span): ~1 where time grows with the
-        tokens as it must; ~0 for a law whose token term is lost beside its parameter term, as
-        published coefficients read in the wrong units, log base or form give (docs/planning.md)."""
-        return math.log10(self.predict(spec, tokens * 10 ** 0.5, tp, pp) / self.predict(spec, tokens / 10 ** 0.5, tp, pp))
+    def elasticities(self, spec: ArchSpec, tokens: float, tp: int = 1, pp: int = 1) -> dict[str, float]:
+        """``d log T / d log D`` (``tokens``) and ``d log T / d log N`` (``params``) around
+        ``spec`` and ``tokens``, each over a 10x span: near 1 where time grows with the tokens and
+        the model as it must; near 0 for a degenerate law, one of whose terms is lost beside the
+        other, as published coefficients read in the wrong units, log base or form give
+        (docs/planning.md)."""
+        base = np.array([compute_params(spec), float(tokens), tp, pp], dtype=float)
+        shape = np.array([[spec.n_layers, spec.hidden_size]] * 2, dtype=float)
+        out = {}
+        for name, col in (("params", 0), ("tokens", 1)):
+            X = np.array([base, base])
+            X[0, col] /= 10 ** 0.5
+            X[1, col] *= 10 ** 0.5
+            lo, hi = self.predict_array(X, shape)
+            out[name] = float(math.log10(hi / lo))
+        return out
+
+    def degeneracy(self, spec: ArchSpec, tokens: float, tp: int = 1, pp: int = 1) -> str | None:
+        """Why this law is degenerate around ``spec`` and ``tokens`` (an input it barely depends
+        on, :data:`FLAT_ELASTICITY`), or None."""
+        e = self.elasticities(spec, tokens, tp, pp)
+        flat = [k for k in ("tokens", "params") if e[k] < FLAT_ELASTICITY]
+        if not flat:
+            return None
+        return (f"the time law is flat in {' and '.join(flat)} here (d log T / d log D = {e['tokens']:.3g}, "
+                f"d log T / d log N = {e['params']:.3g}; below {FLAT_ELASTICITY}): one of its terms is lost beside "
+                "the other, so it predicts about the same time for any "
+                f"{'token count' if flat == ['tokens'] else 'model size' if flat == ['params'] else 'run'}; "
+                "check the coefficients' units (N and D in raw counts?), log base and form (docs/planning.md)")
 
     def predict_array(self, X: np.ndarray, shape: np.ndarray) -> np.ndarray:
         logT = _log_time(self.form, self.params, X)
@@ -492,13 +520,13 @@ def estimate_training(spec: ArchSpec, tokens: float, gpus: str = "8xH100", *, tp
                             "time_law_residual_model": time_law.residual_model,
                             "time_law_params": time_law.params, "time_law_runs": time_law.n_runs,
                             "time_law_device": time_law.device, "time_law_notes": time_law.notes})
-        elasticity = time_law.token_elasticity(spec, tokens, tp, pp)
-        assumptions["time_law_token_elasticity"] = elasticity
-        if elasticity < FLAT_ELASTICITY:
-            assumptions["time_law_warning"] = (
-                f"the law is flat in tokens here (d log T / d log D = {elasticity:.3g}): its token term is lost "
-                "beside its parameter term, so it predicts about the same time for any token count; check the "
-                "coefficients' units (N and D in raw counts?), log base and form (docs/planning.md)")
+        assumptions["time_law_elasticities"] = time_law.elasticities(spec, tokens, tp, pp)
+        warning = time_law.degeneracy(spec, tokens, tp, pp)
+        if warning:
+            assumptions["time_law_warning"] = warning
+            if not time_law._warned:
+                get_logger("estimate").warning(warning)
+                time_law._warned = True
     method = (f"fitted law ({time_law.form}{' + boosted residual' if time_law.residual_model else ''})"
               if time_law is not None else "analytic: training FLOPs / (MFU x peak x devices)")
     return TrainingEstimate(hours=hours, gpu_hours=hours * n, cost_usd=training_cost(hours, n, price),
