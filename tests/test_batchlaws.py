@@ -129,6 +129,23 @@ def test_read_points_and_estimate_cli_side_by_side(tmp_path, capsys):
     assert "--holdout" in capsys.readouterr().err and not (tmp_path / "l2.json").exists()
 
 
+def test_published_mixtral_law_of_the_authors_figure_13():
+    """The constants of the authors' Figure 13 script (github.com/stsxxx/finetune @ 728a01b,
+    analytical_model/analytical_capacity/plot.py: C0 = 62, C1 = 0.89, model_mem = 23.35 GB,
+    seq_length = 512, sparsity 0.25) give the figure's labels, bsz=28 at 100 GB and 35 at 120 GB
+    (27.9 and 35.2, the figure draws the continuous line), and its measured 6 (40 GB) and 8 (48 GB)
+    as floors; its measured 27 at 80 GB it does not (20.6)."""
+    from archsearch.planning.batchlaws import (PUBLISHED_MAX_BATCH, XIA2024_FIG13_MODEL_MEMORY_GB,
+                                               XIA2024_FIG13_SEQ_LEN, load_max_batch_law)
+
+    law = load_max_batch_law("published:xia2024-mixtral-fig13")
+    assert law is PUBLISHED_MAX_BATCH["xia2024-mixtral-fig13"] and (law.c0, law.c1) == (62.0, 0.89)
+    mm, seq = XIA2024_FIG13_MODEL_MEMORY_GB * 1e9, XIA2024_FIG13_SEQ_LEN
+    assert [law.predict_continuous(gb * 1e9, mm, seq, 0.25) for gb in (40, 48, 80, 100, 120)] == pytest.approx(
+        [6.064, 8.977, 20.631, 27.915, 35.199], abs=1e-3)
+    assert [law.predict(gb * 1e9, mm, seq, 0.25) for gb in (40, 48)] == [6, 8]
+
+
 def test_published_mixtral_law_in_its_units():
     """Xia et al. 2024 Eq. 1 with C0 = 82, C1 = 0.95 (GB, routed/all experts): hand-computed."""
     from archsearch.planning.batchlaws import PUBLISHED_MAX_BATCH, load_max_batch_law, with_active_experts

@@ -314,3 +314,28 @@ def test_finetune_memory_counts_what_is_trained():
     with pytest.raises(ArchsearchError) as e:
         predict_finetune_memory(spec, "prefix", 1, 174)
     assert e.value.field == "finetune"
+
+
+def test_checkpointed_lora_step_keeps_each_layer_input_and_one_layer():
+    """With activation checkpointing (per decoder layer, as LLaMA-Factory turns it on) the step
+    keeps every layer's input in the compute dtype plus one layer's saved set, hand-computed;
+    the non-checkpointed step keeps every layer's set; the rest of the step is unchanged."""
+    from archsearch.planning.finetune import predict_finetune_memory
+    from archsearch.planning.lora import lora_activation_bytes, lora_saved_bytes
+
+    spec = ArchSpec(n_layers=6, hidden_size=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=80, vocab_size=128,
+                    family="mixtral", n_experts=4, experts_per_token=2)
+    lora = LoraSettings(4, ("q_proj", "v_proj", "experts.gate_up_proj", "mlp.gate.weight"), expert_layout="per-expert")
+    per = lora_activation_bytes(spec, lora, "bfloat16")
+    layer = sum(v for k, v in per.items() if not k.endswith(("_position", "_token", "_per_layer")))
+    tokens, seq = 3 * 16, 16
+    outside = tokens * per["final_norm_per_token"] + seq * per["rope_per_position"]
+    assert lora_saved_bytes(spec, lora, 3, seq, "bfloat16", activation_checkpointing=True) == pytest.approx(
+        tokens * (6 * 64 * 2 + layer) + outside + per["expert_merged_weights_per_layer"])
+    assert lora_saved_bytes(spec, lora, 3, seq, "bfloat16") == pytest.approx(
+        tokens * 6 * layer + outside + 6 * per["expert_merged_weights_per_layer"])
+    on = predict_finetune_memory(spec, "qlora", 3, seq, lora=lora, activation_checkpointing=True)
+    off = predict_finetune_memory(spec, "qlora", 3, seq, lora=lora)
+    assert on["activations"] < off["activations"]
+    assert {k: v for k, v in on.items() if k not in ("activations", "total", "total_gib")} == \
+        {k: v for k, v in off.items() if k not in ("activations", "total", "total_gib")}

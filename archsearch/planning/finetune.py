@@ -16,17 +16,19 @@ FINETUNE_METHODS = ("full", "lora", "qlora")
 
 def predict_finetune_memory(spec: ArchSpec, method: str, batch_size: int, seq_len: int, dtype: str = "bfloat16",
                             *, lora: Any = None, weight_format: Any = None, adapter_dtype: str = "float32",
-                            **kw: Any) -> dict[str, Any]:
+                            activation_checkpointing: bool = False, **kw: Any) -> dict[str, Any]:
     """Peak bytes of one fine-tuning step, counted from what is trained: ``full`` (every weight
     trained: :func:`predict_training_memory`), ``lora`` / ``qlora`` (a frozen base in
     ``weight_format``, ``nf4`` for ``qlora``, and trained adapters:
-    :func:`archsearch.planning.lora.predict_lora_memory`). ``kw`` goes to full training's
+    :func:`archsearch.planning.lora.predict_lora_memory`); ``activation_checkpointing``: each
+    layer keeps only its input and is recomputed in backward. ``kw`` goes to full training's
     sharding options."""
     if method == "full":
         if weight_format not in (None, dtype):
             raise ArchsearchError("weight_format", f"{weight_format!r} with full fine-tuning",
                                   "a quantised base is frozen: use --finetune lora or qlora")
-        return predict_training_memory(spec, batch_size, seq_len, dtype, **kw)
+        return predict_training_memory(spec, batch_size, seq_len, dtype,
+                                       activation_checkpointing=activation_checkpointing, **kw)
     if method not in FINETUNE_METHODS:
         raise ArchsearchError("finetune", f"unknown method {method!r}", f"use one of {list(FINETUNE_METHODS)}")
     if kw:
@@ -35,7 +37,8 @@ def predict_finetune_memory(spec: ArchSpec, method: str, batch_size: int, seq_le
     if method == "qlora" and weight_format is None:
         weight_format = "nf4"
     m = predict_lora_memory(spec, lora or LoraSettings(), batch_size, seq_len, dtype,
-                            weight_format=weight_format, adapter_dtype=adapter_dtype)
+                            weight_format=weight_format, adapter_dtype=adapter_dtype,
+                            activation_checkpointing=activation_checkpointing)
     m["total_gib"] = m["total"] / GIB
     return m
 

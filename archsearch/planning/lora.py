@@ -216,19 +216,26 @@ def lora_activation_bytes(spec: ArchSpec, lora: LoraSettings, dtype: str = "floa
 
 
 def lora_saved_bytes(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
-                     dtype: str = "float32") -> float:
+                     dtype: str = "float32", activation_checkpointing: bool = False) -> float:
     """Total bytes autograd saves in one LoRA step (:func:`lora_activation_bytes` summed over
-    tokens, layers, positions)."""
+    tokens, layers, positions). With ``activation_checkpointing`` (transformers'
+    ``gradient_checkpointing_enable``, per decoder layer, as LLaMA-Factory turns it on by
+    default): each layer keeps only its input hidden state (``hidden_size`` values per token in
+    the compute dtype) and backward recomputes one layer at a time, so the peak holds every
+    layer's input plus one layer's saved set (and one layer's merged expert block)."""
     per = lora_activation_bytes(spec, lora, dtype)
     tokens = batch_size * seq_len
     per_token_layer = sum(v for k, v in per.items() if not k.endswith(("_position", "_token", "_per_layer")))
-    return (tokens * spec.n_layers * per_token_layer + tokens * per["final_norm_per_token"]
-            + seq_len * per["rope_per_position"] + spec.n_layers * per["expert_merged_weights_per_layer"])
+    outside = tokens * per["final_norm_per_token"] + seq_len * per["rope_per_position"]
+    if activation_checkpointing:
+        return (tokens * (spec.n_layers * spec.hidden_size * dtype_bytes(dtype) + per_token_layer) + outside
+                + per["expert_merged_weights_per_layer"])
+    return tokens * spec.n_layers * per_token_layer + outside + spec.n_layers * per["expert_merged_weights_per_layer"]
 
 
 def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq_len: int,
                         dtype: str = "float32", *, weight_format=None,
-                        adapter_dtype: str = "float32") -> dict[str, float]:
+                        adapter_dtype: str = "float32", activation_checkpointing: bool = False) -> dict[str, float]:
     """Bytes of one LoRA (QLoRA) training step at compute dtype ``dtype``:
 
     * ``weights``: the frozen base, its linear weights in ``weight_format`` (default ``dtype``;
@@ -239,7 +246,8 @@ def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq
       pass the compute dtype for adapters cast down), two AdamW states of the same dtype
       (``torch.optim.AdamW`` keeps them ``zeros_like`` the parameter);
     * ``activations``: what autograd saves in a LoRA step (:func:`lora_activation_bytes`: far
-      fewer than full training's, as frozen linears keep no inputs);
+      fewer than full training's, as frozen linears keep no inputs; with
+      ``activation_checkpointing`` each layer's input and one layer's set, :func:`lora_saved_bytes`);
     * ``dequant_workspace``: a quantised base is dequantised one weight at a time to ``dtype``
       for its matmul: the largest such weight;
     * ``loss``: the cross-entropy around the full-sequence logits (as full training);
@@ -252,7 +260,7 @@ def predict_lora_memory(spec: ArchSpec, lora: LoraSettings, batch_size: int, seq
     ab = dtype_bytes(adapter_dtype)
     base = base_weight_bytes(spec, fmt, dtype)
     out = {"weights": base["total"], "adapters": float(ab * n), "adapter_gradients": float(ab * n),
-           "optimizer": float(2 * ab * n), "activations": float(lora_saved_bytes(spec, lora, batch_size, seq_len, dtype)),
+           "optimizer": float(2 * ab * n), "activations": float(lora_saved_bytes(spec, lora, batch_size, seq_len, dtype, activation_checkpointing)),
            "dequant_workspace": float(largest_matrix(spec) * dtype_bytes(dtype)) if fmt.quantised else 0.0,
            "loss": float(full["loss"]), "runtime": float(RUNTIME_ALLOWANCE_BYTES)}
     out["total"] = sum(out.values())
