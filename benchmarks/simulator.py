@@ -105,6 +105,8 @@ class ServingMetrics(PlainData):
     max_running: int = 0  # most sequences in one step
     kv_capacity_tokens: int = 0
     predicted: bool = True
+    rate: float | None = None  # the offered load, requests/s (None: all at t=0)
+    failed: int = 0  # requests that got no complete answer (measured only; the metrics cover the others)
 
 
 class _Request:
@@ -223,13 +225,23 @@ def simulate(spec: ArchSpec, device: Device, dtype: str, load: ServingLoad,
 
 def _metrics(reqs: list[_Request], load: ServingLoad, preemptions: int, max_running: int,
              capacity: int) -> ServingMetrics:
+    return serving_metrics([r.arrival for r in reqs], [r.first for r in reqs], [r.done for r in reqs], load,
+                           predicted=True, preemptions=preemptions, max_running=max_running,
+                           kv_capacity_tokens=capacity)
+
+
+def serving_metrics(arrival, first, done, load: ServingLoad, predicted: bool, **extra: Any) -> ServingMetrics:
+    """The :class:`ServingMetrics` of requests that arrived, gave their first token and finished at these
+    times (seconds on one clock), each generating ``load.output_len`` tokens: the one computation of
+    the record for a simulated run and a measured one (:mod:`archsearch.benchmarks.online`)."""
     import numpy as np
 
-    ttft = np.array([r.first - r.arrival for r in reqs])
-    e2e = np.array([r.done - r.arrival for r in reqs])
+    arrival, first, done = (np.asarray(x, dtype=float) for x in (arrival, first, done))
+    ttft = first - arrival
+    e2e = done - arrival
     tpot = (e2e - ttft) / (load.output_len - 1) if load.output_len > 1 else None
-    duration = max(r.done for r in reqs) - min(r.arrival for r in reqs)
-    n = len(reqs)
+    duration = float(done.max() - arrival.min())
+    n = len(arrival)
 
     def pct(x, q):
         return float(np.percentile(x, q)) if x is not None else None
@@ -239,7 +251,7 @@ def _metrics(reqs: list[_Request], load: ServingLoad, preemptions: int, max_runn
         attain = float(np.mean(ok))
         good = float(ok.sum() / duration)
     return ServingMetrics(
-        n_requests=n, duration_s=float(duration), request_throughput=float(n / duration),
+        n_requests=n, duration_s=duration, request_throughput=float(n / duration),
         output_throughput=float(n * load.output_len / duration),
         total_throughput=float(n * (load.input_len + load.output_len) / duration),
         ttft_mean=float(ttft.mean()), ttft_p50=pct(ttft, 50), ttft_p90=pct(ttft, 90), ttft_p99=pct(ttft, 99),
@@ -248,7 +260,7 @@ def _metrics(reqs: list[_Request], load: ServingLoad, preemptions: int, max_runn
         e2e_mean=float(e2e.mean()), e2e_p50=pct(e2e, 50), e2e_p90=pct(e2e, 90), e2e_p99=pct(e2e, 99),
         goodput=good, slo_attainment=attain,
         slo={"ttft_s": load.slo.ttft_s, "tpot_s": load.slo.tpot_s} if load.slo else None,
-        preemptions=preemptions, max_running=max_running, kv_capacity_tokens=capacity)
+        predicted=predicted, rate=load.rate, **extra)
 
 
 def load_from_settings(settings: dict[str, Any], batch_size: int) -> ServingLoad:
