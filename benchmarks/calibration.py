@@ -105,7 +105,8 @@ class Calibration(PlainData):
     def check_matches(self, device: str | None, engine: str | None, where: str) -> None:
         """Refuse a calibration of another device or engine than the one it is used for (``where``:
         the setting to name). Its device is the table entry its roofline started from (a device
-        name the table does not know, e.g. a stand-in, is not compared)."""
+        name the table does not know, e.g. a stand-in, is not compared); the predicting backends (analytic,
+        simulated) predict for any engine, the calibration's."""
         def key(name: str) -> str | None:
             try:
                 return device_key(name)
@@ -116,7 +117,7 @@ class Calibration(PlainData):
             raise ArchsearchError(where, f"the calibration was fitted on {mine}, the prediction is for {device}",
                                   f"use a calibration of {device} (configs/calibration/<device>-<engine>.json) "
                                   "or fit one: python -m archsearch calibrate")
-        if engine and self.engine and engine != "analytic" and engine != self.engine:
+        if engine and self.engine and engine not in ("analytic", "simulated") and engine != self.engine:
             raise ArchsearchError(where, f"the calibration was fitted on {self.engine}, the study serves with {engine}",
                                   f"use a calibration of {engine} (configs/calibration/<device>-{engine}.json)")
 

@@ -9,7 +9,7 @@ online``; docs/benchmarks.md, "Online serving").
   its own process group, started through this module (``python -m archsearch.benchmarks.online
   OWNER_PID ARGV...``), which arms the watchdog of :func:`archsearch.benchmarks.scratch.watch_owner` and
   then ``exec``\\ s the server: if the measuring process dies, even by ``kill -9``, the group dies with
-  it; on every other exit the group is terminated (``isolate._kill_group``) and the shared-memory
+  it; on every other exit the group is terminated (``isolate.kill_group``) and the shared-memory
   segments it left are reaped.
 * **Client.** vLLM's own ``vllm bench serve`` does not fit: its ``random`` dataset decodes the token ids
   with the model's tokenizer (``gen_prompt_decode_to_target_len`` in vllm/benchmarks/datasets), and a
@@ -43,13 +43,16 @@ from typing import Any, Callable, Iterator
 from archsearch.arch import ArchSpec, describe, write_hf_config
 from archsearch.configio import PlainData
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.figures import save, styled
+from archsearch.hardware import get_device
 from archsearch.logs import get_logger
 from archsearch.provenance import provenance
-from archsearch.benchmarks.base import BenchSettings, require_module, resolve_dtype
+from archsearch.benchmarks.analytic import StepModel, default_device_name
+from archsearch.benchmarks.base import BenchSettings, get_backend, require_module, resolve_dtype
 from archsearch.benchmarks.engine_loop import PromptSource
-from archsearch.benchmarks.isolate import _kill_group
+from archsearch.benchmarks.isolate import kill_group
 from archsearch.benchmarks.scratch import reap_shared_memory, scratch_dir, shm_segments, watch_owner
-from archsearch.benchmarks.simulator import SLO, ServingLoad, ServingMetrics, arrivals, serving_metrics
+from archsearch.benchmarks.simulator import SLO, ServingLoad, ServingMetrics, arrivals, serving_metrics, simulate
 from archsearch.benchmarks.vllm_backend import INSTALL_FIX as VLLM_FIX, cpu_kv_space_gib
 
 HOST = "127.0.0.1"
@@ -178,7 +181,7 @@ def serve(argv: list[str], port: int, log_path: str | Path, env: dict[str, str] 
         log.info(f"[bench] {what} answered after {start:.0f} s")
         yield Server(url, model, proc.pid, start, list(argv), dict(env or {}))
     finally:
-        _kill_group(proc)
+        kill_group(proc)
         if proc.poll() is None:
             proc.wait()
         reap_shared_memory(0.0, only=shm_segments() - segments_before)
@@ -306,10 +309,6 @@ def check_feasible(spec: ArchSpec, load: ServingLoad, rates: list[float], device
     one sequence (``slo.tpot_s``) or of one prompt's prefill (``slo.ttft_s``), and a rate above the
     predicted saturation (the request throughput of a full batch of ``max_num_seqs``, all at once).
     Returns those bounds."""
-    from archsearch.benchmarks.analytic import StepModel, default_device_name
-    from archsearch.benchmarks.simulator import simulate
-    from archsearch.hardware import get_device
-
     device = get_device(device_spec or default_device_name())
     model = StepModel(spec, device, dtype, calibration)
     how = (f"the step model calibrated by {calibration.describe(None)}" if calibration is not None
@@ -335,14 +334,13 @@ def check_feasible(spec: ArchSpec, load: ServingLoad, rates: list[float], device
     return bounds
 
 
-def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: ServingLoad, rates: list[float],
-                   port: int | None = None, log_dir: str | Path | None = None, rounds: int = 1,
-                   on_point: Callable[[int, float, ServingMetrics | None], None] | None = None) -> OnlineSweep:
-    """Serve every shape of ``specs`` (the first the baseline) with ``settings.backend`` (vllm or sglang),
-    all at once, and run ``load`` at each of ``rates`` on each, the shapes alternating (module docstring);
-    ``rounds`` > 1 repeats every rate (the record keeps the last round's metrics and every round's
-    goodput and output throughput under ``timing.rounds``). ``port``: the first server's (refused when in
-    use), the others on free ports. Engine failures come back as None points with their reason."""
+@contextlib.contextmanager
+def served(specs: list[ArchSpec], settings: BenchSettings, load: ServingLoad, port: int | None = None,
+           log_dir: str | Path | None = None) -> Iterator[tuple[list[Server], dict[str, Any]]]:
+    """Every shape of ``specs`` served at once by ``settings.backend`` (vllm or sglang), each with dummy
+    weights from a scratch folder, the scheduler limits of ``load``; yields the servers and what started
+    them (dtype, command lines, environments, start times). ``port``: the first server's (refused when in
+    use), the others on free ports. All are ended on leaving, whatever the exit."""
     engine = settings.backend
     check_engine(engine)
     if port is not None:
@@ -353,12 +351,7 @@ def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: Serving
 
     on_gpu = torch.cuda.is_available()
     dtype = resolve_dtype(settings.dtype, on_gpu)
-    metrics: list[list[dict[str, Any] | None]] = [[None] * len(rates) for _ in specs]
-    rounds_rec: list[list[list[dict[str, Any]]]] = [[[] for _ in rates] for _ in specs]
-    errors: list[str] = []
-    order_rec: list[list[int]] = []
-    timing: dict[str, Any] = {"server_start_s": []}
-    argvs, envs = [], []
+    info: dict[str, Any] = {"dtype": dtype, "argv": [], "env": [], "server_start_s": []}
     with scratch_dir("model") as tmp, contextlib.ExitStack() as stack:
         servers = []
         for i, spec in enumerate(specs):
@@ -375,23 +368,34 @@ def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: Serving
             log_path = Path(log_dir or tmp) / f"server{i}.log"
             servers.append(stack.enter_context(serve(argv, p, log_path, env, settings.timeout_s,
                                                      what=f"{engine} server {i + 1}/{len(specs)}")))
-            timing["server_start_s"].append(servers[-1].start_s)
-            argvs.append(argv)
-            envs.append(env)
+            info["server_start_s"].append(servers[-1].start_s)
+            info["argv"].append(argv[2:])
+            info["env"].append(env)
+        yield servers, info
+
+
+def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: ServingLoad, rates: list[float],
+                   port: int | None = None, log_dir: str | Path | None = None, rounds: int = 1,
+                   on_point: Callable[[int, float, ServingMetrics | None], None] | None = None) -> OnlineSweep:
+    """Serve every shape of ``specs`` (the first the baseline, :func:`served`) and run ``load`` at each of
+    ``rates`` on each, the shapes alternating (module docstring); ``rounds`` > 1 repeats every rate (the
+    record keeps the last round's metrics and every round's goodput and output throughput under
+    ``timing.rounds``). A failed run comes back as a None point with its reason in ``errors``."""
+    metrics: list[list[dict[str, Any] | None]] = [[None] * len(rates) for _ in specs]
+    rounds_rec: list[list[list[dict[str, Any]]]] = [[[] for _ in rates] for _ in specs]
+    errors: list[str] = []
+    order_rec: list[list[int]] = []
+    with served(specs, settings, load, port, log_dir) as (servers, info):
         prompts = PromptSource(min(s.vocab_size for s in specs), load.input_len, settings.seed)
         t0 = time.perf_counter()
-        step = 0
         for j, rate in enumerate(rates):
             for _ in range(rounds):
-                order = list(range(len(specs)))
-                if step % 2:
-                    order.reverse()
-                step += 1
+                order = alternating(len(specs), len(order_rec))
                 order_rec.append(order)
                 for i in order:
-                    lj = dataclasses.replace(load, rate=rate)
                     try:
-                        m = run_load(servers[i].url, servers[i].model, lj, prompts, settings.timeout_s)
+                        m = run_load(servers[i].url, servers[i].model, dataclasses.replace(load, rate=rate), prompts,
+                                     settings.timeout_s)
                     except RuntimeError as e:
                         errors.append(f"shape {i} at {rate:g} requests/s: {e}")
                         m = None
@@ -400,17 +404,25 @@ def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: Serving
                         rounds_rec[i][j].append({"goodput": m.goodput, "output_throughput": m.output_throughput})
                     if on_point:
                         on_point(i, rate, m)
-        timing["sweep_s"] = time.perf_counter() - t0
-    if rounds > 1:
-        timing["rounds"] = rounds_rec
-    from archsearch.benchmarks.base import get_backend
+        sweep_s = time.perf_counter() - t0
+    return _measured_sweep(specs, settings, load, rates, metrics, order_rec, errors, info,
+                           {"server_start_s": info["server_start_s"], "sweep_s": sweep_s,
+                            **({"rounds": rounds_rec} if rounds > 1 else {})})
 
-    backend = get_backend(engine)
+
+def alternating(n: int, step: int) -> list[int]:
+    """The order ``n`` shapes run in at turn ``step``: 0..n-1, reversed every other turn."""
+    order = list(range(n))
+    return order[::-1] if step % 2 else order
+
+
+def _measured_sweep(specs, settings, load, rates, metrics, order, errors, info, timing) -> OnlineSweep:
+    backend = get_backend(settings.backend)
     prov = provenance(extra_packages=backend.packages)
-    return OnlineSweep(backend=engine, rates=list(rates), load=dataclasses.asdict(load),
-                       architectures=[describe(s, dtype) for s in specs], metrics=metrics, predicted=False,
-                       order=order_rec, errors=errors, device=(prov.get("device") or {}).get("name"), dtype=dtype,
-                       engine={"server": engine, "argv": [a[2:] for a in argvs], "env": envs,
+    return OnlineSweep(backend=settings.backend, rates=list(rates), load=dataclasses.asdict(load),
+                       architectures=[describe(s, info["dtype"]) for s in specs], metrics=metrics, predicted=False,
+                       order=order, errors=errors, device=(prov.get("device") or {}).get("name"), dtype=info["dtype"],
+                       engine={"server": settings.backend, "argv": info["argv"], "env": info["env"],
                                "client": "archsearch.benchmarks.online (aiohttp, streamed /v1/completions)",
                                "version": backend.version()},
                        timing=timing, provenance=prov)
@@ -419,10 +431,6 @@ def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: Serving
 def simulate_online(specs: list[ArchSpec], settings: BenchSettings, load: ServingLoad, rates: list[float],
                     calibration=None) -> OnlineSweep:
     """The same sweep predicted by the serving simulator (``settings.device_spec``, the calibration)."""
-    from archsearch.benchmarks.analytic import default_device_name
-    from archsearch.benchmarks.simulator import simulate
-    from archsearch.hardware import get_device
-
     device = get_device(settings.device_spec or default_device_name())
     dtype = resolve_dtype(settings.dtype, on_gpu=device.name != "cpu")
     metrics = [[simulate(s, device, dtype, dataclasses.replace(load, rate=r), calibration).to_dict() for r in rates]
@@ -451,8 +459,6 @@ def load_from_args(settings: BenchSettings, n_requests: int, slo: SLO | None,
 def sweep_figure(sweep: OnlineSweep, png: str | Path, labels: list[str] | None = None) -> Path:
     """Two panels: goodput (requests/s meeting the SLO) against offered rate, and tokens/s per user
     (1 / median TPOT) against output tokens/s of the device, one line per shape, each point a rate."""
-    from archsearch.figures import save, styled
-
     @styled
     def draw() -> Path:
         import matplotlib.pyplot as plt

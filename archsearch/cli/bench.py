@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from archsearch.benchmarks import append_jsonl, measure
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
 from archsearch.cli._common import nonneg_int, out_file, parse_float_list, pos_float, pos_int
 from archsearch.benchmarks.base import BACKENDS, DTYPES, BenchSettings
 from archsearch.benchmarks.calibration import Calibration
+from archsearch.benchmarks.online import (check_engine, check_feasible, check_port, load_from_args, measure_online,
+                                          simulate_online, sweep_figure)
+from archsearch.benchmarks.simulator import SLO
 from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError
 
@@ -130,12 +134,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _online(args: argparse.Namespace, engine_args: dict) -> int:
     """``--mode online``: a sweep of --rates for one shape, measured by its server or simulated; every
     bad setting (an SLO or rate the step model says no engine meets, a port in use) fails before any work."""
-    from pathlib import Path
-
-    from archsearch.benchmarks.online import (check_engine, check_feasible, check_port, load_from_args,
-                                              measure_online, simulate_online, sweep_figure)
-    from archsearch.benchmarks.simulator import SLO
-
     if not args.rates:
         raise ArchsearchError("--rates", "--mode online needs the offered rates", "e.g. --rates 0.5,1,2")
     if (args.slo_ttft is None) != (args.slo_tpot is None):
