@@ -54,6 +54,9 @@ class Calibration(PlainData):
     # this fitted rate, on top of the step's roofline (None: no such term)
     attn_core_flops: float | None = None
     tensor_core_min_group: int | None = None  # None: the engine's rule, TENSOR_CORE_MIN_GROUP
+    # per token a step processes, prefill or decode (a CPU engine's per-token work outside its GEMMs: the
+    # serving validation on vLLM-CPU fits it; 0 for the GPU calibrations)
+    token_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.combine not in ("max", "sum"):

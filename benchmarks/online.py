@@ -267,7 +267,7 @@ def run_load(url: str, model: str, load: ServingLoad, prompts: PromptSource, tim
             f"{recs[0].n_tokens} tokens streamed where {load.output_len} were asked"
         raise RuntimeError(f"no request of {len(recs)} completed: {why}")
     return serving_metrics([r.arrival for r in ok], [r.first for r in ok], [r.done for r in ok], load,
-                           predicted=False, failed=len(recs) - len(ok), **extra)
+                           predicted=False, keep_requests=True, failed=len(recs) - len(ok), **extra)
 
 
 # -- a sweep of rates over paired shapes -------------------------------------------------------------

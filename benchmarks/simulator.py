@@ -107,6 +107,8 @@ class ServingMetrics(PlainData):
     predicted: bool = True
     rate: float | None = None  # the offered load, requests/s (None: all at t=0)
     failed: int = 0  # requests that got no complete answer (measured only; the metrics cover the others)
+    # every request's seconds, in arrival order (measured runs: goodput under another SLO is read from them)
+    per_request: dict[str, list[float]] | None = None
 
 
 class _Request:
@@ -230,10 +232,12 @@ def _metrics(reqs: list[_Request], load: ServingLoad, preemptions: int, max_runn
                            kv_capacity_tokens=capacity)
 
 
-def serving_metrics(arrival, first, done, load: ServingLoad, predicted: bool, **extra: Any) -> ServingMetrics:
+def serving_metrics(arrival, first, done, load: ServingLoad, predicted: bool, keep_requests: bool = False,
+                    **extra: Any) -> ServingMetrics:
     """The :class:`ServingMetrics` of requests that arrived, gave their first token and finished at these
     times (seconds on one clock), each generating ``load.output_len`` tokens: the one computation of
-    the record for a simulated run and a measured one (:mod:`archsearch.benchmarks.online`)."""
+    the record for a simulated run and a measured one (:mod:`archsearch.benchmarks.online`);
+    ``keep_requests``: every request's times too (``per_request``)."""
     import numpy as np
 
     arrival, first, done = (np.asarray(x, dtype=float) for x in (arrival, first, done))
@@ -260,7 +264,9 @@ def serving_metrics(arrival, first, done, load: ServingLoad, predicted: bool, **
         e2e_mean=float(e2e.mean()), e2e_p50=pct(e2e, 50), e2e_p90=pct(e2e, 90), e2e_p99=pct(e2e, 99),
         goodput=good, slo_attainment=attain,
         slo={"ttft_s": load.slo.ttft_s, "tpot_s": load.slo.tpot_s} if load.slo else None,
-        predicted=predicted, rate=load.rate, **extra)
+        predicted=predicted, rate=load.rate,
+        per_request={"arrival": arrival.tolist(), "ttft": ttft.tolist(), "tpot": tpot.tolist() if tpot is not None
+                     else [0.0] * n, "e2e": e2e.tolist()} if keep_requests else None, **extra)
 
 
 def load_from_settings(settings: dict[str, Any], batch_size: int) -> ServingLoad:

@@ -96,6 +96,7 @@ def test_client_measures_streamed_tokens_of_a_real_http_server(stub, tmp_path):
     assert m.e2e_p50 == pytest.approx(m.ttft_p50 + 9 * m.tpot_p50, rel=0.1)
     assert m.goodput == 0.0 and m.slo_attainment == 0.0  # TPOT 20 ms misses a 10 ms SLO
     assert m.output_throughput == pytest.approx(m.n_requests * 10 / m.duration_s)
+    assert len(m.per_request["ttft"]) == 6 and max(m.per_request["ttft"]) == pytest.approx(m.ttft_p50, rel=0.5)
 
 
 def test_a_server_that_dies_is_an_error_with_its_log(tmp_path):
