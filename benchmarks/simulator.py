@@ -15,7 +15,8 @@ same arrivals) reports: request and token throughput, TTFT, TPOT and end-to-end 
 and goodput under an SLO (requests/s whose TTFT and TPOT both meet it). The offline limit (all requests
 at t=0, ``max_num_seqs`` = their number, a token budget that holds every prompt) reproduces
 ``analytic.predict_batch`` (tests/test_simulator.py). No GPU online measurement validates the online
-regime yet: the calibrations are fitted on offline static batches only.
+regime: the GPU calibrations are fitted on offline static batches only. On this CPU it is checked against
+vLLM-CPU servers (``benchmarks/scripts/bench_simulator_validation.py``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -313,5 +314,5 @@ class SimulatedBackend(Backend):
                                    "decode_attention_on_cuda_cores": decode_on_cuda_cores(cal, spec)}
                                   if cal else "uncalibrated: peak device figures, an optimistic bound"),
                   "validation": "offline limit equals the analytic prediction; no GPU online measurement "
-                                "validates the online regime"}
+                                "validates the online regime (vLLM-CPU: results/bench/simulator_validation.jsonl)"}
         return {"device": device.name, "dtype": dtype, "engine": engine, "timing": {}, "per_batch": per_batch}
