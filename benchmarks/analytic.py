@@ -108,7 +108,7 @@ class StepModel:
     behind :func:`predict_batch` and the serving simulator (``archsearch.benchmarks.simulator``).
 
     A step runs some sequences' decode tokens (each at its KV length) and some prompts' prefill chunks
-    (positions ``start..end``). Its time is the calibration's overhead (fixed, per sequence, per
+    (positions ``start..end``). Its time is the calibration's overhead (fixed, per token processed, per sequence, per
     sequence x layer x head) plus the roofline bound of its FLOPs and its bytes (weights once; every
     sequence's KV cache up to its position), plus, where the engine's decode attention kernel runs on
     CUDA cores for this shape's GQA group size (:func:`archsearch.benchmarks.calibration.decode_on_cuda_cores`),
@@ -122,6 +122,7 @@ class StepModel:
         self.bw_weights = self.bw_kv = bw
         self.bound = np.maximum
         self.coef = (0.0, 0.0)  # overhead: fixed, per sequence (head terms folded in)
+        self.per_token = 0.0  # overhead per token the step processes (prefill or decode)
         self.attn_rate = None
         if calibration is not None:
             c = calibration
@@ -131,6 +132,7 @@ class StepModel:
             self.bw_kv = bw * (c.kv_efficiency if c.kv_efficiency is not None else c.memory_efficiency)
             self.coef = (c.step_overhead_s, c.seq_overhead_s + c.head_overhead_s * spec.n_layers * spec.n_heads
                          + c.kv_head_overhead_s * spec.n_layers * spec.n_kv_heads)
+            self.per_token = c.token_overhead_s
             if c.attn_core_flops and decode_on_cuda_cores(c, spec):
                 self.attn_rate = c.attn_core_flops
             if c.combine == "sum":  # compute and memory traffic do not overlap
@@ -143,12 +145,14 @@ class StepModel:
         self.f0 = inference_flops_per_token(spec, 0, include_head=True)
         self.f1 = inference_flops_per_token(spec, 1, include_head=True) - self.f0
 
-    def overhead(self, n_seqs):
-        return self.coef[0] + self.coef[1] * n_seqs
+    def overhead(self, n_seqs, n_tokens=None):
+        """The engine's cost of a step of ``n_seqs`` sequences processing ``n_tokens`` tokens (default one
+        each: a decode step) beside its kernels' roofline."""
+        return self.coef[0] + self.coef[1] * n_seqs + self.per_token * (n_seqs if n_tokens is None else n_tokens)
 
     def prefill(self, n: int, input_len: int) -> float:
         """One step prefilling ``n`` whole prompts of ``input_len`` tokens (gives their first token)."""
-        return self.overhead(n) + float(self.bound(n * (prefill_flops(self.spec, input_len) + self.head) / self.peak,
+        return self.overhead(n, n * input_len) + float(self.bound(n * (prefill_flops(self.spec, input_len) + self.head) / self.peak,
                                                    self.weights / self.bw_weights + n * input_len * self.kv / self.bw_kv))
 
     def decode_steps(self, n: int, t):
@@ -173,7 +177,7 @@ class StepModel:
             flops += prefill_flops(self.spec, end) - (prefill_flops(self.spec, start) if start else 0)
             flops += self.head if last else 0
             kv_tokens += end  # reads the context, writes the chunk
-        out = self.overhead(len(t) + len(chunks)) + float(
+        out = self.overhead(len(t) + len(chunks), len(t) + sum(end - start for start, end, _ in chunks)) + float(
             self.bound(flops / self.peak, self.weights / self.bw_weights + kv_tokens * self.kv / self.bw_kv))
         if self.attn_rate and len(t):
             out += float(self.f1 * t.sum()) / self.attn_rate

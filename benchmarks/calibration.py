@@ -54,6 +54,9 @@ class Calibration(PlainData):
     # this fitted rate, on top of the step's roofline (None: no such term)
     attn_core_flops: float | None = None
     tensor_core_min_group: int | None = None  # None: the engine's rule, TENSOR_CORE_MIN_GROUP
+    # per token a step processes, prefill or decode (a CPU engine's per-token work outside its GEMMs: the
+    # serving validation on vLLM-CPU fits it; 0 for the GPU calibrations)
+    token_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.combine not in ("max", "sum"):
@@ -105,7 +108,8 @@ class Calibration(PlainData):
     def check_matches(self, device: str | None, engine: str | None, where: str) -> None:
         """Refuse a calibration of another device or engine than the one it is used for (``where``:
         the setting to name). Its device is the table entry its roofline started from (a device
-        name the table does not know, e.g. a stand-in, is not compared)."""
+        name the table does not know, e.g. a stand-in, is not compared); the predicting backends (analytic,
+        simulated) predict for any engine, the calibration's."""
         def key(name: str) -> str | None:
             try:
                 return device_key(name)
@@ -116,7 +120,7 @@ class Calibration(PlainData):
             raise ArchsearchError(where, f"the calibration was fitted on {mine}, the prediction is for {device}",
                                   f"use a calibration of {device} (configs/calibration/<device>-<engine>.json) "
                                   "or fit one: python -m archsearch calibrate")
-        if engine and self.engine and engine != "analytic" and engine != self.engine:
+        if engine and self.engine and engine not in ("analytic", "simulated") and engine != self.engine:
             raise ArchsearchError(where, f"the calibration was fitted on {self.engine}, the study serves with {engine}",
                                   f"use a calibration of {engine} (configs/calibration/<device>-{engine}.json)")
 

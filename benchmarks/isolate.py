@@ -53,7 +53,7 @@ class Outcome:
     last_event: str | None = None  # the child's last progress event (e.g. "batch 8: repeat 2 of 3")
 
 
-def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+def kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM then SIGKILL the child's process group (the child and its engine workers)."""
     pgid = proc.pid  # start_new_session: the child leads its own group
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -120,7 +120,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
                         on_event(job, ev)
                         last = ev
             finally:
-                _kill_group(proc)
+                kill_group(proc)
                 if proc.poll() is None:
                     proc.wait()
                 # the engine's segments its group left (the group is dead: none is in use by it)

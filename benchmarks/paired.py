@@ -43,6 +43,7 @@ from archsearch.benchmarks.isolate import run_isolated
 from archsearch.benchmarks.engine_loop import PromptSource
 from archsearch.benchmarks.measure import check_lengths, measure
 from archsearch.benchmarks.scratch import scratch_dir
+from archsearch.benchmarks.workloads import objective_score
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,14 @@ def instance_var_or_prior(results: list[PairedResult], p: PairedSettings) -> flo
     twin group is among ``results``, else the configured ``p.instance_sd`` squared."""
     pooled, n = instance_variance(results)
     return pooled if n else p.instance_sd ** 2
+
+
+def _score(r, batch_size: int, objective: str) -> float | None:
+    """A predicted result's figure of ``objective`` at ``batch_size`` (None: the batch failed)."""
+    b = next((b for b in r.per_batch if b.batch_size == batch_size and b.ok), None)
+    if b is None:
+        return None
+    return objective_score(objective, b) if objective != "throughput" else r.throughput(batch_size)
 
 
 @dataclass
@@ -300,9 +309,11 @@ class PairedRunner:
 
 def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: PairedSettings,
                    batch_size: int, log_path: str | Path | None = None,
-                   backend_class: str | None = None) -> PairedResult:
+                   backend_class: str | None = None, objective: str = "throughput") -> PairedResult:
     """Compare ``specs`` (the first is the reference) at ``batch_size`` with paired,
-    interleaved rounds in one engine process. Failures come back as ``ok=False``."""
+    interleaved rounds in one engine process. Failures come back as ``ok=False``. ``objective``
+    (:data:`archsearch.benchmarks.workloads.OBJECTIVES`, predictions only): what a round holds, output
+    tokens/s or, for a deployment workload, goodput or 1 / latency (``settings['objective']`` records it)."""
     if len(specs) < 2:
         raise ArchsearchError("specs", "paired measurement needs a reference and at least one shape")
     if paired.twin:
@@ -313,10 +324,15 @@ def measure_paired(specs: list[ArchSpec], settings: BenchSettings, paired: Paire
     backend.check_available()
     res = PairedResult(specs=[sp.to_dict() for sp in specs], rounds=[], settings=settings.to_dict(),
                        paired=asdict(paired), batch_size=batch_size)
+    if objective != "throughput":
+        if backend.isolated:
+            raise ArchsearchError("objective", f"{objective} is compared on predictions only",
+                                  "use backend simulated or analytic, or objective throughput")
+        res.settings["objective"] = objective
     if not backend.isolated:  # a prediction: deterministic, one "round" repeated
         results = [measure(sp, BenchSettings.from_dict({**settings.to_dict(), "batch_sizes": [batch_size]}))
                    for sp in specs]
-        tp = [r.throughput(batch_size) for r in results]
+        tp = [_score(r, batch_size, objective) for r in results]
         if any(t is None for t in tp):
             bad = next(r for r, t in zip(results, tp) if t is None)
             why = bad.error or next((b.error for b in bad.per_batch if b.error), None) or "no throughput"

@@ -15,7 +15,8 @@ same arrivals) reports: request and token throughput, TTFT, TPOT and end-to-end 
 and goodput under an SLO (requests/s whose TTFT and TPOT both meet it). The offline limit (all requests
 at t=0, ``max_num_seqs`` = their number, a token budget that holds every prompt) reproduces
 ``analytic.predict_batch`` (tests/test_simulator.py). No GPU online measurement validates the online
-regime yet: the calibrations are fitted on offline static batches only.
+regime: the GPU calibrations are fitted on offline static batches only. On this CPU it is checked against
+vLLM-CPU servers (``benchmarks/scripts/bench_simulator_validation.py``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ class ServingMetrics(PlainData):
     max_running: int = 0  # most sequences in one step
     kv_capacity_tokens: int = 0
     predicted: bool = True
+    rate: float | None = None  # the offered load, requests/s (None: all at t=0)
+    failed: int = 0  # requests that got no complete answer (measured only; the metrics cover the others)
+    # every request's seconds, in arrival order (measured runs: goodput under another SLO is read from them)
+    per_request: dict[str, list[float]] | None = None
 
 
 class _Request:
@@ -223,13 +228,25 @@ def simulate(spec: ArchSpec, device: Device, dtype: str, load: ServingLoad,
 
 def _metrics(reqs: list[_Request], load: ServingLoad, preemptions: int, max_running: int,
              capacity: int) -> ServingMetrics:
+    return serving_metrics([r.arrival for r in reqs], [r.first for r in reqs], [r.done for r in reqs], load,
+                           predicted=True, preemptions=preemptions, max_running=max_running,
+                           kv_capacity_tokens=capacity)
+
+
+def serving_metrics(arrival, first, done, load: ServingLoad, predicted: bool, keep_requests: bool = False,
+                    **extra: Any) -> ServingMetrics:
+    """The :class:`ServingMetrics` of requests that arrived, gave their first token and finished at these
+    times (seconds on one clock), each generating ``load.output_len`` tokens: the one computation of
+    the record for a simulated run and a measured one (:mod:`archsearch.benchmarks.online`);
+    ``keep_requests``: every request's times too (``per_request``)."""
     import numpy as np
 
-    ttft = np.array([r.first - r.arrival for r in reqs])
-    e2e = np.array([r.done - r.arrival for r in reqs])
+    arrival, first, done = (np.asarray(x, dtype=float) for x in (arrival, first, done))
+    ttft = first - arrival
+    e2e = done - arrival
     tpot = (e2e - ttft) / (load.output_len - 1) if load.output_len > 1 else None
-    duration = max(r.done for r in reqs) - min(r.arrival for r in reqs)
-    n = len(reqs)
+    duration = float(done.max() - arrival.min())
+    n = len(arrival)
 
     def pct(x, q):
         return float(np.percentile(x, q)) if x is not None else None
@@ -239,7 +256,7 @@ def _metrics(reqs: list[_Request], load: ServingLoad, preemptions: int, max_runn
         attain = float(np.mean(ok))
         good = float(ok.sum() / duration)
     return ServingMetrics(
-        n_requests=n, duration_s=float(duration), request_throughput=float(n / duration),
+        n_requests=n, duration_s=duration, request_throughput=float(n / duration),
         output_throughput=float(n * load.output_len / duration),
         total_throughput=float(n * (load.input_len + load.output_len) / duration),
         ttft_mean=float(ttft.mean()), ttft_p50=pct(ttft, 50), ttft_p90=pct(ttft, 90), ttft_p99=pct(ttft, 99),
@@ -248,7 +265,9 @@ def _metrics(reqs: list[_Request], load: ServingLoad, preemptions: int, max_runn
         e2e_mean=float(e2e.mean()), e2e_p50=pct(e2e, 50), e2e_p90=pct(e2e, 90), e2e_p99=pct(e2e, 99),
         goodput=good, slo_attainment=attain,
         slo={"ttft_s": load.slo.ttft_s, "tpot_s": load.slo.tpot_s} if load.slo else None,
-        preemptions=preemptions, max_running=max_running, kv_capacity_tokens=capacity)
+        predicted=predicted, rate=load.rate,
+        per_request={"arrival": arrival.tolist(), "ttft": ttft.tolist(), "tpot": tpot.tolist() if tpot is not None
+                     else [0.0] * n, "e2e": e2e.tolist()} if keep_requests else None, **extra)
 
 
 def load_from_settings(settings: dict[str, Any], batch_size: int) -> ServingLoad:
@@ -295,5 +314,5 @@ class SimulatedBackend(Backend):
                                    "decode_attention_on_cuda_cores": decode_on_cuda_cores(cal, spec)}
                                   if cal else "uncalibrated: peak device figures, an optimistic bound"),
                   "validation": "offline limit equals the analytic prediction; no GPU online measurement "
-                                "validates the online regime"}
+                                "validates the online regime (vLLM-CPU: results/bench/simulator_validation.jsonl)"}
         return {"device": device.name, "dtype": dtype, "engine": engine, "timing": {}, "per_batch": per_batch}

@@ -100,18 +100,40 @@ class Workload:
                              engine_args=engine_args, warmup=0, repeats=1)
 
     def score(self, batch: BatchResult) -> float:
-        """The objective as a higher-is-better figure: output tokens/s (throughput), requests/s meeting
-        the SLO (goodput), or 1 / end-to-end seconds (latency)."""
-        if not batch.ok:
-            raise ArchsearchError(f"workload {self.name}", f"the batch failed: {batch.error}", "see the record")
-        if self.objective == "throughput":
-            return float(batch.output_throughput)
-        if self.objective == "goodput":
-            if not batch.online or batch.online.get("goodput") is None:
-                raise ArchsearchError(f"workload {self.name}", "the record holds no goodput",
-                                      "serve it online (backend: simulated) with an slo")
-            return float(batch.online["goodput"])
+        """The objective as a higher-is-better figure (:func:`objective_score`)."""
+        return objective_score(self.objective, batch, f"workload {self.name}")
+
+    def apply(self, bench: BenchSettings, calibration: str | None = None, batch_size: int | None = None,
+              input_len: int | None = None, output_len: int | None = None) -> BenchSettings:
+        """``bench`` (a target's settings: its device, dtype, timeout) serving this workload: the workload's
+        backend, batching and lengths (``input_len``/``output_len``/``batch_size`` given: the target's own,
+        overriding the preset's)."""
+        w = self.with_overrides(**{k: v for k, v in (("input_len", input_len), ("output_len", output_len))
+                                   if v is not None})
+        if batch_size is not None and not w.online:
+            w = w.with_overrides(batch_size=batch_size)
+        s = w.bench_settings(bench.device_spec or "cpu", calibration, batch_size=max(bench.batch_sizes),
+                             dtype=bench.dtype)
+        return dataclasses.replace(bench, backend=s.backend, batch_sizes=s.batch_sizes, input_len=s.input_len,
+                                   output_len=s.output_len, engine_args={**bench.engine_args, **s.engine_args},
+                                   warmup=0, repeats=1)
+
+
+def objective_score(objective: str, batch: BatchResult, where: str = "objective") -> float:
+    """An objective as a higher-is-better figure of one batch's record: output tokens/s (``throughput``),
+    requests/s meeting the SLO (``goodput``), or 1 / end-to-end seconds (``latency``)."""
+    if not batch.ok:
+        raise ArchsearchError(where, f"the batch failed: {batch.error}", "see the record")
+    if objective == "throughput":
+        return float(batch.output_throughput)
+    if objective == "goodput":
+        if not batch.online or batch.online.get("goodput") is None:
+            raise ArchsearchError(where, "the record holds no goodput",
+                                  "serve it online (backend: simulated) with an slo")
+        return float(batch.online["goodput"])
+    if objective == "latency":
         return 1.0 / float(batch.e2e_latency_mean)
+    raise ArchsearchError(where, f"objective {objective!r} is unknown", f"use one of {list(OBJECTIVES)}")
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (

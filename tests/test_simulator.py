@@ -168,3 +168,17 @@ def test_fit_recovers_a_known_cuda_core_attention_rate():
     fit = next(iter(fit_variant(pts, Variant("sum", ("seq", "attn")), table_devices(pts)).values()))
     assert fit.attn_core_flops == pytest.approx(2e13, rel=0.05)
     assert fit.seq_overhead_s == pytest.approx(3e-5, rel=0.05) and fit.step_overhead_s == pytest.approx(1e-3, rel=0.05)
+
+
+def test_token_overhead_costs_every_token_a_step_processes():
+    """``token_overhead_s`` (a CPU engine's per-token work) adds per prefill token and per decode token,
+    the same in a mixed step as in the separate prefill and decode steps."""
+    spec = get_preset("llama-3.2-1b")
+    h200 = get_device("H200")
+    base = Calibration("H200", "vllm", "bfloat16", 0.5, 0.8, 1e-3, 3e-5)
+    with_tok = replace(base, token_overhead_s=1e-5)
+    a, b = StepModel(spec, h200, "bfloat16", base), StepModel(spec, h200, "bfloat16", with_tok)
+    assert b.prefill(2, 512) - a.prefill(2, 512) == pytest.approx(1024 * 1e-5)
+    assert b.decode_steps(8, 600.0) - a.decode_steps(8, 600.0) == pytest.approx(8 * 1e-5)
+    kv = [600.0] * 8
+    assert b.step(kv, [(0, 256, False)]) - a.step(kv, [(0, 256, False)]) == pytest.approx((8 + 256) * 1e-5)

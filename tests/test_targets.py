@@ -4,6 +4,7 @@ ranking included)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -189,3 +190,58 @@ def test_plan_prices_every_target(tmp_path, cli):
     assert per["gpu-sglang"]["device"] == "A100-40GB" and per["gpu-vllm"]["device"] == "H100-SXM"
     assert per["predicted"]["gpu_hours"]["high"] == 0.0 and per["gpu-vllm"]["gpu_hours"]["high"] > 0
     assert m["gpu_hours"]["high"] == pytest.approx(sum(p["gpu_hours"]["high"] for p in per.values()))
+
+
+WORKLOAD_TARGETS = [
+    {"name": "chat-h200", "workload": "chat", "device_spec": "H200", "calibration": CAL},
+    {"name": "batch-h200", "workload": "offline-4k-1k", "device_spec": "H200", "calibration": CAL, "batch_size": 16,
+     "input_len": 512, "output_len": 128},
+    {"name": "one-user", "workload": "single-stream", "device_spec": "H200", "calibration": CAL, "input_len": 256,
+     "output_len": 64},
+]
+
+
+def test_workload_targets_set_backend_batching_and_objective(tmp_path):
+    """A target naming a workload takes its batching, lengths (its own override them), backend and objective,
+    states that objective, and its paired comparison compares the objective's figure."""
+    from archsearch.arch import ArchSpec
+    from archsearch.benchmarks.analytic import predicted_job
+    from archsearch.benchmarks.simulator import load_from_settings, simulate
+    from archsearch.benchmarks.workloads import WORKLOADS
+    from archsearch.search.deployment import target_measure
+    from archsearch.search.measurements import MeasurementStore, Measurer, key_settings
+    from archsearch.search.targets import describe_target
+
+    cfg = load(targets_config(tmp_path, WORKLOAD_TARGETS))
+    chat, batch, one = (target_measure(cfg.measure, t) for t in cfg.measure.targets)
+    assert (chat.objective, chat.bench.backend, chat.bench.engine_args["rate"]) == ("goodput", "simulated", 48.0)
+    assert chat.bench.engine_args["slo"] == {"ttft_s": 1.0, "tpot_s": 0.01} and chat.bench.input_len == 1024
+    assert (batch.objective, batch.bench.backend, batch.ref_batch, batch.bench.input_len) == ("throughput", "analytic",
+                                                                                              16, 512)
+    assert (one.objective, one.bench.backend, one.ref_batch, one.bench.output_len) == ("latency", "analytic", 1, 64)
+    assert "objective goodput" in describe_target(cfg.measure.targets[0], chat)
+    assert "objective latency" in describe_target(cfg.measure.targets[2], one)
+    assert key_settings(chat, "simulated")["objective"] == "goodput"
+    assert "objective" not in key_settings(batch, "analytic")  # throughput keys as before
+    # the chat target's paired comparison holds goodput (fewer requests, for a quick test)
+    base = ArchSpec(n_layers=16, hidden_size=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192, vocab_size=128256)
+    other = base.replace(n_kv_heads=2)
+    m = dataclasses.replace(chat, bench=dataclasses.replace(chat.bench, engine_args={**chat.bench.engine_args,
+                                                                                      "n_requests": 60}))
+    pr = Measurer(m, MeasurementStore(tmp_path / "m.jsonl")).compare([base, other]).result
+    assert pr.ok and pr.predicted and pr.settings["objective"] == "goodput"
+    s = m.bench_settings("simulated").to_dict()
+    spec, device, dtype, cal, _ = predicted_job({"arch": other.to_dict(), "settings": s})
+    assert pr.rounds[0][1] == pytest.approx(simulate(spec, device, dtype, load_from_settings(s, 256), cal).goodput)
+    assert WORKLOADS["chat"].objective == "goodput"
+
+
+@pytest.mark.parametrize("target, field", [
+    ({"name": "x", "workload": "batchy", "device_spec": "H200"}, "measure.targets[0].workload"),
+    ({"name": "x", "workload": "chat", "backend": "vllm"}, "measure.targets[0].backend"),
+])
+def test_bad_workload_targets_named_at_load(tmp_path, target, field):
+    with pytest.raises(ArchsearchError) as e:
+        load(targets_config(tmp_path, [target]))
+    assert e.value.field == field, e.value
+

@@ -99,6 +99,17 @@ def out_dir(text: str) -> str:
     return text
 
 
+def parse_float_list(text: str) -> list[float]:
+    """'0.5,1,2' -> [0.5, 1.0, 2.0], each positive and finite (an argparse ``type``)."""
+    try:
+        vals = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+    if not vals or any(not (math.isfinite(v) and v > 0) for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive numbers, e.g. 0.5,1,2")
+    return vals
+
+
 def parse_int_list(text: str) -> list[int]:
     """'1,8,32' -> [1, 8, 32] (an argparse ``type``)."""
     try:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from archsearch.benchmarks import append_jsonl, measure
 from archsearch.cli._common import add_arch_args, arch_from_args, parse_int_list, print_json
-from archsearch.cli._common import nonneg_int, out_file, pos_float, pos_int
+from archsearch.cli._common import nonneg_int, out_file, parse_float_list, pos_float, pos_int
 from archsearch.benchmarks.base import BACKENDS, DTYPES, BenchSettings
 from archsearch.benchmarks.calibration import Calibration
+from archsearch.benchmarks.online import (check_engine, check_feasible, check_port, load_from_args, measure_online,
+                                          simulate_online, sweep_figure)
+from archsearch.benchmarks.simulator import SLO
 from archsearch.configio import field_defaults
 from archsearch.errors import ArchsearchError
 
@@ -50,6 +54,20 @@ def register(sub) -> None:
     p.add_argument("--log", type=out_file, metavar="FILE", help="keep the engine's output in FILE")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--out", type=out_file, metavar="FILE.jsonl", help="append the result to this JSONL file")
+    o = p.add_argument_group("online serving (--mode online: docs/benchmarks.md, 'Online serving')")
+    o.add_argument("--mode", choices=("offline", "online"), default="offline",
+                   help="offline: static batches (the paper's metric); online: the engine's OpenAI-compatible "
+                        "server (vllm, sglang) or the serving simulator (simulated) at each of --rates")
+    o.add_argument("--rates", type=parse_float_list, metavar="R1,R2,...",
+                   help="offered request rates (requests/s, Poisson arrivals), e.g. 0.5,1,2")
+    o.add_argument("--n-requests", type=pos_int, default=16, help="requests per rate (default 16)")
+    o.add_argument("--slo-ttft", type=pos_float, metavar="S", help="SLO: time to first token, seconds")
+    o.add_argument("--slo-tpot", type=pos_float, metavar="S", help="SLO: time per output token, seconds")
+    o.add_argument("--max-num-batched-tokens", type=pos_int,
+                   help="the scheduler's token budget per step (default max(2048, --input-len))")
+    o.add_argument("--port", type=int, help="the server's port on 127.0.0.1 (default: a free one)")
+    o.add_argument("--plot", type=out_file, metavar="FILE.png",
+                   help="the sweep's figure (default: --out's name with .png)")
     p.set_defaults(func=_bench)
 
 
@@ -68,6 +86,12 @@ def _engine_args(items: list[str]) -> dict:
 
 def _bench(args: argparse.Namespace) -> int:
     engine_args = _engine_args(args.engine_arg)
+    if args.mode == "online":
+        return _online(args, engine_args)
+    for flag in ("rates", "slo_ttft", "slo_tpot", "port", "plot", "max_num_batched_tokens"):
+        if getattr(args, flag) is not None:
+            raise ArchsearchError(f"--{flag.replace('_', '-')}", "applies to --mode online only",
+                                  "add --mode online, or drop it")
     if args.calibration:
         if args.backend != "analytic":
             raise ArchsearchError("--calibration", "applies to --backend analytic only",
@@ -105,6 +129,72 @@ def _bench(args: argparse.Namespace) -> int:
         print("archsearch: " + "; ".join(f"batch size {b.batch_size} failed: {b.error}" for b in failed)
               + f"; the other {len(result.per_batch) - len(failed)} batch size(s) are measured", file=sys.stderr)
     return 0
+
+
+def _online(args: argparse.Namespace, engine_args: dict) -> int:
+    """``--mode online``: a sweep of --rates for one shape, measured by its server or simulated; every
+    bad setting (an SLO or rate the step model says no engine meets, a port in use) fails before any work."""
+    if not args.rates:
+        raise ArchsearchError("--rates", "--mode online needs the offered rates", "e.g. --rates 0.5,1,2")
+    if (args.slo_ttft is None) != (args.slo_tpot is None):
+        raise ArchsearchError("--slo-ttft/--slo-tpot", "an SLO needs both", "give both, or neither (no goodput)")
+    if not (args.plot or args.out):
+        raise ArchsearchError("--plot", "the sweep's figure needs a file", "give --plot FILE.png or --out FILE.jsonl")
+    if args.backend not in ("vllm", "sglang", "simulated"):
+        raise ArchsearchError("--backend", f"{args.backend} has no online mode",
+                              "use vllm or sglang (measured by its server) or simulated (predicted)")
+    cal = None  # measured: only to check the SLO and rates before any work; simulated: its step times
+    if args.calibration:
+        cal = Calibration.load(args.calibration)
+        cal.check_matches(args.device_spec, None, "--calibration")
+    if args.backend == "simulated" and cal is None and args.device_spec and args.device_spec.lower() != "cpu":
+        print("archsearch: simulating without --calibration: peak device figures, an optimistic bound", file=sys.stderr)
+    settings = BenchSettings(backend=args.backend, batch_sizes=args.batch_sizes, input_len=args.input_len,
+                             output_len=args.output_len, dtype=args.dtype, timeout_s=args.timeout,
+                             device_spec=args.device_spec, engine_args=engine_args, seed=args.seed, repeats=1)
+    slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None
+    load = load_from_args(settings, args.n_requests, slo, args.max_num_batched_tokens)
+    spec = arch_from_args(args)
+    if args.n_layers is not None:
+        spec = spec.replace(max_position_embeddings=max(spec.max_position_embeddings,
+                                                        settings.input_len + settings.output_len))
+    if args.backend != "simulated":
+        check_engine(args.backend)
+        if args.port is not None:
+            check_port(args.port)
+    dtype = "float32" if args.dtype == "auto" and (args.device_spec or "cpu").lower() == "cpu" else (
+        "bfloat16" if args.dtype == "auto" else args.dtype)
+    bounds = check_feasible(spec, load, args.rates, args.device_spec, dtype, cal)
+    if args.backend == "simulated":
+        sweep = simulate_online([spec], settings, load, args.rates, cal)
+    else:
+        sweep = measure_online([spec], settings, load, args.rates, port=args.port,
+                               log_dir=Path(args.log).parent if args.log else None)
+    sweep.timing["step_model_bounds"] = bounds
+    if args.out:
+        append_jsonl(args.out, sweep.to_dict())
+    png = sweep_figure(sweep, args.plot or Path(args.out).with_suffix(".png"))
+    d = sweep.to_dict()
+    if args.json:
+        print_json(d)
+    else:
+        kind = "PREDICTION (serving simulator)" if sweep.predicted else f"measured ({sweep.backend} server)"
+        print(f"online sweep, {kind} on {sweep.device}: {load.input_len} in / {load.output_len} out, "
+              f"{load.n_requests} requests per rate, max_num_seqs {load.max_num_seqs}"
+              + (f", SLO TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s * 1e3:g} ms" if slo else ""))
+        print(f"{'rate/s':>7} {'req/s':>7} {'goodput':>8} {'out tok/s':>10} {'TTFT p50 ms':>12} {'p99 ms':>8} "
+              f"{'TPOT p50 ms':>12} {'e2e p50 s':>10} {'failed':>6}")
+        for r, m in zip(sweep.rates, sweep.metrics[0]):
+            if m is None:
+                print(f"{r:>7g}  FAILED")
+                continue
+            print(f"{r:>7g} {m['request_throughput']:>7.2f} {_fmt(m['goodput'], 1, 2):>8} "
+                  f"{m['output_throughput']:>10.1f} {m['ttft_p50'] * 1e3:>12.1f} {m['ttft_p99'] * 1e3:>8.1f} "
+                  f"{_fmt(m['tpot_p50'], 1e3, 2):>12} {m['e2e_p50']:>10.3f} {m['failed']:>6}")
+        print(f"figure: {png}" + (f"; appended to {args.out}" if args.out else ""))
+    for e in sweep.errors:
+        print(f"archsearch: {e}", file=sys.stderr)
+    return 1 if all(m is None for m in sweep.metrics[0]) else 0
 
 
 def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from archsearch.arch import SUPPORTED_HEAD_DIMS
-from archsearch.benchmarks.base import BACKENDS, BenchSettings
+from archsearch.benchmarks.base import BACKENDS, BenchSettings, backend_class
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.paired import PairedSettings
+from archsearch.benchmarks.workloads import OBJECTIVES
 from archsearch.bounds import check_count
 from archsearch.candidates import BuildSettings, check_size
 from archsearch.cluster.config import ClusterConfig
@@ -271,8 +272,18 @@ class MeasureConfig:
     # each, the objective an aggregate of the ratios (optuna.target_objective); None: this block is
     # the one target
     targets: list[DeploymentTarget] | None = None
+    # what a ratio to the baseline compares (archsearch.benchmarks.workloads.OBJECTIVES): output tokens/s,
+    # or, set by a target's workload, goodput under its SLO or 1 / end-to-end latency (keys a measurement
+    # only when not throughput: measurements.key_settings)
+    objective: str = "throughput"
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ArchsearchError("measure.objective", f"{self.objective!r} is unknown", f"use one of {list(OBJECTIVES)}")
+        if self.objective != "throughput" and not backend_class(self.bench.backend).predicted:
+            raise ArchsearchError("measure.objective", f"{self.objective} is compared on predictions only here "
+                                  f"(the {self.bench.backend} backend measures static batches)",
+                                  "predict it (a target's workload: backend simulated/analytic), or use throughput")
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) \
                 or not 1 <= self.max_attempts <= 100:
             raise ArchsearchError("measure.max_attempts", f"must be an integer in [1, 100], got {self.max_attempts!r}",
@@ -306,7 +317,7 @@ class MeasureConfig:
         """The plain :class:`BenchSettings` of this block on ``backend`` (the engine a study
         measures with may be the fallback)."""
         engine_args = dict(self.bench.engine_args)
-        if backend == "analytic" and self.calibration:  # where the analytic backend reads it (as bench passes it)
+        if backend_class(backend).predicted and self.calibration:  # where a predicting backend reads it (as bench passes it)
             engine_args["calibration"] = self.calibration
         try:
             return replace(self.bench, backend=backend, batch_sizes=list(self.bench.batch_sizes), engine_args=engine_args)

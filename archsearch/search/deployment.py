@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from archsearch.benchmarks.base import backend_class
+from archsearch.benchmarks.workloads import get_workload
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name
 from archsearch.hardware import device_key
@@ -19,7 +20,8 @@ AGGREGATES = ("worst", "geomean")
 class DeploymentTarget:
     """One place the model will serve. Unset fields take the ``measure`` block's value (dtype,
     repeats, the paired settings and the rest always do); ``batch_size`` is the target's
-    objective batch (default: the largest of ``batch_sizes``; alone, the only one measured)."""
+    objective batch (default: the largest of ``batch_sizes``; alone, the only one measured). With
+    ``workload`` the preset sets the batching, lengths, backend and objective (:attr:`objective`)."""
 
     name: str
     backend: str | None = None
@@ -30,9 +32,23 @@ class DeploymentTarget:
     input_len: int | None = None
     output_len: int | None = None
     weight: float = 1.0
+    # a deployment workload preset (archsearch.benchmarks.workloads: offline-4k-1k, chat, long-context,
+    # single-stream): its batching, lengths (the target's input_len/output_len/batch_size override them),
+    # backend (simulated online, the analytic roofline offline: predictions) and objective
+    workload: str | None = None
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
+        if self.workload is not None:
+            try:
+                w = get_workload(self.workload)
+            except ArchsearchError as e:
+                raise ArchsearchError("workload", e.problem, e.fix) from None
+            if self.backend is not None and self.backend != w.backend:
+                raise ArchsearchError("backend", f"workload {w.name} is predicted by the {w.backend} backend; "
+                                      f"a study does not serve it with {self.backend}",
+                                      f"drop backend (or write backend: {w.backend}); measure it online by hand with "
+                                      "archsearch bench --mode online")
         if self.backend is not None:
             backend_class(self.backend)  # a registered backend, or an error naming the field
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \
@@ -48,9 +64,16 @@ class DeploymentTarget:
                 device_key(self.device_spec)
             except ArchsearchError as e:
                 raise ArchsearchError("device_spec", e.problem, e.fix) from None
-        if self.calibration is not None and self.backend not in (None, "analytic"):
+        if self.calibration is not None and self.backend not in (None, "analytic", "simulated"):
             raise ArchsearchError("calibration", f"a {self.backend} target is measured, not predicted",
                                   "drop calibration, or set backend: analytic to predict this target")
+
+
+def target_objective(t: DeploymentTarget) -> str:
+    """What the target's ratio to the baseline compares: its workload's objective, else output tokens/s."""
+    if t.workload is None:
+        return "throughput"
+    return get_workload(t.workload).objective
 
 
 def check_deployment_targets(measure) -> None:
@@ -81,6 +104,12 @@ def target_measure(measure, t: DeploymentTarget):
     engine, calibration, batch sizes and lengths (a calibration is never inherited: the study's
     belongs to another device or engine)."""
     b = measure.bench
+    if t.workload is not None:
+        base = dataclasses.replace(b, device_spec=t.device_spec if t.device_spec is not None else b.device_spec,
+                                   batch_sizes=[t.batch_size] if t.batch_size is not None else list(b.batch_sizes))
+        bench = get_workload(t.workload).apply(base, t.calibration, t.batch_size, t.input_len, t.output_len)
+        return dataclasses.replace(measure, bench=bench, targets=None, calibration=t.calibration,
+                                   reference_batch_size=bench.batch_sizes[0], objective=target_objective(t))
     batch_sizes = list(t.batch_sizes) if t.batch_sizes is not None else (
         [t.batch_size] if t.batch_size is not None else list(b.batch_sizes))
     ref = t.batch_size if t.batch_size is not None else (

@@ -165,6 +165,8 @@ def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
     An analytic prediction is keyed by its calibration's content, not its name (a refitted file
     re-keys)."""
     keyed = key_values(cfg)
+    if cfg.objective != "throughput":  # only then: every stored throughput measurement keeps its key
+        keyed["objective"] = cfg.objective
     if keyed.get("calibration") and backend == "analytic":
         keyed["calibration"] = {"file": keyed["calibration"],
                                 "sha256": hashlib.sha256(Path(keyed["calibration"]).read_bytes()).hexdigest()}
@@ -298,7 +300,8 @@ class Measurer:
         return instance_var_or_prior(list(groups.values()), self.cfg.paired)
 
     def _paired(self, specs: list[ArchSpec]):
-        return measure_paired([self.scale(s) for s in specs], self.settings(), self.cfg.paired, self.cfg.ref_batch)
+        return measure_paired([self.scale(s) for s in specs], self.settings(), self.cfg.paired, self.cfg.ref_batch,
+                              objective=self.cfg.objective)
 
     def measured_dtype(self, spec: ArchSpec) -> str | None:
         """The dtype ``spec`` was measured in; every measurement of a study runs at one dtype, so a

@@ -28,6 +28,7 @@ from archsearch.arch import ArchSpec
 from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.base import backend_class
 from archsearch.benchmarks.calibration import Calibration
+from archsearch.benchmarks.workloads import objective_score
 from archsearch.errors import ArchsearchError
 from archsearch.figures import save
 from archsearch.logs import get_logger
@@ -69,6 +70,13 @@ def describe_target(t: DeploymentTarget, m) -> str:
     """How a report names a target: device, engine, batch, lengths, and how it is known."""
     engine = m.bench.backend
     how = "measured"
+    if t.workload is not None:
+        cal = m.calibration
+        serve = (f"online at {m.bench.engine_args.get('rate')} requests/s, simulated" if m.bench.backend == "simulated"
+                 else f"batch {m.ref_batch}, roofline")
+        return (f"workload {t.workload} on {m.bench.device_spec or 'local device'}: {m.bench.input_len} in / "
+                f"{m.bench.output_len} out, {serve}; objective {m.objective}; predicted "
+                f"({'calibrated by ' + cal if cal else 'uncalibrated: peak figures'})")
     if m.bench.backend == "analytic":
         if m.calibration:
             engine = Calibration.load(m.calibration).engine or "engine"
@@ -76,7 +84,7 @@ def describe_target(t: DeploymentTarget, m) -> str:
         else:
             engine, how = "engine", "predicted (uncalibrated roofline: peak figures)"
     return (f"{m.bench.device_spec or 'local device'} x {engine}, batch {m.ref_batch}, "
-            f"{m.bench.input_len} in / {m.bench.output_len} out; {how}")
+            f"{m.bench.input_len} in / {m.bench.output_len} out; objective {m.objective}; {how}")
 
 
 # -- the study's targets -----------------------------------------------------------------------
@@ -150,6 +158,7 @@ def combine(rows: list[dict[str, Any]], how: str, level: float) -> dict[str, Any
 
 def _row(t: Target, est: dict[str, Any] | None, throughput=None, base=None, error=None) -> dict[str, Any]:
     row = {"target": t.name, "weight": t.config.weight, "source": "predicted" if t.predicted else "measured",
+           "objective": t.measure.objective, "workload": t.config.workload,
            "backend": t.measurer.backend, "device": t.measure.bench.device_spec, "batch_size": t.measure.ref_batch,
            "calibration": t.measure.calibration, "throughput": throughput, "baseline_throughput": base}
     if est is None:
@@ -238,17 +247,25 @@ def predicted_ratio_fn(ctx):
     fns = []
     for t in ctx.targets:
         m = t.measure
-        s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.bench.input_len,
-                          output_len=m.bench.output_len, warmup=0, repeats=1, dtype=m.bench.dtype,
-                          device_spec=m.bench.device_spec or "cpu",
-                          engine_args={"calibration": m.calibration} if m.calibration else {})
+        if t.config.workload is not None:  # the workload's own prediction (simulated online, or the roofline)
+            s = m.bench_settings(m.bench.backend)
+        else:
+            s = BenchSettings(backend="analytic", batch_sizes=[m.ref_batch], input_len=m.bench.input_len,
+                              output_len=m.bench.output_len, warmup=0, repeats=1, dtype=m.bench.dtype,
+                              device_spec=m.bench.device_spec or "cpu",
+                              engine_args={"calibration": m.calibration} if m.calibration else {})
         fns.append((t, s))
-    base = [measure(scale(ctx.baseline), s).throughput(t.measure.ref_batch) for t, s in fns]
+
+    def figure(spec: ArchSpec, t: Target, s: BenchSettings) -> float | None:
+        r = measure(scale(spec), s)
+        b = next((b for b in r.per_batch if b.batch_size == t.measure.ref_batch and b.ok), None)
+        return objective_score(t.measure.objective, b) if b is not None else None
+    base = [figure(ctx.baseline, t, s) for t, s in fns]
 
     def aggregate_ratio(spec: ArchSpec) -> float | None:
         ratios = []
         for (t, s), b in zip(fns, base):
-            tp = measure(scale(spec), s).throughput(t.measure.ref_batch)
+            tp = figure(spec, t, s)
             ratios.append(tp / b if tp and b else None)
         return aggregate(ratios, [t.config.weight for t, _ in fns], ctx.cfg.optuna.target_objective)
     return aggregate_ratio
