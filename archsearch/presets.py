@@ -28,12 +28,35 @@ class Preset:
     published_non_embedding: int | None = None
     published_active: int | None = None  # MoE: parameters one token uses
     published_active_precision: int = 1
+    # figures a paper's table prints for the shape, as printed ("0.082"): each is checked against
+    # the spec to half a unit of its last digit (tests/test_arch.py); for models published as a
+    # table row, not a checkpoint, these are the count's source (d/sqrt(N) fixes N to ~1%)
+    published_table: tuple[tuple[str, str], ...] = ()
 
 
 def _p(name, source, published, precision=1, non_embed=None, active=None, active_precision=1,
-       **fields) -> Preset:
+       table=(), **fields) -> Preset:
     return Preset(ArchSpec(name=name, **fields), source, published, precision, non_embed,
-                  active, active_precision)
+                  active, active_precision, tuple(table))
+
+
+# The inference-efficient models of arXiv 2510.18245 (Bian, Yu, Venkataraman, Park; the method's
+# source, chapter of the author's dissertation). Its Table 1 (Table 2 for Panda-3B°) prints d_model,
+# f_size (ffn), n_layers, GQA, d_model/sqrt(N) and r; section 3.1 fixes head_dim at 64 for N <= 1B
+# and 128 for N >= 3B. The head count is not printed: it follows from r and GQA, as attention is
+# 2 d head_dim (n_heads + n_kv_heads) and the MLP 3 d f, so n_heads = 3 f GQA / (2 head_dim r (GQA + 1)),
+# rounded; the test checks that the rounded pair gives back the printed r and d/sqrt(N). They are
+# "LLaMA-3.2-style" models: the vocabulary and tied embeddings are LLaMA-3.2's (the paper states no
+# other tokenizer; N is non-embedding, so neither enters the check).
+_PAPER = ("arXiv 2510.18245, {table} (d_model, f_size, n_layers, GQA, d_model/sqrt(N), r), "
+          "https://arxiv.org/html/2510.18245v2; head_dim from its section 3.1; heads derived from r and GQA")
+_LLAMA32_STYLE = dict(family="llama", rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
+                      tie_embeddings=True, max_position_embeddings=131072)
+
+
+def _table(d, f, layers, gqa, x1, r):
+    return (("hidden_size", d), ("ffn", f), ("n_layers", layers), ("gqa", gqa),
+            ("hidden_over_sqrt_n", x1), ("mlp_to_attn", r))
 
 
 _LLAMA3 = dict(family="llama", rms_norm_eps=1e-5, rope_theta=500000.0, vocab_size=128256,
@@ -117,6 +140,28 @@ PRESETS: dict[str, Preset] = {p.spec.name: p for p in [
        n_layers=16, hidden_size=2048, n_heads=16, n_kv_heads=16, head_dim=128, ffn=1024,
        n_experts=64, experts_per_token=8, vocab_size=50304, tie_embeddings=False, family="olmoe",
        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096),
+    # The method's own models (see _PAPER above): no checkpoint is published, so published_params is
+    # 0 and the count is checked through the table's d/sqrt(N) (N to about 1%) and r.
+    _p("panda-1b", _PAPER.format(table="Table 1"), 0, table=_table("2560", "4096", "16", "4", "0.082", "1.07"),
+       n_layers=16, hidden_size=2560, n_heads=72, n_kv_heads=18, head_dim=64, ffn=4096, **_LLAMA32_STYLE),
+    _p("surefire-1b", _PAPER.format(table="Table 1"), 0, table=_table("2560", "6144", "16", "9", "0.082", "3.6"),
+       n_layers=16, hidden_size=2560, n_heads=36, n_kv_heads=4, head_dim=64, ffn=6144, **_LLAMA32_STYLE),
+    _p("panda-3b", _PAPER.format(table="Table 1"), 0, table=_table("4096", "4096", "28", "3", "0.077", "1"),
+       n_layers=28, hidden_size=4096, n_heads=36, n_kv_heads=12, head_dim=128, ffn=4096, **_LLAMA32_STYLE),
+    _p("surefire-3b", _PAPER.format(table="Table 1"), 0, table=_table("4096", "4096", "28", "7", "0.077", "1"),
+       n_layers=28, hidden_size=4096, n_heads=42, n_kv_heads=6, head_dim=128, ffn=4096, **_LLAMA32_STYLE),
+    # Morph-1B (arXiv 2501.18107, Bian, Yan, Venkataraman): the model card gives d_model 3072 and
+    # 12 layers; the repository's config with that shape gives 16 heads (head_dim 192), GPT-NeoX's
+    # padded vocabulary 50432 and untied embeddings; open_lm's SwiGLU width rule,
+    # 256 * ceil(8 d / 3 / 256), gives ffn 8192. The card's "1 billion parameter" is nominal: the
+    # shape holds 1.36B non-embedding and 1.67B parameters in all (this project's count), so no
+    # count is checked, only the shape against its sources.
+    _p("morph-1b", "https://huggingface.co/NaiveUser/morph-1b (model card: d_model 3072, n_layers 12); "
+       "github.com/Waterpine/open-lm-morph open_lm/model_configs/scale_open_lm_1b_v8.json (hidden_dim 3072, "
+       "n_layers 12, n_heads 16, vocab_size 50432, weight_tying false); ffn: open_lm's SwiGLU rule", 0,
+       table=(("hidden_size", "3072"), ("n_layers", "12"), ("n_heads", "16")),
+       n_layers=12, hidden_size=3072, n_heads=16, n_kv_heads=16, head_dim=192, ffn=8192, vocab_size=50432,
+       tie_embeddings=False, family="llama", max_position_embeddings=2048),
     # Tiny shapes for tests and CPU demos (not published models: count is our own).
     _p("tiny", "archsearch debug shape", 0, n_layers=2, hidden_size=64, n_heads=2,
        n_kv_heads=1, head_dim=32, ffn=128, vocab_size=256, max_position_embeddings=512),

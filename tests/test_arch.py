@@ -8,6 +8,7 @@ import math
 import pytest
 
 from archsearch.arch import (ArchSpec, active_non_embedding_params, active_params, describe, embedding_params, from_hf_config,
+                             hidden_over_sqrt_n,
                              inference_flops_per_token, kv_cache_bytes_per_token,
                              max_batch_by_kv, mlp_to_attn_ratio, non_embedding_params,
                              norm_params, prefill_flops, to_hf_config, total_params,
@@ -24,6 +25,47 @@ def test_preset_matches_published_count(name):
     if p.published_non_embedding:
         assert abs(non_embedding_params(p.spec) - p.published_non_embedding) <= p.published_precision / 2
     assert p.source
+
+
+@pytest.mark.parametrize("name", [n for n, p in PRESETS.items() if p.published_table])
+def test_preset_matches_its_source_table(name):
+    """A model published as a table row (arXiv 2510.18245 Table 1, Morph-1B's card and config):
+    every printed figure agrees with the spec to half a unit of its last printed digit; d/sqrt(N)
+    at 3 decimals pins the non-embedding count to about 1%."""
+    p = PRESETS[name]
+    s = p.spec
+    have = {"hidden_size": s.hidden_size, "ffn": s.ffn, "n_layers": s.n_layers, "n_heads": s.n_heads,
+            "gqa": s.gqa, "hidden_over_sqrt_n": hidden_over_sqrt_n(s), "mlp_to_attn": mlp_to_attn_ratio(s)}
+    for key, printed in p.published_table:
+        decimals = len(printed.split(".")[1]) if "." in printed else 0
+        assert abs(have[key] - float(printed)) <= 0.5 * 10 ** -decimals + 1e-12, (name, key, have[key], printed)
+    assert p.source
+
+
+@pytest.mark.parametrize("name", ["panda-1b", "surefire-1b", "panda-3b", "surefire-3b"])
+def test_paper_heads_follow_from_r_and_gqa(name):
+    """The paper prints r and GQA, not heads: n_heads = 3 f GQA / (2 head_dim r (GQA + 1)), and
+    the table's r is printed to 2-3 figures, so the pair is the integer nearest the formula."""
+    s = get_preset(name)
+    table = dict(PRESETS[name].published_table)
+    r, g = float(table["mlp_to_attn"]), int(table["gqa"])
+    assert s.n_heads == round(3 * s.ffn * g / (2 * s.head_dim * r * (g + 1)) / g) * g
+    assert s.head_dim == (64 if s.n_layers == 16 else 128)  # the paper's section 3.1
+
+
+def test_surefire_1b_count_by_hand():
+    """Issue #37's figure: Surefire-1B holds 965M non-embedding parameters, 3.5% under 1B."""
+    s = get_preset("surefire-1b")
+    attn = 2 * 2560 * 64 * (36 + 4)
+    mlp = 3 * 2560 * 6144
+    assert non_embedding_params(s) == 16 * (attn + mlp) == 964_689_920
+    assert s.n_heads == 36 and s.n_kv_heads == 4 and s.gqa == 9
+
+
+def test_morph_1b_ffn_is_open_lm_rule():
+    s = get_preset("morph-1b")
+    assert s.ffn == 256 * math.ceil(8 * s.hidden_size / 3 / 256) == 8192
+    assert s.head_dim * s.n_heads == s.hidden_size  # open_lm: head_dim = dim // n_heads
 
 
 def test_llama_3_2_1b_by_hand():

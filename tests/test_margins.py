@@ -144,7 +144,10 @@ def test_published_law_files_state_error_and_range(name):
     law = load_law(REPO / "configs" / "laws" / f"{name}.json")
     assert law.prediction_error["relative_sd"] == 0.005 and law.prediction_error["source"]
     rng = law.shape_range()
-    assert rng["mlp_to_attn"] == [0.5, 5.0] and rng["hidden_over_sqrt_n"] is None and rng["source"]
+    # the dissertation's span over its Table C.1 models (issue #37), which holds the paper's own
+    # Table 1 models (0.058-0.082) and the baselines
+    assert rng["mlp_to_attn"] == [0.5, 5.0] and rng["hidden_over_sqrt_n"] == [0.042, 0.34] and rng["source"]
+    assert "Table C.1" in rng["source"]
 
 
 @pytest.mark.parametrize("extra,field", [

@@ -99,18 +99,26 @@ def test_migrate_names_a_folder_that_is_not_a_study(tmp_path, capsys):
     assert "measurements.jsonl" in capsys.readouterr().err
 
 
-EXAMPLE = REPO / "results" / "examples" / "paper-1b-rehearsal"  # written by the earlier version
+# A study an earlier version recorded (the 1B rehearsal as results/examples held it before the
+# examples were rerun on the current code), with the config, law file and calibration it ran with,
+# laid out as the repository was: tests/data/recorded-1b/{configs/..., study/}.
+RECORDED = Path(__file__).resolve().parent / "data" / "recorded-1b"
 
 
-@pytest.mark.skipif(not (EXAMPLE / "measurements.jsonl").is_file(), reason="the recorded rehearsal study is not here")
+def _recorded(tmp_path, monkeypatch):
+    """The recorded study copied under ``tmp_path`` (migrate writes it), the current folder the copy's
+    root (its config names files relative to it, as to the repository it ran in), and its config."""
+    root = tmp_path / "repo"
+    shutil.copytree(RECORDED, root)
+    monkeypatch.chdir(root)
+    return root / "study", load_study_config(root / "configs" / "paper-1b-rehearsal.yaml")
+
+
 def test_a_recorded_study_migrates_and_resumes_with_its_stages_and_measurements(tmp_path, monkeypatch, capsys):
     from archsearch.search.inputs import plan_resume
     from archsearch.search.pipeline import STAGE_NAMES, STAGES, StudyState
 
-    study = tmp_path / "study"
-    shutil.copytree(EXAMPLE, study)
-    monkeypatch.chdir(REPO)  # where the study ran: its config names files relative to the repository
-    cfg = load_study_config(REPO / "configs" / "paper-1b-rehearsal.yaml")
+    study, cfg = _recorded(tmp_path, monkeypatch)
     with pytest.raises(ArchsearchError):
         MeasurementStore(study / "measurements.jsonl").check_layout()
     assert main(["migrate", str(study)]) == 0
@@ -146,12 +154,9 @@ def test_a_folder_that_recorded_an_old_setting_name_is_refused_then_migrated(tmp
     from archsearch.search.inputs import INPUTS_FILE, fingerprints, plan_resume, stage_inputs
     from archsearch.search.pipeline import STAGE_NAMES, STAGES, StudyState
 
-    study = tmp_path / "study"
-    shutil.copytree(EXAMPLE, study)
-    monkeypatch.chdir(REPO)
+    study, cfg = _recorded(tmp_path, monkeypatch)
     assert main(["migrate", str(study)]) == 0
     assert json.loads((study / "config.json").read_text())["mode"] == "constrained"
-    cfg = load_study_config(REPO / "configs" / "paper-1b-rehearsal.yaml")
     # a study whose train stage applies (the final training), as a version before the rename recorded it
     cfg = dataclasses.replace(cfg, final_train=dataclasses.replace(cfg.final_train, enabled=True))
     applies = {st.name: st.applies(cfg) for st in STAGES}

@@ -18,7 +18,7 @@ from archsearch.evaluation.suites import check_task_names
 from archsearch.hardware import get_device, host_memory_bytes, local_device_name
 from archsearch.laws import load_law
 from archsearch.laws.solve import inside_range
-from archsearch.presets import get_preset
+from archsearch.presets import get_preset, load_arch
 from archsearch.rundata import read_runs
 from archsearch.search.config import StudyConfig
 from archsearch.search.derived import build_settings, expand, measure_scale, proxy_sweeps
@@ -70,6 +70,39 @@ def baseline_spec(cfg: StudyConfig, build: BuildSettings | None = None) -> ArchS
     return build_candidate(cfg.params, cfg.n_layers, b.hidden_over_sqrt_n, b.mlp_to_attn,
                            gqa=b.gqa or 4, head_dim=cfg.search_space.head_dim,
                            settings=build, name="baseline").spec
+
+
+def seed_shape_specs(cfg: StudyConfig, build: BuildSettings) -> tuple[ArchSpec, ...]:
+    """``optuna.seed_shapes`` as the study measures them: each named shape (a preset or an
+    architecture file) with the study's vocabulary and tied embeddings, as the baseline takes
+    them, named as given. Refused: a shape of another depth (the law is fitted at the study's
+    ``n_layers``), one whose N is more than ``optuna.seed_tolerance`` from the budget, one whose
+    GQA the search space does not hold (its trial could not record it)."""
+    out = []
+    for i, name in enumerate(cfg.optuna.seed_shapes):
+        where = f"optuna.seed_shapes[{i}]"
+        try:
+            spec = load_arch(name)
+        except ArchsearchError as e:
+            raise ArchsearchError(where, e.problem, e.fix) from None
+        spec = spec.replace(vocab_size=build.vocab_size, tie_embeddings=cfg.tie_embeddings, name=name)
+        if spec.is_moe:
+            raise ArchsearchError(where, f"{name} is a mixture-of-experts shape", "seed dense shapes only")
+        if spec.n_layers != cfg.n_layers:
+            raise ArchsearchError(where, f"{name} has {spec.n_layers} layers, the study {cfg.n_layers}: the law "
+                                  "compares shapes at the study's depth", "seed a shape of the study's depth")
+        err = non_embedding_params(spec) / cfg.params - 1
+        if abs(err) > cfg.optuna.seed_tolerance:
+            raise ArchsearchError(where, f"{name} holds {non_embedding_params(spec):,} non-embedding parameters, "
+                                  f"{err:+.1%} off the budget {cfg.params:.4g} (seed_tolerance "
+                                  f"{cfg.optuna.seed_tolerance:.0%})", "seed a shape of the study's size, or raise "
+                                  "optuna.seed_tolerance")
+        if spec.gqa not in cfg.gqa_values:
+            raise ArchsearchError(where, f"{name} has GQA {spec.gqa}, which search_space.gqa "
+                                  f"{cfg.search_space.gqa} does not hold", "add it to search_space.gqa, or "
+                                  "write search_space.gqa: divisors")
+        out.append(spec)
+    return tuple(out)
 
 
 # -- the reference batch against the measuring device's memory --------------------------------
@@ -183,7 +216,7 @@ def check_search_space(cfg: StudyConfig, build: BuildSettings) -> None:
     errors = []
     for x1 in (s.hidden_over_sqrt_n[0], sum(s.hidden_over_sqrt_n) / 2, s.hidden_over_sqrt_n[1]):
         for r in (s.mlp_to_attn[0], sum(s.mlp_to_attn) / 2, s.mlp_to_attn[1]):
-            for g in s.gqa:
+            for g in cfg.gqa_values:
                 try:
                     expand(cfg, build, x1, r, g)
                     ok += 1
@@ -244,7 +277,7 @@ def check_trials_fit_the_box(cfg: StudyConfig, build) -> None:
     box holds finitely many, and a count beyond them would have the sampler repeat known shapes
     until ``optuna.n_trials`` (the search also stops once the box gives no new shape)."""
     s = cfg.search_space
-    bound = box_shape_bound(cfg.params, cfg.n_layers, s.hidden_over_sqrt_n, s.mlp_to_attn, s.gqa, s.head_dim, build)
+    bound = box_shape_bound(cfg.params, cfg.n_layers, s.hidden_over_sqrt_n, s.mlp_to_attn, cfg.gqa_values, s.head_dim, build)
     if cfg.optuna.n_shapes > bound:
         given = "n_shapes" if cfg.optuna.n_shapes != cfg.optuna.n_trials else "n_trials"
         raise ArchsearchError(f"optuna.{given}", f"{cfg.optuna.n_shapes} distinct shapes asked, but the search "

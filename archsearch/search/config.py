@@ -10,9 +10,11 @@ name the dotted field (``search_space.gqa[1]``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from archsearch.arch import SUPPORTED_HEAD_DIMS
 from archsearch.benchmarks.base import BACKENDS, BenchSettings, backend_class
@@ -88,7 +90,10 @@ class SearchSpace:
 
     hidden_over_sqrt_n: tuple[float, float] = (0.03, 0.12)
     mlp_to_attn: tuple[float, float] = (0.5, 5.0)
-    gqa: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    # the GQA values trials sample: a list, or "divisors": every head pair whose KV-head count
+    # divides its head count at head_dim, i.e. every integer GQA from 1 to the largest any shape of
+    # the box holds (its head total less one; StudyConfig.gqa_values), sampled as an ordered integer
+    gqa: list[int] | Literal["divisors"] = field(default_factory=lambda: [1, 2, 4, 8])
     head_dim: int = 64
     build: BuildSettings = field(default_factory=BuildSettings)
     # Knob grid steps: shapes snap to multiples anyway, so a step keeps Optuna from proposing
@@ -103,8 +108,9 @@ class SearchSpace:
                 raise ArchsearchError(f"search_space.{name}", f"range [{lo}, {hi}] is empty or "
                                       "not positive", "give [low, high] with 0 < low <= high")
         if not self.gqa:
-            raise ArchsearchError("search_space.gqa", "is empty", "list at least one GQA value, e.g. [4]")
-        for i, g in enumerate(self.gqa):
+            raise ArchsearchError("search_space.gqa", "is empty", "list at least one GQA value, e.g. [4], "
+                                  "or write divisors (every head pair whose KV heads divide its heads)")
+        for i, g in enumerate([] if self.gqa == "divisors" else self.gqa):
             if g <= 0:
                 raise ArchsearchError(f"search_space.gqa[{i}]", f"must be positive, got {g}")
         for name in ("hidden_over_sqrt_n_step", "mlp_to_attn_step"):
@@ -347,6 +353,14 @@ class OptunaConfig:
     enqueue_solution: int = 3
     # paired studies: compare the feasible seeds with the baseline in one engine process first
     seeds_together: bool = True
+    # published shapes (presets, e.g. surefire-1b, or architecture files) enqueued beside the law's
+    # seeds and measured as published, not rebuilt: a trial like any other (the loss constraint, the
+    # law's range and the GQA bounds apply), reported beside the answer with its realised N
+    seed_shapes: list[str] = field(default_factory=list)
+    # how far a seeded shape's N may be from the budget: the builder snaps within
+    # search_space.build.tolerance, a published shape is as its authors built it (Surefire-1B holds
+    # 965M for its 1B budget, -3.5%); its realised N and error are reported, never hidden
+    seed_tolerance: float = 0.05
     measure_infeasible: bool = False  # measure candidates that break the loss constraint too
     # report each trial to accelerate's trackers, as train.log_with: tensorboard, wandb, mlflow
     log_with: str | list[str] | None = None
@@ -390,6 +404,11 @@ class OptunaConfig:
             _check_storage_url(self.storage)
         if self.enqueue_solution < 0:
             raise ArchsearchError("optuna.enqueue_solution", "must be >= 0")
+        if not 0 < self.seed_tolerance < 1:
+            raise ArchsearchError("optuna.seed_tolerance", f"must be in (0, 1), got {self.seed_tolerance}",
+                                  "e.g. 0.05: a seeded shape's N within 5% of the budget")
+        if len(set(self.seed_shapes)) != len(self.seed_shapes):
+            raise ArchsearchError("optuna.seed_shapes", f"{self.seed_shapes} names a shape twice", "name each once")
 
 
 def _check_storage_url(url: str) -> None:
@@ -625,6 +644,23 @@ class StudyConfig:
 
     def out_dir(self, override: str | Path | None = None) -> Path:
         return Path(override or self.out or Path("runs") / self.name)
+
+    @cached_property
+    def gqa_values(self) -> list[int]:
+        """The GQA values trials may sample: ``search_space.gqa`` as listed, or for ``divisors``
+        every integer from 1 to the largest GQA a shape of the box can hold. The most heads a layer
+        holds are at the box's narrowest width and smallest r: attention is then
+        ``N / n_layers / (1 + r_low)`` parameters of ``2 * d * head_dim`` per head, and GQA is at
+        most that head total less one (one KV head). Every head pair (n_kv * g, n_kv) of the box
+        has such an integer g, so the pairs reachable are all those whose KV count divides the
+        head count (GQA 9 as in Surefire-1B's 36/4, not only powers of two)."""
+        s = self.search_space
+        if s.gqa != "divisors":
+            return list(s.gqa)
+        m = s.build.hidden_multiple
+        narrowest = max(m, round(s.hidden_over_sqrt_n[0] * math.sqrt(self.params) / m) * m)
+        heads = math.ceil(self.params / self.n_layers / (1 + s.mlp_to_attn[0]) / (2 * narrowest * s.head_dim))
+        return list(range(1, max(1, heads - 1) + 1))
 
     def fit_options(self) -> FitOptions:
         """The study's law-fit options (the final fit, and the active plan's loop with fewer

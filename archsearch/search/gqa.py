@@ -59,15 +59,18 @@ if TYPE_CHECKING:
 
 def gqa_pairs(spec: ArchSpec, params: float, build: BuildSettings) -> dict[int, ArchSpec]:
     """GQA value -> the variant of ``spec`` with that GQA and (nearly) the same head total,
-    for every integer GQA whose variant keeps N and r within ``build``'s tolerances."""
+    for every integer GQA whose variant keeps N and r within ``build``'s tolerances. A shape
+    further from the budget than the build tolerance (a seeded published shape, measured as
+    published: ``optuna.seed_shapes``) keeps its variants within its own distance from it."""
     total = spec.n_heads + spec.n_kv_heads
     r0 = mlp_to_attn_ratio(spec)
+    tolerance = max(build.tolerance, abs(non_embedding_params(spec) / params - 1))
     out: dict[int, ArchSpec] = {}
     for g in range(1, total):
         kv = min({max(1, math.floor(total / (g + 1))), max(1, math.ceil(total / (g + 1)))},
                  key=lambda k: (abs(k * (g + 1) - total), k))
         v = spec.replace(n_heads=kv * g, n_kv_heads=kv, name=None)
-        if (abs(non_embedding_params(v) / params - 1) <= build.tolerance
+        if (abs(non_embedding_params(v) / params - 1) <= tolerance
                 and abs(mlp_to_attn_ratio(v) / r0 - 1) <= build.r_tolerance):
             out[g] = v
     return out

@@ -49,8 +49,19 @@ def _suggest(trial, cfg: StudyConfig, law=None) -> tuple[float, float, int]:
     (lo2, hi2), step2 = rng["mlp_to_attn"]
     x1 = trial.suggest_float("hidden_over_sqrt_n", lo1, hi1, step=step1)
     r = trial.suggest_float("mlp_to_attn", lo2, hi2, step=step2, log=step2 is None)
-    g = trial.suggest_categorical("gqa", list(cfg.search_space.gqa))
+    if cfg.search_space.gqa == "divisors":  # an ordered integer: neighbouring GQAs behave alike
+        g = trial.suggest_int("gqa", 1, cfg.gqa_values[-1], log=True)
+    else:
+        g = trial.suggest_categorical("gqa", list(cfg.search_space.gqa))
     return x1, r, int(g)
+
+
+def trial_spec(ctx: SearchContext, user_attrs: dict[str, Any], x1: float, r: float, g: int) -> ArchSpec:
+    """The shape a trial measures: a seeded published shape as published (``seed_shape``, enqueued
+    by :func:`archsearch.search.study.seed_study`; its knobs are its realised ones on the sampling
+    grid, for the sampler), else the knobs built at the budget."""
+    name = user_attrs.get("seed_shape")
+    return ctx.study.seed_shape(name) if name else expand(ctx.cfg, ctx.build, x1, r, g)
 
 
 def objective(trial, ctx: SearchContext):
@@ -67,7 +78,7 @@ def _objective(trial, ctx: SearchContext):
     trial.set_user_attr("worker", {"host": platform.node(), "pid": os.getpid()})
     x1, r, g = _suggest(trial, cfg, ctx.law)
     try:
-        spec = expand(cfg, ctx.build, x1, r, g)
+        spec = trial_spec(ctx, trial.user_attrs, x1, r, g)
     except ArchsearchError as e:
         set_constraint(trial, "predicted_loss_minus_target", UNBUILDABLE)
         set_constraint(trial, "limits_violated", 0.0)

@@ -672,6 +672,10 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "provenance": provenance(extra_packages=(*backend_packages(), "lm_eval")),
         "config": json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else None,
     }
+    summary["build_tolerance"] = build_tolerance(ctx)
+    seeded = seeded_shapes_summary(ctx, study, chosen)
+    if seeded:
+        summary["seed_shapes"] = seeded
     if cfg.measure.targets:
         summary["targets"] = targets_summary(cfg, q, summary["pareto"])
     if gqa is not None:
@@ -695,6 +699,68 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     atomic_write(out / "report.md", render_markdown(summary))
     write_study_cards(out, summary)  # chosen/README.md (and the chosen shape's trained models')
     return summary
+
+
+def build_tolerance(ctx) -> dict[str, Any]:
+    """How close to the budget a built shape lands (``search_space.build``), and how close a
+    seeded published shape may be (``optuna.seed_tolerance``, where shapes are seeded)."""
+    bs, o = ctx.build, ctx.cfg.optuna
+    return {"params_tolerance": bs.tolerance, "r_tolerance": bs.r_tolerance, "on_r_drift": bs.on_r_drift,
+            "hidden_multiple": bs.hidden_multiple, "ffn_multiple": bs.ffn_multiple,
+            "seed_tolerance": o.seed_tolerance if o.seed_shapes else None}
+
+
+def seeded_shapes_summary(ctx, study, chosen: Answer | None) -> list[dict[str, Any]]:
+    """Each seeded published shape's trial (``optuna.seed_shapes``): the shape, its realised N and
+    its distance from the budget, its predicted loss and margin, whether it was feasible and
+    measured, its ratio to the baseline and its rank among the measured feasible shapes."""
+    done = [t for t in _complete(study) if t.user_attrs.get("seed_shape")]
+    if not done:
+        return []
+    # ranked by the objective (the ratio to the baseline in a paired study), one entry per shape
+    ranked = sorted({t.user_attrs.get("spec_key"): t.values[0] for t in _complete(study)
+                     if was_measured(t) and trial_is_feasible(t)}.values(), reverse=True)
+    rows = []
+    for t in done:
+        spec = ArchSpec.from_dict(t.user_attrs["spec"])
+        n = t.user_attrs.get("realised_n_params_non_embedding")
+        measured = was_measured(t) and trial_is_feasible(t)
+        rows.append({"name": t.user_attrs["seed_shape"], "trial": t.number, "architecture": describe(spec),
+                     "params_error": n / ctx.cfg.params - 1 if n else None,
+                     "predicted_loss": t.user_attrs.get("predicted_loss"),
+                     "loss_margin": t.user_attrs.get("loss_margin"),
+                     "feasible": bool(t.user_attrs.get("feasible_loss")), "measured": measured,
+                     "throughput": _throughput(t) if measured else None, "ratio": t.user_attrs.get("ratio"),
+                     "rank": 1 + sum(v > t.values[0] for v in ranked) if measured else None,
+                     "of": len(ranked), "why_not_measured": t.user_attrs.get("infeasible_reason"),
+                     "chosen": bool(chosen and chosen.trial == t.number and chosen.gqa is None)})
+    return rows
+
+
+def seeded_markdown(s: dict[str, Any]) -> list[str]:
+    rows = s.get("seed_shapes") or []
+    bt = s.get("build_tolerance") or {}
+    lines = ["## Search space and published shapes", "",
+             f"- Build tolerance: a built shape's non-embedding N is within **{bt.get('params_tolerance', 0):.1%}** "
+             f"of the budget and its r within {bt.get('r_tolerance', 0):.0%} of the request ({bt.get('on_r_drift')} "
+             f"beyond), widths snapped to {bt.get('hidden_multiple')} and the FFN to {bt.get('ffn_multiple')}."]
+    if bt.get("seed_tolerance") is not None:
+        lines.append(f"- Published shapes (`optuna.seed_shapes`) are measured as published, not rebuilt: their N "
+                     f"may be up to {bt['seed_tolerance']:.0%} from the budget; each is reported with its realised N.")
+    if rows:
+        lines += ["", "| published shape | trial | hidden | heads/KV | ffn | N (vs budget) | pred. loss | margin to target "
+                  "| ratio vs baseline | rank among measured | answer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            a = r["architecture"]
+            q = r.get("ratio") or {}
+            rt = ("-" if not q else f"x{q['ratio']:.3f} (predicted)" if q.get("predicted")
+                  else f"x{q['ratio']:.3f} [{q['lo']:.3f}, {q['hi']:.3f}]")
+            lines.append(f"| {r['name']} | {r['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
+                         f"{a['n_params_non_embedding'] / 1e6:,.0f}M ({r['params_error']:+.1%}) | {r['predicted_loss']:.4f} | "
+                         f"{_margin_cell(r.get('loss_margin'))} | {rt if r['measured'] else 'not measured: ' + str(r['why_not_measured'])} | "
+                         f"{str(r['rank']) + ' of ' + str(r['of']) if r['rank'] else '-'} | {'**yes**' if r['chosen'] else ''} |")
+    lines.append("")
+    return lines
 
 
 def margins_summary(ctx) -> dict[str, Any]:
@@ -854,6 +920,7 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines.append("")
     if s.get("targets"):
         lines += targets_markdown(s["targets"])
+    lines += seeded_markdown(s)
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
     lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
               "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | tokens/s | ratio [interval] | tied with best |",

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from archsearch.arch import ArchSpec
 from archsearch.candidates import BuildSettings
+from archsearch.errors import ArchsearchError
 from archsearch.laws.fit import FitOptions
 from archsearch.search import checks
-from archsearch.search.checks import baseline_spec, measured_baseline, vocab_size
+from archsearch.search.checks import baseline_spec, measured_baseline, seed_shape_specs, vocab_size
 from archsearch.search.config import StudyConfig
 from archsearch.search.derived import build_settings, measure_scale, proxy_sweeps
 from archsearch.search.targets import StudyView, study_views
@@ -47,6 +48,15 @@ class ResolvedStudy:
     sweeps: tuple[SweepConfig, ...]   # the proxy sweeps (none where the law is given or runs reused)
     sweep_shapes: tuple[SweepShapes, ...]  # each sweep's grid built (trainers.sweep.sweep_specs)
     views: tuple[StudyView, ...]      # the study as each deployment target measures it (or itself)
+    seed_shapes: tuple[ArchSpec, ...] = ()  # optuna.seed_shapes as measured (checks.seed_shape_specs)
+
+    def seed_shape(self, name: str) -> ArchSpec:
+        """The seeded published shape ``name`` (a trial's ``seed_shape``)."""
+        for spec in self.seed_shapes:
+            if spec.name == name:
+                return spec
+        raise ArchsearchError("optuna.seed_shapes", f"the stored study seeded {name!r}, which this config does "
+                              "not name", "name it again in optuna.seed_shapes, or use a new study folder")
 
     def measured(self, spec: ArchSpec) -> ArchSpec:
         """``spec`` as the study measures it (rebuilt at ``measure.params`` where set)."""
@@ -102,4 +112,5 @@ def _assemble(cfg: StudyConfig, vocab: int, build: BuildSettings, base: ArchSpec
     return ResolvedStudy(cfg=cfg, vocab_size=vocab, build=build, baseline=base,
                          scale=measure_scale(cfg, build),
                          measured_baseline=measured_baseline(cfg, base, build),
-                         fit=cfg.fit_options(), sweeps=sweeps, sweep_shapes=shapes, views=views)
+                         fit=cfg.fit_options(), sweeps=sweeps, sweep_shapes=shapes, views=views,
+                         seed_shapes=seed_shape_specs(cfg, build))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from archsearch.arch import ArchSpec
+from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.candidates import BuildSettings
@@ -39,7 +39,7 @@ def solve_law(cfg: StudyConfig, law, target_loss: float, build: BuildSettings, t
     """The law's constrained solution over the search box (laws.solve on the box grid, at the
     GQA the local search starts from): returns (the solution, that GQA)."""
     s = cfg.search_space
-    g0 = cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in s.gqa else s.gqa[0]
+    g0 = cfg.gqa_search.baseline_gqa if cfg.gqa_search.baseline_gqa in cfg.gqa_values else cfg.gqa_values[0]
     return solve(law, cfg.params, cfg.tokens, cfg.n_layers, target_loss, throughput_fn,
                  gqa=g0, head_dim=s.head_dim, build=build, grid=box_grid(cfg, law=law),
                  within=None if cfg.law.allow_extrapolation else law.shape_range()), g0
@@ -77,6 +77,23 @@ def seed_points(ctx: SearchContext) -> list[dict[str, Any]]:
                 k = min(max(round((pt[name] - lo) / step), 0), math.floor((hi - lo) / step + 1e-9))
                 pt[name] = lo + k * step
     return points
+
+
+def seed_shape_points(ctx: SearchContext) -> list[tuple[str, dict[str, Any]]]:
+    """Each seeded published shape (``optuna.seed_shapes``) with the knobs its trial records: its
+    realised d/sqrt(N), r and GQA on the sampling grid and in the box (the sampler learns from
+    them; the trial measures the shape itself, :func:`archsearch.search.objective.trial_spec`)."""
+    ranges = search_ranges(ctx.cfg, ctx.law)
+    out = []
+    for spec in ctx.study.seed_shapes:
+        pt: dict[str, Any] = {"hidden_over_sqrt_n": hidden_over_sqrt_n(spec), "mlp_to_attn": mlp_to_attn_ratio(spec)}
+        for name, ((lo, hi), step) in ranges.items():
+            v = min(max(pt[name], lo), hi)
+            if step:
+                v = lo + min(max(round((v - lo) / step), 0), math.floor((hi - lo) / step + 1e-9)) * step
+            pt[name] = v
+        out.append((spec.name, {**pt, "gqa": spec.gqa}))
+    return out
 
 
 def ranking_device(cfg: StudyConfig) -> str | None:

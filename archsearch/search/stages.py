@@ -369,7 +369,8 @@ def _search_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str,
     # settings the search reads that were added to its fingerprint after studies were recorded: in it
     # only away from their defaults, so a recorded study keeps its fingerprint while a change redoes it
     for name, value, default in (("law.allow_extrapolation", cfg.law.allow_extrapolation, False),
-                                 ("optuna.target_objective", cfg.optuna.target_objective, "worst")):
+                                 ("optuna.target_objective", cfg.optuna.target_objective, "worst"),
+                                 ("optuna.seed_shapes", cfg.optuna.seed_shapes, [])):
         if value != default:
             s[name] = value
     if cfg.law.file:

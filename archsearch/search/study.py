@@ -24,8 +24,9 @@ from archsearch.search.constraint import loss_bound
 from archsearch.search.context import SearchContext
 from archsearch.search.derived import expand
 from archsearch.search.measurements import file_lock
-from archsearch.search.objective import METRIC_NAMES, PAIRED_METRIC_NAMES, make_sampler, objective, was_measured
-from archsearch.search.solution import calibration_label, ranking_device, seed_points
+from archsearch.search.objective import (METRIC_NAMES, PAIRED_METRIC_NAMES, make_sampler, objective, trial_spec,
+                                         was_measured)
+from archsearch.search.solution import calibration_label, ranking_device, seed_points, seed_shape_points
 from archsearch.search.storage import open_storage, recover_stale_trials, storage_url
 from archsearch.search.targets import ranking_label
 from archsearch.search.trials import MeasurementFailed
@@ -70,7 +71,7 @@ def measure_seeds_together(ctx: SearchContext, study, progress: bool = True) -> 
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         p = t.system_attrs.get("fixed_params", t.params)  # what enqueue_trial fixed
         try:
-            spec = expand(ctx.cfg, ctx.build, float(p["hidden_over_sqrt_n"]), float(p["mlp_to_attn"]), int(p["gqa"]))
+            spec = trial_spec(ctx, t.user_attrs, float(p["hidden_over_sqrt_n"]), float(p["mlp_to_attn"]), int(p["gqa"]))
         except (ArchsearchError, KeyError):
             continue  # its trial reports why
         if spec not in specs and spec != ctx.baseline and loss_bound(ctx, spec) <= ctx.target_loss:
@@ -105,6 +106,9 @@ def seed_study(ctx: SearchContext, study) -> None:
         how = "law solution" + (f", ranked by the {ranking}" if len(points) > 1 else "")
         for pt in points:
             study.enqueue_trial(pt, user_attrs={"seeded_by": how}, skip_if_exists=True)
+        for name, pt in seed_shape_points(ctx):  # published shapes, measured as published
+            study.enqueue_trial(pt, user_attrs={"seeded_by": f"published shape {name} (optuna.seed_shapes)",
+                                                "seed_shape": name})
         study.set_user_attr("seeded_by", how)
         study.set_user_attr("params", cfg.params)
         study.set_user_attr("tokens", cfg.tokens)

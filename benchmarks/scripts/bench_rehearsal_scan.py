@@ -3,7 +3,9 @@
 For a study measured with the analytic backend (the paper rehearsals), every shape of the box
 is cheap to predict, so the search's answer can be checked against exhaustion:
 
-* the Optuna space: every (d/sqrt(N), r) on the study's knob grid x every GQA of the search space;
+* the Optuna space: every (d/sqrt(N), r) on the study's knob grid x every GQA of the search space
+  (``search_space.gqa: divisors``: every integer GQA the box holds); a seeded published shape
+  (``optuna.seed_shapes``) is in neither space, so an answer that is one may exceed the scan's best;
 * the GQA search's space: every feasible shape of that grid x every head pair
   (:func:`archsearch.search.gqa.gqa_pairs`) at the same attention share, within the walk's
   bounds (``gqa_search.max_gqa`` / ``min_kv_heads``; a study without proxies cannot check loss).
@@ -83,7 +85,7 @@ def main() -> None:
     drift = {"built": 0, "refused_r_drift": 0, "worst_r_drift": 0.0, "worst_hidden_over_sqrt_n_drift": 0.0}
     for x1 in _grid(s.hidden_over_sqrt_n, s.hidden_over_sqrt_n_step):
         for r in _grid(s.mlp_to_attn, s.mlp_to_attn_step):
-            for g in s.gqa:
+            for g in cfg.gqa_values:  # the listed GQAs, or every divisor pair's
                 try:
                     cand = build_candidate(cfg.params, cfg.n_layers, float(x1), float(r), gqa=g,
                                            head_dim=s.head_dim, settings=build)

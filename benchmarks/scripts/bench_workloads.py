@@ -24,7 +24,8 @@ from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[2]
-# the feasible Pareto set of results/examples/paper-1b-rehearsal/report.md (trial: hidden, heads/KV, ffn),
+# the feasible Pareto set of the 1B rehearsal as recorded before its 2026-11-27 rerun (its trial numbers;
+# that study is kept in tests/data/recorded-1b/study) (trial: hidden, heads/KV, ffn),
 # 16 layers, head size 64, LLaMA-3.2's vocabulary and tied embeddings
 REHEARSAL = {"trial56": (2432, 32, 4, 6912), "trial47": (2688, 40, 5, 5888), "trial45": (2560, 48, 6, 5888),
              "trial21": (2560, 64, 8, 5120), "trial0": (2560, 76, 19, 4096)}
