@@ -110,8 +110,8 @@ def test_optuna_n_trials_counts_trials_as_in_optuna_and_n_shapes_counts_shapes()
         OptunaConfig(n_shapes=5, n_trials=3)
     with pytest.raises(ArchsearchError, match="optuna.max_trials.*earlier version.*optuna.n_trials.*n_shapes"):
         load_study_config("configs/demo-cpu.yaml", ["optuna.max_trials=50"])
-    # the demo measures three distinct shapes: its two feasible seeds and one TPE proposes
-    assert load_study_config("configs/demo-cpu.yaml").optuna.n_shapes == 3
+    # the demo keeps its four distinct shapes
+    assert load_study_config("configs/demo-cpu.yaml").optuna.n_shapes == 4
     # a study folder's config.json of an earlier version: its n_trials were shapes, max_trials trials
     old = {"optuna": {"n_trials": 4, "max_trials": None, "seed": 0}}
     new, said = renamed_optuna_keys(old)
