@@ -214,10 +214,11 @@ class PairedResult(PlainData):
             est = ratio_estimate(self.series(ref), self.series(i), self.paired["level"], 2 * instance_var)
         return replace(est, predicted=self.settings.get("backend") == "analytic")
 
-    def pair(self, i: int) -> PairedResult:
-        """The reference and shape ``i`` alone (and the twin): their columns of every round
-        (paired data, as if compared by themselves, with the group's stopping rule)."""
-        cols = [0, i, len(self.specs) - 1] if self.twin else [0, i]
+    def pair(self, i: int, fixed: int = 0) -> PairedResult:
+        """The reference and shape ``i`` alone (and the twin), or with the ``fixed`` shapes that
+        follow the reference (columns 1 to ``fixed``): their columns of every round (paired
+        data, as if compared by themselves, with the group's stopping rule)."""
+        cols = [0, *range(1, fixed + 1), i] + ([len(self.specs) - 1] if self.twin else [])
         pick = lambda xs: [xs[c] for c in cols] if len(xs) == len(self.specs) else xs  # noqa: E731
         return replace(self, specs=pick(self.specs), rounds=[pick(r) for r in self.rounds], ttft=pick(self.ttft),
                        engines=pick(self.engines),

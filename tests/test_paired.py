@@ -137,7 +137,12 @@ class _PairedFake:
     note, backend = None, "fake"
 
     def __init__(self, ratios, retry_ratios=None):
-        self.ratios, self.retry, self.calls = ratios, retry_ratios or {}, []
+        self.ratios, self.retry, self.calls, self.together = ratios, retry_ratios or {}, [], []
+
+    def compare_together(self, ref, specs, fixed=None):
+        """Records the group asked for and measures nothing (each step is then compared alone)."""
+        self.together.append(([s.gqa for s in [ref, *(fixed or [])]], [s.gqa for s in specs]))
+        return 0
 
     def instance_var(self):
         return 0.0
@@ -186,6 +191,7 @@ def test_gqa_stop_needs_significantly_slower_else_remeasures(tmp_path):
     ctx.measurer = m
     res = local_gqa_search(spec, ctx, baseline_gqa=4)
     assert m.calls == [([1, 4], 0), ([1, 4, up1], 0), ([1, 4, up1], 1), ([1, 4, up2], 0), ([1, 4, down], 0)]
+    assert m.together == [([1, 4], [up1, down])]  # the first step each way, asked for in one engine process
     notes = {s.gqa: s.note for s in res.steps}
     assert "re-measured" in notes[up1] and "stop" not in notes[up1]
     assert "significantly slower" in notes[up2] and "stop" in notes[down]
@@ -597,3 +603,32 @@ def test_instance_sd_between_passes_is_what_the_intervals_do_not_explain():
     assert instance_sd_between_passes(a, b) == pytest.approx(math.sqrt((0.06 ** 2 - 2 * 0.01 ** 2) / 4), rel=1e-6)
     close = [est(x["ratio"] * math.exp(0.005), 0.01) for x in a]  # inside the rounds' error: floored at 0
     assert instance_sd_between_passes(a, close) == 0.0
+
+
+def test_compare_together_with_fixed_shapes_stores_each_group_the_walk_reads(tmp_path, monkeypatch):
+    """The GQA walk's first steps: the baseline, the start variant (fixed) and each step in one
+    engine process; each step's group [baseline, start, step] is read back with its own columns."""
+    from archsearch.search.config import MeasureConfig
+    from archsearch.search.measurements import MeasurementStore, Measurer
+
+    calls = []
+
+    def fake_paired(specs, settings, paired, b, **kw):
+        calls.append([s.hidden_size for s in specs])
+        rounds = [[100.0 + 10 * i + k for i in range(len(specs))] for k in range(3)]
+        return PairedResult(specs=[s.to_dict() for s in specs], rounds=rounds, settings={},
+                            paired={"level": 0.9}, batch_size=b, ttft=[0.1 * i for i in range(len(specs))],
+                            timing={"engine_start_s": [1.0 + i for i in range(len(specs))]})
+
+    monkeypatch.setattr("archsearch.search.measurements.measure_paired", fake_paired)
+    store = MeasurementStore(tmp_path / "m.jsonl")
+    m = Measurer(from_dict(MeasureConfig, {"bench": {"backend": "hf", "batch_sizes": [4]}}, "measure"), store)
+    ref, start, b, c = _spec(32), _spec(64), _spec(96), _spec(128)
+    assert m.compare_together(ref, [b, c], fixed=[start]) == 2 and calls == [[32, 64, 96, 128]]
+    got = m.compare([ref, start, c])
+    assert calls == [[32, 64, 96, 128]]  # read back, not measured again
+    assert got.result.rounds == [[100.0 + k, 110.0 + k, 130.0 + k] for k in range(3)]
+    assert got.result.ttft == pytest.approx([0.0, 0.1, 0.3]) and got.result.timing["engine_start_s"] == [1.0, 2.0, 4.0]
+    ratios = [math.log((130.0 + k) / (110.0 + k)) for k in range(3)]  # the step over the start variant, per round
+    assert got.result.estimate(2, ref=1).ratio == pytest.approx(math.exp(sum(ratios) / 3), rel=1e-6)
+    assert store.get(got.key)["group"]["size"] == 4 and m.compare([ref, b]).key != got.key

@@ -250,13 +250,15 @@ class Measurer:
         found, cached = self._once(key, lambda: self._paired(specs).to_dict())
         return Measurement(PairedResult.from_dict(found), key, cached)
 
-    def compare_together(self, ref: ArchSpec, specs: list[ArchSpec]) -> int:
-        """Compare every shape of ``specs`` whose pair with ``ref`` is not stored yet with ``ref``
-        in ONE engine process (one start of ``ref``'s engine and of the engine library for all),
-        and store each pair's rounds under the key ``compare([ref, s])`` reads. Returns how many
-        pairs were measured; fewer than two missing, or a failed group, measure nothing (each
-        shape is then compared alone when its trial asks)."""
-        keys = {id(s): self.pair_key([ref, s]) for s in specs}
+    def compare_together(self, ref: ArchSpec, specs: list[ArchSpec], fixed: list[ArchSpec] | None = None) -> int:
+        """Compare every shape of ``specs`` whose group with ``ref`` (and the ``fixed`` shapes, in
+        that order) is not stored yet in ONE engine process (one start of ``ref``'s engine, of
+        the ``fixed`` ones' and of the engine library for all), and store each shape's columns
+        under the key ``compare([ref, *fixed, s])`` reads. Returns how many shapes were
+        measured; fewer than two missing, or a failed group, measure nothing (each shape is then
+        compared alone when its trial, or its step of the GQA walk, asks)."""
+        fixed = list(fixed or [])
+        keys = {id(s): self.pair_key([ref, *fixed, s]) for s in specs}
 
         def missing() -> list[ArchSpec]:
             stored = self.store.all()  # one read of the store, not one per shape
@@ -265,7 +267,7 @@ class Measurer:
         todo = missing()
         if len(todo) < 2:
             return 0
-        group_key = self.pair_key([ref, *todo])
+        group_key = self.pair_key([ref, *fixed, *todo])
         with self.store.claim(group_key), contextlib.ExitStack() as held:
             # every pair's own lock too (in one order): another worker's trial comparing one of
             # these shapes alone waits, then reads the pair back instead of measuring it again
@@ -274,13 +276,13 @@ class Measurer:
             todo = missing()
             if len(todo) < 2:
                 return 0
-            result = self._paired([ref, *todo])
+            result = self._paired([ref, *fixed, *todo])
             if not result.ok:
                 return 0
-            for i, s in enumerate(todo, start=1):
+            for i, s in enumerate(todo, start=1 + len(fixed)):
                 key = keys[id(s)]
-                d = result.pair(i).to_dict()
-                d["measurement_key"], d["group"] = key, {"key": group_key, "size": len(todo) + 1}
+                d = result.pair(i, fixed=len(fixed)).to_dict()
+                d["measurement_key"], d["group"] = key, {"key": group_key, "size": len(fixed) + len(todo) + 1}
                 self.store.put(key, d)
                 self._taken.add(key)
             self.measured_now += 1
