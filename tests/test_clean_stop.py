@@ -54,6 +54,25 @@ def test_sigterm_raises_in_the_main_process_only():
         signal.signal(signal.SIGTERM, old)
 
 
+def test_main_in_process_gives_the_callers_sigterm_handler_back():
+    """A caller that runs ``main()`` in-process (a test runner, a notebook) keeps its own SIGTERM
+    handler afterwards: before, the CLI's handler stayed, and a later SIGTERM to pytest raised inside
+    whatever test was running instead of stopping it."""
+    from archsearch.cli import main
+
+    def mine(signum, frame):  # pragma: no cover - only compared, never called
+        pass
+
+    old = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main(["arch", "list", "--json"]) == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert main(["arch", "describe", "--preset", "no-such-preset"]) == 2  # an error path too
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_a_search_stops_once_the_box_has_no_new_shape():
     """A sampler that can only propose three shapes: the study stops after the patience, not at
     optuna.n_trials, and records why."""

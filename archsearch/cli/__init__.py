@@ -114,7 +114,9 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def _terminate_like_interrupt() -> None:
+def _terminate_like_interrupt():
+    """Install the SIGTERM handler; returns the handler it replaced (``main`` puts it back, so a
+    caller that runs ``main()`` in-process, a test runner among them, keeps its own)."""
     pid = os.getpid()
 
     def raise_terminated(signum, frame):
@@ -127,9 +129,9 @@ def _terminate_like_interrupt() -> None:
         raise Terminated(signum)
 
     try:
-        signal.signal(signal.SIGTERM, raise_terminated)
+        return signal.signal(signal.SIGTERM, raise_terminated)
     except ValueError:  # not the main thread (main() called from a thread): leave it as it is
-        pass
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         (getattr(args, "_group_parser", None) or parser).print_help()
         return 2
     configure(getattr(args, "verbosity", 0))
-    _terminate_like_interrupt()
+    previous = _terminate_like_interrupt()
     try:
         with json_stdout(bool(getattr(args, "json", False))):
             rc = int(args.func(args) or 0)
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # a bug, not a user error: the traceback, with any URL's password masked
         print(redact(traceback.format_exc()), end="", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 # the commands whose work survives an interrupt and resumes when run again (README, Conventions);
