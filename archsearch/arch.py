@@ -478,12 +478,12 @@ class _HFFields:
             return default
         return value
 
-    def int(self, key: str, default: Any = dataclasses.MISSING) -> int:
+    def int(self, key: str, default: Any = dataclasses.MISSING, minimum: int = 0) -> int:
         value = self._get(key, default)
         ok = (isinstance(value, int) and not isinstance(value, bool)
               or isinstance(value, float) and math.isfinite(value) and value.is_integer())
-        if not ok or value < 0:
-            raise self._fail(key, value, "a whole number >= 0")
+        if not ok or value < minimum:
+            raise self._fail(key, value, f"a whole number >= {minimum}")
         return int(value)
 
     def float(self, key: str, default: Any = dataclasses.MISSING) -> float:
@@ -538,15 +538,23 @@ def from_hf_config(cfg: dict[str, Any], name: str | None = None, where: str = "c
                   else _HFFields(rope, f"{where}:rope_parameters").float("rope_theta", 10000.0)
                   if isinstance(rope, dict) else 10000.0)
     fields = {"ffn": f.int("intermediate_size"), **_moe_from_hf(f, mt)}
-    return ArchSpec(
-        n_layers=f.int("num_hidden_layers"), hidden_size=hidden, n_heads=heads,
-        n_kv_heads=f.int("num_key_value_heads", heads) or heads,
-        head_dim=f.int("head_dim", hidden // heads) or hidden // heads,
-        vocab_size=f.int("vocab_size"),
-        tie_embeddings=f.flag("tie_word_embeddings", False),
-        max_position_embeddings=f.int("max_position_embeddings", 4096),
-        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
-        rope_theta=rope_theta, family=_MODEL_TYPE_TO_FAMILY[mt], name=name, **fields)
+    kw = dict(n_layers=f.int("num_hidden_layers"), hidden_size=hidden, n_heads=heads,
+              n_kv_heads=f.int("num_key_value_heads", heads, minimum=1),  # null: as many as heads (transformers)
+              head_dim=f.int("head_dim", hidden // heads, minimum=1),
+              vocab_size=f.int("vocab_size"),
+              tie_embeddings=f.flag("tie_word_embeddings", False),
+              max_position_embeddings=f.int("max_position_embeddings", 4096),
+              rms_norm_eps=f.float("rms_norm_eps", 1e-5),
+              rope_theta=rope_theta, family=_MODEL_TYPE_TO_FAMILY[mt], name=name, **fields)
+    try:
+        return ArchSpec(**kw)
+    except ArchsearchError as e:  # values of the right type that make no model: named by the file's key
+        raise ArchsearchError(f"{where}:{_HF_KEYS.get(e.field, e.field)}", e.problem, e.fix) from None
+
+
+# the spec's fields as an HF config.json names them (an error about one names the file's key)
+_HF_KEYS = {"n_layers": "num_hidden_layers", "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+            "ffn": "intermediate_size"}
 
 
 def write_hf_config(spec: ArchSpec, out_dir: str | Path, dtype: str = "bfloat16") -> Path:

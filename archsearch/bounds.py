@@ -44,6 +44,19 @@ BOUNDS: dict[str, Bound] = {
                           "side by side"),
     # pruned and failed trials count towards max_trials: 100 per shape asked for means the
     # sampler finds nothing new, and the study would sample forever
+    # a model's heads: the largest published models have 128 query heads (Llama-3.1-405B); a GQA
+    # group, a KV head count or a few-shot count beyond these describes no model and no prompt
+    "heads": Bound(1024, "the largest published models have 128 query heads; a head count or GQA group "
+                         "beyond 1,024 describes no model"),
+    "fewshot": Bound(1000, "each few-shot example takes tens of tokens or more, so 1,000 of them fill the "
+                           "longest context windows (10^5 tokens)"),
+    # an evaluation loss's sampling error shrinks as 1/sqrt(batches): at 100,000 it is far below the
+    # spread between two training runs
+    "eval_batches": Bound(100_000, "an evaluation loss's sampling error shrinks as 1/sqrt(batches); at 100,000 "
+                                   "it is far below the spread between two training runs"),
+    # a throughput curve is sampled at a few batch sizes (powers of two): 64 reach 2^63 sequences
+    "batch_sizes": Bound(64, "a throughput curve is sampled at a few batch sizes (powers of two); 64 of them "
+                             "reach 2^63 sequences"),
     "attempts_per_trial": Bound(100, "more than 100 attempts per shape asked for means the sampler finds "
                                      "nothing new"),
 }

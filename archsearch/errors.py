@@ -8,25 +8,30 @@ names the field and says what would be valid, so the user can fix it without rea
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 # user:password@ in a URL (scheme://user:password@host): the password is what redact() masks
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^:/@\s]*:)(?P<password>[^@\s]*)@")
-# a secret in a URL's query string (?password=..., &sslpassword=..., &token=...), any case
-_QUERY_SECRET = re.compile(r"(?P<head>[?&;][\w.\-]*?(?:password|passwd|pwd|secret|token|api_?key|access_?key)"
-                           r"[\w.\-]*=)(?P<secret>[^&;#\s'\"]*)", re.IGNORECASE)
+# a URL's parameter (?key=value, &key=value, ;key=value, or in the fragment #key=value); its key,
+# percent-decoded (pass%77ord is password), names a secret when it holds one of these words, any case
+_PARAM = re.compile(r"(?P<head>[?&;#](?P<key>[\w.\-%+]+)=)(?P<secret>[^&;#\s'\"]*)")
+_SECRET_KEY = re.compile(r"password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|credential", re.IGNORECASE)
 
 
 def redact(text: str) -> str:
     """``text`` with every secret of a URL in it masked, in each form a URL carries one: the
     password of ``scheme://user:password@host`` (``postgresql://u:***@host/db``) and a secret
-    query parameter (``?password=***``, ``&sslpassword=***``, ``&token=***``). What the project
-    prints or writes of a config, a command line or an error goes through here (the one mask),
-    so a storage password is used to connect and never shown or stored."""
+    parameter in its query or fragment (``?password=***``, ``&sslpassword=***``, ``&token=***``,
+    ``#password=***``, its key percent-encoded or not). What the project prints or writes of a
+    config, a command line or an error goes through here (the one mask), so a storage password is
+    used to connect and never shown or stored."""
     if not isinstance(text, str) or "=" not in text and "://" not in text:
         return text
     if "://" in text:
         text = _URL_PASSWORD.sub(lambda m: f"{m['head']}***@", text)
-    return _QUERY_SECRET.sub(lambda m: f"{m['head']}***", text) if "=" in text else text
+    if "=" not in text:
+        return text
+    return _PARAM.sub(lambda m: f"{m['head']}***" if _SECRET_KEY.search(unquote(m["key"])) else m[0], text)
 
 
 class ArchsearchError(ValueError):

@@ -80,6 +80,8 @@ def atomic_open(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
     """Open a temporary file next to ``path``; on success it replaces ``path`` in one rename.
     The file gets a plain ``open``'s mode (0666 less the umask), not mkstemp's private 0600."""
     p = Path(path)
+    if p.exists() and not p.is_file() and not p.is_dir():  # the rename would replace a device (/dev/null)
+        raise ArchsearchError(str(p), "is not a regular file (a device, pipe or socket)", "give a file path")
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
@@ -262,13 +264,22 @@ def check_path(flag: str, path: str | Path) -> Path:
 
 def check_output(flag: str, path: str | Path | None, kind: str = "file") -> None:
     """Refuse, before any work, an output ``path`` that cannot be written as a ``kind``
-    ("file" or "dir"): an empty or over-long path (:func:`check_path`), an existing folder where
-    a file goes, a file where a folder goes, or a parent that is a file."""
+    ("file" or "dir"): an empty or over-long path (:func:`check_path`), a link to nothing, an
+    existing folder where a file goes, a device, pipe or socket (which the atomic write's rename
+    would replace), a file where a folder goes, or a parent that is a file."""
     if path is None:
         return
     p = check_path(flag, path)
+    if p.is_symlink() and not p.exists():
+        raise ArchsearchError(flag, f"{str(p)!r} is a link to nothing ({os.readlink(p)!r})",
+                              "give another path, or remove the link")
     if kind == "file" and p.is_dir():
         raise ArchsearchError(flag, f"{str(p)!r} is a folder", "give a file path")
+    if kind == "file" and p.exists() and not p.is_file():
+        # a device, a pipe or a socket: a file is written beside it and renamed over it, replacing it
+        # (as root, /dev/null itself)
+        raise ArchsearchError(flag, f"{str(p)!r} is not a regular file (a device, pipe or socket)",
+                              "give a file path")
     if kind == "dir" and p.exists() and not p.is_dir():
         raise ArchsearchError(flag, f"{str(p)!r} is a file", "give a folder path (new or existing)")
     for parent in p.absolute().parents:
@@ -293,6 +304,9 @@ def check_name(field: str, name: Any) -> str:
         raise ArchsearchError(field, f"{name!r} would be a path, not a name in its folder", fix)
     if any(ord(c) < 32 or c == "\x7f" for c in name) or name != name.strip():
         raise ArchsearchError(field, f"{name!r} holds control characters or surrounding spaces", fix)
+    if len(os.fsencode(name)) > 200:  # a folder name, and files are named after it (<name>.lock, ...)
+        raise ArchsearchError(field, f"{name[:40]!r}... is {len(os.fsencode(name))} bytes long, over the 200 a "
+                              "folder name may take here (file systems take 255, with room for suffixes)", fix)
     return name
 
 

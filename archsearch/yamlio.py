@@ -114,8 +114,9 @@ def load_yaml_text(text: str, where: str) -> Any:
         if node is None:
             return None
         if _expanded_size(node, where) > MAX_NODES:
-            raise ArchsearchError(where, f"holds more than {MAX_NODES:,} values once its aliases (*name) are "
-                                  "expanded", "a config is small: write the values out, or use fewer aliases")
+            raise ArchsearchError(where, f"holds more than {MAX_NODES:,} values (its aliases, *name, counted as "
+                                  "expanded)", "a config is small (the largest shipped one holds a few hundred "
+                                  "values): give fewer values, or use fewer aliases")
         return loader.construct_document(node)
     except yaml.YAMLError as e:
         raise ArchsearchError(where, f"invalid YAML: {e}".replace("\n", " ")) from None

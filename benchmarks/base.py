@@ -84,6 +84,7 @@ class BenchSettings(PlainData):
         for b in self.batch_sizes:
             if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
                 raise ArchsearchError("batch_sizes", f"batch size must be a positive integer, got {b!r}")
+        check_count("batch_sizes", len(self.batch_sizes), "batch_sizes")
         if len(set(self.batch_sizes)) != len(self.batch_sizes):
             raise ArchsearchError("batch_sizes", f"repeated batch size in {self.batch_sizes}")
         for f, lo in (("input_len", 1), ("output_len", 1), ("repeats", 1), ("warmup", 0),

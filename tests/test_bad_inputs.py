@@ -81,7 +81,17 @@ HF_BAD = {"heads-text": ("num_attention_heads", {"num_attention_heads": "eight"}
           "model-type-list": ("model_type", {"model_type": ["llama"]}),
           "vocab-bool": ("vocab_size", {"vocab_size": True}),
           "eps-text": ("rms_norm_eps", {"rms_norm_eps": "small"}),
-          "tie-text": ("tie_word_embeddings", {"tie_word_embeddings": "yes"})}
+          "tie-text": ("tie_word_embeddings", {"tie_word_embeddings": "yes"}),
+          "kv-text": ("num_key_value_heads", {"num_key_value_heads": "two"}),
+          "kv-zero": ("num_key_value_heads", {"num_key_value_heads": 0}),
+          "kv-not-divisor": ("num_key_value_heads", {"num_key_value_heads": 3}),
+          "ffn-neg": ("intermediate_size", {"intermediate_size": -5}),
+          "head-dim-text": ("head_dim", {"head_dim": "64"}),
+          "head-dim-zero": ("head_dim", {"head_dim": 0}),
+          "hidden-object": ("hidden_size", {"hidden_size": {}}),
+          "layers-fraction": ("num_hidden_layers", {"num_hidden_layers": 2.5}),
+          "rope-text": ("rope_theta", {"rope_theta": "big"}),
+          "positions-text": ("max_position_embeddings", {"max_position_embeddings": "long"})}
 
 # (case id, argv, fragment of the one error line: the field it names)
 CLI_CASES = [
@@ -417,6 +427,61 @@ CLI_CASES = [
     ("train-resume-other-seq-len", [*TRAIN_CMD, "--lr", "0.001", "--seq-len", "32", "--out", "{d}/halfrun"],
      "data.seq_len"),
     ("train-resume-torn-weights", [*TRAIN_CMD, "--out", "{d}/tornrun"], "model.safetensors"),
+    # held-out probes of each class (second round): other HF files, records, YAML forms, overrides,
+    # resumed settings, counts, paths, corpora and spellings
+    ("describe-hf-config-list", ["arch", "describe", "--arch", "{d}/hf-list"], "config.json"),
+    ("describe-hf-config-null", ["arch", "describe", "--arch", "{d}/hf-null"], "config.json"),
+    ("calibrate-results-null-line", ["calibrate", "--results", "{d}/rec-null.jsonl", "--out", "{d}/c.json"],
+     "rec-null.jsonl"),
+    ("calibrate-results-per-batch-text", ["calibrate", "--results", "{d}/rec-pb-str.jsonl", "--out", "{d}/c.json"],
+     "per_batch"),
+    ("calibrate-results-arch-list", ["calibrate", "--results", "{d}/rec-arch-list.jsonl", "--out", "{d}/c.json"],
+     "architecture"),
+    ("sweep-yaml-duplicate-key", ["sweep", "--config", "{d}/dup-sweep.yaml"], "n_layers"),
+    ("search-yaml-python-tag", ["search", "--config", "{d}/tag.yaml"], "tag.yaml"),
+    ("search-yaml-complex-key", ["search", "--config", "{d}/complexkey.yaml"], "complexkey.yaml"),
+    ("search-yaml-number-key", ["search", "--config", "{d}/intkey.yaml"], "1"),
+    ("search-yaml-tab-indent", ["search", "--config", "{d}/tabs.yaml"], "tabs.yaml"),
+    ("search-yaml-deep-mapping", ["search", "--config", "{d}/deepmap.yaml"], "nested"),
+    ("search-yaml-huge-negative-int", ["search", "--config", "{d}/bigint-neg.yaml"], "digits"),
+    ("search-yaml-float-overflow", ["search", "--config", "{d}/bigfloat.yaml"], "tokens"),
+    ("override-bracket-index", ["search", "--config", "{d}/study.yaml", "search_space.gqa[0]=4"], "search_space.gqa"),
+    ("override-negative-index", ["search", "--config", "{d}/study.yaml", "search_space.gqa.-1=4"], "search_space.gqa"),
+    ("override-empty-key", ["search", "--config", "{d}/study.yaml", "=3"], "="),
+    ("override-alias", ["search", "--config", "{d}/study.yaml", "name=&a [*a]"], "name"),
+    ("train-resume-other-batch", [*TRAIN_CMD, "--lr", "0.001", "--global-batch-size", "16", "--out", "{d}/halfrun"],
+     "global_batch_size"),
+    ("train-resume-other-tokens", [*TRAIN_CMD, "--lr", "0.001", "--tokens", "40000", "--out", "{d}/halfrun"],
+     "token budget"),
+    ("train-resume-other-shape", ["train", "--layers", "2", "--hidden-size", "256", "--heads", "4", "--kv-heads", "2",
+                                  "--ffn", "256", "--vocab-size", "2048", "--config", "{d}/train.yaml", "--lr", "0.001",
+                                  "--out", "{d}/halfrun"], "hidden"),
+    ("estimate-tp-huge", [*EST, "--tp", "100000000"], "tp"),
+    ("bench-batch-sizes-too-many", [*BENCH[:-1], ",".join(map(str, range(1, 201)))], "batch_sizes"),
+    ("eval-fewshot-huge", ["eval", "--model", "smollm2-135m", "--num_fewshot", "100000000"], "num_fewshot"),
+    ("fit-bootstrap-huge-float", [*FIT, "--out", "{d}/new.json", "--bootstrap", "1e9"], "bootstrap"),
+    ("train-eval-batches-huge", [*TRAIN_CMD, "train.eval_batches=1000000000000"], "eval_batches"),
+    ("train-log-interval-zero", [*TRAIN_CMD, "train.log_interval=0"], "log_interval"),
+    ("search-gpus-huge", ["search", "--config", "{d}/study.yaml", "--dry-run", "--gpus", "100000000xH100"], "gpus"),
+    ("train-num-processes-zero", [*TRAIN_CMD, "--launch", "--num-processes", "0", "--out", "{d}/tl"], "num-processes"),
+    ("train-out-nul", [*TRAIN_CMD, "--out", "{d}/a\x00b"], "--out"),
+    ("bench-out-nul", [*BENCH, "--out", "{d}/a\x00b.jsonl"], "--out"),
+    ("search-out-newline", ["search", "--config", "{d}/study.yaml", "--out", "\n"], "--out"),
+    ("search-out-spaces", ["search", "--config", "{d}/study.yaml", "--out", "   "], "--out"),
+    ("train-out-dangling-link", [*TRAIN_CMD, "--out", "{d}/dangling"], "--out"),
+    ("train-out-link-to-file", [*TRAIN_CMD, "--out", "{d}/tofile"], "--out"),
+    ("fit-out-fifo", [*FIT, "--out", "{d}/fifo"], "--out"),
+    ("bench-out-fifo", [*BENCH, "--out", "{d}/fifo"], "--out"),
+    ("search-config-nul", ["search", "--config", "{d}/a\x00b.yaml"], "--config"),
+    ("fit-data-nul", [*FIT[:2], "{d}/x\x00.csv", *FIT[3:], "--out", "{d}/new.json"], "--data"),
+    ("train-data-nul-bytes", [*TRAIN_CMD, "--data", "{d}/nul.txt"], "nul.txt"),
+    ("train-data-utf16", [*TRAIN_CMD, "--data", "{d}/u16.txt"], "u16.txt"),
+    ("bench-trust-remote-code-mixed", [*BENCH, "--engine-arg", "Trust_Remote-Code=true"], "trust_remote_code"),
+    ("bench-trust-remote-code-spaces", [*BENCH, "--engine-arg", " trust_remote_code =true"], "trust_remote_code"),
+    ("eval-trust-remote-code-upper", ["eval", "--model", "smollm2-135m", "--model_args", "TRUST_REMOTE_CODE=1"],
+     "trust_remote_code"),
+    ("eval-trust-remote-code-spaced", ["eval", "--model", "smollm2-135m", "--model_args",
+                                       "pretrained=x, trust_remote_code = True"], "trust_remote_code"),
     ("eval-trust-remote-code-dashes", ["eval", "--model", "smollm2-135m", "--model_args", "Trust-Remote-Code=True"],
      "trust_remote_code"),
 ]
@@ -603,6 +668,43 @@ CONFIG_CASES = [
     ("train-section-scalar", "train", {"data": 3}, "data"),
     ("train-max-epochs-neg", "train", {"data.max_epochs": -1}, "data.max_epochs"),
     ("train-log-with-bad", "train", {"train.log_with": ["tensorboard", "nope"]}, "train.log_with"),
+    # held-out probes (second round): other secret forms, absurd counts in other fields, other paths
+    ("study-storage-sslpassword", "study", {"optuna.storage": f"postgresql://u@localhost:1/db?sslpassword={SECRET}"},
+     "optuna.storage"),
+    ("study-storage-token", "study", {"optuna.storage": f"postgresql://localhost:1/db?token={SECRET}"}, "optuna.storage"),
+    ("study-storage-upper-password", "study", {"optuna.storage": f"postgresql://localhost:1/db?PASSWORD={SECRET}"},
+     "optuna.storage"),
+    ("study-storage-encoded-key", "study", {"optuna.storage": f"postgresql://localhost:1/db?pass%77ord={SECRET}"},
+     "optuna.storage"),
+    ("study-storage-no-user", "study", {"optuna.storage": f"mysql+pymysql://:{SECRET}@localhost:1/db"}, "optuna.storage"),
+    ("study-storage-ipv6", "study", {"optuna.storage": f"postgresql://u:{SECRET}@[::1]:1/db"}, "optuna.storage"),
+    ("study-storage-at-in-password", "study", {"optuna.storage": f"postgresql://u:{SECRET}@x@localhost:1/db"},
+     "optuna.storage"),
+    ("study-storage-fragment", "study", {"optuna.storage": f"postgresql://localhost:1/db#password={SECRET}"},
+     "optuna.storage"),
+    ("study-storage-semicolon", "study", {"optuna.storage": f"postgresql://localhost:1/db?a=1;password={SECRET}"},
+     "optuna.storage"),
+    ("study-storage-api-key", "study", {"optuna.storage": f"postgresql://localhost:1/db?api-key={SECRET}"},
+     "optuna.storage"),
+    ("study-engine-args-remote-code", "study", {"measure.bench.engine_args": {"TRUST-REMOTE-CODE": True}},
+     "trust_remote_code"),
+    ("study-bench-repeats-huge", "study", {"measure.bench.repeats": 10**9}, "repeats"),
+    ("study-paired-min-rounds-huge", "study", {"measure.paired.min_rounds": 10**9}, "min_rounds"),
+    ("study-law-starts-huge", "study", {"law.fit.n_starts": 10**9}, "n_starts"),
+    ("study-law-bootstrap-huge", "study", {"law.fit.bootstrap": 10**12}, "bootstrap"),
+    ("study-n-shapes-huge", "study", {"optuna.n_shapes": 10**12}, "n_shapes"),
+    ("study-enqueue-huge", "study", {"optuna.enqueue_solution": 10**9}, "enqueue_solution"),
+    ("study-batch-size-huge", "study", {"measure.bench.batch_sizes": [10**9]}, "batch"),
+    ("study-gqa-baseline-huge", "study", {"gqa_search.baseline_gqa": 10**9}, "baseline_gqa"),
+    ("study-gqa-min-kv-heads-huge", "study", {"gqa_search.min_kv_heads": 10**9}, "min_kv_heads"),
+    ("sweep-eval-batches-huge", "sweep", {"train.eval_batches": 10**12}, "eval_batches"),
+    ("train-seq-len-huge", "train", {"data.seq_len": 10**12}, "seq_len"),
+    ("train-micro-batch-huge", "train", {"train.micro_batch_size": 10**9}, "micro_batch_size"),
+    ("study-out-nul", "study", {"out": "a\x00b"}, "out"),
+    ("study-name-nul", "study", {"name": "a\x00b"}, "name"),
+    ("study-name-long", "study", {"name": "n" * 300}, "name"),
+    ("study-proxy-runs-folder", "study", {"law.file": None, "proxy.runs": "adir"}, "proxy.runs"),
+    ("study-law-file-dangling", "study", {"law.file": "dangling"}, "law.file"),
 ]
 
 CONFIG_CMDS = {"study": ["search", "--config", "{d}/case.yaml"],
@@ -721,6 +823,28 @@ def _make_fixtures(d: Path) -> None:
     (d / "locks-file").mkdir()
     (d / "locks-file" / "locks").write_text("")
     (d / "store-lock-folder" / "measurements.lock").mkdir(parents=True)
+    # held-out probes (second round)
+    for name, text in (("hf-list", "[]"), ("hf-null", "null")):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(text)
+    (d / "rec-null.jsonl").write_text("null\n")
+    (d / "rec-pb-str.jsonl").write_text(json.dumps({"backend": "hf", "settings": {}, "architecture": {},
+                                                    "per_batch": "x"}) + "\n")
+    (d / "rec-arch-list.jsonl").write_text(json.dumps({"backend": "hf", "settings": {}, "architecture": [1],
+                                                       "per_batch": []}) + "\n")
+    (d / "dup-sweep.yaml").write_text(yaml.safe_dump(SWEEP) + "n_layers: 4\n")
+    (d / "tag.yaml").write_text(study + "x: !!python/object/apply:os.system ['true']\n")
+    (d / "complexkey.yaml").write_text(study + "? [a, b]\n: 1\n")
+    (d / "intkey.yaml").write_text(study + "1: 2\n")
+    (d / "tabs.yaml").write_text("name: st\n\tparams: 3\n")
+    (d / "deepmap.yaml").write_text(study.replace("params: 200000", "params: " + "{a: " * 1000 + "1" + "}" * 1000))
+    (d / "bigint-neg.yaml").write_text(study.replace("tokens: 300000", "tokens: -" + "9" * 5000))
+    (d / "bigfloat.yaml").write_text(study.replace("tokens: 300000", "tokens: 1e99999"))
+    (d / "nul.txt").write_bytes(b"hello\x00world\n" * 100)
+    (d / "u16.txt").write_text("hello world, a corpus\n" * 50, encoding="utf-16")
+    (d / "dangling").symlink_to(d / "nowhere")
+    (d / "tofile").symlink_to(d / "afile.txt")
+    os.mkfifo(d / "fifo")  # a special file an output must not replace (as /dev/null would be, by root)
     # a finished run of another architecture and budget
     other = ArchSpec(n_layers=4, hidden_size=256, n_heads=4, n_kv_heads=4, head_dim=64, ffn=512, vocab_size=2048)
     (d / "otherrun").mkdir()

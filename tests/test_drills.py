@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -138,14 +139,25 @@ def _cli(cwd: Path, *args: str, quiet: bool = False) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL if quiet else subprocess.PIPE, text=True)
 
 
+# the processes every drill killed, to check afterwards that they left no scratch folder behind
+KILLED: list[int] = []
+
+
 def _kill_on(p: subprocess.Popen, cond, timeout: float = 600) -> bool:
-    """kill -9 ``p`` as soon as ``cond()`` holds; False if it ended before that was seen."""
+    """kill -9 ``p`` as soon as ``cond()`` holds; False if it ended before that was seen. Every
+    descendant of ``p`` at the kill (grandchildren included: an engine's workers) must be gone
+    within 10 s."""
+    import psutil
+
     t0 = time.time()
     try:
         while p.poll() is None and time.time() - t0 < timeout:
             if cond():
+                family = psutil.Process(p.pid).children(recursive=True)
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
+                KILLED.append(p.pid)
+                _outlived(family)
                 return True
             time.sleep(0.005)
         assert p.poll() is not None, f"still running after {timeout} s"
@@ -154,6 +166,34 @@ def _kill_on(p: subprocess.Popen, cond, timeout: float = 600) -> bool:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def _outlived(family, within_s: float = 10.0) -> None:
+    """Fail if a process of ``family`` (psutil processes) still runs ``within_s`` after its root's kill."""
+    import psutil
+
+    def alive(q) -> bool:
+        try:
+            return q.is_running() and q.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    t = time.time()
+    while (left := [q.pid for q in family if alive(q)]) and time.time() - t < within_s:
+        time.sleep(0.1)
+    assert not left, f"descendants of the killed process still run {within_s:g} s after the kill: {left}"
+
+
+def _no_debris_of_the_killed(shm_before: set[str]) -> None:
+    """No scratch folder (``/tmp/archsearch-<kind>-<pid>-*``) of a killed process, and no
+    shared-memory segment made since ``shm_before`` that no live process uses, is left once the
+    resumed run has measured (each measurement reaps both where their owner died)."""
+    from archsearch.benchmarks.scratch import segments_in_use, shm_segments
+
+    left = [p.name for pid in KILLED for p in Path(tempfile.gettempdir()).glob(f"archsearch-*-{pid}-*")]
+    assert not left, f"scratch folders of killed processes remain: {left}"
+    shm = shm_segments() - shm_before - {Path(s).name for s in segments_in_use()}
+    assert not shm, f"shared-memory segments left behind unused: {sorted(shm)}"
 
 
 def _finish(p: subprocess.Popen, timeout: float = 600) -> str:
@@ -302,14 +342,18 @@ def drills(tmp_path_factory):
 
 @pytest.mark.slow
 def test_study_survives_kill_9_at_every_stage(drills):
+    from archsearch.benchmarks.scratch import shm_segments
+
     root, jobs = drills
-    landed, ledger = {}, None
+    landed, ledger, shm = {}, None, shm_segments()
     for stage, cond in KILL_POINTS.items():
         landed[stage] = _kill_on(_search(root, "drilled", quiet=True), lambda: cond(root / "drilled"))
         if stage == "proxy" and landed[stage]:
             ledger = ProxyLedger(root / "drilled" / PROXIES)
     _finish(_search(root, "drilled"))
-    jobs["clean"].result()
+    for job in jobs.values():  # every drill's processes have ended (their engines' segments are theirs)
+        job.result()
+    _no_debris_of_the_killed(shm)
 
     # the long stages must have been hit; a kill that missed the short GQA stage is reported
     assert landed["proxy"] and landed["fit"] and landed["search"], landed

@@ -345,3 +345,60 @@ def test_max_attempts_is_bounded_and_named(value):
     with pytest.raises(ArchsearchError) as e:
         from_dict(MeasureConfig, {"bench": {"backend": "hf"}, "max_attempts": value}, "measure")
     assert e.value.field == "measure.max_attempts"
+
+
+def test_every_failed_shape_is_retried_up_to_max_attempts_across_resumes(tmp_path, monkeypatch, capsys):
+    """Every measurement fails in the first two runs of a study (several shapes fail): each run
+    after the first retries every failed shape once (one retry per shape, however many trials
+    proposed it), even once the trial budget is spent; the attempts are counted per shape across
+    runs, and a shape is never measured beyond ``measure.max_attempts``."""
+    import dataclasses
+    from collections import defaultdict
+
+    from archsearch.search import pipeline
+    from archsearch.search.measurements import Measurer
+    from tests.test_search import load, study_config
+
+    real, failing = Measurer._paired, [True]
+
+    def flaky(self, specs):
+        r = real(self, specs)
+        return dataclasses.replace(r, ok=False, error="engine died (injected)", rounds=[]) if failing[0] else r
+
+    monkeypatch.setattr(Measurer, "_paired", flaky)
+    cfg = load(study_config(tmp_path, optuna={"n_shapes": 3, "enqueue_solution": 2, "n_trials": 6},
+                            gqa_search={"enabled": False}, measure={"max_attempts": 3}))
+    out = cfg.out_dir()
+
+    def attempts() -> dict[str, list]:
+        per = defaultdict(list)
+        for line in (out / "measurements.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            per[r["key"]].append((r["result"].get("attempts", 1), r["result"]["ok"]))
+        return dict(per)
+
+    pipeline.run(cfg, out, only={"search"})
+    first = attempts()
+    assert len(first) >= 3 and all(v == [(1, False)] for v in first.values()), first  # several shapes failed
+    capsys.readouterr()
+    pipeline.run(cfg, out, only={"search"})  # still failing: every shape tried a second time
+    assert "measuring again the failed measurements of trials" in capsys.readouterr().err
+    assert {k: v for k, v in attempts().items() if k in first} == {k: [(1, False), (2, False)] for k in first}
+    failing[0] = False
+    s = pipeline.run(cfg, out, only={"search", "report"})  # the third attempt of each succeeds
+    assert {k: v for k, v in attempts().items() if k in first} == \
+        {k: [(1, False), (2, False), (3, True)] for k in first}
+    assert s["trials"]["distinct_shapes"] >= 3
+    n = sum(map(len, attempts().values()))
+    pipeline.run(cfg, out, only={"search"})  # nothing failed is left: nothing measured
+    assert sum(map(len, attempts().values())) == n
+
+    # with max_attempts 2, a shape failing twice is not tried a third time
+    failing[0] = True
+    (tmp_path / "b").mkdir()
+    cfg2 = load(study_config(tmp_path / "b", optuna={"n_shapes": 2, "enqueue_solution": 2, "n_trials": 3},
+                             gqa_search={"enabled": False}, measure={"max_attempts": 2}))
+    for _ in range(3):
+        pipeline.run(cfg2, cfg2.out_dir(), only={"search"})
+    out = cfg2.out_dir()
+    assert all(len(v) == 2 for v in attempts().values()), attempts()

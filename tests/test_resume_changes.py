@@ -263,3 +263,144 @@ def test_settings_the_search_reads_redo_it_when_changed(tmp_path, capsys):
     assert "stage search is redone: law.allow_extrapolation (null -> true)" in capsys.readouterr().err
     pipeline.run(load(_rewrite(raw, law={"allow_extrapolation": True}, optuna={"target_objective": "geomean"})), out)
     assert "optuna.target_objective (null -> \"geomean\")" in capsys.readouterr().err
+
+
+# settings a study's report states (its config) that change no result: how the work is scheduled,
+# where it is recorded, or how far a search that resumes itself goes; each with why
+CHANGES_NO_RESULT = {
+    "cluster.": "where and how jobs run: every job's result is the same",
+    "optuna.n_shapes": "the search resumes itself: more shapes extend it, fewer stop it (the budget, stated with "
+                       "the shapes measured)",
+    "optuna.n_trials": "the search resumes itself with the new trial budget",
+    "optuna.seeds_together": "schedules the seeds' measurements; each is stored and read back under the same key",
+    "optuna.log_with": "where trial records are also sent",
+    "optuna.storage": "a new storage is a new study (refused where the folder's holds other trials)",
+    "measure.max_attempts": "the search resumes itself: attempts left are spent at the next run",
+    "measure.fallback_backend": "used only when the engine is missing: the engine that measured is in the key",
+    "measure.bench.timeout_s": "a measurement that timed out failed, and is retried (measure.max_attempts)",
+    "law.fit.n_jobs": "processes of the fit: the same fit",
+    "out": "the folder itself",
+    "final_train.train.log_with": "where metrics are also sent",
+    "final_train.train.cpu_threads": "threads of the same computation",
+    "proxy.active.": "read only by the active plan (proxy.plan: active): in the proxy stage's inputs there",
+}
+
+# a changed value for each setting that is not a number or a flag (those are changed generically)
+EXAMPLES = {
+    "name": "t2", "mode": "predict-rank-select", "law.form": "conditional-additive", "law.file": "LAW",
+    "law.fit.method": "lbfgsb", "law.fit.reference": "best-observed", "law.fit.holdout_size": 2,
+    "law.seed": 5, "law.size_tolerance": 0.1, "target.loss": 3.5, "target.confidence": 0.9,
+    "limits.max_ttft_s": 10.0, "measure.bench.backend": "hf", "measure.bench.device_spec": "A100-40GB",
+    "measure.bench.dtype": "float16", "measure.bench.engine_args": {"enforce_eager": True},
+    "measure.calibration": "configs/calibration/h200-vllm.json", "measure.params": 1.0e6,
+    "measure.reference_batch_size": 4, "measure.fallback_backend": "analytic",
+    "measure.targets": [{"name": "h100", "backend": "analytic", "device_spec": "H100", "batch_size": 8}],
+    "optuna.objective": "pareto", "optuna.sampler": "random", "optuna.target_objective": "geomean",
+    "search_space.build.on_r_drift": "refuse", "search_space.build.family": "qwen3",
+    "gqa_search.max_gqa": 2, "gqa_search.min_kv_heads": 2, "evaluation.tasks": "offline,offline2",
+    "baseline.preset": "llama-3.2-1b", "baseline.arch": "configs", "proxy.runs": "RUNS", "proxy": "RUNS", "proxy.plan": "active",
+    "proxy.sweep": {"name": "s2", "params": [1.0e5], "n_layers": 2}, "proxy.sweeps": [{"name": "s2", "params": [1.0e5]}],
+    "proxy.store": "STORE", "law.fit.reference_law": {"law": "chinchilla", "coefficients": {
+        "E": 1.7, "A": 400.0, "alpha": 0.34, "B": 400.0, "beta": 0.28}},
+    "gqa_search.loss_noise": 0.01, "limits.max_tpot_s": 1.0, "limits.max_peak_memory_gib": 10.0,
+    "final_train.tokens": 1.0e6, "final_train.train.tokens": 1.0e6, "final_train.train.tokens_per_param": 10.0,
+    "final_train.train.micro_batch_size": 4, "final_train.train.warmup_steps": 5, "final_train.train.eval_interval": 50,
+    "final_train.train.checkpoint_interval": 50, "final_train.train.dtype": "float32",
+    "final_train.train.attn_implementation": "eager", "final_train.train.hparams": {"lr": 1.0e-3},
+    "final_train.train.init_from": "configs", "final_train.train.lora_rank": 8, "final_train.train.lora_targets": ["q_proj"],
+    "final_train.data": {"source": "shakespeare"}, "evaluation.limit": 10,
+}
+
+
+def _changed_value(key: str, v):
+    if key in EXAMPLES:
+        return EXAMPLES[key]
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1
+    if isinstance(v, float):
+        return v * 1.5 if v else 0.5
+    if isinstance(v, list) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        return [x * 2 for x in v]
+    return None
+
+
+@pytest.mark.parametrize("fitted", [True, False], ids=["law-fitted", "law-file"])
+def test_every_setting_the_report_states_redoes_what_reads_it_or_is_refused(tmp_path, fitted):
+    """Each setting of the study's config (which the report states): changed on a finished study,
+    it is refused at load, or changes the fingerprint of a stage that applies (so that stage and
+    those after it are redone), or is one that changes no result (CHANGES_NO_RESULT, with why)."""
+    from archsearch.configio import to_dict
+    from archsearch.laws.synthetic import synthetic_runs
+    from archsearch.rundata import write_runs
+    from archsearch.search.config import load_study_config
+    from archsearch.search.inputs import fingerprints
+    from archsearch.search.settings import flat
+    from archsearch.search.stages import stage_applies
+
+    coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
+    if fitted:
+        coef = {"a0": 1.08, "a1": 0.05, "a2": 0.004, "b0": 0.97, "b1": 0.02, "b2": 0.04}
+        write_runs(tmp_path / "a.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 1e6),
+                                                      tokens_per_param=(10, 20)))
+        raw = study_config(tmp_path, law={"file": None, "fit": {"reference": "chinchilla", "bootstrap": 0}},
+                           proxy={"runs": str(tmp_path / "a.csv")})
+    else:
+        raw = study_config(tmp_path)
+    cfg = load(raw)
+    full = to_dict(cfg)
+
+    def prints(c):  # every stage's, applying or not: one that does not apply runs with them once it does
+        return fingerprints(c, stage_applies(c))
+
+    base = prints(cfg)
+    ignored, untried = [], []
+    for key, value in flat(full, "").items():
+        new = _changed_value(key, value)
+        if any(key == k or (k.endswith(".") and key.startswith(k)) for k in CHANGES_NO_RESULT):
+            continue
+        if new is None or new == value:
+            untried.append(key)
+            continue
+        if new == "LAW":
+            new = str(tmp_path / "law.json") if fitted else None
+        elif new == "RUNS":  # other runs (the file's content is what the fit reads)
+            write_runs(tmp_path / "b.csv", synthetic_runs("conditional-multiplicative", coef, sizes=(5e5, 2e6),
+                                                          tokens_per_param=(10, 20)))
+            new = str(tmp_path / "b.csv") if key == "proxy.runs" else {"runs": str(tmp_path / "b.csv")}
+        elif new == "STORE":
+            new = str(tmp_path / "store")
+        changed = json.loads(json.dumps(full))
+        *path, last = key.split(".")
+        node = changed
+        for k in path:
+            node = node[k]
+        node[last] = new
+        p = tmp_path / "changed.yaml"
+        p.write_text(yaml.safe_dump(changed))
+        try:
+            c2 = load_study_config(p)
+        except ArchsearchError:
+            continue  # refused at load
+        if prints(c2) == base:
+            ignored.append(f"{key}: {value!r} -> {new!r}")
+    assert not ignored, "changed on a finished study, these redo nothing:\n" + "\n".join(ignored)
+    # every setting that is not a number or a flag has an example change (a new one must get one)
+    assert not untried, f"no changed value to try for {untried}: add one to EXAMPLES or CHANGES_NO_RESULT"
+
+
+def test_removing_measure_targets_redoes_the_search(tmp_path, capsys):
+    from archsearch.search import pipeline
+
+    targets = [{"name": "h100", "backend": "analytic", "device_spec": "H100", "batch_size": 8}]
+    raw = study_config(tmp_path, measure={"targets": targets}, optuna={"n_shapes": 2}, gqa_search={"enabled": False})
+    out = load(raw).out_dir()
+    pipeline.run(load(raw), out)
+    capsys.readouterr()
+    plain = {k: v for k, v in raw.items() if k != "_path"}
+    plain["measure"] = {k: v for k, v in plain["measure"].items() if k != "targets"}
+    Path(raw["_path"]).write_text(yaml.safe_dump(plain))
+    s = pipeline.run(load(raw), out)
+    assert "stage search is redone: measure.targets" in capsys.readouterr().err
+    assert "targets" not in s

@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -639,6 +640,104 @@ def test_two_workers_share_one_study(tmp_path):
     assert len(pids) == 2  # both worked
     keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
     assert len(keys) == len(set(keys))
+
+
+def _trials(db: Path) -> dict[int, dict]:
+    """number -> {state, worker pid, retry_of, measured} of every trial, read without Optuna (the
+    workers hold the database; a read here must not take its write lock)."""
+    if not db.is_file():
+        return {}
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        rows = con.execute("select t.number, t.state, t.datetime_start, a.key, a.value_json from trials t left join "
+                           "trial_user_attributes a on a.trial_id = t.trial_id").fetchall()
+    except sqlite3.OperationalError:
+        return {}
+    finally:
+        con.close()
+    out: dict[int, dict] = {}
+    for number, state, start, key, value in rows:
+        t = out.setdefault(number, {"state": state, "start": start})
+        if key in ("worker", "retry_of", "measured", "measurement_key"):
+            t[key] = json.loads(value)
+    return out
+
+
+@pytest.mark.slow
+def test_a_killed_workers_trial_is_taken_over_within_30_s_and_measured(tmp_path):
+    """Two workers on one study (no seeds measured together); ``kill -9`` of one while its engine
+    measures. The survivor takes the dead worker's trial over within seconds (it watches its peers
+    while it runs its own trials: fails that trial and enqueues its shape for itself), claims it as
+    its very next trial (one device: after the trial it is measuring) and measures it; its log says
+    so. The drill times the takeover and fails beyond 30 s, if the survivor starts another trial
+    first, or if the dead worker's trial is never measured."""
+    import psutil
+
+    cfg = study_config(tmp_path, measure={"bench": {"backend": "hf", "device_spec": None, "batch_sizes": [2],
+                                                    "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0,
+                                                    "timeout_s": 120},
+                                          "paired": {"min_rounds": 2, "max_rounds": 2}},
+                       optuna={"n_shapes": 3, "seed": 3, "enqueue_solution": 1, "seeds_together": False},
+                       gqa_search={"enabled": False})
+    out, db = Path(cfg["out"]), Path(cfg["out"]) / "optuna.db"
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-m", "archsearch", "search", "--config", cfg["_path"], "--only", "search"],
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
+             for log in logs]
+    survivor, victim = procs
+    try:
+        def victims_trial() -> int | None:  # the victim's running trial, once its engine measures
+            assert survivor.poll() is None and victim.poll() is None, (logs[0].read_text(), logs[1].read_text())
+            mine = [n for n, t in _trials(db).items()
+                    if t["state"] == "RUNNING" and t.get("worker", {}).get("pid") == victim.pid]
+            engines = [k for k in psutil.Process(victim.pid).children()
+                       if "archsearch.benchmarks.isolate" in " ".join(k.cmdline())]
+            return mine[0] if mine and engines else None
+
+        deadline = time.time() + 300
+        while (dead := victims_trial()) is None:
+            assert time.time() < deadline, "the second worker never measured"
+            time.sleep(0.2)
+        family = psutil.Process(victim.pid).children(recursive=True)  # its engine and the engine's own
+        os.kill(victim.pid, signal.SIGKILL)
+        killed = time.time()
+        victim.wait()
+        failed_s = claimed_s = None
+        while survivor.poll() is None and claimed_s is None:
+            trials = _trials(db)
+            if failed_s is None and trials[dead]["state"] == "FAIL":
+                failed_s = time.time() - killed
+            if any(t.get("retry_of") == dead and t["state"] in ("RUNNING", "COMPLETE") for t in trials.values()):
+                claimed_s = time.time() - killed
+            assert time.time() - killed < 300, "the dead worker's trial was never taken over"
+            time.sleep(0.2)
+        assert survivor.wait(timeout=600) == 0, logs[0].read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    print(json.dumps({"takeover": {"failed_and_enqueued_s": failed_s, "claimed_s": claimed_s}}))
+    assert not [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    trials = _trials(db)
+    assert trials[dead]["state"] == "FAIL"
+    (retry,) = [t for t in trials.values() if t.get("retry_of") == dead]
+    assert failed_s is not None and failed_s <= 30, f"taken over {failed_s} s after the kill"
+    # the survivor's first trial begun after the takeover is the retry (its trial in hand finished first)
+    took = killed + failed_s
+    begun = sorted((datetime.fromisoformat(t["start"]).timestamp(), n) for n, t in trials.items()
+                   if t["start"] and t.get("worker", {}).get("pid") == survivor.pid)
+    after = [n for start, n in begun if start >= took - 1.0]  # (the database's clock has its own rounding)
+    assert after and trials[after[0]].get("retry_of") == dead, (after, dead)
+    # measured, by the survivor, and on record
+    assert retry["state"] == "COMPLETE" and retry["measured"] and retry["worker"]["pid"] == survivor.pid
+    keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
+    assert retry["measurement_key"] in keys and len(keys) == len(set(keys))
+    assert not [n for n, t in trials.items() if t["state"] in ("RUNNING", "WAITING")]
+    log = logs[0].read_text()
+    assert f"trials [{dead}] were left running by a worker that died" in log
+    assert f"trial {dead}: measured again as trial " in log
 
 
 def test_journal_storage(tmp_path):

@@ -24,13 +24,13 @@ def _toy_stage(calls: list):
     def run(r, fresh: bool):
         if not fresh:
             return None
-        calls.append(r.cfg.optuna.seed)
-        write_json(r.out / "toy.json", {"seed": r.cfg.optuna.seed, "best_trial": r.best["trial"]})
+        calls.append(r.cfg.measure.max_attempts)
+        write_json(r.out / "toy.json", {"max_attempts": r.cfg.measure.max_attempts, "best_trial": r.best["trial"]})
         return {"toy_note": "counted"}
 
     return stages.Stage(
         "toy", run, plan=lambda p: {"stage": "toy", "action": f"count the trials of {p.cfg.name}", "gpu_hours": 0.25},
-        settings=lambda cfg, measure_key: {"optuna.seed": cfg.optuna.seed}, outputs=("toy.json",), needs=("fit",))
+        settings=lambda cfg, measure_key: {"measure.max_attempts": cfg.measure.max_attempts}, outputs=("toy.json",), needs=("fit",))
 
 
 def test_a_stage_added_in_one_place_runs_resumes_is_priced_and_reported(tmp_path, monkeypatch, capsys):
@@ -53,29 +53,29 @@ def test_a_stage_added_in_one_place_runs_resumes_is_priced_and_reported(tmp_path
 
     # runs: its output, its state and the settings it was computed with are recorded
     pipeline.run(cfg, out)
-    assert calls == [1] and json.loads((out / "toy.json").read_text())["seed"] == 1
+    assert calls == [3] and json.loads((out / "toy.json").read_text())["max_attempts"] == 3
     state = json.loads((out / "state.json").read_text())
     assert state["toy"]["status"] == "done" and state["toy"]["toy_note"] == "counted"
-    assert json.loads((out / "stage_inputs.json").read_text())["toy"]["inputs"] == {"optuna.seed": 1}
+    assert json.loads((out / "stage_inputs.json").read_text())["toy"]["inputs"] == {"measure.max_attempts": 3}
     # reported: the report's stage table has it
     assert any(line.startswith("| toy |") for line in (out / "report.md").read_text().splitlines())
 
     # resumes: done, it is not run again
     capsys.readouterr()
     pipeline.run(cfg, out)
-    assert calls == [1]
+    assert calls == [3]
     assert "stages done search, toy, report" in capsys.readouterr().err
 
     # a setting it reads changed: it alone is redone (the search is not), its output set aside
-    raw2 = {k: v for k, v in raw.items() if k != "_path"} | {"optuna": {**raw["optuna"], "seed": 2}}
+    raw2 = {k: v for k, v in raw.items() if k != "_path"} | {"measure": {**raw["measure"], "max_attempts": 2}}
     Path(raw["_path"]).write_text(yaml.safe_dump(raw2))
     cfg2 = load(raw)
     searched = state["search"]["seconds"]
     pipeline.run(cfg2, out)
-    assert calls == [1, 2]
+    assert calls == [3, 2]
     err = capsys.readouterr().err
-    assert "stage toy is redone: optuna.seed (1 -> 2)" in err and "stage search is redone" not in err
-    assert [json.loads(p.read_text())["seed"] for p in (out / "superseded").glob("*/toy.json")] == [1]
+    assert "stage toy is redone: measure.max_attempts (3 -> 2)" in err and "stage search is redone" not in err
+    assert [json.loads(p.read_text())["max_attempts"] for p in (out / "superseded").glob("*/toy.json")] == [3]
     assert json.loads((out / "state.json").read_text())["search"]["seconds"] == searched
 
     # selected alone, it runs where what it needs is there; where the law it needs is missing and fit

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from archsearch.bounds import check_count
 from archsearch.candidates import BuildSettings, check_size
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import check_name
@@ -238,6 +239,7 @@ class TrainConfig:
             v = getattr(self, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ArchsearchError(f"train.{k}", f"must be a positive integer, got {v!r}")
+        check_count("train.eval_batches", self.eval_batches, "eval_batches")
         if self.warmup_steps is not None and (not isinstance(self.warmup_steps, int) or self.warmup_steps < 0):
             raise ArchsearchError("train.warmup_steps", f"must be an integer >= 0, got {self.warmup_steps!r}")
         if self.micro_batch_size and self.global_batch_size % self.micro_batch_size:

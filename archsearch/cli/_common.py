@@ -18,7 +18,7 @@ from archsearch.candidates import BuildSettings
 from archsearch.cli._examples import OVERRIDE_EXAMPLES
 from archsearch.configio import number_from_text, to_yaml
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import check_path
+from archsearch.fileio import check_output
 from archsearch.presets import load_arch
 
 # Where print_json writes while a --json command runs (see json_stdout); None: sys.stdout.
@@ -69,34 +69,27 @@ def level(text: str) -> float:
     return v
 
 
-def _checked_path(text: str) -> Path:
-    """``text`` through the one path check (:func:`archsearch.fileio.check_path`), as argparse
+def _checked_output(text: str, kind: str) -> str:
+    """``text`` through the one output check (:func:`archsearch.fileio.check_output`), as argparse
     reports a bad value."""
     try:
-        return check_path("path", text)
+        check_output("path", text, kind)
     except ArchsearchError as e:
         raise argparse.ArgumentTypeError(f"{text[:60]!r}{'...' if len(text) > 60 else ''}: {e.problem}"
                                          + (f" ({e.fix})" if e.fix else "")) from None
+    return text
 
 
 def out_file(text: str) -> str:
-    """A file to write (an argparse ``type``): a valid path (:func:`_checked_path`), not an
-    existing folder, nor under a file."""
-    p = _checked_path(text)
-    if p.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
-    if any(a.is_file() for a in p.parents):
-        raise argparse.ArgumentTypeError(f"{text!r} is under a file, not a folder")
-    return text
+    """A file to write (an argparse ``type``): a valid path, not an existing folder, device, pipe
+    or link to nothing, nor under a file (:func:`archsearch.fileio.check_output`)."""
+    return _checked_output(text, "file")
 
 
 def out_dir(text: str) -> str:
-    """A folder to write into (an argparse ``type``): a valid path (:func:`_checked_path`), not
-    an existing file, nor under one."""
-    p = _checked_path(text)
-    if p.is_file() or any(a.is_file() for a in p.parents):
-        raise argparse.ArgumentTypeError(f"{text!r} is a file (or under one); give a folder path")
-    return text
+    """A folder to write into (an argparse ``type``): a valid path, not an existing file or link
+    to nothing, nor under a file (:func:`archsearch.fileio.check_output`)."""
+    return _checked_output(text, "dir")
 
 
 def parse_float_list(text: str) -> list[float]:

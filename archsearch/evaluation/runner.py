@@ -78,6 +78,8 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
     check_count("bootstrap_iters", bootstrap_iters, "bootstrap")
     if num_fewshot is not None and num_fewshot < 0:
         raise ArchsearchError("num_fewshot", f"must be 0 or more, got {num_fewshot}")
+    if num_fewshot is not None:
+        check_count("num_fewshot", num_fewshot, "fewshot")
     if limit is not None and not math.isfinite(limit):
         raise ArchsearchError("limit", f"must be a finite number, got {limit}", "e.g. 100, or 0.1 for a tenth")
     if device is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from archsearch.logs import get_logger
 from archsearch.search import log
 from archsearch.search.objective import trial_is_feasible, was_measured
+from archsearch.search.storage import pending_retries
 from archsearch.trainers.config import check_trackers
 
 
@@ -94,13 +95,14 @@ def distinct_measured(study) -> int:
 
 
 class DistinctShapesCallback:
-    """Stops the study once ``n`` distinct shapes have been measured (across workers/resumes)."""
+    """Stops the study once ``n`` distinct shapes have been measured (across workers/resumes) and
+    no retry waits (a dead worker's trial, a failed measurement's: each is measured)."""
 
     def __init__(self, n: int):
         self.n = n
 
     def __call__(self, study, trial) -> None:
-        if distinct_measured(study) >= self.n:
+        if distinct_measured(study) >= self.n and not pending_retries(study):
             study.stop()
 
 

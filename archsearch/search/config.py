@@ -26,7 +26,7 @@ from archsearch.candidates import BuildSettings, check_size
 from archsearch.cluster.config import ClusterConfig
 from archsearch.configio import KEY, component, from_dict, load_yaml
 from archsearch.errors import ArchsearchError
-from archsearch.fileio import check_name, check_output
+from archsearch.fileio import check_name, check_output, check_path
 from archsearch.laws.acquisition import INITIAL_DESIGNS
 from archsearch.laws.fit import MAX_BOOTSTRAP, FitOptions
 from archsearch.laws.registry import law_form, law_names
@@ -409,6 +409,10 @@ class OptunaConfig:
                                   "e.g. 0.05: a seeded shape's N within 5% of the budget")
         if len(set(self.seed_shapes)) != len(self.seed_shapes):
             raise ArchsearchError("optuna.seed_shapes", f"{self.seed_shapes} names a shape twice", "name each once")
+        if self.enqueue_solution > self.n_trials:  # each seed is a trial: those beyond the budget never run
+            raise ArchsearchError("optuna.enqueue_solution", f"{self.enqueue_solution:,} seed shapes cannot run in "
+                                  f"optuna.n_trials={self.n_trials} trials (each seed is a trial)",
+                                  f"give optuna.enqueue_solution <= {self.n_trials}")
 
 
 def _check_storage_url(url: str) -> None:
@@ -464,9 +468,10 @@ class GQASearchConfig:
                 raise ArchsearchError(f"gqa_search.{name}", f"must be a positive integer, got {v!r}",
                                       "e.g. 8" if name == "max_gqa" else "e.g. 4 (the method's picks kept 4-6 KV heads)")
 
-        positive_int("baseline_gqa")
-        positive_int("max_gqa")
-        positive_int("min_kv_heads")
+        for name in ("baseline_gqa", "max_gqa", "min_kv_heads"):
+            positive_int(name)
+            if getattr(self, name) is not None:
+                check_count(f"gqa_search.{name}", getattr(self, name), "heads")
         if self.max_gqa is not None and self.max_gqa < self.baseline_gqa:
             raise ArchsearchError("gqa_search.max_gqa", f"{self.max_gqa} is below baseline_gqa {self.baseline_gqa}, "
                                   "where the walk starts", f"give max_gqa >= {self.baseline_gqa}, or lower baseline_gqa")
@@ -628,6 +633,8 @@ class StudyConfig:
             raise ArchsearchError("mode", f"{self.mode!r} is unknown", f"use one of {', '.join(MODES)}")
         if self.top_k <= 0:
             raise ArchsearchError("top_k", "must be positive")
+        if self.out is not None:
+            check_path("out", self.out)
         if self.out is not None and ".." in Path(self.out).parts:
             raise ArchsearchError("out", f"{self.out!r} climbs out with '..'",
                                   "give an absolute path or one below the current folder")

@@ -47,7 +47,7 @@ from archsearch.search.report import chosen_from_study, pareto_set, write_report
 from archsearch.search.resolved import ResolvedStudy
 from archsearch.search.settings import flat, named_file, pick
 from archsearch.search.storage import recover_stale_trials
-from archsearch.search.study import load_study, run_study
+from archsearch.search.study import load_study, run_study, took_over_outcome
 from archsearch.search.verify import VERIFY_FILE, verify_answer, verify_plan
 from archsearch.search.workers import run_search_workers
 
@@ -323,12 +323,14 @@ def _search(r: StudyRun, fresh: bool) -> dict[str, Any] | None:
             if recovered:
                 log(f"recovered trials {recovered} left running by a dead process")
         while taken := wait_for_running(study):
-            log(f"trials {taken} were left running by a worker that died; their shapes are enqueued again"
-                + ("" if cfg.cluster.parallel else " and measured here"))
             if cfg.cluster.parallel:  # the executor's workers are done: the next run of the stage measures them
+                log(f"trials {taken} were left running by a worker that died; their shapes are enqueued again "
+                    "and measured by the next run of the search stage")
                 break
-
+            log(f"trials {taken} were left running by a worker that died; their shapes are enqueued again: "
+                "measuring them here")
             study, _ = run_study(ctx, progress=r.progress)
+            log(took_over_outcome(study, taken))
         new = sum(1 for tr in study.get_trials(deepcopy=False)
                   if tr.datetime_start and tr.datetime_start.timestamp() >= t)
         if new or not r.state.done("search"):  # a no-op rerun adds no time and no run
@@ -368,9 +370,16 @@ def _search_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str,
     s.update({f"measure.{k}": v for k, v in measure_key.items()})
     # settings the search reads that were added to its fingerprint after studies were recorded: in it
     # only away from their defaults, so a recorded study keeps its fingerprint while a change redoes it
+    # (measure.targets: which engines measure and what is ranked; paired.instance_sd: every trial's
+    # interval; sampler, seed, enqueue_solution: which shapes the study proposes and seeds)
     for name, value, default in (("law.allow_extrapolation", cfg.law.allow_extrapolation, False),
                                  ("optuna.target_objective", cfg.optuna.target_objective, "worst"),
-                                 ("optuna.seed_shapes", cfg.optuna.seed_shapes, [])):
+                                 ("optuna.seed_shapes", cfg.optuna.seed_shapes, []),
+                                 ("measure.targets", to_dict(cfg.measure).get("targets"), None),
+                                 ("measure.paired.instance_sd", cfg.measure.paired.instance_sd, 0.0),
+                                 ("optuna.sampler", cfg.optuna.sampler, "tpe"),
+                                 ("optuna.seed", cfg.optuna.seed, 0),
+                                 ("optuna.enqueue_solution", cfg.optuna.enqueue_solution, 3)):
         if value != default:
             s[name] = value
     if cfg.law.file:

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
+from archsearch.search import log
 from archsearch.search.config import StudyConfig
 from archsearch.search.measurements import file_lock
 
@@ -108,10 +109,9 @@ def make_storage(url: str):
     if url.startswith("sqlite:"):
         # one host: stale trials are recovered by process id (see recover_stale_trials)
         return _sqlite_storage(url)
-    # a cluster database: workers on other hosts are watched by Optuna's heartbeat
-    return optuna.storages.RDBStorage(
-        url, heartbeat_interval=30, grace_period=120,
-        failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=2))
+    # a cluster database: workers on other hosts are watched by their heartbeat (watch_peers);
+    # Optuna's own heartbeat is left off: one mechanism fails a dead worker's trial and retries it
+    return optuna.storages.RDBStorage(url)
 
 
 def _sqlite_storage(url: str):
@@ -165,11 +165,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 # a running trial's worker writes a heartbeat this often; one on another host silent for
-# HEARTBEAT_GRACE_S is taken for dead (on this host the worker's process id says at once)
-HEARTBEAT_S = 10.0
+# HEARTBEAT_GRACE_S is taken for dead (on this host the worker's process id says at once). A
+# working worker checks its peers every WATCH_S: a dead peer's trial is taken over within
+# HEARTBEAT_GRACE_S + WATCH_S (22 s) on another host, WATCH_S on this one.
+HEARTBEAT_S = 5.0
 
 
-HEARTBEAT_GRACE_S = 60.0
+HEARTBEAT_GRACE_S = 20.0
+
+
+WATCH_S = 2.0
 
 
 @contextlib.contextmanager
@@ -196,15 +201,21 @@ def heartbeat(trial, every_s: float = HEARTBEAT_S) -> Iterator[None]:
         th.join()
 
 
+DIED = "its worker process died; parameters enqueued again"
+
+
 def recover_stale_trials(study, storage, grace_s: float = 10.0,
-                         heartbeat_grace_s: float = HEARTBEAT_GRACE_S) -> list[int]:
-    """Fail trials left RUNNING by a dead worker and enqueue their parameters: on this host a
-    worker whose process is gone, on another host one whose heartbeat has been silent for
-    ``heartbeat_grace_s`` seconds.
+                         heartbeat_grace_s: float = HEARTBEAT_GRACE_S, wait: bool = True) -> list[int]:
+    """Fail trials left RUNNING by a dead worker and enqueue their parameters (user attribute
+    ``retry_of``): on this host a worker whose process is gone, on another host one whose
+    heartbeat has been silent for ``heartbeat_grace_s`` seconds. Several workers may judge the
+    same trial at once: the one whose FAIL lands enqueues it, the others skip it.
 
     A worker names itself on a trial in the objective's first line; a trial with no worker is a
     live worker's only for the instant between Optuna creating it and that line, so one still
-    without a worker ``grace_s`` after it started belongs to a process killed in that instant."""
+    without a worker ``grace_s`` after it started belongs to a process killed in that instant
+    (``wait``: sleep until the youngest such trial is that old; else judge it at a later call)."""
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
     def running():
@@ -214,7 +225,7 @@ def recover_stale_trials(study, storage, grace_s: float = 10.0,
         return time.time() - t.datetime_start.timestamp() if t.datetime_start else grace_s
 
     youngest = min((age(t) for t in running() if not t.user_attrs.get("worker")), default=grace_s)
-    if youngest < grace_s:
+    if wait and youngest < grace_s:
         time.sleep(grace_s - youngest)
     recovered = []
     for t in running():
@@ -224,10 +235,45 @@ def recover_stale_trials(study, storage, grace_s: float = 10.0,
         if w and w.get("host") != platform.node() and beat is not None and time.time() - float(beat) > heartbeat_grace_s:
             dead = True
         if dead or (not w and age(t) >= grace_s):
-            storage.set_trial_user_attr(t._trial_id, "failure_reason",
-                                        "its worker process died; parameters enqueued again")
-            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            try:
+                storage.set_trial_user_attr(t._trial_id, "failure_reason", DIED)
+                storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            except UpdateFinishedTrialError:
+                continue  # another worker judged it first (or it finished meanwhile)
             if t.params:
                 study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
             recovered.append(t.number)
     return recovered
+
+
+def pending_retries(study) -> list:
+    """Enqueued trials that retry another (a dead worker's, or a failed measurement's): each is
+    measured even once the study has its ``optuna.n_shapes`` shapes."""
+    from optuna.trial import TrialState
+
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if "retry_of" in t.user_attrs]
+
+
+@contextlib.contextmanager
+def watch_peers(study, storage, on_recovered, every_s: float = WATCH_S) -> Iterator[None]:
+    """While this worker runs trials: every ``every_s`` seconds, fail the running trials of dead
+    peers and enqueue their parameters (``recover_stale_trials``), so this worker takes them
+    over at its next trial rather than after its own; ``on_recovered(numbers)`` says so."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(every_s):
+            try:
+                if taken := recover_stale_trials(study, storage, wait=False):
+                    on_recovered(taken)
+            except Exception as e:  # noqa: BLE001 - a busy database: judged again at the next check
+                log(f"checking the other workers' trials failed ({type(e).__name__}: {e}); checking again "
+                    f"in {every_s:g} s")
+
+    th = threading.Thread(target=watch, name="archsearch-watch-peers", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()

@@ -27,7 +27,8 @@ from archsearch.search.measurements import file_lock
 from archsearch.search.objective import (METRIC_NAMES, PAIRED_METRIC_NAMES, make_sampler, objective, trial_spec,
                                          was_measured)
 from archsearch.search.solution import calibration_label, ranking_device, seed_points, seed_shape_points
-from archsearch.search.storage import open_storage, recover_stale_trials, storage_url
+from archsearch.search.storage import (HEARTBEAT_GRACE_S, open_storage, pending_retries, recover_stale_trials,
+                                       storage_url, watch_peers)
 from archsearch.search.targets import ranking_label
 from archsearch.search.trials import MeasurementFailed
 
@@ -117,22 +118,27 @@ def seed_study(ctx: SearchContext, study) -> None:
 
 
 def retry_failed_measurements(study, ctx: SearchContext) -> list[int]:
-    """Enqueue again the parameters of trials whose measurement failed (an engine error that may
-    be transient) and has been tried fewer than ``measure.max_attempts`` times; the measurer then
-    measures the shape anew instead of reading the failure back. Each failed trial is retried
-    once (its retry, if it fails too, is the next one's to retry)."""
+    """Enqueue again, once per shape, the parameters of failed trials whose measurement failed (an
+    engine error may be transient) and has been tried fewer than ``measure.max_attempts`` times
+    (the store counts the attempts per shape, across runs); the measurer then measures the shape
+    anew instead of reading the failure back. A shape whose retry already waits is not enqueued
+    twice. Returns the trials retried."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
-    retried = {t.user_attrs.get("retry_of") for t in trials}
+    by_number = {t.number: t for t in trials}
+    waiting = {by_number[r.user_attrs["retry_of"]].user_attrs.get("measurement_key")
+               for r in pending_retries(study) if r.user_attrs["retry_of"] in by_number}
     stored = ctx.measurer.store.all()
-    out = []
+    latest: dict[str, object] = {}  # measurement key -> its newest failed trial
     for t in trials:
         key = t.user_attrs.get("measurement_key")
         rec = stored.get(key) if key else None
-        if t.state != TrialState.FAIL or t.number in retried or not t.params or rec is None or rec.get("ok", True):
-            continue
-        if int(rec.get("attempts", 1)) < ctx.cfg.measure.max_attempts:
+        if t.state == TrialState.FAIL and t.params and rec is not None and rec.get("ok", True) is False:
+            latest[key] = t
+    out = []
+    for key, t in latest.items():
+        if key not in waiting and int(stored[key].get("attempts", 1)) < ctx.cfg.measure.max_attempts:
             study.enqueue_trial(t.params, user_attrs={"retry_of": t.number})
             out.append(t.number)
     return out
@@ -162,7 +168,9 @@ def restore_lost_measurements(study, ctx: SearchContext) -> list[int]:
 
 def run_study(ctx: SearchContext, progress: bool = True):
     """Create or resume the study and run it until it has ``optuna.n_shapes`` distinct shapes
-    measured or has spent ``optuna.n_trials`` trials; logs why it stopped."""
+    measured or has spent ``optuna.n_trials`` trials, and no retry waits; logs why it stopped.
+    While it runs it watches the other workers (``watch_peers``): a dead peer's trial is failed
+    and enqueued within seconds and measured here at this worker's next trial."""
     import optuna
     cfg = ctx.cfg
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -178,30 +186,66 @@ def run_study(ctx: SearchContext, progress: bool = True):
             f"(at most {cfg.measure.max_attempts} attempts each: measure.max_attempts)")
     if ctx.baseline is not None and cfg.optuna.seeds_together:
         measure_seeds_together(ctx, study, progress)
-    left = cfg.optuna.n_trials - len(study.get_trials(deepcopy=False)) + len(retried)
-    short = distinct_measured(study) < cfg.optuna.n_shapes
-    if retried and not short:  # only the retries: no new proposals
-        left = len(retried)
-    if (short or retried) and left > 0:
-        optuna_log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
-        if _no_traceback_for_failed_measurements not in optuna_log.filters:
-            optuna_log.addFilter(_no_traceback_for_failed_measurements)
-        tracking = TrackerCallback(cfg.optuna.log_with, ctx.out / "tracking", f"study-{cfg.name}") \
-            if cfg.optuna.log_with else None
-        try:
-            study.optimize(lambda t: objective(t, ctx), n_trials=left,
-                           callbacks=([DistinctShapesCallback(cfg.optuna.n_shapes),
-                                        ExhaustedSpaceCallback(study, cfg.optuna.n_shapes)] if short else [])
-                           + ([progress_callback(cfg.optuna.n_shapes)] if progress else [])
-                           + ([tracking] if tracking else []),
-                           catch=(MeasurementFailed,), gc_after_trial=False,
-                           show_progress_bar=False)
-        finally:
-            if tracking:
-                tracking.close()
+    taken: list[int] = []
+
+    def took_over(numbers: list[int]) -> None:
+        taken.extend(numbers)
+        log(f"trials {numbers} were left running by a worker that died (its process gone, or its heartbeat "
+            f"silent for {HEARTBEAT_GRACE_S:g} s): failed, their shapes enqueued again for this worker's next trial")
+
+    optuna_log = logging.getLogger("optuna.study._optimize")  # where Optuna logs a failed trial
+    if _no_traceback_for_failed_measurements not in optuna_log.filters:
+        optuna_log.addFilter(_no_traceback_for_failed_measurements)
+    tracking = TrackerCallback(cfg.optuna.log_with, ctx.out / "tracking", f"study-{cfg.name}") \
+        if cfg.optuna.log_with else None
+    try:
+        with watch_peers(study, storage, took_over):
+            # a retry enqueued while the trials ran (a peer died) is run by one more round
+            while True:
+                pending = len(pending_retries(study))
+                short = distinct_measured(study) < cfg.optuna.n_shapes
+                # optuna.n_trials counts the study's own trials run so far (an enqueued seed still
+                # waits: it is one of the trials to run); retries come on top
+                spent = sum(1 for t in study.get_trials(deepcopy=False)
+                            if "retry_of" not in t.user_attrs and t.state.name != "WAITING")
+                left = pending + (max(0, cfg.optuna.n_trials - spent) if short else 0)
+                if left <= 0 or not (short or pending):
+                    break
+                study.optimize(lambda t: objective(t, ctx), n_trials=left,
+                               callbacks=[DistinctShapesCallback(cfg.optuna.n_shapes),
+                                          ExhaustedSpaceCallback(study, cfg.optuna.n_shapes)]
+                               + ([progress_callback(cfg.optuna.n_shapes)] if progress else [])
+                               + ([tracking] if tracking else []),
+                               catch=(MeasurementFailed,), gc_after_trial=False,
+                               show_progress_bar=False)
+                if not pending_retries(study):
+                    break
+    finally:
+        if tracking:
+            tracking.close()
+    if taken:
+        log(took_over_outcome(study, taken))
     if progress:
         log(stop_reason(study, cfg.optuna.n_shapes, cfg.optuna.n_trials))
-    return study, recovered
+    return study, recovered + taken
+
+
+def took_over_outcome(study, numbers: list[int]) -> str:
+    """What became of dead workers' trials ``numbers``: the trial that retried each and its state
+    (measured, failed, or still waiting for a worker), as one line."""
+    retries = {t.user_attrs.get("retry_of"): t for t in study.get_trials(deepcopy=False) if "retry_of" in t.user_attrs}
+    parts = []
+    for n in numbers:
+        r = retries.get(n)
+        if r is None:
+            parts.append(f"trial {n}: no retry (it had no parameters yet)")
+        elif r.state.name == "COMPLETE":
+            parts.append(f"trial {n}: measured again as trial {r.number}" + (" (its measurement read back)"
+                                                                             if r.user_attrs.get("measurement_cached") else ""))
+        else:
+            parts.append(f"trial {n}: its retry, trial {r.number}, is {r.state.name.lower()}"
+                         + (f" ({r.user_attrs['failure_reason']})" if r.user_attrs.get("failure_reason") else ""))
+    return "dead workers' trials: " + "; ".join(parts)
 
 
 def load_study(ctx: SearchContext):
