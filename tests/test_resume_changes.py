@@ -276,6 +276,8 @@ CHANGES_NO_RESULT = {
     "optuna.log_with": "where trial records are also sent",
     "optuna.storage": "a new storage is a new study (refused where the folder's holds other trials)",
     "measure.max_attempts": "the search resumes itself: attempts left are spent at the next run",
+    "optuna.seed_tolerance": "a check at load of the seeded shapes' N: a seed it no longer admits is refused at "
+                             "load; one it admits is measured as published, whatever the tolerance",
     "measure.fallback_backend": "used only when the engine is missing: the engine that measured is in the key",
     "measure.bench.timeout_s": "a measurement that timed out failed, and is retried (measure.max_attempts)",
     "law.fit.n_jobs": "processes of the fit: the same fit",
@@ -296,6 +298,7 @@ EXAMPLES = {
     "measure.reference_batch_size": 4, "measure.fallback_backend": "analytic",
     "measure.targets": [{"name": "h100", "backend": "analytic", "device_spec": "H100", "batch_size": 8}],
     "optuna.objective": "pareto", "optuna.sampler": "random", "optuna.target_objective": "geomean",
+    "measure.objective": "latency", "optuna.seed_shapes": ["llama-3.2-1b"],
     "search_space.build.on_r_drift": "refuse", "search_space.build.family": "qwen3",
     "gqa_search.max_gqa": 2, "gqa_search.min_kv_heads": 2, "evaluation.tasks": "offline,offline2",
     "baseline.preset": "llama-3.2-1b", "baseline.arch": "configs", "proxy.runs": "RUNS", "proxy": "RUNS", "proxy.plan": "active",

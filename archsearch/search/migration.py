@@ -45,7 +45,10 @@ from archsearch.search.config import StudyConfig, renamed_optuna_keys, renamed_v
 from archsearch.search.inputs import INPUTS_FILE, fingerprints, stage_inputs
 from archsearch.search.measurements import KEY_LAYOUT, key_settings, measurement_key, paired_key, spec_key
 from archsearch.search.pipeline import STAGES
+from archsearch.search.stages import LATER_SEARCH_SETTINGS
 from archsearch.search.deployment import target_measure
+
+LATER_NAMES = frozenset(name for name, _ in LATER_SEARCH_SETTINGS)
 
 STORE = "measurements.jsonl"
 UNMATCHED = "measurements.unmatched.jsonl"
@@ -299,10 +302,15 @@ def _rekey_stage_inputs(plan: MigrationPlan, cfg: StudyConfig, backends: list[st
         new_in = stage_inputs(cfg, key_settings, backend)
         new_fp = fingerprints(cfg, applies, new_in)
         for layout in layouts:  # recorded in an older key layout and/or with older setting names
-            for back in (False, True):
+            # and recorded before settings were added to the search's fingerprint: the study's own
+            # config.json says what it ran with, so the record gains them (LATER_SEARCH_SETTINGS)
+            for back, without_later in ((False, False), (True, False), (False, True), (True, True)):
                 old_in = {st: renamed_values(v, back=back)[0] for st, v in stage_inputs(cfg, layout, backend).items()}
-                if layout is key_settings and not back:
+                if layout is key_settings and not back and not without_later:
                     continue  # the current record: nothing to rewrite
+                if without_later and "search" in old_in:
+                    had = (record.get("search") or {}).get("inputs") or {}
+                    old_in["search"] = {k: v for k, v in old_in["search"].items() if k not in LATER_NAMES or k in had}
                 old_fp = fingerprints(cfg, applies, old_in)
                 for stage, rec in record.items():
                     if stage in old_fp and rec.get("fingerprint") == old_fp[stage] and \

@@ -362,24 +362,29 @@ def wait_for_running(study, timeout_s: float = 3600, poll_s: float = 2.0) -> lis
     return recovered
 
 
+
+# Settings the search reads that were added to its fingerprint after studies were recorded, with their
+# defaults: in it only away from their defaults, so a recorded study keeps its fingerprint while a
+# change redoes it (measure.targets: which engines measure and what is ranked; paired.instance_sd: every
+# trial's interval; sampler, seed, enqueue_solution, seed_shapes: which shapes the study proposes and
+# seeds). ``archsearch migrate`` fills them in from a study's own config.json (what it ran with), so a
+# study recorded before a key was added keeps its stages.
+LATER_SEARCH_SETTINGS: tuple[tuple[str, Any], ...] = (
+    ("law.allow_extrapolation", False), ("optuna.target_objective", "worst"), ("optuna.seed_shapes", []),
+    ("measure.targets", None), ("measure.paired.instance_sd", 0.0), ("optuna.sampler", "tpe"),
+    ("optuna.seed", 0), ("optuna.enqueue_solution", 3))
+
 def _search_settings(cfg: StudyConfig, measure_key: dict[str, Any]) -> dict[str, Any]:
-    s = pick(to_dict(cfg), "name", "params", "tokens", "n_layers", "baseline", "target", "search_space",
+    written = to_dict(cfg)
+    s = pick(written, "name", "params", "tokens", "n_layers", "baseline", "target", "search_space",
              "vocab_size", "tie_embeddings", "limits")
     s.update({"optuna.objective": cfg.optuna.objective, "optuna.measure_infeasible": cfg.optuna.measure_infeasible,
               "measure.reference_batch_size": cfg.measure.ref_batch, "measure.params": cfg.measure.params})
     s.update({f"measure.{k}": v for k, v in measure_key.items()})
-    # settings the search reads that were added to its fingerprint after studies were recorded: in it
-    # only away from their defaults, so a recorded study keeps its fingerprint while a change redoes it
-    # (measure.targets: which engines measure and what is ranked; paired.instance_sd: every trial's
-    # interval; sampler, seed, enqueue_solution: which shapes the study proposes and seeds)
-    for name, value, default in (("law.allow_extrapolation", cfg.law.allow_extrapolation, False),
-                                 ("optuna.target_objective", cfg.optuna.target_objective, "worst"),
-                                 ("optuna.seed_shapes", cfg.optuna.seed_shapes, []),
-                                 ("measure.targets", to_dict(cfg.measure).get("targets"), None),
-                                 ("measure.paired.instance_sd", cfg.measure.paired.instance_sd, 0.0),
-                                 ("optuna.sampler", cfg.optuna.sampler, "tpe"),
-                                 ("optuna.seed", cfg.optuna.seed, 0),
-                                 ("optuna.enqueue_solution", cfg.optuna.enqueue_solution, 3)):
+    for name, default in LATER_SEARCH_SETTINGS:
+        value = written
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
         if value != default:
             s[name] = value
     if cfg.law.file:
