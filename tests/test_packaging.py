@@ -106,7 +106,8 @@ def test_installed_copy_runs_outside_a_repository_with_clean_output(tmp_path):
                         "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         pytest.fail(f"pip install failed: {r.stderr[-2000:]}")
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    (tmp_path / "tmp").mkdir()  # its own scratch: debris another test's killed run left in /tmp is not its
+    env = {**os.environ, "PYTHONPATH": str(target), "TMPDIR": str(tmp_path / "tmp")}
     commands = [["arch", "describe", "--preset", "llama-3.2-1b", "--json"],
                 ["bench", "--backend", "analytic", "--preset", "llama-3.2-1b", "--batch-sizes", "1", "--json"],
                 ["estimate", "--arch", "llama-3.2-1b", "--tokens", "1B", "--json"]]
