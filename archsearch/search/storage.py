@@ -178,27 +178,40 @@ WATCH_S = 2.0
 
 
 @contextlib.contextmanager
-def heartbeat(trial, every_s: float = HEARTBEAT_S) -> Iterator[None]:
-    """Write the time into the trial's system attribute ``heartbeat`` every ``every_s`` seconds
-    while the trial runs, so a worker on another host can tell this one died."""
-    storage, tid, stop = trial.storage, trial._trial_id, threading.Event()
+def _every(every_s: float, tick, name: str, at_once: bool) -> Iterator[None]:
+    """Call ``tick()`` every ``every_s`` seconds in a daemon thread while the block runs (once at the
+    start too where ``at_once``); ``tick`` returning False ends the thread early."""
+    stop = threading.Event()
 
-    def beat() -> None:
-        while True:
-            try:
-                storage.set_trial_system_attr(tid, "heartbeat", time.time())
-            except Exception:  # noqa: BLE001 - the trial just finished (or its storage closed): nothing to beat for
-                return
-            if stop.wait(every_s):
+    def loop() -> None:
+        if at_once and tick() is False:
+            return
+        while not stop.wait(every_s):
+            if tick() is False:
                 return
 
-    th = threading.Thread(target=beat, name="archsearch-heartbeat", daemon=True)
+    th = threading.Thread(target=loop, name=name, daemon=True)
     th.start()
     try:
         yield
     finally:
         stop.set()
         th.join()
+
+
+def heartbeat(trial, every_s: float = HEARTBEAT_S):
+    """Write the time into the trial's system attribute ``heartbeat`` every ``every_s`` seconds
+    while the trial runs, so a worker on another host can tell this one died."""
+    storage, tid = trial.storage, trial._trial_id
+
+    def beat() -> bool:
+        try:
+            storage.set_trial_system_attr(tid, "heartbeat", time.time())
+        except Exception:  # noqa: BLE001 - the trial just finished (or its storage closed): nothing to beat for
+            return False
+        return True
+
+    return _every(every_s, beat, "archsearch-heartbeat", at_once=True)
 
 
 DIED = "its worker process died; parameters enqueued again"
@@ -254,26 +267,17 @@ def pending_retries(study) -> list:
     return [t for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)) if "retry_of" in t.user_attrs]
 
 
-@contextlib.contextmanager
-def watch_peers(study, storage, on_recovered, every_s: float = WATCH_S) -> Iterator[None]:
+def watch_peers(study, storage, on_recovered, every_s: float = WATCH_S):
     """While this worker runs trials: every ``every_s`` seconds, fail the running trials of dead
     peers and enqueue their parameters (``recover_stale_trials``), so this worker takes them
     over at its next trial rather than after its own; ``on_recovered(numbers)`` says so."""
-    stop = threading.Event()
 
     def watch() -> None:
-        while not stop.wait(every_s):
-            try:
-                if taken := recover_stale_trials(study, storage, wait=False):
-                    on_recovered(taken)
-            except Exception as e:  # noqa: BLE001 - a busy database: judged again at the next check
-                log(f"checking the other workers' trials failed ({type(e).__name__}: {e}); checking again "
-                    f"in {every_s:g} s")
+        try:
+            if taken := recover_stale_trials(study, storage, wait=False):
+                on_recovered(taken)
+        except Exception as e:  # noqa: BLE001 - a busy database: judged again at the next check
+            log(f"checking the other workers' trials failed ({type(e).__name__}: {e}); checking again "
+                f"in {every_s:g} s")
 
-    th = threading.Thread(target=watch, name="archsearch-watch-peers", daemon=True)
-    th.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        th.join()
+    return _every(every_s, watch, "archsearch-watch-peers", at_once=False)
