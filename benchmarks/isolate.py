@@ -30,7 +30,8 @@ from typing import Any
 import archsearch
 from archsearch.benchmarks.base import load_backend
 from archsearch.benchmarks.engine_loop import describe_error
-from archsearch.benchmarks.scratch import reap_shared_memory, scratch_dir, shm_segments, watch_owner
+from archsearch.benchmarks.scratch import (engine_socket_env, reap_shared_memory, scratch_dir, shm_segments,
+                                           watch_owner)
 from archsearch.fileio import write_json  # atomic: the parent never reads half a file
 from archsearch.logs import get_logger
 
@@ -94,6 +95,7 @@ def run_isolated(job: dict[str, Any], timeout_s: float, env: dict[str, str] | No
         job_path.write_text(json.dumps(job, default=str))  # a private scratch folder, read once by the child
         log_file = Path(log_path) if log_path else Path(tmp) / "child.log"
         child_env = dict(os.environ)
+        child_env.update(engine_socket_env(tmp))  # the engine's socket files go with the scratch folder
         child_env.update(env or {})
         child_env["PYTHONPATH"] = os.pathsep.join(
             [str(_REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])

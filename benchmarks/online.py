@@ -51,7 +51,8 @@ from archsearch.benchmarks.analytic import StepModel, default_device_name
 from archsearch.benchmarks.base import BenchSettings, get_backend, require_module, resolve_dtype
 from archsearch.benchmarks.engine_loop import PromptSource
 from archsearch.benchmarks.isolate import kill_group
-from archsearch.benchmarks.scratch import reap_shared_memory, scratch_dir, shm_segments, watch_owner
+from archsearch.benchmarks.scratch import (engine_socket_env, reap_shared_memory, scratch_dir, shm_segments,
+                                           watch_owner)
 from archsearch.benchmarks.simulator import SLO, ServingLoad, ServingMetrics, arrivals, serving_metrics, simulate
 from archsearch.benchmarks.vllm_backend import INSTALL_FIX as VLLM_FIX, cpu_kv_space_gib
 
@@ -149,13 +150,16 @@ def _ready(url: str) -> bool:
 
 @contextlib.contextmanager
 def serve(argv: list[str], port: int, log_path: str | Path, env: dict[str, str] | None = None,
-          timeout_s: float = 600.0, model: str = "m", what: str = "server") -> Iterator[Server]:
+          timeout_s: float = 600.0, model: str = "m", what: str = "server",
+          scratch: str | Path | None = None) -> Iterator[Server]:
     """Start ``argv`` (a server listening on 127.0.0.1:``port``) in its own process group under the
     owner watchdog, wait until ``/v1/models`` answers (progress on the log line), yield it, and on any
     exit end its whole group. A server that exits or does not answer within ``timeout_s`` raises
-    RuntimeError with the tail of its log."""
+    RuntimeError with the tail of its log. ``scratch``: the measurement's scratch folder, where the
+    engine's socket files go (:func:`archsearch.benchmarks.scratch.engine_socket_env`)."""
     log = get_logger("bench")
-    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    child_env = {**os.environ, **(engine_socket_env(scratch) if scratch else {}), **(env or {}),
+                 "PYTHONUNBUFFERED": "1"}
     segments_before = shm_segments()
     url = f"http://{HOST}:{port}"
     t0 = time.perf_counter()
@@ -367,7 +371,7 @@ def served(specs: list[ArchSpec], settings: BenchSettings, load: ServingLoad, po
                                                        if k not in ONLINE_KEYS})
             log_path = Path(log_dir or tmp) / f"server{i}.log"
             servers.append(stack.enter_context(serve(argv, p, log_path, env, settings.timeout_s,
-                                                     what=f"{engine} server {i + 1}/{len(specs)}")))
+                                                     what=f"{engine} server {i + 1}/{len(specs)}", scratch=tmp)))
             info["server_start_s"].append(servers[-1].start_s)
             info["argv"].append(argv[2:])
             info["env"].append(env)

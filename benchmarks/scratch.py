@@ -13,6 +13,12 @@ An engine's workers also share memory through POSIX segments (``/dev/shm/psm_*``
 that exits without unlinking them (four 160 MB segments per vLLM study), leaves them behind, and
 nothing else ever removes them. They are reaped with the scratch (:func:`reap_shared_memory`): a
 segment of this user that no live process maps or holds open is garbage, and goes.
+
+vLLM's processes talk over ZMQ through Unix socket files (uuid-named) in ``VLLM_RPC_BASE_PATH``,
+by default ``$TMPDIR``; a killed engine never removes them. Each engine process this project
+starts is given its measurement's scratch folder as that path (:func:`engine_socket_env`), so the
+files go with the folder: removed on exit, or reaped with it after a kill. Nothing else's sockets
+in ``$TMPDIR`` are touched.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ from archsearch.logs import get_logger
 _NAME = re.compile(r"^archsearch-(bench|model|paired)-(\d+)-")
 SHM = Path("/dev/shm")
 _SEGMENT = "psm_*"  # multiprocessing.shared_memory's names
+# the longest path a Unix socket may have (sun_path holds 108 bytes with its NUL on Linux, 104 on macOS)
+SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+VLLM_SOCKET_NAME_LEN = 36  # vLLM names each socket file by a uuid4 under VLLM_RPC_BASE_PATH
+_long_path_warned: set[str] = set()
 
 
 def _alive(pid: int) -> bool:
@@ -142,6 +152,30 @@ def scratch_dir(kind: str) -> Iterator[str]:
     reap_shared_memory()
     with tempfile.TemporaryDirectory(prefix=f"archsearch-{kind}-{os.getpid()}-") as tmp:
         yield tmp
+
+
+def engine_socket_env(folder: str | Path) -> dict[str, str]:
+    """The environment that makes a vLLM engine process put its ZMQ socket files in ``folder`` (the
+    measurement's scratch folder): ``{"VLLM_RPC_BASE_PATH": folder}``. Empty where the caller's
+    environment names a ``VLLM_RPC_BASE_PATH`` itself (theirs stands), or where a socket's path in
+    ``folder`` would be longer than a Unix socket allows (an engine could not start): vLLM's default
+    (``$TMPDIR``) then stands, and a warning says once that its socket files stay there and how to
+    avoid it."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        return {}
+    folder = os.fspath(folder)
+    if len(os.fsencode(folder)) + 1 + VLLM_SOCKET_NAME_LEN > SOCKET_PATH_MAX:
+        parent = os.path.dirname(folder)
+        if parent not in _long_path_warned:
+            _long_path_warned.add(parent)
+            get_logger("bench").warning(
+                f"archsearch: the scratch folder {folder} is too long a path for vLLM's socket files "
+                f"(a Unix socket's path holds {SOCKET_PATH_MAX} bytes): they stay in {parent}, and a killed "
+                f"engine leaves them there; a shorter TMPDIR (at most "
+                f"{SOCKET_PATH_MAX - 1 - VLLM_SOCKET_NAME_LEN - len(os.path.basename(folder)) - 1} bytes) keeps them "
+                "in the scratch folder")
+        return {}
+    return {"VLLM_RPC_BASE_PATH": folder}
 
 
 def watch_owner(owner_pid: int, poll_s: float = 0.2) -> int | None:

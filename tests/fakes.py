@@ -160,16 +160,24 @@ class HangAtBackend(Backend):
 
 
 class SpawnBackend(Backend):
-    """An engine that starts a worker process of its own (as vLLM's EngineCore does), writes
-    both process ids to ``ARCHSEARCH_FAKE_PIDS`` and then measures forever: killing the process
-    that waits for it must not leave either behind."""
+    """An engine that starts a worker process of its own (as vLLM's EngineCore does), listens on a
+    Unix socket file where vLLM puts its ZMQ sockets (a uuid under ``VLLM_RPC_BASE_PATH``, else
+    ``$TMPDIR``: vllm.utils.network_utils.get_open_zmq_ipc_path), writes both process ids to
+    ``ARCHSEARCH_FAKE_PIDS`` and then measures forever: killing the process that waits for it must
+    not leave either behind, nor the socket file outside the scratch that is reaped."""
 
     name = "fake-spawn"
 
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
+        import socket
         import subprocess
         import sys
+        import tempfile
+        import uuid
 
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(os.path.join(os.environ.get("VLLM_RPC_BASE_PATH", tempfile.gettempdir()), str(uuid.uuid4())))
+        listener.listen(1)
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         with open(os.environ["ARCHSEARCH_FAKE_PIDS"], "w") as fh:
             fh.write(f"{os.getpid()} {worker.pid}\n")

@@ -1,14 +1,22 @@
-"""Every benchmark script answers --help (argparse formats every help string only then)."""
+"""Every benchmark script answers --help (argparse formats every help string only then), run both
+ways a user runs it from the checkout's root, with no import hook: as a module
+(``python -m archsearch.benchmarks.scripts.bench_x``) and as a plain script
+(``python benchmarks/scripts/bench_x.py``: no package, its own folder first on ``sys.path``)."""
 
 from __future__ import annotations
 
 import importlib
+import os
+import runpy
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "benchmarks" / "scripts").glob("bench_*.py"))
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = ROOT / "benchmarks" / "scripts"
+SCRIPTS = sorted(p.stem for p in FOLDER.glob("bench_*.py"))
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -19,6 +27,29 @@ def test_benchmark_script_help(name, monkeypatch, capsys):
         mod.main()
     assert e.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_script_help_as_a_plain_script(name, monkeypatch, capsys):
+    """As ``python benchmarks/scripts/bench_x.py --help`` runs it: ``__main__`` with no parent package
+    (a relative import fails) and the script's folder first on ``sys.path``; in this process, as
+    the subprocess below costs a second a script."""
+    path = FOLDER / f"{name}.py"
+    monkeypatch.setattr(sys, "argv", [str(path), "--help"])
+    monkeypatch.setattr(sys, "path", [str(FOLDER), *sys.path])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(path), run_name="__main__")
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_a_plain_script_runs_in_its_own_interpreter():
+    """One script end to end as a user types it, with this checkout's ``archsearch`` on the path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "benchmarks/scripts/bench_law_fit.py", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage:")
 
 
 def test_calibration_grid_over_a_study_box_is_measured_as_the_study_measures():

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,14 +56,19 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_kill_9_of_the_measuring_process_leaves_no_engine_process_or_scratch_folder(tmp_path):
+def test_kill_9_of_the_measuring_process_leaves_no_engine_process_or_scratch_folder(tmp_path, request):
     """The process that waits for an isolated engine is killed with SIGKILL (no cleanup of its
     own runs): the engine process and the worker it started die within seconds, and the next
-    measurement removes the scratch folder the dead process left."""
+    measurement removes the scratch folder the dead process left, with the engine's socket file
+    inside it: nothing of the engine's is left in ``$TMPDIR``."""
     from archsearch.benchmarks.scratch import reap_stale
 
-    scratch, pids = tmp_path / "tmp", tmp_path / "pids"
-    scratch.mkdir()
+    # the run's own TMPDIR, short enough for a socket path inside its scratch folder (tmp_path is not)
+    scratch, pids = Path(tempfile.mkdtemp(prefix="drill-")), tmp_path / "pids"
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    if len(str(scratch)) > 30:
+        pytest.skip(f"this machine's temporary folder is too long a path for a socket file inside a scratch "
+                    f"folder in it: {scratch}")
     code = ("from archsearch.benchmarks.isolate import run_isolated\n"
             "run_isolated({'backend_class': 'tests.fakes:SpawnBackend', 'arch': {}, "
             "'settings': {'backend': 'fake-spawn'}, 'batch_sizes': [1]}, 600, on_event=None)\n")
@@ -80,10 +87,30 @@ def test_kill_9_of_the_measuring_process_leaves_no_engine_process_or_scratch_fol
         if study.poll() is None:
             study.kill()
     assert (scratch / left[0]).is_dir()  # nobody cleaned up: the next start does
+    # the engine's socket file is in its scratch folder, not beside it in TMPDIR
+    assert len([p for p in (scratch / left[0]).iterdir() if p.is_socket()]) == 1
     live = scratch / f"archsearch-bench-{os.getpid()}-x"  # a live process's folder is kept
     live.mkdir()
     assert reap_stale(scratch) == [scratch / left[0]]
     assert [p.name for p in scratch.iterdir()] == [live.name]
+
+
+def test_an_engines_socket_files_go_to_its_scratch_folder_where_a_socket_path_fits(monkeypatch, caplog):
+    """VLLM_RPC_BASE_PATH names the scratch folder; a caller's own setting stands; a folder too long for a
+    socket path leaves vLLM's default (TMPDIR) with one warning that says so and how to avoid it."""
+    from archsearch.benchmarks.scratch import SOCKET_PATH_MAX, VLLM_SOCKET_NAME_LEN, engine_socket_env
+
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    assert engine_socket_env("/tmp/archsearch-bench-1-abcdefgh") == {"VLLM_RPC_BASE_PATH": "/tmp/archsearch-bench-1-abcdefgh"}
+    fits = "/" + "d" * (SOCKET_PATH_MAX - VLLM_SOCKET_NAME_LEN - 2)
+    assert engine_socket_env(fits) == {"VLLM_RPC_BASE_PATH": fits}
+    too_long = "/deep/" + "x" * (SOCKET_PATH_MAX - VLLM_SOCKET_NAME_LEN - 6)
+    with caplog.at_level("WARNING"):
+        assert engine_socket_env(too_long) == {} and engine_socket_env(too_long) == {}
+    said = [r.getMessage() for r in caplog.records if "socket files" in r.getMessage()]
+    assert len(said) == 1 and "stay in /deep" in said[0] and "shorter TMPDIR" in said[0]
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/mine")
+    assert engine_socket_env("/tmp/archsearch-bench-1-abcdefgh") == {}
 
 
 def test_shared_memory_an_engine_left_is_reaped_and_one_in_use_is_kept():

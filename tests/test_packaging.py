@@ -1,8 +1,9 @@
 """A clean install puts only ``archsearch`` into site-packages: the repository's ``trainers/`` and
-``benchmarks/`` folders are installed as ``archsearch.trainers`` and ``archsearch.benchmarks``
-(pyproject's ``package-dir``), never as generic top-level names that could clash with a user's; the
-one-off benchmark scripts (``benchmarks/scripts``) stay in the repository, and the library never
-imports them."""
+``benchmarks/`` folders are ``archsearch.trainers`` and ``archsearch.benchmarks`` through two committed
+relative links inside the package (``archsearch/trainers -> ../trainers``,
+``archsearch/benchmarks -> ../benchmarks``), never generic top-level names that could clash with a
+user's, and no import hook; the one-off benchmark scripts (``benchmarks/scripts``) stay in the
+repository, and the library never imports them."""
 from __future__ import annotations
 
 import ast
@@ -49,18 +50,29 @@ def test_no_source_imports_a_generic_top_level_name():
     assert not bad, "import these as archsearch.trainers / archsearch.benchmarks: " + ", ".join(bad)
 
 
-def test_no_symlinks_in_the_package():
-    links = [p for p in (ROOT / "archsearch").rglob("*") if p.is_symlink()]
-    assert not links, f"the package maps trainers/ and benchmarks/ in pyproject.toml, not by links: {links}"
+LINKS = {"trainers": "../trainers", "benchmarks": "../benchmarks"}
 
 
-def test_checkout_imports_the_folders_beside_the_package():
-    """Run from a checkout (the tests, ``python -m archsearch``), the sub-packages come from its folders."""
-    code = "import archsearch.trainers as t, archsearch.benchmarks.base as b; print(t.__file__); print(b.__file__)"
+def test_the_package_links_its_two_folders_and_nothing_else():
+    """The links are relative (a clone anywhere resolves them) and the only ones in the package."""
+    links = {p.name: os.readlink(p) for p in (ROOT / "archsearch").rglob("*") if p.is_symlink()}
+    assert links == LINKS, f"archsearch/ links trainers/ and benchmarks/ as {LINKS}, no other: {links}"
+
+
+def test_a_checkout_imports_its_folders_through_the_links_with_no_hook():
+    """Run from a checkout (the tests, ``python -m archsearch``), the sub-packages come from its folders,
+    found by Python's own path finder: no finder of the project's sits on ``sys.meta_path``."""
+    code = ("import json, sys, archsearch, archsearch.trainers as t, archsearch.benchmarks.base as b\n"
+            "print(t.__file__); print(b.__file__)\n"
+            "print(json.dumps(sorted({getattr(f, '__module__', '') for f in sys.meta_path})))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(ROOT / "trainers" / "__init__.py"), str(ROOT / "benchmarks" / "base.py")]
+    trainers, base, finders = out.stdout.splitlines()
+    assert [trainers, base] == [str(ROOT / "archsearch" / "trainers" / "__init__.py"),
+                                str(ROOT / "archsearch" / "benchmarks" / "base.py")]
+    assert Path(base).resolve() == ROOT / "benchmarks" / "base.py"
+    assert not [f for f in json.loads(finders) if f.startswith("archsearch")], finders
 
 
 def test_library_never_imports_the_benchmark_scripts():
@@ -106,6 +118,9 @@ def test_installed_copy_runs_outside_a_repository_with_clean_output(tmp_path):
                         "--target", str(target), str(ROOT)], capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         pytest.fail(f"pip install failed: {r.stderr[-2000:]}")
+    # the links' folders arrive as real folders of real files
+    assert not [p for p in (target / "archsearch").rglob("*") if p.is_symlink()]
+    assert (target / "archsearch" / "benchmarks" / "base.py").is_file()
     (tmp_path / "tmp").mkdir()  # its own scratch: debris another test's killed run left in /tmp is not its
     env = {**os.environ, "PYTHONPATH": str(target), "TMPDIR": str(tmp_path / "tmp")}
     commands = [["arch", "describe", "--preset", "llama-3.2-1b", "--json"],

@@ -11,7 +11,7 @@ and their ratio, and appends one JSON line per config with provenance to
 in N fresh processes each way (this way's includes importing pydantic and building the
 validator), one more line.
 
-    python -m benchmarks.scripts.bench_config_load [--against REV] [--repeats 20] [--cold 5]
+    python -m archsearch.benchmarks.scripts.bench_config_load [--against REV] [--repeats 20] [--cold 5]
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         cold: dict[str, list[float]] = {"this": [], "reference": []}
         for _ in range(a.cold):
             for name in cold:
-                argv1 = [sys.executable, "-m", "benchmarks.scripts.bench_config_load", "--one", name,
+                argv1 = [sys.executable, "-m", "archsearch.benchmarks.scripts.bench_config_load", "--one", name,
                          "--against", a.against, "--cold-config", str(a.cold_config)]
                 out = subprocess.run(argv1, check=True, capture_output=True, text=True).stdout
                 cold[name].append(float(out))
