@@ -6,6 +6,7 @@ saved and loaded as JSON. Fitting one on measured batches is
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,20 @@ class Calibration(PlainData):
     # per token a step processes, prefill or decode (a CPU engine's per-token work outside its GEMMs: the
     # serving validation on vLLM-CPU fits it; 0 for the GPU calibrations)
     token_overhead_s: float = 0.0
+    # per request, outside the engine's steps: the serving front end's latency from a request's arrival to
+    # the scheduler seeing it plus that of its first token's way back (an HTTP server's parsing and
+    # validation, the hand-off to the engine process, streaming the answer). The serving simulator delays
+    # each request's admission by it; offline predictions (all requests at t=0, no server) leave it out.
+    # The serving validation on vLLM-CPU fits it; 0 for the GPU calibrations.
+    request_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.combine not in ("max", "sum"):
             raise ArchsearchError("calibration.combine", f"{self.combine!r} is unknown", "use max or sum (or refit)")
+        if not (math.isfinite(self.request_overhead_s) and self.request_overhead_s >= 0):
+            raise ArchsearchError("calibration.request_overhead_s",
+                                  f"must be a non-negative number of seconds, got {self.request_overhead_s!r}",
+                                  "refit it")
         if not 0 < self.memory_fraction <= 1:
             raise ArchsearchError("calibration.memory_fraction", f"must be in (0, 1], got {self.memory_fraction!r}",
                                   "refit it")

@@ -8,7 +8,10 @@ prompt's KV cache fits. The KV capacity is what fits beside the weights in the c
 device memory (``archsearch.arch.max_batch_by_kv``'s rule, in tokens); when a decode step needs more,
 the latest admitted sequence is preempted and later recomputed (vLLM's default), and counted. Each step
 lasts what :class:`archsearch.benchmarks.analytic.StepModel` says for its mix of decode tokens and
-prefill chunks, the same model (and calibration) the analytic backend's offline prediction uses.
+prefill chunks, the same model (and calibration) the analytic backend's offline prediction uses. A
+request reaches the scheduler ``Calibration.request_overhead_s`` after it arrives (the serving front end's
+per-request latency: HTTP, validation, the hand-off to the engine process, the answer's way back; 0 unless
+fitted on online runs, as the vLLM-CPU validation does).
 
 The record, :class:`ServingMetrics`, holds what an online measurement (an engine's server under the
 same arrivals) reports: request and token throughput, TTFT, TPOT and end-to-end latency percentiles,
@@ -158,6 +161,8 @@ def simulate(spec: ArchSpec, device: Device, dtype: str, load: ServingLoad,
                               f"{device.name} ({capacity} tokens in {fraction:.0%} of its memory, {dtype})",
                               "shorten the sequences or choose a larger device")
     reqs = [_Request(a, load.input_len) for a in arrivals(load)]
+    # the front end's per-request latency: a request reaches the scheduler this long after it arrives
+    lag = calibration.request_overhead_s if calibration is not None else 0.0
     pending = list(range(len(reqs)))[::-1]  # not yet arrived, next last
     waiting: list[int] = []  # arrived, not running (FCFS; a preempted one goes first)
     running: list[int] = []  # admission order
@@ -166,10 +171,10 @@ def simulate(spec: ArchSpec, device: Device, dtype: str, load: ServingLoad,
     def kv_of(r: _Request) -> int:  # KV tokens held before this step
         return r.prefilled if r.prefilled < r.target else load.input_len + r.generated - 1
     while finished < len(reqs):
-        while pending and reqs[pending[-1]].arrival <= clock:
+        while pending and reqs[pending[-1]].arrival + lag <= clock:
             waiting.append(pending.pop())
         if not running and not waiting:
-            clock = reqs[pending[-1]].arrival
+            clock = reqs[pending[-1]].arrival + lag
             continue
         # decodes first: every running sequence past its prefill makes one token; free KV for them
         decoding = [i for i in running if reqs[i].prefilled >= reqs[i].target]

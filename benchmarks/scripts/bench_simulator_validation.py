@@ -12,6 +12,12 @@ For each shape (all served at once, :func:`archsearch.benchmarks.online.served`)
 3. **Prediction**: :func:`archsearch.benchmarks.simulator.simulate` with that calibration, the same
    arrivals (same seed), lengths and scheduler limits.
 
+4. **Serving fit**: the engine's step overheads and its front end's per-request latency
+   (``Calibration.request_overhead_s``) fitted on the online runs of every measured session in the file,
+   reported in-sample and held out (leave one shape out, leave one session out), beside the run-to-run noise
+   of the measurements themselves (docs/benchmarks.md, "Is the simulator right?": the static batches' TTFT is
+   the front end's admission, not a step, and a per-token overhead fitted on them mispredicts online steps).
+
 It reports the mean absolute percentage error (MAPE) of goodput, median TTFT and median TPOT over the
 (shape, rate) points (target: at most 15%), prints one JSON line and appends it with provenance to
 ``results/bench/simulator_validation.jsonl``. On this 2-core machine shared with other work, the load
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -32,6 +39,7 @@ from archsearch.arch import ArchSpec, describe
 from archsearch.provenance import provenance
 from archsearch.benchmarks import append_jsonl
 from archsearch.benchmarks.base import BatchResult, BenchResult, BenchSettings
+from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.calibration_fit import fit_calibration, summary
 from archsearch.benchmarks.engine_loop import PromptSource
 from archsearch.benchmarks.online import alternating, run_load, served
@@ -90,6 +98,135 @@ def fit_step_times(start, specs, names, static, load, device):
         "rms_log_residual": float(np.sqrt(np.mean(r ** 2))), "n_residuals": len(r)}})
 
 
+# The serving fit's variants: which calibration fields it fits on online runs (the rest from the static
+# throughput fit). Overheads are per step, per sequence in a step, and per request outside the steps (the
+# front end: ``Calibration.request_overhead_s``); ``compute_efficiency`` lets prefill FLOPs set the shapes apart.
+SERVING_VARIANTS = {
+    "overheads+front_end": ("step_overhead_s", "seq_overhead_s", "request_overhead_s"),
+    "overheads+front_end+compute": ("step_overhead_s", "seq_overhead_s", "request_overhead_s", "compute_efficiency"),
+}
+_START = {"step_overhead_s": 8e-3, "seq_overhead_s": 5e-4, "request_overhead_s": 1e-2, "compute_efficiency": 0.05}
+METRICS = ("goodput", "ttft_p50", "tpot_p50")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingPoint:
+    """One measured online run to fit on or predict: its shape, load (rate, SLO, seed) and measured metrics."""
+
+    shape: str
+    run: int  # which measuring session (record) it came from
+    spec: ArchSpec
+    load: ServingLoad
+    measured: dict
+
+
+def fit_serving(start, points: list[ServingPoint], device, params: tuple[str, ...], max_evals: int = 120):
+    """``start`` with ``params`` fitted on online runs: Nelder-Mead on their logs, minimising the mean absolute
+    log error of each run's simulated median TTFT and median TPOT (a median moves in steps with the
+    parameters, so no gradient). Every other field stays ``start``'s; per-token overhead is left at 0 (module
+    docstring: on static batches it stands in for the front end)."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    def cal_of(z):
+        return dataclasses.replace(start, **{"token_overhead_s": 0.0, "seq_overhead_s": 0.0, "kv_efficiency": None,
+                                             **{k: float(v) for k, v in zip(params, np.exp(z))}})
+
+    def loss(z):
+        out = []
+        for p in points:
+            s = simulate(p.spec, device, "float32", p.load, cal_of(z))
+            out += [abs(np.log(s.ttft_p50 / p.measured["ttft_p50"])),
+                    abs(np.log(s.tpot_p50 / p.measured["tpot_p50"]))]
+        return float(np.mean(out))
+    fit = minimize(loss, np.log([_START[k] for k in params]), method="Nelder-Mead",
+                   options={"maxfev": max_evals, "xatol": 0.05, "fatol": 1e-3})
+    return dataclasses.replace(cal_of(fit.x), fit={**start.fit, "serving_fit": {
+        "on": f"{len(points)} online runs' median TTFT and TPOT (mean |log error|)", "params": list(params),
+        "mean_abs_log_error": float(fit.fun), "evaluations": int(fit.nfev)}})
+
+
+def predict_serving_points(cal, points: list[ServingPoint], device) -> list[dict]:
+    """(measured, predicted) of every metric of each point under ``cal``."""
+    out = []
+    for p in points:
+        s = simulate(p.spec, device, "float32", p.load, cal).to_dict()
+        out.append({"shape": p.shape, "run": p.run, "rate": p.load.rate,
+                    **{f"{k}_{w}": d[k] for k in METRICS for w, d in (("measured", p.measured), ("predicted", s))}})
+    return out
+
+
+def serving_errors(rows: list[dict]) -> dict:
+    """MAPE per metric over ``rows``, and per shape."""
+    per = {k: mape([(r[f"{k}_measured"], r[f"{k}_predicted"]) for r in rows]) for k in METRICS}
+    shapes = sorted({r["shape"] for r in rows})
+    return {**per, "per_shape": {n: {k: mape([(r[f"{k}_measured"], r[f"{k}_predicted"]) for r in rows
+                                             if r["shape"] == n]) for k in METRICS} for n in shapes}}
+
+
+def serving_held_out(start, points: list[ServingPoint], device, params, key, max_evals: int = 120) -> dict:
+    """Fit on all points but one group (``key``: shape, run, ...), predict that group; every group in turn."""
+    rows = []
+    for g in sorted({key(p) for p in points}, key=str):
+        cal = fit_serving(start, [p for p in points if key(p) != g], device, params, max_evals)
+        rows += predict_serving_points(cal, [p for p in points if key(p) == g], device)
+        print(f"  held out {g}: fitted {[round(getattr(cal, k), 5) for k in params]}", flush=True)
+    return {**serving_errors(rows), "points": rows}
+
+
+def replicate_noise(records: list[dict]) -> dict:
+    """Run-to-run noise of the measurements themselves: the spread of each static batch's repeats
+    (output tokens/s), and the relative difference of the same shape's online metrics in two sessions at
+    rates within 10% of each other."""
+    import numpy as np
+
+    cv = [float(np.std(x) / np.mean(x)) for r in records for d in r["static_batches"].values() for m in d.values()
+          if (x := m.get("repeats_output_throughput"))]
+    pairs = []
+    for i, a in enumerate(records):
+        for b in records[i + 1:]:
+            for n in a["rates"]:
+                for ra, ma in zip(a["rates"][n], a["online"][n]):
+                    for rb, mb in zip(b["rates"].get(n, []), b["online"].get(n, [])):
+                        if abs(ra - rb) / ra < 0.1:
+                            pairs.append({"shape": n, "rates": [ra, rb], **{
+                                k: 100 * abs(ma[k] - mb[k]) / ((ma[k] + mb[k]) / 2)
+                                for k in ("ttft_p50", "tpot_p50")}})
+    return {"static_repeats_throughput_cv_median": float(np.median(cv)) if cv else None,
+            "online_same_rate_pairs_pct_difference": pairs,
+            "online_same_rate_median_pct_difference": {
+                k: float(np.median([p[k] for p in pairs])) if pairs else None for k in ("ttft_p50", "tpot_p50")}}
+
+
+def serving_validation(records: list[dict], device, variants=SERVING_VARIANTS, max_evals: int = 120) -> dict:
+    """The serving fit over every measured session in ``records``: per variant, in-sample and held-out
+    (leave one shape out; leave one session out) MAPE per metric and per shape, the variant kept by its
+    mean held-out error, and the measurements' own run-to-run noise."""
+    points = []
+    for run, r in enumerate(records):
+        load = ServingLoad(**{k: v for k, v in r["load"].items() if k != "slo"})
+        slos = {p["shape"]: SLO(**p["slo"]) for p in r["points"]}
+        for n in r["rates"]:
+            for rate, m in zip(r["rates"][n], r["online"][n]):
+                points.append(ServingPoint(n, run, SHAPES[n], dataclasses.replace(load, rate=rate, slo=slos[n]),
+                                           {**m, **_goodput(m, slos[n])}))
+    start = Calibration.from_dict(records[-1]["calibration_throughput_only"])
+    out = {}
+    for name, params in variants.items():
+        print(f"serving fit {name}", flush=True)
+        cal = fit_serving(start, points, device, params, max_evals)
+        out[name] = {"params": list(params), "fitted": {k: getattr(cal, k) for k in params},
+                     "in_sample": serving_errors(predict_serving_points(cal, points, device)),
+                     "leave_one_shape_out": serving_held_out(start, points, device, params, lambda p: p.shape,
+                                                             max_evals),
+                     "leave_one_session_out": serving_held_out(start, points, device, params, lambda p: p.run,
+                                                               max_evals)}
+    score = {n: sum(v[h][k] for h in ("leave_one_shape_out", "leave_one_session_out") for k in METRICS)
+             for n, v in out.items()}
+    return {"variants": out, "kept": min(score, key=score.get), "n_points": len(points), "n_sessions": len(records),
+            "noise": replicate_noise(records)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input-len", type=int, default=64)
@@ -102,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-x", type=float, default=4.0, help="SLO TTFT: this times the batch-1 static p50")
     ap.add_argument("--slo-tpot-x", type=float, default=2.0, help="SLO TPOT: this times the batch-1 static p50")
     ap.add_argument("--reuse", metavar="FILE.jsonl", help="predict again from the last record's measurements")
+    ap.add_argument("--no-serving-fit", dest="serving_fit", action="store_false",
+                    help="skip the serving fit on the online runs (minutes)")
     ap.add_argument("--out", default=str(ROOT / "results/bench/simulator_validation.jsonl"))
     args = ap.parse_args(argv)
     batches = [int(x) for x in args.static_batches.split(",")]
@@ -113,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                              output_len=args.output_len, dtype="float32", timeout_s=900.0)
     t0 = time.time()
     if args.reuse:  # predict again from a stored record's measurements (no server)
-        rec = [json.loads(x) for x in Path(args.reuse).read_text().splitlines() if x.strip()][-1]
+        sessions = measured_sessions(args.reuse)
+        rec = sessions[-1]
         static = {n: {int(b): m for b, m in d.items()} for n, d in rec["static_batches"].items()}
         online, rates, started = rec["online"], rec["rates"], rec["servers"]
         measured_at = rec["provenance"]
@@ -124,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         append_jsonl(raw, {"static_batches": static, "online": online, "rates": rates, "servers": started,
                            "provenance": measured_at})
     return predict_and_report(args, names, specs, load, batches, static, online, rates, started, measured_at, t0)
+
+
+def measured_sessions(path: str | Path) -> list[dict]:
+    """The records of ``path`` that hold their own measurements (a ``--reuse`` record repeats another's),
+    oldest first."""
+    recs = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    return [r for r in recs if r.get("bench") == "simulator_validation" and not r.get("reused_measurements_of")]
 
 
 def measure(specs, names, settings, load, batches, fractions, repeats):
@@ -142,7 +289,7 @@ def measure(specs, names, settings, load, batches, fractions, repeats):
                 for i in alternating(len(specs), k + rep):
                     m = run_load(servers[i].url, servers[i].model, dataclasses.replace(load, n_requests=b, rate=None,
                                                                                        slo=None), prompts)
-                    runs.setdefault((names[i], b), []).append(m.to_dict())
+                    runs.setdefault((names[i], b), []).append({**m.to_dict(), "load_average": os.getloadavg()})
                     print(f"static batch {b:>3} {names[i]}: {m.output_throughput:.0f} tok/s", flush=True)
         for (n, b), ms in runs.items():  # the run of median throughput (one whole run: its TTFT and TPOT with it)
             static[n][b] = {**sorted(ms, key=lambda m: m["output_throughput"])[len(ms) // 2],
@@ -154,7 +301,7 @@ def measure(specs, names, settings, load, batches, fractions, repeats):
             for i in alternating(len(specs), j):
                 n = names[i]
                 m = run_load(servers[i].url, servers[i].model, dataclasses.replace(load, rate=rates[n][j]), prompts)
-                online[n].append(m.to_dict())
+                online[n].append({**m.to_dict(), "load_average": os.getloadavg()})
                 print(f"online {n} at {rates[n][j]:g}/s: {m.request_throughput:.2f} requests/s, TTFT p50 "
                       f"{m.ttft_p50 * 1e3:.0f} ms, TPOT p50 {m.tpot_p50 * 1e3:.1f} ms", flush=True)
         started = {k: v for k, v in info.items() if k != "dtype"}
@@ -187,8 +334,16 @@ def predict_and_report(args, names, specs, load, batches, static, online, rates,
     keys = ("goodput", "ttft_p50", "tpot_p50", "output_throughput")
     err = {k: mape([(row[f"{k}_measured"], row[f"{k}_predicted"]) for row in rows]) for k in keys}
     err_tp = {k: mape([(row[f"{k}_measured"], row[f"{k}_predicted_tp_fit"]) for row in rows]) for k in keys}
+    # the serving fit, over every measured session so far (this one last): held-out errors are the claim
+    if args.reuse:
+        sessions = measured_sessions(args.reuse)
+    else:
+        this = {"load": dataclasses.asdict(load), "points": rows, "rates": rates, "online": online,
+                "static_batches": static, "calibration_throughput_only": dataclasses.asdict(cal_tp)}
+        sessions = (measured_sessions(args.out) if Path(args.out).is_file() else []) + [this]
+    serving = serving_validation(sessions, device) if args.serving_fit else None
     record = {
-        "bench": "simulator_validation", "target_mape_pct": 15.0, "mape_pct": err,
+        "bench": "simulator_validation", "target_mape_pct": 15.0, "mape_pct": err, "serving_fit": serving,
         "mape_pct_throughput_only_calibration": err_tp, "reused_measurements_of": args.reuse,
         "slo_rule": f"per shape: TTFT <= {args.slo_ttft_x:g} x, TPOT <= {args.slo_tpot_x:g} x its batch-1 static p50",
         "meets_target": all(v is not None and v <= 15.0 for k, v in err.items() if k != "output_throughput"),
@@ -203,6 +358,11 @@ def predict_and_report(args, names, specs, load, batches, static, online, rates,
                 "fitted on static batches through the same servers in the same window",
     }
     append_jsonl(args.out, record)
+    if serving:
+        kept = serving["variants"][serving["kept"]]
+        print(json.dumps({"serving_fit_kept": serving["kept"], **{h: {k: kept[h][k] for k in METRICS} for h in (
+            "in_sample", "leave_one_shape_out", "leave_one_session_out")}, "noise": serving["noise"][
+                "online_same_rate_median_pct_difference"]}))
     print(json.dumps({"mape_pct": err, "mape_pct_throughput_only_calibration": err_tp,
                       "meets_target": record["meets_target"], "calibration": summary(cal_tp),
                       "points": rows}, default=str))
