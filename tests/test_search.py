@@ -592,7 +592,9 @@ def _start(cfg_path: str) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
-    cfg = _hf_cfg(tmp_path, n_trials=5)
+    # killed once 2 shapes are measured: of 4, the resumed run measures the rest (4 was 5: a
+    # shape fewer to measure, the same check)
+    cfg = _hf_cfg(tmp_path, n_trials=4)
     out = Path(cfg["out"])
     proc = _start(cfg["_path"])
     deadline = time.time() + 240
@@ -612,7 +614,7 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
 
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}")
     complete = [t for t in study.get_trials(states=(TrialState.COMPLETE,)) if was_measured(t)]
-    assert len({t.user_attrs["spec_key"] for t in complete}) == 5  # nothing lost: the budget is met
+    assert len({t.user_attrs["spec_key"] for t in complete}) == 4  # nothing lost: the budget is met
     assert not study.get_trials(states=(TrialState.RUNNING,))
     keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
     assert len(keys) == len(set(keys))  # nothing measured twice
@@ -622,7 +624,7 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_two_workers_share_one_study(tmp_path):
-    cfg = _hf_cfg(tmp_path, n_trials=6)
+    cfg = _hf_cfg(tmp_path, n_trials=4)  # two shapes each (was 6: the same check, a round fewer)
     out = Path(cfg["out"])
     procs = [_start(cfg["_path"]) for _ in range(2)]
     for p in procs:
@@ -635,7 +637,7 @@ def test_two_workers_share_one_study(tmp_path):
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}")
     complete = [t for t in study.get_trials(states=(TrialState.COMPLETE,)) if was_measured(t)]
     # the second worker may finish one shape it had started when the budget was met
-    assert 6 <= len({t.user_attrs["spec_key"] for t in complete}) <= 7
+    assert 4 <= len({t.user_attrs["spec_key"] for t in complete}) <= 5
     pids = {t.user_attrs["worker"]["pid"] for t in study.get_trials()}
     assert len(pids) == 2  # both worked
     keys = [json.loads(line)["key"] for line in (out / "measurements.jsonl").read_text().splitlines()]
@@ -1074,8 +1076,10 @@ def test_a_trial_orphaned_before_its_worker_named_itself_is_recovered(tmp_path):
     study = optuna.create_study(study_name="s", storage=storage)
     orphan, live = study.ask(), study.ask()
     live.set_user_attr("worker", {"host": __import__("platform").node(), "pid": os.getpid()})
-    t = time.time()
+    born = next(tr for tr in study.get_trials() if tr.number == orphan.number).datetime_start.timestamp()
     assert recover_stale_trials(study, storage, grace_s=0.5) == [orphan.number]
-    assert time.time() - t >= 0.3  # it waited for a live worker's first line before judging
+    # it waited until the orphan was grace_s old (for a live worker's first line) before judging;
+    # timed from the trial's start, not from the call (a loaded machine may start the call late)
+    assert time.time() - born >= 0.5 - 0.01
     states = {tr.number: tr.state.name for tr in study.get_trials()}
     assert states == {orphan.number: "FAIL", live.number: "RUNNING"}
