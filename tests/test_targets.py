@@ -245,3 +245,22 @@ def test_bad_workload_targets_named_at_load(tmp_path, target, field):
         load(targets_config(tmp_path, [target]))
     assert e.value.field == field, e.value
 
+
+
+@pytest.mark.parametrize("device, fragment", [("cpu", "slo.tpot_s"), ("A40", "rates")])
+def test_online_target_no_shape_can_meet_is_refused_before_work(tmp_path, device, fragment):
+    """A workload served online whose SLO is below one decode step of the baseline alone, or whose rate is
+    above the baseline's predicted saturation on the target's device, is refused naming the target's
+    workload, what fails and the bound (archsearch.benchmarks.online.check_feasible); H200 holds it."""
+    from archsearch.arch import ArchSpec
+    from archsearch.search.checks import check_online_targets
+    from archsearch.search.targets import study_views
+
+    base = ArchSpec(n_layers=16, hidden_size=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn=8192, vocab_size=128256)
+    ok = load(targets_config(tmp_path, [{"name": "chat", "workload": "chat", "device_spec": "H200"}]))
+    check_online_targets(study_views(ok), base)
+    cfg = load(targets_config(tmp_path, [{"name": "chat", "workload": "chat", "device_spec": device}]))
+    with pytest.raises(ArchsearchError) as e:
+        check_online_targets(study_views(cfg), base)
+    assert e.value.field == "measure.targets[0].workload" and e.value.problem.startswith(fragment), e.value
+    assert "faster device_spec" in e.value.fix

@@ -11,6 +11,9 @@ from archsearch.arch import (ArchSpec, kv_cache_bytes_per_token, max_batch_by_kv
                              weight_bytes)
 from archsearch.benchmarks.analytic import MEMORY_FRACTION
 from archsearch.benchmarks.base import resolve_dtype
+from archsearch.benchmarks.calibration import Calibration
+from archsearch.benchmarks.online import check_feasible
+from archsearch.benchmarks.simulator import load_from_settings
 from archsearch.candidates import BuildSettings, box_shape_bound, build_candidate
 from archsearch.cluster.executor import check_cluster
 from archsearch.errors import ArchsearchError
@@ -264,6 +267,28 @@ def check_reference_batches(views, measured: ArchSpec, for_plan: bool = False) -
         with view.named():
             device = view.cfg.measure.bench.device_spec if for_plan else measuring_device(view.cfg)
             check_reference_batch(view.cfg, device, measured)
+
+
+def check_online_targets(views, measured: ArchSpec) -> None:
+    """Each target served online (a workload at a rate, ``backend: simulated``) can be met by the
+    measured baseline, by :func:`archsearch.benchmarks.online.check_feasible`: its SLO is not below one
+    prefill / one decode step of the shape alone, and its rate is below the predicted saturation.
+    Refused before any stage runs, naming the target's workload (which sets the rate and the SLO)."""
+    for view in views:
+        bench = view.cfg.measure.bench
+        if bench.backend != "simulated" or bench.engine_args.get("rate") is None:
+            continue
+        ea = bench.engine_args
+        load = load_from_settings({"engine_args": ea, "input_len": bench.input_len, "output_len": bench.output_len},
+                                  bench.batch_sizes[0])
+        cal = Calibration.load(ea["calibration"]) if ea.get("calibration") else None
+        try:
+            check_feasible(measured, load, [load.rate], bench.device_spec, resolve_dtype(bench.dtype, True), cal)
+        except ArchsearchError as e:
+            where = "measure.targets[{}].workload".format(view.index) if view.index is not None else "measure"
+            raise ArchsearchError(where, f"{e.field}: {e.problem}",
+                                  "the workload sets the rate and the slo: choose a lighter workload or a faster "
+                                  f"device_spec for this target (at this baseline: {e.fix})") from None
 
 
 def target_views(cfg: StudyConfig):

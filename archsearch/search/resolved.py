@@ -90,6 +90,7 @@ def resolve(cfg: StudyConfig, *, for_plan: bool = False) -> ResolvedStudy:
     checks.check_study(cfg, build, base, views, list(shapes), for_plan)
     study = _assemble(cfg, vocab, build, base, sweeps, shapes, views)
     checks.check_reference_batches(views, study.measured_baseline, for_plan)
+    checks.check_online_targets(views, study.measured_baseline)
     return study
 
 
