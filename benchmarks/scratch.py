@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from archsearch.errors import ArchsearchError
 from archsearch.logs import get_logger
 
 _NAME = re.compile(r"^archsearch-(bench|model|paired)-(\d+)-")
@@ -167,12 +166,6 @@ def engine_socket_env(folder: str | Path) -> dict[str, str]:
     folder = os.fspath(folder)
     if len(os.fsencode(folder)) + 1 + VLLM_SOCKET_NAME_LEN > SOCKET_PATH_MAX:
         parent = os.path.dirname(folder)
-        if len(os.fsencode(parent)) + 1 + VLLM_SOCKET_NAME_LEN > SOCKET_PATH_MAX:
-            # vLLM's own default ($TMPDIR) cannot hold a socket either: its engine would fail to bind
-            raise ArchsearchError("TMPDIR", f"{parent!r} is too long a path for vLLM's socket files (a Unix "
-                                  f"socket's path holds {SOCKET_PATH_MAX} bytes, vLLM adds a "
-                                  f"{VLLM_SOCKET_NAME_LEN + 1}-byte name): set TMPDIR to a folder of at most "
-                                  f"{SOCKET_PATH_MAX - 1 - VLLM_SOCKET_NAME_LEN} bytes, e.g. TMPDIR=/tmp")
         if parent not in _long_path_warned:
             _long_path_warned.add(parent)
             get_logger("bench").warning(

@@ -7,7 +7,6 @@ analytic studies of test_search.py, so they take seconds, not an engine's start-
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -100,11 +99,8 @@ def test_an_engines_socket_files_go_to_its_scratch_folder_where_a_socket_path_fi
     """VLLM_RPC_BASE_PATH names the scratch folder; a caller's own setting stands; a folder too long for a
     socket path leaves vLLM's default (TMPDIR) with one warning that says so and how to avoid it."""
     from archsearch.benchmarks.scratch import SOCKET_PATH_MAX, VLLM_SOCKET_NAME_LEN, engine_socket_env
-    from archsearch.errors import ArchsearchError
 
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    # the project's logger does not propagate (its console prints each line once): let caplog see it
-    monkeypatch.setattr(logging.getLogger("archsearch"), "propagate", True)
     assert engine_socket_env("/tmp/archsearch-bench-1-abcdefgh") == {"VLLM_RPC_BASE_PATH": "/tmp/archsearch-bench-1-abcdefgh"}
     fits = "/" + "d" * (SOCKET_PATH_MAX - VLLM_SOCKET_NAME_LEN - 2)
     assert engine_socket_env(fits) == {"VLLM_RPC_BASE_PATH": fits}
@@ -113,9 +109,6 @@ def test_an_engines_socket_files_go_to_its_scratch_folder_where_a_socket_path_fi
         assert engine_socket_env(too_long) == {} and engine_socket_env(too_long) == {}
     said = [r.getMessage() for r in caplog.records if "socket files" in r.getMessage()]
     assert len(said) == 1 and "stay in /deep" in said[0] and "shorter TMPDIR" in said[0]
-    # where even vLLM's default ($TMPDIR, the folder's parent) is too long, an engine could not bind: refused
-    with pytest.raises(ArchsearchError, match="TMPDIR"):
-        engine_socket_env("/" + "y" * SOCKET_PATH_MAX + "/archsearch-bench-1-abcdefgh")
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/mine")
     assert engine_socket_env("/tmp/archsearch-bench-1-abcdefgh") == {}
 
