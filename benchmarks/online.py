@@ -54,8 +54,8 @@ from archsearch.hardware import get_device
 from archsearch.logs import get_logger
 from archsearch.provenance import provenance
 from archsearch.benchmarks.analytic import StepModel, default_device_name
-from archsearch.benchmarks.base import (SERVED_ENGINES, BatchResult, BenchSettings, get_backend, require_module,
-                                        resolve_dtype)
+from archsearch.benchmarks.base import (SERVED_ENGINES, BatchResult, BenchSettings, get_backend, mean,
+                                        require_module, resolve_dtype)
 from archsearch.benchmarks.engine_loop import PromptSource
 from archsearch.benchmarks.isolate import kill_group
 from archsearch.benchmarks.paired import PairedResult, PairedSettings, paired_stop
@@ -525,7 +525,7 @@ def measure_paired_online(specs: list[ArchSpec], settings: BenchSettings, paired
     except RuntimeError as e:  # a server that did not start or answer, a round no request completed
         res.error, res.stop_reason = str(e), f"stopped early: {e}"
     res.ok = len(res.rounds) >= 2
-    res.ttft = [_mean([r[i]["ttft_mean"] for r in res.online["rounds"] if r[i]]) for i in range(len(specs))]
+    res.ttft = [mean([r[i]["ttft_mean"] for r in res.online["rounds"] if r[i]]) for i in range(len(specs))]
     res.dtype = info.get("dtype")
     res.engines = [{"server": settings.backend, "argv": a, "env": e, "version": backend.version()}
                    for a, e in zip(info.get("argv", []), info.get("env", []))]
@@ -534,10 +534,6 @@ def measure_paired_online(specs: list[ArchSpec], settings: BenchSettings, paired
     res.device = (res.provenance.get("device") or {}).get("name")
     res.provenance["architectures"] = [describe(s, res.dtype or "float32") for s in specs]
     return res
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 # engine_args keys that describe the load, not the server (read by the simulator and here)
