@@ -204,3 +204,44 @@ def test_online_study_port_in_use_is_refused_before_work(tmp_path):
             pipeline.run(cfg, cfg.out_dir())
     assert e.value.field == "measure.port"
     assert not cfg.out_dir().exists()
+
+
+def test_a_server_that_fails_is_a_failed_comparison_and_leaves_no_server(tmp_path, monkeypatch):
+    """The candidate's server dies before answering: the comparison comes back failed with its reason
+    (a study records it and measures it again later), and the baseline's server, already up, is ended."""
+    from archsearch.benchmarks import online
+    from archsearch.benchmarks.base import BenchSettings
+    from archsearch.benchmarks.paired import PairedSettings
+    from archsearch.benchmarks.simulator import SLO, ServingLoad
+    from tests.test_online import TINY
+
+    stub = tmp_path / "stub_server.py"
+    stub.write_text(STUB)
+
+    def argv(engine, model_dir, port, *rest, **kw):
+        if model_dir.endswith("shape1"):
+            return [sys.executable, "-c", "import sys; print('engine says: out of memory'); sys.exit(1)"]
+        return [sys.executable, str(stub), str(port), "0.01", "0.01"]
+
+    monkeypatch.setattr(online, "server_argv", argv)
+    monkeypatch.setattr(online, "check_engine", lambda engine: None)
+    load = ServingLoad(n_requests=2, input_len=16, output_len=4, rate=20.0, max_num_seqs=2, slo=SLO(1.0, 0.1))
+    r = online.measure_paired_online([TINY, TINY.replace(n_kv_heads=1)],
+                                     BenchSettings(backend="vllm", batch_sizes=[2], input_len=16, output_len=4,
+                                                   dtype="float32", timeout_s=30),
+                                     PairedSettings(min_rounds=2, max_rounds=2), load)
+    assert not r.ok and "exited with status 1" in r.error and "out of memory" in r.error
+    assert r.rounds == [] and r.online["slo"] == {"ttft_s": 1.0, "tpot_s": 0.1}
+    assert _processes_running(str(stub)) == [], "the baseline's server outlived the failed comparison"
+
+
+def test_a_round_no_request_meets_is_floored_at_half_a_request():
+    from archsearch.benchmarks.online import round_score
+    from archsearch.benchmarks.simulator import SLO, ServingLoad, serving_metrics
+
+    load = ServingLoad(n_requests=2, input_len=8, output_len=3, rate=1.0, slo=SLO(ttft_s=0.1, tpot_s=0.1))
+    missed = serving_metrics([0.0, 1.0], [0.5, 1.5], [1.5, 2.5], load, predicted=False)  # TTFT 0.5 s each
+    assert missed.goodput == 0.0 and round_score("goodput", missed) == (pytest.approx(0.5 / 2.5), True)
+    met = serving_metrics([0.0, 1.0], [0.05, 1.05], [0.15, 1.15], load, predicted=False)
+    assert round_score("goodput", met) == (pytest.approx(2 / 1.15), False)
+    assert round_score("latency", met)[0] == pytest.approx(1 / 0.15)
