@@ -874,7 +874,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("verify"):
         lines += head_to_head_markdown(s["verify"])
     if s.get("measured_params"):
-        lines.append(f"Throughput was measured with every shape rebuilt at N = {s['measured_params']:,.0f} "
+        lines.append(f"{'Goodput' if s.get('online') else 'Throughput'} was measured with every shape rebuilt at "
+                     f"N = {s['measured_params']:,.0f} "
                      "non-embedding parameters (`measure.params`; same d/sqrt(N), r and GQA); the loss "
                      "predictions and the shapes below are at the study's N.\n")
     base, ch = s["baseline"], s["chosen"]
@@ -891,7 +892,8 @@ def render_markdown(s: dict[str, Any]) -> str:
             q = bc.get("ratio") or {}
             lines += [
                 "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
-                f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput relative to the "
+                f"- Best feasible candidate: {_arch_line(bc['architecture'])}: "
+                f"{_online_objective(s['online']) if s.get('online') else 'throughput'} relative to the "
                 f"baseline {_ratio_txt(q)}, " + (
                     f"{ratio_verdict(q)}." if q.get("predicted") else
                     "entirely below 1 (significantly slower)." if q.get("hi") is not None and q["hi"] < 1 else
@@ -942,8 +944,10 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += targets_markdown(s["targets"])
     lines += seeded_markdown(s)
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
-    lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
-              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | tokens/s | ratio [interval] | tied with best |",
+    fig, unit = ("goodput", "goodput req/s") if s.get("online") else ("throughput", "tokens/s")
+    lines += [f"## Feasible Pareto set ({fig} ratio to the baseline vs predicted loss)", "",
+              f"| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | {unit} | ratio [interval] "
+              "| tied with best |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     front = s["pareto"]
     for p in front[:10]:
@@ -953,7 +957,8 @@ def render_markdown(s: dict[str, Any]) -> str:
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "
-                     f"{_margin_cell(p.get('loss_margin'))} | {p['throughput']:.1f} | {rt} | {tie} |")
+                     f"{_margin_cell(p.get('loss_margin'))} | {p['throughput']:{'.3g' if s.get('online') else '.1f'}} | {rt} | "
+                     f"{tie} |")
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
