@@ -210,7 +210,10 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, ArchsearchError):  # a section's own check: its field under the section
             inside = path and cause.field.startswith(path)
-            field = cause.field if inside else ".".join(filter(None, (path, cause.field)))
+            # a section that names itself (SLO's "slo.ttft_s" at "measure.slo"): named once
+            parent, _, last = path.rpartition(".")
+            named_self = bool(path) and not inside and cause.field.startswith(f"{last}.")
+            field = cause.field if inside else ".".join(filter(None, (parent if named_self else path, cause.field)))
             fix = cause.fix.replace("{block}", f"{path}." if path else "") if cause.fix else cause.fix
             raise ArchsearchError(field, cause.problem, fix) from None
         msg = f"{err['msg'][:1].lower()}{err['msg'][1:]}, got {err['input']!r}"

@@ -46,6 +46,8 @@ BACKENDS: dict[str, str] = {
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the engines with an OpenAI-compatible server, measured online (archsearch.benchmarks.online)
+SERVED_ENGINES = ("vllm", "sglang")
 
 Report = Callable[[dict], None]
 

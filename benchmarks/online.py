@@ -23,6 +23,12 @@ online``; docs/benchmarks.md, "Online serving").
 * **Paired.** Several shapes (the first the baseline) are served at once and take turns at every rate,
   in an order that reverses from one rate (and round) to the next (A B, B A, ...), so a drift of the
   machine's load falls on all of them alike (:mod:`archsearch.benchmarks.paired`'s rule).
+* **In a study** (``measure.mode: online``, :func:`measure_paired_online`): a comparison serves the
+  baseline and its candidates at once and runs rounds at the study's one rate, each shape in turn under
+  the same arrivals (fresh ones every round), until the paired stopping rule of
+  :class:`~archsearch.benchmarks.paired.PairedSettings` holds; a round's figure is the objective
+  (goodput under the SLO, or 1 / mean end-to-end latency), and the result is a
+  :class:`~archsearch.benchmarks.paired.PairedResult` like a static-batch comparison's.
 """
 
 from __future__ import annotations
@@ -48,16 +54,18 @@ from archsearch.hardware import get_device
 from archsearch.logs import get_logger
 from archsearch.provenance import provenance
 from archsearch.benchmarks.analytic import StepModel, default_device_name
-from archsearch.benchmarks.base import BenchSettings, get_backend, require_module, resolve_dtype
+from archsearch.benchmarks.base import (SERVED_ENGINES, BatchResult, BenchSettings, get_backend, mean,
+                                        require_module, resolve_dtype)
 from archsearch.benchmarks.engine_loop import PromptSource
 from archsearch.benchmarks.isolate import kill_group
+from archsearch.benchmarks.paired import PairedResult, PairedSettings, paired_stop
 from archsearch.benchmarks.scratch import (engine_socket_env, reap_shared_memory, scratch_dir, shm_segments,
                                            watch_owner)
 from archsearch.benchmarks.simulator import SLO, ServingLoad, ServingMetrics, arrivals, serving_metrics, simulate
 from archsearch.benchmarks.vllm_backend import INSTALL_FIX as VLLM_FIX, cpu_kv_space_gib
+from archsearch.benchmarks.workloads import objective_score
 
 HOST = "127.0.0.1"
-SERVED_ENGINES = ("vllm", "sglang")
 SGLANG_FIX = "SGLang's server runs on a CUDA GPU only: pip install -e '.[sglang]' on a GPU machine"
 
 
@@ -74,6 +82,9 @@ def check_port(port: int, host: str = HOST) -> None:
         raise ArchsearchError("port", f"must be an integer in [1, 65535], got {port!r}",
                               "give a free port, or leave it out for a free one")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as the servers bind (uvicorn, SGLang): a port a finished server's connections hold in
+        # TIME_WAIT is free, one a process listens on is not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -445,6 +456,84 @@ def simulate_online(specs: list[ArchSpec], settings: BenchSettings, load: Servin
                        engine={"model": "archsearch.benchmarks.simulator over the calibrated step-time model",
                                "calibration": calibration.describe(None) if calibration else "uncalibrated"},
                        provenance=provenance())
+
+
+# the figures of every shape's round an online comparison keeps (its per-request seconds are left out)
+ROUND_FIELDS = ("goodput", "slo_attainment", "request_throughput", "output_throughput", "ttft_mean", "ttft_p50",
+                "ttft_p99", "tpot_p50", "tpot_p99", "e2e_mean", "e2e_p50", "e2e_p99", "failed", "duration_s")
+
+
+def round_score(objective: str, m: ServingMetrics) -> tuple[float, bool]:
+    """One online round's higher-is-better figure of ``objective`` (:func:`workloads.objective_score`
+    on the run's record) and whether it was floored: a round in which no request met the SLO scores
+    half a request over the run's duration (goodput cannot be 0 in a log ratio; such a shape ranks far
+    below one that meets it, and the result counts the floored rounds)."""
+    batch = BatchResult(batch_size=m.max_running or 1, ok=True, output_throughput=m.output_throughput,
+                        ttft_mean=m.ttft_mean, e2e_latency_mean=m.e2e_mean, online=m.to_dict())
+    score = objective_score(objective, batch, "measure.objective")
+    if objective == "goodput" and score <= 0:
+        return 0.5 / m.duration_s, True
+    return score, False
+
+
+def measure_paired_online(specs: list[ArchSpec], settings: BenchSettings, paired: PairedSettings, load: ServingLoad,
+                          objective: str = "goodput", port: int | None = None,
+                          log_dir: str | Path | None = None) -> PairedResult:
+    """Compare ``specs`` (the first the reference) online: all served at once (:func:`served`), then
+    rounds in which each shape in turn (:func:`alternating`) gets ``load`` (its arrivals drawn afresh
+    every round, the same for every shape of a round), until :func:`paired.paired_stop` holds. A round
+    holds each shape's :func:`round_score`; the ratios, intervals and stopping rule are those of a
+    static-batch comparison. A server that fails to start or answer comes back as ``ok=False`` with
+    its reason (bad input raises before any server starts). Every server is gone on return."""
+    if len(specs) < 2:
+        raise ArchsearchError("specs", "paired measurement needs a reference and at least one shape")
+    if paired.twin:
+        specs = [*specs, specs[0]]
+    log = get_logger("bench")
+    backend = get_backend(settings.backend)
+    res = PairedResult(specs=[s.to_dict() for s in specs], rounds=[], settings={**settings.to_dict(),
+                       "objective": objective}, paired=dataclasses.asdict(paired), batch_size=load.max_num_seqs,
+                       online={"objective": objective, "rate": load.rate, "n_requests": load.n_requests,
+                               "slo": dataclasses.asdict(load.slo) if load.slo else None,
+                               "load": dataclasses.asdict(load), "floored_rounds": 0, "rounds": [],
+                               "client": "archsearch.benchmarks.online (aiohttp, streamed /v1/completions)"})
+    info: dict[str, Any] = {}
+    t_wall = time.perf_counter()
+    try:
+        with served(specs, settings, load, port, log_dir) as (servers, started):
+            info.update(started)
+            prompts = PromptSource(min(s.vocab_size for s in specs), load.input_len, settings.seed)
+            t0 = time.perf_counter()
+            while res.stop_reason is None:
+                k = len(res.rounds)
+                run = dataclasses.replace(load, seed=load.seed + k)  # this round's arrivals, every shape's
+                row: list[float] = [0.0] * len(specs)
+                kept: list[dict[str, Any] | None] = [None] * len(specs)
+                order = alternating(len(specs), k)
+                res.online.setdefault("order", []).append(order)  # the group's shapes, in the order they ran
+                for i in order:
+                    m = run_load(servers[i].url, servers[i].model, run, prompts, settings.timeout_s)
+                    row[i], floored = round_score(objective, m)
+                    res.online["floored_rounds"] += int(floored)
+                    kept[i] = {f: getattr(m, f) for f in ROUND_FIELDS}
+                res.rounds.append(row)
+                res.online["rounds"].append(kept)
+                res.stop_reason = paired_stop(res.rounds, paired)
+                log.info(f"[bench] online round {k + 1}: {objective} " + ", ".join(f"{x:.3g}" for x in row)
+                         + (f" ({res.stop_reason})" if res.stop_reason else ""))
+            res.timing["rounds_s"] = time.perf_counter() - t0
+    except RuntimeError as e:  # a server that did not start or answer, a round no request completed
+        res.error, res.stop_reason = str(e), f"stopped early: {e}"
+    res.ok = len(res.rounds) >= 2
+    res.ttft = [mean([r[i]["ttft_mean"] for r in res.online["rounds"] if r[i]]) for i in range(len(specs))]
+    res.dtype = info.get("dtype")
+    res.engines = [{"server": settings.backend, "argv": a, "env": e, "version": backend.version()}
+                   for a, e in zip(info.get("argv", []), info.get("env", []))]
+    res.timing.update({"engine_start_s": list(info.get("server_start_s", [])), "wall_s": time.perf_counter() - t_wall})
+    res.provenance = provenance(extra_packages=backend.packages)
+    res.device = (res.provenance.get("device") or {}).get("name")
+    res.provenance["architectures"] = [describe(s, res.dtype or "float32") for s in specs]
+    return res
 
 
 # engine_args keys that describe the load, not the server (read by the simulator and here)

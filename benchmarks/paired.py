@@ -187,6 +187,9 @@ class PairedResult(PlainData):
     timing: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
     predicted: bool = False
+    # measured online (archsearch.benchmarks.online.measure_paired_online): the load, SLO and objective,
+    # and every round's serving metrics per shape (``rounds[k][i]``); empty for a static-batch comparison
+    online: dict[str, Any] = field(default_factory=dict)
 
     @property
     def twin(self) -> bool:
@@ -225,7 +228,9 @@ class PairedResult(PlainData):
                        timing={**self.timing, "engine_start_s": pick(self.timing.get("engine_start_s") or []),
                                "group_size": len(self.specs)},
                        provenance={**self.provenance,
-                                   "architectures": pick(self.provenance.get("architectures") or [])})
+                                   "architectures": pick(self.provenance.get("architectures") or [])},
+                       online={**self.online, "rounds": [pick(r) for r in self.online["rounds"]]}
+                       if self.online.get("rounds") else self.online)
 
     def throughput(self, i: int) -> float | None:
         return mean(self.series(i)) if self.rounds else None
@@ -245,7 +250,7 @@ class PairedResult(PlainData):
         return d
 
 
-def _stop(rounds: list[list[float]], p: PairedSettings) -> str | None:
+def paired_stop(rounds: list[list[float]], p: PairedSettings) -> str | None:
     n = len(rounds)
     if n >= p.min_rounds:
         shapes = len(rounds[0]) - (1 if p.twin else 0)
@@ -300,7 +305,7 @@ class PairedRunner:
                 row[i] = n_out / wall
                 ttfts[i] += [x.ttft for x in timings if x.ttft is not None]
             rounds.append(row)
-            why = _stop(rounds, p)
+            why = paired_stop(rounds, p)
             report({**head, "rounds": rounds, "ttft": [mean(t) for t in ttfts]})
             if why:
                 break

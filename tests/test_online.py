@@ -29,10 +29,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 # An OpenAI-compatible stub: /v1/models answers; /v1/completions streams max_tokens SSE chunks, the
 # first after TTFT seconds, the others TPOT apart, each carrying one token id, then usage and [DONE].
+# With a fourth argument, it appends "PORT TIME" to that file as each completion request arrives.
 STUB = textwrap.dedent('''
     import json, sys, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     TTFT, TPOT = float(sys.argv[2]), float(sys.argv[3])
+    SEEN = sys.argv[4] if len(sys.argv) > 4 else None
 
     class H(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -47,6 +49,9 @@ STUB = textwrap.dedent('''
             self.wfile.write(body)
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if SEEN:
+                with open(SEEN, "a") as f:
+                    f.write(f"{sys.argv[1]} {time.time()}\\n")
             assert req["stream"] and isinstance(req["prompt"], list), req
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")

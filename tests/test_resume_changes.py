@@ -312,6 +312,10 @@ EXAMPLES = {
     "final_train.train.attn_implementation": "eager", "final_train.train.hparams": {"lr": 1.0e-3},
     "final_train.train.init_from": "configs", "final_train.train.lora_rank": 8, "final_train.train.lora_targets": ["q_proj"],
     "final_train.data": {"source": "shakespeare"}, "evaluation.limit": 10,
+    # measure.mode: online and its settings (refused on this analytic study; online they key the search:
+    # tests/test_online_study.py)
+    "measure.mode": "online", "measure.rate": 1.0, "measure.n_requests": 8,
+    "measure.slo": {"ttft_s": 1.0, "tpot_s": 0.1}, "measure.port": 8000,
 }
 
 

@@ -87,8 +87,8 @@ def test_a_stage_added_in_one_place_runs_resumes_is_priced_and_reported(tmp_path
         pipeline.select_stages(refit, tmp_path / "elsewhere", {"toy"}, set())
 
 
-@pytest.mark.parametrize("name", ["demo-cpu", "demo-cpu-active", "demo-cpu-targets", "paper-1b-rehearsal",
-                                  "paper-3b-rehearsal"])
+@pytest.mark.parametrize("name", ["demo-cpu", "demo-cpu-active", "demo-cpu-targets", "demo-cpu-online",
+                                  "paper-1b-rehearsal", "paper-3b-rehearsal"])
 def test_the_example_studies_resume_with_no_stage_redone(name):
     """The example studies under results/examples resume with their configs and redo nothing: the
     stage records fingerprint what the folders recorded (planned, nothing written)."""

@@ -12,7 +12,7 @@ from archsearch.arch import (ArchSpec, kv_cache_bytes_per_token, max_batch_by_kv
 from archsearch.benchmarks.analytic import MEMORY_FRACTION
 from archsearch.benchmarks.base import resolve_dtype
 from archsearch.benchmarks.calibration import Calibration
-from archsearch.benchmarks.online import check_feasible
+from archsearch.benchmarks.online import check_feasible, check_port
 from archsearch.benchmarks.simulator import load_from_settings
 from archsearch.candidates import BuildSettings, box_shape_bound, build_candidate
 from archsearch.cluster.executor import check_cluster
@@ -276,6 +276,9 @@ def check_online_targets(views, measured: ArchSpec) -> None:
     Refused before any stage runs, naming the target's workload (which sets the rate and the SLO)."""
     for view in views:
         bench = view.cfg.measure.bench
+        if view.cfg.measure.online:
+            check_served_online(view, measured)
+            continue
         if bench.backend != "simulated" or bench.engine_args.get("rate") is None:
             continue
         ea = bench.engine_args
@@ -289,6 +292,32 @@ def check_online_targets(views, measured: ArchSpec) -> None:
             raise ArchsearchError(where, f"{e.field}: {e.problem}",
                                   "the workload sets the rate and the slo: choose a lighter workload or a faster "
                                   f"device_spec for this target (at this baseline: {e.fix})") from None
+
+
+def check_served_online(view, measured: ArchSpec) -> None:
+    """A study measured online (``measure.mode: online``) can be: its port is free, and by
+    :func:`archsearch.benchmarks.online.check_feasible` at the measuring device's peak figures (an
+    optimistic bound) its SLO is not below one prefill / one decode step of the measured baseline alone
+    and its rate is below the predicted saturation at ``reference_batch_size`` sequences. Errors name
+    ``measure.port``, ``measure.slo.*`` or ``measure.rate`` (the target too, with targets)."""
+    m = view.cfg.measure
+    on = "" if view.index is None else f" (on measure.targets[{view.index}])"
+    if m.port is not None:
+        try:
+            check_port(m.port)
+        except ArchsearchError as e:
+            raise ArchsearchError("measure.port", e.problem + on, "choose another port, or leave measure.port out "
+                                  "and a free one is taken") from None
+    device = measuring_device(view.cfg)
+    if device is None:  # Slurm without device_spec: the jobs' device is not known here
+        return
+    load = m.serving_load()
+    try:
+        check_feasible(measured, load, [load.rate], device, resolve_dtype(m.bench.dtype, device != "cpu"))
+    except ArchsearchError as e:
+        field = "measure.rate" if e.field == "rates" else f"measure.{e.field}"
+        fix = e.fix.replace("(--batch-sizes)", "(measure.reference_batch_size)") if e.fix else e.fix
+        raise ArchsearchError(field, e.problem + on, fix) from None
 
 
 def target_views(cfg: StudyConfig):

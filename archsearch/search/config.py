@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from archsearch.arch import SUPPORTED_HEAD_DIMS
-from archsearch.benchmarks.base import BACKENDS, BenchSettings, backend_class
+from archsearch.benchmarks.base import BACKENDS, SERVED_ENGINES, BenchSettings, backend_class
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.paired import PairedSettings
+from archsearch.benchmarks.simulator import SLO, ServingLoad
 from archsearch.benchmarks.workloads import OBJECTIVES
 from archsearch.bounds import check_count
 from archsearch.candidates import BuildSettings, check_size
@@ -35,6 +36,7 @@ from archsearch.search.deployment import AGGREGATES, DeploymentTarget, check_dep
 from archsearch.trainers.config import TRACKERS, DataConfig, SweepConfig, TrainConfig
 
 SAMPLERS = ("tpe", "random", "nsga2", "gp")
+MEASURE_MODES = ("offline", "online")
 
 
 @dataclass(frozen=True)
@@ -282,11 +284,25 @@ class MeasureConfig:
     # or, set by a target's workload, goodput under its SLO or 1 / end-to-end latency (keys a measurement
     # only when not throughput: measurements.key_settings)
     objective: str = "throughput"
+    # How a measured engine is measured (archsearch.benchmarks.online, docs/search.md "Online
+    # measurement"): "offline", static batches in one engine process; "online", every shape of a
+    # comparison served by the engine's OpenAI-compatible server (vllm or sglang) and sent `n_requests`
+    # requests at `rate` requests/s (Poisson arrivals) in alternating rounds, with `reference_batch_size`
+    # the server's max_num_seqs; the objective is then goodput under `slo` (requests/s meeting both its
+    # TTFT and TPOT), or 1 / end-to-end latency with objective: latency. `port`: the baseline's server's
+    # (refused before any work when in use; default a free one). Key a measurement when online only
+    # (measurements.key_settings).
+    mode: str = "offline"
+    rate: float | None = None
+    n_requests: int | None = None  # online, per shape and round; default 32
+    slo: SLO | None = None
+    port: int | None = None
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ArchsearchError("measure.objective", f"{self.objective!r} is unknown", f"use one of {list(OBJECTIVES)}")
-        if self.objective != "throughput" and not backend_class(self.bench.backend).predicted:
+        self._check_online()
+        if self.objective != "throughput" and not self.online and not backend_class(self.bench.backend).predicted:
             raise ArchsearchError("measure.objective", f"{self.objective} is compared on predictions only here "
                                   f"(the {self.bench.backend} backend measures static batches)",
                                   "predict it (a target's workload: backend simulated/analytic), or use throughput")
@@ -333,6 +349,63 @@ class MeasureConfig:
     @property
     def ref_batch(self) -> int:
         return self.reference_batch_size or max(self.bench.batch_sizes)
+
+    @property
+    def online(self) -> bool:
+        """Measured online (``mode: online``): served, requests at a rate, paired rounds of goodput."""
+        return self.mode == "online"
+
+    def serving_load(self) -> ServingLoad:
+        """The load every shape gets in one online round: ``n_requests`` at ``rate`` (Poisson), the
+        study's lengths, ``reference_batch_size`` as the server's max_num_seqs, and the SLO."""
+        if not self.online:
+            raise ArchsearchError("measure.mode", "is offline: there is no serving load", "set measure.mode: online")
+        return ServingLoad(n_requests=self.n_requests or 32, input_len=self.bench.input_len,
+                           output_len=self.bench.output_len, rate=self.rate, max_num_seqs=self.ref_batch,
+                           max_num_batched_tokens=max(2048, self.bench.input_len), slo=self.slo,
+                           seed=self.bench.seed)
+
+    def _check_online(self) -> None:
+        """``mode`` and its settings, before any work: each error names the field and the fix."""
+        if self.mode not in MEASURE_MODES:
+            raise ArchsearchError("measure.mode", f"{self.mode!r} is unknown",
+                                  f"use one of {list(MEASURE_MODES)} (offline: static batches)")
+        if not self.online:
+            given = [k for k in ("rate", "n_requests", "slo", "port") if getattr(self, k) is not None]
+            if given:
+                raise ArchsearchError(f"measure.{given[0]}", "applies to online measurement only",
+                                      "set measure.mode: online (a served engine, vllm or sglang), or drop it")
+            return
+        if self.bench.backend not in SERVED_ENGINES:
+            raise ArchsearchError("measure.bench.backend", f"{self.bench.backend!r} has no server to measure online "
+                                  "(measure.mode: online)", f"use one of {list(SERVED_ENGINES)}, or measure.mode: "
+                                  "offline (a workload target predicts online serving with backend simulated)")
+        if self.fallback_backend is not None and self.fallback_backend not in SERVED_ENGINES:
+            raise ArchsearchError("measure.fallback_backend", f"{self.fallback_backend!r} has no server to measure "
+                                  "online (measure.mode: online)",
+                                  f"drop it, or name one of {list(SERVED_ENGINES)}")
+        r = self.rate
+        if r is None or isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+            raise ArchsearchError("measure.rate", f"online measurement needs a positive rate in requests/s, got {r!r}",
+                                  "e.g. rate: 1.0 (Poisson arrivals), below what the engine can hold")
+        n = self.n_requests
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 100_000):
+            raise ArchsearchError("measure.n_requests", f"must be an integer in [2, 100000], got {n!r}",
+                                  "requests per shape and round, e.g. 32")
+        if self.objective == "throughput":
+            # at a rate below saturation every shape's output tokens/s is the offered rate's: the online
+            # objective is goodput under the SLO (or latency, written out)
+            self.objective = "goodput"
+        if self.objective == "goodput" and self.slo is None:
+            raise ArchsearchError("measure.slo", "online measurement compares goodput under an SLO, and none is given",
+                                  "e.g. slo: {ttft_s: 2.0, tpot_s: 0.2} (seconds), or objective: latency")
+        if self.port is not None and (isinstance(self.port, bool) or not 1 <= self.port <= 65535):
+            raise ArchsearchError("measure.port", f"must be an integer in [1, 65535], got {self.port!r}",
+                                  "give a free port, or leave it out for a free one")
+        try:
+            self.serving_load()
+        except ArchsearchError as e:
+            raise ArchsearchError(f"measure.{e.field}", e.problem, e.fix) from None
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,10 @@ class DeploymentTarget:
                 raise ArchsearchError("workload", e.problem, e.fix) from None
             if self.backend is not None and self.backend != w.backend:
                 raise ArchsearchError("backend", f"workload {w.name} is predicted by the {w.backend} backend; "
-                                      f"a study does not serve it with {self.backend}",
-                                      f"drop backend (or write backend: {w.backend}); measure it online by hand with "
-                                      "archsearch bench --mode online")
+                                      f"a target's workload is not served with {self.backend}",
+                                      f"drop backend (or write backend: {w.backend}) to predict it; to measure "
+                                      f"{self.backend} online, drop workload and set measure.mode: online with "
+                                      "measure.rate and measure.slo (docs/search.md, \"Online measurement\")")
         if self.backend is not None:
             backend_class(self.backend)  # a registered backend, or an error naming the field
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) \

@@ -24,10 +24,11 @@ from filelock import FileLock
 from archsearch.arch import ArchSpec, hidden_over_sqrt_n, mlp_to_attn_ratio
 from archsearch.benchmarks import measure
 from archsearch.benchmarks.base import BenchResult, backend_class
+from archsearch.benchmarks.online import measure_paired_online
 from archsearch.benchmarks.paired import PairedResult, instance_var_or_prior, measure_paired
 from archsearch.candidates import build_candidate
 from archsearch.cluster.startup import ComparisonTimes
-from archsearch.configio import key_values
+from archsearch.configio import key_values, to_dict
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.fileio import append_line, read_jsonl_lines
 from archsearch.planning import check_limits
@@ -167,6 +168,9 @@ def key_settings(cfg: MeasureConfig, backend: str) -> dict[str, Any]:
     keyed = key_values(cfg)
     if cfg.objective != "throughput":  # only then: every stored throughput measurement keeps its key
         keyed["objective"] = cfg.objective
+    if cfg.online:  # likewise: what an online comparison serves (the port changes no result)
+        keyed["online"] = {"rate": cfg.rate, "n_requests": cfg.serving_load().n_requests,
+                           "slo": to_dict(cfg.slo), "max_num_seqs": cfg.ref_batch}
     if keyed.get("calibration") and backend == "analytic":
         keyed["calibration"] = {"file": keyed["calibration"],
                                 "sha256": hashlib.sha256(Path(keyed["calibration"]).read_bytes()).hexdigest()}
@@ -234,6 +238,10 @@ class Measurer:
     def measure(self, spec: ArchSpec) -> Measurement:
         """``spec`` measured alone (a ``BenchResult``). Failures are results with ok=False, never
         exceptions."""
+        if self.cfg.online:
+            raise ArchsearchError("measure.mode", "online measurement compares each shape with the baseline "
+                                  "(paired); a shape is not measured alone online",
+                                  "keep the paired comparison, or measure.mode: offline")
         key = self.key(spec)
         found, cached = self._once(key, lambda: measure(self.scale(spec), self.settings()).to_dict())
         return Measurement(BenchResult.from_dict(found), key, cached)
@@ -302,6 +310,9 @@ class Measurer:
         return instance_var_or_prior(list(groups.values()), self.cfg.paired)
 
     def _paired(self, specs: list[ArchSpec]):
+        if self.cfg.online:
+            return measure_paired_online([self.scale(s) for s in specs], self.settings(), self.cfg.paired,
+                                         self.cfg.serving_load(), self.cfg.objective, port=self.cfg.port)
         return measure_paired([self.scale(s) for s in specs], self.settings(), self.cfg.paired, self.cfg.ref_batch,
                               objective=self.cfg.objective)
 

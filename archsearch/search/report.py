@@ -9,7 +9,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.benchmarks.base import backend_packages
-from archsearch.configio import redact
+from archsearch.configio import redact, to_dict
 from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, read_jsonl_lines, write_json, write_table
 from archsearch.modelcard import write_study_cards
@@ -645,6 +645,10 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         "calibration": (f"calibrated by {calibration_label(cfg.measure.calibration)}"
                         if cfg.measure.calibration else None),
         "reference_batch_size": b,
+        # measure.mode: online: what every comparison served (its ratios compare this objective)
+        "online": ({"rate": cfg.measure.rate, "n_requests": cfg.measure.serving_load().n_requests,
+                    "slo": to_dict(cfg.measure.slo), "objective": cfg.measure.objective}
+                   if cfg.measure.online else None),
         "measured_params": cfg.measure.params,
         "instance_sd": ctx.measurer.instance_var() ** 0.5 or None,  # in every interval (measure.paired)
         "target_loss": ctx.target_loss,
@@ -792,6 +796,14 @@ def _margin_cell(m: dict[str, Any] | None) -> str:
     return f"{m['margin']:+.2%} ({short}, P {m['p_within_target']:.2f})" + (" extrapolated" if m.get("extrapolated") else "")
 
 
+def _online_objective(on: dict[str, Any]) -> str:
+    """What an online study's ratios compare, in words."""
+    if on["objective"] == "goodput":
+        return (f"goodput (requests/s with TTFT <= {on['slo']['ttft_s']:g} s and TPOT <= "
+                f"{on['slo']['tpot_s'] * 1e3:g} ms)")
+    return "1 / mean end-to-end latency"
+
+
 def _arch_line(a: dict[str, Any]) -> str:
     return (f"{a['n_layers']} layers, hidden {a['hidden_size']}, {a['n_heads']} heads / {a['n_kv_heads']} KV "
             f"(GQA {a['gqa']}) of {a['head_dim']}, ffn {a['ffn']}; N = {a['n_params_non_embedding']:,}, "
@@ -862,7 +874,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     if s.get("verify"):
         lines += head_to_head_markdown(s["verify"])
     if s.get("measured_params"):
-        lines.append(f"Throughput was measured with every shape rebuilt at N = {s['measured_params']:,.0f} "
+        lines.append(f"{'Goodput' if s.get('online') else 'Throughput'} was measured with every shape rebuilt at "
+                     f"N = {s['measured_params']:,.0f} "
                      "non-embedding parameters (`measure.params`; same d/sqrt(N), r and GQA); the loss "
                      "predictions and the shapes below are at the study's N.\n")
     base, ch = s["baseline"], s["chosen"]
@@ -879,7 +892,8 @@ def render_markdown(s: dict[str, Any]) -> str:
             q = bc.get("ratio") or {}
             lines += [
                 "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
-                f"- Best feasible candidate: {_arch_line(bc['architecture'])}: throughput relative to the "
+                f"- Best feasible candidate: {_arch_line(bc['architecture'])}: "
+                f"{_online_objective(s['online']) if s.get('online') else 'throughput'} relative to the "
                 f"baseline {_ratio_txt(q)}, " + (
                     f"{ratio_verdict(q)}." if q.get("predicted") else
                     "entirely below 1 (significantly slower)." if q.get("hi") is not None and q["hi"] < 1 else
@@ -890,9 +904,13 @@ def render_markdown(s: dict[str, Any]) -> str:
             verdict = ratio_verdict(q)
             t = s.get("targets")
             pb = ch.get("baseline_throughput_same_rounds")
-            same = ((f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s beside the baseline's "
-                     f"{pb:.1f} in the same paired rounds (trial {ch['trial']})") if pb is not None else
-                    f"; {(ch['throughput'] or float('nan')):.1f} output tokens/s, the mean of its own rounds")
+            on = s.get("online")
+            unit = "output tokens/s" if not on else (
+                "requests/s meeting the SLO" if on["objective"] == "goodput" else "per second of end-to-end latency")
+            fmt = ".3g" if on else ".1f"
+            same = ((f"; {(ch['throughput'] or float('nan')):{fmt}} {unit} beside the baseline's "
+                     f"{pb:{fmt}} in the same paired rounds (trial {ch['trial']})") if pb is not None else
+                    f"; {(ch['throughput'] or float('nan')):{fmt}} {unit}, the mean of its own rounds")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
                 (f"- Over {len(t['targets'])} deployment targets (the {t['objective']} of their ratios, each "
@@ -900,8 +918,12 @@ def render_markdown(s: dict[str, Any]) -> str:
                  f"{q.get('binding')}): " if t else
                  f"- **Predicted, not measured**: the analytic roofline ({s.get('calibration') or 'uncalibrated'}) "
                  f"at batch {b}: " if s["backend"] == "analytic" else
-                 f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ") +
-                f"throughput **x{q['ratio']:.3f}** the baseline's ("
+                 (f"- Measured online with **{s['backend']}**'s server at {on['rate']:g} requests/s (Poisson, "
+                  f"{on['n_requests']} requests per shape and round, max_num_seqs {b}), paired and alternating "
+                  f"with the baseline: " if on else
+                  f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ")) +
+                (f"{_online_objective(on)} **x{q['ratio']:.3f}** the baseline's (" if on else
+                 f"throughput **x{q['ratio']:.3f}** the baseline's (")
                 + ("a formula's figure: no noise, so no interval" if q.get("predicted") else _ratio_txt(q))
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
                 + f"): {verdict}" + (same + "." if not t else ".")
@@ -922,8 +944,10 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += targets_markdown(s["targets"])
     lines += seeded_markdown(s)
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
-    lines += ["## Feasible Pareto set (throughput ratio to the baseline vs predicted loss)", "",
-              "| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | tokens/s | ratio [interval] | tied with best |",
+    fig, unit = ("goodput", "goodput req/s") if s.get("online") else ("throughput", "tokens/s")
+    lines += [f"## Feasible Pareto set ({fig} ratio to the baseline vs predicted loss)", "",
+              f"| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | {unit} | ratio [interval] "
+              "| tied with best |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     front = s["pareto"]
     for p in front[:10]:
@@ -933,7 +957,8 @@ def render_markdown(s: dict[str, Any]) -> str:
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "
-                     f"{_margin_cell(p.get('loss_margin'))} | {p['throughput']:.1f} | {rt} | {tie} |")
+                     f"{_margin_cell(p.get('loss_margin'))} | {p['throughput']:{'.3g' if s.get('online') else '.1f'}} | {rt} | "
+                     f"{tie} |")
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",

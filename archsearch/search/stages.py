@@ -401,6 +401,10 @@ def _search_plan(p: PlanInputs) -> dict[str, Any]:
             **({"engine_note": p.engine_note} if p.engine_note else {}),
             "batch_sizes": cfg.measure.bench.batch_sizes,
             "input_len": cfg.measure.bench.input_len, "output_len": cfg.measure.bench.output_len,
+            **({"online": f"{cfg.measure.n_requests or cfg.measure.serving_load().n_requests} requests at "
+                          f"{cfg.measure.rate:g}/s per shape and round, {cfg.measure.objective}"
+                          + (f" under TTFT <= {cfg.measure.slo.ttft_s:g} s, TPOT <= {cfg.measure.slo.tpot_s:g} s"
+                             if cfg.measure.slo else "")} if cfg.measure.online else {}),
             "measurements_at_most": p.measurements["shapes_high"]}
 
 

@@ -169,7 +169,9 @@ def measure_pair(ctx, chosen: ArchSpec) -> dict[str, Any]:
     est = pr.estimate(1, instance_var=ctx.measurer.instance_var()).to_dict()
     return {"ok": True, "ratio": est, "throughput": {"chosen": pr.throughput(1), "baseline": pr.throughput(0)},
             "rounds": len(pr.rounds), "measurement_key": m.key, "backend": ctx.measurer.backend,
-            "batch_size": ctx.ref_batch, "measured_params": ctx.cfg.measure.params}
+            "batch_size": ctx.ref_batch, "measured_params": ctx.cfg.measure.params,
+            # what the rounds hold: output tokens/s, or online goodput / 1 / latency (measure.mode: online)
+            "objective": pr.settings.get("objective", "throughput")}
 
 
 def verify_answer(ctx, out: Path, answer: Answer, candidates: list[dict[str, Any]],
