@@ -210,6 +210,10 @@ def test_task_index_cache_rebuilds_when_stale_or_damaged(fake_index):
     (suites.TASKS_DIR / "other.yaml").write_text("task: other\n")
     suites.check_task_names("my_task")
     assert _FakeTaskManager.builds == 3 and json.loads(fake_index.read_text())["key"] != doc["key"]
+    # byte-code written by loading a task changes no task: the cache stands
+    (suites.TASKS_DIR / "__pycache__").mkdir()
+    (suites.TASKS_DIR / "__pycache__" / "offline_data.cpython-311.pyc").write_bytes(b"\0")
+    (suites.TASKS_DIR / "stray.pyc").write_bytes(b"\0")
     suites.check_task_names("my_task")
     assert _FakeTaskManager.builds == 3
     # a torn or foreign file

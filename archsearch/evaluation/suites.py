@@ -116,7 +116,8 @@ def _lm_eval_tasks_dir() -> Path:
 
 def _folders_fingerprint(folders: list[Path]) -> str:
     """A hash of every file's path, size and modification time under ``folders`` (os.scandir:
-    ~0.1 s for lm-eval's ~16,000 files), so that an edited, added or removed task config is seen."""
+    ~0.1 s for lm-eval's ~16,000 files), so that an edited, added or removed task config is seen.
+    Python's byte-code caches are left out: loading a task writes them, and that changes no task."""
     rows = []
     stack = [str(f) for f in folders]
     while stack:
@@ -125,8 +126,9 @@ def _folders_fingerprint(folders: list[Path]) -> str:
             with os.scandir(d) as it:
                 for e in it:
                     if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    else:
+                        if e.name != "__pycache__":
+                            stack.append(e.path)
+                    elif not e.name.endswith(".pyc"):
                         st = e.stat()
                         rows.append(f"{e.path}\t{st.st_size}\t{st.st_mtime_ns}")
         except FileNotFoundError:
