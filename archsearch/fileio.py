@@ -58,6 +58,13 @@ def follow_umask(path: str | Path) -> None:
                 os.chmod(q, want)
 
 
+def default_cache_dir() -> Path:
+    """The project's cache folder ($ARCHSEARCH_CACHE or ~/.cache/archsearch): tokenizers, packed
+    token arrays, lm-eval's task index."""
+    env = os.environ.get("ARCHSEARCH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "archsearch"
+
+
 def read_text(path: str | Path, what: str | None = None) -> str:
     """The file at ``path`` as UTF-8 text (a UTF-8 byte-order mark is dropped); a binary file, a
     UTF-16 one or any other encoding is one clear error naming ``what`` (default: the path)."""

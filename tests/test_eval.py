@@ -157,3 +157,69 @@ def test_cli_errors_are_one_line_exit_2(cli, tmp_path, args, message):
     assert p.returncode == 2, p.stderr[-2000:]
     err = [ln for ln in p.stderr.splitlines() if ln.startswith("archsearch: error:")]
     assert len(err) == 1 and message in err[0], p.stderr[-2000:]
+
+
+class _FakeTaskManager:
+    """Stands for lm-eval's TaskManager (whose real index costs ~20 s of CPU): counts builds."""
+
+    builds = 0
+
+    def __init__(self, include_path=None, include_defaults=True):
+        type(self).builds += 1
+        self.all_tasks = ["arc_easy", "my_task", *OFFLINE_TASKS]
+
+
+@pytest.fixture
+def fake_index(tmp_path, monkeypatch):
+    """An empty cache folder, our task folder copied (so a test can change it) and a counting TaskManager."""
+    lm_eval_tasks = pytest.importorskip("lm_eval.tasks")
+    from archsearch.evaluation import suites
+
+    monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))
+    tasks = tmp_path / "evaltasks"
+    tasks.mkdir()
+    (tasks / "my_task.yaml").write_text("task: my_task\n")
+    monkeypatch.setattr(suites, "TASKS_DIR", tasks)
+    monkeypatch.setattr(lm_eval_tasks, "TaskManager", _FakeTaskManager)
+    monkeypatch.setattr(_FakeTaskManager, "builds", 0)
+    return tmp_path / "cache" / suites.INDEX_CACHE_NAME
+
+
+def test_task_index_is_cached_and_used_the_second_time(fake_index):
+    from archsearch.evaluation.suites import check_task_names
+
+    assert check_task_names("offline,my_task") == [*OFFLINE_TASKS, "my_task"]
+    assert _FakeTaskManager.builds == 1 and fake_index.is_file()
+    assert check_task_names(["my_task", "arc_easy"]) == ["my_task", "arc_easy"]
+    with pytest.raises(ArchsearchError, match="evaluation.tasks: unknown task 'nope'"):
+        check_task_names("nope", field="evaluation.tasks")
+    assert _FakeTaskManager.builds == 1  # both checks read the file
+
+
+def test_task_index_cache_rebuilds_when_stale_or_damaged(fake_index):
+    from archsearch.evaluation import suites
+
+    suites.check_task_names("my_task")
+    doc = json.loads(fake_index.read_text())
+    assert set(doc["tasks"]) == {"arc_easy", "my_task", *OFFLINE_TASKS}
+    # another lm-eval version
+    fake_index.write_text(json.dumps({**doc, "key": {**doc["key"], "lm_eval": "0.0.1"}}))
+    suites.check_task_names("my_task")
+    assert _FakeTaskManager.builds == 2 and json.loads(fake_index.read_text()) == doc
+    # a task config added to an indexed folder changes the fingerprint
+    (suites.TASKS_DIR / "other.yaml").write_text("task: other\n")
+    suites.check_task_names("my_task")
+    assert _FakeTaskManager.builds == 3 and json.loads(fake_index.read_text())["key"] != doc["key"]
+    # byte-code written by loading a task changes no task: the cache stands
+    (suites.TASKS_DIR / "__pycache__").mkdir()
+    (suites.TASKS_DIR / "__pycache__" / "offline_data.cpython-311.pyc").write_bytes(b"\0")
+    (suites.TASKS_DIR / "stray.pyc").write_bytes(b"\0")
+    suites.check_task_names("my_task")
+    assert _FakeTaskManager.builds == 3
+    # a torn or foreign file
+    for damaged in ('{"key": {', "[]", '{"key": 1}', ""):
+        fake_index.write_text(damaged)
+        suites.check_task_names("my_task")
+        assert json.loads(fake_index.read_text())["tasks"]["my_task"] is None
+    assert _FakeTaskManager.builds == 7
+    assert not [p for p in fake_index.parent.iterdir() if p != fake_index]  # no temporary left behind

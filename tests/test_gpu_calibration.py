@@ -243,20 +243,25 @@ def test_seed_ranking_and_dry_run_plan_use_the_calibration(tmp_path):
     assert any("h200-vllm.json" in a and "fitted on" in a for a in costs[1]["assumptions"])
 
 
-def test_bench_analytic_with_calibration_names_it(tmp_path, cli):
+def test_bench_analytic_with_calibration_names_it(tmp_path, capsys):
+    """The command in this process (a subprocess each would import the engine three times)."""
+    from archsearch.cli import main
+
     out = []
     for extra in ([], ["--calibration", str(CAL_DIR / "h200-vllm.json")]):
-        r = cli("bench", "--arch", "llama-3.2-1b", "--backend", "analytic", "--device-spec", "H200",
-                "--batch-sizes", "128", "--input-len", "4096", "--output-len", "1024", "--dtype", "bfloat16",
-                "--out", str(tmp_path / f"{len(extra)}.jsonl"), *extra)
-        assert r.returncode == 0, r.stderr
+        rc = main(["bench", "--arch", "llama-3.2-1b", "--backend", "analytic", "--device-spec", "H200",
+                   "--batch-sizes", "128", "--input-len", "4096", "--output-len", "1024", "--dtype", "bfloat16",
+                   "--out", str(tmp_path / f"{len(extra)}.jsonl"), *extra])
+        assert rc == 0, capsys.readouterr().err
         out.append(json.loads((tmp_path / f"{len(extra)}.jsonl").read_text().splitlines()[0]))
     tput = [o["per_batch"][0]["output_throughput"] for o in out]
     assert tput[1] < 0.6 * tput[0]
     assert "fitted on" in json.dumps(out[1]) and "uncalibrated" in json.dumps(out[0])
-    r = cli("bench", "--arch", "llama-3.2-1b", "--backend", "analytic", "--device-spec", "H200",
-            "--batch-sizes", "128", "--calibration", str(CAL_DIR / "h200-vllm.json"))
-    assert "calibrated: " in r.stdout and "h200-vllm.json" in r.stdout
+    capsys.readouterr()
+    rc = main(["bench", "--arch", "llama-3.2-1b", "--backend", "analytic", "--device-spec", "H200",
+               "--batch-sizes", "128", "--calibration", str(CAL_DIR / "h200-vllm.json")])
+    stdout = capsys.readouterr().out
+    assert rc == 0 and "calibrated: " in stdout and "h200-vllm.json" in stdout
 
 
 def test_cpu_prediction_is_deterministic_across_processes(tmp_path):

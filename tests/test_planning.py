@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -251,7 +252,16 @@ def test_fit_needs_wall_times():
 
 # -- CLI -------------------------------------------------------------------------------------
 
-def test_cli_estimate_and_errors(cli, tmp_path):
+def test_cli_estimate_and_errors(tmp_path, capsys):
+    """The commands in this process (a subprocess each would import the engine six times):
+    exit codes, stdout and the one-line errors on stderr."""
+    from archsearch.cli import main
+
+    def cli(*args):
+        rc = main(list(args))
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
     r = cli("estimate", "--arch", "llama-3.2-1b", "--tokens", "20B", "--gpus", "8xH100", "--tp", "2", "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)

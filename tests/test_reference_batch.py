@@ -67,11 +67,16 @@ def test_the_shipped_paper_configs_fit_the_gpus_they_name():
         assert "gpu_hours" in p["compute"]["measure"]  # the measurements are priced, not skipped
 
 
-def test_the_plan_and_the_study_refuse_before_any_work(tmp_path, cli):
-    r = cli("search", "--config", "configs/paper-3b.yaml", "--dry-run", "--gpus", "8xH100",
-            "--out", str(tmp_path / "o"), "measure.reference_batch_size=128")
-    assert r.returncode == 2, r.stderr
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip()]
+def test_the_plan_and_the_study_refuse_before_any_work(tmp_path, capfd, monkeypatch):
+    # the command in this process (a subprocess would import the engine again); capfd sees all it writes
+    from archsearch.cli import main
+
+    monkeypatch.chdir(REPO)
+    rc = main(["search", "--config", "configs/paper-3b.yaml", "--dry-run", "--gpus", "8xH100",
+               "--out", str(tmp_path / "o"), "measure.reference_batch_size=128"])
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    (line,) = [ln for ln in err.splitlines() if ln.strip()]
     assert "measure.reference_batch_size" in line and "holds 120 sequences" in line
     assert not (tmp_path / "o").exists()
     # a named measuring device is checked by the plan without --gpus, and by the study itself (the

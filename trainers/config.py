@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from archsearch.bounds import check_count
 from archsearch.candidates import BuildSettings, check_size
 from archsearch.errors import ArchsearchError, MissingDependencyError
-from archsearch.fileio import check_name
+from archsearch.fileio import check_name, default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -59,12 +58,6 @@ def get_hparams(name: str) -> HParams:
         raise ArchsearchError("train.hparams", f"unknown preset {name!r}",
                               f"use one of {list(HPARAMS)}")
     return HPARAMS[key]
-
-
-def default_cache_dir() -> Path:
-    """Where tokenizers and packed token arrays are cached ($ARCHSEARCH_CACHE or ~/.cache)."""
-    env = os.environ.get("ARCHSEARCH_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "archsearch"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from archsearch.bounds import check_count
 from archsearch.configio import normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.evaluation.models import ResolvedModel, check_device, default_device, resolve_model
-from archsearch.evaluation.suites import TASKS_DIR, check_known, expand_tasks, needs_hub
+from archsearch.evaluation.suites import TASKS_DIR, check_task_names, expand_tasks, lm_eval_task_index, needs_hub
 from archsearch.fileio import write_json
 from archsearch.provenance import provenance
 
@@ -104,9 +104,8 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
         raise MissingDependencyError("lm_eval", "lm-evaluation-harness is not installed",
                                      "pip install -e .[eval]") from None
     _quiet_custom_dataset_notice()
-    # lm-eval's own task index costs seconds to build; only Hub tasks need it
-    tm = TaskManager(include_path=str(TASKS_DIR), include_defaults=bool(hub))
-    check_known(names, tm.all_tasks)
+    check_task_names(names)  # against the cached index: no TaskManager built for an unknown name
+    tm = _task_manager(TaskManager, names, hub)
     if offline:
         _check_hub_data(tm, hub)
 
@@ -196,6 +195,23 @@ def cli_command(model, tasks, backend, limit, batch_size, model_args=None, num_f
     if bootstrap_iters != 100_000:
         parts += ["--bootstrap_iters", str(bootstrap_iters)]
     return shlex.join(parts)
+
+
+def _task_manager(task_manager: type, names: list[str], hub: list[str]) -> Any:
+    """lm-eval's ``TaskManager`` for ``names``: without Hub tasks it indexes only
+    ``archsearch/evaltasks``; with them, where the cached index (:func:`lm_eval_task_index`) names
+    each one's YAML file, it indexes only those files' folders (lm-eval's full index parses
+    thousands of files, ~20 s of CPU), and lm-eval's full index otherwise or where that
+    narrower one lacks a name. The folders come before ours, as in the full index."""
+    if not hub:
+        return task_manager(include_path=str(TASKS_DIR), include_defaults=False)
+    yamls = [lm_eval_task_index().tasks.get(t) for t in hub]
+    if all(yamls):
+        folders = sorted({str(Path(y).parent) for y in yamls})
+        tm = task_manager(include_path=[*folders, str(TASKS_DIR)], include_defaults=False)
+        if all(t in tm.all_tasks for t in names):
+            return tm
+    return task_manager(include_path=str(TASKS_DIR), include_defaults=True)
 
 
 def _offline(hub_tasks: list[str]) -> bool:
