@@ -69,6 +69,36 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
+def unrendered_figures(monkeypatch) -> list[str]:
+    """Figures built (every plotting function runs on the study's data) but not rendered: each
+    ``save`` writes a placeholder file under the figure's name instead of the PNG and PDF.
+    Rendering a study's report figures costs ~10-20 s of CPU a run (font layout, PDF font
+    subsetting); for tests whose subject is not the figures. The figures themselves are rendered
+    and checked in test_figures.py and in :func:`test_study_end_to_end_analytic`. Returns the
+    names of the figures that would have been written."""
+    import archsearch.figures as figures
+    import archsearch.laws.plots as plots
+    import archsearch.search.report as report
+    import archsearch.search.targets as targets
+
+    made: list[str] = []
+
+    def placeholder(fig, png, *a, **kw):
+        import matplotlib.pyplot as plt
+
+        png = Path(png)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        for f in (png, png.with_suffix(".pdf")):
+            f.write_bytes(b"figure not rendered in this test: " + f.name.encode())
+        plt.close(fig)
+        made.append(png.name)
+        return png
+
+    for module in (figures, plots, report, targets):
+        monkeypatch.setattr(module, "save", placeholder)
+    return made
+
+
 def load(cfg: dict):
     from archsearch.search.config import load_study_config
 
