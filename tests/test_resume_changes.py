@@ -7,6 +7,7 @@ The studies here are the analytic ones of test_search.py (deterministic and fast
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,45 @@ import yaml
 
 from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
-from tests.test_search import load, merged, study_config
+from tests.test_search import load, merged, study_config, unrendered_figures
+
+
+@pytest.fixture(autouse=True)
+def _figures_unrendered(monkeypatch):
+    """The report's figures are built but not rendered here (the resume is the subject)."""
+    return unrendered_figures(monkeypatch)
+
+
+# the finished studies several tests change: each is run once per module (_finished), and each test
+# resumes its own copy of the folder
+LAW_FILE_STUDY = {"optuna": {"n_shapes": 2}, "gqa_search": {"enabled": False}}
+TWO_BATCHES_GQA_STUDY = {"measure": {"bench": {"batch_sizes": [4, 8]}}, "optuna": {"n_shapes": 2}}
+
+
+@pytest.fixture(scope="module")
+def _finished(tmp_path_factory):
+    """``name -> raw config`` of the finished studies above, each run once (figures unrendered).
+    Their law file stays in the base folder, so that a copy's settings are the original's but for
+    ``out`` (which changes no result: a copy resumes with every stage done)."""
+    from archsearch.search import pipeline
+
+    made = {}
+    with pytest.MonkeyPatch.context() as mp:
+        unrendered_figures(mp)
+        for name, over in (("law-file", LAW_FILE_STUDY), ("two-batches-gqa", TWO_BATCHES_GQA_STUDY)):
+            made[name] = study_config(tmp_path_factory.mktemp(name), **over)
+            cfg = load(made[name])
+            pipeline.run(cfg, cfg.out_dir())
+    return made
+
+
+def _copy_of(finished: dict, name: str, tmp_path: Path) -> dict:
+    """The raw config of a copy, in ``tmp_path``, of the finished study ``name`` (see _finished)."""
+    shutil.copytree(finished[name]["out"], tmp_path / "study")
+    raw = {k: v for k, v in finished[name].items() if k != "_path"} | {"out": str(tmp_path / "study")}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return raw | {"_path": str(path)}
 
 
 def _trials(out: Path):
@@ -29,13 +68,11 @@ def _rewrite(cfg: dict, **over) -> dict:
     return raw | {"_path": cfg["_path"]}
 
 
-def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, capsys):
+def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, capsys, _finished):
     from archsearch.search import pipeline
 
-    raw = study_config(tmp_path, measure={"bench": {"batch_sizes": [4, 8]}}, optuna={"n_shapes": 2})
-    cfg = load(raw)
-    out = cfg.out_dir()
-    pipeline.run(cfg, out)
+    raw = _copy_of(_finished, "two-batches-gqa", tmp_path)
+    out = load(raw).out_dir()
     first_keys = {json.loads(x)["key"] for x in (out / "measurements.jsonl").read_text().splitlines()}
     assert all(set(t.user_attrs["throughput"]) == {"8"} for t in _trials(out) if t.user_attrs.get("throughput"))
     capsys.readouterr()
@@ -65,13 +102,11 @@ def test_changed_measurement_settings_redo_the_search_never_mixing(tmp_path, cap
     assert len((out / "measurements.jsonl").read_text().splitlines()) == n
 
 
-def test_a_change_that_cannot_be_honoured_is_refused_before_any_write(tmp_path):
+def test_a_change_that_cannot_be_honoured_is_refused_before_any_write(tmp_path, _finished):
     from archsearch.search import pipeline
 
-    raw = study_config(tmp_path, optuna={"n_shapes": 2}, gqa_search={"enabled": False})
-    cfg = load(raw)
-    out = cfg.out_dir()
-    pipeline.run(cfg, out)
+    raw = _copy_of(_finished, "law-file", tmp_path)
+    out = load(raw).out_dir()
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     changed = load(_rewrite(raw, measure={"bench": {"dtype": "float16"}}))
     # the report alone would name float16 over float32 measurements
@@ -130,12 +165,11 @@ def test_changed_law_form_and_run_table_refit_the_law(tmp_path, capsys):
     assert json.loads((out / "law.json").read_text())["coefficients"] == json.loads(law)["coefficients"]
 
 
-def test_torn_state_files_are_redone_not_fatal(tmp_path, capsys):
+def test_torn_state_files_are_redone_not_fatal(tmp_path, capsys, _finished):
     from archsearch.search import pipeline
 
-    cfg = load(study_config(tmp_path, optuna={"n_shapes": 2}))
+    cfg = load(_copy_of(_finished, "two-batches-gqa", tmp_path))
     out = cfg.out_dir()
-    pipeline.run(cfg, out)
     gqa = (out / "gqa.json").read_text()
 
     def tear(name: str) -> None:
@@ -249,15 +283,13 @@ def test_only_proxy_on_a_new_folder_asks_for_no_law(tmp_path):
     assert not (out / "law.json").exists() and s["target_loss"] is None
 
 
-def test_settings_the_search_reads_redo_it_when_changed(tmp_path, capsys):
+def test_settings_the_search_reads_redo_it_when_changed(tmp_path, capsys, _finished):
     """law.allow_extrapolation and optuna.target_objective decide which shapes the search admits and
     how it ranks them: changing either on a finished study redoes the search (and the stages after)."""
     from archsearch.search import pipeline
 
-    raw = study_config(tmp_path, optuna={"n_shapes": 2}, gqa_search={"enabled": False})
-    cfg = load(raw)
-    out = cfg.out_dir()
-    pipeline.run(cfg, out)
+    raw = _copy_of(_finished, "law-file", tmp_path)
+    out = load(raw).out_dir()
     capsys.readouterr()
     pipeline.run(load(_rewrite(raw, law={"allow_extrapolation": True})), out)
     assert "stage search is redone: law.allow_extrapolation (null -> true)" in capsys.readouterr().err

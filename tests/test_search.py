@@ -69,6 +69,46 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
+def unrendered_figures(monkeypatch) -> list[str]:
+    """Figures built (every plotting function runs on the study's data) but not rendered: each
+    ``save`` writes a placeholder file under the figure's name instead of the PNG and PDF.
+    Rendering a study's report figures costs ~10-20 s of CPU a run (font layout, PDF font
+    subsetting); for tests whose subject is not the figures. The figures themselves are rendered
+    and checked in test_figures.py and in :func:`test_study_end_to_end_analytic`. Returns the
+    names of the figures that would have been written."""
+    import archsearch.figures as figures
+    import archsearch.laws.plots as plots
+    import archsearch.search.report as report
+    import archsearch.search.targets as targets
+
+    made: list[str] = []
+
+    def placeholder(fig, png, *a, **kw):
+        import matplotlib.pyplot as plt
+
+        png = Path(png)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        for f in (png, png.with_suffix(".pdf")):
+            f.write_bytes(b"figure not rendered in this test: " + f.name.encode())
+        plt.close(fig)
+        made.append(png.name)
+        return png
+
+    for module in (figures, plots, report, targets):
+        monkeypatch.setattr(module, "save", placeholder)
+    return made
+
+
+# the tests that read the rendered figures back; every other test here builds them unrendered
+RENDERED = {"test_study_end_to_end_analytic"}
+
+
+@pytest.fixture(autouse=True)
+def _figures_unrendered(request, monkeypatch):
+    if request.node.originalname not in RENDERED:
+        unrendered_figures(monkeypatch)
+
+
 def load(cfg: dict):
     from archsearch.search.config import load_study_config
 
@@ -604,13 +644,14 @@ def test_kill_and_resume_loses_and_repeats_nothing(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # a crash: no cleanup runs
     proc.wait()
     assert _states(out / "optuna.db").get("COMPLETE", 0) >= 2
-    r = subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", cfg["_path"]],
-                       cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
     import optuna
     from optuna.trial import TrialState
 
+    from archsearch.search import pipeline
     from archsearch.search.objective import was_measured
+
+    # the resume, in this process (the kill above is the drill's subject; a failed resume raises)
+    pipeline.run(load(cfg), out)
 
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{out / 'optuna.db'}")
     complete = [t for t in study.get_trials(states=(TrialState.COMPLETE,)) if was_measured(t)]
@@ -958,11 +999,17 @@ def dashboard_study_detail(db: Path) -> dict:
         server.shutdown()
 
 
-def test_paper_configs_validate_completely(cli):
+def test_paper_configs_validate_completely(monkeypatch, capsys):
     # every name a later stage uses is checked at load: the dry run validates the whole config
+    # (the command's own code, run in this process: the process is not the subject)
+    from archsearch.cli import main
+
+    monkeypatch.chdir(REPO)
     for name in ("paper-1b", "paper-3b"):
-        r = cli("search", "--config", f"configs/{name}.yaml", "--dry-run", "--json")
-        assert r.returncode == 0, r.stderr
+        rc = main(["search", "--config", f"configs/{name}.yaml", "--dry-run", "--json"])
+        out, err = capsys.readouterr()
+        assert rc == 0, err
+        assert json.loads(out)["stages"]  # the plan, whole
 
 
 @pytest.mark.parametrize("over, field", [
@@ -1025,15 +1072,29 @@ def test_proxy_sweep_takes_the_study_settings_it_does_not_set(tmp_path):
     assert (own.n_layers, own.head_dim) == (3, 64) and own.build == cfg.search_space.build
 
 
-@pytest.mark.parametrize("flags", [["--skip", "fit"], ["--only", "search"], ["--only", "fit,search"]])
-def test_deselected_stage_whose_output_is_missing_is_refused_before_work(tmp_path, cli, flags):
-    # proxies to train and no law yet: a selected stage that needs the law (or the runs) must not
-    # quietly run the stage the flags left out
+def _unfitted_study(tmp_path: Path) -> dict:
+    """Proxies to train and no law yet."""
     sweep = {"name": "p", "params": [4.0e5], "hidden_over_sqrt_n": [0.2], "mlp_to_attn": [1.0], "gqa": 1,
              "train": {"tokens_per_param": 20}}
-    cfg = study_config(tmp_path, vocab_size=None, law={"file": None, "fit": {"reference": "best-observed"}},
-                       proxy={"sweep": sweep})
-    assert cli("search", "--config", cfg["_path"], "--dry-run").returncode == 0  # the config itself is valid
+    return study_config(tmp_path, vocab_size=None, law={"file": None, "fit": {"reference": "best-observed"}},
+                        proxy={"sweep": sweep})
+
+
+@pytest.fixture(scope="module")
+def _unfitted_study_dry_run(tmp_path_factory):
+    """The dry run of :func:`_unfitted_study`'s config (the same for every selection), run once."""
+    path = _unfitted_study(tmp_path_factory.mktemp("unfitted"))["_path"]
+    return subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", path, "--dry-run"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+@pytest.mark.parametrize("flags", [["--skip", "fit"], ["--only", "search"], ["--only", "fit,search"]])
+def test_deselected_stage_whose_output_is_missing_is_refused_before_work(tmp_path, cli, flags, _unfitted_study_dry_run):
+    # proxies to train and no law yet: a selected stage that needs the law (or the runs) must not
+    # quietly run the stage the flags left out
+    cfg = _unfitted_study(tmp_path)
+    dry = _unfitted_study_dry_run
+    assert dry.returncode == 0, dry.stderr  # the config itself is valid
     r = cli("search", "--config", cfg["_path"], *flags)
     assert r.returncode == 2, r.stderr
     needed = "law" if flags != ["--only", "fit,search"] else "runs"
