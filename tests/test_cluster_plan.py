@@ -5,6 +5,7 @@ time on the named cluster, measurement time, one FLOP figure per run, assumption
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -344,12 +345,19 @@ def test_plan_prices_data_already_in_the_shared_cache_as_read_not_tokenized(tmp_
     from archsearch.search.derived import proxy_sweeps
     from archsearch.trainers.data import prepare_data
 
-    monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))
+    shared = os.environ.get("ARCHSEARCH_CACHE")
+    monkeypatch.setenv("ARCHSEARCH_CACHE", str(tmp_path / "cache"))  # an empty cache
     cfg = load_study_config(REPO / "configs" / "ci-cluster.yaml")
     cold = dry_run(cfg, tmp_path / "a", gpus="2xcpu")
     (d,) = cold["data"]
     assert d["cache"]["status"] == "missing" and d["tokens_to_tokenize"] > 0
     assert d["wall_hours"] == pytest.approx(d["cpu_hours"] / d["processes"])
+    # this machine's own cache, which the suite's other tests of this corpus fill too: prepared
+    # there once (nothing to do where they already did), not tokenized again in every run
+    if shared is None:
+        monkeypatch.delenv("ARCHSEARCH_CACHE")
+    else:
+        monkeypatch.setenv("ARCHSEARCH_CACHE", shared)
     sweep = proxy_sweeps(cfg)[0]
     prepare_data(sweep.data, min_train_tokens=int(d["tokens_needed"]) + 1, workers=1)
     warm = dry_run(cfg, tmp_path / "a", gpus="2xcpu")

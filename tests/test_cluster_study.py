@@ -24,9 +24,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _config(tmp_path: Path, cluster: dict | None = None) -> Path:
     """configs/ci-cluster.yaml with its study folder under ``tmp_path`` (``cluster``: settings
-    of its cluster section to change)."""
+    of its cluster section to change), its proxies trained on half the tokens with half the
+    evaluation batches and its law fitted with fewer bootstrap resamples: the same jobs, workers
+    and measurements, less arithmetic in each (what the test checks is counts, not losses)."""
     cfg = yaml.safe_load((REPO / "configs" / "ci-cluster.yaml").read_text())
     cfg["out"] = str(tmp_path / "study")
+    cfg["proxy"]["sweep"]["train"].update(tokens_per_param=0.25, eval_batches=2)
+    cfg["tokens"] = cfg["params"] * 0.25  # the law's best-observed reference: the proxies' own D
+    cfg["law"]["fit"]["bootstrap"] = 5
     cfg["cluster"].update(cluster or {})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -72,8 +77,11 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     assert len(ledger) == 6 and all(len(v) == 1 for v in ledger.values())  # each run submitted once
     # ... and each ran as exactly one job (a job's folder holds its log; a Slurm array's own
     # folder holds only its submission script)
-    job_dirs = [d for d in jobs.iterdir() if d.is_dir() and any(d.glob("*_log.err"))]
-    assert len(job_dirs) == 6
+    job_dirs = {d.name: sorted(f.name for f in d.iterdir()) for d in jobs.iterdir()
+                if d.is_dir() and any(d.glob("*_log.err"))}
+    ids = {v[0]["job_id"] for v in ledger.values()}
+    assert set(job_dirs) == ids, f"job folders with a log {job_dirs} are not the ledger's jobs {sorted(ids)}" \
+        + _slurm_log_tail(executor)
     recs = [json.loads(p.read_text()) for p in runs.glob("*/run.json")]
     assert len(recs) == 6 and all(r["status"] == "ok" for r in recs)
     # the search ran as two Optuna workers (jobs), each shape measured once
@@ -126,3 +134,10 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
 
     assert main(["profile", "--study", str(out), "--out", str(tmp_path / "machine.json")]) == 0
     assert json.loads((tmp_path / "machine.json").read_text())["figures"]["job_start_s"]["n"] == len(sam["job_start_s"])
+
+
+def _slurm_log_tail(executor: str) -> str:
+    """The end of the test's slurmctld log (beside its SLURM_CONF), to tell why a job ran twice."""
+    conf = os.environ.get("SLURM_CONF")
+    log = Path(conf).with_name("slurmctld.log") if executor == "slurm" and conf else None
+    return "\nslurmctld.log:\n" + "\n".join(log.read_text().splitlines()[-60:]) if log and log.is_file() else ""

@@ -103,7 +103,7 @@ def test_a_torn_cache_file_is_named_and_rebuilt(tmp_path, damage, caplog):
 
 @pytest.mark.slow
 def test_killed_tokenisation_resumes_without_redoing_shards(tmp_path, monkeypatch):
-    n = 3000
+    n = 1000  # one document a shard: the kill at 20 shards lands long before the last
     f = _jsonl(tmp_path, n)
     cache = tmp_path / "cache"
     script = (f"from archsearch.trainers.config import DataConfig\n"

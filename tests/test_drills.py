@@ -43,17 +43,17 @@ TIMING = {"seconds", "provenance", "elapsed_s", "wall_s", "timing", "datetime_st
 # run-table columns that time a run rather than say what it computed
 RUN_TIMING = {"wall_time_s", "tokens_per_s", "mfu"}
 
-# the smallest proxies that still give the law six distinct shapes: ~40 optimizer steps each,
-# a checkpoint every 10 (a kill lands a few steps past one), every step logged (to count the
-# steps a kill makes the run redo)
-PROXY_TRAIN = {"tokens_per_param": 0.25, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2,
+# the smallest proxies that still give the law six distinct shapes: ~20 optimizer steps each,
+# a checkpoint every 10 (a kill lands a few steps past one, before the run ends), every step
+# logged (to count the steps a kill makes the run redo)
+PROXY_TRAIN = {"tokens_per_param": 0.125, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 1,
                "checkpoint_interval": 10, "log_interval": 1}
 PROXY_DATA = {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}
 SWEEP = {"name": "drill-proxies", "params": [8.0e4], "n_layers": 2,
          "hidden_over_sqrt_n": [0.1, 0.18, 0.3], "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,
          "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2},
          "train": PROXY_TRAIN, "data": PROXY_DATA}
-STUDY = {"name": "drill", "params": 8.0e4, "tokens": 2.0e4, "n_layers": 2, "vocab_size": 512,
+STUDY = {"name": "drill", "params": 8.0e4, "tokens": 1.0e4, "n_layers": 2, "vocab_size": 512,
          "baseline": {"hidden_over_sqrt_n": 0.18, "mlp_to_attn": 3.0, "gqa": 2},
          "search_space": {"hidden_over_sqrt_n": [0.1, 0.4], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2, 4],
                           "head_dim": 32,
@@ -159,7 +159,7 @@ def _kill_on(p: subprocess.Popen, cond, timeout: float = 600) -> bool:
                 KILLED.append(p.pid)
                 _outlived(family)
                 return True
-            time.sleep(0.005)
+            time.sleep(0.02)
         assert p.poll() is not None, f"still running after {timeout} s"
         return False
     finally:

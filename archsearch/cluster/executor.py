@@ -73,8 +73,13 @@ class Ledger:
     def attempts(self, key: str) -> list[dict[str, Any]]:
         return self.data.get(key, [])
 
-    def add(self, key: str, entry: dict[str, Any]) -> None:
-        self.data.setdefault(key, []).append(entry)
+    def add(self, entries: list[tuple[str, dict[str, Any]]]) -> None:
+        """Record ``(key, submission)`` pairs in one write: the jobs of one submission (a Slurm
+        array) are in the ledger all or none. (Written one by one, a coordinator killed between
+        two writes left array tasks running that no ledger knew, and the next coordinator
+        submitted their tasks again: two jobs training one run.)"""
+        for key, entry in entries:
+            self.data.setdefault(key, []).append(entry)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1))
@@ -261,8 +266,9 @@ def run_tasks(tasks: list[Task], cfg: ClusterConfig, folder: Path,
             batch.append((waiting.pop(0), free[:t.gpus]))
             free = free[t.gpus:]
         if batch:
-            for (t, _), entry in zip(batch, backend.submit(batch)):
-                ledger.add(t.key, entry)
+            submitted = [(t.key, entry) for (t, _), entry in zip(batch, backend.submit(batch))]
+            ledger.add(submitted)
+            for (t, _), (_, entry) in zip(batch, submitted):
                 running[t.key] = entry
                 log(f"[cluster] {t.key}: submitted as job {entry['job_id']}"
                     f"{' on GPUs ' + str(entry['gpus']) if entry.get('gpus') else ''}")
