@@ -104,8 +104,9 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
         raise MissingDependencyError("lm_eval", "lm-evaluation-harness is not installed",
                                      "pip install -e .[eval]") from None
     _quiet_custom_dataset_notice()
-    check_task_names(names)  # against the cached index: no TaskManager built for an unknown name
-    tm = _task_manager(TaskManager, names, hub)
+    index = lm_eval_task_index() if hub else None  # read once, for the check and the TaskManager
+    check_task_names(names, index=index)  # against the cached index: no TaskManager built for an unknown name
+    tm = _task_manager(TaskManager, names, hub, index)
     if offline:
         _check_hub_data(tm, hub)
 
@@ -197,7 +198,7 @@ def cli_command(model, tasks, backend, limit, batch_size, model_args=None, num_f
     return shlex.join(parts)
 
 
-def _task_manager(task_manager: type, names: list[str], hub: list[str]) -> Any:
+def _task_manager(task_manager: type, names: list[str], hub: list[str], index=None) -> Any:
     """lm-eval's ``TaskManager`` for ``names``: without Hub tasks it indexes only
     ``archsearch/evaltasks``; with them, where the cached index (:func:`lm_eval_task_index`) names
     each one's YAML file, it indexes only those files' folders (lm-eval's full index parses
@@ -205,7 +206,7 @@ def _task_manager(task_manager: type, names: list[str], hub: list[str]) -> Any:
     narrower one lacks a name. The folders come before ours, as in the full index."""
     if not hub:
         return task_manager(include_path=str(TASKS_DIR), include_defaults=False)
-    yamls = [lm_eval_task_index().tasks.get(t) for t in hub]
+    yamls = [(index or lm_eval_task_index()).tasks.get(t) for t in hub]
     if all(yamls):
         folders = sorted({str(Path(y).parent) for y in yamls})
         tm = task_manager(include_path=[*folders, str(TASKS_DIR)], include_defaults=False)

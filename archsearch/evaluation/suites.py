@@ -74,15 +74,17 @@ def check_known(tasks: list[str], known: list[str] | set[str]) -> None:
                               "them, and lm-eval's own names are accepted too")
 
 
-def check_task_names(tasks: str | list[str] | tuple[str, ...], field: str = "tasks") -> list[str]:
+def check_task_names(tasks: str | list[str] | tuple[str, ...], field: str = "tasks",
+                     index: "TaskIndexCache | None" = None) -> list[str]:
     """The task names of ``tasks``, checked before any work: suites and the tasks of this table
-    at no cost, any other name against lm-eval's task index (cached on disk: :func:`lm_eval_task_index`)."""
+    at no cost, any other name against lm-eval's task index (cached on disk: :func:`lm_eval_task_index`;
+    ``index``: one the caller already read)."""
     names = expand_tasks(tasks)
     ours = {*OFFLINE_TASKS, *METHOD_TASKS, "wikitext"}
     other = [t for t in names if t not in ours]
     if other:
         try:
-            known = lm_eval_task_index().tasks
+            known = (index or lm_eval_task_index()).tasks
         except ImportError:
             raise ArchsearchError(field, f"cannot check the task {other[0]!r}: lm-evaluation-harness is "
                                   "not installed", f"pip install -e .[eval], or use a suite: {', '.join(SUITES)}") from None
