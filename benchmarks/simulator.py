@@ -11,7 +11,7 @@ lasts what :class:`archsearch.benchmarks.analytic.StepModel` says for its mix of
 prefill chunks, the same model (and calibration) the analytic backend's offline prediction uses. A
 request reaches the scheduler ``Calibration.request_overhead_s`` after it arrives (the serving front end's
 per-request latency: HTTP, validation, the hand-off to the engine process, the answer's way back; 0 unless
-fitted on online runs, as the vLLM-CPU validation does).
+fitted on online runs, as the vLLM-CPU validation does on probes of the same session).
 
 The record, :class:`ServingMetrics`, holds what an online measurement (an engine's server under the
 same arrivals) reports: request and token throughput, TTFT, TPOT and end-to-end latency percentiles,

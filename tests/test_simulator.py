@@ -15,7 +15,9 @@ from archsearch.benchmarks.analytic import StepModel, predict_batch
 from archsearch.benchmarks.calibration import Calibration, decode_on_cuda_cores
 from archsearch.benchmarks.simulator import SLO, ServingLoad, kv_capacity_tokens, simulate
 from archsearch.benchmarks.scripts.bench_simulator_validation import (SERVING_VARIANTS, SHAPES, ServingPoint,
-                                                                      fit_serving, measured_sessions, serving_errors,
+                                                                      fit_serving, in_session_calibration,
+                                                                      measured_sessions, point_measured,
+                                                                      round_repeatability, serving_errors,
                                                                       serving_held_out, serving_validation)
 from archsearch.benchmarks.workloads import WORKLOADS, Workload, get_workload
 
@@ -243,3 +245,45 @@ def test_serving_validation_pools_the_recorded_sessions_and_reports_held_out_err
     assert len(v["leave_one_session_out"]["points"]) == out["n_points"]
     noise = out["noise"]
     assert noise["online_same_rate_pairs_pct_difference"] and noise["static_repeats_throughput_cv_median"] > 0
+
+
+def test_in_session_calibration_recovers_the_probes_overheads_and_drops_the_per_token_term():
+    """The in-session calibration refits the fixed step overhead and the front end's latency on probe runs
+    (low-rate online runs of the same session) simulated with known values, and drops the per-token
+    overhead the static batches put in the start."""
+    cpu = get_device("cpu")
+    start = Calibration("cpu", "vllm", "float32", 0.1, 0.1, 0.003, token_overhead_s=6e-4, peak_flops=1e11,
+                        memory_bandwidth=1e10)
+    truth = replace(start, step_overhead_s=0.011, request_overhead_s=0.04, token_overhead_s=0.0)
+    load = ServingLoad(n_requests=24, input_len=64, output_len=8, max_num_seqs=16)
+    probes = {}
+    for rnd, (name, spec) in enumerate(SHAPES.items()):  # one probe of each shape, in its own round
+        lp = replace(load, n_requests=4, rate=1.0, seed=load.seed + 1000 + rnd)
+        probes[name] = [{**simulate(spec, cpu, "float32", lp, truth).to_dict(), "round": rnd}]
+    cal = in_session_calibration(start, probes, load, cpu)
+    assert cal.step_overhead_s == pytest.approx(0.011, rel=0.05)
+    assert cal.request_overhead_s == pytest.approx(0.04, rel=0.05)
+    assert cal.token_overhead_s == 0.0
+
+
+def test_a_point_run_in_rounds_is_the_median_of_its_rounds_and_its_repeatability_is_reported():
+    """A (shape, rate) point measured in several rounds: each metric the median over the rounds (goodput
+    per round under the SLO), every round kept; the repeatability is 0 for identical rounds, positive otherwise."""
+    def run(ttft, tpot, duration):
+        return {"per_request": {"ttft": ttft, "tpot": tpot}, "duration_s": duration, "ttft_p50": sorted(ttft)[1],
+                "tpot_p50": sorted(tpot)[1], "output_throughput": 3 * 8 / duration}
+    slo = SLO(0.1, 0.02)
+    rounds = [run([0.05, 0.05, 0.5], [0.01, 0.01, 0.01], 2.0),  # 2 of 3 meet the SLO: 1 per s
+              run([0.05, 0.2, 0.5], [0.01, 0.01, 0.01], 2.0),  # 1 of 3: 0.5 per s
+              run([0.05, 0.05, 0.05], [0.01, 0.01, 0.01], 1.0)]  # 3 of 3: 3 per s
+    m = point_measured({"rounds": rounds}, slo)
+    assert m["goodput"] == pytest.approx(1.0) and m["round_values"]["goodput"] == pytest.approx([1.0, 0.5, 3.0])
+    assert m["ttft_p50"] == pytest.approx(0.05) and m["output_throughput"] == pytest.approx(12.0)
+    assert point_measured(rounds[0], slo)["goodput"] == pytest.approx(1.0)  # one run: its own figures
+    same = round_repeatability([{"round_values": {k: [2.0, 2.0, 2.0] for k in m["round_values"]}}])
+    assert same["ttft_p50"]["one_round_vs_median_of_others_mape_pct"] == 0.0
+    assert same["goodput"]["median_of_rounds_floor_mape_pct"] == 0.0
+    spread = round_repeatability([{"round_values": m["round_values"]}])
+    assert spread["goodput"]["one_round_vs_median_of_others_mape_pct"] > 0
+    assert spread["goodput"]["median_of_rounds_floor_mape_pct"] > 0
+    assert round_repeatability([{"shape": "x"}]) is None
