@@ -341,13 +341,8 @@ def drills(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_study_survives_kill_9_at_every_stage(drills, monkeypatch, capsys):
-    """The killed runs are processes of their own (the kill is the subject); the last run, which
-    finishes the study, runs through the CLI's ``main`` in this process, its report's figures
-    built but not rendered (test_search.unrendered_figures; ``summary.json`` is compared)."""
+def test_study_survives_kill_9_at_every_stage(drills):
     from archsearch.benchmarks.scratch import shm_segments
-    from archsearch.cli import main
-    from tests.test_search import unrendered_figures
 
     root, jobs = drills
     landed, ledger, shm = {}, None, shm_segments()
@@ -355,11 +350,7 @@ def test_study_survives_kill_9_at_every_stage(drills, monkeypatch, capsys):
         landed[stage] = _kill_on(_search(root, "drilled", quiet=True), lambda: cond(root / "drilled"))
         if stage == "proxy" and landed[stage]:
             ledger = ProxyLedger(root / "drilled" / PROXIES)
-    unrendered_figures(monkeypatch)
-    monkeypatch.chdir(root)  # where the killed runs ran (their --out is relative)
-    capsys.readouterr()
-    assert main(["search", "--config", "study.yaml", "--out", "drilled", "--json"]) == 0, \
-        capsys.readouterr().err[-3000:]
+    _finish(_search(root, "drilled"))
     for job in jobs.values():  # every drill's processes have ended (their engines' segments are theirs)
         job.result()
     _no_debris_of_the_killed(shm)
