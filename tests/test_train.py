@@ -362,10 +362,18 @@ def test_bad_input_is_a_clear_error_and_leaves_runs_intact(done_run, spec, tc, d
     assert _snapshot(out) == before
 
 
-def test_cli_architecture_that_does_not_build(tmp_path, capsys):
+def test_cli_architecture_that_does_not_build(tmp_path, capsys, monkeypatch):
     # in this process (the CLI's main, exit code and stderr as a subprocess would give them): a
     # subprocess would spend minutes of a loaded machine importing transformers for one error line
+    import archsearch.cli.train as cli_train
+    import archsearch.trainers.data as data
     from archsearch.cli import main
+
+    def no_work(*a, **kw):  # both are refused before the data (or the tokenizer) is prepared
+        raise AssertionError("data prepared before the bad input was refused")
+
+    monkeypatch.setattr(cli_train, "prepare_data", no_work)
+    monkeypatch.setattr(data, "prepare_data", no_work)
 
     rc = main(["train", "--layers", "2", "--hidden-size", "64", "--heads", "3", "--kv-heads", "2",
                "--head-dim", "32", "--ffn", "192", "--vocab-size", "2048", "--tokens", "1e5",

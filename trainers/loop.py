@@ -45,6 +45,7 @@ from archsearch.hardware import GPUS, detect_gpu_name, get_device, measure_cpu
 from archsearch.modelcard import write_run_card
 from archsearch.provenance import provenance
 from archsearch.trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
+from archsearch.trainers.tokenizer import declared_vocab_size
 
 RUN_FILE = "run.json"
 CKPT_DIR = "checkpoints"
@@ -194,12 +195,19 @@ def check_run_folder(out_dir: Path, spec: ArchSpec, tc: TrainConfig, flag: str =
 
 # -- the plan: everything checked before anything is written --------------------------------
 
-def _plan(spec: ArchSpec, tc: TrainConfig, dc: DataConfig, data, n_proc: int) -> dict[str, Any]:
-    if spec.vocab_size != data.vocab_size:
+def check_vocab(spec: ArchSpec, dc: DataConfig, vocab_size: int | None) -> None:
+    """Refuse an architecture whose vocab_size is not the tokenizer's ``vocab_size`` (None: not
+    known yet). Checked before any work where the tokenizer's name says its size
+    (:func:`archsearch.trainers.tokenizer.declared_vocab_size`), and again once it is loaded."""
+    if vocab_size is not None and spec.vocab_size != vocab_size:
         raise ArchsearchError("vocab_size", f"the architecture has vocab_size={spec.vocab_size} but "
-                              f"the tokenizer {dc.tokenizer!r} has {data.vocab_size} tokens",
-                              f"set vocab_size={data.vocab_size} (archsearch.trainers.match_vocab, or "
+                              f"the tokenizer {dc.tokenizer!r} has {vocab_size} tokens",
+                              f"set vocab_size={vocab_size} (archsearch.trainers.match_vocab, or "
                               "--match-vocab on the command line) or use a matching tokenizer")
+
+
+def _plan(spec: ArchSpec, tc: TrainConfig, dc: DataConfig, data, n_proc: int) -> dict[str, Any]:
+    check_vocab(spec, dc, data.vocab_size)
     if dc.seq_len > spec.max_position_embeddings:
         raise ArchsearchError("data.seq_len", f"{dc.seq_len} exceeds max_position_embeddings="
                               f"{spec.max_position_embeddings}", "shorten seq_len or raise the limit")
@@ -496,6 +504,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     done = read_record(out_dir)
     if done and done.get("status") == "ok":
         return done
+    check_vocab(spec, data_cfg, declared_vocab_size(data_cfg.tokenizer))  # before the data is prepared
 
     import torch
     # imported before the clock starts, so the wall time is the run's, not the import's

@@ -85,6 +85,15 @@ def _bpe_folder(cache_dir: Path, vocab: int, bpe_key: str) -> Path:
     return cache_dir / "tokenizers" / f"bpe{vocab}-{key}"
 
 
+def declared_vocab_size(name: str) -> int | None:
+    """The vocabulary size the tokenizer named ``name`` has, when its name alone says it
+    (``bpe:V`` has exactly V entries: :func:`load_tokenizer` refuses a BPE of any other size),
+    else None (a hub or SmolLM2 tokenizer is known only once loaded)."""
+    if name.startswith("bpe:") and name[4:].isdigit():
+        return int(name[4:])
+    return None
+
+
 def cached_tokenizer(name: str, cache_dir: Path, bpe_key: str | None = None):
     """The tokenizer named by ``DataConfig.tokenizer`` if it is there without any work (a BPE
     tokenizer already trained into ``cache_dir``, SmolLM2's converted, a hub tokenizer in the

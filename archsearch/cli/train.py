@@ -24,9 +24,10 @@ from archsearch.trainers.config import DataConfig, SweepConfig, TrainConfig, get
 from archsearch.trainers.data import prepare_data
 from archsearch.trainers.launch import (ACCELERATE_LAUNCH, accelerate_config, launch_commands, sbatch_script,
                                         user_accelerate_config, write_accelerate_config)
-from archsearch.trainers.loop import (RUN_FILE, check_cpu_threads, check_run_folder, check_train_budget, match_vocab,
-                                      run_id_for, token_budget, train)
+from archsearch.trainers.loop import (RUN_FILE, check_cpu_threads, check_run_folder, check_train_budget, check_vocab,
+                                      match_vocab, run_id_for, token_budget, train)
 from archsearch.trainers.sweep import run_sweep
+from archsearch.trainers.tokenizer import declared_vocab_size
 
 _LAUNCH_ONLY = {"launch", "run", "num_processes", "num_machines", "main_process_ip",
                 "main_process_port", "fsdp", "accelerate_config"}
@@ -174,6 +175,8 @@ def _train(args: argparse.Namespace) -> int:
     if dc.seq_len > spec.max_position_embeddings:
         raise ArchsearchError("--seq-len", f"{dc.seq_len} exceeds the model's max_position_embeddings "
                               f"{spec.max_position_embeddings}", "lower --seq-len")
+    if not args.match_vocab:  # a bpe:V tokenizer's size is known before it is trained or loaded
+        check_vocab(spec, dc, declared_vocab_size(dc.tokenizer))
     check_train_budget(spec, token_budget(spec, tc), "--tokens")
     check_cpu_threads(tc, "--cpu-threads")
     out = Path(args.out) if args.out else None
