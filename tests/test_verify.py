@@ -203,6 +203,19 @@ def test_track_record_appends_each_verification_once_and_counts_coverage(tmp_pat
     assert coverage(entries, "ratio_inside_interval") == {"n": 0, "inside": 0, "share_inside": None}
 
 
+def test_track_record_joint_agreement_widens_the_law_interval_by_the_seeds_noise():
+    from archsearch.benchmarks.scripts.bench_verifications import joint_agreement
+
+    def e(real, p_int, r_int):
+        return {"predicted_loss": 5.0, "realised_loss": real, "predicted_loss_interval": p_int,
+                "realised_loss_interval": r_int}
+
+    entries = [e(5.05, [4.97, 5.03], [5.0, 5.1]),     # outside the law's interval, within 0.03 (+) 0.05
+               e(5.2, [4.97, 5.03], [5.15, 5.25]),    # 0.2 > sqrt(0.03^2 + 0.05^2): disagree
+               e(5.0, [4.97, 5.03], None)]            # one seed: not counted
+    assert joint_agreement(entries) == {"n": 2, "agree": 1, "share_agree": 0.5}
+
+
 def test_the_demo_box_admits_gqa_variants_for_the_walk():
     # the README's main job: at one layer the per-layer budget holds several heads of 32, so the
     # shapes of its box (the baseline's among them) have other head pairs at the same attention share

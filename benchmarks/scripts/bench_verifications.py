@@ -52,6 +52,25 @@ def coverage(entries: list[dict], flag: str) -> dict:
     return {"n": len(known), "inside": sum(known), "share_inside": (sum(known) / len(known)) if known else None}
 
 
+def joint_agreement(entries: list[dict]) -> dict:
+    """How often the realised loss agrees with the prediction within their JOINT uncertainty.
+
+    The law's interval is the uncertainty of the expected loss at the shape; it leaves out how much
+    one training run differs from another (data order, initialisation), which the realised mean over
+    a few seeds carries (its own interval). A realised value outside the law's interval may still be
+    within that noise: the two agree when |realised - predicted| <= sqrt(h_p^2 + h_r^2), h_p and h_r
+    the two intervals' half-widths (both at the study's level). Entries without both intervals (one
+    seed) are not counted."""
+    known = []
+    for e in entries:
+        p, r = e.get("predicted_loss_interval"), e.get("realised_loss_interval")
+        if e.get("realised_loss") is None or e.get("predicted_loss") is None or not p or not r:
+            continue
+        hp, hr = (p[1] - p[0]) / 2, (r[1] - r[0]) / 2
+        known.append(abs(e["realised_loss"] - e["predicted_loss"]) <= (hp * hp + hr * hr) ** 0.5)
+    return {"n": len(known), "agree": sum(known), "share_agree": (sum(known) / len(known)) if known else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="*", help="study folders with verify.json (default: results/examples/*)")
@@ -65,7 +84,8 @@ def main() -> None:
     out = {"benchmark": "verifications", "record": args.record, "verifications": len(entries),
            "studies": sorted({e.get("study") for e in entries}),
            "loss": {**coverage(entries, "loss_inside_interval"),
-                    "mean_rel_error": statistics.fmean(rel_err) if rel_err else None},
+                    "mean_rel_error": statistics.fmean(rel_err) if rel_err else None,
+                    "within_joint_interval": joint_agreement(entries)},
            "ratio": coverage(entries, "ratio_inside_interval"),
            "verdicts": {k: sum(1 for e in entries if (e.get("verdict") or {}).get("loss") == k)
                         for k in ("met", "within the noise", "missed", "not trained")},
