@@ -5,10 +5,12 @@ imported only when a figure is drawn."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from archsearch.errors import ArchsearchError
 from archsearch.fileio import atomic_open
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -97,11 +99,28 @@ def legend(ax, **kwargs):
 
 
 def save(fig, png: str | Path, dpi: int = 150) -> Path:
-    """Write ``fig`` as ``png`` and as the same name with ``.pdf``; close it; return the PNG path."""
+    """Write ``fig`` as ``png`` and as the same name with ``.pdf``; close it; return the PNG path.
+
+    With ``ARCHSEARCH_FIGURES=unrendered`` in the environment the figure is built (every plotting
+    function runs on its data) but not rendered: each of the two files holds one line naming the
+    figure instead. Rendering (font layout, PDF font subsetting) is most of a report's figure time;
+    the tests whose subject is not the figures set it. Any other value than ``rendered`` (the
+    default) or ``unrendered`` is refused, naming the variable."""
     import matplotlib.pyplot as plt
 
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
+    mode = os.environ.get("ARCHSEARCH_FIGURES", "rendered")
+    if mode not in ("rendered", "unrendered"):
+        plt.close(fig)
+        raise ArchsearchError("ARCHSEARCH_FIGURES", f"{mode!r} is neither 'rendered' (the default) nor 'unrendered'",
+                              "set one of them, or unset it; 'unrendered' builds each figure and writes a line naming it")
+    if mode == "unrendered":
+        for f in (png, png.with_suffix(".pdf")):
+            with atomic_open(f, "wb") as fh:
+                fh.write(f"figure not rendered (ARCHSEARCH_FIGURES=unrendered): {f.name}\n".encode())
+        plt.close(fig)
+        return png
     with atomic_open(png, "wb") as fh:  # a kill leaves the old figure or the new, never half
         fig.savefig(fh, format="png", dpi=dpi)
     with atomic_open(png.with_suffix(".pdf"), "wb") as fh:

@@ -119,10 +119,12 @@ def test_optuna_n_trials_counts_trials_as_in_optuna_and_n_shapes_counts_shapes()
     assert renamed_optuna_keys(new) == (new, [])  # this version's config: nothing to say
 
 
-def test_a_search_says_why_it_stopped_and_labels_predictions(tmp_path, capsys):
+def test_a_search_says_why_it_stopped_and_labels_predictions(tmp_path, capsys, monkeypatch):
     """An analytic study (predictions, no noise): the search's last line says why it stopped, the
     report and the progress lines give the predicted ratio no interval and no significance, and
-    each tokens/s beside the chosen ratio comes from the chosen trial's own rounds."""
+    each tokens/s beside the chosen ratio comes from the chosen trial's own rounds. The report's
+    figures are built, not rendered (ARCHSEARCH_FIGURES; rendering: test_figures.py)."""
+    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
     import sys
     from pathlib import Path
 

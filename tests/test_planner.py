@@ -164,9 +164,12 @@ def test_bad_grid_and_finetune_values():
 
 
 @pytest.mark.slow
-def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
-    """A real engine (transformers) on a tiny grid; the second run measures nothing."""
+def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys, monkeypatch):
+    """A real engine (transformers) on a tiny grid; the second run measures nothing. The plan's
+    figure is built (plot_tradeoff on this plan) but not rendered (ARCHSEARCH_FIGURES): rendering is
+    tested in test_figures.py."""
     pytest.importorskip("transformers")
+    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
     from archsearch.cli import main
 
     argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "16",
@@ -205,18 +208,18 @@ def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
 def test_calibrate_lora_measures_each_candidate_once_and_resumes(tmp_path):
     calls = []
 
-    def fake(**kw):
+    def fake(**kw):  # both points of a candidate in one call (one subprocess), as measure_lora_points
         calls.append(kw)
         if kw["spec"].name == "smollm2-135m":
-            raise RuntimeError("LoRA step measurement failed (-9): killed")
-        t = [3.0, 1.0, 2.0] if kw["batch_size"] == 1 else [7.0, 5.0, 6.0]
-        return {"weights": "random", "threads": kw["threads"], "step_wall_s": t, "step_cpu_s": [4.0] * 3}
+            raise RuntimeError("LoRA schedule measurement failed (-9): killed")
+        return [{"weights": "random", "threads": kw["threads"], "batch": b, "step_cpu_s": [4.0] * 3,
+                 "step_wall_s": [3.0, 1.0, 2.0] if b == 1 else [7.0, 5.0, 6.0]} for b in kw["batch_sizes"]]
 
     cands = [pl.resolve_option("smollm2-135m"), pl.resolve_option("tiny")]
     ft = pl.FinetunePlan(seq_len=512, device="cpu")
     cals = pl.calibrate_lora(cands, ft, tmp_path, threads=1, progress=lambda s: None, measure_fn=fake)
-    assert [c["spec"] for c in calls] == [cands[0].spec, cands[1].spec, cands[1].spec]
-    assert [(c["batch_size"], c["seq_len"]) for c in calls[1:]] == [(1, 128), (4, 128)]
+    assert [c["spec"] for c in calls] == [cands[0].spec, cands[1].spec]
+    assert [(c["batch_sizes"], c["seq_len"]) for c in calls[1:]] == [((1, 4), 128)]
     assert isinstance(cals["smollm2-135m"], str) and "killed" in cals["smollm2-135m"]  # said, not hidden
     cal = cals["tiny"]
     assert cal.step_s == 2.0 and cal.measured["model"].startswith("tiny") and "time_utc" in cal.provenance

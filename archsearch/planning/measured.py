@@ -256,6 +256,21 @@ def measure_lora_schedule(models: dict[str, dict[str, Any]], schedule: list[dict
     return _run_child(job, timeout, "LoRA schedule measurement")
 
 
+def measure_lora_points(*, spec: ArchSpec, rank: int, targets: tuple[str, ...], batch_sizes: tuple[int, ...],
+                        seq_len: int, steps: int = 2, threads: int = 1, timeout: float = 1800) -> list[dict[str, Any]]:
+    """Step times of real short LoRA fine-tunes of ``spec`` (random weights and tokens) at each of
+    ``batch_sizes`` x ``seq_len``, one after the other in one fresh subprocess
+    (:func:`measure_lora_schedule`: the model built once, fresh adapters per point, a warm-up and
+    ``steps`` timed steps each): one dict per batch size (``weights``, ``threads``,
+    ``step_wall_s``, ``step_cpu_s``, ...). For a step-time calibration: no peak memory (that needs a
+    process per point, :func:`measure_lora_step`), one start of torch and peft instead of one per point."""
+    schedule = [{"model": "m", "rank": rank, "targets": list(targets), "batch": b, "seq_len": seq_len}
+                for b in batch_sizes]
+    res = measure_lora_schedule({"m": {"spec": spec.to_dict()}}, schedule, steps=steps, threads=threads,
+                                timeout=timeout)
+    return [{**e, "threads": res["threads"]} for e in res["entries"]]
+
+
 def _run_child(job: dict[str, Any], timeout: float, what: str) -> dict[str, Any]:
     """``job`` (a memory or LoRA measurement) run by this module in a fresh subprocess
     (``threads`` OpenMP threads); its last stdout line is the result."""

@@ -50,7 +50,7 @@ from archsearch.planning.formats import base_weight_bytes, parse_format
 from archsearch.planning.limits import Limits, check_limits
 from archsearch.planning.lora import (LORA_STEP_FORMULA, VARIANTS, LoraSettings, check_lora_targets, lora_step_flops,
                                      predict_lora_memory)
-from archsearch.planning.measured import measure_lora_step
+from archsearch.planning.measured import measure_lora_points
 from archsearch.planning.time import DEFAULT_MFU, DEFAULT_MFU_SOURCE
 from archsearch.presets import PRESETS, load_arch
 from archsearch.provenance import provenance
@@ -379,9 +379,9 @@ def calibrate_lora(candidates: list[ModelOption], ft: FinetunePlan, out: Path, t
                    progress: Callable[[str], None] = plan_progress,
                    measure_fn: Callable | None = None) -> dict[str, LoraCalibration | str]:
     """Each candidate's own LoRA step calibration: two short real LoRA fine-tunes (peft,
-    :func:`archsearch.planning.measured.measure_lora_step`; random weights of its shape, the same
-    speed) at batch 1 and 4 x min(seq_len, 128), one warm-up and two timed steps each, on this
-    machine, and the line through them (:meth:`LoraCalibration.from_steps`: a per-step overhead
+    :func:`archsearch.planning.measured.measure_lora_points`: random weights of its shape, the same
+    speed; both in one fresh subprocess, one after the other) at batch 1 and 4 x min(seq_len, 128),
+    one warm-up and two timed steps each, on this machine, and the line through them (:meth:`LoraCalibration.from_steps`: a per-step overhead
     plus FLOPs over an achieved FLOP/s). A small model reaches a far lower FLOP/s than a large
     one, so each candidate is calibrated on itself, not on another. Saved as
     ``OUT/lora_calibration/<candidate>.json`` and reused when the plan is run again (resume; a
@@ -389,7 +389,7 @@ def calibrate_lora(candidates: list[ModelOption], ft: FinetunePlan, out: Path, t
     measurement fails maps to the reason (its time stays uncalibrated, and says why)."""
     folder = out / CALIBRATIONS
     if measure_fn is None:
-        measure_fn = measure_lora_step
+        measure_fn = measure_lora_points
     seq = min(ft.seq_len, 128)
     threads = threads or os.cpu_count() or 1
     result: dict[str, LoraCalibration | str] = {}
@@ -406,11 +406,9 @@ def calibrate_lora(candidates: list[ModelOption], ft: FinetunePlan, out: Path, t
                 continue
         progress(f"plan: [{i}/{len(candidates)}] {c.name}: calibrating the LoRA step time (real peft steps, "
                  f"rank {lora.rank}, batch {' and '.join(map(str, CALIBRATION_BATCHES))} x {seq}, {threads} threads)")
-        runs = []
         try:
-            for b in CALIBRATION_BATCHES:
-                runs.append(measure_fn(spec=c.spec, rank=lora.rank, targets=lora.targets, batch_size=b,
-                                       seq_len=seq, steps=2, threads=threads))
+            runs = measure_fn(spec=c.spec, rank=lora.rank, targets=lora.targets, batch_sizes=CALIBRATION_BATCHES,
+                              seq_len=seq, steps=2, threads=threads)
         except (RuntimeError, OSError, ArchsearchError) as e:  # e.g. out of memory: said, not hidden
             result[c.name] = f"calibration measurement failed: {str(e).strip().splitlines()[-1][:300]}"
             progress(f"plan: {c.name}: {result[c.name]}")
