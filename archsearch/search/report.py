@@ -708,7 +708,7 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
         t = summary["targets"]
         made = targets_figure(out / "plots" / "targets", [(row["shape"], row["per_target"]) for row in
                                                           [t["answer"], *t["pareto"][:3]]],
-                              f"{words.name} ratio per deployment target (their {t['objective']} is the objective)",
+                              f"{words.name} ratio per deployment target\n(the objective: their {t['objective']})",
                               words)
         summary["plots"] += [str(Path(p).relative_to(out)) for p in made]
     write_json(out / "summary.json", summary, default=str)
