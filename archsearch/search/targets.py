@@ -353,7 +353,7 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
     w = 0.8 / len(shapes)
     answer = [r for r in shapes[0][1] if r.get("ratio") is not None]
     binding = min(answer, key=lambda r: r["ratio"])["target"] if answer else None
-    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 6.2))
     if binding is not None:
         ax.axvspan(names.index(binding) - 0.45, names.index(binding) + 0.45, color="tab:red", alpha=0.08,
                    label=f"binding target of {shapes[0][0]}: {binding}")
@@ -378,7 +378,8 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
     ax.set_xticks(x, [f"{n}\n(binding)" if n == binding else n for n in names])
     ax.set_ylabel(f"{(words or objective_words('throughput')).ratio}\n(filled: measured, with interval)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    # below the axes: inside, it covered points or the baseline line
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     fig.tight_layout()
     png = save(fig, Path(path).with_suffix(".png"), dpi=120)
     return [str(png), str(png.with_suffix(".pdf"))]
