@@ -136,6 +136,48 @@ def objective_score(objective: str, batch: BatchResult, where: str = "objective"
     raise ArchsearchError(where, f"objective {objective!r} is unknown", f"use one of {list(OBJECTIVES)}")
 
 
+@dataclass(frozen=True)
+class ObjectiveWords:
+    """How every figure, report line and table column names what a study's ratios compare (read from
+    the study's own objective once, :func:`objective_words`; ``search.deployment.study_objective``):
+    no axis or column of a goodput or latency study says throughput."""
+
+    objective: str  # throughput | goodput | latency | mixed (targets of several objectives)
+    name: str  # the noun of titles: "<name> vs predicted loss"
+    meaning: str  # what the figure is, in words (the SLO written out)
+    column: str  # a table column of one shape's figure, with its unit
+    ratio: str  # an axis of a ratio to the baseline (higher is better for every objective)
+    better: str  # a ratio above 1 reads "significantly <better>"
+    worse: str
+
+    def shown(self, score: float | None) -> float | None:
+        """A shape's figure as its column states it: latency in seconds (the score is 1 / seconds)."""
+        if score is None or self.objective != "latency":
+            return score
+        return 1.0 / score if score else None
+
+
+def objective_words(objective: str, slo: Any = None) -> ObjectiveWords:
+    """The words of one objective (``slo``: an :class:`SLO` or its dict, written into goodput's);
+    ``mixed`` for targets whose objectives differ, each ratio its own target's objective."""
+    if objective == "throughput":
+        return ObjectiveWords("throughput", "throughput", "output tokens/s", "tokens/s", "throughput / baseline's",
+                              "faster", "slower")
+    if objective == "goodput":
+        s = dataclasses.asdict(slo) if isinstance(slo, SLO) else (slo or {})
+        within = (f"TTFT <= {s['ttft_s']:g} s and TPOT <= {s['tpot_s'] * 1e3:g} ms" if s.get("ttft_s") is not None
+                  else "the SLO")
+        return ObjectiveWords("goodput", "goodput", f"goodput (requests/s with {within})", "goodput req/s",
+                              "goodput / baseline's (requests/s within the SLO)", "better", "worse")
+    if objective == "latency":
+        return ObjectiveWords("latency", "latency", "1 / mean end-to-end latency", "latency s (lower is better)",
+                              "baseline's latency / shape's (speed-up of one request)", "faster", "slower")
+    if objective == "mixed":
+        return ObjectiveWords("mixed", "score", "each target's own objective", "score",
+                              "ratio to the baseline (each target's objective)", "better", "worse")
+    raise ArchsearchError("objective", f"{objective!r} is unknown", f"use one of {list(OBJECTIVES)}")
+
+
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("offline-4k-1k", "the paper's reference: a static batch of 4096-token prompts generating 1024 tokens "
              "(docs/method.md section 5)", "throughput", 4096, 1024),

@@ -4,6 +4,7 @@ for real and read back from the matplotlib objects just before it is saved."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,7 @@ def test_throughput_caption_names_only_the_colours_drawn(tmp_path, drawn):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from archsearch.benchmarks.workloads import objective_words
     from archsearch.search.report import _ratio_chart
 
     spec = {"hidden_size": 64, "n_heads": 4, "n_kv_heads": 2, "ffn": 256}
@@ -91,7 +93,7 @@ def test_throughput_caption_names_only_the_colours_drawn(tmp_path, drawn):
             "ratio": {"ratio": r, "lo": r - 0.01, "hi": r + 0.01, "level": 0.9,
                       "significantly_faster": r > 1.02, "significantly_slower": r < 0.98}}
            for i, r in enumerate((1.2, 1.1))]
-    _ratio_chart(None, pts, None, tmp_path, plt)
+    _ratio_chart(None, pts, None, tmp_path, plt, objective_words("throughput"))
     caption = drawn["throughput.png"][0][1]
     assert "green: significantly faster" in caption
     assert "red:" not in caption and "grey:" not in caption
@@ -149,3 +151,87 @@ def test_ucurves_reach_a_shape_outside_the_box_and_read_its_loss(tmp_path, drawn
     assert ax.get_lines()[0].get_xdata().max() > base["hidden_over_sqrt_n"]  # ... and the curve reaches it
     assert "outside the search box" in texts
     assert any(t.startswith("baseline (") and f"its loss {ctx.target_loss:.4g}" in t for t in texts)
+
+
+def _texts(fig) -> list[str]:
+    """Every piece of text a person reads on a figure: titles, axis labels, legend entries."""
+    out = [fig._suptitle.get_text()] if fig._suptitle is not None else []
+    for ax in fig.axes:
+        out += [ax.get_xlabel(), ax.get_ylabel(), *(ax.get_title(loc=loc) for loc in ("left", "center", "right"))]
+        out += _legend_texts(ax.get_legend())
+    return [t for t in out if t]
+
+
+def test_an_online_study_is_never_labelled_throughput(tmp_path, monkeypatch):
+    """A study whose ratios compare goodput (measure.mode: online, or a chat target) or latency (a
+    single-stream target) names that objective on every figure and report column, read from the
+    study's own objective (deployment.study_objective): the recorded online example's figures are drawn
+    again from its own trials and records and no text on them, nor its report's tables, says throughput."""
+    import shutil
+    import types
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import optuna
+
+    import archsearch.figures as figures
+    import archsearch.search.report as report
+    from archsearch.search.config import load_study_config
+    from archsearch.search.deployment import study_objective
+
+    seen: dict[str, list[str]] = {}
+    real = figures.save
+
+    def keep(fig, png, *a, **kw):
+        seen[Path(png).name] = _texts(fig)
+        return real(fig, png, *a, **kw)
+
+    for module in (figures, report):
+        monkeypatch.setattr(module, "save", keep)
+    monkeypatch.setattr(report, "_ucurves", lambda *a, **kw: [])  # the law's curves: loss only, no objective
+
+    # the objective, from the study's own settings
+    cfg = load_study_config(REPO / "configs/demo-cpu-online.yaml")
+    words = study_objective(cfg)
+    assert (words.objective, words.column) == ("goodput", "goodput req/s")
+    assert "TTFT <= 1 s and TPOT <= 20 ms" in words.meaning
+    for name, objective in (("paper-1b-workload-chat", "goodput"), ("paper-1b-workload-single-stream", "latency"),
+                            ("paper-1b-workload-long-context", "throughput"), ("paper-1b-targets-rehearsal", "throughput")):
+        assert study_objective(load_study_config(REPO / "configs" / f"{name}.yaml")).objective == objective, name
+    with pytest.raises(Exception, match="unknown"):
+        report.objective_words("speed")
+
+    # the recorded online study's figures, drawn again from its trials
+    folder = REPO / "results/examples/demo-cpu-online"
+    shutil.copy(folder / "optuna.db", tmp_path / "optuna.db")
+    study = optuna.load_study(study_name=cfg.name, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    summary = json.loads((folder / "summary.json").read_text())
+    ctx = types.SimpleNamespace(cfg=cfg, ref_batch=4, target_loss=summary["target_loss"], out=tmp_path)
+    base_point = {"predicted_loss": summary["baseline"]["predicted_loss"], "architecture": summary["baseline"]["architecture"]}
+    made = report._plots(ctx, study, None, base_point, tmp_path / "plots", words)
+    assert "plots/goodput.png" in made and not any("throughput" in p for p in made)
+    assert {"pareto.png", "goodput.png", "optuna_history.png"} <= set(seen)
+    for name, texts in seen.items():
+        assert texts and not [t for t in texts if "throughput" in t.lower() or "tokens/s" in t], (name, texts)
+    assert any("goodput" in t for t in seen["pareto.png"]) and any("goodput" in t for t in seen["goodput.png"])
+
+    # the recorded example's own files say so too: its summary names the objective, its plots and tables
+    assert summary["objective"]["objective"] == "goodput"
+    assert not any("throughput" in p for p in summary["plots"])
+    md = report.render_markdown(summary)
+    assert "throughput" not in md.split("## Law")[0].lower() and "| goodput req/s |" in md
+
+    # a latency study: its figures and columns say latency (seconds, lower is better), never throughput
+    lat = report.objective_words("latency")
+    seen.clear()
+    pts = [{"trial": i, "spec": {"hidden_size": 64, "n_heads": 4, "n_kv_heads": 2, "ffn": 256 + 32 * i}, "feasible": True,
+            "ratio": {"ratio": r, "lo": r, "hi": r, "level": 0.9, "predicted": True,
+                      "significantly_faster": False, "significantly_slower": False}} for i, r in enumerate((1.02, 0.97))]
+    import matplotlib.pyplot as plt
+
+    report._ratio_chart(None, pts, None, tmp_path, plt, lat)
+    (texts,) = seen.values()
+    assert "latency.png" in seen and not [t for t in texts if "throughput" in t.lower()]
+    assert "latency" in texts[0] and "predicted faster" in texts[0]
+    assert lat.shown(0.5) == 2.0 and "lower is better" in lat.column

@@ -95,7 +95,9 @@ def test_a_stage_added_in_one_place_runs_resumes_is_priced_and_reported(tmp_path
 
 
 @pytest.mark.parametrize("name", ["demo-cpu", "demo-cpu-active", "demo-cpu-targets", "demo-cpu-online",
-                                  "paper-1b-rehearsal", "paper-3b-rehearsal"])
+                                  "paper-1b-rehearsal", "paper-3b-rehearsal", "paper-1b-workload-offline-4k-1k",
+                                  "paper-1b-workload-chat", "paper-1b-workload-long-context",
+                                  "paper-1b-workload-single-stream"])
 def test_the_example_studies_resume_with_no_stage_redone(name):
     """The example studies under results/examples resume with their configs and redo nothing: the
     stage records fingerprint what the folders recorded (planned, nothing written)."""

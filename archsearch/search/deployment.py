@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from archsearch.benchmarks.base import backend_class
-from archsearch.benchmarks.workloads import get_workload
+from archsearch.benchmarks.workloads import ObjectiveWords, get_workload, objective_words
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import check_name
 from archsearch.hardware import device_key
@@ -75,6 +75,21 @@ def target_objective(t: DeploymentTarget) -> str:
     if t.workload is None:
         return "throughput"
     return get_workload(t.workload).objective
+
+
+def study_objective(cfg) -> ObjectiveWords:
+    """What a study's ratios compare, in the words its figures and report use: its targets' objective
+    (one shared by all; ``mixed`` where they differ), else an online study's ``measure.objective``, else
+    output tokens/s."""
+    m = cfg.measure
+    if m.targets:
+        objectives = {target_objective(t) for t in m.targets}
+        if len(objectives) > 1:
+            return objective_words("mixed")
+        (objective,) = objectives
+        slo = next((get_workload(t.workload).slo for t in m.targets if t.workload is not None), None)
+        return objective_words(objective, slo)
+    return objective_words(m.objective, m.slo if m.online else None)
 
 
 def check_deployment_targets(measure) -> None:

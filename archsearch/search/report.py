@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 from archsearch.arch import ArchSpec, describe
 from archsearch.benchmarks.base import backend_packages
+from archsearch.benchmarks.workloads import ObjectiveWords, objective_words
 from archsearch.configio import redact, to_dict
 from archsearch.figures import legend, log_axis, save, styled
 from archsearch.fileio import atomic_write, read_jsonl_lines, write_json, write_table
@@ -19,6 +21,7 @@ from archsearch.search.answer import Answer, predicted_interval
 from archsearch.search.checks import baseline_loss, baseline_note
 from archsearch.search.margins import describe_margin
 from archsearch.search.constraint import loss_margin
+from archsearch.search.deployment import study_objective
 from archsearch.search.objective import trial_is_feasible, was_measured
 from archsearch.search.solution import calibration_label
 from archsearch.search.storage import storage_url
@@ -134,13 +137,14 @@ def write_trials_csv(study, path: Path) -> None:
 
 
 @styled
-def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
+def _plots(ctx, study, chosen, base_point, out: Path, words: ObjectiveWords) -> list[str]:
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
     made = []
-    # 1. Pareto frontier: throughput (ratio to the baseline, paired, with its interval) vs
-    # predicted loss, the front as a step line, points tied with the best ringed
+    # 1. Pareto frontier: the objective (ratio to the baseline, paired, with its interval) vs
+    # predicted loss, the front as a step line, points tied with the best ringed; every axis and
+    # title names the study's objective (``words``), never throughput for a goodput or latency study
     pts = [_point(t) | {"feasible": trial_is_feasible(t)} for t in _complete(study)]
     paired = any(p["ratio"] for p in pts)
     y = (lambda p: p["ratio"]["ratio"]) if paired else (lambda p: p["throughput"])  # noqa: E731
@@ -174,39 +178,42 @@ def _plots(ctx, study, chosen, base_point, out: Path) -> list[str]:
         ax.scatter([chosen.predicted_loss], [cy], marker="D", s=90, c="tab:green", label="chosen", zorder=6)
     ax.set_xlabel("predicted loss")
     predicted = any((p["ratio"] or {}).get("predicted") for p in pts)
-    ax.set_ylabel(f"throughput / baseline's, predicted (no interval) (batch {ctx.ref_batch})" if predicted else
-                  f"throughput / baseline's, paired, {_level(pts)} interval (batch {ctx.ref_batch})" if paired
-                  else f"measured output tokens/s (batch {ctx.ref_batch})")
-    ax.set_title(f"{ctx.cfg.name}: throughput vs predicted loss")
+    ax.set_ylabel(f"{words.ratio}, predicted (no interval)" if predicted else
+                  f"{words.ratio}, paired, {_level(pts)} interval" if paired
+                  else f"measured {words.meaning}")
+    ax.set_title(f"{ctx.cfg.name}: {words.name} vs predicted loss" + (f" (batch {ctx.ref_batch})"
+                                                                      if words.objective == "throughput" else ""))
     legend(ax, fontsize=8)  # a one-shape front's step line draws nothing: no entry for it
     fig.tight_layout()
     made += _save(fig, out, "pareto", plt)
     if paired:
-        made += _ratio_chart(ctx, pts, chosen, out, plt)
+        made += _ratio_chart(ctx, pts, chosen, out, plt, words)
     # 2. U-curves of the law at the target budget
     marks = [("baseline", base_point["architecture"], "tab:orange")]
     if chosen:
         marks.append(("chosen", describe(chosen.spec), "tab:green"))
     made += _ucurves(ctx, out, plt, marks)
-    made += optuna_figures(study, out, plt)
+    made += optuna_figures(study, out, plt, words)
     plan = active_plan_summary(ctx.out)
     if plan is not None:
         made += active_plot(plan, out, plt)
     return made
 
 
-def optuna_figures(study, out: Path, plt) -> list[str]:
+def optuna_figures(study, out: Path, plt, words: ObjectiveWords | None = None) -> list[str]:
     """Optuna's own figures (``optuna.visualization.matplotlib``): the optimisation history and,
     with at least two completed trials that vary a knob, the knobs' importances (fANOVA) for the
-    first objective. A figure Optuna cannot draw for this study is left out, and said so."""
+    first objective, named by ``words`` (the study's objective) rather than the storage's metric name.
+    A figure Optuna cannot draw for this study is left out, and said so."""
     import warnings
 
     import optuna
     from optuna.trial import TrialState
     from optuna.visualization import matplotlib as ovm
 
-    name = (study.metric_names or ["objective"])[0]
-    target = (lambda t: t.values[0]) if len(study.directions) > 1 else None  # noqa: E731
+    name = f"{words.name} / baseline's" if words is not None else (study.metric_names or ["objective"])[0]
+    # always a target: without one, Optuna names the importances by the storage's metric name, not ``name``
+    target = (lambda t: t.values[0]) if len(study.directions) > 1 or words is not None else None  # noqa: E731
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     made = []
     with warnings.catch_warnings():
@@ -244,8 +251,9 @@ def _save(fig, out: Path, name: str, plt) -> list[str]:
     return [f"plots/{name}.png", f"plots/{name}.pdf"]
 
 
-def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
-    """Every measured shape's throughput ratio to the baseline with its interval, best first."""
+def _ratio_chart(ctx, pts, chosen, out: Path, plt, words: ObjectiveWords) -> list[str]:
+    """Every measured shape's ratio to the baseline (of the study's objective, ``words``) with its
+    interval, best first; written as ``plots/<objective>.png`` (``throughput.png``, ``goodput.png``...)."""
     shapes, seen = [], set()
     for p in sorted(pts, key=lambda p: -p["ratio"]["ratio"] if p["ratio"] else 0):
         key = json.dumps(p["spec"], sort_keys=True)
@@ -271,14 +279,14 @@ def _ratio_chart(ctx, pts, chosen, out: Path, plt) -> list[str]:
     ax.margins(x=0.15)
     ax.set_yticks(range(len(shapes)), labels, fontsize=8)
     ax.invert_yaxis()
-    meaning = {"tab:green": "green: significantly faster", "tab:red": "red: significantly slower",
-               "tab:gray": "grey: tied with the baseline", "tab:olive": "olive: predicted faster",
-               "tab:purple": "purple: predicted slower"}
+    meaning = {"tab:green": f"green: significantly {words.better}", "tab:red": f"red: significantly {words.worse}",
+               "tab:gray": "grey: tied with the baseline", "tab:olive": f"olive: predicted {words.better}",
+               "tab:purple": f"purple: predicted {words.worse}"}
     drawn = [meaning[c] for c in meaning if c in colors] + ["black line: the baseline"]  # only colours drawn
-    ax.set_xlabel(("throughput / baseline's, predicted by a formula (no noise: no interval);\n" if predicted else
-                   f"throughput / baseline's (paired, {_level(pts)} interval);\n") + ", ".join(drawn), fontsize=9)
+    ax.set_xlabel((f"{words.ratio}, predicted by a formula (no noise: no interval);\n" if predicted else
+                   f"{words.ratio} (paired, {_level(pts)} interval);\n") + ", ".join(drawn), fontsize=9)
     fig.tight_layout()
-    return _save(fig, out, "throughput", plt)
+    return _save(fig, out, words.name, plt)
 
 
 def _ucurves(ctx, out: Path, plt, marks: list[tuple[str, dict[str, Any], str]]) -> list[str]:
@@ -571,15 +579,16 @@ def _proxy_loss_txt(q: dict[str, Any] | None, g0: int) -> str:
     return f"{q['mean_loss']:.4f} ({q['mean_rel_diff']:+.2%}{noise} vs GQA {g0}, {q['pairs']} pairs)"
 
 
-def gqa_markdown(g: dict[str, Any]) -> list[str]:
-    """The local GQA search's table (each variant's predicted and proxy loss beside its throughput
-    ratio), how loss was checked, and why the walk stopped each way."""
+def gqa_markdown(g: dict[str, Any], words: ObjectiveWords | None = None) -> list[str]:
+    """The local GQA search's table (each variant's predicted and proxy loss beside its ratio of the
+    study's objective, ``words``), how loss was checked, and why the walk stopped each way."""
     g0 = g["baseline_gqa"]
-    lines = ["| GQA | heads/KV | pred. loss | feasible | proxy loss | tokens/s | vs baseline | vs start GQA | note |",
+    words = words or objective_words("throughput")
+    lines = [f"| GQA | heads/KV | pred. loss | feasible | proxy loss | {words.column} | vs baseline | vs start GQA | note |",
              "|---|---|---|---|---|---|---|---|---|"]
     for st in g["steps"]:
         pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
-        tp = f"{st['throughput']:.1f}" if st["throughput"] is not None else "-"
+        tp = _figure_cell(words, st["throughput"])
         r0, r1 = (_ratio_txt(st.get(k)) for k in ("ratio", "ratio_vs_start"))
         hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
         ql = "unverified" if g.get("loss_check") == "unverified" and st["feasible"] else \
@@ -692,12 +701,15 @@ def write_report(ctx, study, chosen: Answer | None, base: ArchSpec, state, gqa: 
     if plan is not None:
         summary["proxy_plan"] = {k: v for k, v in plan.items() if k != "pool"}
     write_trials_csv(study, out / "trials.csv")
-    summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots")
+    words = study_objective(cfg)
+    summary["objective"] = dataclasses.asdict(words)  # what every ratio, column and axis compares
+    summary["plots"] = _plots(ctx, study, chosen, base_point, out / "plots", words)
     if summary.get("targets"):
         t = summary["targets"]
         made = targets_figure(out / "plots" / "targets", [(row["shape"], row["per_target"]) for row in
                                                           [t["answer"], *t["pareto"][:3]]],
-                              f"throughput ratio per deployment target ({t['objective']} objective)")
+                              f"{words.name} ratio per deployment target\n(the objective: their {t['objective']})",
+                              words)
         summary["plots"] += [str(Path(p).relative_to(out)) for p in made]
     write_json(out / "summary.json", summary, default=str)
     atomic_write(out / "report.md", render_markdown(summary))
@@ -796,12 +808,13 @@ def _margin_cell(m: dict[str, Any] | None) -> str:
     return f"{m['margin']:+.2%} ({short}, P {m['p_within_target']:.2f})" + (" extrapolated" if m.get("extrapolated") else "")
 
 
-def _online_objective(on: dict[str, Any]) -> str:
-    """What an online study's ratios compare, in words."""
-    if on["objective"] == "goodput":
-        return (f"goodput (requests/s with TTFT <= {on['slo']['ttft_s']:g} s and TPOT <= "
-                f"{on['slo']['tpot_s'] * 1e3:g} ms)")
-    return "1 / mean end-to-end latency"
+def summary_objective(s: dict[str, Any]) -> ObjectiveWords:
+    """The words of a summary's objective (``summary.json``'s ``objective``; a summary written before
+    it was recorded: its online block's objective, else throughput)."""
+    if s.get("objective"):
+        return ObjectiveWords(**s["objective"])
+    on = s.get("online")
+    return objective_words(on["objective"], on.get("slo")) if on else objective_words("throughput")
 
 
 def _arch_line(a: dict[str, Any]) -> str:
@@ -836,6 +849,12 @@ def active_markdown(p: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _figure_cell(words: ObjectiveWords, score: float | None) -> str:
+    """One shape's figure in a table column headed ``words.column``."""
+    v = words.shown(score)
+    return "-" if not isinstance(v, (int, float)) else f"{v:.1f}" if words.objective == "throughput" else f"{v:.3g}"
+
+
 def _ratio_txt(q: dict[str, Any] | None) -> str:
     if not q:
         return "-"
@@ -844,16 +863,18 @@ def _ratio_txt(q: dict[str, Any] | None) -> str:
     return f"x{q['ratio']:.3f}, {q['level']:.0%} interval [{q['lo']:.3f}, {q['hi']:.3f}] over {q['n']} rounds"
 
 
-def ratio_verdict(q: dict[str, Any] | None) -> str:
+def ratio_verdict(q: dict[str, Any] | None, words: ObjectiveWords | None = None) -> str:
     """How a ratio to the baseline reads: a significance verdict for a measured ratio, the side
-    of 1 it falls on for a prediction (which has no noise to be significant against)."""
+    of 1 it falls on for a prediction (which has no noise to be significant against), in the words
+    of the study's objective (faster for throughput and latency, better for goodput)."""
+    better, worse = (words.better, words.worse) if words is not None else ("faster", "slower")
     if not q:
         return "not compared"
     if q.get("predicted"):
-        return ("predicted faster than the baseline" if q["ratio"] > 1 else
-                "predicted slower than the baseline" if q["ratio"] < 1 else "predicted equal to the baseline")
-    return ("**significantly faster** than the baseline" if q["significantly_faster"] else
-            "not significantly faster than the baseline")
+        return (f"predicted {better} than the baseline" if q["ratio"] > 1 else
+                f"predicted {worse} than the baseline" if q["ratio"] < 1 else "predicted equal to the baseline")
+    return (f"**significantly {better}** than the baseline" if q["significantly_faster"] else
+            f"not significantly {better} than the baseline")
 
 
 def paired_baseline_throughput(study, chosen: Answer | None) -> tuple[float | None, str | None]:
@@ -868,13 +889,14 @@ def paired_baseline_throughput(study, chosen: Answer | None) -> tuple[float | No
 
 def render_markdown(s: dict[str, Any]) -> str:
     lines = []
+    words = summary_objective(s)
     if s.get("measurement_note"):
         lines.append(f"**Note: {s['measurement_note']}.**\n")
     lines.append(f"# Study {s['study']}\n")
     if s.get("verify"):
         lines += head_to_head_markdown(s["verify"])
     if s.get("measured_params"):
-        lines.append(f"{'Goodput' if s.get('online') else 'Throughput'} was measured with every shape rebuilt at "
+        lines.append(f"{words.name.capitalize()} was measured with every shape rebuilt at "
                      f"N = {s['measured_params']:,.0f} "
                      "non-embedding parameters (`measure.params`; same d/sqrt(N), r and GQA); the loss "
                      "predictions and the shapes below are at the study's N.\n")
@@ -891,26 +913,26 @@ def render_markdown(s: dict[str, Any]) -> str:
             bc = ch.get("best_candidate") or {}
             q = bc.get("ratio") or {}
             lines += [
-                "**Answer: keep the baseline. No feasible shape measured significantly faster than it.**", "",
+                f"**Answer: keep the baseline. No feasible shape measured significantly {words.better} than it.**", "",
                 f"- Best feasible candidate: {_arch_line(bc['architecture'])}: "
-                f"{_online_objective(s['online']) if s.get('online') else 'throughput'} relative to the "
+                f"{words.meaning} relative to the "
                 f"baseline {_ratio_txt(q)}, " + (
-                    f"{ratio_verdict(q)}." if q.get("predicted") else
-                    "entirely below 1 (significantly slower)." if q.get("hi") is not None and q["hi"] < 1 else
+                    f"{ratio_verdict(q, words)}." if q.get("predicted") else
+                    f"entirely below 1 (significantly {words.worse})." if q.get("hi") is not None and q["hi"] < 1 else
                     "which includes 1 (a tie within the measurement's noise).")
                 if q else "", ""]
         else:
             q = ch.get("ratio")
-            verdict = ratio_verdict(q)
+            verdict = ratio_verdict(q, words)
             t = s.get("targets")
             pb = ch.get("baseline_throughput_same_rounds")
             on = s.get("online")
-            unit = "output tokens/s" if not on else (
-                "requests/s meeting the SLO" if on["objective"] == "goodput" else "per second of end-to-end latency")
-            fmt = ".3g" if on else ".1f"
-            same = ((f"; {(ch['throughput'] or float('nan')):{fmt}} {unit} beside the baseline's "
-                     f"{pb:{fmt}} in the same paired rounds (trial {ch['trial']})") if pb is not None else
-                    f"; {(ch['throughput'] or float('nan')):{fmt}} {unit}, the mean of its own rounds")
+            unit = {"goodput": "requests/s meeting the SLO", "latency": "s of end-to-end latency"}.get(
+                words.objective, "output tokens/s")
+            fmt = ".1f" if words.objective == "throughput" else ".3g"
+            same = ((f"; {(words.shown(ch['throughput']) or float('nan')):{fmt}} {unit} beside the baseline's "
+                     f"{words.shown(pb):{fmt}} in the same paired rounds (trial {ch['trial']})") if pb is not None else
+                    f"; {(words.shown(ch['throughput']) or float('nan')):{fmt}} {unit}, the mean of its own rounds")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
                 (f"- Over {len(t['targets'])} deployment targets (the {t['objective']} of their ratios, each "
@@ -922,13 +944,13 @@ def render_markdown(s: dict[str, Any]) -> str:
                   f"{on['n_requests']} requests per shape and round, max_num_seqs {b}), paired and alternating "
                   f"with the baseline: " if on else
                   f"- Measured with **{s['backend']}** at batch {b}, paired and interleaved with the baseline: ")) +
-                (f"{_online_objective(on)} **x{q['ratio']:.3f}** the baseline's (" if on else
-                 f"throughput **x{q['ratio']:.3f}** the baseline's (")
+                f"{words.meaning if words.objective != 'throughput' else 'throughput'} **x{q['ratio']:.3f}** "
+                f"the baseline's ("
                 + ("a formula's figure: no noise, so no interval" if q.get("predicted") else _ratio_txt(q))
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
                 + f"): {verdict}" + (same + "." if not t else ".")
                 if q else
-                f"- Measured with **{s['backend']}** at batch {b}: {(ch['throughput'] or float('nan')):.1f} tokens/s.",
+                f"- Measured with **{s['backend']}** at batch {b}: {_figure_cell(words, ch['throughput'])} {words.column}.",
                 f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
                 ""]
         lines += [f"- Predicted loss **{ch['predicted_loss']:.4f}**{iv(ch)} against the target "
@@ -944,9 +966,8 @@ def render_markdown(s: dict[str, Any]) -> str:
         lines += targets_markdown(s["targets"])
     lines += seeded_markdown(s)
     lines += ["## Baseline", "", _arch_line(base["architecture"]), ""]
-    fig, unit = ("goodput", "goodput req/s") if s.get("online") else ("throughput", "tokens/s")
-    lines += [f"## Feasible Pareto set ({fig} ratio to the baseline vs predicted loss)", "",
-              f"| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | {unit} | ratio [interval] "
+    lines += [f"## Feasible Pareto set ({words.name} ratio to the baseline vs predicted loss)", "",
+              f"| trial | hidden | heads/KV | ffn | r | d/sqrt(N) | pred. loss | margin to target | {words.column} | ratio [interval] "
               "| tied with best |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     front = s["pareto"]
@@ -957,25 +978,25 @@ def render_markdown(s: dict[str, Any]) -> str:
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "
-                     f"{_margin_cell(p.get('loss_margin'))} | {p['throughput']:{'.3g' if s.get('online') else '.1f'}} | {rt} | "
+                     f"{_margin_cell(p.get('loss_margin'))} | {_figure_cell(words, p['throughput'])} | {rt} | "
                      f"{tie} |")
     if "gqa_search" in s:
         g = s["gqa_search"]
         lines += ["", f"## Local GQA search (baseline GQA {g['baseline_gqa']})", "",
                   "Query heads traded against KV heads at a fixed attention share (N and r held).", ""]
-        lines += gqa_markdown(g)
+        lines += gqa_markdown(g, words)
     if "predict_rank_select" in s:
         p = s["predict_rank_select"]
         rel = (p.get("released") or {}).get("trial")
         lines += ["", f"## Predict-rank-select: the top {len(p['candidates'])} trained and evaluated "
                   f"({p.get('tasks')})", "", f"Release rule: {p['rule']}.", "",
-                  "| trial | hidden | heads/KV | ffn | tokens/s | pred. loss | held-out loss | downstream acc. | released |",
+                  f"| trial | hidden | heads/KV | ffn | {words.column} | pred. loss | held-out loss | downstream acc. | released |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for c in p["candidates"]:
             sp = c["spec"]
             f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
             lines.append(f"| {c['trial']} | {sp['hidden_size']} | {sp['n_heads']}/{sp['n_kv_heads']} | {sp['ffn']} | "
-                         f"{f(c.get('throughput'), '.1f')} | {f(c.get('predicted_loss'), '.4f')} | "
+                         f"{_figure_cell(words, c.get('throughput'))} | {f(c.get('predicted_loss'), '.4f')} | "
                          f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
                          f"{'**yes**' if c['trial'] == rel else ''} |")
     if s.get("proxy_plan"):

@@ -28,7 +28,7 @@ from archsearch.arch import ArchSpec
 from archsearch.benchmarks import BenchSettings, measure
 from archsearch.benchmarks.base import backend_class
 from archsearch.benchmarks.calibration import Calibration
-from archsearch.benchmarks.workloads import objective_score
+from archsearch.benchmarks.workloads import ObjectiveWords, objective_score, objective_words
 from archsearch.errors import ArchsearchError
 from archsearch.figures import save
 from archsearch.logs import get_logger
@@ -305,7 +305,8 @@ def targets_markdown(s: dict[str, Any]) -> list[str]:
     (measured with its interval, predicted marked), the aggregate and the binding target."""
     how = "worst" if s["objective"] == "worst" else "weighted geometric mean"
     lines = ["## Deployment targets", "",
-             f"Objective: the {how} of the throughput ratios to the baseline over the targets "
+             f"Objective: the {how} of the ratios to the baseline over the targets, each of its target's "
+             "objective (named in its line below) "
              f"(`optuna.target_objective: {s['objective']}`). Measured ratios carry their {s['level']:.0%} "
              "interval; predicted ones (the analytic roofline) are marked (pred.) and have none.", ""]
     lines += [f"- **{t['name']}** (weight {t['weight']:g}): {t['description']}" for t in s["targets"]] + [""]
@@ -330,8 +331,10 @@ def targets_markdown(s: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: str) -> list[str]:
-    """Each target's throughput ratio to the baseline for each shape (``shapes``: label and
+def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: str,
+                   words: ObjectiveWords | None = None) -> list[str]:
+    """Each target's ratio to the baseline (of the study's objective, ``words``: throughput when not
+    given) for each shape (``shapes``: label and
     per-target rows, the answer first): points on an axis around 1 (bars from 0 would hide 1.07
     against 1.18), measured ratios with their interval, predicted ones hollow and without one; the
     answer's binding target (its lowest ratio) shaded and named. Written as ``path`` .png and .pdf;
@@ -350,7 +353,7 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
     w = 0.8 / len(shapes)
     answer = [r for r in shapes[0][1] if r.get("ratio") is not None]
     binding = min(answer, key=lambda r: r["ratio"])["target"] if answer else None
-    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 4.5))
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 6.2))
     if binding is not None:
         ax.axvspan(names.index(binding) - 0.45, names.index(binding) + 0.45, color="tab:red", alpha=0.08,
                    label=f"binding target of {shapes[0][0]}: {binding}")
@@ -373,9 +376,10 @@ def targets_figure(path, shapes: list[tuple[str, list[dict[str, Any]]]], title: 
     ax.axhline(1.0, c="k", lw=0.8, ls="--", label="baseline")
     ax.margins(y=0.25)
     ax.set_xticks(x, [f"{n}\n(binding)" if n == binding else n for n in names])
-    ax.set_ylabel("throughput / baseline's (filled: measured, with interval)")
+    ax.set_ylabel(f"{(words or objective_words('throughput')).ratio}\n(filled: measured, with interval)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    # below the axes: inside, it covered points or the baseline line
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
     fig.tight_layout()
     png = save(fig, Path(path).with_suffix(".png"), dpi=120)
     return [str(png), str(png.with_suffix(".pdf"))]
