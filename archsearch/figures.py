@@ -98,6 +98,16 @@ def legend(ax, **kwargs):
     return ax.legend(*zip(*kept), **kwargs)
 
 
+def figures_mode() -> str:
+    """``ARCHSEARCH_FIGURES``: 'rendered' (the default) or 'unrendered'; any other value refused,
+    naming the variable. The CLI checks it before any work; ``save`` reads it at each figure."""
+    mode = os.environ.get("ARCHSEARCH_FIGURES", "rendered")
+    if mode not in ("rendered", "unrendered"):
+        raise ArchsearchError("ARCHSEARCH_FIGURES", f"{mode!r} is neither 'rendered' (the default) nor 'unrendered'",
+                              "set one of them, or unset it; 'unrendered' builds each figure and writes a line naming it")
+    return mode
+
+
 def save(fig, png: str | Path, dpi: int = 150) -> Path:
     """Write ``fig`` as ``png`` and as the same name with ``.pdf``; close it; return the PNG path.
 
@@ -110,11 +120,11 @@ def save(fig, png: str | Path, dpi: int = 150) -> Path:
 
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
-    mode = os.environ.get("ARCHSEARCH_FIGURES", "rendered")
-    if mode not in ("rendered", "unrendered"):
+    try:
+        mode = figures_mode()
+    except ArchsearchError:
         plt.close(fig)
-        raise ArchsearchError("ARCHSEARCH_FIGURES", f"{mode!r} is neither 'rendered' (the default) nor 'unrendered'",
-                              "set one of them, or unset it; 'unrendered' builds each figure and writes a line naming it")
+        raise
     if mode == "unrendered":
         for f in (png, png.with_suffix(".pdf")):
             with atomic_open(f, "wb") as fh:

@@ -101,6 +101,12 @@ def test_figures_switch_builds_unrendered_and_refuses_other_values(tmp_path, mon
         save(fig, tmp_path / "h.png")
     assert e.value.field == "ARCHSEARCH_FIGURES"
     assert not (tmp_path / "h.png").exists() and not plt.fignum_exists(fig.number)
+    # the CLI refuses it before any work: no study folder is made
+    from archsearch.cli import main
+
+    out = tmp_path / "study"
+    assert main(["search", "--config", "configs/demo-cpu.yaml", "--out", str(out)]) == 2
+    assert not out.exists()
 
 
 # the tests that read the rendered figures back; every other test here builds them unrendered

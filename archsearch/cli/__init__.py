@@ -26,6 +26,7 @@ from archsearch.cli._common import finite_float, json_stdout
 from archsearch.cli._examples import epilog
 from archsearch.configio import redact
 from archsearch.errors import ArchsearchError
+from archsearch.figures import figures_mode
 from archsearch.logs import configure
 
 
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(getattr(args, "verbosity", 0))
     previous = _terminate_like_interrupt()
     try:
+        figures_mode()  # an unknown ARCHSEARCH_FIGURES refused before any work, not at the report
         with json_stdout(bool(getattr(args, "json", False))):
             rc = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at the interpreter's exit
