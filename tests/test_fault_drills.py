@@ -64,7 +64,7 @@ def test_kill_9_of_the_measuring_process_leaves_no_engine_process_or_scratch_fol
     from archsearch.benchmarks.scratch import reap_stale
 
     # the run's own TMPDIR, short enough for a socket path inside its scratch folder (tmp_path is not)
-    scratch, pids = Path(tempfile.mkdtemp(prefix="drill-")), tmp_path / "pids"
+    scratch, pids = Path(tempfile.mkdtemp(prefix="d")), tmp_path / "pids"  # short: a socket path goes inside
     request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     if len(str(scratch)) > 30:
         pytest.skip(f"this machine's temporary folder is too long a path for a socket file inside a scratch "
