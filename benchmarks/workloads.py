@@ -156,6 +156,18 @@ class ObjectiveWords:
             return score
         return 1.0 / score if score else None
 
+    def unit(self) -> str:
+        """The unit of one shape's figure (``text``), in words."""
+        return {"goodput": "requests/s meeting the SLO", "latency": "s of end-to-end latency",
+                "mixed": "(each target's own objective)"}.get(self.objective, "output tokens/s")
+
+    def text(self, score: float | None) -> str:
+        """One shape's figure as its column states it (``shown``), formatted; ``-`` where there is none."""
+        v = self.shown(score)
+        if not isinstance(v, (int, float)):
+            return "-"
+        return f"{v:.1f}" if self.objective == "throughput" else f"{v:.3g}"
+
 
 def objective_words(objective: str, slo: Any = None) -> ObjectiveWords:
     """The words of one objective (``slo``: an :class:`SLO` or its dict, written into goodput's);

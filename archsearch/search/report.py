@@ -588,7 +588,7 @@ def gqa_markdown(g: dict[str, Any], words: ObjectiveWords | None = None) -> list
              "|---|---|---|---|---|---|---|---|---|"]
     for st in g["steps"]:
         pl = f"{st['predicted_loss']:.4f}" if st["predicted_loss"] is not None else "-"
-        tp = _figure_cell(words, st["throughput"])
+        tp = words.text(st["throughput"])
         r0, r1 = (_ratio_txt(st.get(k)) for k in ("ratio", "ratio_vs_start"))
         hk = f"{st.get('n_heads')}/{st.get('n_kv_heads')}" if st.get("n_heads") else "-"
         ql = "unverified" if g.get("loss_check") == "unverified" and st["feasible"] else \
@@ -849,12 +849,6 @@ def active_markdown(p: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _figure_cell(words: ObjectiveWords, score: float | None) -> str:
-    """One shape's figure in a table column headed ``words.column``."""
-    v = words.shown(score)
-    return "-" if not isinstance(v, (int, float)) else f"{v:.1f}" if words.objective == "throughput" else f"{v:.3g}"
-
-
 def _ratio_txt(q: dict[str, Any] | None) -> str:
     if not q:
         return "-"
@@ -927,12 +921,9 @@ def render_markdown(s: dict[str, Any]) -> str:
             t = s.get("targets")
             pb = ch.get("baseline_throughput_same_rounds")
             on = s.get("online")
-            unit = {"goodput": "requests/s meeting the SLO", "latency": "s of end-to-end latency"}.get(
-                words.objective, "output tokens/s")
-            fmt = ".1f" if words.objective == "throughput" else ".3g"
-            same = ((f"; {(words.shown(ch['throughput']) or float('nan')):{fmt}} {unit} beside the baseline's "
-                     f"{words.shown(pb):{fmt}} in the same paired rounds (trial {ch['trial']})") if pb is not None else
-                    f"; {(words.shown(ch['throughput']) or float('nan')):{fmt}} {unit}, the mean of its own rounds")
+            same = ((f"; {words.text(ch['throughput'])} {words.unit()} beside the baseline's "
+                     f"{words.text(pb)} in the same paired rounds (trial {ch['trial']})") if pb is not None else
+                    f"; {words.text(ch['throughput'])} {words.unit()}, the mean of its own rounds")
             lines += [
                 f"**Answer:** {_arch_line(ch['architecture'])}.", "",
                 (f"- Over {len(t['targets'])} deployment targets (the {t['objective']} of their ratios, each "
@@ -950,7 +941,7 @@ def render_markdown(s: dict[str, Any]) -> str:
                 + (f", an engine-instance sd of {s['instance_sd']:.1%} included" if s.get("instance_sd") else "")
                 + f"): {verdict}" + (same + "." if not t else ".")
                 if q else
-                f"- Measured with **{s['backend']}** at batch {b}: {_figure_cell(words, ch['throughput'])} {words.column}.",
+                f"- Measured with **{s['backend']}** at batch {b}: {words.text(ch['throughput'])} {words.column}.",
                 f"- Chosen by: {ch.get('source')}. Config: `chosen/config.json` (loads in transformers and vLLM).",
                 ""]
         lines += [f"- Predicted loss **{ch['predicted_loss']:.4f}**{iv(ch)} against the target "
@@ -978,7 +969,7 @@ def render_markdown(s: dict[str, Any]) -> str:
         tie = "best" if p is front[0] else ("yes" if tied_with(front[0], p) else "no")
         lines.append(f"| {p['trial']} | {a['hidden_size']} | {a['n_heads']}/{a['n_kv_heads']} | {a['ffn']} | "
                      f"{a['mlp_to_attn_ratio']:.2f} | {a['hidden_over_sqrt_n']:.4f} | {p['predicted_loss']:.4f} | "
-                     f"{_margin_cell(p.get('loss_margin'))} | {_figure_cell(words, p['throughput'])} | {rt} | "
+                     f"{_margin_cell(p.get('loss_margin'))} | {words.text(p['throughput'])} | {rt} | "
                      f"{tie} |")
     if "gqa_search" in s:
         g = s["gqa_search"]
@@ -996,7 +987,7 @@ def render_markdown(s: dict[str, Any]) -> str:
             sp = c["spec"]
             f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"  # noqa: E731
             lines.append(f"| {c['trial']} | {sp['hidden_size']} | {sp['n_heads']}/{sp['n_kv_heads']} | {sp['ffn']} | "
-                         f"{_figure_cell(words, c.get('throughput'))} | {f(c.get('predicted_loss'), '.4f')} | "
+                         f"{words.text(c.get('throughput'))} | {f(c.get('predicted_loss'), '.4f')} | "
                          f"{f(c.get('eval_loss'), '.4f')} | {f(c.get('downstream_accuracy'), '.4f')} | "
                          f"{'**yes**' if c['trial'] == rel else ''} |")
     if s.get("proxy_plan"):
