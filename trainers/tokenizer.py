@@ -100,8 +100,9 @@ def cached_tokenizer(name: str, cache_dir: Path, bpe_key: str | None = None):
     local HF cache), else None: nothing is trained, converted or downloaded."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if name.startswith("bpe:"):
-        folder = _bpe_folder(cache_dir, int(name[4:]), bpe_key or "")
+    vocab = declared_vocab_size(name)
+    if vocab is not None:
+        folder = _bpe_folder(cache_dir, vocab, bpe_key or "")
         return PreTrainedTokenizerFast.from_pretrained(str(folder)) if _whole_cache(folder) else None
     if name.lower() == "smollm2":
         folder = cache_dir / "tokenizers" / "smollm2"
@@ -123,8 +124,8 @@ def load_tokenizer(name: str, cache_dir: Path,
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if name.startswith("bpe:"):
-        vocab = int(name[4:])
+    vocab = declared_vocab_size(name)
+    if vocab is not None:
         if bpe_texts is None or bpe_key is None:
             raise ArchsearchError("data.tokenizer", "a BPE tokenizer needs training text")
         folder = _bpe_folder(cache_dir, vocab, bpe_key)
