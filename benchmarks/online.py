@@ -285,6 +285,41 @@ def run_load(url: str, model: str, load: ServingLoad, prompts: PromptSource, tim
                            predicted=False, keep_requests=True, failed=len(recs) - len(ok), **extra)
 
 
+# vLLM's engine processes keep busy-polling their shared-memory queue for a second after their last step before
+# they sleep (``SpinCondition.busy_loop_s = 1``, vllm/distributed/device_communicators/shm_broadcast.py). With
+# several servers on one machine, a run that starts on one server within that second shares the CPU with the
+# previous server's spin: in a validation on this 2-core machine (docs/benchmarks.md, "Is the simulator right?")
+# 14 of 30 online runs had their first requests held until ~1.0-1.1 s after the start. A run on another server
+# than the last one therefore starts only once that second has passed, where the last one is vLLM's.
+SERVER_SETTLE_S = {"vllm.entrypoints.openai.api_server": 1.25}
+
+
+def settle_s(server: Server) -> float:
+    """How long ``server``'s engine keeps the CPU busy after a run (:data:`SERVER_SETTLE_S`, by its entry point)."""
+    return max((t for entry, t in SERVER_SETTLE_S.items() if entry in server.argv), default=0.0)
+
+
+class Turns:
+    """Runs of :func:`run_load` on several servers one after another (shapes taking turns), each on a server
+    other than the last one's started once the last one has settled (:func:`settle_s` after that run ended)."""
+
+    def __init__(self, servers: list[Server]):
+        self.servers = servers
+        self._last: int | None = None
+        self._ended = 0.0
+
+    def run(self, i: int, load: ServingLoad, prompts: PromptSource, timeout_s: float = 600.0,
+            **extra: Any) -> ServingMetrics:
+        wait = self._ended + settle_s(self.servers[self._last]) - time.perf_counter() \
+            if self._last is not None and self._last != i else 0.0
+        if wait > 0:
+            time.sleep(wait)
+        try:
+            return run_load(self.servers[i].url, self.servers[i].model, load, prompts, timeout_s, **extra)
+        finally:
+            self._last, self._ended = i, time.perf_counter()
+
+
 # -- a sweep of rates over paired shapes -------------------------------------------------------------
 
 @dataclass
@@ -402,6 +437,7 @@ def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: Serving
     order_rec: list[list[int]] = []
     with served(specs, settings, load, port, log_dir) as (servers, info):
         prompts = PromptSource(min(s.vocab_size for s in specs), load.input_len, settings.seed)
+        turns = Turns(servers)
         t0 = time.perf_counter()
         for j, rate in enumerate(rates):
             for _ in range(rounds):
@@ -409,7 +445,7 @@ def measure_online(specs: list[ArchSpec], settings: BenchSettings, load: Serving
                 order_rec.append(order)
                 for i in order:
                     try:
-                        m = run_load(servers[i].url, servers[i].model, dataclasses.replace(load, rate=rate), prompts,
+                        m = turns.run(i, dataclasses.replace(load, rate=rate), prompts,
                                      settings.timeout_s)
                     except RuntimeError as e:
                         errors.append(f"shape {i} at {rate:g} requests/s: {e}")
@@ -503,6 +539,7 @@ def measure_paired_online(specs: list[ArchSpec], settings: BenchSettings, paired
         with served(specs, settings, load, port, log_dir) as (servers, started):
             info.update(started)
             prompts = PromptSource(min(s.vocab_size for s in specs), load.input_len, settings.seed)
+            turns = Turns(servers)
             t0 = time.perf_counter()
             while res.stop_reason is None:
                 k = len(res.rounds)
@@ -512,7 +549,7 @@ def measure_paired_online(specs: list[ArchSpec], settings: BenchSettings, paired
                 order = alternating(len(specs), k)
                 res.online.setdefault("order", []).append(order)  # the group's shapes, in the order they ran
                 for i in order:
-                    m = run_load(servers[i].url, servers[i].model, run, prompts, settings.timeout_s)
+                    m = turns.run(i, run, prompts, settings.timeout_s)
                     row[i], floored = round_score(objective, m)
                     res.online["floored_rounds"] += int(floored)
                     kept[i] = {f: getattr(m, f) for f in ROUND_FIELDS}

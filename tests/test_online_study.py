@@ -261,3 +261,35 @@ def test_online_report_says_goodput():
     line = next(x for x in render_markdown(won).splitlines() if x.startswith("- Measured online"))
     assert "vllm**'s server at 1 requests/s (Poisson, 12 requests per shape and round, max_num_seqs 4)" in line
     assert "1 requests/s meeting the SLO beside the baseline's 0.6" in line
+
+
+def test_a_run_on_another_server_waits_out_the_last_vllm_servers_busy_second(monkeypatch):
+    """Shapes taking turns: a run on a server other than the last one's starts once the last one's engine has
+    stopped busy-polling (vLLM's ``busy_loop_s``, ``online.SERVER_SETTLE_S``); the same server again, or a last
+    server that is not vLLM's, starts at once."""
+    from archsearch.benchmarks import online
+
+    slept, clock = [], [100.0]
+    monkeypatch.setattr(online, "run_load", lambda url, *a, **k: url)
+    monkeypatch.setattr(online.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(online.time, "sleep", slept.append)
+
+    def server(name, entry):
+        return online.Server(f"http://{name}", "m", 1, 0.0, [sys.executable, "-m", entry, "--port", "1"], {})
+
+    settle = online.SERVER_SETTLE_S["vllm.entrypoints.openai.api_server"]
+    vllm_a, vllm_b = server("a", "vllm.entrypoints.openai.api_server"), server("b", "vllm.entrypoints.openai.api_server")
+    stub = server("s", "stub_server")
+    turns = online.Turns([vllm_a, vllm_b, stub])
+    assert turns.run(0, None, None) == "http://a" and slept == []  # the first run: nothing to wait for
+    clock[0] += 0.25
+    assert turns.run(1, None, None) == "http://b"
+    assert slept == [pytest.approx(settle - 0.25)]  # a's engine spins on for the rest of its second
+    clock[0] += 0.1
+    turns.run(1, None, None)
+    assert len(slept) == 1  # the same server again: no wait
+    clock[0] += settle + 1
+    turns.run(2, None, None)
+    assert len(slept) == 1  # b settled long ago: no time left to wait
+    turns.run(0, None, None)
+    assert len(slept) == 1  # after the stub (no engine spinning): no wait at all

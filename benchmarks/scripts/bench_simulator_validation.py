@@ -50,7 +50,7 @@ from archsearch.benchmarks.base import BatchResult, BenchResult, BenchSettings
 from archsearch.benchmarks.calibration import Calibration
 from archsearch.benchmarks.calibration_fit import fit_calibration, summary
 from archsearch.benchmarks.engine_loop import PromptSource
-from archsearch.benchmarks.online import alternating, run_load, served
+from archsearch.benchmarks.online import Turns, alternating, run_load, served
 from archsearch.benchmarks.simulator import SLO, ServingLoad, simulate
 from archsearch.errors import ArchsearchError
 from archsearch.hardware import get_device
@@ -329,12 +329,12 @@ def measure(specs, names, settings, load, batches, fractions, repeats, rounds=1,
         for i, server in enumerate(servers):  # warm-up: the first requests of a fresh server run slow
             run_load(server.url, server.model, dataclasses.replace(load, n_requests=load.max_num_seqs, rate=None,
                                                                   slo=None), prompts)
+        turns = Turns(servers)  # a run on another server than the last waits out that one's busy-polling second
         runs: dict[tuple[str, int], list[dict]] = {}
         for rep in range(repeats):  # 1. static batches, the shapes taking turns, every size `repeats` times
             for k, b in enumerate(batches):
                 for i in alternating(len(specs), k + rep):
-                    m = run_load(servers[i].url, servers[i].model, dataclasses.replace(load, n_requests=b, rate=None,
-                                                                                       slo=None), prompts)
+                    m = turns.run(i, dataclasses.replace(load, n_requests=b, rate=None, slo=None), prompts)
                     runs.setdefault((names[i], b), []).append({**m.to_dict(), "load_average": os.getloadavg()})
                     print(f"static batch {b:>3} {names[i]}: {m.output_throughput:.0f} tok/s", flush=True)
         for (n, b), ms in runs.items():  # the run of median throughput (one whole run: its TTFT and TPOT with it)
@@ -349,7 +349,7 @@ def measure(specs, names, settings, load, batches, fractions, repeats, rounds=1,
                 for i in alternating(len(specs), rnd):
                     n = names[i]
                     rate = round(probe_fraction * rates[n][0] / fractions[0], 3)
-                    m = run_load(servers[i].url, servers[i].model, dataclasses.replace(
+                    m = turns.run(i, dataclasses.replace(
                         load, n_requests=probe_requests, rate=rate, seed=load.seed + 1000 + rnd, slo=None), prompts)
                     probes[n].append({**m.to_dict(), "load_average": os.getloadavg(), "round": rnd})
                     print(f"probe {n} at {rate:g}/s: TTFT p50 {m.ttft_p50 * 1e3:.0f} ms, TPOT p50 "
@@ -357,7 +357,7 @@ def measure(specs, names, settings, load, batches, fractions, repeats, rounds=1,
             for j in range(len(fractions)):
                 for i in alternating(len(specs), j + rnd):
                     n = names[i]
-                    m = run_load(servers[i].url, servers[i].model, dataclasses.replace(load, rate=rates[n][j]), prompts)
+                    m = turns.run(i, dataclasses.replace(load, rate=rates[n][j]), prompts)
                     per_round[n][j].append({**m.to_dict(), "load_average": os.getloadavg(), "round": rnd})
                     print(f"online {n} at {rates[n][j]:g}/s, round {rnd + 1}/{rounds}: {m.request_throughput:.2f} "
                           f"requests/s, TTFT p50 {m.ttft_p50 * 1e3:.0f} ms, TPOT p50 {m.tpot_p50 * 1e3:.1f} ms",
