@@ -25,23 +25,29 @@ REPO = Path(__file__).resolve().parent.parent
 def _config(tmp_path: Path, cluster: dict | None = None) -> Path:
     """configs/ci-cluster.yaml with its study folder under ``tmp_path`` (``cluster``: settings
     of its cluster section to change), its proxies trained on half the tokens with half the
-    evaluation batches and its law fitted with fewer bootstrap resamples: the same jobs, workers
-    and measurements, less arithmetic in each (what the test checks is counts, not losses)."""
+    evaluation batches, its law fitted with fewer bootstrap resamples and its comparisons paired
+    over the fewest rounds (2): the same jobs, workers and measurements, less arithmetic in each
+    (what the test checks is counts, not losses or speeds)."""
     cfg = yaml.safe_load((REPO / "configs" / "ci-cluster.yaml").read_text())
     cfg["out"] = str(tmp_path / "study")
     cfg["proxy"]["sweep"]["train"].update(tokens_per_param=0.25, eval_batches=2)
     cfg["tokens"] = cfg["params"] * 0.25  # the law's best-observed reference: the proxies' own D
     cfg["law"]["fit"]["bootstrap"] = 5
+    cfg["measure"]["paired"] = {"min_rounds": 2, "max_rounds": 2}
     cfg["cluster"].update(cluster or {})
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
+# the coordinators' report figures built from the study but not rendered (the product's switch,
+# archsearch.figures.save; ~10-20 s of CPU a study): the drill's subject is the jobs, not the figures
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", ARCHSEARCH_FIGURES="unrendered")
+
+
 def _coordinator(cfg: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "archsearch", "search", "--config", str(cfg)], cwd=REPO,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
@@ -70,7 +76,7 @@ def killed_and_resumed(tmp_path: Path, cluster: dict | None = None) -> None:
     assert len(list(runs.glob("*/run.json"))) < 6  # jobs were still running when it died
 
     again = subprocess.run([sys.executable, "-m", "archsearch", "search", "--config", str(cfg)], cwd=REPO,
-                           capture_output=True, text=True, timeout=900, check=False)
+                           env=ENV, capture_output=True, text=True, timeout=900, check=False)
     assert again.returncode == 0, again.stderr
     assert "still running from an earlier coordinator" in again.stderr
     ledger = json.loads((jobs / "ledger.json").read_text())
