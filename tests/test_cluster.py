@@ -168,7 +168,9 @@ def test_two_workers_share_a_postgresql_study(tmp_path, postgres):
     from test_search import _start, study_config
 
     cfg = study_config(tmp_path, measure={"bench": {"backend": "hf", "device_spec": None, "batch_sizes": [2],
-                                                    "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0}},
+                                                    "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0},
+                                          # a shared storage, not precision: the fewest paired rounds
+                                          "paired": {"min_rounds": 2, "max_rounds": 2}},
                        optuna={"storage": postgres, "n_shapes": 4, "seed": 3, "enqueue_solution": 1},
                        gqa_search={"enabled": False})
     procs = [_start(cfg["_path"]) for _ in range(2)]

@@ -98,12 +98,12 @@ def cached_tokenizer(name: str, cache_dir: Path, bpe_key: str | None = None):
     """The tokenizer named by ``DataConfig.tokenizer`` if it is there without any work (a BPE
     tokenizer already trained into ``cache_dir``, SmolLM2's converted, a hub tokenizer in the
     local HF cache), else None: nothing is trained, converted or downloaded."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     vocab = declared_vocab_size(name)
     if vocab is not None:
         folder = _bpe_folder(cache_dir, vocab, bpe_key or "")
-        return PreTrainedTokenizerFast.from_pretrained(str(folder)) if _whole_cache(folder) else None
+        return _fast_tokenizer_class().from_pretrained(str(folder)) if _whole_cache(folder) else None
+    from transformers import AutoTokenizer  # (not for a BPE: see _fast_tokenizer_class)
+
     if name.lower() == "smollm2":
         folder = cache_dir / "tokenizers" / "smollm2"
         return AutoTokenizer.from_pretrained(str(folder)) if _whole_cache(folder) else None
@@ -122,8 +122,6 @@ def load_tokenizer(name: str, cache_dir: Path,
     ``bpe:V`` needs ``bpe_texts`` (a callable yielding the training text) and ``bpe_key`` (a
     fingerprint of that text); the result is cached under ``cache_dir``.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     vocab = declared_vocab_size(name)
     if vocab is not None:
         if bpe_texts is None or bpe_key is None:
@@ -135,7 +133,8 @@ def load_tokenizer(name: str, cache_dir: Path,
                 raise ArchsearchError("data.tokenizer", f"the training text only supports "
                                       f"{len(tok)} BPE entries, not {vocab}", "use a smaller vocabulary")
             _atomic_dir_write(folder, tok.save_pretrained)
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        return _fast_tokenizer_class().from_pretrained(str(folder))
+    from transformers import AutoTokenizer  # (not for a BPE: see _fast_tokenizer_class)
 
     if name.lower() == "smollm2":
         folder = cache_dir / "tokenizers" / "smollm2"
@@ -161,6 +160,36 @@ def load_tokenizer(name: str, cache_dir: Path,
         raise ArchsearchError("data.tokenizer", f"{name!r} has no fast (Rust) tokenizer",
                               "packing relies on a fast tokenizer; pick another")
     return tok
+
+
+# the class names a saved fast tokenizer's tokenizer_config.json gives when it is the plain
+# tokenizers-backed class (a BPE of ours; transformers 5 calls it TokenizersBackend)
+PLAIN_FAST_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _fast_tokenizer_class():
+    """transformers' plain fast-tokenizer class, imported alone: ``transformers.AutoTokenizer``
+    imports its model factories, and with them torch, scikit-learn, scipy and pandas (~10 s of
+    CPU a process, measured), which a process that only reads a tokenizer (a study's
+    coordinator, a search worker, the planner) does not otherwise need."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast
+
+
+def load_saved_tokenizer(folder: str | Path):
+    """The tokenizer saved in ``folder``, as ``AutoTokenizer.from_pretrained`` loads it: where its
+    tokenizer_config.json names the plain fast class (the class AutoTokenizer would pick),
+    through that class without importing AutoTokenizer (see :func:`_fast_tokenizer_class`)."""
+    try:
+        named = json.loads((Path(folder) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in PLAIN_FAST_CLASSES:
+        return _fast_tokenizer_class().from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def fingerprint(tok) -> str:

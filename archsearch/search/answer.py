@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.arch import ArchSpec, describe, write_hf_config
+from archsearch.trainers.tokenizer import load_saved_tokenizer
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,8 @@ def write_chosen(ctx, out: Path, answer: Answer) -> Path:
     write_hf_config(spec, folder, dtype=dtype)
     tok = study_tokenizer(out)
     if tok is not None and not (folder / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
         with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=folder) as tmp:
-            AutoTokenizer.from_pretrained(str(tok)).save_pretrained(tmp)
+            load_saved_tokenizer(tok).save_pretrained(tmp)
             # moved in with tokenizer.json last: its presence marks the tokenizer complete
             for f in sorted(Path(tmp).iterdir(), key=lambda f: f.name == "tokenizer.json"):
                 os.replace(f, folder / f.name)
