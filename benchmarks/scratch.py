@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from archsearch.logs import get_logger
 
@@ -83,23 +83,44 @@ def reap_stale(root: str | Path | None = None) -> list[Path]:
     return removed
 
 
+def _segments_of(proc: Path) -> set[str]:
+    """The ``/dev/shm`` paths the process of ``proc`` (its ``/proc/<pid>`` folder) maps or holds
+    open; empty if it is gone or not this user's to read. A segment unlinked since is named as it was."""
+    held: set[str] = set()
+    with contextlib.suppress(OSError):
+        held.update(line.split(None, 5)[5].removesuffix(" (deleted)") for line in (proc / "maps").read_text().splitlines()
+                    if "/dev/shm/" in line and len(line.split(None, 5)) == 6)
+    with contextlib.suppress(OSError):
+        for fd in (proc / "fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd).removesuffix(" (deleted)")
+                if target.startswith("/dev/shm/"):
+                    held.add(target)
+    return held
+
+
 def segments_in_use() -> set[str]:
     """The ``/dev/shm`` paths some live process maps or holds open (of the processes this user
     may read: a segment of this user's is mapped by this user's processes or root's)."""
     used: set[str] = set()
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            used.update(line.split(None, 5)[5].removesuffix(" (deleted)") for line in (proc / "maps").read_text().splitlines()
-                        if "/dev/shm/" in line and len(line.split(None, 5)) == 6)
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("/dev/shm/"):
-                        used.add(target)
+        if proc.name.isdigit():
+            used |= _segments_of(proc)
     return used
+
+
+def segments_held_by(pids: Iterable[int]) -> set[str]:
+    """The ``/dev/shm`` paths the processes ``pids`` map or hold open: read just before they are
+    killed, the segments a kill could leave behind (those of other processes on the machine are
+    not among them)."""
+    return set().union(*(_segments_of(Path("/proc") / str(pid)) for pid in pids))
+
+
+def segments_left_unused(paths: Iterable[str]) -> set[str]:
+    """Those of ``paths`` (``/dev/shm`` paths, e.g. from :func:`segments_held_by`) that still exist
+    and that no live process maps or holds open: leaked."""
+    left = {p for p in paths if os.path.lexists(p)}
+    return left - segments_in_use() if left else left
 
 
 def reap_shared_memory(min_age_s: float = 60.0, only: set[str] | None = None, root: Path = SHM) -> list[Path]:

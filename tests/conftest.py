@@ -8,13 +8,14 @@ tests too (``pytest tests/test_drills.py`` runs the drills).
 
 The README's command runs it in three pytest-xdist workers (``-n 3``; ``--dist loadfile`` is in addopts):
 each test file is one group, run whole by one worker (its module fixtures, such as the drills'
-background runs, made once), except the files in :data:`SHARED_MEMORY_FILES`, which share one
-group and so never overlap one another (see there). Each worker has its own temporary folder
-(``TMPDIR``), so the scratch folders a killed run leaves are reaped, and reported, by that
-worker's later tests only, as in a serial run."""
+background runs, made once). Each worker has its own temporary folder (``TMPDIR``), so the
+scratch folders a killed run leaves are reaped, and reported, by that worker's later tests only,
+as in a serial run. ``/dev/shm`` is one folder for the whole machine: see :func:`dev_shm_alone`."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -31,12 +32,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Tests that start vLLM engines (which leave shared-memory segments in /dev/shm behind them) and
-# tests that check no segment is left unused after a kill, reap the new ones, or check that a
-# command's stderr is empty (a measurement reaps old unused segments and says so) must not
-# overlap: /dev/shm is one folder for the whole machine. They form one xdist group, one worker.
-SHARED_MEMORY_FILES = {"test_bench.py", "test_online.py", "test_drills.py", "test_fault_drills.py",
-                       "test_packaging.py"}
+# /dev/shm is one folder for the whole machine, and vLLM engines leave shared-memory segments in it
+# (reaped by the next measurement: it says so on stderr). The kill drills judge only the segments
+# their killed processes held (tests/test_drills.py, test_fault_drills.py), and the reaping tests
+# use segments of their own the measurements' reaper does not take, so those files run beside any
+# other. Where a test needs /dev/shm free of other engines' debris, it takes `dev_shm_alone`: this
+# lock, held shared by every test that starts a real vLLM engine (marked vllm), exclusive by it. The
+# file is in the machine's temporary folder, not a worker's: other pytest runs on the machine count too.
+DEV_SHM_LOCK = Path(tempfile.gettempdir()) / f"archsearch-tests-dev-shm-{os.getuid()}.lock"
 
 
 def _has_cuda() -> bool:
@@ -110,35 +113,45 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_vllm)
 
 
-def _group(nodeid: str) -> str:
-    """A test's group, which one worker runs whole: its file, or the shared-memory files' one."""
-    file = nodeid.split("::", 1)[0]
-    return "shared-memory" if Path(file).name in SHARED_MEMORY_FILES else file
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the shared-memory files as one file: xdist's own ``loadgroup``
-    cannot be used, its ``xdist_group`` marks do not take with pytest 9 (they rename the item's
-    ``_nodeid``, which pytest 9 no longer reads)."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class FileGroups(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return _group(nodeid)
-
-    return FileGroups(config, log)
-
-
 def _group_for_workers(items) -> None:
-    """The groups with the most slow tests go first (xdist hands the groups out in collection
+    """The files with the most slow tests go first (xdist hands the files out in collection
     order), so that the long ones start together instead of ending the run on one worker."""
     slow = {}
     for item in items:
-        slow[_group(item.nodeid)] = slow.get(_group(item.nodeid), 0) + ("slow" in item.keywords)
-    items.sort(key=lambda item: -slow[_group(item.nodeid)])  # stable: a file's own order holds
+        slow[item.path] = slow.get(item.path, 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's own order holds
+
+
+@contextlib.contextmanager
+def _dev_shm_lock(exclusive: bool):
+    with open(DEV_SHM_LOCK, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)  # released when the file closes
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _engines_share_dev_shm(request):
+    """A test that starts a real vLLM engine (marked vllm) holds :data:`DEV_SHM_LOCK` shared: such
+    tests run side by side, never while a test has /dev/shm alone."""
+    if "vllm" not in request.keywords:
+        yield
+        return
+    with _dev_shm_lock(exclusive=False):
+        yield
+
+
+@pytest.fixture
+def dev_shm_alone():
+    """/dev/shm with no engine of another test running, and no unused segment left by an earlier
+    one: :data:`DEV_SHM_LOCK` held exclusive, then the unused ``psm_*`` segments removed, as the next
+    measurement would remove them (a killed server's wait there until then). For a test whose
+    command measures and must say nothing on stderr: its measurement reaps old unused segments of
+    any process and says so."""
+    from archsearch.benchmarks.scratch import reap_shared_memory
+
+    with _dev_shm_lock(exclusive=True):
+        reap_shared_memory(0.0)
+        yield
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600, env: dict | None = None):

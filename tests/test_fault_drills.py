@@ -113,29 +113,88 @@ def test_an_engines_socket_files_go_to_its_scratch_folder_where_a_socket_path_fi
     assert engine_socket_env("/tmp/archsearch-bench-1-abcdefgh") == {}
 
 
-def test_shared_memory_an_engine_left_is_reaped_and_one_in_use_is_kept():
+def test_shared_memory_an_engine_left_is_reaped_and_one_in_use_is_kept(request):
     """A segment no process maps or holds (as a killed engine group leaves it) is removed with the
-    scratch; one a live process holds is kept."""
-    from multiprocessing import resource_tracker, shared_memory
+    scratch; one a live process maps, and one it holds open, are kept. They live in a folder of their
+    own in /dev/shm (a segment is a file there, as in /dev/shm itself): the measurements of other tests
+    running meanwhile reap /dev/shm's unused segments too, and could take the first before this reap does."""
+    from archsearch.benchmarks.scratch import SHM, reap_shared_memory
 
-    from archsearch.benchmarks.scratch import reap_shared_memory
-
-    leaked = shared_memory.SharedMemory(create=True, size=4096)
-    leaked.close()
-    resource_tracker.unregister(leaked._name, "shared_memory")  # nobody left to unlink it
-    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom multiprocessing import shared_memory\n"
-                               "s = shared_memory.SharedMemory(create=True, size=4096)\nprint(s.name, flush=True)\n"
-                               "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
-    used = holder.stdout.readline().strip()
+    root = Path(tempfile.mkdtemp(dir=SHM, prefix="archsearch-test-"))
+    request.addfinalizer(lambda: shutil.rmtree(root, ignore_errors=True))
+    leaked, mapped, opened = root / "psm_leaked", root / "psm_mapped", root / "psm_opened"
+    leaked.write_bytes(bytes(4096))  # made, then let go of by everyone, never unlinked
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\n"
+                               "f = open(sys.argv[1], 'w+b'); f.truncate(4096); m = mmap.mmap(f.fileno(), 4096)\n"
+                               "f.close(); g = open(sys.argv[2], 'w+b'); print('held', flush=True); time.sleep(120)\n",
+                               str(mapped), str(opened)], stdout=subprocess.PIPE, text=True)
     try:
-        removed = reap_shared_memory(0.0, only={leaked.name, used})
-        assert [p.name for p in removed] == [leaked.name]
-        assert (Path("/dev/shm") / used).exists() and not (Path("/dev/shm") / leaked.name).exists()
+        assert holder.stdout.readline().strip() == "held"
+        removed = reap_shared_memory(0.0, only={leaked.name, mapped.name, opened.name}, root=root)
+        assert removed == [leaked]
+        assert mapped.exists() and opened.exists() and not leaked.exists()
     finally:
         holder.kill()
         holder.wait()
-        (Path("/dev/shm") / used).unlink(missing_ok=True)
-        (Path("/dev/shm") / leaked.name).unlink(missing_ok=True)
+
+
+_MAKER = """import sys, time
+from multiprocessing import resource_tracker, shared_memory
+made = [shared_memory.SharedMemory(name=n, create=True, size=4096) for n in sys.argv[1:]]
+for m in made[:-1]:
+    resource_tracker.unregister(m._name, "shared_memory")  # a kill -9 of the group takes its tracker too
+made[-1].unlink()  # the last one cleaned up as it should be, still mapped
+print("made", flush=True)
+time.sleep(120)
+"""
+_ATTACHER = """import sys, time
+from multiprocessing import resource_tracker, shared_memory
+s = shared_memory.SharedMemory(name=sys.argv[1])
+resource_tracker.unregister(s._name, "shared_memory")  # the test unlinks it (Python < 3.13 tracks an attach too)
+print("attached", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_segments_a_killed_process_held_are_found_left_and_no_others():
+    """The drills' check on /dev/shm after a kill (:func:`segments_held_by` just before it,
+    :func:`segments_left_unused` after): a segment the killed process made with
+    ``multiprocessing.shared_memory`` and nobody unlinked is found left; one a live process still
+    maps, one the killed process had unlinked, and an unused one it never held (another process's
+    debris, as another test's engine leaves it meanwhile) are not. The names are not ``psm_*``: the
+    measurements of other tests running meanwhile reap unused ``psm_*`` segments, and could take the
+    leaked one before the check looks."""
+    import uuid
+    from multiprocessing import resource_tracker, shared_memory
+
+    from archsearch.benchmarks.scratch import SHM, segments_held_by, segments_left_unused
+
+    tag = f"archsearch-test-{uuid.uuid4().hex[:12]}"
+    leaked, shared, cleaned, foreign = (f"{tag}-{x}" for x in ("leaked", "shared", "cleaned", "foreign"))
+    other = shared_memory.SharedMemory(name=foreign, create=True, size=4096)
+    other.close()
+    resource_tracker.unregister(other._name, "shared_memory")
+    procs: list[subprocess.Popen] = []
+    try:
+        maker = subprocess.Popen([sys.executable, "-c", _MAKER, leaked, shared, cleaned], stdout=subprocess.PIPE,
+                                 text=True)
+        procs.append(maker)
+        assert maker.stdout.readline().strip() == "made"
+        procs.append(subprocess.Popen([sys.executable, "-c", _ATTACHER, shared], stdout=subprocess.PIPE, text=True))
+        assert procs[-1].stdout.readline().strip() == "attached"
+
+        held = segments_held_by([maker.pid])
+        assert {str(SHM / n) for n in (leaked, shared, cleaned)} <= held and str(SHM / foreign) not in held
+        os.kill(maker.pid, signal.SIGKILL)
+        maker.wait()
+        assert segments_left_unused(held) == {str(SHM / leaked)}
+        assert segments_held_by([maker.pid]) == set()  # a dead process holds nothing
+    finally:
+        for q in procs:
+            q.kill()
+            q.wait()
+        for n in (leaked, shared, cleaned, foreign):
+            (SHM / n).unlink(missing_ok=True)
 
 
 def test_one_hung_batch_size_keeps_the_others(tmp_path, monkeypatch, capsys):
@@ -283,7 +342,8 @@ def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
     an engine process measures: every descendant of the study (the engine, its workers, their
     children) is gone within seconds, and its scratch folders and shared-memory segments are
     left only for the next measurement to remove, which leaves no debris in /tmp or /dev/shm."""
-    from archsearch.benchmarks.scratch import reap_shared_memory, reap_stale, segments_in_use, shm_segments
+    from archsearch.benchmarks.scratch import (reap_shared_memory, reap_stale, segments_held_by, segments_left_unused,
+                                               shm_segments)
     from tests.test_search import _hf_cfg
 
     cfg = _hf_cfg(tmp_path, n_trials=3)
@@ -307,6 +367,7 @@ def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
     try:
         _wait(measuring, 240, "no engine process started")
         group = psutil.Process(study.pid).children(recursive=True)  # grandchildren included
+        held = segments_held_by([study.pid, *(p.pid for p in group)])  # what the kill could leave
         os.kill(study.pid, signal.SIGKILL)
         study.wait()
         _wait(lambda: all(_gone(p.pid) for p in group), 10,
@@ -319,9 +380,8 @@ def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
     assert {p.name for p in reap_stale(scratch)} >= set(left)
     reap_shared_memory(0.0, only=shm_segments() - shm_before)  # as the next measurement does
     assert not [p.name for p in scratch.iterdir() if p.name.startswith(f"archsearch-bench-{study.pid}-")]
-    # on a shared machine other processes' engines make segments meanwhile: those they use are theirs
-    in_use = {Path(p).name for p in segments_in_use()}
-    assert not shm_segments() - shm_before - in_use, "shared-memory segments of the killed study remain"
+    # only the killed processes' segments are judged: other tests' engines make and drop theirs meanwhile
+    assert not segments_left_unused(held), "shared-memory segments of the killed study remain"
 
 
 def test_a_failed_gqa_measurement_is_measured_again_on_resume(tmp_path, monkeypatch, capsys):

@@ -109,9 +109,12 @@ def test_wheel_holds_the_library_and_not_the_scripts(tmp_path):
     assert "archsearch/trainers/loop.py" in names and "archsearch/benchmarks/base.py" in names
 
 
-def test_installed_copy_runs_outside_a_repository_with_clean_output(tmp_path):
+def test_installed_copy_runs_outside_a_repository_with_clean_output(tmp_path, dev_shm_alone):
     """A non-editable install used from a folder that is no git repository: every ``--json`` prints
-    one document on stdout and nothing on stderr (no git chatter), and provenance says git is unknown."""
+    one document on stdout and nothing on stderr (no git chatter), and provenance says git is unknown.
+    The bench command's measurement reaps unused shared-memory segments of any process and says so:
+    ``dev_shm_alone`` (tests/conftest.py) keeps other tests' engines and their debris out of /dev/shm
+    meanwhile, as its own TMPDIR keeps their scratch folders away."""
     target, work = tmp_path / "site", tmp_path / "work"
     work.mkdir()
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
