@@ -267,6 +267,7 @@ def test_sglang_unavailable_here_says_so():
 
 # -- failures in the isolated child become data ---------------------------------------------
 
+@pytest.mark.usefixtures("dev_shm_alone")  # its stderr's last line is checked: no reap of another test's engine's segments
 def test_timeout_keeps_finished_batches(monkeypatch, capsys):
     monkeypatch.setitem(BACKENDS, "fake-hang", "tests.fakes:HangBackend")
     r = measure(TINY, BenchSettings(backend="fake-hang", batch_sizes=[1, 2], input_len=4,
