@@ -352,7 +352,7 @@ def measure(specs, names, settings, load, batches, fractions, repeats, rounds=1,
                     n = names[i]
                     rate = round(probe_fraction * rates[n][0] / fractions[0], 3)
                     m = turns.run(i, dataclasses.replace(
-                        load, n_requests=probe_requests, rate=rate, seed=load.seed + 1000 + rnd, slo=None), prompts)
+                        load, n_requests=probe_requests, rate=rate, seed=probe_seed(load, rnd), slo=None), prompts)
                     probes[n].append({**m.to_dict(), "load_average": os.getloadavg(), "round": rnd})
                     print(f"probe {n} at {rate:g}/s: TTFT p50 {m.ttft_p50 * 1e3:.0f} ms, TPOT p50 "
                           f"{m.tpot_p50 * 1e3:.1f} ms", flush=True)
@@ -379,14 +379,19 @@ def _rounds_record(rs: list[dict]) -> dict:
     return {"rounds": rs, **{k: float(np.median([r[k] for r in rs])) for k in keys}}
 
 
+def probe_seed(load: ServingLoad, rnd: int) -> int:
+    """The arrivals' seed of round ``rnd``'s probes (measured with it, simulated again with it)."""
+    return load.seed + 1000 + rnd
+
+
 def probe_points(probes: dict, load: ServingLoad) -> list[ServingPoint]:
     """A session's probes (:func:`measure`) as points to fit on: each with its own arrivals (seed) and rate."""
     out = []
     for n, runs in probes.items():
         for m in runs:
-            seed = load.seed + 1000 + m["round"]
             out.append(ServingPoint(n, 0, SHAPES[n], dataclasses.replace(
-                load, n_requests=m["n_requests"] + m.get("failed", 0), rate=m["rate"], seed=seed, slo=None), m))
+                load, n_requests=m["n_requests"] + m.get("failed", 0), rate=m["rate"], seed=probe_seed(load, m["round"]),
+                slo=None), m))
     return out
 
 
