@@ -43,15 +43,18 @@ def _config(tmp_path: Path, cluster: dict | None = None) -> Path:
 
 # the coordinators' report figures built from the study but not rendered (the product's switch,
 # archsearch.figures.save; ~10-20 s of CPU a study): the drill's subject is the jobs, not the figures
-ENV = dict(os.environ, PYTHONUNBUFFERED="1", ARCHSEARCH_FIGURES="unrendered")
+ENV_SET = {"PYTHONUNBUFFERED": "1", "ARCHSEARCH_FIGURES": "unrendered"}
 
 
 def _coordinator(cfg: Path, log: Path) -> subprocess.Popen:
     """``archsearch search`` on ``cfg``, its stderr into ``log`` (a file, not a pipe: a pipe that
-    nobody reads while it runs would stop it at its 64 KiB of progress lines)."""
+    nobody reads while it runs would stop it at its 64 KiB of progress lines). Its environment is
+    this process's at the call, not at this module's import: the Slurm drill's fixture sets
+    SLURM_CONF after another test file may have imported this module (sbatch without it looks for
+    a controller in DNS and fails)."""
     with log.open("w") as err:
         return subprocess.Popen([sys.executable, "-m", "archsearch", "search", "--config", str(cfg)], cwd=REPO,
-                                env=ENV, stdout=subprocess.DEVNULL, stderr=err)
+                                env=dict(os.environ, **ENV_SET), stdout=subprocess.DEVNULL, stderr=err)
 
 
 def _job_processes(jobs: Path) -> list:
