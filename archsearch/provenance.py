@@ -7,6 +7,7 @@ traced to the code, the engine versions and the hardware that produced it.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import platform
 import subprocess
@@ -53,7 +54,11 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+@functools.cache
 def git_revision() -> str | None:
+    """The checkout's revision (``-dirty`` with uncommitted changes to tracked files) as this
+    process first asks: its modules were loaded from that code, so it is read once a process (two
+    ``git`` processes; every measurement and stage record asks)."""
     root = Path(__file__).resolve().parent.parent
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
