@@ -10,15 +10,13 @@ The README's command runs it in three pytest-xdist workers (``-n 3``; ``--dist l
 each test file is one group, run whole by one worker (its module fixtures, such as the drills'
 background runs, made once). Each worker has its own temporary folder (``TMPDIR``), so the
 scratch folders a killed run leaves are reaped, and reported, by that worker's later tests only,
-as in a serial run. The files go to the workers longest first, by their seconds in ``tests/durations.json``
-(``--store-durations`` rewrites the files a run ran), so that the short ones fill the end. ``/dev/shm`` is one folder for the whole machine: see :func:`dev_shm_alone`."""
+as in a serial run. ``/dev/shm`` is one folder for the whole machine: see :func:`dev_shm_alone`."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -55,33 +53,6 @@ def _has_cuda() -> bool:
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="the full suite: also the tests marked slow (servers, drills, end-to-end studies)")
-    parser.addoption("--store-durations", action="store_true",
-                     help=f"write each test file's seconds in this run to {DURATIONS.name} (the workers' order)")
-
-
-# each test file's seconds (setup, call, teardown of its tests) in a full run on 2 cores, written by
-# ``pytest --full -n 3 --store-durations``: the workers take the longest files first (below)
-DURATIONS = Path(__file__).with_name("durations.json")
-_seconds: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report):
-    _seconds[report.fspath] = _seconds.get(report.fspath, 0.0) + report.duration
-
-
-def pytest_sessionfinish(session):
-    """``--store-durations``: the files this run ran replace theirs in :data:`DURATIONS`, the others kept."""
-    if session.config.getoption("--store-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        known = _stored_durations()
-        known.update({f: round(s, 1) for f, s in _seconds.items()})
-        DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
-
-
-def _stored_durations() -> dict[str, float]:
-    try:
-        return {str(f): float(s) for f, s in json.loads(DURATIONS.read_text()).items()}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
 
 
 def pytest_configure(config):
@@ -143,16 +114,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _group_for_workers(items) -> None:
-    """The longest files go first (xdist hands the files out in collection order: longest first
-    leaves the short ones to fill the end, rather than one worker finishing a long file alone),
-    by their seconds in :data:`DURATIONS`; a file not in it counts 30 s a slow test and 1 s any other."""
-    known = _stored_durations()
-    guess: dict[str, float] = {}
+    """The files with the most slow tests go first (xdist hands the files out in collection
+    order), so that the long ones start together instead of ending the run on one worker."""
+    slow = {}
     for item in items:
-        f = str(item.path.relative_to(REPO))
-        guess[f] = guess.get(f, 0.0) + (30.0 if "slow" in item.keywords else 1.0)
-    weight = {f: known.get(f, g) for f, g in guess.items()}
-    items.sort(key=lambda item: -weight[str(item.path.relative_to(REPO))])  # stable: a file's own order holds
+        slow[item.path] = slow.get(item.path, 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's own order holds
 
 
 @contextlib.contextmanager
