@@ -165,8 +165,7 @@ def postgres():
 def test_two_workers_share_a_postgresql_study(tmp_path, postgres):
     import optuna
     from optuna.trial import TrialState
-    from test_search import study_config
-    from test_search_workers import _start
+    from test_search import _start, study_config
 
     cfg = study_config(tmp_path, measure={"bench": {"backend": "hf", "device_spec": None, "batch_sizes": [2],
                                                     "input_len": 16, "output_len": 8, "repeats": 1, "warmup": 0},

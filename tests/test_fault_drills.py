@@ -344,7 +344,7 @@ def test_kill_9_of_a_study_while_it_measures_leaves_no_engine_behind(tmp_path):
     left only for the next measurement to remove, which leaves no debris in /tmp or /dev/shm."""
     from archsearch.benchmarks.scratch import (reap_shared_memory, reap_stale, segments_held_by, segments_left_unused,
                                                shm_segments)
-    from tests.test_search_workers import _hf_cfg
+    from tests.test_search import _hf_cfg
 
     cfg = _hf_cfg(tmp_path, n_trials=3)
     scratch = tmp_path / "tmp"
