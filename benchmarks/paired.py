@@ -117,7 +117,7 @@ def ratio_estimate(ref: list[float], other: list[float], level: float = 0.9,
     the per-round log ratios, widened by ``extra_var`` (a variance of the log ratio that the
     rounds do not see: the engines' instance effects). Identical pairs give a zero-width
     interval."""
-    from scipy import stats
+    from scipy.special import stdtrit
 
     if len(ref) != len(other) or not ref:
         raise ValueError("paired series must be non-empty and of equal length")
@@ -126,7 +126,7 @@ def ratio_estimate(ref: list[float], other: list[float], level: float = 0.9,
     if len(logs) < 2:
         return RatioEstimate(math.exp(m), 0.0, math.inf, level, len(logs))
     sd = math.sqrt(sum((x - m) ** 2 for x in logs) / (len(logs) - 1))
-    h = stats.t.ppf(0.5 + level / 2, len(logs) - 1) * math.sqrt(sd ** 2 / len(logs) + extra_var)
+    h = float(stdtrit(len(logs) - 1, 0.5 + level / 2)) * math.sqrt(sd ** 2 / len(logs) + extra_var)
     return RatioEstimate(math.exp(m), math.exp(m - h), math.exp(m + h), level, len(logs))
 
 

@@ -30,6 +30,12 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Figures are built but not rendered (the product's switch, archsearch.figures.save): every plotting
+# function still runs on its data, and each file holds a line naming the figure. Rendering (font
+# layout, PDF font subsetting) costs ~4-5 s of CPU a study report, in every process that writes one.
+# Set here, for the whole run and every process it starts (module fixtures' background studies
+# too); the tests that read rendered figures back are marked ``rendered_figures`` (_figures_as_marked).
+os.environ.setdefault("ARCHSEARCH_FIGURES", "unrendered")
 
 
 # /dev/shm is one folder for the whole machine, and vLLM engines leave shared-memory segments in it
@@ -127,6 +133,15 @@ def _dev_shm_lock(exclusive: bool):
     with open(DEV_SHM_LOCK, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)  # released when the file closes
         yield
+
+
+@pytest.fixture(autouse=True)
+def _figures_as_marked(request, monkeypatch):
+    """A test marked ``rendered_figures`` (one that reads a PNG or PDF back) renders its figures,
+    as a user's run does; every other builds them unrendered (ARCHSEARCH_FIGURES, above)."""
+    if "rendered_figures" in request.keywords:
+        monkeypatch.setenv("ARCHSEARCH_FIGURES", "rendered")
+    yield
 
 
 @pytest.fixture(autouse=True)

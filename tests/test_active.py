@@ -236,6 +236,7 @@ def _events(tmp_path):
     return [json.loads(x) for x in (tmp_path / "proxies" / "active" / "decisions.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.rendered_figures
 def test_driver_logs_decisions_and_stops_at_the_budget(tmp_path, fake_training):
     from archsearch.arch import training_flops
     from archsearch.configio import from_dict
@@ -368,6 +369,7 @@ def test_fit_profiled_scales_the_huber_delta_to_the_noise():
     assert acquisition.robust_scale(np.array([])) == 0.0
 
 
+@pytest.mark.rendered_figures
 def test_active_plot_names_an_optimum_outside_the_box_and_merges_repeated_runs(tmp_path):
     import matplotlib
 

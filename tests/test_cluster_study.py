@@ -41,9 +41,9 @@ def _config(tmp_path: Path, cluster: dict | None = None) -> Path:
     return path
 
 
-# the coordinators' report figures built from the study but not rendered (the product's switch,
-# archsearch.figures.save; ~10-20 s of CPU a study): the drill's subject is the jobs, not the figures
-ENV_SET = {"PYTHONUNBUFFERED": "1", "ARCHSEARCH_FIGURES": "unrendered"}
+# (the coordinators' report figures are built, not rendered, as in every test not marked
+# rendered_figures: tests/conftest.py)
+ENV_SET = {"PYTHONUNBUFFERED": "1"}
 
 
 def _coordinator(cfg: Path, log: Path) -> subprocess.Popen:

@@ -26,7 +26,6 @@ from archsearch.laws.synthetic import synthetic_runs
 from archsearch.rundata import write_runs
 from archsearch.search import pipeline
 from archsearch.search.config import LawConfig, load_study_config
-from tests.test_search import unrendered_figures
 
 TOY = "toy-quadratic"
 TRUTH = {"m": 1.05, "k1": 0.08, "x1s": 0.11, "k2": 0.03, "rs": 2.2}
@@ -97,12 +96,6 @@ class ToyBackend(Backend):
                                          total_throughput=tp, total_throughput_std=0.0).to_dict())
         return {"device": "toy", "dtype": "float32", "engine": {"model": "toy"}, "timing": {},
                 "per_batch": per_batch}
-
-
-@pytest.fixture(autouse=True)
-def _figures_unrendered(monkeypatch):
-    """The study's figures are built but not rendered here (test_search.unrendered_figures)."""
-    unrendered_figures(monkeypatch)
 
 
 @pytest.fixture

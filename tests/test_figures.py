@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.rendered_figures  # the figures are this file's subject
 
 
 @pytest.fixture

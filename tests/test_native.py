@@ -56,6 +56,7 @@ def test_json_stdout_carries_one_document(capfd):
     assert capfd.readouterr().out == "back to normal\n"
 
 
+@pytest.mark.rendered_figures
 def test_figures_saved_as_png_and_pdf_with_plain_log_ticks(tmp_path):
     from archsearch.figures import count, log_axis, save, styled
 
@@ -119,12 +120,10 @@ def test_optuna_n_trials_counts_trials_as_in_optuna_and_n_shapes_counts_shapes()
     assert renamed_optuna_keys(new) == (new, [])  # this version's config: nothing to say
 
 
-def test_a_search_says_why_it_stopped_and_labels_predictions(tmp_path, capsys, monkeypatch):
+def test_a_search_says_why_it_stopped_and_labels_predictions(tmp_path, capsys):
     """An analytic study (predictions, no noise): the search's last line says why it stopped, the
     report and the progress lines give the predicted ratio no interval and no significance, and
-    each tokens/s beside the chosen ratio comes from the chosen trial's own rounds. The report's
-    figures are built, not rendered (ARCHSEARCH_FIGURES; rendering: test_figures.py)."""
-    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
+    each tokens/s beside the chosen ratio comes from the chosen trial's own rounds."""
     import sys
     from pathlib import Path
 
@@ -291,6 +290,7 @@ def test_eval_writes_lm_eval_s_layout_quietly_and_resumes_from_its_request_cache
     assert again["archsearch"]["request_cache"] == cache[0].removesuffix("_rank0.db")
 
 
+@pytest.mark.rendered_figures
 def test_a_sweep_draws_its_loss_curves(tmp_path):
     """One line per run from its metrics.jsonl (a torn last line skipped), a panel per size."""
     import csv

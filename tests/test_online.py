@@ -180,6 +180,7 @@ def test_sglang_server_fails_clearly_without_a_gpu():
         check_engine("hf")
 
 
+@pytest.mark.rendered_figures
 def test_cli_simulated_sweep_writes_record_and_figure(tmp_path):
     out = tmp_path / "sweep.jsonl"
     r = subprocess.run([sys.executable, "-m", "archsearch", "bench", "--mode", "online", "--backend", "simulated",
@@ -208,6 +209,7 @@ VLLM_ARGS = [sys.executable, "-m", "archsearch", "bench", "--mode", "online", "-
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.rendered_figures
 def test_vllm_cpu_online_sweep(tmp_path, request):
     """One real vLLM-CPU server: a two-rate sweep measured end to end."""
     pytest.importorskip("vllm")

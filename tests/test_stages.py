@@ -15,13 +15,7 @@ import yaml
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import write_json
 from archsearch.search.config import ProxyConfig
-from tests.test_search import load, study_config, unrendered_figures
-
-
-@pytest.fixture(autouse=True)
-def _figures_unrendered(monkeypatch):
-    """The report's figures are built but not rendered here (test_search.unrendered_figures)."""
-    unrendered_figures(monkeypatch)
+from tests.test_search import load, study_config
 
 
 

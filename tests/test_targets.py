@@ -11,16 +11,7 @@ import math
 import pytest
 
 from archsearch.errors import ArchsearchError
-from tests.test_search import load, study_config, unrendered_figures
-
-
-@pytest.fixture(autouse=True)
-def _figures_unrendered(request, monkeypatch):
-    """The studies' figures are built but not rendered here (ARCHSEARCH_FIGURES,
-    test_search.unrendered_figures), but in the two-target study end to end, which renders
-    plots/targets.png (drawn by no other test)."""
-    if request.node.originalname != "test_two_target_study_end_to_end":
-        unrendered_figures(monkeypatch)
+from tests.test_search import load, study_config
 
 
 CAL = "configs/calibration/h200-vllm.json"
@@ -91,6 +82,7 @@ def test_aggregates():
     assert not c["significantly_faster"] and c["per_target"] == rows
 
 
+@pytest.mark.rendered_figures  # plots/targets.png, drawn by no other test
 def test_two_target_study_end_to_end(tmp_path):
     from optuna.trial import TrialState
 

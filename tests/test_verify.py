@@ -12,13 +12,7 @@ import pytest
 from archsearch.arch import ArchSpec
 from archsearch.errors import ArchsearchError
 from archsearch.search import verify as V
-from tests.test_search import load, study_config, unrendered_figures
-
-
-@pytest.fixture(autouse=True)
-def _figures_unrendered(monkeypatch):
-    """The report's figures are built but not rendered here (test_search.unrendered_figures)."""
-    unrendered_figures(monkeypatch)
+from tests.test_search import load, study_config
 
 
 TINY_TRAIN = {"tokens": 20480, "train": {"global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2, "cpu_threads": 1},

@@ -146,7 +146,7 @@ def compare_losses(ref: dict[tuple[int, int], float], var: dict[tuple[int, int],
     the mean's standard error (the slack is what the study tolerates, the margin what the noise
     could make of a tie: both are added, as the method states the stop rule): ``noise`` (the sd of one d) where given, else the d's own
     spread with Student's t (two pairs or more), else (one pair) the slack alone."""
-    from scipy import stats
+    from scipy.special import ndtri, stdtrit
 
     keys = sorted(k for k in var if k in ref and math.isfinite(var[k]) and math.isfinite(ref[k]))
     d = [var[k] / ref[k] - 1 for k in keys]
@@ -154,9 +154,9 @@ def compare_losses(ref: dict[tuple[int, int], float], var: dict[tuple[int, int],
         return {"pairs": 0, "worse": None, "slack": slack}
     n, m = len(d), statistics.fmean(d)
     if noise is not None:
-        sd, source, q = noise, "gqa_search.loss_noise", float(stats.norm.ppf(level))
+        sd, source, q = noise, "gqa_search.loss_noise", float(ndtri(level))
     elif n >= 2:
-        sd, source, q = statistics.stdev(d), f"spread of the {n} paired differences", float(stats.t.ppf(level, n - 1))
+        sd, source, q = statistics.stdev(d), f"spread of the {n} paired differences", float(stdtrit(n - 1, level))
     else:
         sd, source, q = None, "unknown (one paired run): the slack alone", 0.0
     margin = q * sd / math.sqrt(n) if sd is not None else 0.0

@@ -146,14 +146,14 @@ CLEARS, WITHIN, MISSES = "clears the target", "within the law's error of the tar
 def margin(law, spec: "ArchSpec", tokens: float, params: float, target: float,
            level: float | None = None) -> Margin:
     """The shape's margin and its verdict at ``level`` (default 0.9)."""
-    from scipy.stats import norm
+    from scipy.special import ndtri
 
     level = level or DEFAULT_LEVEL
     d = distribution(law, spec, tokens, params)
     p = d.p_below(target)
     verdict = CLEARS if p >= level else MISSES if p <= 1 - level else WITHIN
     return Margin(d.predicted, float(target), (target - d.predicted) / target, p, level, verdict,
-                  law_sd(law), d.bootstrap_sd, float(norm.ppf(level)) * d.total_sd / target)
+                  law_sd(law), d.bootstrap_sd, float(ndtri(level)) * d.total_sd / target)
 
 
 def describe_margin(m: dict[str, Any]) -> str:

@@ -57,7 +57,7 @@ ROLES = ("chosen", "baseline")
 
 def mean_interval(xs: list[float], level: float) -> dict[str, Any]:
     """Mean of ``xs`` with its two-sided Student-t ``level`` interval (none from one value)."""
-    from scipy import stats
+    from scipy.special import stdtrit
 
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
@@ -66,7 +66,7 @@ def mean_interval(xs: list[float], level: float) -> dict[str, Any]:
     if len(xs) < 2:
         return {"n": 1, "mean": m, "lo": None, "hi": None, "sd": None}
     sd = statistics.stdev(xs)
-    h = float(stats.t.ppf((1 + level) / 2, len(xs) - 1)) * sd / math.sqrt(len(xs))
+    h = float(stdtrit(len(xs) - 1, (1 + level) / 2)) * sd / math.sqrt(len(xs))
     return {"n": len(xs), "mean": m, "lo": m - h, "hi": m + h, "sd": sd}
 
 
