@@ -22,6 +22,7 @@ from archsearch.arch import ArchSpec
 from archsearch.benchmarks.base import Backend, Report, Session, resolve_dtype
 from archsearch.benchmarks.engine_loop import RequestTiming, process_tree_rss, run_batches
 from archsearch.hardware import cpu_name
+from archsearch.hf import without_sklearn
 
 
 class HFBackend(Backend):
@@ -37,6 +38,8 @@ class HFBackend(Backend):
     def open(self, job: dict[str, Any], report: Report) -> Session:
         """Load the model for ``job`` and return its :class:`Session`."""
         import torch
+
+        without_sklearn()
         import transformers
 
         s = job["settings"]

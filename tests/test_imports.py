@@ -26,9 +26,9 @@ import pytest
 HEAVY = ("torch", "vllm", "sglang", "transformers", "lm_eval", "optuna", "matplotlib", "submitit",
          "accelerate", "peft", "datasets", "scipy", "pandas", "psycopg2", "tokenizers")
 # small shared modules any package may use (errors, accounting, the named shapes, files, provenance, messages,
-# the runs table, the YAML reader, the bounds on counts)
+# the runs table, the YAML reader, the bounds on counts, what is done before transformers loads a model)
 BASE = {"_lazy", "errors", "arch", "presets", "configio", "fileio", "provenance", "hardware", "candidates", "logs",
-        "rundata", "yamlio", "bounds"}
+        "rundata", "yamlio", "bounds", "hf"}
 
 # module -> the archsearch subpackages it may import (besides itself and BASE), heavy modules it may import
 ALLOWED: dict[str, tuple[set[str], set[str]]] = {
@@ -218,3 +218,29 @@ def test_the_in_function_check_sees_each_form():
     assert in_function_project_imports(ROOT / "archsearch" / "search" / "_probe_for_test.py", text) == {
         ("archsearch/search/_probe_for_test.py", m)
         for m in ("archsearch.fileio", "archsearch.errors", "archsearch.search.report")}
+
+
+_NO_SKLEARN = """
+import json, sys
+from archsearch.arch import ArchSpec
+from archsearch.hf import without_sklearn
+from archsearch.trainers.loop import build_model
+
+build_model(ArchSpec(n_layers=1, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=128, vocab_size=128))
+from transformers.generation import candidate_generator
+loaded_first = "sklearn" in sys.modules
+import sklearn
+print(json.dumps({"sklearn_at_build": loaded_first, "assisted_calibration": candidate_generator.is_sklearn_available(),
+                  "again": without_sklearn()}))
+"""
+
+
+def test_a_model_loads_without_scikit_learn():
+    """archsearch.hf.without_sklearn: a proxy model built by the trainer (the call site every
+    training run takes) loads transformers' generation code without importing scikit-learn, which
+    transformers then sees as absent; with scikit-learn loaded, the switch does nothing."""
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-c", _NO_SKLEARN], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"sklearn_at_build": False, "assisted_calibration": False,
+                                                        "again": False}

@@ -42,6 +42,7 @@ from archsearch.configio import to_dict
 from archsearch.errors import ArchsearchError
 from archsearch.fileio import follow_umask, truncate_jsonl, write_json
 from archsearch.hardware import GPUS, detect_gpu_name, get_device, measure_cpu
+from archsearch.hf import without_sklearn
 from archsearch.modelcard import write_run_card
 from archsearch.provenance import provenance
 from archsearch.trainers.config import MAX_WARMUP_STEPS, DataConfig, TrainConfig, check_trackers
@@ -263,6 +264,8 @@ def _resolve_attn(tc: TrainConfig, cuda: bool) -> str:
 def build_model(spec: ArchSpec, attn_implementation: str = "sdpa"):
     """A randomly initialised HF causal LM (fp32 weights) from the spec's exported config."""
     import torch
+
+    without_sklearn()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(to_hf_config(spec, dtype="float32"))
@@ -282,6 +285,7 @@ def build_model(spec: ArchSpec, attn_implementation: str = "sdpa"):
 def _load_pretrained(model, folder: str) -> None:
     """Copy a Hugging Face folder's weights into ``model`` (built from the same spec): every
     tensor must be there with its shape, or this is an error, not a partial load."""
+    without_sklearn()
     from transformers import AutoModelForCausalLM
 
     src = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
@@ -508,6 +512,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
 
     import torch
     # imported before the clock starts, so the wall time is the run's, not the import's
+    without_sklearn()
     from transformers import AutoModelForCausalLM  # noqa: F401
     from accelerate import Accelerator
     from accelerate.utils import set_seed

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from archsearch.errors import ArchsearchError, MissingDependencyError
+from archsearch.hf import without_sklearn
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -120,6 +121,8 @@ def load_model(resolved: ResolvedModel, device: str | None = None):
     de-quantised by transformers (needs the ``gguf`` package). No remote code is run.
     """
     import torch
+
+    without_sklearn()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()

@@ -24,6 +24,7 @@ from archsearch.configio import normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.evaluation.models import ResolvedModel, check_device, default_device, resolve_model
 from archsearch.evaluation.suites import TASKS_DIR, check_task_names, expand_tasks, lm_eval_task_index, needs_hub
+from archsearch.hf import without_sklearn
 from archsearch.fileio import write_json
 from archsearch.provenance import provenance
 
@@ -96,6 +97,7 @@ def evaluate(model: str | Path, tasks: list[str] | str = "offline", *, backend: 
         raise ArchsearchError("model", f"{resolved.name!r} is a Hub id and huggingface.co cannot be "
                               "reached from here (or HF_HUB_OFFLINE is set)",
                               "download it where there is a network and pass its folder")
+    without_sklearn()  # before lm-eval's model classes load transformers'
     try:
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager

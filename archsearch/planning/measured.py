@@ -24,6 +24,7 @@ from typing import Any
 from archsearch.arch import ArchSpec, from_hf_config, to_hf_config, total_params
 from archsearch.errors import ArchsearchError
 from archsearch.evaluation.models import load_model, resolve_model
+from archsearch.hf import without_sklearn
 from archsearch.trainers.corpus import shakespeare_split
 from archsearch.trainers.loop import apply_lora
 
@@ -47,6 +48,8 @@ def _reset_peak() -> None:
 
 def _build(spec: ArchSpec):
     import torch
+
+    without_sklearn()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
