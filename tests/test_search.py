@@ -722,13 +722,17 @@ def test_a_killed_workers_trial_is_taken_over_within_30_s_and_measured(tmp_path)
              for log in logs]
     survivor, victim = procs
     try:
-        def victims_trial() -> int | None:  # the victim's running trial, once its engine measures
+        def victims_trial() -> int | None:
+            """The victim's running trial, once its engine measures and the survivor runs trials of its
+            own (it watches its peers from then on; a kill before that would be found by the survivor's
+            opening of the study instead: the same recovery by another path, not the one drilled)."""
             assert survivor.poll() is None and victim.poll() is None, (logs[0].read_text(), logs[1].read_text())
-            mine = [n for n, t in _trials(db).items()
-                    if t["state"] == "RUNNING" and t.get("worker", {}).get("pid") == victim.pid]
+            trials = _trials(db).items()
+            mine = [n for n, t in trials if t["state"] == "RUNNING" and t.get("worker", {}).get("pid") == victim.pid]
+            watching = any(t.get("worker", {}).get("pid") == survivor.pid for _, t in trials)
             engines = [k for k in psutil.Process(victim.pid).children()
                        if "archsearch.benchmarks.isolate" in " ".join(k.cmdline())]
-            return mine[0] if mine and engines else None
+            return mine[0] if mine and watching and engines else None
 
         deadline = time.time() + 300
         while (dead := victims_trial()) is None:
