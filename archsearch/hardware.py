@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,9 +110,22 @@ def detect_gpu_name(cuda_name: str) -> str | None:
     return None
 
 
+# a GPU driver's device nodes (NVIDIA's, AMD's ROCm, WSL's): torch sees a CUDA device only where one exists
+GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def torch_may_see_a_gpu() -> bool:
+    """Whether only torch can tell if a CUDA GPU is here: it is loaded already (asking is free), or a
+    GPU driver's device node exists. Where neither, there is none, and asking would load torch for
+    it (~3 s of CPU on 2 cores, in processes that need torch for nothing else)."""
+    return "torch" in sys.modules or any(os.path.exists(p) for p in GPU_NODES)
+
+
 def local_device_name() -> str | None:
     """The device this process would measure on: the first CUDA GPU's table name (None when
     it is not in the table), or ``cpu`` where there is no CUDA GPU."""
+    if not torch_may_see_a_gpu():
+        return "cpu"
     import torch
 
     if torch.cuda.is_available():

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from archsearch.errors import redact
-from archsearch.hardware import cpu_name, detect_gpu_name
+from archsearch.hardware import cpu_name, detect_gpu_name, torch_may_see_a_gpu
 
 CORE_PACKAGES = ("archsearch", "torch", "transformers", "numpy", "scipy", "optuna",
                  "accelerate", "datasets")
@@ -34,18 +34,14 @@ def package_versions(names: Iterable[str]) -> dict[str, str | None]:
     return out
 
 
-# a GPU driver's device nodes (NVIDIA's, AMD's ROCm, WSL's): torch sees a CUDA device only where one exists
-GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
-
-
 def device_info() -> dict[str, Any]:
     """The accelerator in use (CUDA name, count, memory) or the CPU, with torch's thread count.
 
     On a machine with no GPU device node, a process that has not loaded torch is described without
-    loading it (~3 s of CPU on 2 cores, in every study coordinator's stage records): nothing it
-    computed ran on torch's threads, which are then ``None``."""
+    loading it (:func:`archsearch.hardware.torch_may_see_a_gpu`; every study coordinator's stage
+    records ask): nothing it computed ran on torch's threads, which are then ``None``."""
     info: dict[str, Any] = {"cpu": cpu_name()}
-    if "torch" not in sys.modules and not any(os.path.exists(p) for p in GPU_NODES):
+    if not torch_may_see_a_gpu():
         return {**info, "type": "cpu", "name": info["cpu"], "threads": None}
     try:
         import torch

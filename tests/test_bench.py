@@ -94,28 +94,29 @@ def test_provenance_records_the_environment_that_changes_engine_speed(monkeypatc
 
 _DEVICE = """
 import json, sys
-from archsearch import provenance
-provenance.GPU_NODES = tuple(sys.argv[1:])
+from archsearch import hardware, provenance
+hardware.GPU_NODES = tuple(sys.argv[1:])
+name = hardware.local_device_name()
 first = provenance.device_info()
 torch_loaded = "torch" in sys.modules
 import torch
-print(json.dumps({"first": first, "torch_loaded": torch_loaded, "then": provenance.device_info(),
+print(json.dumps({"first": first, "name": name, "torch_loaded": torch_loaded, "then": provenance.device_info(),
                   "threads": torch.get_num_threads()}))
 """
 
 
 @pytest.mark.parametrize("gpu_node", [False, True])
 def test_device_info_loads_torch_only_where_it_can_say_more(tmp_path, gpu_node):
-    """A process without torch on a machine with no GPU device node is described as its CPU, torch
-    neither loaded nor its threads invented; once torch is loaded, or where a GPU node exists (here
-    a stand-in file), torch describes the device as before."""
+    """A process without torch on a machine with no GPU device node is described as its CPU (and
+    measures on 'cpu'), torch neither loaded nor its threads invented; once torch is loaded, or
+    where a GPU node exists (here a stand-in file), torch describes the device as before."""
     node = tmp_path / "nvidiactl"
     if gpu_node:
         node.touch()
     out = subprocess.run([sys.executable, "-c", _DEVICE, str(node)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)
-    assert d["torch_loaded"] is gpu_node
+    assert d["torch_loaded"] is gpu_node and d["name"] == "cpu"
     assert d["first"]["type"] == "cpu" and d["first"]["name"] == d["first"]["cpu"]
     assert d["first"]["threads"] == (d["threads"] if gpu_node else None)
     assert d["then"]["threads"] == d["threads"] and d["then"]["type"] == "cpu"
