@@ -100,8 +100,8 @@ name = hardware.local_device_name()
 first = provenance.device_info()
 torch_loaded = "torch" in sys.modules
 import torch
-print(json.dumps({"first": first, "name": name, "torch_loaded": torch_loaded, "then": provenance.device_info(),
-                  "threads": torch.get_num_threads()}))
+print(json.dumps({"first": first, "name": name, "torch_loaded": torch_loaded,
+                  "then": provenance.device_info(), "threads": torch.get_num_threads()}))
 """
 
 
@@ -113,7 +113,8 @@ def test_device_info_loads_torch_only_where_it_can_say_more(tmp_path, gpu_node):
     node = tmp_path / "nvidiactl"
     if gpu_node:
         node.touch()
-    out = subprocess.run([sys.executable, "-c", _DEVICE, str(node)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _DEVICE, str(node)], capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     d = json.loads(out.stdout)
     assert d["torch_loaded"] is gpu_node and d["name"] == "cpu"

@@ -226,11 +226,13 @@ from archsearch.arch import ArchSpec
 from archsearch.hf import without_sklearn
 from archsearch.trainers.loop import build_model
 
-build_model(ArchSpec(n_layers=1, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=128, vocab_size=128))
+build_model(ArchSpec(n_layers=1, hidden_size=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn=128,
+                     vocab_size=128))
 from transformers.generation import candidate_generator
 loaded_first = "sklearn" in sys.modules
 import sklearn
-print(json.dumps({"sklearn_at_build": loaded_first, "assisted_calibration": candidate_generator.is_sklearn_available(),
+print(json.dumps({"sklearn_at_build": loaded_first,
+                  "assisted_calibration": candidate_generator.is_sklearn_available(),
                   "again": without_sklearn()}))
 """
 
@@ -242,5 +244,5 @@ def test_a_model_loads_without_scikit_learn():
     pytest.importorskip("transformers")
     out = subprocess.run([sys.executable, "-c", _NO_SKLEARN], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == {"sklearn_at_build": False, "assisted_calibration": False,
-                                                        "again": False}
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got == {"sklearn_at_build": False, "assisted_calibration": False, "again": False}

@@ -728,7 +728,8 @@ def test_a_killed_workers_trial_is_taken_over_within_30_s_and_measured(tmp_path)
             opening of the study instead: the same recovery by another path, not the one drilled)."""
             assert survivor.poll() is None and victim.poll() is None, (logs[0].read_text(), logs[1].read_text())
             trials = _trials(db).items()
-            mine = [n for n, t in trials if t["state"] == "RUNNING" and t.get("worker", {}).get("pid") == victim.pid]
+            mine = [n for n, t in trials
+                    if t["state"] == "RUNNING" and t.get("worker", {}).get("pid") == victim.pid]
             watching = any(t.get("worker", {}).get("pid") == survivor.pid for _, t in trials)
             engines = [k for k in psutil.Process(victim.pid).children()
                        if "archsearch.benchmarks.isolate" in " ".join(k.cmdline())]

@@ -24,8 +24,8 @@ from archsearch.configio import normalised_engine_args
 from archsearch.errors import ArchsearchError, MissingDependencyError
 from archsearch.evaluation.models import ResolvedModel, check_device, default_device, resolve_model
 from archsearch.evaluation.suites import TASKS_DIR, check_task_names, expand_tasks, lm_eval_task_index, needs_hub
-from archsearch.hf import without_sklearn
 from archsearch.fileio import write_json
+from archsearch.hf import without_sklearn
 from archsearch.provenance import provenance
 
 BACKENDS = ("hf", "vllm")

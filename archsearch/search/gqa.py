@@ -156,7 +156,8 @@ def compare_losses(ref: dict[tuple[int, int], float], var: dict[tuple[int, int],
     if noise is not None:
         sd, source, q = noise, "gqa_search.loss_noise", float(ndtri(level))
     elif n >= 2:
-        sd, source, q = statistics.stdev(d), f"spread of the {n} paired differences", float(stdtrit(n - 1, level))
+        sd, source = statistics.stdev(d), f"spread of the {n} paired differences"
+        q = float(stdtrit(n - 1, level))
     else:
         sd, source, q = None, "unknown (one paired run): the slack alone", 0.0
     margin = q * sd / math.sqrt(n) if sd is not None else 0.0
