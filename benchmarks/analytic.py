@@ -26,7 +26,7 @@ from typing import Any
 
 from archsearch.arch import (ArchSpec, dtype_bytes, inference_flops_per_token,
                              kv_cache_bytes_per_token, max_batch_by_kv, prefill_flops, weight_bytes)
-from archsearch.hardware import Device, detect_gpu_name, get_device
+from archsearch.hardware import Device, get_device, local_device_name
 from archsearch.benchmarks.base import Backend, BatchResult, Report, resolve_dtype
 from archsearch.benchmarks.calibration import Calibration, decode_on_cuda_cores
 
@@ -34,14 +34,8 @@ MEMORY_FRACTION = 0.9
 
 
 def default_device_name() -> str:
-    """The local GPU's table entry, or ``cpu`` (measured) when there is no GPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        name = detect_gpu_name(torch.cuda.get_device_name(0))
-        if name:
-            return name
-    return "cpu"
+    """The local GPU's table entry, or ``cpu`` (measured) when there is no GPU or it is not in the table."""
+    return local_device_name() or "cpu"
 
 
 def weights_read_per_step(spec: ArchSpec, dtype: str) -> float:

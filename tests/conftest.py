@@ -141,7 +141,6 @@ def _figures_as_marked(request, monkeypatch):
     as a user's run does; every other builds them unrendered (ARCHSEARCH_FIGURES, above)."""
     if "rendered_figures" in request.keywords:
         monkeypatch.setenv("ARCHSEARCH_FIGURES", "rendered")
-    yield
 
 
 @pytest.fixture(autouse=True)
