@@ -100,7 +100,12 @@ def test_shipped_calibration_states_its_source_and_reproduces_its_fit(path):
 
 
 def test_shipped_h200_vllm_held_out_errors_recomputed():
-    """The stated leave-one-shape-out and leave-one-batch-out errors come back from the table."""
+    """The stated leave-one-shape-out and leave-one-batch-out errors come back from the table, to 0.3
+    points. A fit without batch 128 is ill-conditioned (its Jacobian's condition ~1e9): the smaller
+    batches are memory-bound under ``max``, so they do not tell H200's compute efficiency, which batch 128
+    needs; where the fit stops along that direction moves with the CPU's rounding. Seen: 2.60% stated
+    (fitted on another machine), 2.66% refitted on an AMD EPYC; starts 1e-6 apart move it by up to 0.15
+    points. The fits on the whole table, the shipped coefficients, agree to 1e-5 between the two."""
     from archsearch.benchmarks.calibration import Calibration
     from archsearch.benchmarks.calibration_fit import held_out_errors, model_variants, read_throughput_table, shape_key, table_devices
 
@@ -110,7 +115,7 @@ def test_shipped_h200_vllm_held_out_errors_recomputed():
     v = next(v for v in model_variants(pts, devices) if v.name == cal.fit["variant"])
     for held, key in (("leave_one_shape_out", shape_key), ("leave_one_batch_out", lambda p: p.batch)):
         rows = [r for r in held_out_errors(pts, v, devices, key)["rows"] if (r["device"], r["engine"]) == ("H200", "vllm")]
-        assert sum(r["error"] for r in rows) / len(rows) == pytest.approx(cal.fit[held]["mape"], rel=1e-3)
+        assert sum(r["error"] for r in rows) / len(rows) == pytest.approx(cal.fit[held]["mape"], abs=0.003)
 
 
 def test_calibrated_kv_reduction_is_smaller_than_the_roofline_says():
