@@ -113,7 +113,8 @@ _PAR_VAR = {"g": 2, "h": 3, "aTP": 2, "aPP": 3}  # column of X whose variation i
 # curvature): below 1e-4 on 24-48 runs (checked: g, h the same to 4 digits with and without). Where they do
 # not (a flat valley of equally good fits), it alone decides, so every start and every machine ends at one
 # point: without it the point a start stopped at in the valley moved with the CPU's floating-point rounding
-# (seen: g, h = 0.67, 0.87 on one CPU, other values on another, a held-out R^2 of 0.88 on one, 0.9+ on the other).
+# (seen: g, h = 0.67, 0.87 on one CPU, other values on another; a held-out R^2 of 0.88 on one, 0.9+ on the
+# other).
 PRIOR_WEIGHT = 1e-2
 # tolerances that reach the prior's minimum along a flat valley (scipy's defaults, 1e-8, stop on the
 # data's cost alone, wherever the valley was entered): the best of the starts is polished with them
@@ -199,7 +200,8 @@ def _fit_form(form: str, X: np.ndarray, logT: np.ndarray, starts: int = 8,
     pulled = ~np.isnan(ideal)
 
     def resid(v: np.ndarray) -> np.ndarray:
-        return np.concatenate([_log_time(form, unpack(v), X) - logT, PRIOR_WEIGHT * (v[pulled] - ideal[pulled])])
+        prior = PRIOR_WEIGHT * (v[pulled] - ideal[pulled])
+        return np.concatenate([_log_time(form, unpack(v), X) - logT, prior])
 
     rng = np.random.default_rng(seed)
     lo, hi = np.array(bounds).T
