@@ -21,7 +21,9 @@ log D, log TP, log PP, log n_layers, log d_model). The form (with or without the
 model) is chosen by cross-validated mean absolute error in seconds (leave-one-out up to 8
 runs, 8 folds beyond); R^2 is reported beside it.
 A parallelism parameter is only identified when the runs vary TP (PP); otherwise it is fixed at
-ideal scaling (g = 1, aTP = 1) and the law says so.
+ideal scaling (g = 1, aTP = 1) and the law says so. Where TP and PP only ever vary together, a weak
+prior at ideal scaling picks one of the equally good fits (``PRIOR_WEIGHT``) and the law says which
+parameters the runs could not tell apart.
 
 The runs the law is fit to are collected as the source paper's *scaling-law smart tuning*:
 short runs of small models on few tokens, timed, fitted, and the law extrapolated to the full
