@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -59,9 +60,18 @@ def _has_cuda() -> bool:
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="the full suite: also the tests marked slow (servers, drills, end-to-end studies)")
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each test file's seconds into tests/durations.json (the files run; the others kept)")
+
+
+_CONFIG = None
 
 
 def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
+    if config.getoption("--record-durations"):
+        config._durations = {}
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:  # this worker's own temporary folder, for itself and every process it starts
         tmp = tempfile.mkdtemp(prefix=f"{worker}-")  # short: vLLM's socket paths inside it hold 107 bytes
@@ -119,13 +129,45 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_vllm)
 
 
+# Each test file's seconds in a full run on 2 cores (setup, call and teardown of its tests, summed), to
+# hand the longest files out first: `pytest --full -n 3 --record-durations` rewrites the files it ran.
+DURATIONS = Path(__file__).with_name("durations.json")
+# a file the record lacks (a new one) is estimated: a slow test ~30 s, any other ~0.2 s
+UNRECORDED_S = {"slow": 30.0, "other": 0.2}
+
+
 def _group_for_workers(items) -> None:
-    """The files with the most slow tests go first (xdist hands the files out in collection
-    order), so that the long ones start together instead of ending the run on one worker."""
-    slow = {}
+    """The longest files first, as recorded in :data:`DURATIONS` (xdist hands the files out in
+    collection order: ``--no-loadscope-reorder`` in addopts, or it would hand out the files with the
+    most tests first), so that the long ones start together instead of ending the run on one worker."""
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    guess: dict[Path, float] = {}
     for item in items:
-        slow[item.path] = slow.get(item.path, 0) + ("slow" in item.keywords)
-    items.sort(key=lambda item: -slow[item.path])  # stable: a file's own order holds
+        guess[item.path] = guess.get(item.path, 0.0) + UNRECORDED_S["slow" if "slow" in item.keywords else "other"]
+    seconds = {path: known.get(path.relative_to(REPO).as_posix(), guess[path]) for path in guess}
+    items.sort(key=lambda item: -seconds[item.path])  # stable: a file's own order holds
+
+
+def pytest_runtest_logreport(report):
+    """With --record-durations (on the controller, or in a run without -n): each file's seconds."""
+    record = getattr(_CONFIG, "_durations", None)
+    if record is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+        file = report.nodeid.split("::")[0]
+        record[file] = record.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    record = getattr(session.config, "_durations", None)
+    if record and not os.environ.get("PYTEST_XDIST_WORKER"):
+        try:
+            old = json.loads(DURATIONS.read_text())
+        except (OSError, ValueError):
+            old = {}
+        old.update({f: round(s, 1) for f, s in record.items()})
+        DURATIONS.write_text(json.dumps(dict(sorted(old.items())), indent=1) + "\n")
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ def test_tiny_study_end_to_end(tmp_path):
     cfg = {
         "name": "tiny-e2e",
         "params": 8.0e4,
-        "tokens": 8.0e4,
+        "tokens": 2.0e4,  # the proxies' own D (best-observed reference): N x 0.25 tokens per parameter
         "n_layers": 2,
         "vocab_size": 512,
         "baseline": {"hidden_over_sqrt_n": 0.18, "mlp_to_attn": 3.0, "gqa": 2},
@@ -31,7 +31,7 @@ def test_tiny_study_end_to_end(tmp_path):
             "name": "tiny-proxies", "params": [8.0e4], "n_layers": 2,
             "hidden_over_sqrt_n": [0.1, 0.18, 0.3], "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,
             "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2},
-            "train": {"tokens_per_param": 1.0, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 4},
+            "train": {"tokens_per_param": 0.25, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2},
             "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}},
         "law": {"form": "conditional-multiplicative", "fit": {"reference": "best-observed", "bootstrap": 20},
                 "size_tolerance": 0.2},
