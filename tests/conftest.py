@@ -61,18 +61,14 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="the full suite: also the tests marked slow (servers, drills, end-to-end studies)")
     parser.addoption("--record-durations", action="store_true",
-                     help="write each test file's seconds into tests/durations.json (the files run; the others kept)")
-
-
-_CONFIG = None
+                     help="write each test file's seconds into tests/durations.json (the files run; "
+                          "the others kept)")
 
 
 def pytest_configure(config):
-    global _CONFIG
-    _CONFIG = config
-    if config.getoption("--record-durations"):
-        config._durations = {}
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if config.getoption("--record-durations") and not worker:  # the controller sees every test's report
+        config.pluginmanager.register(_DurationRecorder(), "archsearch-durations")
     if worker:  # this worker's own temporary folder, for itself and every process it starts
         tmp = tempfile.mkdtemp(prefix=f"{worker}-")  # short: vLLM's socket paths inside it hold 107 bytes
         os.chmod(tmp, 0o1777)  # as /tmp: the PostgreSQL test's server runs as another user
@@ -146,28 +142,38 @@ def _group_for_workers(items) -> None:
         known = {}
     guess: dict[Path, float] = {}
     for item in items:
-        guess[item.path] = guess.get(item.path, 0.0) + UNRECORDED_S["slow" if "slow" in item.keywords else "other"]
-    seconds = {path: known.get(path.relative_to(REPO).as_posix(), guess[path]) for path in guess}
+        kind = "slow" if "slow" in item.keywords else "other"
+        guess[item.path] = guess.get(item.path, 0.0) + UNRECORDED_S[kind]
+    seconds = {path: known.get(_rel(path), guess[path]) for path in guess}
     items.sort(key=lambda item: -seconds[item.path])  # stable: a file's own order holds
 
 
-def pytest_runtest_logreport(report):
-    """With --record-durations (on the controller, or in a run without -n): each file's seconds."""
-    record = getattr(_CONFIG, "_durations", None)
-    if record is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+def _rel(path: Path) -> str:
+    """A test file as a report's node id names it (relative to the repository)."""
+    try:
+        return path.relative_to(REPO).as_posix()
+    except ValueError:
+        return str(path)
+
+
+class _DurationRecorder:
+    """--record-durations: each file's seconds (its tests' setup, call and teardown), merged into
+    :data:`DURATIONS` at the end (the files this run did not run keep their seconds)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
         file = report.nodeid.split("::")[0]
-        record[file] = record.get(file, 0.0) + report.duration
+        self.seconds[file] = self.seconds.get(file, 0.0) + report.duration
 
-
-def pytest_sessionfinish(session, exitstatus):
-    record = getattr(session.config, "_durations", None)
-    if record and not os.environ.get("PYTEST_XDIST_WORKER"):
+    def pytest_sessionfinish(self, session, exitstatus):
         try:
-            old = json.loads(DURATIONS.read_text())
+            known = json.loads(DURATIONS.read_text())
         except (OSError, ValueError):
-            old = {}
-        old.update({f: round(s, 1) for f, s in record.items()})
-        DURATIONS.write_text(json.dumps(dict(sorted(old.items())), indent=1) + "\n")
+            known = {}
+        known.update({f: round(s, 1) for f, s in self.seconds.items()})
+        DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
 
 
 @contextlib.contextmanager
