@@ -137,7 +137,7 @@ def _unidentified(names: list[str], jac: np.ndarray) -> list[str]:
         parallel = [n for n in who if n in _IDEAL]
         how = ("vary TP and PP apart (some runs with TP > 1 and PP = 1, others the other way round)"
                if parallel else "vary N and D over a wider range")
-        taken = (f"; the fit takes {', '.join(f'{n}' for n in parallel)} nearest ideal scaling (1) among "
+        taken = (f"; the fit takes {', '.join(parallel)} nearest ideal scaling (1) among "
                  "the equally good values" if parallel else "")
         notes.append(f"{' and '.join(who)} not separately identified by these runs{taken}: {how}")
     return notes
