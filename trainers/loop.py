@@ -284,8 +284,8 @@ def build_model(spec: ArchSpec, attn_implementation: str = "sdpa"):
 
 def _load_pretrained(model, folder: str) -> None:
     """Copy a Hugging Face folder's weights into ``model`` (built from the same spec): every
-    tensor must be there with its shape, or this is an error, not a partial load."""
-    without_sklearn()
+    tensor must be there with its shape, or this is an error, not a partial load. (``model`` came from
+    :func:`build_model`, which has already set transformers' scikit-learn switch.)"""
     from transformers import AutoModelForCausalLM
 
     src = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
