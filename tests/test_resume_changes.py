@@ -209,6 +209,10 @@ def test_a_proxy_grid_that_grew_keeps_its_runs_other_proxy_changes_set_them_asid
     plan = plan_resume(relearnt, out, state, every, applies, default_storage=True)
     assert plan.stale == {"proxy": ["proxy.sweep.train.lr (0.001 -> 0.003)"]} and not plan.keep
     assert plan_resume(cfg, out, state, every, applies, default_storage=True).stale == {}
+    # compiling the step changes how the runs are executed, not what they compute: nothing is redone
+    compiled = load(_rewrite(raw, proxy={"sweep": {**sweep, "train": {**sweep["train"], "compile": True}}}))
+    assert compiled.proxy.sweep.train.compile is True
+    assert plan_resume(compiled, out, state, every, applies, default_storage=True).stale == {}
 
 
 def test_the_measured_dtype_is_read_from_this_studys_settings_only(tmp_path):
@@ -308,6 +312,8 @@ CHANGES_NO_RESULT = {
     "out": "the folder itself",
     "final_train.train.log_with": "where metrics are also sent",
     "final_train.train.cpu_threads": "threads of the same computation",
+    "final_train.train.compile": "a compiled step computes the eager one's (settings.EXECUTION_ONLY)",
+    "proxy.sweep.train.compile": "a compiled step computes the eager one's (settings.EXECUTION_ONLY)",
     "proxy.active.": "read only by the active plan (proxy.plan: active): in the proxy stage's inputs there",
 }
 

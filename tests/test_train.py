@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -498,6 +499,53 @@ def test_launch_uses_the_user_s_accelerate_config(tmp_path, monkeypatch, capsys)
     cap = capsys.readouterr()
     assert cap.out.startswith("accelerate launch -m archsearch train ") and "--config_file" not in cap.out
     assert f"using your accelerate config {mine}" in cap.err and not (out / "accelerate_config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_a_compiled_run_computes_the_eager_run_and_resumes_either_way(done_run, tmp_path):
+    """train.compile: the model is compiled in place (torch.compile, inductor, on the CPU here as on a
+    GPU), so its steps are the eager run's to float rounding; its weights keep their names (the saved
+    model loads as any other); a checkpoint it wrote resumes without compile, the same run (compile is
+    not part of a run's identity); the first step, which pays the compile, is timed apart."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from archsearch.trainers import train
+
+    tc = TRAIN.replace(tokens=12 * 16 * 64, checkpoint_interval=6, log_interval=1)
+    eager = train(SPEC, tc, DATA, tmp_path / "eager", progress=False)
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    rec = train(SPEC, tc.replace(compile=True), DATA, tmp_path / "compiled", progress=False)
+    assert torch._dynamo.utils.counters["frames"]["ok"] > frames, "nothing was compiled"
+    assert rec["status"] == "ok" and rec["compiled"] is True and eager["compiled"] is False
+    losses = [[r["loss"] for r in map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines())
+               if "loss" in r] for n in ("eager", "compiled")]
+    assert len(losses[0]) == 12 and losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert rec["final_eval_loss"] == pytest.approx(eager["final_eval_loss"], rel=1e-3)
+    assert rec["first_step_s"] > 0 and rec["steady_tokens_per_s"] > 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "compiled" / "model")
+    assert not any("_orig_mod" in k for k in model.state_dict())
+    # the compiled run's checkpoint at step 6, resumed eagerly: accepted, and the same run
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "compiled", half)
+    state = json.loads((half / "run.json").read_text())
+    (half / "run.json").write_text(json.dumps({**state, "status": "running"}))
+    shutil.rmtree(half / "model")
+    again = train(SPEC, tc, DATA, half, progress=False)
+    assert again["resumed_from_step"] == 6 and again["compiled"] is False
+    assert again["final_eval_loss"] == pytest.approx(eager["final_eval_loss"], rel=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_run_in_bf16(tmp_path):
+    """The compiled step on a GPU (bf16 autocast, fused AdamW), against the eager one."""
+    from archsearch.trainers import train
+
+    tc = TRAIN.replace(checkpoint_interval=None)
+    eager = train(SPEC, tc, DATA, tmp_path / "eager", progress=False)
+    rec = train(SPEC, tc.replace(compile=True), DATA, tmp_path / "compiled", progress=False)
+    assert rec["status"] == "ok" and rec["dtype"] == "bfloat16" and rec["compiled"] is True
+    assert rec["final_eval_loss"] == pytest.approx(eager["final_eval_loss"], abs=0.05)
 
 
 @pytest.mark.gpu

@@ -156,7 +156,12 @@ class TrainConfig:
     ``cpu_threads`` None: one thread for models up to 256 wide (their matmuls are too small for
     intra-op threads to pay, and on a shared machine spinning threads collapse throughput
     ten-fold), torch's default otherwise. ``attn_implementation`` auto: flash_attention_2 where flash-attn and a GPU are present,
-    else sdpa. A run stops as failed when the loss is not finite or when the smoothed loss
+    else sdpa. ``compile``: compile the model's forward and backward with ``torch.compile``
+    (inductor) before the first step: on a GPU a step then costs the kernels' time rather than
+    Python's (docs/training.md, "Compiled steps"); the first step of each session pays the compile,
+    and the run records its seconds (``first_step_s``) and the rate without it (``steady_tokens_per_s``).
+    It changes how a run is executed, not what it computes, so it is not part of a run's identity.
+    A run stops as failed when the loss is not finite or when the smoothed loss
     exceeds ``divergence_factor`` x its best value after warm-up.
     """
 
@@ -178,6 +183,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"
     attn_implementation: str = "auto"
+    compile: bool = False
     hparams: str | None = None
     cpu_threads: int | None = None
     divergence_factor: float = 3.0
@@ -257,6 +263,8 @@ class TrainConfig:
         if self.attn_implementation not in ("auto", "sdpa", "eager", "flash_attention_2"):
             raise ArchsearchError("train.attn_implementation", f"{self.attn_implementation!r} is unknown",
                                   "use auto, sdpa, eager or flash_attention_2")
+        if not isinstance(self.compile, bool):
+            raise ArchsearchError("train.compile", f"must be true or false, got {self.compile!r}")
         if not self.divergence_factor > 1:
             raise ArchsearchError("train.divergence_factor", f"must be > 1, got {self.divergence_factor}")
         if not 0 <= self.smoothing < 1:

@@ -58,7 +58,7 @@ def train_proxy(spec, tc, data_cfg, run_dir: str, gpus: int) -> None:
 
 # fields that change how a run is executed or logged, not what it computes
 _NOT_DETERMINING = {"train": {"log_interval", "checkpoint_interval", "keep_checkpoints", "cpu_threads",
-                              "eval_interval"},
+                              "eval_interval", "compile"},
                     "data": {"cache_dir", "max_epochs"}}
 
 

@@ -564,6 +564,8 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
          {"params": no_decay, "weight_decay": 0.0}],
         lr=train_cfg.lr, betas=train_cfg.betas, fused=cuda or None)
     lr_factor = lr_schedule(optimizer, steps, plan["warmup_steps"], train_cfg.min_lr_ratio)
+    if train_cfg.compile:  # in place (Module.compile): parameter names, checkpoints and saved weights stay as they are
+        model.compile()
     model, optimizer = accelerator.prepare(model, optimizer)
 
     state: dict[str, Any] = {"step": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "ema": None,
@@ -590,7 +592,8 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         "steps": steps, "global_batch_size": gbs, "micro_batch_size": mbs,
         "grad_accum": accum, "seq_len": seq_len, "warmup_steps": plan["warmup_steps"],
         "epochs": plan["epochs"], "seed": train_cfg.seed, "dtype": precision,
-        "attn_implementation": attn, "cpu_threads": threads, "device": device_name, "n_devices": n_proc,
+        "attn_implementation": attn, "compiled": train_cfg.compile, "cpu_threads": threads,
+        "device": device_name, "n_devices": n_proc,
         "distributed": str(accelerator.distributed_type), "flops_per_token": flops_tok,
         "peak_flops_per_device": peak, "peak_source": peak_source,
         "train_config": to_dict(train_cfg), "data_config": to_dict(data_cfg),
@@ -625,6 +628,7 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
     rank = accelerator.process_index
     failure = None
     window_t, window_tok = time.perf_counter(), 0
+    session_s, session_steps, first_step_s = 0.0, 0, None  # this session's steps: the first pays a compile
     model.train()
     try:
         for step in range(state["step"], steps):
@@ -651,6 +655,9 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
             dt = time.perf_counter() - t0
             state["train_time_s"] += dt
             state["step"] = step + 1
+            session_s, session_steps = session_s + dt, session_steps + 1
+            if first_step_s is None:
+                first_step_s = dt
             if not math.isfinite(loss_v):
                 failure = f"non-finite training loss ({loss_v}) at step {step + 1}"
                 break
@@ -696,6 +703,10 @@ def _train(spec: ArchSpec, train_cfg: TrainConfig, data_cfg: DataConfig, out_dir
         "smoothed_train_loss": (state["ema"] / state["ema_weight"]) if state["ema"] is not None else None,
         "train_time_s": state["train_time_s"],
         "tokens_per_s": tps,
+        # this session's rate without its first step (the compile, the allocator's warm-up), and that step's seconds
+        "first_step_s": first_step_s,
+        "steady_tokens_per_s": ((session_steps - 1) * gbs * seq_len / (session_s - first_step_s)
+                                if session_steps > 1 and session_s > first_step_s else None),
         "mfu": (tps * flops_tok / (peak * n_proc)) if tps and math.isfinite(peak) else None,
         "eval_history": state["evals"],
     })

@@ -59,6 +59,8 @@ def register(sub) -> None:
     b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     b.add_argument("--attn-implementation", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     b.add_argument("--cpu-threads", type=pos_int)
+    b.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the model before the first step (GPU: steps at the kernels' speed)")
     ft = p.add_argument_group("fine-tuning (LoRA with peft)")
     ft.add_argument("--init-from", metavar="DIR", help="start from this Hugging Face folder's weights "
                                                         "(its config is the architecture unless one is given)")

@@ -37,7 +37,7 @@ from archsearch.errors import ArchsearchError
 from archsearch.fileio import read_json_tolerant, write_json
 from archsearch.search.config import StudyConfig, renamed_values
 from archsearch.search.measurements import key_settings, resolve_backend
-from archsearch.search.settings import flat
+from archsearch.search.settings import flat, without_execution_only
 from archsearch.search.stages import fingerprinted
 
 INPUTS_FILE = "stage_inputs.json"
@@ -53,7 +53,7 @@ def stage_inputs(cfg: StudyConfig, measure_key=key_settings, backend: str | None
     except ArchsearchError:  # the engine is not installed here: the search stage says so when it runs
         backend = cfg.measure.bench.backend
     keyed = flat(to_dict(measure_key(cfg.measure, backend)), "")
-    return {st.name: st.settings(cfg, keyed) for st in fingerprinted()}
+    return {st.name: without_execution_only(st.settings(cfg, keyed)) for st in fingerprinted()}
 
 
 def fingerprints(cfg: StudyConfig, applies: dict[str, bool], inputs: dict[str, dict[str, Any]] | None = None) \

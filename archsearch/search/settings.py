@@ -6,6 +6,7 @@ fingerprints them."""
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ def named_file(name: str, path: str | Path) -> dict[str, Any]:
     """A setting that names a file, as a stage's settings hold it: the name, and the file's content
     (``file_hash``), so that an edited file redoes the stage as a changed name does."""
     return {name: path, f"{name} (content)": file_hash(path)}
+
+
+# settings that change how a stage's work is executed, never what it computes: left out of every
+# stage's fingerprint, so that turning one on or off keeps the stages done (train.compile: a compiled
+# step computes the step the eager one does; docs/training.md, "Compiled steps")
+EXECUTION_ONLY = re.compile(r"(^|\.)train\.compile$")
+
+
+def without_execution_only(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` (flat, dotted) less those :data:`EXECUTION_ONLY` names."""
+    return {k: v for k, v in settings.items() if not EXECUTION_ONLY.search(k)}
 
 
 def pick(d: dict[str, Any], *names: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
