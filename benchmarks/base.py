@@ -113,6 +113,7 @@ class BenchSettings(PlainData):
             raise ArchsearchError("engine_args", "must be a dict of engine keyword arguments")
         # keys in one spelling before the check (as lm-eval's model_args: archsearch eval)
         self.engine_args = normalised_engine_args("engine_args", self.engine_args)
+        backend_class(self.backend).check_settings(self)
 
 
 def resolve_dtype(dtype: str, on_gpu: bool) -> str:
@@ -314,6 +315,12 @@ class Backend(ABC):
 
     def check_available(self) -> None:
         """Raise MissingDependencyError if this backend cannot run here."""
+
+    @classmethod
+    def check_settings(cls, settings: BenchSettings) -> None:
+        """Raise ArchsearchError naming the field where ``settings`` (its ``engine_args`` in
+        their one spelling) cannot be measured by this backend; called by :class:`BenchSettings`,
+        so bad input fails before any engine starts. Imports no engine."""
 
     @abstractmethod
     def run(self, job: dict[str, Any], report: Report) -> dict[str, Any]:
