@@ -85,7 +85,7 @@ def test_serving_ratios_divide_by_the_baseline_at_each_batch_and_compare_with_th
                 "per_batch": [{"batch_size": b, "ok": True, "output_throughput": v} for b, v in tps.items()]}
 
     lines = [rec("analytic", "base", {1: 100.0, 64: 1000.0}), rec("analytic", "wide", {1: 110.0, 64: 1500.0}),
-             rec("hf", "base", {1: 50.0, 64: 400.0}), rec("hf", "wide", {1: 60.0, 64: 500.0}),
+             rec("hf", "base", {1: 50.0, 64: 400.0}), rec("hf", "wide", {64: 500.0}), rec("hf", "wide", {1: 60.0}),
              {"backend": "hf", "architecture": {"name": "failed"},
               "per_batch": [{"batch_size": 1, "ok": False, "output_throughput": None}]}]
     rows = ratios(throughputs(lines), "base")

@@ -468,7 +468,10 @@ def eval_loss(accelerator, model, data, n_seqs: int, mbs: int) -> float:
     per = n_seqs // world  # n_seqs is a multiple of world (see _plan)
     total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     model.eval()
-    with torch.no_grad():
+    # eager where the model is compiled (train.compile): a few held-out batches (the last one shorter)
+    # would each cost a compile of their own graph (eval mode, no grad) and gain nothing from it
+    stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    with torch.no_grad(), (stance("force_eager") if stance else contextlib.nullcontext()):
         for i in range(rank * per, (rank + 1) * per, mbs):
             n = min(mbs, (rank + 1) * per - i)
             x = torch.from_numpy(data.val_batch(i, n)).to(accelerator.device)

@@ -22,8 +22,9 @@
 #   serving    the transformers backend, static KV cache + compiled decode step, on LLaMA-3.2-1B's
 #              shape, the 1B rehearsal's answer and Surefire-1B's (random weights; a shape named twice
 #              is measured once: the rehearsal's answer is Surefire-1B's shape), 4096 in / OUT_LEN
-#              (default 512) out, batches 1 and 64, beside the analytic predictor; then the ratios to
-#              LLaMA, measured against predicted                       -> OUT/serving.jsonl, OUT/ratios.json
+#              (default 512) out, batches 64 then 1 (an engine process each, every shape at a batch
+#              size before the next), beside the analytic predictor; then the ratios to LLaMA, measured
+#              against predicted                                       -> OUT/serving.jsonl, OUT/ratios.json
 # Everything printed also goes to OUT/log.txt. At most 8 files come back from the device: these 7.
 set -uo pipefail
 OUT=${1:?usage: gpu_checks.sh OUT [--tiny] [env] [gpu-tests] [train] [study] [serving]}
@@ -41,7 +42,6 @@ BUDGET=${BUDGET:-470}
 START=$SECONDS
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor  # one compile cache for the run's steps
 
 # the carried wheels (a machine without them has the packages: a developer's venv, a user's GPU box)
 if compgen -G ".whl/*.whl" >/dev/null && [ "$TINY" = 0 ]; then
@@ -81,12 +81,14 @@ if [ "$TINY" = 1 ]; then
   TRAIN=(--layers 2 --hidden 64 --head-dim 32 --seq-len 64 --batch 4 --steps 4 --vocab 512)
   SHAPES=("--layers 2 --hidden-size 64 --heads 2 --kv-heads 1 --head-dim 32 --ffn 128 --vocab-size 512"
           "--layers 1 --hidden-size 64 --heads 4 --kv-heads 1 --head-dim 32 --ffn 96 --vocab-size 512")
-  SERVE=(--input-len 16 --output-len 4 --batch-sizes 1 --engine-arg torch_threads=1)
+  SERVE=(--input-len 16 --output-len 4 --engine-arg torch_threads=1)
+  BATCHES=(1)
   STUDY=(--dry-run)
 else
   TRAIN=(--layers 12 --hidden 768 --head-dim 64 --seq-len 1024 --batch 64 --steps 120 --vocab 8192)
   SHAPES=("--preset llama-3.2-1b" "--arch results/examples/paper-1b-rehearsal/chosen" "--preset surefire-1b")
-  SERVE=(--input-len 4096 --output-len "${OUT_LEN:-512}" --batch-sizes 1,64)
+  SERVE=(--input-len 4096 --output-len "${OUT_LEN:-512}")
+  BATCHES=(64 1)  # the larger first: there the shapes differ most (KV reads)
   STUDY=()
 fi
 
@@ -96,7 +98,8 @@ for step in $steps; do
       run_step env 30 "$PY" benchmarks/scripts/gpu_env.py "$OUT/versions.json"
       ;;
     gpu-tests)
-      run_step gpu-tests 110 bash -c "set -o pipefail; '$PY' -m pytest -m gpu -rA -q -p no:cacheprovider tests \
+      # three workers (a test file each) share the GPU: the tests' models are tiny
+      run_step gpu-tests 110 bash -c "set -o pipefail; '$PY' -m pytest -m gpu -n 3 -rA -q -p no:cacheprovider tests \
         | tee '$OUT/pytest_gpu.txt'"
       ;;
     train)
@@ -120,16 +123,21 @@ print(*(a[k] for k in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head
         if [ -n "$dup" ]; then echo "=== serving: '$shape' is the shape of '$dup' ($key): measured once"; continue; fi
         distinct+=("$shape") seen+=("$key")
       done
-      # the predictor first (seconds), then each shape measured (its own engine process), appended as it ends
+      # the predictor first (seconds); then one engine process a batch size and shape, appended as it ends,
+      # every shape at one batch size before the next, so that a run cut short still has a ratio
+      all=$(IFS=,; echo "${BATCHES[*]}")
       for shape in "${distinct[@]}"; do
         # shellcheck disable=SC2086
-        "$PY" -m archsearch bench --backend analytic $shape "${SERVE[@]}" --out "$OUT/serving.jsonl" >/dev/null \
-          || status=1
+        "$PY" -m archsearch bench --backend analytic $shape "${SERVE[@]}" --batch-sizes "$all" \
+          --out "$OUT/serving.jsonl" >/dev/null || status=1
       done
-      for shape in "${distinct[@]}"; do
-        # shellcheck disable=SC2086
-        run_step "serving ($shape)" 170 "$PY" -m archsearch bench --backend hf $shape "${SERVE[@]}" \
-          --engine-arg compile=true --warmup 1 --repeats 1 --timeout 600 --out "$OUT/serving.jsonl"
+      for batch in "${BATCHES[@]}"; do
+        for shape in "${distinct[@]}"; do
+          # shellcheck disable=SC2086
+          run_step "serving ($shape, batch $batch)" 120 "$PY" -m archsearch bench --backend hf $shape "${SERVE[@]}" \
+            --batch-sizes "$batch" --engine-arg compile=true --warmup 1 --repeats 1 --timeout 600 \
+            --out "$OUT/serving.jsonl"
+        done
       done
       "$PY" -m archsearch.benchmarks.scripts.serving_ratios "$OUT/serving.jsonl" --out "$OUT/ratios.json" || status=1
       ;;

@@ -31,15 +31,17 @@ def shape_name(arch: dict) -> str | None:
 
 
 def throughputs(lines: list[dict]) -> dict[str, dict[str, dict[int, float]]]:
-    """{backend: {shape name: {batch size: output tokens/s}}}, the batches that ran; a later
-    record of the same backend and shape replaces an earlier one (a rerun)."""
+    """{backend: {shape name: {batch size: output tokens/s}}}, the batches that ran, gathered over
+    the records (one a batch size, or several in one); a later record of the same backend, shape and
+    batch size replaces an earlier one (a rerun)."""
     out: dict[str, dict[str, dict[int, float]]] = defaultdict(dict)
     for rec in lines:
         name = shape_name(rec.get("architecture") or {})
         if not name or not rec.get("backend"):
             continue
-        out[rec["backend"]][name] = {int(b["batch_size"]): float(b["output_throughput"])
-                                     for b in rec.get("per_batch") or [] if b.get("ok") and b.get("output_throughput")}
+        out[rec["backend"]].setdefault(name, {}).update(
+            {int(b["batch_size"]): float(b["output_throughput"])
+             for b in rec.get("per_batch") or [] if b.get("ok") and b.get("output_throughput")})
     return dict(out)
 
 
