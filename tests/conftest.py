@@ -37,6 +37,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Set here, for the whole run and every process it starts (module fixtures' background studies
 # too); the tests that read rendered figures back are marked ``rendered_figures`` (_figures_as_marked).
 os.environ.setdefault("ARCHSEARCH_FIGURES", "unrendered")
+# torch.compile's inductor compiles its kernels in a pool of worker processes, each starting its own
+# torch; on two cores the pool's start costs more than it saves (a 2-layer model's compiled training
+# step: 76 s of CPU with the pool, 67 s without, cold caches). In-process here, for every process the
+# run starts (the compiled training, decode and GPU-check rehearsal tests); a user's machine keeps
+# inductor's default.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 # /dev/shm is one folder for the whole machine, and vLLM engines leave shared-memory segments in it

@@ -502,7 +502,7 @@ def test_launch_uses_the_user_s_accelerate_config(tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.slow
-def test_a_compiled_run_computes_the_eager_run_and_resumes_either_way(done_run, tmp_path):
+def test_a_compiled_run_computes_the_eager_run_and_resumes_either_way(tmp_path):
     """train.compile: the model is compiled in place (torch.compile, inductor, on the CPU here as on a
     GPU), so its steps are the eager run's to float rounding; its weights keep their names (the saved
     model loads as any other); a checkpoint it wrote resumes without compile, the same run (compile is
