@@ -218,8 +218,10 @@ def compile_events() -> Counter[str]:
     return Counter(_COMPILES)
 
 
-def _count_compile(args: Any) -> None:
-    _COMPILES[args.callback_trigger.name] += 1
+def _count_compile(args: Any = None) -> None:
+    # a torch whose callbacks say no trigger (older ones call them without arguments): a compile all the same
+    trigger = getattr(getattr(args, "callback_trigger", None), "name", "COMPILE")
+    _COMPILES[trigger] += 1
 
 
 def check_compiled(model: Any, batch: int, n_new: int, new: Counter[str], warmed: set[int]) -> None:

@@ -78,8 +78,8 @@ run_step() {  # NAME LIMIT CMD...: CMD under min(LIMIT, what is left of BUDGET) 
 }
 
 if [ "$TINY" = 1 ]; then
-  TRAIN=(--layers 2 --hidden 64 --head-dim 32 --seq-len 64 --batch 4 --steps 4 --vocab 512)
-  SHAPES=("--layers 2 --hidden-size 64 --heads 2 --kv-heads 1 --head-dim 32 --ffn 128 --vocab-size 512"
+  TRAIN=(--layers 1 --hidden 64 --head-dim 32 --seq-len 64 --batch 4 --steps 4 --vocab 512)
+  SHAPES=("--layers 1 --hidden-size 64 --heads 2 --kv-heads 1 --head-dim 32 --ffn 128 --vocab-size 512"
           "--layers 1 --hidden-size 64 --heads 4 --kv-heads 1 --head-dim 32 --ffn 96 --vocab-size 512")
   SERVE=(--input-len 16 --output-len 4 --engine-arg torch_threads=1)
   BATCHES=(1)
@@ -95,7 +95,7 @@ fi
 for step in $steps; do
   case $step in
     env)
-      run_step env 30 "$PY" benchmarks/scripts/gpu_env.py "$OUT/versions.json"
+      run_step env 30 "$PY" -m archsearch.benchmarks.scripts.gpu_env "$OUT/versions.json"
       ;;
     gpu-tests)
       # the files that hold gpu tests (collecting the whole suite costs seconds), three workers (a file

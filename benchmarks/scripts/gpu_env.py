@@ -4,7 +4,7 @@ cuDNN as torch sees them, the versions of every package the checks use, the whee
 Written by benchmarks/scripts/gpu_checks.sh's first step; runs on a machine without a GPU too
 (its GPU fields are then null), which is how the CPU rehearsal checks it.
 
-    python benchmarks/scripts/gpu_env.py OUT/versions.json
+    python -m archsearch.benchmarks.scripts.gpu_env OUT/versions.json
 """
 
 from __future__ import annotations
