@@ -11,8 +11,9 @@ fixed for its whole life, which is what distinguishes it from continuous batchin
 
 Decode: eager with transformers' dynamic cache by default. On a GPU that is Python-bound (~60 ms
 a step at every batch size for a 1B model on an H100), so it cannot rank shapes; ``compile: true``
-gives ``generate`` a static KV cache (one a batch size, kept) and a ``CompileConfig`` (fullgraph, static shapes; CUDA
-graphs on a GPU), so transformers compiles the decode step (its prefill stays eager). The same
+gives ``generate`` a static KV cache (one a batch size, kept: :class:`StaticCaches`) and a
+``CompileConfig`` (fullgraph, static shapes; CUDA graphs on a GPU), so transformers compiles the
+decode step (its prefill stays eager). The same
 path runs on a CPU (``_compile_all_devices``). Each batch size compiles once, at its first
 ``generate``, so ``warmup`` must be at least 1 (:meth:`HFBackend.check_settings`); a compile in
 any later call (a dynamo recompile, or on a GPU a CUDA graph re-record) fails the batch

@@ -45,7 +45,7 @@ def test_the_device_command_runs_every_step_here_at_tiny_size(tmp_path):
     assert "=== done in" in log and "stopped at its" not in log
 
     env = json.loads((out / "versions.json").read_text())
-    assert env["packages"]["torch"] and env["provenance"]["versions"]["archsearch"]
+    assert env["provenance"]["versions"]["torch"] and env["provenance"]["versions"]["archsearch"]
     assert "passed" in (out / "pytest_gpu.txt").read_text() or "skipped" in (out / "pytest_gpu.txt").read_text()
 
     train = json.loads((out / "training_speed.jsonl").read_text().splitlines()[-1])

@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench/training_speed.jsonl",
                     help="JSONL file the result line is appended to ('' to skip)")
     args = ap.parse_args()
+    if args.steps < 2:
+        raise SystemExit("--steps: at least 2 (the first step is timed apart: it pays the compile and warm-up)")
 
     import torch
 
@@ -109,8 +111,6 @@ def main() -> None:
     threads = cpu_threads_for(spec, tc)
     if not cuda:
         torch.set_num_threads(threads)
-    if args.steps < 2:
-        raise SystemExit("--steps: at least 2 (the first step is timed apart: it pays the compile and warm-up)")
     ours, plain, first_ours, first_plain = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):

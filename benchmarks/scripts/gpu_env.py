@@ -10,7 +10,6 @@ Written by benchmarks/scripts/gpu_checks.sh's first step; runs on a machine with
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -33,26 +32,16 @@ def nvidia_smi() -> list[dict[str, str]] | None:
 
 
 def main() -> None:
-    import importlib.metadata as md
-
     import torch
 
     from archsearch.provenance import provenance
 
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = md.version(name)
-        except md.PackageNotFoundError:
-            versions[name] = None
     cuda = torch.cuda.is_available()
-    info = {
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
-        "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
-        "cuda_runtime": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "nvidia_smi": nvidia_smi(), "python": platform.python_version(), "packages": versions,
+    info = {  # the GPU's name, CUDA and every package's version are in the provenance (device, versions)
+        "nvidia_smi": nvidia_smi(), "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
         "carried_wheels": sorted(p.name for p in Path(".whl").glob("*.whl")),
-        "provenance": provenance(),
+        "provenance": provenance(extra_packages=PACKAGES),
     }
     text = json.dumps(info, indent=1, default=str)
     if len(sys.argv) > 1:
